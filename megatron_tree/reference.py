@@ -1,0 +1,207 @@
+"""Pure-torch partial attention and the exact merge of partial states.
+
+This module is the CPU path of :func:`megatron_tree.flash_decode` and the oracle every
+kernel and every distributed strategy is tested against. It holds the project's single
+merge formula (DESIGN.md section 1), split into two halves so that the distributed merges
+in ``comm.py`` can put collectives between them:
+
+* :func:`lse_weights` -- ``w_u = exp(lse_u - m)`` with empty shards and an all-empty
+  group neutralised (no NaN), and
+* :func:`normalize` -- ``o = num / den``, ``lse = m + log(den)``.
+
+:func:`merge_states` is those two halves around a local max/sum. Derivation: with
+``lse_u = log sum_{j in u} exp(s_j)`` and ``o_u = sum_{j in u} exp(s_j - lse_u) v_j``,
+``sum_u exp(lse_u) o_u = sum_j exp(s_j) v_j``; dividing numerator and denominator by
+``exp(m)`` keeps every exponent <= 0 (the same rescaling as flash-attention's online
+softmax, ring-flash-attention's ``_update_out_and_lse`` and flashinfer's ``merge_state``).
+
+Everything here accumulates in float32 (or float64 when given float64) and uses natural
+logarithms.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["partial_attention", "merge_states", "lse_weights", "normalize", "check_decode_inputs"]
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def check_decode_inputs(q, k, v, cache_seqlens=None, q_positions=None, k_positions=None) -> None:
+    """Validate the flash-decode contract and raise ``ValueError``/``TypeError`` naming the problem.
+
+    q: (batch, seqlen_q, nheads_q, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim);
+    cache_seqlens: (batch,) int32 in [0, seqlen_k]; q_positions: (batch, seqlen_q) integer;
+    k_positions: (batch, seqlen_k) or (seqlen_k,) integer.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(
+                f"{name} must be 4-D (batch, seqlen, heads, headdim), got shape {tuple(t.shape)}"
+            )
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share one dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(
+            f"q, k, v must be on one device, got q={q.device}, k={k.device}, v={v.device}"
+        )
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got k={tuple(k.shape)}, v={tuple(v.shape)}")
+    b, _, hq, d = q.shape
+    bk, n, hkv, dk = k.shape
+    if bk != b:
+        raise ValueError(f"batch size of k/v ({bk}) differs from q's ({b})")
+    if dk != d:
+        raise ValueError(f"head dim of k/v ({dk}) differs from q's ({d})")
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(
+            f"number of query heads ({hq}) must be a multiple of the number of KV heads ({hkv})"
+        )
+    if cache_seqlens is not None:
+        if not isinstance(cache_seqlens, torch.Tensor):
+            raise TypeError(f"cache_seqlens must be an int32 tensor of shape ({b},), got {type(cache_seqlens).__name__}")
+        if cache_seqlens.dtype != torch.int32:
+            raise TypeError(f"cache_seqlens must be int32, got {cache_seqlens.dtype}")
+        if tuple(cache_seqlens.shape) != (b,):
+            raise ValueError(f"cache_seqlens must have shape ({b},) (one per batch row), got {tuple(cache_seqlens.shape)}")
+        if cache_seqlens.device != q.device:
+            raise ValueError(f"cache_seqlens is on {cache_seqlens.device} but q is on {q.device}")
+        if b and (int(cache_seqlens.min()) < 0 or int(cache_seqlens.max()) > n):
+            raise ValueError(
+                f"cache_seqlens must lie in [0, {n}] (the KV length), got values in "
+                f"[{int(cache_seqlens.min())}, {int(cache_seqlens.max())}]"
+            )
+    if (q_positions is None) != (k_positions is None):
+        raise ValueError("causal masking needs both q_positions and k_positions (or neither)")
+    if q_positions is not None:
+        if q_positions.dtype.is_floating_point or tuple(q_positions.shape) != (b, q.shape[1]):
+            raise ValueError(
+                f"q_positions must be an integer tensor of shape ({b}, {q.shape[1]}), "
+                f"got {q_positions.dtype} {tuple(q_positions.shape)}"
+            )
+        if k_positions.dtype.is_floating_point or tuple(k_positions.shape) not in ((b, n), (n,)):
+            raise ValueError(
+                f"k_positions must be an integer tensor of shape ({b}, {n}) or ({n},), "
+                f"got {k_positions.dtype} {tuple(k_positions.shape)}"
+            )
+
+
+def partial_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    cache_seqlens: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    q_positions: torch.Tensor | None = None,
+    k_positions: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``q`` over one shard of keys/values, returning the partial state.
+
+    q: (batch, seqlen_q, nheads_q, headdim)
+    k, v: (batch, seqlen_k, nheads_kv, headdim), nheads_q % nheads_kv == 0 (GQA/MQA; KV is
+        never repeated: query heads are grouped onto their KV head instead)
+    cache_seqlens: (batch,) int32 -- keys ``[0, cache_seqlens[b])`` of row b are valid
+    q_positions: (batch, seqlen_q), k_positions: (batch, seqlen_k) or (seqlen_k,) -- global
+        token positions; when given, key j is visible to query i iff k_pos[j] <= q_pos[i]
+    returns out: (batch, seqlen_q, nheads_q, headdim) in q.dtype, zero where no key is visible
+            lse: (batch, nheads_q, seqlen_q) float32 (float64 for float64 input), natural log,
+                 -inf where no key is visible
+    """
+    check_decode_inputs(q, k, v, cache_seqlens, q_positions, k_positions)
+    b, sq, hq, d = q.shape
+    n, hkv = k.shape[1], k.shape[2]
+    g = hq // hkv
+    acc = _acc_dtype(q.dtype)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+
+    # (b, hkv, g*sq, d): query heads of one KV group side by side; k as (b, hkv, n, d).
+    qg = q.to(acc).reshape(b, sq, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * sq, d)
+    kt = k.to(acc).permute(0, 2, 1, 3)
+    vt = v.to(acc).permute(0, 2, 1, 3)
+    scores = torch.matmul(qg, kt.transpose(-1, -2)) * scale  # (b, hkv, g*sq, n)
+
+    mask = None
+    if cache_seqlens is not None:
+        mask = torch.arange(n, device=q.device)[None, :] < cache_seqlens[:, None].to(torch.int64)
+        mask = mask[:, None, None, :]  # (b, 1, 1, n)
+    if q_positions is not None:
+        kp = k_positions if k_positions.dim() == 2 else k_positions[None, :].expand(b, n)
+        causal = kp[:, None, :].to(torch.int64) <= q_positions[:, :, None].to(torch.int64)  # (b, sq, n)
+        causal = causal[:, None, None, :, :].expand(b, 1, g, sq, n).reshape(b, 1, g * sq, n)
+        mask = causal if mask is None else mask & causal
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+
+    lse = torch.logsumexp(scores, dim=-1)  # (b, hkv, g*sq); -inf where nothing is visible
+    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    probs = torch.exp(scores - safe[..., None])  # exp(-inf) = 0 on masked keys
+    out = torch.matmul(probs, vt)  # (b, hkv, g*sq, d)
+
+    out = out.reshape(b, hkv, g, sq, d).permute(0, 3, 1, 2, 4).reshape(b, sq, hq, d)
+    lse = lse.reshape(b, hkv, g, sq).reshape(b, hq, sq)
+    return out.to(q.dtype), lse
+
+
+def lse_weights(lse: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """``w = exp(lse - m)``: weight of a partial state relative to the running maximum ``m``.
+
+    lse, m: broadcastable float tensors (natural log). An empty shard (``lse = -inf``) gets
+    weight 0, also when every shard is empty (``m = -inf``), so no NaN is ever produced.
+    """
+    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    return torch.exp(lse - m_safe)
+
+
+def normalize(num: torch.Tensor, den: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Finish a merge: ``o = num / den`` and ``lse = m + log(den)``.
+
+    num: (batch, seqlen_q, nheads_q, headdim) = sum_u w_u * o_u
+    den: (batch, nheads_q, seqlen_q) = sum_u w_u; m: (batch, nheads_q, seqlen_q) = max_u lse_u
+    returns (out, lse) with out = 0 and lse = -inf where den == 0 (no key anywhere).
+    """
+    den_o = den.transpose(1, 2).unsqueeze(-1)  # (b, sq, hq, 1)
+    out = torch.where(den_o > 0, num / torch.where(den_o > 0, den_o, torch.ones_like(den_o)), torch.zeros_like(num))
+    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    lse = torch.where(den > 0, m_safe + torch.log(den), torch.full_like(den, float("-inf")))
+    return out, lse
+
+
+def weighted(out: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``w * o`` with w: (..., batch, nheads_q, seqlen_q) broadcast onto o: (..., batch, seqlen_q, nheads_q, headdim)."""
+    return out * w.transpose(-1, -2).unsqueeze(-1)
+
+
+def merge_states(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge P partial states exactly.
+
+    outs: (P, batch, seqlen_q, nheads_q, headdim); lses: (P, batch, nheads_q, seqlen_q) natural log
+    returns out: (batch, seqlen_q, nheads_q, headdim) in outs.dtype, lse: (batch, nheads_q, seqlen_q)
+    in float32 (float64 for float64 input).
+    """
+    if outs.dim() != 5 or lses.dim() != 4:
+        raise ValueError(
+            f"merge_states expects outs (P, B, Sq, Hq, D) and lses (P, B, Hq, Sq), "
+            f"got {tuple(outs.shape)} and {tuple(lses.shape)}"
+        )
+    p, b, sq, hq, _ = outs.shape
+    if tuple(lses.shape) != (p, b, hq, sq):
+        raise ValueError(f"lses must have shape {(p, b, hq, sq)} to match outs {tuple(outs.shape)}, got {tuple(lses.shape)}")
+    acc = _acc_dtype(outs.dtype)
+    if p == 1:
+        return outs[0], lses[0].to(acc)
+    lses = lses.to(acc)
+    m = lses.max(dim=0).values
+    w = lse_weights(lses, m)
+    num = weighted(outs.to(acc), w).sum(dim=0)
+    out, lse = normalize(num, w.sum(dim=0), m)
+    return out.to(outs.dtype), lse

@@ -1,0 +1,38 @@
+"""megatron_tree: exact, topology-aware context-parallel decoding (Tree Attention)."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron_tree",
+    version="0.1.0",
+    description="Exact, topology-aware context-parallel decoding (Tree Attention) for Megatron-Core and DeepSpeed",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["megatron_tree", "megatron_tree.*"]),
+    package_data={"megatron_tree": ["bench/*.yaml", "configs/*.yaml"]},
+    python_requires=">=3.10",
+    install_requires=[
+        # A range the machine's CPU build (2.13.0) satisfies; launch/setup.sh pins it first,
+        # so pip does not pull a multi-GB CUDA build on CPU machines.
+        "torch>=2.4",
+        "triton>=3.6",
+        "numpy",
+        "deepspeed>=0.19",
+        # patches/ are pinned to 0.16.1, the newest release for Python 3.11.
+        "megatron-core>=0.16.1",
+        "wandb>=0.20",
+        "pyyaml",
+        "safetensors",
+        "tqdm",
+        "matplotlib",
+    ],
+    extras_require={
+        "test": ["pytest", "pytest-xdist", "pytest-timeout", "transformers", "hypothesis"],
+    },
+    entry_points={
+        "console_scripts": [
+            "megatron-tree-eval=megatron_tree.eval:main",
+            "megatron-tree-demo=megatron_tree.demo:main",
+        ],
+    },
+)
