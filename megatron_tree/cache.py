@@ -1,0 +1,288 @@
+"""The sequence-sharded KV cache: this CP rank's keys/values, their global positions, the plan.
+
+Invariant: where every token of every row lives is a pure function of the prompt lengths,
+the CP size, the layout and the block size, so every CP rank computes the same placement
+without communicating, and this module never communicates. A rank stores only its own
+tokens, in a buffer of ``ceil(max_seq_len / cp_size)`` slots per row: memory per rank is
+1/CP of an unsharded cache (rounded up to a whole token).
+
+Placement (DESIGN.md section 6):
+
+* prefill, ``layout="load_balanced"`` -- the prompt is cut into ``2 * cp_size`` chunks and
+  rank ``r`` keeps chunks ``r`` and ``2 * cp_size - 1 - r``, as Megatron-Core's training CP
+  does (``get_batch_on_this_cp_rank``), so causal work is balanced and a trained layout
+  needs no reshard. Megatron requires the length to be a multiple of ``2 * cp_size``; here
+  the first ``length % (2 * cp_size)`` chunks are one token longer instead.
+* prefill, ``layout="contiguous"`` -- ``cp_size`` consecutive chunks, rank ``r`` keeps chunk ``r``.
+* decode -- new tokens are placed by blocks of ``block_size``: a block fills up on one
+  rank, the next block opens on the least-loaded rank (ties broken round-robin after the
+  previous block's rank). Shards therefore never differ by more than one block (plus the
+  at most two tokens of a load-balanced prefill) and appends never pile onto the last rank.
+
+Within a rank a row's tokens are stored in the order they arrived; their global positions
+are kept beside them (``positions``) for RoPE and causal masking.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+__all__ = ["CacheConfig", "CacheOverflowError", "ShardedKVCache", "prefill_ranges", "LAYOUTS"]
+
+Layout = Literal["load_balanced", "contiguous"]
+LAYOUTS = ("load_balanced", "contiguous")
+
+
+class CacheOverflowError(ValueError):
+    """A row would hold more tokens than the cache was sized for."""
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """How prompt and generated tokens are spread over the CP ranks."""
+
+    layout: Layout = "load_balanced"
+    """``"load_balanced"`` (Megatron-Core's 2*CP chunks) or ``"contiguous"`` (CP chunks) for the prompt."""
+    block_size: int = 16
+    """Generated tokens go to one rank in blocks of this many tokens, then the next block moves on."""
+
+    def __post_init__(self):
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"unknown cache layout {self.layout!r}; expected one of {LAYOUTS}")
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
+
+
+def _split(length: int, parts: int) -> list[tuple[int, int]]:
+    """``parts`` consecutive ranges covering ``[0, length)``, the first ``length % parts`` one longer."""
+    base, extra = divmod(length, parts)
+    out, start = [], 0
+    for i in range(parts):
+        end = start + base + (1 if i < extra else 0)
+        out.append((start, end))
+        start = end
+    return out
+
+
+def prefill_ranges(length: int, cp_size: int, layout: str) -> list[list[tuple[int, int]]]:
+    """Global position ranges ``[start, end)`` of a prompt of ``length`` tokens kept by each CP rank.
+
+    Returns one list of ranges per rank, in ascending position order (that is the order in
+    which the rank stores them).
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown cache layout {layout!r}; expected one of {LAYOUTS}")
+    if cp_size < 1:
+        raise ValueError(f"cp_size must be >= 1, got {cp_size}")
+    if layout == "contiguous":
+        return [[r] for r in _split(length, cp_size)]
+    chunks = _split(length, 2 * cp_size)
+    return [[chunks[r], chunks[2 * cp_size - 1 - r]] for r in range(cp_size)]
+
+
+@dataclass
+class _RowPlan:
+    """Where one row's tokens are, known identically on every CP rank."""
+
+    counts: list[int]
+    """Tokens held by each CP rank."""
+    total: int = 0
+    """Tokens in the row (global length; the next token's position)."""
+    open_rank: int | None = None
+    """Rank that holds the current, not yet full decode block."""
+    open_fill: int = 0
+    """Tokens already in the current decode block."""
+    last_rank: int = field(default=-1)
+    """Rank of the most recent decode block (round-robin tie-break)."""
+
+
+class ShardedKVCache:
+    """This CP rank's share of a batch's KV cache, for every layer.
+
+    Storage on this rank (``C = ceil(max_seq_len / cp_size)`` slots per row):
+
+    k, v: (num_layers, batch, C, num_kv_heads, head_dim) in ``dtype``
+    positions: (batch, C) int64 -- global position of every stored token, -1 in free slots
+    seqlens: (batch,) int32 -- tokens of each row held by this rank (``cache_seqlens`` of
+        ``tree_decode``)
+    """
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        batch_size: int,
+        max_seq_len: int,
+        num_kv_heads: int,
+        head_dim: int,
+        cp_size: int = 1,
+        cp_rank: int = 0,
+        config: CacheConfig = CacheConfig(),
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ):
+        for name, value in (("num_layers", num_layers), ("batch_size", batch_size), ("max_seq_len", max_seq_len),
+                            ("num_kv_heads", num_kv_heads), ("head_dim", head_dim), ("cp_size", cp_size)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not 0 <= cp_rank < cp_size:
+            raise ValueError(f"cp_rank must lie in [0, {cp_size}), got {cp_rank}")
+        self.num_layers = num_layers
+        self.batch_size = batch_size
+        self.max_seq_len = max_seq_len
+        self.cp_size = cp_size
+        self.cp_rank = cp_rank
+        self.config = config
+        self.capacity = math.ceil(max_seq_len / cp_size)
+        shape = (num_layers, batch_size, self.capacity, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.positions = torch.full((batch_size, self.capacity), -1, dtype=torch.int64, device=device)
+        self.seqlens = torch.zeros(batch_size, dtype=torch.int32, device=device)
+        self._rows: list[_RowPlan] = []
+        self.reset()
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def reset(self) -> None:
+        """Forget every token (storage is kept)."""
+        self.positions.fill_(-1)
+        self.seqlens.zero_()
+        self._rows = [_RowPlan(counts=[0] * self.cp_size) for _ in range(self.batch_size)]
+
+    @property
+    def lengths(self) -> list[int]:
+        """Global number of tokens in each row."""
+        return [row.total for row in self._rows]
+
+    @property
+    def shard_lengths(self) -> list[list[int]]:
+        """``[row][rank]``: tokens of each row held by each CP rank (the same on every rank)."""
+        return [list(row.counts) for row in self._rows]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this rank allocated for keys, values and positions."""
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.positions, self.seqlens))
+
+    def unsharded_kv_nbytes(self) -> int:
+        """Bytes keys and values of the whole cache would take on one device."""
+        per_token = self.k[:, :, :1].numel() * self.k.element_size() // self.batch_size
+        return 2 * per_token * self.batch_size * self.max_seq_len
+
+    # ------------------------------------------------------------------ prefill
+
+    def start_prefill(self, lengths: list[int]) -> torch.Tensor:
+        """Place prompts of ``lengths`` tokens (one per row) and return this rank's positions.
+
+        Resets the cache. returns local_positions: (batch, S) int64 -- global positions of the
+        prompt tokens this rank keeps, in storage order, -1 as padding; ``S`` is the largest
+        share of any rank and row, so it is the same on every CP rank.
+        """
+        if len(lengths) != self.batch_size:
+            raise ValueError(f"got {len(lengths)} prompt lengths for a cache of batch size {self.batch_size}")
+        for b, n in enumerate(lengths):
+            if not isinstance(n, int) or n < 1:
+                raise ValueError(f"prompt {b} must have at least one token, got length {n!r}")
+            if n > self.max_seq_len:
+                raise CacheOverflowError(
+                    f"prompt {b} has {n} tokens but the cache holds at most {self.max_seq_len} per row; "
+                    "create the cache with a larger max_seq_len"
+                )
+        self.reset()
+        plans = [prefill_ranges(n, self.cp_size, self.config.layout) for n in lengths]
+        width = max(sum(e - s for s, e in ranges) for plan in plans for ranges in plan)
+        local = torch.full((self.batch_size, width), -1, dtype=torch.int64)
+        for b, plan in enumerate(plans):
+            row = self._rows[b]
+            row.counts = [sum(e - s for s, e in ranges) for ranges in plan]
+            row.total = lengths[b]
+            mine = torch.cat([torch.arange(s, e, dtype=torch.int64) for s, e in plan[self.cp_rank]])
+            local[b, : mine.numel()] = mine
+        local = local.to(self.positions.device)
+        n_local = min(width, self.capacity)
+        self.positions[:, :n_local] = local[:, :n_local]
+        self.seqlens.copy_(torch.tensor([row.counts[self.cp_rank] for row in self._rows], dtype=torch.int32))
+        return local
+
+    def write_prefill(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store this rank's prompt keys/values of one layer.
+
+        k, v: (batch, S, num_kv_heads, head_dim) in the order of :meth:`start_prefill`'s
+        positions; padding entries are ignored.
+        """
+        s = k.shape[1]
+        n = int(self.seqlens.max()) if self.batch_size else 0
+        if s < n:
+            raise ValueError(f"prefill keys cover {s} tokens per row, but this rank keeps up to {n}")
+        self.k[layer, :, :n] = k[:, :n].to(self.k.dtype)
+        self.v[layer, :, :n] = v[:, :n].to(self.v.dtype)
+
+    # ------------------------------------------------------------------ decode
+
+    def _next_owner(self, row: _RowPlan) -> int:
+        bs = self.config.block_size
+        if row.open_rank is not None and row.open_fill < bs and row.counts[row.open_rank] < self.capacity:
+            return row.open_rank
+        free = [r for r in range(self.cp_size) if row.counts[r] < self.capacity]
+        least = min(row.counts[r] for r in free)
+        # Round-robin among the least-loaded ranks, starting after the previous block's rank.
+        order = [(row.last_rank + 1 + i) % self.cp_size for i in range(self.cp_size)]
+        owner = next(r for r in order if r in free and row.counts[r] == least)
+        row.open_rank, row.open_fill, row.last_rank = owner, 0, owner
+        return owner
+
+    def begin_decode_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Place one new token at the end of every row.
+
+        returns positions: (batch,) int64 -- the new tokens' global positions;
+                slots: (batch,) int64 -- storage index on this rank, -1 where another rank
+                holds the row's new token. ``seqlens`` already counts the new tokens.
+        """
+        for b, row in enumerate(self._rows):
+            if row.total == 0:
+                raise ValueError(f"row {b} is empty: prefill a prompt before decoding")
+            if row.total + 1 > self.max_seq_len:
+                raise CacheOverflowError(
+                    f"row {b} already holds {row.total} tokens, the cache's max_seq_len; "
+                    "cannot append another (create the cache with a larger max_seq_len)"
+                )
+        positions, slots = [], []
+        for row in self._rows:
+            owner = self._next_owner(row)
+            slots.append(row.counts[owner] if owner == self.cp_rank else -1)
+            positions.append(row.total)
+            row.counts[owner] += 1
+            row.open_fill += 1
+            row.total += 1
+        pos = torch.tensor(positions, dtype=torch.int64, device=self.positions.device)
+        slot = torch.tensor(slots, dtype=torch.int64, device=self.positions.device)
+        for b in range(self.batch_size):
+            if slots[b] >= 0:
+                self.positions[b, slots[b]] = positions[b]
+        self.seqlens.copy_(torch.tensor([row.counts[self.cp_rank] for row in self._rows], dtype=torch.int32))
+        return pos, slot
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """Store the new token's key/value of one layer in the rows this rank holds.
+
+        k, v: (batch, 1, num_kv_heads, head_dim); slots: (batch,) from :meth:`begin_decode_step`.
+        """
+        rows = (slots >= 0).nonzero().flatten()
+        if rows.numel():
+            idx = slots[rows]
+            self.k[layer, rows, idx] = k[rows, 0].to(self.k.dtype)
+            self.v[layer, rows, idx] = v[rows, 0].to(self.v.dtype)
+
+    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's keys and values of one layer, trimmed to the longest local row.
+
+        returns k, v: (batch, n, num_kv_heads, head_dim) with ``n = max(seqlens)``; rows
+        shorter than n are masked by ``seqlens``.
+        """
+        n = int(self.seqlens.max()) if self.batch_size else 0
+        return self.k[layer, :, :n], self.v[layer, :, :n]

@@ -1,0 +1,170 @@
+"""Exact context-parallel prefill attention: each CP rank holds a chunk of the prompt.
+
+Invariant: both variants compute causal attention of this rank's queries over the keys of
+*every* rank, masked by global positions, and return exactly what single-process attention
+over the whole prompt returns for these queries (up to float rounding):
+
+* :func:`ring_prefill` -- Ring Attention: KV blocks travel around the CP ring with
+  ``isend``/``irecv`` (the next block is in flight while the current one is computed) and
+  every block's partial state is folded into the running one with the project's single merge
+  formula (``ops.merge_states`` -> ``reference.lse_weights``/``normalize``, DESIGN.md section 1).
+* :func:`allgather_prefill` -- one all-gather of every rank's keys/values/positions, then
+  one local attention: P times the memory, the simplest baseline.
+
+Padding convention: a query or key whose position is negative is padding. Padded keys are
+never visible; padded queries see nothing and get output 0. Ranks may hold different
+numbers of tokens: the key length is padded to the CP-wide maximum internally.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import ops
+from .topology import TreeGroups
+
+__all__ = ["ring_prefill", "allgather_prefill", "cp_prefill", "PREFILL_METHODS"]
+
+PREFILL_METHODS = ("ring", "allgather")
+_HIDDEN = torch.iinfo(torch.int64).max  # the position of a padded key: after every query
+
+
+def _check(q, k, v, q_pos, k_pos) -> None:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(
+            f"q, k, v must be (batch, seqlen, heads, headdim), got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if tuple(q_pos.shape) != tuple(q.shape[:2]):
+        raise ValueError(f"q_pos must have shape {tuple(q.shape[:2])} (batch, seqlen_q), got {tuple(q_pos.shape)}")
+    if tuple(k_pos.shape) != tuple(k.shape[:2]):
+        raise ValueError(f"k_pos must have shape {tuple(k.shape[:2])} (batch, seqlen_k), got {tuple(k_pos.shape)}")
+
+
+def _pad_keys(k, v, k_pos, length: int):
+    """Pad the key axis to ``length``; padded keys get a position no query reaches."""
+    k_pos = torch.where(k_pos < 0, torch.full_like(k_pos, _HIDDEN), k_pos.to(torch.int64))
+    extra = length - k.shape[1]
+    if extra:
+        b, _, h, d = k.shape
+        k = torch.cat([k, k.new_zeros(b, extra, h, d)], dim=1)
+        v = torch.cat([v, v.new_zeros(b, extra, h, d)], dim=1)
+        k_pos = torch.cat([k_pos, k_pos.new_full((b, extra), _HIDDEN)], dim=1)
+    return k.contiguous(), v.contiguous(), k_pos.contiguous()
+
+
+def _common_length(n: int, groups: TreeGroups, device) -> int:
+    t = torch.tensor([n], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=groups.cp_group)
+    return int(t.item())
+
+
+def _local(q, k, v, q_pos, k_pos, softmax_scale, backend):
+    """Partial state of q over one KV block: out float32 (B, Sq, Hq, D), lse (B, Hq, Sq)."""
+    out, lse = ops.flash_decode(
+        q, k, v, softmax_scale=softmax_scale, q_positions=q_pos, k_positions=k_pos, backend=backend,
+    )
+    return out.float(), lse.float()
+
+
+def ring_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    groups: TreeGroups | None,
+    *,
+    softmax_scale: float | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Causal attention of this rank's queries over all ranks' keys, KV passed around a ring.
+
+    Per rank:
+
+    q: (batch, seqlen_q, nheads_q, headdim) -- this rank's prompt tokens
+    k, v: (batch, seqlen_k, nheads_kv, headdim) -- this rank's keys/values (seqlen_k may
+        differ between ranks)
+    q_pos: (batch, seqlen_q), k_pos: (batch, seqlen_k) integer global positions, < 0 = padding
+    returns out: (batch, seqlen_q, nheads_q, headdim) in q.dtype
+
+    Collectives: one all-reduce MAX of seqlen_k, then P-1 rounds of isend/irecv of
+    (k, v, k_pos) to the next/from the previous CP rank.
+    """
+    _check(q, k, v, q_pos, k_pos)
+    q_pos = q_pos.to(torch.int64)
+    if groups is None or groups.size == 1:
+        k, v, kp = _pad_keys(k, v, k_pos, k.shape[1])
+        return _local(q, k, v, q_pos, kp, softmax_scale, backend)[0].to(q.dtype)
+    p, me = groups.size, groups.rank
+    length = _common_length(k.shape[1], groups, q.device)
+    k, v, kp = _pad_keys(k, v, k_pos, length)
+    nxt, prv = groups.cp_ranks[(me + 1) % p], groups.cp_ranks[(me - 1) % p]
+    q_last = int(q_pos.max()) if q_pos.numel() else -1
+
+    acc_out = acc_lse = None
+    block = (k, v, kp)
+    for step in range(p):
+        reqs, incoming = [], None
+        if step < p - 1:  # the next block travels while this one is computed
+            incoming = tuple(torch.empty_like(t) for t in block)
+            for t_send, t_recv in zip(block, incoming):
+                reqs.append(dist.isend(t_send, dst=nxt, group=groups.cp_group))
+                reqs.append(dist.irecv(t_recv, src=prv, group=groups.cp_group))
+        bk, bv, bp = block
+        if bp.numel() and int(bp.min()) <= q_last:  # else every key is in the future: skip
+            out, lse = _local(q, bk, bv, q_pos, bp, softmax_scale, backend)
+            if acc_out is None:
+                acc_out, acc_lse = out, lse
+            else:
+                acc_out, acc_lse = ops.merge_states(torch.stack([acc_out, out]), torch.stack([acc_lse, lse]))
+        for r in reqs:
+            r.wait()
+        if incoming is not None:
+            block = incoming
+    if acc_out is None:  # no visible key at all (e.g. only padded queries on this rank)
+        return torch.zeros_like(q)
+    return acc_out.to(q.dtype)
+
+
+def allgather_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    groups: TreeGroups | None,
+    *,
+    softmax_scale: float | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Causal attention of this rank's queries over all ranks' keys, after an all-gather of KV.
+
+    Shapes as :func:`ring_prefill`. Collectives: one all-reduce MAX of seqlen_k, three
+    all-gathers (k, v, k_pos). Holds every rank's keys at once: P times ring's KV memory.
+    """
+    _check(q, k, v, q_pos, k_pos)
+    q_pos = q_pos.to(torch.int64)
+    if groups is None or groups.size == 1:
+        k, v, kp = _pad_keys(k, v, k_pos, k.shape[1])
+        return _local(q, k, v, q_pos, kp, softmax_scale, backend)[0].to(q.dtype)
+    length = _common_length(k.shape[1], groups, q.device)
+    k, v, kp = _pad_keys(k, v, k_pos, length)
+    gathered = []
+    for t in (k, v, kp):
+        parts = [torch.empty_like(t) for _ in range(groups.size)]
+        dist.all_gather(parts, t, group=groups.cp_group)
+        gathered.append(torch.cat(parts, dim=1))
+    out, _ = _local(q, *gathered, q_pos, softmax_scale, backend)
+    return out.to(q.dtype)
+
+
+def cp_prefill(q, k, v, q_pos, k_pos, groups, *, method: str = "ring", softmax_scale=None, backend=None):
+    """Dispatch to :func:`ring_prefill` or :func:`allgather_prefill` by ``method``."""
+    if method == "ring":
+        fn = ring_prefill
+    elif method == "allgather":
+        fn = allgather_prefill
+    else:
+        raise ValueError(f"unknown prefill method {method!r}; expected one of {PREFILL_METHODS}")
+    return fn(q, k, v, q_pos, k_pos, groups, softmax_scale=softmax_scale, backend=backend)
