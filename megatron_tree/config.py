@@ -86,9 +86,9 @@ class ModelConfig:
     """Longest position the model is configured for (random weights)."""
     tie_word_embeddings: bool = False
     """Share the input embedding with the output head (random weights)."""
-    init_std: float = 0.2
-    """Standard deviation the random weights are scaled to (large enough that greedy
-    decoding does not sit on near-ties, so exactness checks compare the same tokens)."""
+    initializer_range: float = 0.2
+    """Std of the normal init of random weights (large enough that greedy decoding does
+    not sit on near-ties, so sharded and unsharded runs pick the same tokens)."""
 
     def __post_init__(self):
         _positive(self, "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
