@@ -1,0 +1,291 @@
+"""Baseline context-parallel decoders that tree attention is measured against.
+
+Invariant: every baseline returns the same exact result as :func:`tree_decode` on the same
+groups and shards (identical on every rank), computes local partial states with
+``ops.flash_decode`` and combines them with the project's one merge formula
+(``ops.merge_states`` -> ``reference.lse_weights`` / ``normalize``); only the movement of
+data differs. They live in the library, not in the benchmark, so that tests can prove them
+exact and so that users can run the comparison themselves.
+
+* :func:`ring_decode` -- Ring Attention at decode time: every rank's KV shard travels
+  P-1 hops around the CP ring (``isend``/``irecv``); each hop's transfer is posted before
+  the local kernel runs on the shard in hand, so transfer and compute overlap. GQA keys
+  and values travel with their ``nheads_kv`` heads (never expanded to the query heads).
+* :func:`passq_ring_decode` -- the decode-time ring reviewers asked for: the KV stays
+  put, each rank computes its partial state once, and the (small) partial states travel
+  P-1 hops around the ring; every rank then merges the P states.
+* :func:`allgather_kv_decode` -- every rank all-gathers the whole KV cache and decodes it
+  locally.
+
+Partial states are merged in shard order (rank 0's shard first), so every rank computes
+bit-identical outputs -- a requirement when every rank samples the next token itself.
+Traffic is recorded in a :class:`comm.CommStats` under level ``"cp"``: a point-to-point
+message counts its bytes once as payload and once as sent; an all-gather counts
+``(P-1) * payload`` sent, the same model ``comm.py`` uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from . import ops
+from .comm import CommError, CommStats
+from .topology import TreeGroups
+
+__all__ = ["ShardPlan", "ring_decode", "passq_ring_decode", "allgather_kv_decode", "BASELINES"]
+
+BASELINES = ("ring", "passq_ring", "allgather_kv")
+
+
+@dataclass
+class ShardPlan:
+    """Shard lengths of every CP rank plus reusable communication buffers.
+
+    Built once (one all-gather of the shard lengths) and passed to every decode step, as
+    a serving system keeps its workspaces; a step whose shard length differs from the plan
+    is an error. The buffers are allocated on first use and counted by
+    :meth:`workspace_bytes` (they are part of the baseline's peak memory).
+    """
+
+    lengths: tuple[int, ...]
+    """KV shard length (dim 1 of k/v) of every CP rank, in CP-rank order."""
+    rank: int
+    """This process's CP rank."""
+    buffers: dict = field(default_factory=dict)
+    """Name -> reusable tensor (ring double buffers, all-gather outputs)."""
+
+    @classmethod
+    def build(cls, k: torch.Tensor, groups: TreeGroups) -> "ShardPlan":
+        """Exchange shard lengths; every CP rank calls this with its own k: (batch, shard_len, nheads_kv, headdim)."""
+        mine = torch.tensor([k.shape[1]], dtype=torch.int64)
+        parts = [torch.zeros_like(mine) for _ in range(groups.size)]
+        if groups.size > 1:
+            dist.all_gather(parts, mine, group=groups.cp_group)
+        else:
+            parts = [mine]
+        return cls(tuple(int(p) for p in parts), groups.rank)
+
+    @property
+    def max_len(self) -> int:
+        return max(self.lengths)
+
+    def workspace_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.buffers.values())
+
+    def buffer(self, name: str, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
+        t = self.buffers.get(name)
+        if t is None or t.numel() < numel or t.dtype != dtype or t.device != device:
+            t = torch.empty(numel, dtype=dtype, device=device)
+            self.buffers[name] = t
+        return t
+
+    def check(self, k: torch.Tensor, groups: TreeGroups) -> None:
+        if len(self.lengths) != groups.size:
+            raise ValueError(f"plan was built for {len(self.lengths)} CP ranks, groups have {groups.size}")
+        if self.lengths[groups.rank] != k.shape[1]:
+            raise ValueError(
+                f"plan says CP rank {groups.rank} holds {self.lengths[groups.rank]} keys, but k has "
+                f"{k.shape[1]}; rebuild the plan with ShardPlan.build after the cache changed"
+            )
+
+
+def _seqlens(cache_seqlens, k) -> torch.Tensor:
+    if cache_seqlens is not None:
+        return cache_seqlens
+    return torch.full((k.shape[0],), k.shape[1], dtype=torch.int32, device=k.device)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _wait(works, what: str, groups: TreeGroups) -> None:
+    try:
+        for w in works:
+            w.wait()
+    except RuntimeError as e:
+        raise CommError(f"{what} over the CP ring ({groups.size} ranks) failed; a peer may have died: {e}") from e
+
+
+def _finish(outs, lses, q_dtype, return_lse):
+    out, lse = ops.merge_states(torch.stack(outs), torch.stack(lses))
+    out = out.to(q_dtype)
+    return (out, lse) if return_lse else out
+
+
+def ring_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    groups: TreeGroups,
+    *,
+    plan: ShardPlan | None = None,
+    cache_seqlens: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+    stats: CommStats | None = None,
+    backend: str | None = None,
+):
+    """Ring Attention decode: KV shards rotate P-1 hops; each rank attends to every shard.
+
+    Per rank: q: (batch, seqlen_q, nheads_q, headdim) replicated; k, v: (batch, shard_len,
+    nheads_kv, headdim) this rank's shard (lengths may differ, 0 allowed); cache_seqlens:
+    (batch,) int32 valid keys per row of this shard. plan: from :meth:`ShardPlan.build`
+    (built here, with one extra all-gather, when omitted).
+    returns out: (batch, seqlen_q, nheads_q, headdim) in q.dtype, identical on every rank,
+    and with ``return_lse`` lse: (batch, nheads_q, seqlen_q) float32.
+
+    Hop h sends the shard in hand (k, v, seqlens: three messages) to CP rank r+1 and
+    receives CP rank r-h-1's shard from r-1 while the kernel runs on the shard in hand.
+    Receive buffers are two flat workspaces of the largest shard (double buffering).
+    """
+    p, r = groups.size, groups.rank
+    plan = plan if plan is not None else ShardPlan.build(k, groups)
+    plan.check(k, groups)
+    b, _, hkv, d = k.shape
+    outs: list = [None] * p
+    lses: list = [None] * p
+    cur = (k, v, _seqlens(cache_seqlens, k))
+    nxt, prv = groups.cp_ranks[(r + 1) % p], groups.cp_ranks[(r - 1) % p]
+    cap = b * plan.max_len * hkv * d
+    for hop in range(p):
+        src = (r - hop) % p  # owner of the shard in hand
+        works = []
+        if hop < p - 1:
+            n_in = plan.lengths[(src - 1) % p]
+            slot = hop % 2
+            bk = plan.buffer(f"ring_k{slot}", cap, k.dtype, k.device)[: b * n_in * hkv * d].view(b, n_in, hkv, d)
+            bv = plan.buffer(f"ring_v{slot}", cap, v.dtype, v.device)[: b * n_in * hkv * d].view(b, n_in, hkv, d)
+            bs = plan.buffer(f"ring_s{slot}", b, torch.int32, k.device)[:b]
+            try:
+                for t in cur:
+                    works.append(dist.isend(t.contiguous(), dst=nxt, group=groups.cp_group))
+                for t in (bk, bv, bs):
+                    works.append(dist.irecv(t, src=prv, group=groups.cp_group))
+            except RuntimeError as e:
+                raise CommError(f"ring decode: posting hop {hop} failed: {e}") from e
+            if stats is not None:
+                for t in cur:
+                    stats.record("cp", "send", _nbytes(t), _nbytes(t))
+        outs[src], lses[src] = ops.flash_decode(
+            q, cur[0], cur[1], cache_seqlens=cur[2], softmax_scale=softmax_scale, backend=backend
+        )
+        if works:
+            _wait(works, f"ring decode hop {hop}", groups)
+            cur = (bk, bv, bs)
+    if stats is not None:
+        stats.calls += 1
+    return _finish(outs, lses, q.dtype, return_lse)
+
+
+def passq_ring_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    groups: TreeGroups,
+    *,
+    plan: ShardPlan | None = None,
+    cache_seqlens: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+    stats: CommStats | None = None,
+    backend: str | None = None,
+):
+    """Partial-state ring: local kernel once, then the partial states travel P-1 hops.
+
+    Shapes as :func:`ring_decode`. Each rank packs its state as cat[o, lse] (fp32,
+    batch*seqlen_q*nheads_q*(headdim+1) values) into a (P, state) workspace; hop h sends
+    the state that arrived at hop h-1 (its own at hop 0) to r+1 and receives the next one
+    from r-1. After P-1 hops every rank holds all P states and merges them in shard order.
+    """
+    p, r = groups.size, groups.rank
+    out, lse = ops.flash_decode(q, k, v, cache_seqlens=cache_seqlens, softmax_scale=softmax_scale, backend=backend)
+    acc = torch.float64 if out.dtype == torch.float64 else torch.float32
+    no, nl = out.numel(), lse.numel()
+    plan = plan if plan is not None else ShardPlan(tuple([k.shape[1]] * p), r)
+    states = plan.buffer("passq_states", p * (no + nl), acc, q.device)[: p * (no + nl)].view(p, no + nl)
+    states[r, :no] = out.reshape(-1)
+    states[r, no:] = lse.reshape(-1)
+    nxt, prv = groups.cp_ranks[(r + 1) % p], groups.cp_ranks[(r - 1) % p]
+    for hop in range(p - 1):
+        send_slot, recv_slot = (r - hop) % p, (r - hop - 1) % p
+        try:
+            works = [
+                dist.isend(states[send_slot], dst=nxt, group=groups.cp_group),
+                dist.irecv(states[recv_slot], src=prv, group=groups.cp_group),
+            ]
+        except RuntimeError as e:
+            raise CommError(f"pass-Q ring: posting hop {hop} failed: {e}") from e
+        _wait(works, f"pass-Q ring hop {hop}", groups)
+        if stats is not None:
+            stats.record("cp", "send", _nbytes(states[send_slot]), _nbytes(states[send_slot]))
+    if stats is not None:
+        stats.calls += 1
+    outs = states[:, :no].reshape(p, *out.shape)
+    lses = states[:, no:].reshape(p, *lse.shape)
+    res, res_lse = ops.merge_states(outs, lses)
+    res = res.to(q.dtype)
+    return (res, res_lse) if return_lse else res
+
+
+def allgather_kv_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    groups: TreeGroups,
+    *,
+    plan: ShardPlan | None = None,
+    cache_seqlens: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+    stats: CommStats | None = None,
+    backend: str | None = None,
+):
+    """All-gather the whole KV cache (k, v, seqlens: three all-gathers), then decode locally.
+
+    Shapes as :func:`ring_decode`. Shards shorter than the longest are padded to it (the
+    all-gather needs equal sizes; the padding is masked by the gathered seqlens). The
+    gathered cache, (P, batch, max_len, nheads_kv, headdim) for k and for v, lives in
+    reusable workspaces of the plan: P times a shard on every rank.
+    """
+    p = groups.size
+    plan = plan if plan is not None else ShardPlan.build(k, groups)
+    plan.check(k, groups)
+    b, n, hkv, d = k.shape
+    m = plan.max_len
+    seq = _seqlens(cache_seqlens, k)
+    gathered = []
+    for name, t in (("k", k), ("v", v)):
+        if n < m:  # pad this rank's shard to the common size
+            pad = plan.buffer(f"ag_pad_{name}", b * m * hkv * d, t.dtype, t.device)[: b * m * hkv * d].view(b, m, hkv, d)
+            pad[:, :n].copy_(t)
+            t = pad
+        else:
+            t = t.contiguous()
+        out_buf = plan.buffer(f"ag_{name}", p * b * m * hkv * d, t.dtype, t.device)[: p * b * m * hkv * d].view(p, b, m, hkv, d)
+        gathered.append(_gather_into(out_buf, t, groups, stats))
+    seqs = _gather_into(torch.empty(p, b, dtype=torch.int32, device=k.device), seq.contiguous(), groups, stats)
+    outs, lses = [], []
+    for u in range(p):
+        o, l = ops.flash_decode(q, gathered[0][u], gathered[1][u], cache_seqlens=seqs[u],
+                                softmax_scale=softmax_scale, backend=backend)
+        outs.append(o)
+        lses.append(l)
+    if stats is not None:
+        stats.calls += 1
+    return _finish(outs, lses, q.dtype, return_lse)
+
+
+def _gather_into(out_buf: torch.Tensor, t: torch.Tensor, groups: TreeGroups, stats) -> torch.Tensor:
+    """All-gather t into out_buf (P, *t.shape) over the CP group; record the traffic."""
+    parts = list(out_buf.unbind(0))
+    try:
+        dist.all_gather(parts, t, group=groups.cp_group)
+    except RuntimeError as e:
+        raise CommError(f"all-gather-KV decode: all_gather over {groups.size} ranks failed: {e}") from e
+    if stats is not None:
+        stats.record("cp", "all_gather", _nbytes(t), (groups.size - 1) * _nbytes(t))
+    return out_buf
