@@ -60,11 +60,13 @@ def _common_length(n: int, groups: TreeGroups, device) -> int:
 
 
 def _local(q, k, v, q_pos, k_pos, softmax_scale, backend):
-    """Partial state of q over one KV block: out float32 (B, Sq, Hq, D), lse (B, Hq, Sq)."""
+    """Partial state of q over one KV block: out (B, Sq, Hq, D), lse (B, Hq, Sq), both float32
+    (float64 for float64 input), so that partials accumulate in full precision."""
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     out, lse = ops.flash_decode(
         q, k, v, softmax_scale=softmax_scale, q_positions=q_pos, k_positions=k_pos, backend=backend,
     )
-    return out.float(), lse.float()
+    return out.to(acc), lse.to(acc)
 
 
 def ring_prefill(

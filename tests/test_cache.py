@@ -1,0 +1,144 @@
+"""The sharded KV cache's placement plan and storage, checked single-process.
+
+The cache never communicates: every CP rank derives the same plan from the same lengths.
+So one process can build the caches of all P ranks side by side and check the plan as a
+whole: every token stored exactly once, Megatron's layout, balance, capacity, errors.
+"""
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from megatron_tree.cache import CacheConfig, CacheOverflowError, ShardedKVCache, prefill_ranges
+
+
+def _caches(p, max_len, batch=2, layout="load_balanced", block=4, heads=2, dim=4):
+    return [
+        ShardedKVCache(num_layers=2, batch_size=batch, max_seq_len=max_len, num_kv_heads=heads, head_dim=dim,
+                       cp_size=p, cp_rank=r, config=CacheConfig(layout=layout, block_size=block))
+        for r in range(p)
+    ]
+
+
+def _stored_positions(caches, row):
+    out = []
+    for c in caches:
+        n = int(c.seqlens[row])
+        assert (c.positions[row, n:] == -1).all()
+        out.extend(c.positions[row, :n].tolist())
+    return out
+
+
+def test_load_balanced_matches_megatron_when_divisible():
+    # Megatron-Core get_batch_on_this_cp_rank: 2*CP chunks, rank r keeps chunks r and 2*CP-1-r.
+    p, chunk = 4, 3
+    ranges = prefill_ranges(2 * p * chunk, p, "load_balanced")
+    for r in range(p):
+        assert ranges[r] == [(r * chunk, (r + 1) * chunk), ((2 * p - 1 - r) * chunk, (2 * p - r) * chunk)]
+    assert prefill_ranges(10, 3, "contiguous") == [[(0, 4)], [(4, 7)], [(7, 10)]]
+
+
+@pytest.mark.parametrize("layout", ["load_balanced", "contiguous"])
+def test_prefill_partitions_prompt_evenly(layout):
+    for p in (1, 2, 3, 4, 5, 8):
+        for n in range(0, 40):
+            ranges = prefill_ranges(n, p, layout)
+            covered = sorted(i for rr in ranges for s, e in rr for i in range(s, e))
+            assert covered == list(range(n)), (p, n)
+            shares = [sum(e - s for s, e in rr) for rr in ranges]
+            assert max(shares) <= math.ceil(n / p)
+            assert max(shares) - min(shares) <= (2 if layout == "load_balanced" else 1)
+
+
+@pytest.mark.parametrize("layout", ["load_balanced", "contiguous"])
+@pytest.mark.parametrize("p,block", [(2, 4), (3, 2), (4, 3), (4, 1)])
+def test_decode_appends_round_robin_by_block(layout, p, block):
+    lengths = [7, 2]
+    steps = 4 * p * block + 3
+    caches = _caches(p, max_len=max(lengths) + steps + p * block, layout=layout, block=block)
+    local = [c.start_prefill(lengths) for c in caches]
+    assert len({t.shape for t in local}) == 1  # the same padded width on every rank
+    owners = [[], []]
+    for step in range(steps):
+        results = [c.begin_decode_step() for c in caches]
+        for row in range(2):
+            assert len({int(pos[row]) for pos, _ in results}) == 1  # every rank agrees on the position
+            assert int(results[0][0][row]) == lengths[row] + step
+            holders = [r for r, (_, slot) in enumerate(results) if int(slot[row]) >= 0]
+            assert len(holders) == 1  # exactly one rank stores the new token
+            owners[row].append(holders[0])
+    for row in range(2):
+        total = lengths[row] + steps
+        assert sorted(_stored_positions(caches, row)) == list(range(total))
+        counts = caches[0].shard_lengths[row]
+        assert counts == [int(c.seqlens[row]) for c in caches]
+        assert max(counts) - min(counts) <= max(block, 2)
+        assert set(owners[row]) == set(range(p))  # never always the last rank
+        # blocks: the owner changes at most once every `block` tokens
+        runs = [len(list(g)) for _, g in itertools.groupby(owners[row])]
+        assert all(r >= block for r in runs[1:-1])
+
+
+def test_tight_capacity_fills_every_slot_and_overflow_is_an_error():
+    p, max_len = 4, 10  # ceil(10 / 4) = 3 slots per rank, 12 in all
+    caches = _caches(p, max_len=max_len, batch=1, block=8)
+    for c in caches:
+        c.start_prefill([3])
+    for _ in range(max_len - 3):
+        for c in caches:
+            c.begin_decode_step()
+    assert sum(int(c.seqlens[0]) for c in caches) == max_len
+    assert all(int(c.seqlens[0]) <= c.capacity == 3 for c in caches)
+    assert sorted(_stored_positions(caches, 0)) == list(range(max_len))
+    with pytest.raises(CacheOverflowError, match="already holds 10 tokens"):
+        caches[0].begin_decode_step()
+    with pytest.raises(CacheOverflowError, match="prompt 0 has 11 tokens"):
+        caches[0].start_prefill([11])
+    with pytest.raises(ValueError, match="at least one token"):
+        caches[0].start_prefill([0])
+    with pytest.raises(ValueError, match="prefill a prompt"):
+        _caches(2, 8, batch=1)[0].begin_decode_step()
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 8])
+def test_memory_per_rank_is_one_over_cp(p):
+    max_len = 96
+    c = _caches(p, max_len=max_len, batch=2, heads=2, dim=8)[p - 1]
+    kv = c.k.numel() * c.k.element_size() + c.v.numel() * c.v.element_size()
+    full = c.unsharded_kv_nbytes()
+    assert full == 2 * 2 * 2 * max_len * 2 * 8 * 4  # k+v, layers, batch, tokens, heads, dim, fp32
+    assert kv == full * math.ceil(max_len / p) // max_len
+    assert kv * p <= full * (1 + p / max_len)
+    assert c.nbytes < 1.2 * full / p  # positions and lengths add little
+
+
+def test_storage_write_append_and_trimmed_view():
+    caches = _caches(2, max_len=12, batch=2, layout="contiguous", block=2, heads=1, dim=2)
+    for c in caches:
+        local = c.start_prefill([5, 3])
+        # a key tensor that encodes its global position, so storage order can be checked
+        k = local.to(torch.float32)[:, :, None, None].expand(-1, -1, 1, 2).clone()
+        c.write_prefill(0, k, -k)
+    for c in caches:
+        pos, slots = c.begin_decode_step()
+        k = pos.to(torch.float32)[:, None, None, None].expand(-1, 1, 1, 2)
+        c.append(0, k, -k, slots)
+    for c in caches:
+        k, v = c.layer_kv(0)
+        assert k.shape[1] == int(c.seqlens.max())
+        for row in range(2):
+            n = int(c.seqlens[row])
+            assert torch.equal(k[row, :n, 0, 0], c.positions[row, :n].float())
+            assert torch.equal(v[row, :n, 0, 1], -c.positions[row, :n].float())
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="unknown cache layout 'zigzag'"):
+        CacheConfig(layout="zigzag")
+    with pytest.raises(ValueError, match="block_size"):
+        CacheConfig(block_size=0)
+    with pytest.raises(ValueError, match="cp_rank"):
+        _caches(2, 8)[0].__class__(num_layers=1, batch_size=1, max_seq_len=4, num_kv_heads=1, head_dim=2,
+                                   cp_size=2, cp_rank=2)

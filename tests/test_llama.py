@@ -1,0 +1,263 @@
+"""Llama on the sharded cache against Hugging Face transformers, single process (CP = 1).
+
+The reference is a tiny random ``LlamaForCausalLM`` (GQA, Llama-3 rope scaling, init std
+0.2 so greedy choices are never near-ties) saved with safetensors. transformers is a
+test-only dependency: the model under test reads the files itself.
+"""
+
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from megatron_tree.cache import CacheOverflowError
+from megatron_tree.generate import generate
+from megatron_tree.layer import rope_inv_freq
+from megatron_tree.models.llama import CheckpointError, Llama, LlamaConfig
+
+ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64}
+PROMPTS = [[5, 17, 99, 3, 42], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]]
+NEW_TOKENS = 16
+
+
+def hf_config(tie=False, **over):
+    from transformers import LlamaConfig as HFConfig
+
+    kw = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=256, initializer_range=0.2,
+              rope_scaling=dict(ROPE), rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=tie)
+    kw.update(over)
+    return HFConfig(**kw)
+
+
+def make_checkpoint(path, *, tie=False, max_shard_size=None, seed=0):
+    """Save a tiny random transformers Llama into ``path``; return the HF model (eval mode)."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(hf_config(tie)).eval()
+    kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(str(path), safe_serialization=True, **kw)
+    return model
+
+
+def hf_greedy(model, prompts, new_tokens):
+    """transformers' greedy generate, one prompt at a time (no padding), never stopping early."""
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = model.generate(torch.tensor([p]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                 do_sample=False, pad_token_id=0)
+            out.append(ids[0, len(p):].tolist())
+    return out
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama")
+    hf = make_checkpoint(path)
+    return path, hf
+
+
+def test_logits_match_transformers_single_and_sharded(ckpt, tmp_path):
+    path, hf = ckpt
+    sharded = tmp_path / "sharded"
+    hf.save_pretrained(str(sharded), safe_serialization=True, max_shard_size="40KB")
+    assert os.path.isfile(sharded / "model.safetensors.index.json")
+    assert len([f for f in os.listdir(sharded) if f.endswith(".safetensors")]) > 1
+    ids = torch.randint(0, 128, (2, 70), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(ids).logits
+    for where in (path, sharded):
+        ours = Llama.from_pretrained(where)(ids)
+        assert ours.shape == (2, 70, 128)
+        torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_prefill_and_decode_logits_match_full_forward(ckpt):
+    path, hf = ckpt
+    model = Llama.from_pretrained(path)
+    seqs = [p + [7, 8, 9] for p in PROMPTS]
+    cache = model.new_cache(2, 32, block_size=2)
+    first = model.prefill(PROMPTS, cache)
+    steps = [model.decode_step(torch.tensor([s[len(p) + i] for s, p in zip(seqs, PROMPTS)]), cache) for i in range(3)]
+    with torch.no_grad():
+        for b, s in enumerate(seqs):
+            ref = hf(torch.tensor([s])).logits[0]
+            n = len(PROMPTS[b])
+            torch.testing.assert_close(first[b], ref[n - 1], rtol=1e-4, atol=1e-4)
+            for i, lg in enumerate(steps):
+                torch.testing.assert_close(lg[b], ref[n + i], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("layout", ["load_balanced", "contiguous"])
+def test_greedy_generate_matches_transformers_cp1(ckpt, layout):
+    path, hf = ckpt
+    model = Llama.from_pretrained(path)
+    cache = model.new_cache(2, 40, layout=layout, block_size=4)
+    res = generate(model, PROMPTS, NEW_TOKENS, cache=cache, progress=False)
+    assert res.tokens == hf_greedy(hf, PROMPTS, NEW_TOKENS)
+    assert len(res.step_times) == NEW_TOKENS - 1 and all(t > 0 for t in res.step_times)
+    assert res.prefill_time > 0
+    assert cache.lengths == [len(p) + NEW_TOKENS - 1 for p in PROMPTS]
+
+
+def test_tied_embeddings(tmp_path):
+    hf = make_checkpoint(tmp_path, tie=True, seed=3)
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" not in f.keys()
+    model = Llama.from_pretrained(tmp_path)
+    assert model.lm_head is None
+    ids = torch.tensor([PROMPTS[1]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), hf(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_config_layouts_and_rope_scaling():
+    v5 = json.loads(hf_config().to_json_string())
+    assert "rope_parameters" in v5  # transformers 5 layout
+    v4 = {k: v for k, v in v5.items() if k != "rope_parameters"}
+    v4["rope_theta"] = 10000.0
+    v4["rope_scaling"] = dict(ROPE)
+    a, b = LlamaConfig.from_hf(v5), LlamaConfig.from_hf(v4)
+    assert a == b
+    assert (a.num_key_value_heads, a.head_dim, a.rope_scaling["rope_type"]) == (2, 16, "llama3")
+    plain = rope_inv_freq(16, 10000.0)
+    scaled = rope_inv_freq(16, 10000.0, a.rope_scaling)
+    wavelen = 2 * math.pi / plain
+    # short wavelengths kept, long ones divided by the factor, the band between interpolated
+    assert torch.equal(scaled[wavelen < 16], plain[wavelen < 16])
+    torch.testing.assert_close(scaled[wavelen > 64], plain[wavelen > 64] / 8)
+    mid = (wavelen > 16) & (wavelen < 64)
+    assert mid.any() and ((scaled[mid] < plain[mid]) & (scaled[mid] > plain[mid] / 8)).all()
+    with pytest.raises(ValueError, match="unsupported rope_type 'yarn'"):
+        rope_inv_freq(16, 10000.0, {"rope_type": "yarn", "factor": 2.0})
+
+
+def test_random_init_is_ordinary_single_process_model():
+    cfg = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = Llama(cfg)
+    assert cfg.head_dim == 8 and model.cp_size == 1
+    ids = torch.randint(0, 50, (1, 9))
+    full = model(ids)[0]
+    cache = model.new_cache(1, 16)
+    first = model.prefill([ids[0, :5].tolist()], cache, method="allgather")
+    torch.testing.assert_close(first[0], full[4], rtol=1e-5, atol=1e-5)
+    for i in range(5, 9):
+        out = model.decode_step(ids[:, i], cache)
+        torch.testing.assert_close(out[0], full[i], rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------- bad input
+
+
+def _rewrite(src, dst, edit):
+    from safetensors.torch import load_file, save_file
+
+    os.makedirs(dst, exist_ok=True)
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, os.path.join(dst, "model.safetensors"))
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = json.load(f)
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return cfg
+
+
+def test_missing_unexpected_and_misshapen_tensors_are_listed(ckpt, tmp_path):
+    path, _ = ckpt
+
+    def drop_and_add(t):
+        del t["model.layers.1.mlp.up_proj.weight"]
+        del t["model.norm.weight"]
+        t["model.layers.0.self_attn.q_norm.weight"] = torch.ones(16)
+
+    _rewrite(path, tmp_path / "a", drop_and_add)
+    with pytest.raises(CheckpointError) as e:
+        Llama.from_pretrained(tmp_path / "a")
+    msg = str(e.value)
+    assert "missing tensors ['model.layers.1.mlp.up_proj.weight', 'model.norm.weight']" in msg
+    assert "unexpected tensors ['model.layers.0.self_attn.q_norm.weight']" in msg
+
+    def misshape(t):
+        t["model.embed_tokens.weight"] = torch.zeros(100, 64)
+
+    _rewrite(path, tmp_path / "b", misshape)
+    with pytest.raises(CheckpointError, match=r"model.embed_tokens.weight: \(100, 64\) \(expected \(128, 64\)\)"):
+        Llama.from_pretrained(tmp_path / "b")
+    with pytest.raises(CheckpointError, match="no model.safetensors"):
+        os.makedirs(tmp_path / "c")
+        with open(tmp_path / "c" / "config.json", "w") as f:
+            json.dump(json.loads(hf_config().to_json_string()), f)
+        Llama.from_pretrained(tmp_path / "c")
+
+
+def test_unsupported_architecture_and_config(ckpt):
+    path, _ = ckpt
+    with open(path / "config.json") as f:
+        base = json.load(f)
+    with pytest.raises(CheckpointError, match=r"unsupported architecture \['MixtralForCausalLM'\]"):
+        LlamaConfig.from_hf({**base, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral"})
+    with pytest.raises(CheckpointError, match="unsupported model_type 'qwen2'"):
+        LlamaConfig.from_hf({**base, "architectures": None, "model_type": "qwen2"})
+    with pytest.raises(CheckpointError, match="attention_bias"):
+        LlamaConfig.from_hf({**base, "attention_bias": True})
+    with pytest.raises(CheckpointError, match="hidden_act 'gelu'"):
+        LlamaConfig.from_hf({**base, "hidden_act": "gelu"})
+    with pytest.raises(ValueError, match="multiple of num_key_value_heads"):
+        LlamaConfig.from_hf({**base, "num_key_value_heads": 3})
+
+
+def test_bad_generation_input(ckpt):
+    path, _ = ckpt
+    model = Llama.from_pretrained(path)
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        generate(model, [[1, 2], []], 4, progress=False)
+    with pytest.raises(ValueError, match="prompt 0 is empty"):
+        model.prefill([[]], model.new_cache(1, 8))
+    with pytest.raises(ValueError, match=r"outside \[0, 128\): \[128\]"):
+        generate(model, [[1, 128]], 4, progress=False)
+    cache = model.new_cache(2, 20)
+    with pytest.raises(CacheOverflowError, match="prompt 1 has 13 tokens; with max_new_tokens=8 it needs 21"):
+        generate(model, PROMPTS, 8, cache=cache, progress=False)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        generate(model, PROMPTS, 0, progress=False)
+    with pytest.raises(ValueError, match="temperature"):
+        generate(model, PROMPTS, 2, do_sample=True, temperature=0.0, progress=False)
+    with pytest.raises(ValueError, match="unknown prefill method 'zigzag'"):
+        model.prefill(PROMPTS, cache, method="zigzag")
+
+
+def test_sampling_seeded_and_filtered(ckpt):
+    path, _ = ckpt
+    model = Llama.from_pretrained(path)
+    kw = dict(do_sample=True, temperature=1.5, top_k=20, top_p=0.9, progress=False)
+    a = generate(model, PROMPTS, 8, seed=7, **kw).tokens
+    b = generate(model, PROMPTS, 8, seed=7, **kw).tokens
+    c = generate(model, PROMPTS, 8, seed=8, **kw).tokens
+    assert a == b and a != c
+    stop = a[0][2]
+    d = generate(model, PROMPTS, 8, seed=7, stop_token_ids=[stop], **kw).tokens
+    assert d[0] == a[0][: a[0].index(stop) + 1]
+
+
+def test_sample_next_filters():
+    from megatron_tree.generate import sample_next
+
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(0))
+    g = torch.Generator().manual_seed(0)
+    greedy = logits.argmax(-1)
+    assert torch.equal(sample_next(logits, do_sample=True, top_k=1, generator=g), greedy)
+    assert torch.equal(sample_next(logits, do_sample=True, top_p=1e-6, generator=g), greedy)
+    top3 = torch.topk(logits, 3, dim=-1).indices
+    draws = torch.stack([sample_next(logits, do_sample=True, top_k=3, generator=g) for _ in range(50)], 1)
+    assert all(set(draws[b].tolist()) <= set(top3[b].tolist()) for b in range(3))
+    assert any(len(set(draws[b].tolist())) > 1 for b in range(3))
