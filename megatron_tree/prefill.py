@@ -157,7 +157,8 @@ def allgather_prefill(
         parts = [torch.empty_like(t) for _ in range(groups.size)]
         dist.all_gather(parts, t, group=groups.cp_group)
         gathered.append(torch.cat(parts, dim=1))
-    out, _ = _local(q, *gathered, q_pos, softmax_scale, backend)
+    k_all, v_all, kp_all = gathered
+    out, _ = _local(q, k_all, v_all, q_pos, kp_all, softmax_scale, backend)
     return out.to(q.dtype)
 
 

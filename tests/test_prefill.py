@@ -1,0 +1,103 @@
+"""Ring and all-gather CP prefill against single-process causal attention, on real gloo ranks.
+
+One 4-rank run covers CP = 4, CP = 3 (beside a CP = 1 group) and CP = 2 x 2 groups, both
+cache layouts, GQA, rows of different lengths (one so short that some ranks hold none of
+it), in float64 so the comparison is tight.
+"""
+
+import pytest
+import torch
+
+from distributed import run_ranks
+from megatron_tree.cache import prefill_ranges
+from megatron_tree.reference import partial_attention
+
+LENGTHS = [11, 2, 7]  # uneven shares; row 1 leaves some ranks of CP >= 3 empty
+HQ, HKV, D = 4, 2, 8
+
+
+def _global_inputs():
+    g = torch.Generator().manual_seed(0)
+    n = max(LENGTHS)
+    q = torch.randn(len(LENGTHS), n, HQ, D, generator=g, dtype=torch.float64)
+    k = torch.randn(len(LENGTHS), n, HKV, D, generator=g, dtype=torch.float64)
+    v = torch.randn(len(LENGTHS), n, HKV, D, generator=g, dtype=torch.float64)
+    return q, k, v
+
+
+def _reference(q, k, v):
+    """Single-process causal attention per row (each row alone, no padding)."""
+    outs = []
+    for b, n in enumerate(LENGTHS):
+        pos = torch.arange(n)[None]
+        o, _ = partial_attention(q[b:b + 1, :n], k[b:b + 1, :n], v[b:b + 1, :n], q_positions=pos, k_positions=pos)
+        outs.append(o[0])
+    return outs
+
+
+def _local(t, positions):
+    """This rank's tokens of t (B, N, H, D) at positions (B, S) (-1 = padding -> zeros)."""
+    idx = positions.clamp(min=0)
+    out = torch.gather(t, 1, idx[:, :, None, None].expand(-1, -1, t.shape[2], t.shape[3]))
+    return out * (positions >= 0)[:, :, None, None]
+
+
+def _rank_fn(rank, world):
+    from megatron_tree.prefill import allgather_prefill, ring_prefill
+    from megatron_tree.topology import TreeGroups
+
+    q, k, v = _global_inputs()
+    ref = _reference(q, k, v)
+    layouts = {
+        "cp4": None,
+        "cp3+cp1": [[0, 1, 2], [3]],
+        "cp2x2": [[0, 1], [2, 3]],
+    }
+    worst = {}
+    for name, ranks in layouts.items():
+        groups = TreeGroups.build(ranks)
+        p, me = groups.size, groups.rank
+        for layout in ("load_balanced", "contiguous"):
+            plans = [prefill_ranges(n, p, layout)[me] for n in LENGTHS]
+            width = max(sum(e - s for s, e in prefill_ranges(n, p, layout)[r]) for n in LENGTHS for r in range(p))
+            # ranks pad differently on purpose (the functions pad keys to the CP-wide maximum)
+            width = width + (me % 2)
+            pos = torch.full((len(LENGTHS), width), -1, dtype=torch.int64)
+            for b, ranges in enumerate(plans):
+                mine = [i for s, e in ranges for i in range(s, e)]
+                pos[b, : len(mine)] = torch.tensor(mine, dtype=torch.int64)
+            ql, kl, vl = _local(q, pos), _local(k, pos), _local(v, pos)
+            for method, fn in (("ring", ring_prefill), ("allgather", allgather_prefill)):
+                out = fn(ql, kl, vl, pos, pos, groups)
+                err = 0.0
+                for b in range(len(LENGTHS)):
+                    valid = pos[b] >= 0
+                    got = out[b, valid]
+                    want = ref[b][pos[b, valid]]
+                    err = max(err, float((got - want).abs().max()) if got.numel() else 0.0)
+                    assert torch.all(out[b, ~valid] == 0)  # padded queries see nothing
+                worst[f"{name}/{layout}/{method}"] = err
+    return worst
+
+
+def test_ring_and_allgather_prefill_equal_single_process():
+    results = run_ranks(_rank_fn, 4, timeout=240)
+    for rank, worst in enumerate(results):
+        assert len(worst) == 3 * 2 * 2
+        for case, err in worst.items():
+            assert err < 1e-12, f"rank {rank} {case}: max error {err}"
+
+
+def test_single_process_prefill_is_plain_causal_attention():
+    from megatron_tree.prefill import allgather_prefill, cp_prefill, ring_prefill
+
+    q, k, v = _global_inputs()
+    ref = _reference(q, k, v)
+    n = max(LENGTHS)
+    pos = torch.stack([torch.where(torch.arange(n) < m, torch.arange(n), -1) for m in LENGTHS])
+    for fn in (ring_prefill, allgather_prefill):
+        out = fn(q, k, v, pos, pos, None)
+        for b, m in enumerate(LENGTHS):
+            torch.testing.assert_close(out[b, :m], ref[b], rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="unknown prefill method 'zigzag'"):
+        cp_prefill(q, k, v, pos, pos, None, method="zigzag")
