@@ -65,7 +65,7 @@ def map_slurm_env(env) -> dict:
 
 def launcher_name(env) -> str:
     if "TORCHELASTIC_RUN_ID" in env:
-        return "torchrun"
+        return "slurm+torchrun" if "SLURM_PROCID" in env else "torchrun"
     if "CROSS_RANK" in env and "LOCAL_SIZE" in env:
         return "deepspeed"
     if "SLURM_PROCID" in env:
