@@ -210,6 +210,9 @@ class EvalConfig:
     """Greedy decode steps timed per run."""
     warmup_steps: int = 2
     """Untimed decode steps before the timed ones."""
+    allow_beyond_max_position: bool = False
+    """Allow context lengths past the model's ``max_position_embeddings`` (speed and
+    exactness runs; RoPE extrapolates, answer quality is not meaningful there)."""
     prefill_method: Literal["ring", "allgather"] = "ring"
     """Context-parallel prefill."""
     cache_layout: Literal["load_balanced", "contiguous"] = "load_balanced"

@@ -116,10 +116,11 @@ def check_inputs(cfg: RunConfig) -> None:
             raise ConfigError(f"model.path: {m.path!r} has no *.safetensors weights")
         max_pos = _hf_config(m.path).get("max_position_embeddings", max_pos)
     need = max(ev.context_lengths) + ev.warmup_steps + ev.decode_steps + 1
-    if need > max_pos:
+    if need > max_pos and not ev.allow_beyond_max_position:
         raise ConfigError(
             f"eval.context_lengths: the longest run needs {need} positions (context + warmup + decode "
-            f"steps + 1), but the model has max_position_embeddings {max_pos}"
+            f"steps + 1), but the model has max_position_embeddings {max_pos}; shorten it or set "
+            "eval.allow_beyond_max_position=true"
         )
     if ev.passkey.enabled or ev.perplexity.text_file:
         tok = tokenizer_path(cfg)
@@ -539,8 +540,15 @@ def run_eval(cfg: RunConfig, env=None) -> dict | None:
             "level_sizes": {l["name"]: l["size"] for l in topo["levels"]}, "topology": topo,
         }
         resolved = {**to_dict(cfg), "launch": launch}
-        tracker = make_tracker(cfg.wandb, rank=rank, output_dir=str(out_dir), config=resolved,
-                               default_name=f"{cfg.name}-{cp_size}cp")
+        tracker, err = None, [None]
+        try:
+            tracker = make_tracker(cfg.wandb, rank=rank, output_dir=str(out_dir), config=resolved,
+                                   default_name=f"{cfg.name}-{cp_size}cp")
+        except Exception as e:  # noqa: BLE001 -- e.g. wandb online without an API key
+            err = [f"wandb could not start on rank 0: {type(e).__name__}: {e}"]
+        dist.broadcast_object_list(err, src=0)  # so every rank fails, not rank 0 alone
+        if err[0]:
+            raise ConfigError(err[0] + " (set wandb.mode=offline or wandb.enabled=false)")
         model, lcfg = build_model(cfg, groups, device)
         ref = build_reference(model, lcfg, cfg, device) if cfg.eval.exactness.enabled and rank == 0 else None
         ev = cfg.eval
