@@ -26,9 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .merge import merge_into
+from .merge import Launch, merge_launch
 
-__all__ = ["flash_decode", "decode_config", "choose_num_splits", "SUPPORTED_DTYPES", "MAX_HEADDIM",
+__all__ = ["flash_decode", "decode_launches", "decode_config", "choose_num_splits", "SUPPORTED_DTYPES", "MAX_HEADDIM",
            "MAX_BLOCK_M"]
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -57,7 +57,7 @@ def _split_kv_kernel(
     s_kpb, s_kpn,
     s_op, s_ob, s_os, s_oh, s_od,
     s_lp, s_lb, s_lh, s_ls,
-    CAUSAL: tl.constexpr,
+    causal,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -87,7 +87,10 @@ def _split_kv_kernel(
     q_ptrs = (Q + b64 * s_qb + s[:, None].to(tl.int64) * s_qs + head[:, None].to(tl.int64) * s_qh
               + offs_d[None, :] * s_qd)
     q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-    if CAUSAL:
+    # causal is a runtime flag (a uniform branch), not a constexpr: it halves the set of
+    # compiled configurations and costs nothing measurable next to the K/V loads.
+    qpos = tl.zeros([BLOCK_M], tl.int64)
+    if causal:
         qpos = tl.load(QPOS + b64 * s_qpb + s * s_qps, mask=row_ok, other=0)
 
     k_base = K + b64 * s_kb + hkv.to(tl.int64) * s_kh
@@ -103,8 +106,8 @@ def _split_kv_kernel(
         k = tl.load(k_base + n64[:, None] * s_kn + offs_d[None, :] * s_kd, mask=kv_mask, other=0.0)
         k = k.to(tl.float32)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        visible = n_ok[None, :]
-        if CAUSAL:
+        visible = n_ok[None, :] & row_ok[:, None]
+        if causal:
             kpos = tl.load(KPOS + b64 * s_kpb + n64 * s_kpn, mask=n_ok, other=0)
             visible = visible & (kpos[None, :] <= qpos[:, None])
         scores = tl.where(visible, scores, float("-inf"))
@@ -127,30 +130,43 @@ def _split_kv_kernel(
     split64 = split.to(tl.int64)
     o_ptrs = (O + split64 * s_op + b64 * s_ob + s[:, None].to(tl.int64) * s_os
               + head[:, None].to(tl.int64) * s_oh + offs_d[None, :] * s_od)
-    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(o_ptrs, out, mask=row_ok[:, None] & d_ok[None, :])
     tl.store(LSE + split64 * s_lp + b64 * s_lb + head * s_lh + s * s_ls, lse, mask=row_ok)
+
+
+@functools.lru_cache(maxsize=None)
+def _no_positions(device: torch.device) -> torch.Tensor:
+    """A one-element int64 placeholder passed as the position pointers of non-causal calls."""
+    return torch.zeros(1, dtype=torch.int64, device=device)
 
 
 def decode_config(headdim: int, rows: int, dtype: torch.dtype) -> dict:
     """Launch constants for one call: tile sizes, warps, stages and the dot precision.
 
     headdim: D; rows: query rows per KV head (GQA group size x Sq). Head dims that are not a
-    power of two (80, 96) are padded to the next one and masked. The set of configurations
-    this function can return is what ``tests/test_aot.py`` compiles for sm_80 and sm_90.
+    power of two (80, 96) are padded to the next one and masked; head dims below 64 are
+    padded to 64. Query rows come in tiles of 16 (decode with GQA groups up to 16) or 64
+    (larger groups, several query tokens; fp16/bf16 only). These few choices keep the set of configurations
+    small enough that ``tests/test_aot.py`` compiles every one of them for sm_80 and sm_90.
     """
     if not 1 <= headdim <= MAX_HEADDIM:
         raise ValueError(f"flash_decode kernel supports head dims 1..{MAX_HEADDIM}, got {headdim}")
     if dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"flash_decode kernel supports {SUPPORTED_DTYPES}, got {dtype}")
-    block_d = max(16, triton.next_power_of_2(headdim))
-    block_m = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(rows)))
+    block_d = max(64, triton.next_power_of_2(headdim))
+    # fp32 input (not the performance path) keeps 16-row tiles: a 64 x 256 fp32 query tile
+    # split for tf32x3 overflows an A100's shared memory.
+    block_m = 16 if rows <= 16 or dtype == torch.float32 else MAX_BLOCK_M
     return {
         "BLOCK_M": block_m,
-        "BLOCK_N": 64 if block_d <= 128 else 32,
+        # K/V tiles of BLOCK_N x BLOCK_D live in registers as fp32: halve them for wide
+        # tiles and for fp32 input (whose shared-memory staging is twice as large).
+        "BLOCK_N": (64 if block_d * block_m <= 128 * 16 else 32) // (2 if dtype == torch.float32 else 1),
         "BLOCK_D": block_d,
-        # fp32 input: full-precision dot. fp16/bf16 converted to fp32 are exact in tf32.
-        "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32",
-        "num_warps": 4,
+        # fp16/bf16 converted to fp32 are exact in tf32; fp32 input needs the 3-pass tf32
+        # split (fp32-accurate on tensor cores; "ieee" spills registers at these tile sizes).
+        "DOT_PRECISION": "tf32x3" if dtype == torch.float32 else "tf32",
+        "num_warps": 4 if block_m == 16 else 8,
         "num_stages": 2,
     }
 
@@ -202,6 +218,22 @@ def flash_decode(
     returns out: (batch, seqlen_q, nheads_q, headdim) in q.dtype, zero where no key is visible
             lse: (batch, nheads_q, seqlen_q) float32, natural log, -inf where no key is visible
     """
+    out, lse, launches = decode_launches(
+        q, k, v, cache_seqlens=cache_seqlens, softmax_scale=softmax_scale, q_positions=q_positions,
+        k_positions=k_positions, num_splits=num_splits, block_n=block_n,
+    )
+    for launch in launches:
+        launch.run()
+    return out, lse
+
+
+def decode_launches(q, k, v, *, cache_seqlens=None, softmax_scale=None, q_positions=None,
+                    k_positions=None, num_splits=None, block_n=None):
+    """Allocate the outputs and build (without running) the kernel launches of one decode call.
+
+    Same arguments and shapes as :func:`flash_decode`; returns ``(out, lse, launches)``.
+    Split out so that ``tests/test_aot.py`` compiles exactly what a real call would launch.
+    """
     b, sq, hq, d = q.shape
     n, hkv = k.shape[1], k.shape[2]
     g = hq // hkv
@@ -213,17 +245,19 @@ def flash_decode(
     out = torch.empty((b, sq, hq, d), dtype=q.dtype, device=dev)
     lse = torch.empty((b, hq, sq), dtype=torch.float32, device=dev)
     if b * sq * hq == 0:
-        return out, lse
+        return out, lse, []
     if cache_seqlens is None:
         cache_seqlens = torch.full((b,), n, dtype=torch.int32, device=dev)
     causal = q_positions is not None
     if causal:
-        q_pos = q_positions
-        k_pos = k_positions if k_positions.dim() == 2 else k_positions[None, :]
+        q_pos = q_positions.to(torch.int64)
+        k_pos = k_positions.to(torch.int64)
+        k_pos = k_pos if k_pos.dim() == 2 else k_pos[None, :]
         s_qp = q_pos.stride()
         s_kp = (k_pos.stride(0) if k_pos.shape[0] == b and b > 1 else 0, k_pos.stride(1))
     else:
-        q_pos, k_pos, s_qp, s_kp = cache_seqlens, cache_seqlens, (0, 0), (0, 0)
+        q_pos = k_pos = _no_positions(dev)
+        s_qp = s_kp = (0, 0)
 
     m_blocks = triton.cdiv(g * sq, cfg["BLOCK_M"])
     programs = b * hkv * m_blocks
@@ -234,24 +268,19 @@ def flash_decode(
     chunk = triton.cdiv(triton.cdiv(max(n, 1), num_splits), cfg["BLOCK_N"]) * cfg["BLOCK_N"]
     num_splits = triton.cdiv(max(n, 1), chunk)
 
-    if num_splits == 1:  # the single split is the final state: write it in place
-        o_part, lse_part = out, lse
-        s_o = (0, *out.stride())
-        s_l = (0, *lse.stride())
-    else:
-        o_part = torch.empty((num_splits, b, sq, hq, d), dtype=torch.float32, device=dev)
-        lse_part = torch.empty((num_splits, b, hq, sq), dtype=torch.float32, device=dev)
-        s_o, s_l = o_part.stride(), lse_part.stride()
+    # Partials are always fp32, also for a single split (then the combine is just the cast to
+    # q.dtype): one pointer type per input dtype keeps the compiled set small (test_aot.py).
+    o_part = torch.empty((num_splits, b, sq, hq, d), dtype=torch.float32, device=dev)
+    lse_part = torch.empty((num_splits, b, hq, sq), dtype=torch.float32, device=dev)
 
-    _split_kv_kernel[(programs, num_splits)](
-        q, k, v, cache_seqlens, q_pos, k_pos, o_part, lse_part,
-        scale * LOG2E,
-        n, d, sq, g, hkv, chunk, m_blocks,
-        *q.stride(), *k.stride(), *v.stride(), *s_qp, *s_kp, *s_o, *s_l,
-        CAUSAL=causal, DOT_PRECISION=cfg["DOT_PRECISION"],
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    split = Launch(
+        _split_kv_kernel, (programs, num_splits),
+        (q, k, v, cache_seqlens, q_pos, k_pos, o_part, lse_part,
+         scale * LOG2E,
+         n, d, sq, g, hkv, chunk, m_blocks,
+         *q.stride(), *k.stride(), *v.stride(), *s_qp, *s_kp, *o_part.stride(), *lse_part.stride(),
+         int(causal)),
+        {"DOT_PRECISION": cfg["DOT_PRECISION"], "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"],
+         "BLOCK_D": cfg["BLOCK_D"], "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]},
     )
-    if num_splits > 1:
-        merge_into(o_part, lse_part, out, lse)
-    return out, lse
+    return out, lse, [split, merge_launch(o_part, lse_part, out, lse)]

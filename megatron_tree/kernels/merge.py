@@ -14,11 +14,13 @@ the grid. No torch.distributed here.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["merge_states", "merge_into", "MERGE_BLOCK_P", "merge_config", "SUPPORTED_DTYPES"]
+__all__ = ["merge_states", "merge_launch", "Launch", "MERGE_BLOCK_P", "merge_config", "SUPPORTED_DTYPES"]
 
 MERGE_BLOCK_P = 16
 """Partial states read per loop iteration (a fixed tile: P is small and padding is masked)."""
@@ -80,30 +82,45 @@ def _merge_kernel(
 
 
 def merge_config(headdim: int) -> dict:
-    """Launch constants for a head dim: ``BLOCK_D`` (next power of two, >= 16) and ``num_warps``."""
+    """Launch constants for a head dim: ``BLOCK_D`` (next power of two, >= 64, as in
+    ``flash_decode.decode_config``) and ``num_warps``."""
     if not 1 <= headdim <= MAX_HEADDIM:
         raise ValueError(f"merge kernel supports head dims 1..{MAX_HEADDIM}, got {headdim}")
-    block_d = max(16, triton.next_power_of_2(headdim))
+    block_d = max(64, triton.next_power_of_2(headdim))
     return {"BLOCK_P": MERGE_BLOCK_P, "BLOCK_D": block_d, "num_warps": 1 if block_d <= 64 else 2}
 
 
-def merge_into(outs: torch.Tensor, lses: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
-    """Write the merge of P partial states into ``out`` and ``lse`` (any strides).
+class Launch(NamedTuple):
+    """One kernel launch, built but not run: ``kernel[grid](*args, **kwargs)``.
+
+    Launchers return these so that ``tests/test_aot.py`` can compile, for sm_80 and sm_90,
+    exactly the specialisations a real call launches.
+    """
+
+    kernel: object
+    grid: tuple
+    args: tuple
+    kwargs: dict
+
+    def run(self) -> None:
+        self.kernel[self.grid](*self.args, **self.kwargs)
+
+
+def merge_launch(outs: torch.Tensor, lses: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> Launch:
+    """The launch that writes the merge of P partial states into ``out`` and ``lse`` (any strides).
 
     outs: (P, batch, seqlen_q, nheads_q, headdim) fp16/bf16/fp32
     lses: (P, batch, nheads_q, seqlen_q) float32, natural log, -inf for an empty state
-    out: (batch, seqlen_q, nheads_q, headdim) any supported dtype (written)
+    out: (batch, seqlen_q, nheads_q, headdim) fp16/bf16/fp32 (written)
     lse: (batch, nheads_q, seqlen_q) float32 (written)
     """
     p, b, sq, hq, d = outs.shape
-    if b * sq * hq == 0:
-        return
     cfg = merge_config(d)
-    _merge_kernel[(b * sq * hq,)](
-        outs, lses, out, lse,
-        p, sq, hq, d,
-        *outs.stride(), *lses.stride(), *out.stride(), *lse.stride(),
-        BLOCK_P=cfg["BLOCK_P"], BLOCK_D=cfg["BLOCK_D"], num_warps=cfg["num_warps"],
+    return Launch(
+        _merge_kernel, (b * sq * hq,),
+        (outs, lses, out, lse, p, sq, hq, d,
+         *outs.stride(), *lses.stride(), *out.stride(), *lse.stride()),
+        {"BLOCK_P": cfg["BLOCK_P"], "BLOCK_D": cfg["BLOCK_D"], "num_warps": cfg["num_warps"]},
     )
 
 
@@ -111,7 +128,7 @@ def merge_states(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, 
     """Merge P partial states exactly, like ``reference.merge_states``.
 
     outs: (P, batch, seqlen_q, nheads_q, headdim) fp16/bf16/fp32, any strides
-    lses: (P, batch, nheads_q, seqlen_q) natural log, -inf for an empty state
+    lses: (P, batch, nheads_q, seqlen_q) natural log, -inf for an empty state (read as float32)
     returns out: (batch, seqlen_q, nheads_q, headdim) in outs.dtype (0 where every state is
             empty), lse: (batch, nheads_q, seqlen_q) float32 (-inf where every state is empty)
     """
@@ -128,8 +145,8 @@ def merge_states(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, 
     if outs.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"Triton merge_states supports {SUPPORTED_DTYPES} outputs, got {outs.dtype}; "
                         "use backend='torch' for other dtypes")
-    if not lses.is_floating_point() or lses.dtype == torch.float64:
-        raise TypeError(f"lses must be float32 (natural log), got {lses.dtype}")
+    if not lses.is_floating_point():
+        raise TypeError(f"lses must be a float tensor (natural log), got {lses.dtype}")
     if outs.device != lses.device:
         raise ValueError(f"outs is on {outs.device} but lses is on {lses.device}")
     if p == 0:
@@ -138,5 +155,6 @@ def merge_states(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, 
         return outs[0], lses[0].to(torch.float32)
     out = torch.empty((b, sq, hq, d), dtype=outs.dtype, device=outs.device)
     lse = torch.empty((b, hq, sq), dtype=torch.float32, device=outs.device)
-    merge_into(outs, lses, out, lse)
+    if b * sq * hq:
+        merge_launch(outs, lses.to(torch.float32), out, lse).run()
     return out, lse
