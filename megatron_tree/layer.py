@@ -71,11 +71,14 @@ class RotaryEmbedding:
 
     def __init__(self, head_dim: int, theta: float, scaling: dict | None = None):
         self.head_dim = head_dim
-        self.inv_freq = rope_inv_freq(head_dim, theta, scaling)  # float32, CPU; moved on use
+        self.inv_freq = rope_inv_freq(head_dim, theta, scaling)  # float32, CPU
+        self._on_device: dict = {}  # device -> inv_freq there, copied once
 
     def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: (batch, seqlen) integer -> cos, sin: (batch, seqlen, 1, head_dim) in dtype."""
-        inv = self.inv_freq.to(positions.device)
+        inv = self._on_device.get(positions.device)
+        if inv is None:
+            inv = self._on_device.setdefault(positions.device, self.inv_freq.to(positions.device))
         freqs = positions.clamp(min=0).to(torch.float32)[..., None] * inv  # (b, s, d/2), fp32
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos().to(dtype)[:, :, None, :], emb.sin().to(dtype)[:, :, None, :]

@@ -110,9 +110,10 @@ def ring_prefill(
         reqs, incoming = [], None
         if step < p - 1:  # the next block travels while this one is computed
             incoming = tuple(torch.empty_like(t) for t in block)
-            for t_send, t_recv in zip(block, incoming):
-                reqs.append(dist.isend(t_send, dst=nxt, group=groups.cp_group))
-                reqs.append(dist.irecv(t_recv, src=prv, group=groups.cp_group))
+            # One batch of isend/irecv: NCCL would deadlock on a ring of separate blocking pairs.
+            p2p = [dist.P2POp(dist.isend, t, nxt, groups.cp_group) for t in block]
+            p2p += [dist.P2POp(dist.irecv, t, prv, groups.cp_group) for t in incoming]
+            reqs = dist.batch_isend_irecv(p2p)
         bk, bv, bp = block
         if bp.numel() and int(bp.min()) <= q_last:  # else every key is in the future: skip
             out, lse = _local(q, bk, bv, q_pos, bp, softmax_scale, backend)

@@ -368,14 +368,13 @@ class Llama(nn.Module):
             if len(p) == 0:
                 raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
         lengths = [len(p) for p in prompts]
-        local_pos = cache.start_prefill(lengths)  # (B, S) global positions, -1 = padding
-        dev = self.device
+        self._check_ids(torch.as_tensor([t for p in prompts for t in p], dtype=torch.int64), "prompts")
+        local_pos = cache.start_prefill(lengths).cpu()  # (B, S) global positions, -1 = padding
         ids = torch.zeros(local_pos.shape, dtype=torch.int64)
         for b, p in enumerate(prompts):
-            row = torch.as_tensor(list(p), dtype=torch.int64)
             valid = local_pos[b] >= 0
-            ids[b, valid] = row[local_pos[b, valid].cpu()]
-        self._check_ids(torch.as_tensor([t for p in prompts for t in p], dtype=torch.int64), "prompts")
+            ids[b, valid] = torch.as_tensor(list(p), dtype=torch.int64)[local_pos[b, valid]]
+        dev = self.device
         ids, local_pos = ids.to(dev), local_pos.to(dev)
 
         x = self.model.embed_tokens(ids)
