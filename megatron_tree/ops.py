@@ -1,20 +1,30 @@
-"""Backend choice for the local decode and the local merge.
+"""Backend choice for the local decode and the local merge, registered as torch custom ops.
 
 Invariant: callers above this layer never name a backend implementation; they call
 :func:`flash_decode` / :func:`merge_states` here and get the same contract (DESIGN.md
-section 3) from the Triton kernels on CUDA tensors and from ``reference.py`` on CPU.
-The environment variable ``MEGATRON_TREE_BACKEND`` (``torch`` or ``triton``) forces a
-backend, as does the ``backend=`` argument.
+section 3) from the Triton kernels (``kernels/``) on CUDA tensors and from the torch path
+(``torch_decode.py``, checked against ``reference.py``) on CPU. The environment variable
+``MEGATRON_TREE_BACKEND`` (``torch`` or ``triton``) forces a backend, as does the
+``backend=`` argument; ``triton`` on CPU tensors runs the Triton interpreter and needs
+``TRITON_INTERPRET=1`` set before ``megatron_tree.kernels`` is imported.
+
+Both entry points go through ``torch.library`` custom ops (``megatron_tree::flash_decode``,
+``megatron_tree::merge_states``) with fake implementations, so ``torch.compile`` captures a
+decode step as one opaque node (no graph break) and CUDA graphs can record it: on CUDA
+the launch path does no host-device synchronisation (``cache_seqlens`` values are clamped
+in the kernel rather than checked on the host).
 """
 
 from __future__ import annotations
 
 import os
-from typing import Literal
+from typing import Literal, Optional
 
 import torch
 
-from . import reference
+from . import reference, torch_decode
+
+__all__ = ["flash_decode", "merge_states", "resolve_backend", "BACKENDS", "ENV_BACKEND"]
 
 Backend = Literal["torch", "triton"]
 BACKENDS = ("torch", "triton")
@@ -37,6 +47,85 @@ def resolve_backend(device: torch.device, backend: str | None = None) -> str:
     return choice
 
 
+def _check_seqlens_meta(cache_seqlens: torch.Tensor, q: torch.Tensor) -> None:
+    """Shape/dtype/device checks of cache_seqlens that need no device sync (CUDA, tracing)."""
+    b = q.shape[0]
+    if not isinstance(cache_seqlens, torch.Tensor):
+        raise TypeError(f"cache_seqlens must be an int32 tensor of shape ({b},), got {type(cache_seqlens).__name__}")
+    if cache_seqlens.dtype != torch.int32:
+        raise TypeError(f"cache_seqlens must be int32, got {cache_seqlens.dtype}")
+    if tuple(cache_seqlens.shape) != (b,):
+        raise ValueError(f"cache_seqlens must have shape ({b},) (one per batch row), got {tuple(cache_seqlens.shape)}")
+    if cache_seqlens.device != q.device:
+        raise ValueError(f"cache_seqlens is on {cache_seqlens.device} but q is on {q.device}")
+
+
+def _check(q, k, v, cache_seqlens, q_positions, k_positions) -> None:
+    # Value checks (cache_seqlens within [0, N]) read the tensor: only on CPU and outside
+    # tracing. On CUDA they would synchronise every step and break CUDA-graph capture.
+    by_value = q.device.type == "cpu" and not torch.compiler.is_compiling()
+    reference.check_decode_inputs(q, k, v, cache_seqlens if by_value else None, q_positions, k_positions)
+    if cache_seqlens is not None and not by_value:
+        _check_seqlens_meta(cache_seqlens, q)
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@torch.library.custom_op("megatron_tree::flash_decode", mutates_args=())
+def _flash_decode_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache_seqlens: Optional[torch.Tensor],
+    softmax_scale: Optional[float],
+    q_positions: Optional[torch.Tensor],
+    k_positions: Optional[torch.Tensor],
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    kwargs = dict(cache_seqlens=cache_seqlens, softmax_scale=softmax_scale,
+                  q_positions=q_positions, k_positions=k_positions)
+    if backend == "triton":
+        from .kernels import flash_decode as kernel  # imported lazily: needs triton
+
+        return kernel.flash_decode(q, k, v, **kwargs)
+    return torch_decode.flash_decode(q, k, v, **kwargs)
+
+
+@_flash_decode_op.register_fake
+def _flash_decode_fake(q, k, v, cache_seqlens, softmax_scale, q_positions, k_positions, backend):
+    b, sq, hq, d = q.shape
+    return q.new_empty((b, sq, hq, d)), q.new_empty((b, hq, sq), dtype=_acc_dtype(q.dtype))
+
+
+@torch.library.custom_op("megatron_tree::merge_states", mutates_args=())
+def _merge_states_op(outs: torch.Tensor, lses: torch.Tensor, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if backend == "triton":
+        from .kernels import merge as kernel
+
+        out, lse = kernel.merge_states(outs, lses)
+    else:
+        out, lse = reference.merge_states(outs, lses)
+    if outs.shape[0] == 1:  # P = 1 returns views of the inputs; a custom op may not alias them
+        out, lse = out.clone(), lse.clone()
+    return out, lse
+
+
+@_merge_states_op.register_fake
+def _merge_states_fake(outs, lses, backend):
+    _, b, sq, hq, d = outs.shape
+    return outs.new_empty((b, sq, hq, d)), lses.new_empty((b, hq, sq), dtype=_acc_dtype(outs.dtype))
+
+
+def _kernel_backend(name: str, dtype: torch.dtype, forced: bool) -> str:
+    # The kernels cover fp16/bf16/fp32; float64 on CUDA quietly takes the torch path unless a
+    # backend was forced (then the kernel's error names the dtype).
+    if name == "triton" and dtype == torch.float64 and not forced:
+        return "torch"
+    return name
+
+
 def flash_decode(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -54,26 +143,22 @@ def flash_decode(
     returns out: (batch, seqlen_q, nheads_q, headdim) in q.dtype,
             lse: (batch, nheads_q, seqlen_q) float32, natural log, -inf where no key is visible
     """
-    reference.check_decode_inputs(q, k, v, cache_seqlens, q_positions, k_positions)
-    name = resolve_backend(q.device, backend)
-    if name == "triton":
-        from .kernels import flash_decode as kernel  # imported lazily: needs triton
-
-        return kernel.flash_decode(
-            q, k, v, cache_seqlens=cache_seqlens, softmax_scale=softmax_scale,
-            q_positions=q_positions, k_positions=k_positions,
-        )
-    return reference.partial_attention(
-        q, k, v, cache_seqlens=cache_seqlens, softmax_scale=softmax_scale,
-        q_positions=q_positions, k_positions=k_positions,
-    )
+    _check(q, k, v, cache_seqlens, q_positions, k_positions)
+    forced = backend is not None or bool(os.environ.get(ENV_BACKEND))
+    name = _kernel_backend(resolve_backend(q.device, backend), q.dtype, forced)
+    return _flash_decode_op(q, k, v, cache_seqlens, softmax_scale, q_positions, k_positions, name)
 
 
 def merge_states(outs: torch.Tensor, lses: torch.Tensor, *, backend: str | None = None):
-    """Merge P partial states: outs (P, B, Sq, Hq, D), lses (P, B, Hq, Sq) -> (out, lse)."""
-    name = resolve_backend(outs.device, backend)
-    if name == "triton":
-        from .kernels import merge as kernel
+    """Merge P partial states: outs (P, B, Sq, Hq, D), lses (P, B, Hq, Sq) -> (out, lse).
 
-        return kernel.merge_states(outs, lses)
-    return reference.merge_states(outs, lses)
+    out: (B, Sq, Hq, D) in outs.dtype; lse: (B, Hq, Sq) float32 (float64 for float64 input).
+    """
+    if outs.dim() != 5 or lses.dim() != 4:
+        raise ValueError(
+            f"merge_states expects outs (P, B, Sq, Hq, D) and lses (P, B, Hq, Sq), "
+            f"got {tuple(outs.shape)} and {tuple(lses.shape)}"
+        )
+    forced = backend is not None or bool(os.environ.get(ENV_BACKEND))
+    name = _kernel_backend(resolve_backend(outs.device, backend), outs.dtype, forced)
+    return _merge_states_op(outs, lses, name)

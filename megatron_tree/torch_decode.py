@@ -1,0 +1,87 @@
+"""Fast pure-torch decode: the CPU hot path behind ``ops.flash_decode(backend="torch")``.
+
+Invariant: reads each row's valid K and V exactly once, in place -- no copy, no GQA
+expansion, no mask tensor over the padded cache -- and returns the same partial state
+``(out, lse)`` as ``reference.partial_attention`` (the oracle it is tested against; that
+one stays simple and obviously right, this one is fast). Decode is memory-bound: one query
+token reads the whole cache, so the only thing that matters on CPU is streaming K and V at
+full bandwidth. The layout ``(batch, seqlen, heads, headdim)`` lets every KV head be a
+BLAS-compatible strided matrix (row stride ``Hkv * D``), so per batch row two batched
+matmuls over the KV heads do all the work:
+
+    scores = (q grouped by KV head) @ K_h^T     # (Hkv, G*Sq, L): G query heads share K_h
+    out    = softmax(scores) @ V_h
+
+torch SDPA on the same input reads the cache at about half the bandwidth on this CPU
+(ENV.md), and with ``enable_gqa`` or expanded KV it materialises more. Slicing each row to
+its ``cache_seqlens`` also skips the padded tail entirely instead of masking it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["flash_decode"]
+
+
+def flash_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    cache_seqlens: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    q_positions: torch.Tensor | None = None,
+    k_positions: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q over one KV shard (inputs already validated by ``ops``).
+
+    q: (batch, seqlen_q, nheads_q, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim),
+        any strides; nheads_q % nheads_kv == 0
+    cache_seqlens: (batch,) int32, valid keys per row (0 allowed)
+    q_positions: (batch, seqlen_q), k_positions: (batch, seqlen_k) or (seqlen_k,) integers;
+        key j is visible to query i iff k_pos[j] <= q_pos[i]
+    returns out: (batch, seqlen_q, nheads_q, headdim) in q.dtype, zero where no key is visible
+            lse: (batch, nheads_q, seqlen_q) float32 (float64 for float64 input), natural log,
+                 -inf where no key is visible
+    """
+    b, sq, hq, d = q.shape
+    n, hkv = k.shape[1], k.shape[2]
+    g = hq // hkv
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    out = torch.empty((b, sq, hq, d), dtype=q.dtype, device=q.device)
+    lse = torch.empty((b, hq, sq), dtype=acc, device=q.device)
+    lens = cache_seqlens.tolist() if cache_seqlens is not None else [n] * b
+    if k_positions is not None and k_positions.dim() == 1:
+        k_positions = k_positions[None, :].expand(b, n)
+
+    for i in range(b):
+        length = lens[i]
+        if length == 0:
+            out[i].zero_()
+            lse[i].fill_(float("-inf"))
+            continue
+        # Query rows r = g_idx * sq + s of KV head h: query head h * g + g_idx, token s.
+        qg = (q[i].to(acc) * scale).reshape(sq, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * sq, d)
+        kt = k[i, :length].permute(1, 2, 0)  # (hkv, d, L) strided view, no copy
+        vt = v[i, :length].transpose(0, 1)  # (hkv, L, d) strided view, no copy
+        if kt.dtype != acc:  # fp16/bf16 on CPU: accumulate in fp32 (costs a conversion)
+            kt, vt = kt.to(acc), vt.to(acc)
+        s = torch.bmm(qg, kt)  # (hkv, g*sq, L)
+        if q_positions is not None:
+            visible = k_positions[i, :length][None, :] <= q_positions[i][:, None]  # (sq, L)
+            s.masked_fill_(~visible.repeat(g, 1), float("-inf"))
+        m = s.amax(dim=-1, keepdim=True)
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        s.sub_(m).exp_()  # exp(-inf) = 0 for hidden keys
+        den = s.sum(dim=-1, keepdim=True)
+        has = den > 0
+        o = torch.bmm(s, vt) / torch.where(has, den, torch.ones_like(den))  # (hkv, g*sq, d)
+        row_lse = torch.where(has, m + torch.log(torch.where(has, den, torch.ones_like(den))),
+                              torch.full_like(den, float("-inf")))
+        out[i] = o.reshape(hkv, g, sq, d).permute(2, 0, 1, 3).reshape(sq, hq, d)
+        lse[i] = row_lse.reshape(hkv, g, sq).reshape(hq, sq)
+    return out, lse
