@@ -208,8 +208,9 @@ def build_reference(model, lcfg, cfg: RunConfig, device):
 
     from .models.llama import Llama
 
-    # Built on the CPU, then pointed at the model's tensors: no second copy stays alive.
-    ref = Llama(lcfg, groups=None, dtype=getattr(torch, cfg.model.dtype))
+    # Built on the meta device and pointed at the model's tensors: no second copy of the weights.
+    with torch.device("meta"):
+        ref = Llama(lcfg, groups=None, dtype=getattr(torch, cfg.model.dtype))
     ref.load_state_dict(model.state_dict(), assign=True)
     return ref.to(device).eval()
 

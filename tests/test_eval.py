@@ -1,0 +1,183 @@
+"""The eval entry point in one process: results.json schema, exactness against the unsharded
+model, wandb offline run inside the output dir, passkey/perplexity with a real (tiny)
+checkpoint and tokenizer, and every bad-config path failing fast with a clear message.
+
+Multi-process runs through the real launchers are in test_launch.py.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron_tree import eval as E
+from megatron_tree.config import load_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["eval.context_lengths=[24, 40]", "eval.batch_sizes=[2]", "eval.strategies=[packed, allgather]",
+        "eval.decode_steps=3", "eval.warmup_steps=1", "eval.progress=false", "topology.intra_size=null"]
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    """No launcher variables: the eval runs as a single process."""
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR",
+                "MASTER_PORT", "TORCHELASTIC_RUN_ID", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_NTASKS_PER_NODE"):
+        monkeypatch.delenv(var, raising=False)
+    return monkeypatch
+
+
+def test_single_process_run_writes_results_plot_and_wandb(tmp_path, clean_env, capsys):
+    out = tmp_path / "run"
+    assert E.main(["--config", os.path.join(ROOT, "configs/cpu_tiny.yaml"), f"output_dir={out}", *TINY,
+                   "eval.exactness.sample_rate=1.0"]) == 0
+    printed = capsys.readouterr().out
+    res = json.loads((out / "results.json").read_text())
+    assert res["schema_version"] == 1
+    assert res["launch"]["world_size"] == 1 and res["launch"]["cp_size"] == 1
+    assert res["launch"]["level_sizes"] == {"intra": 1}
+    assert [(r["context_length"], r["strategy"]) for r in res["runs"]] == [
+        (24, "packed"), (24, "allgather"), (40, "packed"), (40, "allgather")]
+    for r in res["runs"]:
+        assert len(r["step_latency_ms"]) == 3
+        lat = r["decode_latency_ms"]
+        assert 0 < lat["min"] <= lat["p50"] <= lat["p90"] <= lat["p99"] <= lat["max"]
+        assert r["tokens_per_s"] > 0 and r["prefill_s"] > 0
+        assert r["comm_per_step"]["collectives"] == 0  # CP = 1: nothing to merge
+        assert r["peak_memory_kind"] == "cpu_peak_rss" and r["peak_memory_bytes"][0] > 10 * 2**20
+        ex = r["exactness"]
+        assert ex["checked_steps"] == [0, 1, 2, 3]  # sample_rate 1: warmup + timed steps
+        assert ex["within_tolerance"] and ex["max_abs_dlogits"] < 1e-3
+        assert r["tokens_agree_across_ranks"]
+    assert res["exact"] is True and res["max_abs_dlogits"] < 1e-3
+    run_dir = res["wandb"]["run_dir"]
+    assert run_dir.startswith(str(out / "wandb")) and any(f.startswith("run-") and f.endswith(".wandb")
+                                                          for f in os.listdir(run_dir))
+    assert os.path.getsize(res["plot"]) > 1000 and res["plot"].endswith(".png")
+    assert f"results: {out / 'results.json'}" in printed and "plot:" in printed and run_dir in printed
+    assert printed.count("max|dlogits|") == 4  # one summary line per run
+
+
+def test_exactness_catches_a_wrong_model(tmp_path, clean_env, capsys):
+    """The check can fail: a replica with different weights must exceed the tolerance."""
+    import megatron_tree.eval as mod
+
+    real = mod.build_reference
+
+    def perturbed(model, lcfg, cfg, device):
+        ref = real(model, lcfg, cfg, device)  # shares the model's tensors: replace, do not modify
+        ref.model.norm.weight = torch.nn.Parameter(ref.model.norm.weight.detach() * 1.5)
+        return ref
+
+    clean_env.setattr(mod, "build_reference", perturbed)
+    rc = E.main([f"output_dir={tmp_path}", *TINY, "eval.context_lengths=[24]", "eval.strategies=[packed]"])
+    assert rc == 3
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert res["exact"] is False and res["max_abs_dlogits"] > 1e-2
+    assert "FAILED" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, env, fragment", [
+    (["eval.bogus=1"], {}, "unknown key 'eval.bogus'"),
+    (["eval.decode_steps=many"], {}, "eval.decode_steps: expected an integer, got 'many'"),
+    (["topology.intra_size=3"], {"WORLD_SIZE": "4", "RANK": "0"}, "topology.intra_size: 3 does not factor the CP size 4"),
+    (["topology.cp_size=8"], {"WORLD_SIZE": "4", "RANK": "0"}, "topology.cp_size: 8 does not fit the launched world of 4"),
+    (["topology.cp_size=3", "topology.intra_size=null"], {"WORLD_SIZE": "4", "RANK": "0"},
+     "topology.cp_size: 3 does not divide the launched world of 4"),
+    (["model.source=hf", "model.path=/nonexistent/ckpt"], {}, "model.path: checkpoint directory '/nonexistent/ckpt' does not exist"),
+    (["eval.passkey.enabled=true"], {}, "eval.passkey.enabled needs a tokenizer"),
+    (["eval.context_lengths=[70000]"], {}, "eval.allow_beyond_max_position=true"),
+    (["wandb.ds_config=/nonexistent/ds.json"], {}, "wandb.ds_config"),
+])
+def test_bad_config_fails_before_any_process_group(clean_env, capsys, args, env, fragment):
+    for k, v in env.items():
+        clean_env.setenv(k, v)
+    assert E.main(args if env else ["topology.intra_size=null", *args]) == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and fragment in err, err
+    assert not torch.distributed.is_initialized()
+
+
+def test_bad_config_exit_status_from_the_command_line(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    p = subprocess.run([sys.executable, "-m", "megatron_tree.eval", "--config", "configs/cpu_tiny.yaml",
+                        "model.source=hf", f"model.path={tmp_path}", "topology.intra_size=null"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "has no config.json" in p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_helpers():
+    assert E.percentile([3.0, 1.0, 2.0], 50) == 2.0
+    assert E.percentile([1.0, 2.0], 90) == pytest.approx(1.9)
+    env = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_NTASKS_PER_NODE": "2(x2)"}
+    assert E.map_slurm_env(env) == {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
+    assert E.map_slurm_env({**env, "RANK": "0"}) == {}  # torchrun inside srun: leave it alone
+    assert E.check_launch(load_config(None, ["topology.intra_size=2"]), 8) == 8
+    assert E.parse_args(["--local_rank=2", "eval.decode_steps=2"]).overrides == ["eval.decode_steps=2"]
+
+
+# ----------------------------------------------------------------------------- real checkpoint
+
+
+def _tiny_checkpoint(path):
+    """A random Llama saved as a Hugging Face directory, with a byte-level BPE tokenizer.json."""
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from megatron_tree.models.llama import Llama, LlamaConfig
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = ["The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.",
+              "What is the pass key? The pass key is 12345. Remember it."] * 20
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(path / "tokenizer.json"))
+    hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 320, "hidden_size": 32,
+          "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 2048, "hidden_act": "silu",
+          "tie_word_embeddings": False, "bos_token_id": 1, "initializer_range": 0.2}
+    (path / "config.json").write_text(json.dumps(hf))
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig.from_hf(hf))
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path / "model.safetensors"))
+    return model, tok
+
+
+def test_passkey_and_perplexity_with_a_checkpoint(tmp_path, clean_env):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    model, tok = _tiny_checkpoint(ckpt)
+    text = tmp_path / "book.txt"
+    text.write_text("The sky is blue and the grass is green. " * 40)
+    out = tmp_path / "out"
+    rc = E.main(["model.source=hf", f"model.path={ckpt}", f"output_dir={out}", *TINY, "eval.context_lengths=[64]",
+                 "eval.strategies=[packed]", "eval.passkey.enabled=true", "eval.passkey.trials=2",
+                 "eval.passkey.new_tokens=4", f"eval.perplexity.text_file={text}", "eval.perplexity.prefix_tokens=40",
+                 "eval.perplexity.eval_tokens=6", "wandb.enabled=false"])
+    assert rc == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["wandb"]["run_dir"] is None and res["exact"] is True
+    (pk,) = res["passkey"]
+    assert pk["context_length"] == 64 and pk["trials"] == 2 and 0.0 <= pk["accuracy"] <= 1.0
+    assert len(pk["answers"]) == 2 and all(isinstance(a, str) for a in pk["answers"])
+    # Perplexity through CP prefill + decode steps equals the unsharded forward's.
+    ppl = res["perplexity"]
+    ids = [1] + tok.encode(text.read_text(), add_special_tokens=False).ids
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([ids[:46]])).float()[0], -1)
+    nll = -torch.stack([logp[39 + i, ids[40 + i]] for i in range(6)]).mean().item()
+    assert ppl["eval_tokens"] == 6
+    assert ppl["nll"] == pytest.approx(nll, abs=1e-4)
+    assert ppl["perplexity"] == pytest.approx(math.exp(nll), rel=1e-4)
+
+
+def test_checkpoint_without_weights_is_a_clear_error(tmp_path, clean_env, capsys):
+    (tmp_path / "config.json").write_text("{}")
+    assert E.main(["model.source=hf", f"model.path={tmp_path}", "topology.intra_size=null"]) == 2
+    assert "has no *.safetensors weights" in capsys.readouterr().err
