@@ -165,6 +165,11 @@ class ShardedKVCache:
         return [list(row.counts) for row in self._rows]
 
     @property
+    def local_max(self) -> int:
+        """Most tokens of any row held by this rank (host-side: no device sync)."""
+        return max((row.counts[self.cp_rank] for row in self._rows), default=0)
+
+    @property
     def nbytes(self) -> int:
         """Bytes this rank allocated for keys, values and positions."""
         return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.positions, self.seqlens))
@@ -216,7 +221,7 @@ class ShardedKVCache:
         positions; padding entries are ignored.
         """
         s = k.shape[1]
-        n = int(self.seqlens.max()) if self.batch_size else 0
+        n = self.local_max
         if s < n:
             raise ValueError(f"prefill keys cover {s} tokens per row, but this rank keeps up to {n}")
         self.k[layer, :, :n] = k[:, :n].to(self.k.dtype)
@@ -284,5 +289,5 @@ class ShardedKVCache:
         returns k, v: (batch, n, num_kv_heads, head_dim) with ``n = max(seqlens)``; rows
         shorter than n are masked by ``seqlens``.
         """
-        n = int(self.seqlens.max()) if self.batch_size else 0
+        n = self.local_max
         return self.k[layer, :, :n], self.v[layer, :, :n]
