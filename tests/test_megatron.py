@@ -1,6 +1,7 @@
 """Megatron-Core integration: greedy decode through Megatron's inference path at CP = 4, CP [2, 2], CP = 1.
 
-One 4-rank gloo run builds the same tiny GPTModel (local spec, RoPE, GQA, fp32) three times:
+Both Megatron's controller loop driven by hand (to read logits) and
+``StaticInferenceEngine.generate`` are checked. One 4-rank gloo run builds the same tiny GPTModel (local spec, RoPE, GQA, fp32) three times:
 with Megatron's own DotProductAttention at CP = 1 (the baseline), and with
 TreeDotProductAttention at CP = 4 (flat) and CP = 4 with hierarchical sizes [2, 2]. Each
 decodes 16 greedy tokens for a 2-row batch with an odd prompt length (so the 2·CP prefill
@@ -95,6 +96,45 @@ def greedy_decode(model, wrapper_cls, context):
     return inputs["tokens"][:, PROMPT_LEN:end].tolist(), min(margins), logits.tolist()
 
 
+class _IdTokenizer:
+    """Token ids as text ("5 17 3"): all the controller needs from a tokenizer."""
+
+    eod = VOCAB - 1
+    bos = None
+
+    def tokenize(self, text):
+        return [int(t) for t in text.split()]
+
+    def detokenize(self, tokens):
+        return " ".join(str(int(t)) for t in tokens)
+
+
+def engine_generate(model, wrapper_cls, context):
+    """Megatron's StaticInferenceEngine (legacy static batching) + TextGenerationController, greedy."""
+    from megatron.core.inference.engines import StaticInferenceEngine
+    from megatron.core.inference.inference_request import InferenceRequest
+    from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import InferenceWrapperConfig
+    from megatron.core.inference.sampling_params import SamplingParams
+    from megatron.core.inference.text_generation_controllers.text_generation_controller import (
+        TextGenerationController,
+    )
+
+    cfg = InferenceWrapperConfig(
+        hidden_size=HIDDEN, params_dtype=torch.float32, inference_batch_times_seqlen_threshold=-1,
+        padded_vocab_size=VOCAB, inference_max_requests=2, inference_max_seq_length=MAX_LEN,
+    )
+    controller = TextGenerationController(wrapper_cls(model, cfg, context), _IdTokenizer())
+    engine = StaticInferenceEngine(controller, max_batch_size=2, legacy=True)
+    params = SamplingParams(top_k=1, num_tokens_to_generate=NEW_TOKENS, termination_id=-1)
+    requests = [
+        InferenceRequest(request_id=str(i), prompt=_IdTokenizer().detokenize(p), prompt_tokens=p.tolist(),
+                         sampling_params=params)
+        for i, p in enumerate(_prompts())
+    ]
+    done = engine.generate(inference_requests=requests)
+    return [[int(t) for t in r.generated_tokens] for r in done]
+
+
 def decode_parity_rank(rank, world):
     from megatron.core import parallel_state
     from megatron.core.inference.contexts import StaticInferenceContext
@@ -110,21 +150,23 @@ def decode_parity_rank(rank, world):
         mt.initialize_model_parallel(1)
         model = _build_model(1, None, tree=False)
         results["megatron_cp1"] = greedy_decode(model, GPTInferenceWrapper, StaticInferenceContext(2, MAX_LEN))
+        results["megatron_cp1_engine"] = engine_generate(model, GPTInferenceWrapper, StaticInferenceContext(2, MAX_LEN))
         results["megatron_cp1_core"] = type(model.decoder.layers[0].self_attention.core_attention).__name__
         parallel_state.destroy_model_parallel()
 
         for name, cp, hier, strategy in (("tree_cp4", 4, None, "packed"), ("tree_cp2x2", 4, [2, 2], "two_level")):
-            groups = mt.initialize_model_parallel(cp, hier)
+            mt.initialize_model_parallel(cp, hier)
             model = _build_model(cp, hier, tree=True, strategy=strategy)
             stats = CommStats()
             for layer in model.decoder.layers:
                 layer.self_attention.core_attention.comm_stats = stats
             ctx = mt.TreeInferenceContext(2, MAX_LEN, groups=mt.tree_groups_from_megatron(model.pg_collection))
             results[name] = greedy_decode(model, mt.TreeGPTInferenceWrapper, ctx)
-            results[name + "_core"] = type(model.decoder.layers[0].self_attention.core_attention).__name__
             results[name + "_stats"] = (stats.calls, {k: v.collectives for k, v in stats.levels.items()})
-            results[name + "_levels"] = [lvl.size for lvl in ctx.groups.levels]
             results[name + "_shard"] = (ctx.local_len, list(ctx.shard_lens), ctx.capacity)
+            results[name + "_levels"] = [lvl.size for lvl in ctx.groups.levels]
+            results[name + "_core"] = type(model.decoder.layers[0].self_attention.core_attention).__name__
+            results[name + "_engine"] = engine_generate(model, mt.TreeGPTInferenceWrapper, ctx)
             parallel_state.destroy_model_parallel()
     return results
 
@@ -138,6 +180,10 @@ def test_greedy_decode_identical_cp4_hierarchical_and_megatron_cp1():
     assert out[0]["tree_cp4_core"] == out[0]["tree_cp2x2_core"] == "TreeDotProductAttention"
     for r in range(4):
         assert out[r]["megatron_cp1"][0] == base_tokens
+        # The same through StaticInferenceEngine + TextGenerationController (Megatron's generate()).
+        assert out[r]["megatron_cp1_engine"] == base_tokens
+        assert out[r]["tree_cp4_engine"] == base_tokens
+        assert out[r]["tree_cp2x2_engine"] == base_tokens
         for name in ("tree_cp4", "tree_cp2x2"):
             torch.testing.assert_close(torch.tensor(out[r][name][2]), torch.tensor(base_logits), rtol=1e-4, atol=1e-4)
         assert out[r]["tree_cp4"][0] == base_tokens, f"rank {r}: CP=4 decode differs from Megatron CP=1"
