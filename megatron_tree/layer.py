@@ -149,7 +149,8 @@ class TreeAttention(nn.Module):
                                 k_positions=positions, backend=self.backend)
         return self._out(o)
 
-    def prefill(self, x: torch.Tensor, positions: torch.Tensor, cache: ShardedKVCache, method: str = "ring") -> torch.Tensor:
+    def prefill(self, x: torch.Tensor, positions: torch.Tensor, cache: ShardedKVCache, method: str = "ring",
+                stats: CommStats | None = None) -> torch.Tensor:
         """This rank's prompt chunk: exact causal attention over every rank's chunk; fills the cache.
 
         x: (batch, S, hidden) -- this rank's prompt tokens, in the order of
@@ -159,7 +160,7 @@ class TreeAttention(nn.Module):
         q, k, v = self._qkv(x, positions)
         cache.write_prefill(self.layer_idx, k, v)
         o = cp_prefill(q, k, v, positions, positions, self.groups, method=method,
-                       softmax_scale=self.scale, backend=self.backend)
+                       softmax_scale=self.scale, backend=self.backend, stats=stats)
         return self._out(o)
 
     def decode(

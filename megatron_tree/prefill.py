@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from . import ops
+from .comm import CommStats
 from .topology import TreeGroups
 
 __all__ = ["ring_prefill", "allgather_prefill", "cp_prefill", "PREFILL_METHODS"]
@@ -53,9 +54,15 @@ def _pad_keys(k, v, k_pos, length: int):
     return k.contiguous(), v.contiguous(), k_pos.contiguous()
 
 
-def _common_length(n: int, groups: TreeGroups, device) -> int:
+def _nbytes(*ts) -> int:
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+def _common_length(n: int, groups: TreeGroups, device, stats) -> int:
     t = torch.tensor([n], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=groups.cp_group)
+    if stats is not None:
+        stats.record("cp", "all_reduce_max", 8, 2 * (groups.size - 1) * 8 // groups.size)
     return int(t.item())
 
 
@@ -79,6 +86,7 @@ def ring_prefill(
     *,
     softmax_scale: float | None = None,
     backend: str | None = None,
+    stats: CommStats | None = None,
 ) -> torch.Tensor:
     """Causal attention of this rank's queries over all ranks' keys, KV passed around a ring.
 
@@ -91,7 +99,8 @@ def ring_prefill(
     returns out: (batch, seqlen_q, nheads_q, headdim) in q.dtype
 
     Collectives: one all-reduce MAX of seqlen_k, then P-1 rounds of isend/irecv of
-    (k, v, k_pos) to the next/from the previous CP rank.
+    (k, v, k_pos) to the next/from the previous CP rank; recorded in ``stats`` (level
+    ``"cp"``, ops ``all_reduce_max`` and ``send_recv``) when one is given.
     """
     _check(q, k, v, q_pos, k_pos)
     q_pos = q_pos.to(torch.int64)
@@ -99,7 +108,7 @@ def ring_prefill(
         k, v, kp = _pad_keys(k, v, k_pos, k.shape[1])
         return _local(q, k, v, q_pos, kp, softmax_scale, backend)[0].to(q.dtype)
     p, me = groups.size, groups.rank
-    length = _common_length(k.shape[1], groups, q.device)
+    length = _common_length(k.shape[1], groups, q.device, stats)
     k, v, kp = _pad_keys(k, v, k_pos, length)
     nxt, prv = groups.cp_ranks[(me + 1) % p], groups.cp_ranks[(me - 1) % p]
     q_last = int(q_pos.max()) if q_pos.numel() else -1
@@ -114,6 +123,9 @@ def ring_prefill(
             p2p = [dist.P2POp(dist.isend, t, nxt, groups.cp_group) for t in block]
             p2p += [dist.P2POp(dist.irecv, t, prv, groups.cp_group) for t in incoming]
             reqs = dist.batch_isend_irecv(p2p)
+            if stats is not None:
+                n = _nbytes(*block)
+                stats.record("cp", "send_recv", n, n)
         bk, bv, bp = block
         if bp.numel() and int(bp.min()) <= q_last:  # else every key is in the future: skip
             out, lse = _local(q, bk, bv, q_pos, bp, softmax_scale, backend)
@@ -140,30 +152,33 @@ def allgather_prefill(
     *,
     softmax_scale: float | None = None,
     backend: str | None = None,
+    stats: CommStats | None = None,
 ) -> torch.Tensor:
     """Causal attention of this rank's queries over all ranks' keys, after an all-gather of KV.
 
     Shapes as :func:`ring_prefill`. Collectives: one all-reduce MAX of seqlen_k, three
-    all-gathers (k, v, k_pos). Holds every rank's keys at once: P times ring's KV memory.
+    all-gathers (k, v, k_pos), recorded in ``stats`` when one is given. Holds every rank's keys at once: P times ring's KV memory.
     """
     _check(q, k, v, q_pos, k_pos)
     q_pos = q_pos.to(torch.int64)
     if groups is None or groups.size == 1:
         k, v, kp = _pad_keys(k, v, k_pos, k.shape[1])
         return _local(q, k, v, q_pos, kp, softmax_scale, backend)[0].to(q.dtype)
-    length = _common_length(k.shape[1], groups, q.device)
+    length = _common_length(k.shape[1], groups, q.device, stats)
     k, v, kp = _pad_keys(k, v, k_pos, length)
     gathered = []
     for t in (k, v, kp):
         parts = [torch.empty_like(t) for _ in range(groups.size)]
         dist.all_gather(parts, t, group=groups.cp_group)
+        if stats is not None:
+            stats.record("cp", "all_gather", _nbytes(t), (groups.size - 1) * _nbytes(t))
         gathered.append(torch.cat(parts, dim=1))
     k_all, v_all, kp_all = gathered
     out, _ = _local(q, k_all, v_all, q_pos, kp_all, softmax_scale, backend)
     return out.to(q.dtype)
 
 
-def cp_prefill(q, k, v, q_pos, k_pos, groups, *, method: str = "ring", softmax_scale=None, backend=None):
+def cp_prefill(q, k, v, q_pos, k_pos, groups, *, method: str = "ring", softmax_scale=None, backend=None, stats=None):
     """Dispatch to :func:`ring_prefill` or :func:`allgather_prefill` by ``method``."""
     if method == "ring":
         fn = ring_prefill
@@ -171,4 +186,4 @@ def cp_prefill(q, k, v, q_pos, k_pos, groups, *, method: str = "ring", softmax_s
         fn = allgather_prefill
     else:
         raise ValueError(f"unknown prefill method {method!r}; expected one of {PREFILL_METHODS}")
-    return fn(q, k, v, q_pos, k_pos, groups, softmax_scale=softmax_scale, backend=backend)
+    return fn(q, k, v, q_pos, k_pos, groups, softmax_scale=softmax_scale, backend=backend, stats=stats)

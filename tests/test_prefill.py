@@ -43,6 +43,7 @@ def _local(t, positions):
 
 
 def _rank_fn(rank, world):
+    from megatron_tree.comm import CommStats
     from megatron_tree.prefill import allgather_prefill, ring_prefill
     from megatron_tree.topology import TreeGroups
 
@@ -53,7 +54,7 @@ def _rank_fn(rank, world):
         "cp3+cp1": [[0, 1, 2], [3]],
         "cp2x2": [[0, 1], [2, 3]],
     }
-    worst = {}
+    worst, ops = {}, {}
     for name, ranks in layouts.items():
         groups = TreeGroups.build(ranks)
         p, me = groups.size, groups.rank
@@ -68,7 +69,9 @@ def _rank_fn(rank, world):
                 pos[b, : len(mine)] = torch.tensor(mine, dtype=torch.int64)
             ql, kl, vl = _local(q, pos), _local(k, pos), _local(v, pos)
             for method, fn in (("ring", ring_prefill), ("allgather", allgather_prefill)):
-                out = fn(ql, kl, vl, pos, pos, groups)
+                stats = CommStats()
+                out = fn(ql, kl, vl, pos, pos, groups, stats=stats)
+                ops[f"{name}/{layout}/{method}"] = (p, stats.as_dict()["levels"])
                 err = 0.0
                 for b in range(len(LENGTHS)):
                     valid = pos[b] >= 0
@@ -77,15 +80,23 @@ def _rank_fn(rank, world):
                     err = max(err, float((got - want).abs().max()) if got.numel() else 0.0)
                     assert torch.all(out[b, ~valid] == 0)  # padded queries see nothing
                 worst[f"{name}/{layout}/{method}"] = err
-    return worst
+    return worst, ops
 
 
 def test_ring_and_allgather_prefill_equal_single_process():
     results = run_ranks(_rank_fn, 4, timeout=240)
-    for rank, worst in enumerate(results):
+    for rank, (worst, ops) in enumerate(results):
         assert len(worst) == 3 * 2 * 2
         for case, err in worst.items():
             assert err < 1e-12, f"rank {rank} {case}: max error {err}"
+        # collectives are counted, not assumed: ring = P-1 rounds of send/recv
+        for case, (p, levels) in ops.items():
+            if p == 1:
+                assert levels == {}, case
+            elif case.endswith("ring"):
+                assert levels["cp"]["ops"] == {"all_reduce_max": 1, "send_recv": p - 1}, case
+            else:
+                assert levels["cp"]["ops"] == {"all_reduce_max": 1, "all_gather": 3}, case
 
 
 def test_single_process_prefill_is_plain_causal_attention():

@@ -352,11 +352,13 @@ class Llama(nn.Module):
             raise ValueError(f"cache has {cache.num_layers} layers, the model {self.config.num_hidden_layers}")
 
     @torch.no_grad()
-    def prefill(self, prompts: list[list[int]], cache: ShardedKVCache, method: str = "ring") -> torch.Tensor:
+    def prefill(self, prompts: list[list[int]], cache: ShardedKVCache, method: str = "ring",
+                stats: CommStats | None = None) -> torch.Tensor:
         """Run the prompts through the model, each CP rank its own chunk; fill ``cache``.
 
         prompts: ``batch`` token-id lists, lengths may differ (each >= 1)
         method: ``"ring"`` or ``"allgather"`` (CP attention across chunks, ``prefill.py``)
+        stats: a ``CommStats`` to record the prefill's KV traffic into (level ``"cp"``)
         returns logits: (batch, vocab) of each row's last prompt token, identical on every CP rank
         """
         if method not in PREFILL_METHODS:
@@ -379,7 +381,7 @@ class Llama(nn.Module):
 
         x = self.model.embed_tokens(ids)
         for layer in self.model.layers:
-            attn = layer.self_attn.prefill(layer.input_layernorm(x), local_pos, cache, method)
+            attn = layer.self_attn.prefill(layer.input_layernorm(x), local_pos, cache, method, stats)
             x = layer._finish(x, attn)
         x = self.model.norm(x)
 
@@ -391,6 +393,9 @@ class Llama(nn.Module):
         if self.cp_size > 1:
             h32 = h.float()
             dist.all_reduce(h32, op=dist.ReduceOp.SUM, group=self.groups.cp_group)
+            if stats is not None:
+                n = h32.numel() * h32.element_size()
+                stats.record("cp", "all_reduce_sum", n, 2 * (self.cp_size - 1) * n // self.cp_size)
             h = h32.to(h.dtype)
         return self._logits(h)
 
