@@ -541,6 +541,8 @@ def run_eval(cfg: RunConfig, env=None) -> dict | None:
             "level_sizes": {l["name"]: l["size"] for l in topo["levels"]}, "topology": topo,
         }
         resolved = {**to_dict(cfg), "launch": launch}
+        phases = {"setup_s": time.perf_counter() - t_start}
+        t0 = time.perf_counter()
         tracker, err = None, [None]
         try:
             tracker = make_tracker(cfg.wandb, rank=rank, output_dir=str(out_dir), config=resolved,
@@ -550,12 +552,16 @@ def run_eval(cfg: RunConfig, env=None) -> dict | None:
         dist.broadcast_object_list(err, src=0)  # so every rank fails, not rank 0 alone
         if err[0]:
             raise ConfigError(err[0] + " (set wandb.mode=offline or wandb.enabled=false)")
+        phases["wandb_init_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
         model, lcfg = build_model(cfg, groups, device)
         ref = build_reference(model, lcfg, cfg, device) if cfg.eval.exactness.enabled and rank == 0 else None
         ev = cfg.eval
         combos = [(c, b, s) for c in ev.context_lengths for b in ev.batch_sizes for s in ev.strategies]
         show = rank == 0 and ev.progress
         sweep = tqdm(combos, desc="sweep", disable=not show, file=sys.stderr, position=0)
+        phases["model_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
         runs, step = [], 0
         for ctx, batch, strategy in sweep:
             sweep.set_postfix_str(f"ctx={ctx} batch={batch} {strategy}")
@@ -566,6 +572,8 @@ def run_eval(cfg: RunConfig, env=None) -> dict | None:
             for ms in r["step_latency_ms"]:
                 tracker.log({f"decode_latency_ms/{strategy}": ms, "context_length": ctx, "batch_size": batch}, step=step)
                 step += 1
+        phases["sweep_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
         tok = load_tokenizer(cfg) if (ev.passkey.enabled or ev.perplexity.text_file) else None
         passkey = passkey_eval(model, cfg, groups, device, tok) if ev.passkey.enabled else None
         ppl = perplexity_eval(model, cfg, groups, device, tok) if ev.perplexity.text_file else None
@@ -608,6 +616,8 @@ def run_eval(cfg: RunConfig, env=None) -> dict | None:
             results["plot"] = plot
             results["wandb"] = {"enabled": tracker.run_dir is not None, "mode": cfg.wandb.mode,
                                 "run_dir": tracker.run_dir}
+            phases["tasks_and_outputs_s"] = time.perf_counter() - t0
+            results["phases_s"] = phases
             results["elapsed_s"] = time.perf_counter() - t_start
             path = out_dir / "results.json"
             path.write_text(json.dumps(results, indent=2))
