@@ -363,6 +363,20 @@ def run_one(model, ref, cfg: RunConfig, groups, device, vocab, ctx, batch, strat
     }
 
 
+def warm_up(model, cfg: RunConfig, groups, device, vocab) -> None:
+    """One untimed short prefill + decode step per strategy before the sweep.
+
+    The first collective on each process group sets up its connections (seconds on gloo),
+    and the first kernels allocate; without this the first run of the sweep pays for it.
+    """
+    import dataclasses
+
+    sub = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, warmup_steps=0, decode_steps=1))
+    ctx = min(cfg.eval.context_lengths)
+    for strategy in cfg.eval.strategies:
+        greedy_decode(model, random_prompts(cfg, ctx, 1, vocab), ctx + 2, sub, groups, device, strategy)
+
+
 def compare_with_reference(ref, prompts, tokens, out, sampled, device, tolerance) -> dict:
     """max |delta logits| of the prefill and the sampled decode steps against one unsharded forward.
 
@@ -469,17 +483,19 @@ def perplexity_eval(model, cfg: RunConfig, groups, device, tok) -> dict:
 
 def save_plot(runs: list[dict], path: Path) -> str:
     """Decode latency p50 vs context length, one line per (strategy, batch size)."""
-    import matplotlib
+    from matplotlib.figure import Figure  # no pyplot: no global backend or figure state
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    keys = sorted({(r["strategy"], r["batch_size"]) for r in runs})
-    for strategy, batch in keys:
-        pts = sorted((r["context_length"], r["decode_latency_ms"]["p50"]) for r in runs
-                     if r["strategy"] == strategy and r["batch_size"] == batch)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{strategy} (batch {batch})")
+    fig = Figure(figsize=(6.4, 4.2))
+    ax = fig.subplots()
+    strategies = list(dict.fromkeys(r["strategy"] for r in runs))
+    batches = sorted({r["batch_size"] for r in runs})
+    styles = ["-", "--", ":", "-."]
+    for i, strategy in enumerate(strategies):
+        for j, batch in enumerate(batches):
+            pts = sorted((r["context_length"], r["decode_latency_ms"]["p50"]) for r in runs
+                         if r["strategy"] == strategy and r["batch_size"] == batch)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=f"C{i}",
+                    linestyle=styles[j % len(styles)], label=f"{strategy} (batch {batch})")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("decode step latency p50 (ms)")
@@ -488,7 +504,6 @@ def save_plot(runs: list[dict], path: Path) -> str:
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
     return str(path)
 
 
@@ -562,6 +577,9 @@ def run_eval(cfg: RunConfig, env=None) -> dict | None:
         sweep = tqdm(combos, desc="sweep", disable=not show, file=sys.stderr, position=0)
         phases["model_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
+        warm_up(model, cfg, groups, device, lcfg.vocab_size)
+        phases["warmup_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
         runs, step = [], 0
         for ctx, batch, strategy in sweep:
             sweep.set_postfix_str(f"ctx={ctx} batch={batch} {strategy}")
@@ -572,6 +590,7 @@ def run_eval(cfg: RunConfig, env=None) -> dict | None:
             for ms in r["step_latency_ms"]:
                 tracker.log({f"decode_latency_ms/{strategy}": ms, "context_length": ctx, "batch_size": batch}, step=step)
                 step += 1
+        sweep.close()
         phases["sweep_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         tok = load_tokenizer(cfg) if (ev.passkey.enabled or ev.perplexity.text_file) else None
