@@ -269,7 +269,7 @@ class RunConfig:
 
     name: str = "cpu_tiny"
     """Run name (wandb run name prefix, results.json ``name``)."""
-    output_dir: str = "runs/cpu_tiny"
+    output_dir: str = "outputs/cpu_tiny"
     """Where results.json, the plot and the wandb directory go (relative to the cwd)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """The model."""
