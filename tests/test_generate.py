@@ -6,6 +6,9 @@ group), with different cache layouts, prefill methods and merge strategies per c
 Every rank returns what it saw; the assertions run here.
 """
 
+import contextlib
+import io
+
 import pytest
 
 from distributed import run_ranks
@@ -38,14 +41,16 @@ def _rank_fn(rank, world, path):
         model = Llama.from_pretrained(path, groups=groups)
         cache = model.new_cache(len(GEN_PROMPTS), MAX_LEN, layout=layout, block_size=BLOCK)
         stats = CommStats()
-        res = generate(model, GEN_PROMPTS, NEW_TOKENS, cache=cache, strategy=strategy, stats=stats,
-                       prefill_method=method, progress=(name == "2nodes_x2"))
+        bar = io.StringIO()
+        with contextlib.redirect_stderr(bar):  # the tqdm bar (progress=True) must show on CP rank 0 only
+            res = generate(model, GEN_PROMPTS, NEW_TOKENS, cache=cache, strategy=strategy, stats=stats,
+                           prefill_method=method, progress=True)
         entry = {
             "cp": groups.size, "cp_rank": groups.rank, "group": groups.cp_ranks,
             "tokens": res.tokens, "steps": len(res.step_times),
             "shards": cache.shard_lengths, "lengths": cache.lengths,
             "kv_bytes": cache.k.nbytes + cache.v.nbytes, "full_kv_bytes": cache.unsharded_kv_nbytes(),
-            "stats": stats.as_dict(),
+            "stats": stats.as_dict(), "bar": bar.getvalue(),
         }
         # logits themselves (not only the chosen tokens) are identical on every CP rank
         first = model.prefill(GEN_PROMPTS, cache, method=method)
@@ -75,6 +80,10 @@ def test_generation_across_cp_sizes_matches_transformers(ckpt):
             # token for token equal to transformers' greedy generate
             assert e["tokens"] == expected, where
             assert e["steps"] == NEW_TOKENS - 1
+            if e["cp_rank"] == 0:
+                assert f"{NEW_TOKENS}/{NEW_TOKENS}" in e["bar"], where
+            else:
+                assert e["bar"] == "", where
             # cache: lengths, balance within one block, memory 1/CP
             assert e["lengths"] == [len(p) + NEW_TOKENS - 1 for p in GEN_PROMPTS], where
             for row, shard in enumerate(e["shards"]):
