@@ -170,9 +170,14 @@ def init_distributed(cfg: RunConfig, env) -> tuple[str, "object"]:
     if "RANK" not in env:  # a single process, no launcher
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     elif cfg.dist.init == "deepspeed":
-        import deepspeed
+        try:  # the integration's helper skips the CPU shm op's g++ compile
+            from .integrations.deepspeed import init_distributed as ds_init
+        except ImportError:
+            import deepspeed
 
-        deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
+            deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
+        else:
+            ds_init(dist_backend=backend, timeout_s=cfg.topology.timeout_s, env=env)
     else:
         dist.init_process_group(backend, init_method="env://", timeout=timeout)
     return backend, device
