@@ -45,7 +45,18 @@ INTERPRETER_SMS = 4
 LOG2E = 1.4426950408889634
 
 
-@triton.jit
+# Integer arguments that vary between calls and are sometimes 1 (Sq, G, Hkv, ...) are not
+# specialised on: each would double the set of compiled variants (and the AOT check) for no
+# speed. K/V strides and the innermost strides stay specialised -- stride 1 and 16-element
+# alignment are what let Triton vectorise the K/V loads, the only loads that matter.
+_DECODE_GENERIC = [
+    "N", "D", "SQ", "G", "HKV", "chunk", "num_m_blocks", "s_qb", "s_qs", "s_qh",
+    "s_qpb", "s_qps", "s_kpb", "s_kpn", "s_op", "s_ob", "s_os", "s_oh", "s_lp", "s_lb", "s_lh",
+    "s_ls", "causal",
+]
+
+
+@triton.jit(do_not_specialize=_DECODE_GENERIC)
 def _split_kv_kernel(
     Q, K, V, SEQLENS, QPOS, KPOS, O, LSE,
     scale_log2,
@@ -87,11 +98,11 @@ def _split_kv_kernel(
     q_ptrs = (Q + b64 * s_qb + s[:, None].to(tl.int64) * s_qs + head[:, None].to(tl.int64) * s_qh
               + offs_d[None, :] * s_qd)
     q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-    # causal is a runtime flag (a uniform branch), not a constexpr: it halves the set of
-    # compiled configurations and costs nothing measurable next to the K/V loads.
-    qpos = tl.zeros([BLOCK_M], tl.int64)
-    if causal:
-        qpos = tl.load(QPOS + b64 * s_qpb + s * s_qps, mask=row_ok, other=0)
+    # causal is a runtime flag, not a constexpr: it halves the set of compiled configurations.
+    # Without it the position pointers are a one-element placeholder read with stride 0 (an
+    # L1 hit, nothing next to the K/V tiles) and the position test is switched off.
+    qpos = tl.load(QPOS + b64 * s_qpb + s * s_qps, mask=row_ok, other=0)
+    no_mask = causal == 0
 
     k_base = K + b64 * s_kb + hkv.to(tl.int64) * s_kh
     v_base = V + b64 * s_vb + hkv.to(tl.int64) * s_vh
@@ -106,10 +117,8 @@ def _split_kv_kernel(
         k = tl.load(k_base + n64[:, None] * s_kn + offs_d[None, :] * s_kd, mask=kv_mask, other=0.0)
         k = k.to(tl.float32)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        visible = n_ok[None, :] & row_ok[:, None]
-        if causal:
-            kpos = tl.load(KPOS + b64 * s_kpb + n64 * s_kpn, mask=n_ok, other=0)
-            visible = visible & (kpos[None, :] <= qpos[:, None])
+        kpos = tl.load(KPOS + b64 * s_kpb + n64 * s_kpn, mask=n_ok, other=0)
+        visible = n_ok[None, :] & ((kpos[None, :] <= qpos[:, None]) | no_mask)
         scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         # A row with no visible key so far keeps m = -inf; rescale against 0 to avoid inf - inf.
@@ -145,8 +154,9 @@ def decode_config(headdim: int, rows: int, dtype: torch.dtype) -> dict:
 
     headdim: D; rows: query rows per KV head (GQA group size x Sq). Head dims that are not a
     power of two (80, 96) are padded to the next one and masked; head dims below 64 are
-    padded to 64. Query rows come in tiles of 16 (decode with GQA groups up to 16) or 64
-    (larger groups, several query tokens; fp16/bf16 only). These few choices keep the set of configurations
+    padded to 64. Query rows come in tiles of 16 (decode with GQA groups up to 16) or, for
+    larger groups and several query tokens in fp16/bf16, of 64 / 32 / 16 rows for head dims
+    64 / 128 / 256. These few choices keep the set of configurations
     small enough that ``tests/test_aot.py`` compiles every one of them for sm_80 and sm_90.
     """
     if not 1 <= headdim <= MAX_HEADDIM:
@@ -156,7 +166,8 @@ def decode_config(headdim: int, rows: int, dtype: torch.dtype) -> dict:
     block_d = max(64, triton.next_power_of_2(headdim))
     # fp32 input (not the performance path) keeps 16-row tiles: a 64 x 256 fp32 query tile
     # split for tf32x3 overflows an A100's shared memory.
-    block_m = 16 if rows <= 16 or dtype == torch.float32 else MAX_BLOCK_M
+    # Larger groups take 64 x 64, 32 x 128 (or 16 x 256) query tiles: wider ones spill.
+    block_m = 16 if rows <= 16 or dtype == torch.float32 else max(16, MAX_BLOCK_M * 64 // block_d)
     return {
         "BLOCK_M": block_m,
         # K/V tiles of BLOCK_N x BLOCK_D live in registers as fp32: halve them for wide
@@ -166,7 +177,7 @@ def decode_config(headdim: int, rows: int, dtype: torch.dtype) -> dict:
         # fp16/bf16 converted to fp32 are exact in tf32; fp32 input needs the 3-pass tf32
         # split (fp32-accurate on tensor cores; "ieee" spills registers at these tile sizes).
         "DOT_PRECISION": "tf32x3" if dtype == torch.float32 else "tf32",
-        "num_warps": 4 if block_m == 16 else 8,
+        "num_warps": 4 if block_m * block_d < 64 * 64 else 8,
         "num_stages": 2,
     }
 
@@ -249,7 +260,7 @@ def decode_launches(q, k, v, *, cache_seqlens=None, softmax_scale=None, q_positi
     if cache_seqlens is None:
         cache_seqlens = torch.full((b,), n, dtype=torch.int32, device=dev)
     causal = q_positions is not None
-    if causal:
+    if causal != 0:
         q_pos = q_positions.to(torch.int64)
         k_pos = k_positions.to(torch.int64)
         k_pos = k_pos if k_pos.dim() == 2 else k_pos[None, :]

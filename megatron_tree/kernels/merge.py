@@ -29,7 +29,13 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEADDIM = 256
 
 
-@triton.jit
+# Shapes and outer strides vary between calls and are sometimes 1: not specialised on, so
+# the compiled set stays one kernel per (dtype, BLOCK_D). Innermost strides stay specialised.
+_MERGE_GENERIC = ["P", "SQ", "HQ", "D", "s_op", "s_ob", "s_os", "s_oh", "s_lp", "s_lb", "s_lh",
+                  "s_ls", "s_Ob", "s_Os", "s_Oh", "s_Lb", "s_Lh", "s_Ls"]
+
+
+@triton.jit(do_not_specialize=_MERGE_GENERIC)
 def _merge_kernel(
     OUTS, LSES, O, LSE,
     P, SQ, HQ, D,
