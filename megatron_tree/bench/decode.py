@@ -322,7 +322,8 @@ def _run_config(cfg: Config, groups, opts: dict) -> list:
 
     rows = []
     shard = -(-cfg.context // p)
-    ring_med = statistics.median(times["ring"]) if "ring" in times and times["ring"] else None
+    ring_ts = [t for t in times.get("ring", []) if t >= 0]  # negative entries are warmup
+    ring_med = statistics.median(ring_ts) if ring_ts else None
     for s in opts["strategies"]:
         row = {**asdict(cfg), "strategy": s, "levels": [l.name for l in groups.levels]}
         if s in skipped:
@@ -354,6 +355,20 @@ def _run_config(cfg: Config, groups, opts: dict) -> list:
             "ratio_vs_ring": (ring_med / statistics.median(ts)) if ring_med and ts else None,
         })
         rows.append(row)
+    return rows
+
+
+def _cell(r: dict) -> tuple:
+    return (r["ranks"], r["intra"], r["context"], r["batch"], r["heads_q"], r["heads_kv"])
+
+
+def add_ratios(rows: list[dict]) -> list[dict]:
+    """Set ``ratio_vs_ring`` = ring median / strategy median within each cell (None without ring)."""
+    ring = {_cell(r): r["median_ms"] for r in rows if r["strategy"] == "ring" and "skipped" not in r}
+    for r in rows:
+        if "skipped" not in r:
+            rm = ring.get(_cell(r))
+            r["ratio_vs_ring"] = rm / r["median_ms"] if rm and r["median_ms"] > 0 else None
     return rows
 
 
@@ -565,7 +580,22 @@ def main(argv=None) -> int:
     ap.add_argument("--out-dir", default="docs", help="JSON and PNG plots go here")
     ap.add_argument("--markdown", default=None, help="write the Markdown tables here (default: OUT_DIR/bench_results.md)")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--render", default=None, metavar="JSON",
+                    help="only re-render Markdown and plots from a results JSON into --out-dir")
     args = ap.parse_args(argv)
+    if args.render:
+        with open(args.render) as f:
+            data = json.load(f)
+        rows = add_ratios(data["rows"])
+        os.makedirs(args.out_dir, exist_ok=True)
+        with open(os.path.join(args.out_dir, "bench_results.json"), "w") as f:
+            json.dump(data, f, indent=1)
+        md = markdown_tables(rows, data["meta"]["command"])
+        with open(args.markdown or os.path.join(args.out_dir, "bench_results.md"), "w") as f:
+            f.write(md)
+        plot_results(rows, args.out_dir)
+        print(md)
+        return 0
     strategies = [s for s in args.strategies.split(",") if s]
     bad = [s for s in strategies if s not in ALL]
     if bad:
@@ -579,7 +609,7 @@ def main(argv=None) -> int:
     cfgs = build_configs(args)
     command = "python -m megatron_tree.bench.decode " + " ".join(argv if argv is not None else sys.argv[1:])
     t0 = time.time()
-    rows = run_sweep(cfgs, opts)
+    rows = add_ratios(run_sweep(cfgs, opts))
     os.makedirs(args.out_dir, exist_ok=True)
     import torch
 

@@ -1,0 +1,189 @@
+"""Calibrate the cost model on this machine and write a preset YAML.
+
+Invariant: every parameter written is measured here, by the same operations the model
+prices (``ops.flash_decode`` for the kernel; gloo point-to-point and all-reduce for the
+links), each the median of repeated runs; nothing is copied from another preset. The
+fitted values are the model's own parameters (see ``cost_model``'s docstring), so a
+prediction made with the written preset uses them with no further correction.
+
+Measured on ``--ranks`` local processes (default 4):
+
+* kernel: rank 0 alone runs the decode kernel on two shard lengths; the line through the
+  two points gives ``kernel_overhead`` (intercept) and ``kernel_bw`` (slope).
+* α: ping-pong of a 4-byte tensor between ranks 0 and 1, half the round trip.
+* launch: a 4-byte all-reduce over all ranks, minus its ``2(P-1)`` α steps.
+* β: every rank sends a large message to its ring neighbour at once (as ring decode
+  does), corrected for the time-sharing of ranks beyond ``host_cores``.
+
+Usage: ``python -m megatron_tree.bench.calibrate [--ranks 4] [--out PATH]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import tempfile
+import time
+
+
+def _median_time(fn, reps: int) -> float:
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def _rank_main(rank: int, world: int, store_path: str, opts: dict, out_path: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from ..ops import flash_decode
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=600))
+    res = {}
+    try:
+        reps = opts["reps"]
+        # Kernel on rank 0 alone (the others wait in a barrier).
+        if rank == 0:
+            q = torch.randn(1, 1, 8, 128)
+            pts = []
+            for n in opts["kernel_tokens"]:
+                k = torch.randn(1, n, 8, 128)
+                v = torch.randn(1, n, 8, 128)
+                flash_decode(q, k, v)
+                t = _median_time(lambda: flash_decode(q, k, v), reps)
+                nbytes = 2 * k.numel() * 4 + 5 * 8 * n * 4  # KV once + fp32 scores 5 times (cost_model.Dims.kernel_bytes)
+                pts.append((nbytes, t))
+            (b1, t1), (b2, t2) = pts
+            res["kernel_bw"] = (b2 - b1) / max(t2 - t1, 1e-9)
+            res["kernel_overhead"] = max(t1 - b1 / res["kernel_bw"], 0.0)
+            res["kernel_points"] = pts
+        dist.barrier()
+        # α: ping-pong 0 <-> 1.
+        x = torch.zeros(1, dtype=torch.float32)
+        if rank in (0, 1):
+            def pingpong():
+                if rank == 0:
+                    dist.send(x, 1)
+                    dist.recv(x, 1)
+                else:
+                    dist.recv(x, 0)
+                    dist.send(x, 0)
+            pingpong()
+            res["rtt"] = _median_time(pingpong, 10 * reps)
+        dist.barrier()
+        # Small all-reduce over everyone.
+        def ar():
+            dist.all_reduce(x)
+        ar()
+        dist.barrier()
+        res["allreduce_small"] = _median_time(ar, 10 * reps)
+        # Ring send of a large message by every rank at once.
+        n = opts["ring_bytes"] // 4
+        buf_s = torch.randn(n)
+        buf_r = torch.empty(n)
+        nxt, prv = (rank + 1) % world, (rank - 1) % world
+
+        def ring():
+            dist.barrier()
+            t0 = time.perf_counter()
+            w = [dist.isend(buf_s, nxt), dist.irecv(buf_r, prv)]
+            for h in w:
+                h.wait()
+            t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            return float(t)
+
+        ring()
+        res["ring_send"] = statistics.median([ring() for _ in range(reps)])
+        gathered = [None] * world
+        dist.all_gather_object(gathered, res)
+        if rank == 0:
+            with open(out_path, "w") as f:
+                json.dump(gathered, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def fit(measured: list[dict], world: int, host_cores: int, ring_bytes: int) -> dict:
+    """Model parameters from the raw measurements of every rank (see the module docstring)."""
+    r0 = measured[0]
+    s = max(1.0, world / host_cores)
+    alpha = r0["rtt"] / 2
+    steps = 2 * (world - 1)
+    launch = max(r0["allreduce_small"] / s - steps * alpha, 0.0)
+    t_ring = r0["ring_send"]
+    beta = ring_bytes / max(t_ring / s - alpha, 1e-9)
+    return {
+        "alpha": alpha, "launch": launch, "beta": beta,
+        "kernel_bw": r0["kernel_bw"], "kernel_overhead": r0["kernel_overhead"],
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m megatron_tree.bench.calibrate",
+                                 description="Measure α, β and kernel bandwidth here; write a cost-model preset.")
+    ap.add_argument("--ranks", type=int, default=4, help="local gloo processes to measure with")
+    ap.add_argument("--host-cores", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--ring-mb", type=float, default=64.0, help="message size of the β measurement")
+    ap.add_argument("--kernel-tokens", default="4096,65536", help="two shard lengths for the kernel fit")
+    ap.add_argument("--name", default="cpu_gloo")
+    ap.add_argument("--out", default=None, help="YAML to write (default: the package's presets/NAME.yaml)")
+    args = ap.parse_args(argv)
+    import torch.multiprocessing as tmp
+    import yaml
+
+    from .cost_model import PRESET_DIR, Preset
+
+    opts = {"reps": args.reps, "ring_bytes": int(args.ring_mb * 2**20),
+            "kernel_tokens": [int(x) for x in args.kernel_tokens.split(",")]}
+    with tempfile.TemporaryDirectory(prefix="mt_calib_") as d:
+        out = os.path.join(d, "calib.json")
+        tmp.spawn(_rank_main, args=(args.ranks, os.path.join(d, "store"), opts, out), nprocs=args.ranks, join=True)
+        with open(out) as f:
+            measured = json.load(f)
+    p = fit(measured, args.ranks, args.host_cores, opts["ring_bytes"])
+    try:
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        mem = 0
+    data = {
+        "name": args.name,
+        "description": (f"local gloo processes on one {args.host_cores}-core host (loopback TCP), calibrated "
+                        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC with {args.ranks} ranks "
+                        f"by python -m megatron_tree.bench.calibrate"),
+        "ranks_per_node": 8,
+        "intra": {"alpha": float(f"{p['alpha']:.4g}"), "beta": float(f"{p['beta']:.4g}")},
+        "inter": {"alpha": float(f"{p['alpha']:.4g}"), "beta": float(f"{p['beta']:.4g}")},
+        "kernel_bw": float(f"{p['kernel_bw']:.4g}"),
+        "kernel_overhead": float(f"{p['kernel_overhead']:.4g}"),
+        "launch": float(f"{p['launch']:.4g}"),
+        "algorithm": "ring",
+        "shared_host": True,
+        "host_cores": args.host_cores,
+        "overlap": False,
+        "memory_bytes": float(mem),
+    }
+    Preset.from_dict(data, "calibration")  # the written file must load
+    path = args.out or str(PRESET_DIR / f"{args.name}.yaml")
+    with open(path, "w") as f:
+        f.write("# Written by `python -m megatron_tree.bench.calibrate`; simulated nodes share one host, so\n"
+                "# the intra and inter levels are the same loopback links. Raw measurements (rank 0):\n")
+        for key in ("rtt", "allreduce_small", "ring_send", "kernel_points"):
+            f.write(f"#   {key}: {measured[0][key]}\n")
+        yaml.safe_dump(data, f, sort_keys=False)
+    print(yaml.safe_dump(data, sort_keys=False))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
