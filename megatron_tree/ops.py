@@ -109,7 +109,8 @@ def _merge_states_op(outs: torch.Tensor, lses: torch.Tensor, backend: str) -> tu
         out, lse = reference.merge_states(outs, lses)
     if outs.shape[0] == 1:  # P = 1 returns views of the inputs; a custom op may not alias them
         out, lse = out.clone(), lse.clone()
-    return out, lse
+    # The fake implementation promises contiguous outputs; the reference's may be transposed views.
+    return out.contiguous(), lse.contiguous()
 
 
 @_merge_states_op.register_fake

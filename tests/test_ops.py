@@ -1,0 +1,160 @@
+"""ops.py: backend choice, the fast torch path against the reference, and the custom ops
+(fake implementations, torch.compile capture)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from megatron_tree import ops, reference, torch_decode
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_resolve_backend_by_device_argument_and_environment(monkeypatch):
+    monkeypatch.delenv(ops.ENV_BACKEND, raising=False)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert ops.resolve_backend(cpu) == "torch"
+    assert ops.resolve_backend(cuda) == "triton"
+    assert ops.resolve_backend(cuda, "torch") == "torch"
+    assert ops.resolve_backend(cpu, "triton") == "triton"  # the interpreter
+    monkeypatch.setenv(ops.ENV_BACKEND, "torch")
+    assert ops.resolve_backend(cuda) == "torch"
+    assert ops.resolve_backend(cuda, "triton") == "triton"  # the argument wins
+    monkeypatch.setenv(ops.ENV_BACKEND, "cutlass")
+    with pytest.raises(ValueError, match=r"\$MEGATRON_TREE_BACKEND 'cutlass'"):
+        ops.resolve_backend(cpu)
+    with pytest.raises(ValueError, match="backend argument 'flash'"):
+        ops.resolve_backend(cpu, "flash")
+
+
+def test_no_gpu_no_interpreter_triton_raises_and_default_uses_torch():
+    script = textwrap.dedent("""
+        import torch
+        from megatron_tree import ops, reference
+        q, k = torch.randn(2, 1, 4, 16), torch.randn(2, 9, 2, 16)
+        try:
+            ops.flash_decode(q, k, k, backend="triton")
+        except RuntimeError as e:
+            assert "needs CUDA tensors" in str(e) and "TRITON_INTERPRET=1" in str(e), e
+        else:
+            raise AssertionError("backend='triton' on CPU without the interpreter did not raise")
+        out, lse = ops.flash_decode(q, k, k)
+        ref_o, ref_l = reference.partial_attention(q, k, k)
+        assert torch.allclose(out, ref_o, atol=1e-6) and torch.allclose(lse, ref_l, atol=1e-6)
+        out, _ = ops.merge_states(torch.stack([out, out]), torch.stack([lse, lse]))
+        assert torch.allclose(out, ref_o, atol=1e-6)
+        print("ok")
+    """)
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", ops.ENV_BACKEND)}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-4000:]
+
+
+def _inputs(dtype=torch.float32, b=3, sq=1, hq=8, hkv=2, d=32, n=57, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda *s: torch.randn(*s, generator=g).to(dtype)  # noqa: E731
+    return mk(b, sq, hq, d), mk(b, n, hkv, d), mk(b, n, hkv, d)
+
+
+CASES = {
+    "plain": dict(),
+    "ragged_with_empty_row": dict(cache_seqlens=torch.tensor([0, 57, 13], dtype=torch.int32)),
+    "scale": dict(softmax_scale=0.05),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_torch_path_matches_reference(case, dtype):
+    q, k, v = _inputs(dtype)
+    kw = CASES[case]
+    out, lse = torch_decode.flash_decode(q, k, v, **kw)
+    ref_o, ref_l = reference.partial_attention(q, k, v, **kw)
+    assert out.dtype == ref_o.dtype and lse.dtype == ref_l.dtype
+    tol = {torch.float64: 1e-12, torch.float32: 2e-6, torch.bfloat16: 1e-2}[dtype]
+    assert torch.allclose(out.double(), ref_o.double(), atol=tol, rtol=0)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_l))
+    fin = torch.isfinite(ref_l)
+    assert torch.allclose(lse[fin].double(), ref_l[fin].double(), atol=tol, rtol=0)
+
+
+@pytest.mark.parametrize("hkv", [1, 2, 8])  # MQA, GQA, MHA
+def test_torch_path_causal_several_queries_strided_cache(hkv):
+    q, _, _ = _inputs(sq=4, hq=8)
+    big = torch.randn(3, 80, 2 * hkv, 32)
+    k, v = big[:, :57, :hkv], big[:, 3:60, hkv:]  # non-contiguous slices of one buffer
+    kw = dict(cache_seqlens=torch.tensor([57, 20, 40], dtype=torch.int32),
+              q_positions=torch.tensor([[53, 54, 55, 56], [-2, -1, 0, 1], [30, 31, 32, 33]]),
+              k_positions=torch.arange(57))
+    out, lse = torch_decode.flash_decode(q, k, v, **kw)
+    ref_o, ref_l = reference.partial_attention(q, k, v, **kw)
+    assert torch.allclose(out, ref_o, atol=2e-6)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_l))
+    assert torch.isneginf(lse[1, :, :2]).all() and (out[1, :2] == 0).all()  # no key visible yet
+    fin = torch.isfinite(ref_l)
+    assert torch.allclose(lse[fin], ref_l[fin], atol=2e-6)
+
+
+def test_ops_validates_inputs_on_cpu():
+    q, k, v = _inputs()
+    with pytest.raises(ValueError, match=r"cache_seqlens must lie in \[0, 57\]"):
+        ops.flash_decode(q, k, v, cache_seqlens=torch.tensor([0, 58, 1], dtype=torch.int32))
+    with pytest.raises(TypeError, match="cache_seqlens must be int32"):
+        ops.flash_decode(q, k, v, cache_seqlens=torch.tensor([0, 5, 1]))
+    with pytest.raises(ValueError, match="multiple of the number of KV heads"):
+        ops.flash_decode(q[:, :, :7], k, v)
+    with pytest.raises(ValueError, match=r"merge_states expects outs \(P, B, Sq, Hq, D\)"):
+        ops.merge_states(torch.zeros(2, 3), torch.zeros(2))
+
+
+def test_custom_ops_pass_opcheck():
+    q, k, v = _inputs(sq=2)
+    sl = torch.tensor([5, 57, 0], dtype=torch.int32)
+    qp, kp = torch.tensor([[10, 11]] * 3), torch.arange(57)
+    torch.library.opcheck(torch.ops.megatron_tree.flash_decode.default, (q, k, v, sl, None, None, None, "torch"))
+    torch.library.opcheck(torch.ops.megatron_tree.flash_decode.default, (q, k, v, None, 0.3, qp, kp, "torch"))
+    outs, lses = torch.randn(3, 3, 2, 8, 32), torch.randn(3, 3, 8, 2)
+    torch.library.opcheck(torch.ops.megatron_tree.merge_states.default, (outs, lses, "torch"))
+    torch.library.opcheck(torch.ops.megatron_tree.merge_states.default, (outs[:1], lses[:1], "torch"))
+
+
+def test_fake_implementations_give_contract_shapes_and_dtypes():
+    with FakeTensorMode():
+        q = torch.empty(4, 2, 16, 64, dtype=torch.bfloat16)
+        k = torch.empty(4, 1000, 4, 64, dtype=torch.bfloat16)
+        out, lse = torch.ops.megatron_tree.flash_decode(q, k, k, None, None, None, None, "triton")
+        assert out.shape == (4, 2, 16, 64) and out.dtype == torch.bfloat16
+        assert lse.shape == (4, 16, 2) and lse.dtype == torch.float32
+        mo, ml = torch.ops.megatron_tree.merge_states(torch.empty(8, 4, 2, 16, 64), torch.empty(8, 4, 16, 2), "triton")
+        assert mo.shape == (4, 2, 16, 64) and ml.shape == (4, 16, 2) and ml.dtype == torch.float32
+
+
+def _decode_step(q, k, v, sl):
+    # A decode step with two "shards" of one cache, merged: flash_decode + merge_states.
+    o1, l1 = ops.flash_decode(q, k[:, :30], v[:, :30], cache_seqlens=sl.clamp(max=30))
+    o2, l2 = ops.flash_decode(q, k[:, 30:], v[:, 30:], cache_seqlens=(sl - 30).clamp(min=0))
+    return ops.merge_states(torch.stack([o1, o2]), torch.stack([l1, l2]))
+
+
+def test_decode_step_captured_by_torch_compile_fullgraph():
+    torch._dynamo.reset()
+    q, k, v = _inputs(n=57)
+    sl = torch.tensor([57, 31, 12], dtype=torch.int32)
+    compiled = torch.compile(_decode_step, fullgraph=True, backend="aot_eager")
+    out, lse = compiled(q, k, v, sl)
+    ref_o, ref_l = reference.partial_attention(q, k, v, cache_seqlens=sl)
+    assert torch.allclose(out, ref_o, atol=2e-6) and torch.allclose(lse, ref_l, atol=2e-6)
+    sl2 = torch.tensor([1, 57, 30], dtype=torch.int32)  # new values, same graph
+    out2, _ = compiled(q, k, v, sl2)
+    assert torch.allclose(out2, reference.partial_attention(q, k, v, cache_seqlens=sl2)[0], atol=2e-6)
