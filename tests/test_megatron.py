@@ -135,13 +135,56 @@ def engine_generate(model, wrapper_cls, context):
     return [[int(t) for t in r.generated_tokens] for r in done]
 
 
-def decode_parity_rank(rank, world):
+TRAIN_LEN = 16  # a multiple of 2 * CP for the training layout
+
+
+def full_sequence_logits(model, cp_group, cp_size):
+    """Logits of a 16-token sequence given to the model in Megatron's training CP layout, gathered.
+
+    Each rank feeds ``get_batch_on_this_cp_rank``'s chunks (no inference context, no mask
+    tensor); the gathered logits are put back in sequence order with the same layout.
+    """
+    import torch.distributed as dist
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    from megatron_tree.integrations.megatron import load_balanced_positions
+
+    tokens = torch.randint(0, VOCAB, (2, TRAIN_LEN), generator=torch.Generator().manual_seed(5))
+    positions = torch.arange(TRAIN_LEN)[None, :].expand(2, -1)
+    local = get_batch_on_this_cp_rank({"tokens": tokens, "position_ids": positions}, cp_group=cp_group)
+    # Megatron's own attention needs the causal mask as a tensor (True = masked); ours derives
+    # it from global positions, which is the only correct mask for the load-balanced chunks.
+    mask = torch.triu(torch.ones(TRAIN_LEN, TRAIN_LEN, dtype=torch.bool), 1)[None, None] if cp_size == 1 else None
+    with torch.no_grad():
+        logits = model(local["tokens"], local["position_ids"], mask)  # [b, s_local, V]
+    if cp_size == 1:
+        return logits.tolist(), local["position_ids"][0].tolist()
+    parts = [torch.empty_like(logits) for _ in range(cp_size)]
+    dist.all_gather(parts, logits.contiguous(), group=cp_group)
+    order = torch.cat([load_balanced_positions(TRAIN_LEN, cp_size, r) for r in range(cp_size)])
+    full = torch.cat(parts, dim=1)[:, torch.argsort(order)]
+    return full.tolist(), local["position_ids"][0].tolist()
+
+
+def _error(fn, *args, **kwargs) -> str:
+    try:
+        fn(*args, **kwargs)
+    except Exception as err:  # noqa: BLE001 -- the test asserts on type and message
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+def megatron_rank(rank, world):
+    """Everything that needs Megatron's groups on 4 ranks, in one spawn (imports cost ~15 s a rank)."""
+    import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.inference.contexts import StaticInferenceContext
     from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
+    from megatron.core.transformer.enums import AttnMaskType
 
     from megatron_tree.comm import CommStats
     from megatron_tree.integrations import megatron as mt
+    from megatron_tree.integrations import patches
     from megatron_tree.integrations._cpu import megatron_on_cpu
 
     results = {}
@@ -152,6 +195,7 @@ def decode_parity_rank(rank, world):
         results["megatron_cp1"] = greedy_decode(model, GPTInferenceWrapper, StaticInferenceContext(2, MAX_LEN))
         results["megatron_cp1_engine"] = engine_generate(model, GPTInferenceWrapper, StaticInferenceContext(2, MAX_LEN))
         results["megatron_cp1_core"] = type(model.decoder.layers[0].self_attention.core_attention).__name__
+        results["megatron_cp1_train"] = full_sequence_logits(model, parallel_state.get_context_parallel_group(), 1)
         parallel_state.destroy_model_parallel()
 
         for name, cp, hier, strategy in (("tree_cp4", 4, None, "packed"), ("tree_cp2x2", 4, [2, 2], "two_level")):
@@ -167,12 +211,46 @@ def decode_parity_rank(rank, world):
             results[name + "_levels"] = [lvl.size for lvl in ctx.groups.levels]
             results[name + "_core"] = type(model.decoder.layers[0].self_attention.core_attention).__name__
             results[name + "_engine"] = engine_generate(model, mt.TreeGPTInferenceWrapper, ctx)
+            results[name + "_train"] = full_sequence_logits(model, model.pg_collection.cp, cp)
             parallel_state.destroy_model_parallel()
+
+        # With patch 0001 applied (the wrapper applied it), Megatron's own attention is unchanged.
+        results["patched"] = patches.check_runtime()
+        mt.initialize_model_parallel(1)
+        model = _build_model(1, None, tree=False)
+        results["megatron_cp1_patched"] = greedy_decode(model, GPTInferenceWrapper, StaticInferenceContext(2, MAX_LEN))
+        parallel_state.destroy_model_parallel()
+        patches.revert_runtime()
+
+        # Bad layouts fail loudly and leave no groups behind (no fallback to CP = 1).
+        for label, args in (("cp3", (3,)), ("cp8", (8,)), ("hier23", (4, [2, 3])), ("hier4_2", (4, [2]))):
+            results["bad_" + label] = (_error(mt.initialize_model_parallel, *args),
+                                       parallel_state.model_parallel_is_initialized())
+        mt.initialize_model_parallel(2)
+        results["bad_config_vs_groups"] = _error(_build_model, 4, None, True)
+        results["bad_ctx_type"] = _error(
+            mt.TreeDotProductAttention(_config(2, None), 1, AttnMaskType.causal, "self",
+                                       pg_collection=_pg()).adjust_key_value_for_inference,
+            None, StaticInferenceContext(2, MAX_LEN), None, None, None, None,
+        )
+        parallel_state.destroy_model_parallel()
+        results["world"] = dist.get_world_size()
     return results
 
 
-def test_greedy_decode_identical_cp4_hierarchical_and_megatron_cp1():
-    out = run_ranks(decode_parity_rank, 4, timeout=240)
+def _pg():
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    return ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp", "hcp"])
+
+
+@pytest.fixture(scope="module")
+def megatron_results():
+    return run_ranks(megatron_rank, 4, timeout=280)
+
+
+def test_greedy_decode_identical_cp4_hierarchical_and_megatron_cp1(megatron_results):
+    out = megatron_results
     base_tokens, base_margin, base_logits = out[0]["megatron_cp1"]
     # fp32 attention of different algorithms agrees to ~1e-6; choices closer than this would be luck.
     assert base_margin > 1e-3, f"the baseline's greedy choices are too close to call ({base_margin})"
@@ -200,3 +278,70 @@ def test_greedy_decode_identical_cp4_hierarchical_and_megatron_cp1():
     assert max(lens) - min(lens) <= 1
     assert [out[r]["tree_cp4_shard"][0] for r in range(4)] == lens
     assert out[0]["tree_cp4_shard"][2] < MAX_LEN
+
+
+def test_patched_megatron_attention_unchanged(megatron_results):
+    out = megatron_results
+    assert out[0]["patched"] == {"0001-attention-kv-cache-hook": True}
+    for r in range(4):
+        assert out[r]["megatron_cp1_patched"][0] == out[r]["megatron_cp1"][0]
+        assert out[r]["megatron_cp1_patched"][2] == out[r]["megatron_cp1"][2]  # bit-identical logits
+
+
+def test_training_cp_layout_forward_matches_cp1(megatron_results):
+    """The 2·CP load-balanced chunks (get_batch_on_this_cp_rank) through our attention at CP = 4."""
+    out = megatron_results
+    base, base_pos = out[0]["megatron_cp1_train"]
+    assert base_pos == list(range(TRAIN_LEN))
+    for r in range(4):
+        for name in ("tree_cp4_train", "tree_cp2x2_train"):
+            logits, pos = out[r][name]
+            c = TRAIN_LEN // 8
+            assert pos == list(range(r * c, (r + 1) * c)) + list(range((7 - r) * c, (8 - r) * c))
+            torch.testing.assert_close(torch.tensor(logits), torch.tensor(base), rtol=1e-4, atol=1e-4)
+
+
+def test_bad_layouts_fail_loudly(megatron_results):
+    out = megatron_results[0]
+    assert out["world"] == 4
+    for label, needle in (("cp3", "does not divide the launched world of 4"),
+                          ("cp8", "does not divide the launched world of 4"),
+                          ("hier23", "multiply to 6, expected the context_parallel_size 4"),
+                          ("hier4_2", "multiply to 2, expected the context_parallel_size 4")):
+        message, initialised = out["bad_" + label]
+        assert message.startswith("TopologyError") and needle in message, message
+        assert initialised is False
+    assert out["bad_config_vs_groups"].startswith("TopologyError")
+    assert "context_parallel_size=4 but the CP process group has 2 ranks" in out["bad_config_vs_groups"]
+    assert out["bad_ctx_type"].startswith("RuntimeError") and "needs a TreeInferenceContext" in out["bad_ctx_type"]
+
+
+def test_spec_swap_idempotent_reversible_version_gated(monkeypatch, caplog):
+    import logging
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from megatron_tree.integrations import megatron as mt
+
+    spec = get_gpt_layer_local_spec()
+    subs = spec.submodules.self_attention.submodules
+    assert subs.core_attention is DotProductAttention
+    with caplog.at_level(logging.INFO, logger="megatron_tree.integrations"):
+        mt.use_tree_attention(spec, strategy="two_level")
+    assert any("TreeDotProductAttention(strategy=two_level)" in r.getMessage() for r in caplog.records)
+    slot = subs.core_attention
+    assert slot.func is mt.TreeDotProductAttention and slot.keywords["strategy"] == "two_level"
+    assert slot._megatron_tree == mt.MARKER and slot.__wrapped__ is DotProductAttention
+    mt.use_tree_attention(spec, strategy="packed")  # idempotent: the slot already holds ours
+    assert subs.core_attention is slot
+    mt.restore_core_attention(spec)
+    assert subs.core_attention is DotProductAttention
+    mt.restore_core_attention(spec)
+    assert subs.core_attention is DotProductAttention
+    with pytest.raises(ValueError, match="unknown merge strategy 'ring'"):
+        mt.use_tree_attention(spec, strategy="ring")
+    monkeypatch.setattr(mt, "megatron_version", lambda: "0.19.0")
+    with pytest.raises(RuntimeError, match="supports megatron-core 0.16.1, but 0.19.0 is imported"):
+        mt.use_tree_attention(spec)
+    assert subs.core_attention is DotProductAttention

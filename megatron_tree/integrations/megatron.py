@@ -118,7 +118,8 @@ def tree_groups_from_megatron(pg_collection=None) -> TreeGroups:
         if math.prod(sizes) != cp_size:
             raise TopologyError(
                 f"hierarchical CP groups from {source} have sizes {sizes} (product {math.prod(sizes)}), "
-                f"expected their product to be the CP size {cp_size}"
+                f"expected their product to be the CP size {cp_size} (stale groups? megatron-core 0.16.1's "
+                "destroy_model_parallel does not clear them; megatron_tree's initialize_model_parallel does)"
             )
     return TreeGroups.from_groups(cp, levels)
 
@@ -166,6 +167,13 @@ def initialize_model_parallel(
         hierarchical_context_parallel_sizes=hierarchical_context_parallel_sizes,
         **kwargs,
     )
+    if not hierarchical_context_parallel_sizes and parallel_state.get_hierarchical_context_parallel_groups(
+        check_initialized=False
+    ) is not None:
+        # megatron-core 0.16.1's destroy_model_parallel() leaves the hierarchical CP groups of
+        # an earlier initialisation in place; they do not belong to this layout.
+        log.info("dropping stale hierarchical CP groups left by an earlier initialize_model_parallel")
+        parallel_state._HIERARCHICAL_CONTEXT_PARALLEL_GROUPS = None
     groups = tree_groups_from_megatron(None)
     if groups.size != context_parallel_size:
         raise TopologyError(f"Megatron built a CP group of {groups.size} ranks, expected {context_parallel_size}")
