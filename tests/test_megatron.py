@@ -182,6 +182,7 @@ def megatron_rank(rank, world):
     from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
     from megatron.core.transformer.enums import AttnMaskType
 
+    from megatron_tree import TreeGroups
     from megatron_tree.comm import CommStats
     from megatron_tree.integrations import megatron as mt
     from megatron_tree.integrations import patches
@@ -196,6 +197,9 @@ def megatron_rank(rank, world):
         results["megatron_cp1_engine"] = engine_generate(model, GPTInferenceWrapper, StaticInferenceContext(2, MAX_LEN))
         results["megatron_cp1_core"] = type(model.decoder.layers[0].self_attention.core_attention).__name__
         results["megatron_cp1_train"] = full_sequence_logits(model, parallel_state.get_context_parallel_group(), 1)
+        # Our attention at CP = 1 inside Megatron's own (unsharded) KV cache: the hook defers to Megatron.
+        model = _build_model(1, None, tree=True)
+        results["tree_cp1_megatron_cache"] = greedy_decode(model, GPTInferenceWrapper, StaticInferenceContext(2, MAX_LEN))
         parallel_state.destroy_model_parallel()
 
         for name, cp, hier, strategy in (("tree_cp4", 4, None, "packed"), ("tree_cp2x2", 4, [2, 2], "two_level")):
@@ -212,6 +216,9 @@ def megatron_rank(rank, world):
             results[name + "_core"] = type(model.decoder.layers[0].self_attention.core_attention).__name__
             results[name + "_engine"] = engine_generate(model, mt.TreeGPTInferenceWrapper, ctx)
             results[name + "_train"] = full_sequence_logits(model, model.pg_collection.cp, cp)
+            # The core API's constructors see the same layout (pg_collection, then parallel_state).
+            results[name + "_from_megatron"] = (TreeGroups.from_megatron(model.pg_collection).describe(),
+                                                TreeGroups.from_megatron().describe())
             parallel_state.destroy_model_parallel()
 
         # With patch 0001 applied (the wrapper applied it), Megatron's own attention is unchanged.
@@ -268,6 +275,11 @@ def test_greedy_decode_identical_cp4_hierarchical_and_megatron_cp1(megatron_resu
         assert out[r]["tree_cp2x2"][0] == base_tokens, f"rank {r}: CP=[2,2] decode differs from Megatron CP=1"
         assert out[r]["tree_cp4_levels"] == [4]
         assert out[r]["tree_cp2x2_levels"] == [2, 2]
+        assert out[r]["tree_cp1_megatron_cache"][0] == base_tokens
+        flat, flat_ps = out[r]["tree_cp4_from_megatron"]
+        hier, hier_ps = out[r]["tree_cp2x2_from_megatron"]
+        assert flat == flat_ps and flat["cp_ranks"] == [0, 1, 2, 3] and flat["levels"] == [{"name": "intra", "size": 4}]
+        assert hier == hier_ps and hier["levels"] == [{"name": "intra", "size": 2}, {"name": "inter", "size": 2}]
     # 15 decode steps x 2 layers merged by tree decode: packed = 2 collectives over the CP group,
     # two_level = 2 inside each simulated node, then 2 across.
     assert out[0]["tree_cp4_stats"] == (30, {"cp": 60})
