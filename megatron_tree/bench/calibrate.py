@@ -10,10 +10,13 @@ Measured on ``--ranks`` local processes (default 4):
 
 * kernel: rank 0 alone runs the decode kernel on two shard lengths; the line through the
   two points gives ``kernel_overhead`` (intercept) and ``kernel_bw`` (slope).
-* α: ping-pong of a 4-byte tensor between ranks 0 and 1, half the round trip.
-* launch: a 4-byte all-reduce over all ranks, minus its ``2(P-1)`` α steps.
+* α and launch: 4-byte all-reduces over 2 ranks and over all ranks; the model's
+  ``s(p) * (launch + 2(p-1) α)`` through both points (a 4-byte ping-pong is recorded too,
+  and gives α when only 2 ranks are used).
 * β: every rank sends a large message to its ring neighbour at once (as ring decode
   does), corrected for the time-sharing of ranks beyond ``host_cores``.
+* collective β: a large all-gather over all ranks (gloo's all-gather is much slower per
+  byte than its point-to-point sends; all-gather-KV decode pays it).
 
 Usage: ``python -m megatron_tree.bench.calibrate [--ranks 4] [--out PATH]``.
 """
@@ -61,9 +64,9 @@ def _rank_main(rank: int, world: int, store_path: str, opts: dict, out_path: str
                 t = _median_time(lambda: flash_decode(q, k, v), reps)
                 nbytes = 2 * k.numel() * 4 + 5 * 8 * n * 4  # KV once + fp32 scores 5 times (cost_model.Dims.kernel_bytes)
                 pts.append((nbytes, t))
-            (b1, t1), (b2, t2) = pts
+            (b1, t1), (b2, t2) = pts  # a tiny shard gives the fixed cost, a large one the bandwidth
+            res["kernel_overhead"] = t1
             res["kernel_bw"] = (b2 - b1) / max(t2 - t1, 1e-9)
-            res["kernel_overhead"] = max(t1 - b1 / res["kernel_bw"], 0.0)
             res["kernel_points"] = pts
         dist.barrier()
         # α: ping-pong 0 <-> 1.
@@ -79,7 +82,13 @@ def _rank_main(rank: int, world: int, store_path: str, opts: dict, out_path: str
             pingpong()
             res["rtt"] = _median_time(pingpong, 10 * reps)
         dist.barrier()
-        # Small all-reduce over everyone.
+        # Small all-reduce over ranks {0, 1} (the others idle), then over everyone.
+        pair = dist.new_group([0, 1])
+        if rank in (0, 1):
+            dist.all_reduce(x, group=pair)
+            res["allreduce_small_2"] = _median_time(lambda: dist.all_reduce(x, group=pair), 10 * reps)
+        dist.barrier()
+
         def ar():
             dist.all_reduce(x)
         ar()
@@ -103,6 +112,20 @@ def _rank_main(rank: int, world: int, store_path: str, opts: dict, out_path: str
 
         ring()
         res["ring_send"] = statistics.median([ring() for _ in range(reps)])
+        # A large all-gather over everyone (all-gather-KV decode's collective).
+        parts = [torch.empty(n // world) for _ in range(world)]
+        src = buf_s[: n // world]
+
+        def gather():
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_gather(parts, src)
+            t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            return float(t)
+
+        gather()
+        res["allgather_large"] = statistics.median([gather() for _ in range(reps)])
         gathered = [None] * world
         dist.all_gather_object(gathered, res)
         if rank == 0:
@@ -116,13 +139,22 @@ def fit(measured: list[dict], world: int, host_cores: int, ring_bytes: int) -> d
     """Model parameters from the raw measurements of every rank (see the module docstring)."""
     r0 = measured[0]
     s = max(1.0, world / host_cores)
-    alpha = r0["rtt"] / 2
-    steps = 2 * (world - 1)
-    launch = max(r0["allreduce_small"] / s - steps * alpha, 0.0)
+    # Two small all-reduces, t(p) = s(p) * (launch + 2(p-1) alpha), at p = 2 (s = 1) and p = world:
+    # two equations for launch and alpha. With world == 2, alpha comes from the ping-pong instead.
+    t2, tw = r0["allreduce_small_2"], r0["allreduce_small"] / s
+    if world > 2 and tw > t2:
+        alpha = (tw - t2) / (2 * (world - 1) - 2)
+    else:
+        alpha = r0["rtt"] / 2
+    launch = max(t2 - 2 * alpha, 0.0)
     t_ring = r0["ring_send"]
     beta = ring_bytes / max(t_ring / s - alpha, 1e-9)
+    # all-gather of ring_bytes/world per rank: s * (launch + (p-1) alpha + (p-1) n / beta_c)
+    n_g = (ring_bytes // 4 // world) * 4
+    t_g = r0["allgather_large"] / s - launch - (world - 1) * alpha
+    coll_beta = (world - 1) * n_g / max(t_g, 1e-9)
     return {
-        "alpha": alpha, "launch": launch, "beta": beta,
+        "alpha": alpha, "launch": launch, "beta": beta, "collective_beta": coll_beta,
         "kernel_bw": r0["kernel_bw"], "kernel_overhead": r0["kernel_overhead"],
     }
 
@@ -134,7 +166,8 @@ def main(argv=None) -> int:
     ap.add_argument("--host-cores", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--ring-mb", type=float, default=64.0, help="message size of the β measurement")
-    ap.add_argument("--kernel-tokens", default="4096,65536", help="two shard lengths for the kernel fit")
+    ap.add_argument("--kernel-tokens", default="16,65536",
+                    help="a tiny and a large shard length: fixed cost and bandwidth of the kernel")
     ap.add_argument("--name", default="cpu_gloo")
     ap.add_argument("--out", default=None, help="YAML to write (default: the package's presets/NAME.yaml)")
     args = ap.parse_args(argv)
@@ -170,6 +203,7 @@ def main(argv=None) -> int:
         "shared_host": True,
         "host_cores": args.host_cores,
         "overlap": False,
+        "collective_beta": float(f"{p['collective_beta']:.4g}"),
         "memory_bytes": float(mem),
     }
     Preset.from_dict(data, "calibration")  # the written file must load
@@ -177,7 +211,7 @@ def main(argv=None) -> int:
     with open(path, "w") as f:
         f.write("# Written by `python -m megatron_tree.bench.calibrate`; simulated nodes share one host, so\n"
                 "# the intra and inter levels are the same loopback links. Raw measurements (rank 0):\n")
-        for key in ("rtt", "allreduce_small", "ring_send", "kernel_points"):
+        for key in ("rtt", "allreduce_small_2", "allreduce_small", "ring_send", "allgather_large", "kernel_points"):
             f.write(f"#   {key}: {measured[0][key]}\n")
         yaml.safe_dump(data, f, sort_keys=False)
     print(yaml.safe_dump(data, sort_keys=False))

@@ -87,6 +87,9 @@ class Preset:
     """Cores of the shared host (used only with ``shared_host``)."""
     overlap: bool = True
     """Whether a ring hop's transfer overlaps the kernel on the shard in hand."""
+    collective_beta: float = 0.0
+    """Bytes/s per rank of large collectives when it differs from point-to-point β (gloo's
+    all-gather stages through extra copies); 0 means the level's β."""
     memory_bytes: float = 0.0
     """Memory per rank (HBM, or the host's RAM); 0 = unknown. Used to say where a strategy fits."""
 
@@ -106,7 +109,7 @@ class Preset:
             if not isinstance(link, dict) or set(link) != {"alpha", "beta"}:
                 raise ValueError(f"{source}: {lvl} must be a mapping with exactly 'alpha' and 'beta', got {link!r}")
             kw[lvl] = Link(float(link["alpha"]), float(link["beta"]))
-        for key in ("kernel_bw", "kernel_overhead", "launch", "memory_bytes"):
+        for key in ("kernel_bw", "kernel_overhead", "launch", "memory_bytes", "collective_beta"):
             if key in kw:
                 kw[key] = float(kw[key])
         if kw.get("algorithm", "ring") not in ("ring", "tree"):
@@ -254,14 +257,19 @@ def _allreduce(preset: Preset, p: int, nodes: int, n: int, p_total: int) -> floa
             else 2 * math.ceil(math.log2(p)) * preset.intra.alpha * s
     else:
         lat = 2 * (p - 1) * link.alpha
-    return preset.launch * s + lat + 2 * (p - 1) / p * n / link.beta
+    return preset.launch * s + lat + 2 * (p - 1) / p * n / _coll_beta(preset, link, p_total)
+
+
+def _coll_beta(preset: Preset, link: Link, p_total: int) -> float:
+    return preset.collective_beta / preset.oversub(p_total) if preset.collective_beta > 0 else link.beta
 
 
 def _allgather(preset: Preset, p: int, nodes: int, n: int, p_total: int) -> float:
     if p <= 1:
         return 0.0
     link = _links(preset, p_total, nodes)
-    return preset.launch * preset.oversub(p_total) + (p - 1) * link.alpha + (p - 1) * n / link.beta
+    return (preset.launch * preset.oversub(p_total) + (p - 1) * link.alpha
+            + (p - 1) * n / _coll_beta(preset, link, p_total))
 
 
 def _kernel(preset: Preset, dims: Dims, tokens: int, p_active: int) -> float:
@@ -461,6 +469,23 @@ def plot_predictions(preset: Preset, dims: Dims, out_dir: str, tag: str | None =
     return paths
 
 
+def compare_with_bench(rows: list[dict], preset: Preset) -> list[dict]:
+    """Predicted vs measured median step time for every measured row of a ``bench.decode`` JSON."""
+    out = []
+    for r in rows:
+        if "skipped" in r:
+            continue
+        kind = r["strategy"].split(":")[-1]
+        name = r.get("resolved") or kind if kind == "auto" else kind
+        dims = Dims(r["batch"], r["heads_q"], r["heads_kv"], r["head_dim"], kv_bytes=4)
+        intra = r["intra"] if r["intra"] < r["ranks"] else r["ranks"]
+        pred = predict(name, preset, dims, r["ranks"], r["context"], intra) * 1e3
+        out.append({"ranks": r["ranks"], "intra": r["intra"], "context": r["context"], "batch": r["batch"],
+                    "heads": f"{r['heads_q']}/{r['heads_kv']}", "strategy": r["strategy"],
+                    "measured_ms": r["median_ms"], "predicted_ms": pred, "ratio": pred / r["median_ms"]})
+    return out
+
+
 def main(argv=None) -> int:
     import argparse
     import json
@@ -477,8 +502,31 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-bytes", type=int, default=2, help="2 for bf16, 4 for fp32")
     ap.add_argument("--plot-dir", default=None, help="write the two speedup plots here")
     ap.add_argument("--json", default=None, help="write the prediction rows here")
+    ap.add_argument("--compare", default=None, metavar="JSON",
+                    help="compare predictions with a bench.decode results JSON instead (use --preset cpu_gloo)")
+    ap.add_argument("--min-context", type=int, default=0, help="with --compare: only rows with at least this context")
     args = ap.parse_args(argv)
     preset = load_preset(args.preset)
+    if args.compare:
+        with open(args.compare) as f:
+            rows = [r for r in json.load(f)["rows"] if r["context"] >= args.min_context]
+        cmp_rows = compare_with_bench(rows, preset)
+        print(f"{'P':>3} {'ctx':>7} {'B':>2} {'H':>5} {'strategy':>16} {'measured':>9} {'predicted':>9} {'pred/meas':>9}")
+        for c in cmp_rows:
+            print(f"{c['ranks']:>3} {c['context']:>7} {c['batch']:>2} {c['heads']:>5} {c['strategy']:>16} "
+                  f"{c['measured_ms']:>9.1f} {c['predicted_ms']:>9.1f} {c['ratio']:>9.2f}")
+        within = [c for c in cmp_rows if 0.7 <= c["ratio"] <= 1.3]
+        print(f"within ±30%: {len(within)} of {len(cmp_rows)} rows")
+        by = {}
+        for c in cmp_rows:
+            by.setdefault(c["strategy"], []).append(c["ratio"])
+        for k, v in by.items():
+            inside = sum(0.7 <= x <= 1.3 for x in v)
+            print(f"  {k:>16}: median pred/meas {sorted(v)[len(v) // 2]:.2f}, within ±30% {inside}/{len(v)}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"preset": preset.as_dict(), "rows": cmp_rows}, f, indent=1)
+        return 0
     dims = Dims(args.batch, args.heads_q, args.heads_kv, args.head_dim, kv_bytes=args.kv_bytes)
     rows = speedup_table(preset, dims, [int(x) for x in args.gpus.split(",")], [int(x) for x in args.contexts.split(",")])
     print(f"preset {preset.name}: B={dims.batch} Hq={dims.heads_q} Hkv={dims.heads_kv} D={dims.head_dim} "

@@ -162,14 +162,13 @@ def _rank_main(rank: int, world: int, store_path: str, cfgs: list, opts: dict, o
             res = _run_config(Config(**cfg), groups_by_intra[cfg["intra"]], opts)
             if rank == 0:
                 results.extend(res)
+                with open(out_path, "w") as f:  # after every config: a crash later keeps these rows
+                    json.dump(results, f)
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix_str(f"ctx={cfg['context']} B={cfg['batch']} H={cfg['heads_q']}/{cfg['heads_kv']}")
         if bar is not None:
             bar.close()
-        if rank == 0:
-            with open(out_path, "w") as f:
-                json.dump(results, f)
     finally:
         dist.destroy_process_group()
 
@@ -372,8 +371,12 @@ def add_ratios(rows: list[dict]) -> list[dict]:
     return rows
 
 
-def run_sweep(cfgs: list[Config], opts: dict) -> list[dict]:
-    """Spawn P local ranks per distinct P and run their configs; returns the result rows."""
+def run_sweep(cfgs: list[Config], opts: dict, on_rows=None) -> list[dict]:
+    """Spawn P local ranks per distinct P and run their configs; returns the result rows.
+
+    ``on_rows(rows)`` is called after each P with every row so far (to save partial results).
+    If a run fails, the rows it finished are kept, reported, and the error is raised after.
+    """
     import torch.multiprocessing as tmp
 
     rows = []
@@ -383,9 +386,18 @@ def run_sweep(cfgs: list[Config], opts: dict) -> list[dict]:
     for p, group in by_p.items():
         with tempfile.TemporaryDirectory(prefix="mt_bench_") as d:
             out = os.path.join(d, "rank0.json")
-            tmp.spawn(_rank_main, args=(p, os.path.join(d, "store"), group, opts, out), nprocs=p, join=True)
-            with open(out) as f:
-                rows.extend(json.load(f))
+            error = None
+            try:
+                tmp.spawn(_rank_main, args=(p, os.path.join(d, "store"), group, opts, out), nprocs=p, join=True)
+            except Exception as e:  # noqa: BLE001 -- keep the finished rows, then re-raise
+                error = e
+            if os.path.exists(out):
+                with open(out) as f:
+                    rows.extend(json.load(f))
+            if on_rows is not None:
+                on_rows(rows)
+            if error is not None:
+                raise RuntimeError(f"the P={p} run failed after {len(rows)} result rows: {error}") from error
     return rows
 
 
@@ -609,19 +621,27 @@ def main(argv=None) -> int:
     cfgs = build_configs(args)
     command = "python -m megatron_tree.bench.decode " + " ".join(argv if argv is not None else sys.argv[1:])
     t0 = time.time()
-    rows = add_ratios(run_sweep(cfgs, opts))
     os.makedirs(args.out_dir, exist_ok=True)
     import torch
 
     meta = {"command": command, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "wall_s": round(time.time() - t0, 1), "torch": torch.__version__, "python": platform.python_version(),
+            "torch": torch.__version__, "python": platform.python_version(),
             "machine": platform.machine(), "cpus": os.cpu_count(), "opts": opts}
-    with open(os.path.join(args.out_dir, "bench_results.json"), "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    md = markdown_tables(rows, command)
-    with open(args.markdown or os.path.join(args.out_dir, "bench_results.md"), "w") as f:
-        f.write(md)
-    plot_results(rows, args.out_dir)
+    md = ""
+
+    def save(rows):
+        nonlocal md
+        add_ratios(rows)
+        meta["wall_s"] = round(time.time() - t0, 1)
+        with open(os.path.join(args.out_dir, "bench_results.json"), "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        md = markdown_tables(rows, command)
+        with open(args.markdown or os.path.join(args.out_dir, "bench_results.md"), "w") as f:
+            f.write(md)
+        if rows:
+            plot_results(rows, args.out_dir)
+
+    run_sweep(cfgs, opts, on_rows=save)
     print(md)
     print(f"wrote {args.out_dir}/bench_results.json, bench_results.md and bench_*.png in {meta['wall_s']} s", file=sys.stderr)
     return 0
