@@ -227,6 +227,8 @@ class EvalConfig:
     """Perplexity on a text file (real checkpoints)."""
     progress: bool = True
     """tqdm bars on rank 0 over the sweep and the decode steps."""
+    log_all_ranks: bool = False
+    """Also print every other rank's summary lines (rank 0 alone prints by default)."""
 
     def __post_init__(self):
         _positive(self, "decode_steps", "block_size")

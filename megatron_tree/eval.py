@@ -351,8 +351,15 @@ def run_one(model, ref, cfg: RunConfig, groups, device, vocab, ctx, batch, strat
     exact = None
     if check and rank == 0:
         exact = compare_with_reference(ref, prompts, toks, out, sampled, device, ex.tolerance)
+    resolved = strategy
+    if strategy == "auto":  # what the cost model picks for this step's merge state (fp32 partials)
+        from .comm import choose_strategy
+
+        lc = model.config
+        resolved = "none (CP 1)" if groups.size == 1 else choose_strategy(
+            groups, (batch, 1, lc.num_attention_heads, lc.head_dim), 4)
     return {
-        "context_length": ctx, "batch_size": batch, "strategy": strategy,
+        "context_length": ctx, "batch_size": batch, "strategy": strategy, "resolved_strategy": resolved,
         "prefill_s": out["prefill_time"],
         "decode_latency_ms": {
             "p50": percentile(times_ms, 50), "p90": percentile(times_ms, 90), "p99": percentile(times_ms, 99),
@@ -517,7 +524,8 @@ def summary_line(r: dict) -> str:
     ex = r["exactness"]
     levels = " ".join(f"{k}:{v['collectives']:g}/{v['sent_bytes']:.0f}B" for k, v in r["comm_per_step"]["levels"].items())
     dl = f"{ex['max_abs_dlogits']:.2e}" if ex else "n/a"
-    return (f"ctx={r['context_length']:<7d} batch={r['batch_size']:<3d} {r['strategy']:<10s} "
+    name = r["strategy"] if r["strategy"] == r["resolved_strategy"] else f"{r['strategy']}->{r['resolved_strategy']}"
+    return (f"ctx={r['context_length']:<7d} batch={r['batch_size']:<3d} {name:<10s} "
             f"prefill {r['prefill_s']:.3f}s  decode p50 {lat['p50']:.2f} p90 {lat['p90']:.2f} "
             f"p99 {lat['p99']:.2f} ms  {r['tokens_per_s']:.1f} tok/s  coll/step {levels or '-'}  "
             f"max|dlogits| {dl}")
@@ -659,6 +667,9 @@ def run_eval(cfg: RunConfig, env=None) -> dict | None:
             if not ok:
                 print(f"FAILED: max|dlogits| {results['max_abs_dlogits']} exceeds eval.exactness.tolerance "
                       f"{ev.exactness.tolerance} or ranks decoded different tokens", file=sys.stderr)
+        if rank != 0 and ev.log_all_ranks:
+            for r in runs:
+                print(f"[rank {rank}] {summary_line(r)}", flush=True)
         # Every rank learns the verdict, so a failed exactness check fails the whole job.
         verdict = [ok]
         dist.broadcast_object_list(verdict, src=0)

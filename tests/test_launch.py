@@ -19,7 +19,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAKE_SLURM = os.path.join(ROOT, "tests", "fake_slurm")
 # Tiny: one context length, batch 1, two strategies, 3 timed steps. Layers: 2 (cpu_tiny).
-TINY = ["eval.context_lengths=[40]", "eval.batch_sizes=[1]", "eval.strategies=[two_level,allgather]",
+TINY = ["eval.context_lengths=[40]", "eval.batch_sizes=[1]", "eval.strategies=[two_level,allgather,auto]",
         "eval.decode_steps=3", "eval.warmup_steps=1", "eval.progress=false", "eval.exactness.sample_rate=1.0"]
 LAYERS = 2
 
@@ -52,7 +52,12 @@ def _check_results(out_dir, p, *, launcher, levels):
     assert res["exact"] is True and res["max_abs_dlogits"] < 1e-3
     assert res["tokens_agree_across_ranks"] is True
     by = {r["strategy"]: r for r in res["runs"]}
-    assert set(by) == {"two_level", "allgather"}
+    assert set(by) == {"two_level", "allgather", "auto"}
+    # auto ran what the cost model chose, with that strategy's collectives
+    chosen = by["auto"]["resolved_strategy"]
+    assert chosen in ("allreduce3", "packed", "two_level", "allgather")
+    if chosen in by:
+        assert by["auto"]["comm_per_step"]["levels"] == by[chosen]["comm_per_step"]["levels"]
     for r in res["runs"]:
         assert r["exactness"]["checked_steps"] == [0, 1, 2, 3] and r["exactness"]["within_tolerance"]
         assert len(r["peak_memory_bytes"]) == 4 and min(r["peak_memory_bytes"]) > 10 * 2**20
@@ -70,7 +75,7 @@ def _check_results(out_dir, p, *, launcher, levels):
     assert f"results: {out_dir / 'results.json'}" in p.stdout
     assert os.path.isfile(res["plot"])
     # Other ranks are quiet: one summary line per run, printed once.
-    assert p.stdout.count("max|dlogits|") == 2
+    assert p.stdout.count("max|dlogits|") == 3
     return res
 
 
