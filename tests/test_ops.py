@@ -158,3 +158,16 @@ def test_decode_step_captured_by_torch_compile_fullgraph():
     sl2 = torch.tensor([1, 57, 30], dtype=torch.int32)  # new values, same graph
     out2, _ = compiled(q, k, v, sl2)
     assert torch.allclose(out2, reference.partial_attention(q, k, v, cache_seqlens=sl2)[0], atol=2e-6)
+
+
+def test_gpu_check_script_is_valid_and_selects_the_cuda_tests():
+    script = ROOT / "megatron_tree" / "bench" / "gpu_check.sh"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    text = script.read_text()
+    assert "TRITON_INTERPRET=0" in text and "-k cuda" in text and "bench.kernel --device cuda" in text
+    for banned in ("deepspeed", "megatron.core", "wandb"):  # absent on the GPU machine
+        assert f"import {banned}" not in text
+    import test_kernels  # what "-k cuda" selects: the test_cuda_* functions, and nothing that runs on CPU
+
+    selected = [n for n in dir(test_kernels) if n.startswith("test") and "cuda" in n]
+    assert len(selected) >= 4 and all(n.startswith("test_cuda_") for n in selected), selected
