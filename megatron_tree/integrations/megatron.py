@@ -541,6 +541,7 @@ class TreeInferenceContext(_static_context_base()):
         self.local_len = 0
         self.shard_lens = [0] * self.cp_size
         self.step: StepPlan | None = None
+        self._new_counts: list[int] = [0] * self.cp_size
         self.rope_table: torch.Tensor | None = None
 
     def reset(self):
@@ -661,6 +662,11 @@ class TreeGPTInferenceWrapper(_gpt_wrapper_base()):
 
         apply_runtime()  # the KV-cache hook has no slot in megatron-core; idempotent
         super().__init__(model, inference_wrapper_config, inference_context, pg_collection)
+        if self.pp_group is not None and dist.get_world_size(self.pp_group) > 1:
+            raise NotImplementedError(
+                "TreeGPTInferenceWrapper does not support pipeline parallelism (the CP logits gather "
+                "assumes every rank runs the last stage); use pipeline_model_parallel_size=1"
+            )
 
     def prep_model_for_inference(self, prompts_tokens=None):
         super().prep_model_for_inference(prompts_tokens)
