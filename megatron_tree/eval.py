@@ -493,7 +493,7 @@ def perplexity_eval(model, cfg: RunConfig, groups, device, tok) -> dict:
 # --------------------------------------------------------------------------- outputs
 
 
-def save_plot(runs: list[dict], path: Path) -> str:
+def save_plot(runs: list[dict], path: Path, title: str = "tree decode latency vs context length") -> str:
     """Decode latency p50 vs context length, one line per (strategy, batch size)."""
     from matplotlib.figure import Figure  # no pyplot: no global backend or figure state
 
@@ -511,7 +511,7 @@ def save_plot(runs: list[dict], path: Path) -> str:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("decode step latency p50 (ms)")
-    ax.set_title("tree decode latency vs context length")
+    ax.set_title(title, fontsize=10)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -624,7 +624,9 @@ def run_eval(cfg: RunConfig, env=None) -> dict | None:
                 "passkey": passkey, "perplexity": ppl,
             }
             ok = agree and results["exact"] is not False
-            plot = save_plot(runs, out_dir / "decode_latency.png")
+            levels = " x ".join(f"{k} {v}" for k, v in launch["level_sizes"].items())
+            plot = save_plot(runs, out_dir / "decode_latency.png",
+                             f"{cfg.name}: decode latency, CP {cp_size} ({levels}), {backend}/{device.type}")
             for ctx in ev.context_lengths:
                 rows = [[r["strategy"], r["batch_size"], r["prefill_s"], r["decode_latency_ms"]["p50"],
                          r["decode_latency_ms"]["p90"], r["decode_latency_ms"]["p99"], r["tokens_per_s"],
