@@ -119,10 +119,10 @@ def _merge_states_fake(outs, lses, backend):
     return outs.new_empty((b, sq, hq, d)), lses.new_empty((b, hq, sq), dtype=_acc_dtype(outs.dtype))
 
 
-def _kernel_backend(name: str, dtype: torch.dtype, forced: bool) -> str:
-    # The kernels cover fp16/bf16/fp32; float64 on CUDA quietly takes the torch path unless a
-    # backend was forced (then the kernel's error names the dtype).
-    if name == "triton" and dtype == torch.float64 and not forced:
+def _kernel_backend(name: str, dtype: torch.dtype, forced: bool, headdim: int = 0) -> str:
+    # The kernels cover fp16/bf16/fp32 and head dims up to 256; anything else on CUDA quietly
+    # takes the torch path unless a backend was forced (then the kernel's error names it).
+    if name == "triton" and not forced and (dtype == torch.float64 or headdim > 256):
         return "torch"
     return name
 
@@ -146,7 +146,7 @@ def flash_decode(
     """
     _check(q, k, v, cache_seqlens, q_positions, k_positions)
     forced = backend is not None or bool(os.environ.get(ENV_BACKEND))
-    name = _kernel_backend(resolve_backend(q.device, backend), q.dtype, forced)
+    name = _kernel_backend(resolve_backend(q.device, backend), q.dtype, forced, q.shape[-1])
     return _flash_decode_op(q, k, v, cache_seqlens, softmax_scale, q_positions, k_positions, name)
 
 
@@ -161,5 +161,5 @@ def merge_states(outs: torch.Tensor, lses: torch.Tensor, *, backend: str | None 
             f"got {tuple(outs.shape)} and {tuple(lses.shape)}"
         )
     forced = backend is not None or bool(os.environ.get(ENV_BACKEND))
-    name = _kernel_backend(resolve_backend(outs.device, backend), outs.dtype, forced)
+    name = _kernel_backend(resolve_backend(outs.device, backend), outs.dtype, forced, outs.shape[-1])
     return _merge_states_op(outs, lses, name)

@@ -90,10 +90,14 @@ def _case(name, dtype=torch.float32, seed=0):
         qpos = torch.tensor([[10, 20, 30, 44], [120, 130, 140, 144]])
         return q, k, v, {"cache_seqlens": torch.tensor([45, 44], dtype=torch.int32),
                          "q_positions": qpos, "k_positions": kpos, "softmax_scale": 0.3}
+    if name == "mqa_many_rows":  # 8 query heads x 4 tokens on one KV head: 32 query rows, so
+        # fp32 tiles them over 2 programs of 16 rows and fp16/bf16 uses one 64-row tile
+        q, k, v = rnd(1, 4, 8, 64), rnd(1, 40, 1, 64), rnd(1, 40, 1, 64)
+        return q, k, v, {"q_positions": torch.tensor([[20, 25, 30, 39]]), "k_positions": torch.arange(40)}
     raise KeyError(name)
 
 
-CASES = ("gqa_ragged", "mqa", "causal_sq4", "strided_cache")
+CASES = ("gqa_ragged", "mqa", "causal_sq4", "strided_cache", "mqa_many_rows")
 
 
 @needs_interpreter
@@ -117,7 +121,7 @@ def test_flash_decode_kernel_fp32_matches_reference(name):
 
 @needs_interpreter
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("name", ["gqa_ragged", "causal_sq4"])
+@pytest.mark.parametrize("name", ["gqa_ragged", "causal_sq4", "mqa_many_rows"])
 def test_flash_decode_kernel_low_precision_within_2x_of_same_dtype_torch(name, dtype):
     q, k, v, kw = _case(name, dtype, seed=1)
     ref_o, ref_l = _oracle(q, k, v, **kw)
