@@ -98,8 +98,15 @@ def check_launch(cfg: RunConfig, world: int) -> int:
 
 
 def _hf_config(path: str) -> dict:
-    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
-        return json.load(f)
+    file = os.path.join(path, "config.json")
+    try:
+        with open(file, encoding="utf-8") as f:
+            data = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"model.path: {file} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"model.path: {file} must hold a JSON object, got {type(data).__name__}")
+    return data
 
 
 def check_inputs(cfg: RunConfig) -> None:

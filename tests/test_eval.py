@@ -177,7 +177,19 @@ def test_passkey_and_perplexity_with_a_checkpoint(tmp_path, clean_env):
     assert ppl["perplexity"] == pytest.approx(math.exp(nll), rel=1e-4)
 
 
-def test_checkpoint_without_weights_is_a_clear_error(tmp_path, clean_env, capsys):
+def test_broken_checkpoints_are_clear_errors(tmp_path, clean_env, capsys):
+    args = ["model.source=hf", f"model.path={tmp_path}", "topology.intra_size=null", "wandb.enabled=false"]
     (tmp_path / "config.json").write_text("{}")
-    assert E.main(["model.source=hf", f"model.path={tmp_path}", "topology.intra_size=null"]) == 2
+    assert E.main(args) == 2
     assert "has no *.safetensors weights" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text("{not json")
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    assert E.main(args) == 2
+    assert "config.json is not valid JSON" in capsys.readouterr().err
+    # A readable checkpoint of another architecture: refused by the loader, after the
+    # process group exists, as one line (no traceback) and exit status 2.
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["MistralForCausalLM"], "model_type": "mistral"}))
+    assert E.main(args) == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and "unsupported architecture" in err and "Traceback" not in err
+    assert not torch.distributed.is_initialized()
