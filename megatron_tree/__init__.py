@@ -1,17 +1,22 @@
 """megatron_tree: exact, topology-aware context-parallel decoding (Tree Attention).
 
 Public API (DESIGN.md section 3): ``flash_decode``, ``merge_states``, ``TreeGroups``,
-``tree_decode``, ``CommStats``. Importing the package has no side effects.
+``tree_decode``, ``CommStats``; the model layer: ``Llama``, ``ShardedKVCache``, ``generate``.
+Importing the package has no side effects.
 """
 
 from .attention import tree_decode
 from .comm import STRATEGIES, CommError, CommStats
 from .ops import flash_decode, merge_states
 from .topology import Level, TopologyError, TreeGroups
+from .cache import CacheConfig, ShardedKVCache
+from .generate import GenerationResult, generate
+from .models.llama import Llama, LlamaConfig
 
 __version__ = "0.1.0"
 
 __all__ = [
     "flash_decode", "merge_states", "tree_decode", "TreeGroups", "Level", "TopologyError",
-    "CommStats", "CommError", "STRATEGIES", "__version__",
+    "CommStats", "CommError", "STRATEGIES", "CacheConfig", "ShardedKVCache", "Llama", "LlamaConfig",
+    "generate", "GenerationResult", "__version__",
 ]
