@@ -109,8 +109,12 @@ class _IdTokenizer:
         return " ".join(str(int(t)) for t in tokens)
 
 
-def engine_generate(model, wrapper_cls, context):
-    """Megatron's StaticInferenceEngine (legacy static batching) + TextGenerationController, greedy."""
+def engine_generate(model, wrapper_cls, context, prompts=None):
+    """Megatron's StaticInferenceEngine (legacy static batching) + TextGenerationController, greedy.
+
+    prompts: token lists (default: the two 11-token prompts); unequal lengths exercise the
+    controller's path that prefills the shortest prompt and then feeds the rest token by token.
+    """
     from megatron.core.inference.engines import StaticInferenceEngine
     from megatron.core.inference.inference_request import InferenceRequest
     from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import InferenceWrapperConfig
@@ -127,13 +131,16 @@ def engine_generate(model, wrapper_cls, context):
     engine = StaticInferenceEngine(controller, max_batch_size=2, legacy=True)
     params = SamplingParams(top_k=1, num_tokens_to_generate=NEW_TOKENS, termination_id=-1)
     requests = [
-        InferenceRequest(request_id=str(i), prompt=_IdTokenizer().detokenize(p), prompt_tokens=p.tolist(),
+        InferenceRequest(request_id=str(i), prompt=_IdTokenizer().detokenize(p), prompt_tokens=list(p),
                          sampling_params=params)
-        for i, p in enumerate(_prompts())
+        for i, p in enumerate(prompts if prompts is not None else _prompts().tolist())
     ]
     done = engine.generate(inference_requests=requests)
     return [[int(t) for t in r.generated_tokens] for r in done]
 
+
+# A 3-token prompt at CP = 4 leaves half the ranks with an empty shard after prefill.
+UNEVEN_PROMPTS = [[5, 17, 3], [40, 2, 9, 77, 31, 8, 60, 12, 1]]
 
 TRAIN_LEN = 16  # a multiple of 2 * CP for the training layout
 
@@ -195,6 +202,9 @@ def megatron_rank(rank, world):
         model = _build_model(1, None, tree=False)
         results["megatron_cp1"] = greedy_decode(model, GPTInferenceWrapper, StaticInferenceContext(2, MAX_LEN))
         results["megatron_cp1_engine"] = engine_generate(model, GPTInferenceWrapper, StaticInferenceContext(2, MAX_LEN))
+        results["megatron_cp1_uneven"] = engine_generate(
+            model, GPTInferenceWrapper, StaticInferenceContext(2, MAX_LEN), UNEVEN_PROMPTS
+        )
         results["megatron_cp1_core"] = type(model.decoder.layers[0].self_attention.core_attention).__name__
         results["megatron_cp1_train"] = full_sequence_logits(model, parallel_state.get_context_parallel_group(), 1)
         # Our attention at CP = 1 inside Megatron's own (unsharded) KV cache: the hook defers to Megatron.
@@ -215,6 +225,7 @@ def megatron_rank(rank, world):
             results[name + "_levels"] = [lvl.size for lvl in ctx.groups.levels]
             results[name + "_core"] = type(model.decoder.layers[0].self_attention.core_attention).__name__
             results[name + "_engine"] = engine_generate(model, mt.TreeGPTInferenceWrapper, ctx)
+            results[name + "_uneven"] = engine_generate(model, mt.TreeGPTInferenceWrapper, ctx, UNEVEN_PROMPTS)
             results[name + "_train"] = full_sequence_logits(model, model.pg_collection.cp, cp)
             # The core API's constructors see the same layout (pg_collection, then parallel_state).
             results[name + "_from_megatron"] = (TreeGroups.from_megatron(model.pg_collection).describe(),
@@ -269,6 +280,9 @@ def test_greedy_decode_identical_cp4_hierarchical_and_megatron_cp1(megatron_resu
         assert out[r]["megatron_cp1_engine"] == base_tokens
         assert out[r]["tree_cp4_engine"] == base_tokens
         assert out[r]["tree_cp2x2_engine"] == base_tokens
+        # Prompts of 3 and 9 tokens: empty shards after prefill, then the controller's catch-up.
+        assert len(out[r]["megatron_cp1_uneven"][0]) == NEW_TOKENS
+        assert out[r]["tree_cp4_uneven"] == out[r]["tree_cp2x2_uneven"] == out[r]["megatron_cp1_uneven"]
         for name in ("tree_cp4", "tree_cp2x2"):
             torch.testing.assert_close(torch.tensor(out[r][name][2]), torch.tensor(base_logits), rtol=1e-4, atol=1e-4)
         assert out[r]["tree_cp4"][0] == base_tokens, f"rank {r}: CP=4 decode differs from Megatron CP=1"
