@@ -13,13 +13,10 @@ device problem there.
 from __future__ import annotations
 
 import contextlib
-import logging
 
 import torch
 
 __all__ = ["megatron_on_cpu"]
-
-log = logging.getLogger("megatron_tree.integrations")
 
 
 class _CpuEvent:
