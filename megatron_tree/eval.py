@@ -594,7 +594,8 @@ def run_eval(cfg: RunConfig, env=None) -> dict | None:
         ev = cfg.eval
         combos = [(c, b, s) for c in ev.context_lengths for b in ev.batch_sizes for s in ev.strategies]
         show = rank == 0 and ev.progress
-        sweep = tqdm(combos, desc="sweep", disable=not show, file=sys.stderr, position=0)
+        every = 0.1 if sys.stderr.isatty() else 5.0  # keep non-terminal logs (Slurm, CI) short
+        sweep = tqdm(combos, desc="sweep", disable=not show, file=sys.stderr, position=0, mininterval=every)
         phases["model_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         warm_up(model, cfg, groups, device, lcfg.vocab_size)
@@ -604,7 +605,7 @@ def run_eval(cfg: RunConfig, env=None) -> dict | None:
         for ctx, batch, strategy in sweep:
             sweep.set_postfix_str(f"ctx={ctx} batch={batch} {strategy}")
             with tqdm(total=ev.warmup_steps + ev.decode_steps, desc="decode", leave=False, disable=not show,
-                      file=sys.stderr, position=1) as bar:
+                      file=sys.stderr, position=1, mininterval=every) as bar:
                 r = run_one(model, ref, cfg, groups, device, lcfg.vocab_size, ctx, batch, strategy, rank=rank, bar=bar)
             runs.append(r)
             for ms in r["step_latency_ms"]:

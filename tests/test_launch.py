@@ -81,8 +81,10 @@ def _check_results(out_dir, p, *, launcher, levels):
 
 def test_local_sh(tmp_path):
     out = tmp_path / "local"
-    p = _launch(["bash", "launch/local.sh", f"output_dir={out}", *TINY], _env(NPROC="4"))
+    p = _launch(["bash", "launch/local.sh", f"output_dir={out}", *TINY, "eval.progress=true"], _env(NPROC="4"))
     _check_results(out, p, launcher="torchrun", levels={"intra": 2, "inter": 2})
+    # One progress bar over the sweep (rank 0's), finished.
+    assert p.stderr.count("sweep: 100%") == 1, p.stderr[-2000:]
 
 
 def test_torchrun_sh_takes_the_real_layout(tmp_path):
