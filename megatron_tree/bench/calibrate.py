@@ -165,6 +165,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ranks", type=int, default=4, help="local gloo processes to measure with")
     ap.add_argument("--host-cores", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--repeat", type=int, default=3, help="independent calibration runs; medians are kept")
     ap.add_argument("--ring-mb", type=float, default=64.0, help="message size of the β measurement")
     ap.add_argument("--kernel-tokens", default="16,65536",
                     help="a tiny and a large shard length: fixed cost and bandwidth of the kernel")
@@ -178,11 +179,16 @@ def main(argv=None) -> int:
 
     opts = {"reps": args.reps, "ring_bytes": int(args.ring_mb * 2**20),
             "kernel_tokens": [int(x) for x in args.kernel_tokens.split(",")]}
-    with tempfile.TemporaryDirectory(prefix="mt_calib_") as d:
-        out = os.path.join(d, "calib.json")
-        tmp.spawn(_rank_main, args=(args.ranks, os.path.join(d, "store"), opts, out), nprocs=args.ranks, join=True)
-        with open(out) as f:
-            measured = json.load(f)
+    runs = []
+    for _ in range(args.repeat):  # a shared machine is noisy: the median of several runs per quantity
+        with tempfile.TemporaryDirectory(prefix="mt_calib_") as d:
+            out = os.path.join(d, "calib.json")
+            tmp.spawn(_rank_main, args=(args.ranks, os.path.join(d, "store"), opts, out), nprocs=args.ranks, join=True)
+            with open(out) as f:
+                runs.append(json.load(f)[0])
+    measured = [{k: (statistics.median(r[k] for r in runs) if k != "kernel_points" else
+                     [[runs[0][k][i][0], statistics.median(r[k][i][1] for r in runs)] for i in range(2)])
+                 for k in runs[0]}]
     p = fit(measured, args.ranks, args.host_cores, opts["ring_bytes"])
     try:
         mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -210,7 +216,8 @@ def main(argv=None) -> int:
     path = args.out or str(PRESET_DIR / f"{args.name}.yaml")
     with open(path, "w") as f:
         f.write("# Written by `python -m megatron_tree.bench.calibrate`; simulated nodes share one host, so\n"
-                "# the intra and inter levels are the same loopback links. Raw measurements (rank 0):\n")
+                "# the intra and inter levels are the same loopback links. Raw measurements (rank 0,\n"
+                f"# median of {args.repeat} runs):\n")
         for key in ("rtt", "allreduce_small_2", "allreduce_small", "ring_send", "allgather_large", "kernel_points"):
             f.write(f"#   {key}: {measured[0][key]}\n")
         yaml.safe_dump(data, f, sort_keys=False)

@@ -447,7 +447,7 @@ def markdown_tables(rows: list[dict], command: str) -> str:
         best = min(tree, key=lambda r: r["median_ms"]) if tree else None
         ring = c.get("ring")
         ratio = (ring["median_ms"] / best["median_ms"]) if best and ring and "skipped" not in ring else None
-        lvl = f"{p} ({intra}×{p // intra})" if intra < p else f"{p}"
+        lvl = f"{p} ({p // intra}×{intra})" if intra < p else f"{p}"  # nodes × ranks per node
         lines.append("| " + " | ".join([lvl, _fmt_tokens(n), str(b), f"{hq}/{hkv}"] + vals + [
             short[best["strategy"]] if best else "-", f"{ratio:.1f}×" if ratio else "-"]) + " |")
     lines += ["", "Bytes sent per rank per step (measured by CommStats / baseline accounting; levels in brackets) "
