@@ -171,3 +171,18 @@ def test_gpu_check_script_is_valid_and_selects_the_cuda_tests():
 
     selected = [n for n in dir(test_kernels) if n.startswith("test") and "cuda" in n]
     assert len(selected) >= 4 and all(n.startswith("test_cuda_") for n in selected), selected
+
+
+def test_kernel_benchmark_cpu_mode_runs_and_reports(tmp_path):
+    from megatron_tree.bench import kernel as kb
+
+    code = kb.main(["--device", "cpu", "--seqlens", "512", "--rounds", "2", "--out", str(tmp_path)])
+    assert code == 0
+    import json
+
+    result = json.loads((tmp_path / "kernel_bench_cpu.json").read_text())
+    rows = {r["method"]: r for r in result["rows"]}
+    assert set(rows) == {"ours", "sdpa_gqa", "sdpa_gqa_bhnd"}
+    assert rows["ours"]["kv_bytes"] == 2 * 512 * 8 * 128 * 4 and rows["ours"]["time_vs_ours"] == 1.0
+    for r in rows.values():  # every method agreed with ours before being timed
+        assert r["max_abs_diff_vs_first"] < 1e-5 and r["median_s"] > 0 and r["kv_gbps"] > 0
