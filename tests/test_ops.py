@@ -186,3 +186,22 @@ def test_kernel_benchmark_cpu_mode_runs_and_reports(tmp_path):
     assert rows["ours"]["kv_bytes"] == 2 * 512 * 8 * 128 * 4 and rows["ours"]["time_vs_ours"] == 1.0
     for r in rows.values():  # every method agreed with ours before being timed
         assert r["max_abs_diff_vs_first"] < 1e-5 and r["median_s"] > 0 and r["kv_gbps"] > 0
+
+
+def test_gpu_check_needs_no_deepspeed_megatron_or_wandb():
+    # The GPU machine has none of them: the package and the CUDA test module must import
+    # with those imports failing.
+    script = textwrap.dedent("""
+        import sys
+        for name in ("deepspeed", "megatron", "megatron.core", "wandb", "flash_attn"):
+            sys.modules[name] = None  # makes `import name` raise ImportError
+        import megatron_tree, megatron_tree.ops, megatron_tree.bench.kernel
+        import test_kernels
+        print("ok")
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_INTERPRET"] = "0"
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-4000:]
