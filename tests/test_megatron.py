@@ -245,6 +245,7 @@ def megatron_rank(rank, world):
             results["bad_" + label] = (_error(mt.initialize_model_parallel, *args),
                                        parallel_state.model_parallel_is_initialized())
         mt.initialize_model_parallel(2)
+        results["deepspeed_mpu"] = deepspeed_mpu_check()
         results["bad_config_vs_groups"] = _error(_build_model, 4, None, True)
         results["bad_ctx_type"] = _error(
             mt.TreeDotProductAttention(_config(2, None), 1, AttnMaskType.causal, "self",
@@ -254,6 +255,37 @@ def megatron_rank(rank, world):
         parallel_state.destroy_model_parallel()
         results["world"] = dist.get_world_size()
     return results
+
+
+def deepspeed_mpu_check() -> dict:
+    """deepspeed.initialize(mpu=MegatronMPU()) over Megatron's current groups: what DeepSpeed sees."""
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.utils import groups as ds_groups
+    from megatron.core import parallel_state
+
+    from megatron_tree.integrations.deepspeed import MegatronMPU, init_distributed
+
+    import os
+
+    os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))  # what the launcher would set (one node)
+    init_distributed()  # adopts the harness's gloo group; no shm-op compile
+    model = torch.nn.Linear(8, 8)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, config={"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1},
+        mpu=MegatronMPU(),
+    )
+    info = {
+        "sequence_parallel_size": engine.sequence_parallel_size,
+        "dp_world_size": engine.dp_world_size,
+        "seq_dp_world_size": engine.seq_dp_world_size,
+        "train_batch_size": engine.train_batch_size(),
+        "sp_group_ranks": dist.get_process_group_ranks(ds_groups._get_sequence_parallel_group()),
+        "megatron_cp_ranks": dist.get_process_group_ranks(parallel_state.get_context_parallel_group()),
+        "seq_dp_group_ranks": dist.get_process_group_ranks(engine.seq_data_parallel_group),
+    }
+    ds_groups.mpu = None  # DeepSpeed keeps the mpu in a module global; later code must not see it
+    return info
 
 
 def _pg():
@@ -371,3 +403,14 @@ def test_spec_swap_idempotent_reversible_version_gated(monkeypatch, caplog):
     with pytest.raises(RuntimeError, match="supports megatron-core 0.16.1, but 0.19.0 is imported"):
         mt.use_tree_attention(spec)
     assert subs.core_attention is DotProductAttention
+
+
+def test_deepspeed_initialize_sees_megatron_cp_as_sequence_parallel(megatron_results):
+    """4 ranks, Megatron CP = 2: DeepSpeed's sequence-parallel group is Megatron's CP group, DP = 2."""
+    for r, out in enumerate(megatron_results):
+        mpu = out["deepspeed_mpu"]
+        assert mpu["sequence_parallel_size"] == 2
+        assert mpu["dp_world_size"] == 2
+        assert mpu["seq_dp_world_size"] == 4 and mpu["seq_dp_group_ranks"] == [0, 1, 2, 3]
+        assert mpu["train_batch_size"] == 2  # micro-batch 1 x DP 2
+        assert mpu["sp_group_ranks"] == mpu["megatron_cp_ranks"] == ([0, 1] if r < 2 else [2, 3])

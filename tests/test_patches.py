@@ -118,7 +118,7 @@ def test_files_refuse_other_version_and_modified_file(tree_copy):
         patches.apply_files(tree_copy)
 
 
-def test_cli(tree_copy):
+def test_cli(tree_copy, capsys):
     def run(*args):
         return subprocess.run(
             [sys.executable, "-m", "megatron_tree.integrations.patches", *args, "--root", str(tree_copy)],
@@ -129,7 +129,9 @@ def test_cli(tree_copy):
     assert proc.returncode == 0, proc.stderr
     assert "applied ['0001-attention-kv-cache-hook']" in proc.stdout
     assert patches.check_files(tree_copy) == {"0001-attention-kv-cache-hook": "applied"}
+
+    # Errors: exit status 2 and the message (in-process: the entry point is the same main()).
     info = tree_copy / "megatron/core/package_info.py"
     info.write_text(info.read_text().replace("PATCH = 1", "PATCH = 2"))
-    proc = run("apply")
-    assert proc.returncode == 2 and "error: megatron-core 0.16.2 found" in proc.stderr
+    assert patches.main(["apply", "--root", str(tree_copy)]) == 2
+    assert "error: megatron-core 0.16.2 found" in capsys.readouterr().err

@@ -39,39 +39,12 @@ def shard_bounds(n: int, parts: int, index: int) -> tuple[int, int]:
     return start, start + base + (1 if index < extra else 0)
 
 
-def megatron_mpu_check(cp: int) -> dict:
-    """Megatron's groups at CP = cp, then deepspeed.initialize(mpu=MegatronMPU()): what DeepSpeed sees."""
-    import deepspeed
-    import torch.distributed as dist
-    from deepspeed.utils import groups as ds_groups
-
-    from megatron_tree.integrations import megatron as mt
-    from megatron_tree.integrations.deepspeed import MegatronMPU
-
-    tree = mt.initialize_model_parallel(cp)
-    model = torch.nn.Linear(8, 8)
-    engine, _, _, _ = deepspeed.initialize(
-        model=model, config={"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1},
-        mpu=MegatronMPU(),
-    )
-    return {
-        "sequence_parallel_size": engine.sequence_parallel_size,
-        "dp_world_size": engine.dp_world_size,
-        "seq_dp_world_size": engine.seq_dp_world_size,
-        "train_batch_size": engine.train_batch_size(),
-        "sp_group_ranks": dist.get_process_group_ranks(ds_groups._get_sequence_parallel_group()),
-        "tree_cp_ranks": list(tree.cp_ranks),
-    }
-
-
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--intra-size", type=int, default=None)
     parser.add_argument("--strategy", default="auto")
     parser.add_argument("--ds-config", default=None)
-    parser.add_argument("--megatron-cp", type=int, default=None,
-                        help="also build Megatron's groups with this CP size and run deepspeed.initialize(mpu=...)")
     args, _unknown = parser.parse_known_args()  # the launcher appends --local_rank=N
 
     import torch.distributed as dist
@@ -91,7 +64,6 @@ def main() -> int:
                       strategy=args.strategy, stats=stats)
     outs = [torch.empty_like(out) for _ in range(groups.size)]
     dist.all_gather(outs, out.contiguous(), group=groups.cp_group)
-    mpu_info = megatron_mpu_check(args.megatron_cp) if args.megatron_cp else None
     if dist.get_rank() == 0:
         os.makedirs(args.out, exist_ok=True)
         torch.save(out, os.path.join(args.out, "out.pt"))
@@ -103,7 +75,6 @@ def main() -> int:
             "ranks_agree": all(torch.equal(o, outs[0]) for o in outs),
             "collectives": {name: s.collectives for name, s in stats.levels.items()},
             "wandb": wandb_settings(args.ds_config).__dict__ if args.ds_config else None,
-            "mpu": mpu_info,
         }
         with open(os.path.join(args.out, "result.json"), "w") as f:
             json.dump(info, f)
