@@ -11,7 +11,8 @@ from megatron_tree.bench import decode
 def test_tiny_sweep_end_to_end(tmp_path):
     out = tmp_path / "out"
     argv = ["--ranks", "2,4", "--intra", "4:2", "--contexts", "96", "--batch", "2", "--heads", "4/2",
-            "--head-dim", "16", "--iters", "1", "--warmup", "1", "--no-progress", "--out-dir", str(out)]
+            "--head-dim", "16", "--iters", "1", "--warmup", "1", "--no-progress", "--probe-tokens", "256",
+            "--out-dir", str(out)]
     assert decode.main(argv) == 0
     data = json.loads((out / "bench_results.json").read_text())
     rows = data["rows"]
@@ -39,6 +40,7 @@ def test_tiny_sweep_end_to_end(tmp_path):
             assert set(got["tree:two_level"]["bytes_per_level_rank0"]) == {"intra", "inter"}
         assert got["tree:auto"]["resolved"] in cm.TREE_STRATEGIES
         assert got["ring"]["ratio_vs_ring"] == 1.0
+        assert all(r["host_lanes"] > 0 for r in got.values())  # the parallel-lanes probe ran
         # ring keeps min(2, P-1) receive buffers of a shard; tree none
         assert got["tree:packed"]["peak_analytic_bytes"] < got["ring"]["peak_analytic_bytes"]
     md = (out / "bench_results.md").read_text()

@@ -117,3 +117,28 @@ def test_auto_from_comm_uses_the_model(monkeypatch):
     monkeypatch.setenv(cm.ENV_PRESET, "pcie_4090")
     g = _groups(16, 2)
     assert comm.choose_strategy(g, (1, 1, 32, 128), 4) == cm.choose_strategy(g, (1, 1, 32, 128), 4)
+
+
+def test_calibration_fit_recovers_model_parameters():
+    """calibrate.fit inverts the model: synthetic measurements made with known α, launch, β,
+    collective β and lanes come back as those parameters."""
+    from megatron_tree.bench.calibrate import fit
+
+    world, cores, ring_bytes = 4, 2, 64 * 2**20
+    alpha, launch, beta, cbeta, lanes = 2e-5, 3e-4, 1.2e9, 4e8, 1.6
+    s = world / lanes
+    t_alone = 0.1
+    measured = [{
+        "rtt": 99.0,  # unused when world > 2
+        "allreduce_small_2": launch + 2 * alpha,
+        "allreduce_small": s * (launch + 2 * (world - 1) * alpha),
+        "ring_send": s * (alpha + ring_bytes / beta),
+        "allgather_large": s * (launch + (world - 1) * alpha + (world - 1) * (ring_bytes // 4 // world * 4) / cbeta),
+        "kernel_points": [[1000, 2e-4], [1000 + 5e8, t_alone]],
+        "kernel_concurrent": world * t_alone / lanes,
+        "kernel_bw": 5e9, "kernel_overhead": 2e-4,
+    }]
+    got = fit(measured, world, cores, ring_bytes)
+    for key, want in (("alpha", alpha), ("launch", launch), ("beta", beta), ("collective_beta", cbeta),
+                      ("lanes", lanes), ("kernel_bw", 5e9)):
+        assert abs(got[key] - want) <= 1e-6 * want, (key, got[key], want)

@@ -8,8 +8,10 @@ prediction made with the written preset uses them with no further correction.
 
 Measured on ``--ranks`` local processes (default 4):
 
-* kernel: rank 0 alone runs the decode kernel on two shard lengths; the line through the
-  two points gives ``kernel_overhead`` (intercept) and ``kernel_bw`` (slope).
+* kernel: rank 0 alone runs the decode kernel on a tiny and a large shard: the fixed cost
+  ``kernel_overhead`` and the bandwidth ``kernel_bw``. Then all ranks run it at once; P times
+  the lone time over the concurrent time is the number of ranks that truly run in parallel
+  (``host_cores``: the cores, or fewer while other work occupies the machine).
 * α and launch: 4-byte all-reduces over 2 ranks and over all ranks; the model's
   ``s(p) * (launch + 2(p-1) α)`` through both points (a 4-byte ping-pong is recorded too,
   and gives α when only 2 ranks are used).
@@ -69,6 +71,22 @@ def _rank_main(rank: int, world: int, store_path: str, opts: dict, out_path: str
             res["kernel_bw"] = (b2 - b1) / max(t2 - t1, 1e-9)
             res["kernel_points"] = pts
         dist.barrier()
+        # Every rank runs the kernel on the large shard at once: how many run truly in parallel.
+        n_big = opts["kernel_tokens"][-1]
+        qc = torch.randn(1, 1, 8, 128)
+        kc, vc = torch.randn(1, n_big, 8, 128), torch.randn(1, n_big, 8, 128)
+        flash_decode(qc, kc, vc)
+
+        def concurrent():
+            dist.barrier()
+            t0 = time.perf_counter()
+            flash_decode(qc, kc, vc)
+            t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            return float(t)
+
+        res["kernel_concurrent"] = statistics.median([concurrent() for _ in range(reps)])
+        del kc, vc
         # α: ping-pong 0 <-> 1.
         x = torch.zeros(1, dtype=torch.float32)
         if rank in (0, 1):
@@ -138,7 +156,10 @@ def _rank_main(rank: int, world: int, store_path: str, opts: dict, out_path: str
 def fit(measured: list[dict], world: int, host_cores: int, ring_bytes: int) -> dict:
     """Model parameters from the raw measurements of every rank (see the module docstring)."""
     r0 = measured[0]
-    s = max(1.0, world / host_cores)
+    # Effective parallel lanes: P kernels at once take P / lanes times one kernel alone.
+    t_alone = r0["kernel_points"][-1][1]
+    lanes = min(float(host_cores), max(1.0, world * t_alone / r0["kernel_concurrent"]))
+    s = max(1.0, world / lanes)
     # Two small all-reduces, t(p) = s(p) * (launch + 2(p-1) alpha), at p = 2 (s = 1) and p = world:
     # two equations for launch and alpha. With world == 2, alpha comes from the ping-pong instead.
     t2, tw = r0["allreduce_small_2"], r0["allreduce_small"] / s
@@ -154,7 +175,7 @@ def fit(measured: list[dict], world: int, host_cores: int, ring_bytes: int) -> d
     t_g = r0["allgather_large"] / s - launch - (world - 1) * alpha
     coll_beta = (world - 1) * n_g / max(t_g, 1e-9)
     return {
-        "alpha": alpha, "launch": launch, "beta": beta, "collective_beta": coll_beta,
+        "alpha": alpha, "launch": launch, "beta": beta, "collective_beta": coll_beta, "lanes": lanes,
         "kernel_bw": r0["kernel_bw"], "kernel_overhead": r0["kernel_overhead"],
     }
 
@@ -196,7 +217,8 @@ def main(argv=None) -> int:
         mem = 0
     data = {
         "name": args.name,
-        "description": (f"local gloo processes on one {args.host_cores}-core host (loopback TCP), calibrated "
+        "description": (f"local gloo processes on one {args.host_cores}-core host (loopback TCP; host_cores = "
+                        f"measured parallel lanes), calibrated "
                         f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC with {args.ranks} ranks "
                         f"by python -m megatron_tree.bench.calibrate"),
         "ranks_per_node": 8,
@@ -207,7 +229,7 @@ def main(argv=None) -> int:
         "launch": float(f"{p['launch']:.4g}"),
         "algorithm": "ring",
         "shared_host": True,
-        "host_cores": args.host_cores,
+        "host_cores": float(f"{p['lanes']:.3g}"),
         "overlap": False,
         "collective_beta": float(f"{p['collective_beta']:.4g}"),
         "memory_bytes": float(mem),
@@ -218,7 +240,8 @@ def main(argv=None) -> int:
         f.write("# Written by `python -m megatron_tree.bench.calibrate`; simulated nodes share one host, so\n"
                 "# the intra and inter levels are the same loopback links. Raw measurements (rank 0,\n"
                 f"# median of {args.repeat} runs):\n")
-        for key in ("rtt", "allreduce_small_2", "allreduce_small", "ring_send", "allgather_large", "kernel_points"):
+        for key in ("rtt", "allreduce_small_2", "allreduce_small", "ring_send", "allgather_large", "kernel_points",
+                    "kernel_concurrent"):
             f.write(f"#   {key}: {measured[0][key]}\n")
         yaml.safe_dump(data, f, sort_keys=False)
     print(yaml.safe_dump(data, sort_keys=False))

@@ -83,8 +83,10 @@ class Preset:
     """All-reduce algorithm for small payloads: gloo uses ring, NCCL tree."""
     shared_host: bool = False
     """All ranks share one host's cores (CPU processes): bandwidths divided, α multiplied by oversubscription."""
-    host_cores: int = 0
-    """Cores of the shared host (used only with ``shared_host``)."""
+    host_cores: float = 0.0
+    """Parallel lanes of the shared host (used only with ``shared_host``): its cores, or fewer
+    when other work occupies them -- ``calibrate`` measures it as the speedup of P concurrent
+    kernels over one."""
     overlap: bool = True
     """Whether a ring hop's transfer overlaps the kernel on the shard in hand."""
     collective_beta: float = 0.0
@@ -109,7 +111,7 @@ class Preset:
             if not isinstance(link, dict) or set(link) != {"alpha", "beta"}:
                 raise ValueError(f"{source}: {lvl} must be a mapping with exactly 'alpha' and 'beta', got {link!r}")
             kw[lvl] = Link(float(link["alpha"]), float(link["beta"]))
-        for key in ("kernel_bw", "kernel_overhead", "launch", "memory_bytes", "collective_beta"):
+        for key in ("kernel_bw", "kernel_overhead", "launch", "memory_bytes", "collective_beta", "host_cores"):
             if key in kw:
                 kw[key] = float(kw[key])
         if kw.get("algorithm", "ring") not in ("ring", "tree"):
@@ -469,20 +471,30 @@ def plot_predictions(preset: Preset, dims: Dims, out_dir: str, tag: str | None =
     return paths
 
 
-def compare_with_bench(rows: list[dict], preset: Preset) -> list[dict]:
-    """Predicted vs measured median step time for every measured row of a ``bench.decode`` JSON."""
+def compare_with_bench(rows: list[dict], preset: Preset, use_run_lanes: bool = True) -> list[dict]:
+    """Predicted vs measured median step time for every measured row of a ``bench.decode`` JSON.
+
+    With ``use_run_lanes`` and a shared-host preset, ``host_cores`` is replaced by the parallel
+    lanes the benchmark probed right before each configuration (``host_lanes``), so the model
+    sees the machine as the run saw it (other users' load varies minute to minute).
+    """
+    import dataclasses
+
     out = []
     for r in rows:
         if "skipped" in r:
             continue
+        lanes = r.get("host_lanes")
+        pr = dataclasses.replace(preset, host_cores=lanes) if (use_run_lanes and lanes and preset.shared_host) else preset
         kind = r["strategy"].split(":")[-1]
         name = r.get("resolved") or kind if kind == "auto" else kind
         dims = Dims(r["batch"], r["heads_q"], r["heads_kv"], r["head_dim"], kv_bytes=4)
         intra = r["intra"] if r["intra"] < r["ranks"] else r["ranks"]
-        pred = predict(name, preset, dims, r["ranks"], r["context"], intra) * 1e3
+        pred = predict(name, pr, dims, r["ranks"], r["context"], intra) * 1e3
         out.append({"ranks": r["ranks"], "intra": r["intra"], "context": r["context"], "batch": r["batch"],
                     "heads": f"{r['heads_q']}/{r['heads_kv']}", "strategy": r["strategy"],
-                    "measured_ms": r["median_ms"], "predicted_ms": pred, "ratio": pred / r["median_ms"]})
+                    "measured_ms": r["median_ms"], "predicted_ms": pred, "ratio": pred / r["median_ms"],
+                    "host_lanes": pr.host_cores})
     return out
 
 
@@ -505,16 +517,18 @@ def main(argv=None) -> int:
     ap.add_argument("--compare", default=None, metavar="JSON",
                     help="compare predictions with a bench.decode results JSON instead (use --preset cpu_gloo)")
     ap.add_argument("--min-context", type=int, default=0, help="with --compare: only rows with at least this context")
+    ap.add_argument("--preset-lanes", action="store_true",
+                    help="with --compare: keep the preset's host_cores instead of the lanes probed by the run")
     args = ap.parse_args(argv)
     preset = load_preset(args.preset)
     if args.compare:
         with open(args.compare) as f:
             rows = [r for r in json.load(f)["rows"] if r["context"] >= args.min_context]
-        cmp_rows = compare_with_bench(rows, preset)
-        print(f"{'P':>3} {'ctx':>7} {'B':>2} {'H':>5} {'strategy':>16} {'measured':>9} {'predicted':>9} {'pred/meas':>9}")
+        cmp_rows = compare_with_bench(rows, preset, use_run_lanes=not args.preset_lanes)
+        print(f"{'P':>3} {'ctx':>7} {'B':>2} {'H':>5} {'strategy':>16} {'measured':>9} {'predicted':>9} {'pred/meas':>9} {'lanes':>5}")
         for c in cmp_rows:
             print(f"{c['ranks']:>3} {c['context']:>7} {c['batch']:>2} {c['heads']:>5} {c['strategy']:>16} "
-                  f"{c['measured_ms']:>9.1f} {c['predicted_ms']:>9.1f} {c['ratio']:>9.2f}")
+                  f"{c['measured_ms']:>9.1f} {c['predicted_ms']:>9.1f} {c['ratio']:>9.2f} {c['host_lanes']:>5.2f}")
         within = [c for c in cmp_rows if 0.7 <= c["ratio"] <= 1.3]
         print(f"within ±30%: {len(within)} of {len(cmp_rows)} rows")
         by = {}

@@ -159,8 +159,11 @@ def _rank_main(rank: int, world: int, store_path: str, cfgs: list, opts: dict, o
                 from ..topology import TreeGroups
 
                 groups_by_intra[cfg["intra"]] = TreeGroups.build(intra_size=cfg["intra"], node_of=[0] * world)
+            lanes = _probe_lanes(opts, opts["probe_tokens"]) if opts["probe_tokens"] > 0 else None
             res = _run_config(Config(**cfg), groups_by_intra[cfg["intra"]], opts)
             if rank == 0:
+                for r in res:
+                    r["host_lanes"] = lanes
                 results.extend(res)
                 with open(out_path, "w") as f:  # after every config: a crash later keeps these rows
                     json.dump(results, f)
@@ -171,6 +174,39 @@ def _rank_main(rank: int, world: int, store_path: str, cfgs: list, opts: dict, o
             bar.close()
     finally:
         dist.destroy_process_group()
+
+
+def _probe_lanes(opts: dict, tokens: int, reps: int = 3):
+    """How many ranks of this world truly run at once right now (other users share the host).
+
+    Rank 0 runs the decode kernel alone, then every rank runs it at once; P times the lone
+    time over the concurrent time. Recorded per config so that the cost model can be checked
+    against the conditions the benchmark actually ran under (``cost_model --compare``).
+    """
+    import torch
+    import torch.distributed as dist
+
+    from ..ops import flash_decode
+
+    if opts["device"] != "cpu":
+        return None
+    world, rank = dist.get_world_size(), dist.get_rank()
+    q = torch.randn(1, 1, 8, 128)
+    k, v = torch.randn(1, tokens, 8, 128), torch.randn(1, tokens, 8, 128)
+    flash_decode(q, k, v)
+
+    def timed(active: bool) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        if active:
+            flash_decode(q, k, v)
+        t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t)
+
+    alone = statistics.median(timed(rank == 0) for _ in range(reps))
+    together = statistics.median(timed(True) for _ in range(reps))
+    return max(1e-3, world * alone / together)
 
 
 def _run_config(cfg: Config, groups, opts: dict) -> list:
@@ -586,6 +622,8 @@ def main(argv=None) -> int:
     ap.add_argument("--mem-budget-gb", type=float, default=8.0,
                     help="host memory a config may use; strategies that would exceed it are skipped and reported")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    ap.add_argument("--probe-tokens", type=int, default=32768,
+                    help="shard length of the parallel-lanes probe run before each config (0: no probe)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dist-backend", default="gloo")
     ap.add_argument("--seed", type=int, default=0)
@@ -616,7 +654,7 @@ def main(argv=None) -> int:
         "strategies": strategies, "warmup": args.warmup, "iters": args.iters, "min_iters": args.min_iters,
         "cell_budget_s": args.cell_budget_s, "max_step_s": args.max_step_s, "mem_budget_gb": args.mem_budget_gb, "threads": args.threads,
         "device": args.device, "dist_backend": args.dist_backend, "seed": args.seed, "dtype": args.dtype,
-        "progress": not args.no_progress, "pg_timeout": 1800,
+        "progress": not args.no_progress, "pg_timeout": 1800, "probe_tokens": args.probe_tokens,
     }
     cfgs = build_configs(args)
     command = "python -m megatron_tree.bench.decode " + " ".join(argv if argv is not None else sys.argv[1:])
