@@ -60,7 +60,7 @@ class ShardPlan:
     @classmethod
     def build(cls, k: torch.Tensor, groups: TreeGroups) -> "ShardPlan":
         """Exchange shard lengths; every CP rank calls this with its own k: (batch, shard_len, nheads_kv, headdim)."""
-        mine = torch.tensor([k.shape[1]], dtype=torch.int64)
+        mine = torch.tensor([k.shape[1]], dtype=torch.int64, device=k.device)  # NCCL needs device tensors
         parts = [torch.zeros_like(mine) for _ in range(groups.size)]
         if groups.size > 1:
             dist.all_gather(parts, mine, group=groups.cp_group)

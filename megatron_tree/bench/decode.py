@@ -19,7 +19,7 @@ Per configuration and strategy it records:
 
 Run ``python -m megatron_tree.bench.decode --help``; docs/benchmarks.md has the command
 of the published sweep. Ranks are local gloo processes (CPU); on a GPU machine pass
-``--device cuda --backend nccl``.
+``--device cuda --dist-backend nccl`` (one process per GPU).
 """
 
 from __future__ import annotations
@@ -141,6 +141,8 @@ def _rank_main(rank: int, world: int, store_path: str, cfgs: list, opts: dict, o
     import torch.distributed as dist
 
     torch.set_num_threads(opts["threads"])
+    if opts["device"] == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(opts["dist_backend"], store=dist.FileStore(store_path, world), rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=opts["pg_timeout"]))
     try:
@@ -283,7 +285,7 @@ def _run_config(cfg: Config, groups, opts: dict) -> list:
         out = fn()
         if device.type == "cuda":
             torch.cuda.synchronize()
-        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
         dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=groups.cp_group)
         return out, float(dt)
 
@@ -304,7 +306,7 @@ def _run_config(cfg: Config, groups, opts: dict) -> list:
         per_round = sum(-times[s][-1] for s in strategies) if opts["warmup"] else 0.0
         if per_round > 0:
             iters = max(min(opts["min_iters"], iters), min(iters, int(opts["cell_budget_s"] / per_round)))
-        agreed = torch.tensor([iters], dtype=torch.int64)
+        agreed = torch.tensor([iters], dtype=torch.int64, device=device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=groups.cp_group)
         iters = int(agreed)
     # Round 0 also measures memory: the resident-set high-water mark is reset before each step
@@ -316,13 +318,20 @@ def _run_config(cfg: Config, groups, opts: dict) -> list:
             s = strategies[(i + j) % len(strategies)]
             if i == 0:
                 gc.collect()
-                before = _rss_kb("VmRSS")
-                ok = _reset_hwm()
+                if device.type == "cuda":  # the caching allocator's own peak counter
+                    before = torch.cuda.memory_allocated()
+                    torch.cuda.reset_peak_memory_stats()
+                else:
+                    before = _rss_kb("VmRSS")
+                    ok = _reset_hwm()
             outs[s], dt = timed(s)
             times[s].append(dt)
             if i == 0:
-                hwm = _rss_kb("VmHWM")
-                transient = (hwm - before) * 1024 if ok and before >= 0 and hwm >= 0 else None
+                if device.type == "cuda":
+                    transient = torch.cuda.max_memory_allocated() - before
+                else:
+                    hwm = _rss_kb("VmHWM")
+                    transient = (hwm - before) * 1024 if ok and before >= 0 and hwm >= 0 else None
                 if s == "single":
                     resident = (full["k"].numel() * 2 * full["k"].element_size()) if rank == 0 and full else 0
                 else:
