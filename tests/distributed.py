@@ -58,7 +58,9 @@ def run_ranks(
 ) -> list:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks.
 
-    fn must be importable (a module-level function); its return value must be picklable.
+    fn must be importable (a module-level function); its return value must be picklable and
+    should be plain data (floats, lists, numpy arrays): a torch tensor travels as a shared-memory
+    handle that dies with its rank, so the parent can fail to read it ("connection reset").
     timeout: seconds for the whole run; pg_timeout: the process group's collective timeout.
     env: extra environment variables for every rank.
     expect_dead: ranks allowed to exit without a result (tests of a rank dying mid-run);
