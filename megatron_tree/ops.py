@@ -47,26 +47,13 @@ def resolve_backend(device: torch.device, backend: str | None = None) -> str:
     return choice
 
 
-def _check_seqlens_meta(cache_seqlens: torch.Tensor, q: torch.Tensor) -> None:
-    """Shape/dtype/device checks of cache_seqlens that need no device sync (CUDA, tracing)."""
-    b = q.shape[0]
-    if not isinstance(cache_seqlens, torch.Tensor):
-        raise TypeError(f"cache_seqlens must be an int32 tensor of shape ({b},), got {type(cache_seqlens).__name__}")
-    if cache_seqlens.dtype != torch.int32:
-        raise TypeError(f"cache_seqlens must be int32, got {cache_seqlens.dtype}")
-    if tuple(cache_seqlens.shape) != (b,):
-        raise ValueError(f"cache_seqlens must have shape ({b},) (one per batch row), got {tuple(cache_seqlens.shape)}")
-    if cache_seqlens.device != q.device:
-        raise ValueError(f"cache_seqlens is on {cache_seqlens.device} but q is on {q.device}")
-
-
 def _check(q, k, v, cache_seqlens, q_positions, k_positions) -> None:
     # Value checks (cache_seqlens within [0, N]) read the tensor: only on CPU and outside
     # tracing. On CUDA they would synchronise every step and break CUDA-graph capture.
     by_value = q.device.type == "cpu" and not torch.compiler.is_compiling()
     reference.check_decode_inputs(q, k, v, cache_seqlens if by_value else None, q_positions, k_positions)
     if cache_seqlens is not None and not by_value:
-        _check_seqlens_meta(cache_seqlens, q)
+        reference.check_cache_seqlens(cache_seqlens, q.shape[0], k.shape[1], q.device, by_value=False)
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -155,11 +142,7 @@ def merge_states(outs: torch.Tensor, lses: torch.Tensor, *, backend: str | None 
 
     out: (B, Sq, Hq, D) in outs.dtype; lse: (B, Hq, Sq) float32 (float64 for float64 input).
     """
-    if outs.dim() != 5 or lses.dim() != 4:
-        raise ValueError(
-            f"merge_states expects outs (P, B, Sq, Hq, D) and lses (P, B, Hq, Sq), "
-            f"got {tuple(outs.shape)} and {tuple(lses.shape)}"
-        )
+    reference.check_merge_inputs(outs, lses)
     forced = backend is not None or bool(os.environ.get(ENV_BACKEND))
     name = _kernel_backend(resolve_backend(outs.device, backend), outs.dtype, forced, outs.shape[-1])
     return _merge_states_op(outs, lses, name)

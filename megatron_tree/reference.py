@@ -25,7 +25,10 @@ import math
 
 import torch
 
-__all__ = ["partial_attention", "merge_states", "lse_weights", "normalize", "check_decode_inputs"]
+__all__ = [
+    "partial_attention", "merge_states", "lse_weights", "normalize", "weighted",
+    "check_decode_inputs", "check_cache_seqlens", "check_merge_inputs",
+]
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -74,19 +77,7 @@ def check_decode_inputs(q, k, v, cache_seqlens=None, q_positions=None, k_positio
             f"number of query heads ({hq}) must be a multiple of the number of KV heads ({hkv})"
         )
     if cache_seqlens is not None:
-        if not isinstance(cache_seqlens, torch.Tensor):
-            raise TypeError(f"cache_seqlens must be an int32 tensor of shape ({b},), got {type(cache_seqlens).__name__}")
-        if cache_seqlens.dtype != torch.int32:
-            raise TypeError(f"cache_seqlens must be int32, got {cache_seqlens.dtype}")
-        if tuple(cache_seqlens.shape) != (b,):
-            raise ValueError(f"cache_seqlens must have shape ({b},) (one per batch row), got {tuple(cache_seqlens.shape)}")
-        if cache_seqlens.device != q.device:
-            raise ValueError(f"cache_seqlens is on {cache_seqlens.device} but q is on {q.device}")
-        if b and (int(cache_seqlens.min()) < 0 or int(cache_seqlens.max()) > n):
-            raise ValueError(
-                f"cache_seqlens must lie in [0, {n}] (the KV length), got values in "
-                f"[{int(cache_seqlens.min())}, {int(cache_seqlens.max())}]"
-            )
+        check_cache_seqlens(cache_seqlens, b, n, q.device)
     if (q_positions is None) != (k_positions is None):
         raise ValueError("causal masking needs both q_positions and k_positions (or neither)")
     if q_positions is not None:
@@ -100,6 +91,39 @@ def check_decode_inputs(q, k, v, cache_seqlens=None, q_positions=None, k_positio
                 f"k_positions must be an integer tensor of shape ({b}, {n}) or ({n},), "
                 f"got {k_positions.dtype} {tuple(k_positions.shape)}"
             )
+
+
+def check_cache_seqlens(cache_seqlens, batch: int, seqlen_k: int, device, *, by_value: bool = True) -> None:
+    """cache_seqlens: (batch,) int32 on ``device``; with ``by_value`` also every value in [0, seqlen_k].
+
+    ``by_value=False`` skips reading the values (on CUDA or while tracing that would force a
+    host-device synchronisation every step and break CUDA-graph capture).
+    """
+    if not isinstance(cache_seqlens, torch.Tensor):
+        raise TypeError(f"cache_seqlens must be an int32 tensor of shape ({batch},), got {type(cache_seqlens).__name__}")
+    if cache_seqlens.dtype != torch.int32:
+        raise TypeError(f"cache_seqlens must be int32, got {cache_seqlens.dtype}")
+    if tuple(cache_seqlens.shape) != (batch,):
+        raise ValueError(f"cache_seqlens must have shape ({batch},) (one per batch row), got {tuple(cache_seqlens.shape)}")
+    if cache_seqlens.device != device:
+        raise ValueError(f"cache_seqlens is on {cache_seqlens.device} but q is on {device}")
+    if by_value and batch and (int(cache_seqlens.min()) < 0 or int(cache_seqlens.max()) > seqlen_k):
+        raise ValueError(
+            f"cache_seqlens must lie in [0, {seqlen_k}] (the KV length), got values in "
+            f"[{int(cache_seqlens.min())}, {int(cache_seqlens.max())}]"
+        )
+
+
+def check_merge_inputs(outs: torch.Tensor, lses: torch.Tensor) -> None:
+    """outs: (P, batch, seqlen_q, nheads_q, headdim); lses: (P, batch, nheads_q, seqlen_q)."""
+    if outs.dim() != 5 or lses.dim() != 4:
+        raise ValueError(
+            f"merge_states expects outs (P, B, Sq, Hq, D) and lses (P, B, Hq, Sq), "
+            f"got {tuple(outs.shape)} and {tuple(lses.shape)}"
+        )
+    p, b, sq, hq, _ = outs.shape
+    if tuple(lses.shape) != (p, b, hq, sq):
+        raise ValueError(f"lses must have shape {(p, b, hq, sq)} to match outs {tuple(outs.shape)}, got {tuple(lses.shape)}")
 
 
 def partial_attention(
@@ -197,14 +221,8 @@ def merge_states(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, 
     returns out: (batch, seqlen_q, nheads_q, headdim) in outs.dtype, lse: (batch, nheads_q, seqlen_q)
     in float32 (float64 for float64 input).
     """
-    if outs.dim() != 5 or lses.dim() != 4:
-        raise ValueError(
-            f"merge_states expects outs (P, B, Sq, Hq, D) and lses (P, B, Hq, Sq), "
-            f"got {tuple(outs.shape)} and {tuple(lses.shape)}"
-        )
-    p, b, sq, hq, _ = outs.shape
-    if tuple(lses.shape) != (p, b, hq, sq):
-        raise ValueError(f"lses must have shape {(p, b, hq, sq)} to match outs {tuple(outs.shape)}, got {tuple(lses.shape)}")
+    check_merge_inputs(outs, lses)
+    p = outs.shape[0]
     acc = _acc_dtype(outs.dtype)
     if p == 1:
         return outs[0], lses[0].to(acc)
