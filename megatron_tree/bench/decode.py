@@ -550,15 +550,20 @@ def plot_results(rows: list[dict], out_dir: str) -> list[str]:
     fig.savefig(paths[-1], dpi=100)
     plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for p in ps:
-        for b in sorted({r["batch"] for r in ok}):
-            for hq, hkv in heads:
+    # Colour = P, line style = batch, marker = head layout: every curve reads off unambiguously.
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    batches = sorted({r["batch"] for r in ok})
+    styles, markers = ["-", "--", ":", "-."], ["o", "s", "^", "D"]
+    for pi, p in enumerate(ps):
+        for bi, b in enumerate(batches):
+            for hi, (hq, hkv) in enumerate(heads):
                 pts = sorted((r["context"], r["ratio_vs_ring"]) for r in ok if r["ranks"] == p and r["batch"] == b
                              and (r["heads_q"], r["heads_kv"]) == (hq, hkv) and r["strategy"] == "tree:packed"
                              and r.get("ratio_vs_ring"))
                 if pts:
-                    ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=f"P={p} B={b} {hq}/{hkv}")
+                    ax.plot([x for x, _ in pts], [y for _, y in pts], color=f"C{pi}",
+                            linestyle=styles[bi % len(styles)], marker=markers[hi % len(markers)],
+                            label=f"P={p} B={b} {hq}/{hkv}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("context (tokens)")
     ax.set_ylabel("ring / tree(packed) median")
