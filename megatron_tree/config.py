@@ -204,8 +204,8 @@ class EvalConfig:
     """Prompt lengths in tokens (random ids for random weights)."""
     batch_sizes: tuple[int, ...] = (1, 2)
     """Sequences decoded together."""
-    strategies: tuple[StrategyName, ...] = ("two_level", "packed", "allreduce3", "allgather")
-    """Merge strategies (DESIGN.md section 4)."""
+    strategies: tuple[StrategyName, ...] = ("auto", "two_level", "packed", "allreduce3", "allgather")
+    """Merge strategies (DESIGN.md section 4); ``auto`` is the cost model's pick, recorded per run."""
     decode_steps: int = 16
     """Greedy decode steps timed per run."""
     warmup_steps: int = 2
