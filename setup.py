@@ -15,11 +15,11 @@ setup(
         # A range the machine's CPU build (2.13.0) satisfies; launch/setup.sh pins it first,
         # so pip does not pull a multi-GB CUDA build on CPU machines.
         "torch>=2.4",
-        "triton>=3.6",
+        "triton>=3.6,<3.10",  # 3.6 on the GPU machine, 3.7.1 pinned by launch/setup.sh
         "numpy",
-        "deepspeed>=0.19",
+        "deepspeed>=0.19,<0.20",  # the CPU shm-op switch in integrations/deepspeed.py is 0.19's
         # patches/ are pinned to 0.16.1, the newest release for Python 3.11.
-        "megatron-core>=0.16.1",
+        "megatron-core>=0.16.1,<0.17",
         "wandb>=0.20",
         "pyyaml",
         "safetensors",
