@@ -2,8 +2,11 @@
 
 One 4-rank run covers CP = 4, CP = 3 (beside a CP = 1 group) and CP = 2 x 2 groups, both
 cache layouts, GQA, rows of different lengths (one so short that some ranks hold none of
-it), in float64 so the comparison is tight.
+it), and a one-row prompt of exactly P tokens (one per rank: the ring's "skip a block that
+is all in the future" test sits on its boundary), in float64 so the comparison is tight.
 """
+
+import itertools
 
 import pytest
 import torch
@@ -16,19 +19,19 @@ LENGTHS = [11, 2, 7]  # uneven shares; row 1 leaves some ranks of CP >= 3 empty
 HQ, HKV, D = 4, 2, 8
 
 
-def _global_inputs():
+def _global_inputs(lengths=LENGTHS):
     g = torch.Generator().manual_seed(0)
-    n = max(LENGTHS)
-    q = torch.randn(len(LENGTHS), n, HQ, D, generator=g, dtype=torch.float64)
-    k = torch.randn(len(LENGTHS), n, HKV, D, generator=g, dtype=torch.float64)
-    v = torch.randn(len(LENGTHS), n, HKV, D, generator=g, dtype=torch.float64)
+    n = max(lengths)
+    q = torch.randn(len(lengths), n, HQ, D, generator=g, dtype=torch.float64)
+    k = torch.randn(len(lengths), n, HKV, D, generator=g, dtype=torch.float64)
+    v = torch.randn(len(lengths), n, HKV, D, generator=g, dtype=torch.float64)
     return q, k, v
 
 
-def _reference(q, k, v):
+def _reference(q, k, v, lengths=LENGTHS):
     """Single-process causal attention per row (each row alone, no padding)."""
     outs = []
-    for b, n in enumerate(LENGTHS):
+    for b, n in enumerate(lengths):
         pos = torch.arange(n)[None]
         o, _ = partial_attention(q[b:b + 1, :n], k[b:b + 1, :n], v[b:b + 1, :n], q_positions=pos, k_positions=pos)
         outs.append(o[0])
@@ -47,8 +50,6 @@ def _rank_fn(rank, world):
     from megatron_tree.prefill import allgather_prefill, ring_prefill
     from megatron_tree.topology import TreeGroups
 
-    q, k, v = _global_inputs()
-    ref = _reference(q, k, v)
     layouts = {
         "cp4": None,
         "cp3+cp1": [[0, 1, 2], [3]],
@@ -58,12 +59,16 @@ def _rank_fn(rank, world):
     for name, ranks in layouts.items():
         groups = TreeGroups.build(ranks)
         p, me = groups.size, groups.rank
-        for layout in ("load_balanced", "contiguous"):
-            plans = [prefill_ranges(n, p, layout)[me] for n in LENGTHS]
-            width = max(sum(e - s for s, e in prefill_ranges(n, p, layout)[r]) for n in LENGTHS for r in range(p))
+        # LENGTHS, then one row of P tokens: one token per rank, so the block a rank skips
+        # as "all in the future" is decided at its boundary (a key at the last query's position).
+        for layout, lengths in itertools.product(("load_balanced", "contiguous"), (LENGTHS, [p])):
+            q, k, v = _global_inputs(lengths)
+            ref = _reference(q, k, v, lengths)
+            plans = [prefill_ranges(n, p, layout)[me] for n in lengths]
+            width = max(sum(e - s for s, e in prefill_ranges(n, p, layout)[r]) for n in lengths for r in range(p))
             # ranks pad differently on purpose (the functions pad keys to the CP-wide maximum)
             width = width + (me % 2)
-            pos = torch.full((len(LENGTHS), width), -1, dtype=torch.int64)
+            pos = torch.full((len(lengths), width), -1, dtype=torch.int64)
             for b, ranges in enumerate(plans):
                 mine = [i for s, e in ranges for i in range(s, e)]
                 pos[b, : len(mine)] = torch.tensor(mine, dtype=torch.int64)
@@ -71,22 +76,23 @@ def _rank_fn(rank, world):
             for method, fn in (("ring", ring_prefill), ("allgather", allgather_prefill)):
                 stats = CommStats()
                 out = fn(ql, kl, vl, pos, pos, groups, stats=stats)
-                ops[f"{name}/{layout}/{method}"] = (p, stats.as_dict()["levels"])
+                case = f"{name}/{layout}/{lengths}/{method}"
+                ops[case] = (p, stats.as_dict()["levels"])
                 err = 0.0
-                for b in range(len(LENGTHS)):
+                for b in range(len(lengths)):
                     valid = pos[b] >= 0
                     got = out[b, valid]
                     want = ref[b][pos[b, valid]]
                     err = max(err, float((got - want).abs().max()) if got.numel() else 0.0)
                     assert torch.all(out[b, ~valid] == 0)  # padded queries see nothing
-                worst[f"{name}/{layout}/{method}"] = err
+                worst[case] = err
     return worst, ops
 
 
 def test_ring_and_allgather_prefill_equal_single_process():
     results = run_ranks(_rank_fn, 4, timeout=240)
     for rank, (worst, ops) in enumerate(results):
-        assert len(worst) == 3 * 2 * 2
+        assert len(worst) == 3 * 2 * 2 * 2
         for case, err in worst.items():
             assert err < 1e-12, f"rank {rank} {case}: max error {err}"
         # collectives are counted, not assumed: ring = P-1 rounds of send/recv
