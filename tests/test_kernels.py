@@ -197,8 +197,25 @@ def test_merge_kernel_low_precision(dtype):
     assert _err(lse, ref_l) <= 1e-5
 
 
+def _count_kernel_calls(monkeypatch):
+    """Wrap the two kernel launchers so a test can see which backend ops actually ran
+    (the torch path gives the same numbers, so agreement alone cannot tell them apart)."""
+    calls = {"flash_decode": 0, "merge_states": 0}
+    for module, name in ((fd, "flash_decode"), (mk, "merge_states")):
+        real = getattr(module, name)
+
+        def counted(*args, _real=real, _name=name, **kwargs):
+            calls[_name] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, counted)
+    return calls
+
+
 @needs_interpreter
-def test_ops_dispatch_to_the_kernels_with_backend_triton():
+def test_ops_dispatch_to_the_kernels_with_backend_triton(monkeypatch):
+    monkeypatch.delenv(ops.ENV_BACKEND, raising=False)
+    calls = _count_kernel_calls(monkeypatch)
     q, k, v, kw = _case("causal_sq4")
     out, lse = ops.flash_decode(q, k, v, backend="triton", **kw)
     ref_o, ref_l = reference.partial_attention(q, k, v, **kw)
@@ -208,6 +225,19 @@ def test_ops_dispatch_to_the_kernels_with_backend_triton():
     mo, ml = ops.merge_states(outs, lses, backend="triton")
     ro, rl = reference.merge_states(outs, lses)
     assert _err(mo, ro) < 1e-5 and _err(ml, rl) < 1e-5
+    assert calls == {"flash_decode": 1, "merge_states": 1}, calls
+    # CPU tensors with no backend named take the torch path ...
+    ops.flash_decode(q, k, v, **kw)
+    ops.merge_states(outs, lses)
+    assert calls == {"flash_decode": 1, "merge_states": 1}, calls
+    # ... unless the environment variable forces the kernels, and the argument beats it.
+    monkeypatch.setenv(ops.ENV_BACKEND, "triton")
+    o2, _ = ops.flash_decode(q, k, v, **kw)
+    ops.merge_states(outs, lses)
+    assert calls == {"flash_decode": 2, "merge_states": 2}, calls
+    assert _err(o2, ref_o) < 1e-5
+    ops.flash_decode(q, k, v, backend="torch", **kw)
+    assert calls["flash_decode"] == 2, calls
 
 
 # ---- CUDA: the compiled kernels on a real GPU (skipped without one) -------------------------
