@@ -98,13 +98,25 @@ def test_peak_memory_tree_below_ring():
 @pytest.mark.parametrize("name", PRESETS)
 def test_choose_strategy_valid_and_cached(name, monkeypatch):
     monkeypatch.setenv(cm.ENV_PRESET, name)
+    preset = cm.load_preset(name)
     valid = {"allreduce3", "packed", "two_level", "allgather"}
+    chosen = set()
     for size, intra in ((2, 2), (4, 4), (8, 4), (16, 8), (128, 8), (1024, 8), (6, 3)):
         for shape in ((1, 1, 8, 128), (64, 4, 64, 128)):
             s = cm.choose_strategy(_groups(size, intra), shape, 4)
             assert s in valid
             if not 1 < intra < size:
                 assert s != "two_level"
+            # the choice is the model's cheapest candidate (auto must follow the model, not a rule)
+            b, sq, hq, d = shape
+            dims = cm.Dims(batch=b, heads_q=hq, heads_kv=hq, head_dim=d, seqlen_q=sq, acc_bytes=4)
+            hier = 1 < intra < size
+            cands = valid if hier else valid - {"two_level"}
+            k = intra if hier else size
+            costs = {c: cm.merge_cost(c, preset, dims, size, k) for c in cands}
+            assert costs[s] == min(costs.values()), (size, intra, shape, s, costs)
+            chosen.add(s)
+    assert len(chosen) >= 2, chosen  # the grid spans regimes where different strategies win
     t0 = time.perf_counter()
     for _ in range(1000):
         cm.choose_strategy(_groups(8, 4), (1, 1, 8, 128), 4)
@@ -117,6 +129,13 @@ def test_auto_from_comm_uses_the_model(monkeypatch):
     monkeypatch.setenv(cm.ENV_PRESET, "pcie_4090")
     g = _groups(16, 2)
     assert comm.choose_strategy(g, (1, 1, 32, 128), 4) == cm.choose_strategy(g, (1, 1, 32, 128), 4)
+    # The preset decides: on slow PCIe/Ethernet pairs two_level wins a large state's merge,
+    # on this machine's loopback a flat packed merge does (the no-model fallback would say
+    # two_level for both).
+    big = (64, 4, 64, 128)
+    assert comm.choose_strategy(g, big, 4) == "two_level"
+    monkeypatch.setenv(cm.ENV_PRESET, "cpu_gloo")
+    assert comm.choose_strategy(g, big, 4) == "packed"
 
 
 def test_calibration_fit_recovers_model_parameters():
