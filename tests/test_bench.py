@@ -44,7 +44,9 @@ def test_tiny_sweep_end_to_end(tmp_path):
         # ring keeps min(2, P-1) receive buffers of a shard; tree none
         assert got["tree:packed"]["peak_analytic_bytes"] < got["ring"]["peak_analytic_bytes"]
     md = (out / "bench_results.md").read_text()
-    assert "| 4 (2×2) | 96 | 2 | 4/2 |" in md  # 2 nodes × 2 ranks and "| 2 | 96 | 2 | 4/2 |" in md
-    assert " NO " not in md  # every byte count matched its formula
+    assert "| 4 (2×2) | 96 | 2 | 4/2 |" in md  # 2 nodes × 2 ranks
+    assert "| 2 | 96 | 2 | 4/2 |" in md
+    assert " NO " not in md  # every byte count matched its formula ...
+    assert md.count(" | yes | ") == len(rows)  # ... and every row was compared
     for png in ("bench_latency.png", "bench_ratio_vs_ring.png", "bench_bytes.png"):
         assert os.path.getsize(out / png) > 5000, png
