@@ -222,6 +222,7 @@ def megatron_rank(rank, world):
             results[name] = greedy_decode(model, mt.TreeGPTInferenceWrapper, ctx)
             results[name + "_stats"] = (stats.calls, {k: v.collectives for k, v in stats.levels.items()})
             results[name + "_shard"] = (ctx.local_len, list(ctx.shard_lens), ctx.capacity)
+            results[name + "_positions"] = ctx.local_positions[: ctx.local_len].tolist()
             results[name + "_levels"] = [lvl.size for lvl in ctx.groups.levels]
             results[name + "_core"] = type(model.decoder.layers[0].self_attention.core_attention).__name__
             results[name + "_engine"] = engine_generate(model, mt.TreeGPTInferenceWrapper, ctx)
@@ -336,6 +337,21 @@ def test_greedy_decode_identical_cp4_hierarchical_and_megatron_cp1(megatron_resu
     assert max(lens) - min(lens) <= 1
     assert [out[r]["tree_cp4_shard"][0] for r in range(4)] == lens
     assert out[0]["tree_cp4_shard"][2] < MAX_LEN
+
+
+def test_prefill_in_training_layout_and_cache_shards_disjoint(megatron_results):
+    """The 11-token prompt is padded to 16 and stored in get_batch_on_this_cp_rank's chunks
+    (r and 7-r of 8, 2 tokens each); decode tokens follow. Together the ranks hold every
+    position of the 26 cached tokens exactly once."""
+    for name in ("tree_cp4", "tree_cp2x2"):
+        held = []
+        for r in range(4):
+            pos = megatron_results[r][name + "_positions"]
+            prefill = [x for x in (2 * r, 2 * r + 1, 14 - 2 * r, 15 - 2 * r) if x < PROMPT_LEN]
+            assert pos[: len(prefill)] == prefill, (name, r, pos)
+            assert all(x >= PROMPT_LEN for x in pos[len(prefill):]), (name, r, pos)
+            held += pos
+        assert sorted(held) == list(range(PROMPT_LEN + NEW_TOKENS - 1)), (name, sorted(held))
 
 
 def test_patched_megatron_attention_unchanged(megatron_results):
