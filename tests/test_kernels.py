@@ -317,8 +317,13 @@ def test_cuda_decode_step_is_cuda_graph_capturable():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):  # raises if anything synchronises with the host
         out, lse = ops.flash_decode(q, k, v, cache_seqlens=sl)
+    stale, _ = ops.flash_decode(q, k, v, cache_seqlens=sl.clone())  # what ignoring the update gives
     sl.copy_(torch.tensor([2048, 4096], dtype=torch.int32))
     graph.replay()
     torch.cuda.synchronize()
     ref_o, _ = ops.flash_decode(q, k, v, cache_seqlens=sl)
-    assert torch.allclose(out.float(), ref_o.float(), atol=2e-2)
+    # The replay runs the same kernels on the same data as the eager call: equal to ~1 bf16 ulp
+    # (outputs are below 1). Row 1 went from 100 to 4096 keys, so reading the old cache_seqlens
+    # would be off by far more than that tolerance.
+    assert (stale.float() - ref_o.float()).abs().max() > 0.05
+    assert torch.allclose(out.float(), ref_o.float(), atol=4e-3, rtol=0)
