@@ -130,7 +130,18 @@ def test_cli(tree_copy, capsys):
     assert "applied ['0001-attention-kv-cache-hook']" in proc.stdout
     assert patches.check_files(tree_copy) == {"0001-attention-kv-cache-hook": "applied"}
 
-    # Errors: exit status 2 and the message (in-process: the entry point is the same main()).
+    # check and revert through the same entry point (in-process: the same main()).
+    capsys.readouterr()
+    assert patches.main(["check", "--root", str(tree_copy)]) == 0
+    assert "0001-attention-kv-cache-hook: applied" in capsys.readouterr().out
+    target = tree_copy / "megatron/core/transformer/attention.py"
+    assert patches.main(["revert", "--root", str(tree_copy)]) == 0
+    assert "reverted ['0001-attention-kv-cache-hook']" in capsys.readouterr().out
+    assert _sha(target) == patches.load_series("0.16.1")[0].file_sha256  # the release, byte for byte
+    assert patches.main(["check", "--root", str(tree_copy)]) == 0
+    assert "0001-attention-kv-cache-hook: not applied" in capsys.readouterr().out
+
+    # Errors: exit status 2 and the message.
     info = tree_copy / "megatron/core/package_info.py"
     info.write_text(info.read_text().replace("PATCH = 1", "PATCH = 2"))
     assert patches.main(["apply", "--root", str(tree_copy)]) == 2
