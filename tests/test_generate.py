@@ -10,6 +10,7 @@ import contextlib
 import io
 
 import pytest
+import torch
 
 from distributed import run_ranks
 from test_llama import NEW_TOKENS, PROMPTS, hf_greedy, make_checkpoint
@@ -67,11 +68,16 @@ def _rank_fn(rank, world, path):
 def ckpt(tmp_path_factory):
     path = tmp_path_factory.mktemp("llama_gen")
     hf = make_checkpoint(path)
-    return path, hf_greedy(hf, GEN_PROMPTS, NEW_TOKENS)
+    expected = hf_greedy(hf, GEN_PROMPTS, NEW_TOKENS)
+    # Single-process logits of each prompt's last token and of the first generated token:
+    # what every rank's prefill and first decode step must return.
+    with torch.no_grad():
+        ref = [hf(torch.tensor([p + [t[0]]])).logits[0, -2:] for p, t in zip(GEN_PROMPTS, expected)]
+    return path, expected, (torch.stack([r[0] for r in ref]), torch.stack([r[1] for r in ref]))
 
 
 def test_generation_across_cp_sizes_matches_transformers(ckpt):
-    path, expected = ckpt
+    path, expected, (ref_prefill, ref_step) = ckpt
     results = run_ranks(_rank_fn, 4, str(path), timeout=300)
     for name in CASES:
         per_rank = [r[name] for r in results]
@@ -103,6 +109,14 @@ def test_generation_across_cp_sizes_matches_transformers(ckpt):
                 assert st["levels"] and set(st["levels"]) <= {"cp", "intra"}, where
             else:
                 assert set(st["levels"]) == {"cp"}
+        # logits (not only the greedy tokens) equal the single-process transformers model's.
+        # fp32 rounding gives ~5e-6 on logits of magnitude ~5; scaling one cached key by
+        # 1.0001 gives ~1.2e-4, which leaves every greedy token unchanged.
+        for rank, e in enumerate(per_rank):
+            first, second = (torch.tensor(x) for x in e["logits"])
+            for what, got, want in (("prefill", first, ref_prefill), ("decode", second, ref_step)):
+                err = float((got - want).abs().max())
+                assert err < 5e-5, f"{name} rank {rank} {what}: max |dlogits| {err}"
         # identical logits on every rank of one CP group
         for e in per_rank:
             for other in per_rank:
