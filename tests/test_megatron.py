@@ -323,6 +323,8 @@ def test_greedy_decode_identical_cp4_hierarchical_and_megatron_cp1(megatron_resu
         assert out[r]["tree_cp4_levels"] == [4]
         assert out[r]["tree_cp2x2_levels"] == [2, 2]
         assert out[r]["tree_cp1_megatron_cache"][0] == base_tokens
+        torch.testing.assert_close(torch.tensor(out[r]["tree_cp1_megatron_cache"][2]), torch.tensor(base_logits),
+                                   rtol=1e-4, atol=1e-4)
         flat, flat_ps = out[r]["tree_cp4_from_megatron"]
         hier, hier_ps = out[r]["tree_cp2x2_from_megatron"]
         assert flat == flat_ps and flat["cp_ranks"] == [0, 1, 2, 3] and flat["levels"] == [{"name": "intra", "size": 4}]
