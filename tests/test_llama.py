@@ -261,3 +261,12 @@ def test_sample_next_filters():
     draws = torch.stack([sample_next(logits, do_sample=True, top_k=3, generator=g) for _ in range(50)], 1)
     assert all(set(draws[b].tolist()) <= set(top3[b].tolist()) for b in range(3))
     assert any(len(set(draws[b].tolist())) > 1 for b in range(3))
+    # temperature: logits [2, 0] give P(token 0) = sigmoid(2 / T)
+    two = torch.tensor([[2.0, 0.0]]).expand(4000, 2)
+    for t in (0.5, 1.0, 4.0):
+        share = (sample_next(two, do_sample=True, temperature=t, generator=g) == 0).float().mean().item()
+        assert abs(share - torch.sigmoid(torch.tensor(2.0 / t)).item()) < 0.03, (t, share)
+    # top_p keeps the smallest set of most likely tokens whose mass reaches top_p (vocab order shuffled)
+    lg = torch.tensor([0.15, 0.5, 0.05, 0.3]).log()[None].expand(500, 4)
+    for top_p, kept in ((0.4, {1}), (0.75, {1, 3}), (0.9, {0, 1, 3}), (1.0, {0, 1, 2, 3})):
+        assert set(sample_next(lg, do_sample=True, top_p=top_p, generator=g).tolist()) == kept, top_p
