@@ -179,3 +179,19 @@ def test_published_sweep_within_30_percent_as_documented():
     assert sum(r["context"] >= 65536 for r in within) >= 130
     with_preset_lanes = cm.compare_with_bench(rows, preset, use_run_lanes=False)
     assert sum(0.7 <= r["ratio"] <= 1.3 for r in with_preset_lanes) >= 220
+
+
+def test_cli_table_and_plots(tmp_path):
+    """The CLI's prediction rows (P up to 1,024, contexts up to 10M) and the two speedup plots."""
+    import json
+    import os
+
+    js = tmp_path / "pred.json"
+    assert cm.main(["--preset", "dgx_h100", "--plot-dir", str(tmp_path), "--json", str(js)]) == 0
+    data = json.loads(js.read_text())
+    assert data["preset"]["name"] == "dgx_h100"
+    rows = data["rows"]
+    assert {r["gpus"] for r in rows} >= {8, 1024} and max(r["context"] for r in rows) == 10_000_000
+    assert all(r["speedup_vs_ring"] > 1 for r in rows if r["gpus"] >= 16)
+    for name in ("cost_speedup_vs_gpus_dgx_h100.png", "cost_speedup_vs_context_dgx_h100.png"):
+        assert os.path.getsize(tmp_path / name) > 5000, name
