@@ -156,6 +156,15 @@ def test_passkey_and_perplexity_with_a_checkpoint(tmp_path, clean_env):
     text = tmp_path / "book.txt"
     text.write_text("The sky is blue and the grass is green. " * 40)
     out = tmp_path / "out"
+    seen = []  # the passkey prompts and what the sharded decode generated for them
+    real_greedy_n = E._greedy_n
+
+    def spy(model_, prompts, n, *args, **kw):
+        got = real_greedy_n(model_, prompts, n, *args, **kw)
+        seen.append((prompts, got.tolist()))
+        return got
+
+    clean_env.setattr(E, "_greedy_n", spy)
     rc = E.main(["model.source=hf", f"model.path={ckpt}", f"output_dir={out}", *TINY, "eval.context_lengths=[64]",
                  "eval.strategies=[packed]", "eval.passkey.enabled=true", "eval.passkey.trials=2",
                  "eval.passkey.new_tokens=4", f"eval.perplexity.text_file={text}", "eval.perplexity.prefix_tokens=40",
@@ -166,6 +175,22 @@ def test_passkey_and_perplexity_with_a_checkpoint(tmp_path, clean_env):
     (pk,) = res["passkey"]
     assert pk["context_length"] == 64 and pk["trials"] == 2 and 0.0 <= pk["accuracy"] <= 1.0
     assert len(pk["answers"]) == 2 and all(isinstance(a, str) for a in pk["answers"])
+    assert pk["accuracy"] == sum(str(k) in a for k, a in zip(pk["keys"], pk["answers"])) / 2
+    # Each prompt is 64 tokens holding its own key's needle at its own depth, and the answer
+    # is the unsharded model's greedy continuation of it.
+    ((prompts, generated),) = seen
+    depths = []
+    for key, prompt, gen, answer in zip(pk["keys"], prompts, generated, pk["answers"]):
+        assert len(prompt) == 64 and prompt[0] == 1  # bos_token_id
+        needle = tok.encode(f" The pass key is {key}. Remember it. {key} is the pass key. ",
+                            add_special_tokens=False).ids
+        depths += [i for i in range(len(prompt)) if prompt[i:i + len(needle)] == needle]
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(4):
+                ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+        assert gen == ids[64:] and answer == tok.decode(gen)
+    assert len(depths) == 2 and depths[0] < depths[1], depths
     # Perplexity through CP prefill + decode steps equals the unsharded forward's.
     ppl = res["perplexity"]
     ids = [1] + tok.encode(text.read_text(), add_special_tokens=False).ids
