@@ -74,10 +74,16 @@ def test_exactness_catches_a_wrong_model(tmp_path, clean_env, capsys):
         return ref
 
     clean_env.setattr(mod, "build_reference", perturbed)
-    rc = E.main([f"output_dir={tmp_path}", *TINY, "eval.context_lengths=[24]", "eval.strategies=[packed]"])
+    rc = E.main([f"output_dir={tmp_path}", *TINY, "eval.context_lengths=[24]", "eval.strategies=[packed]",
+                 "eval.exactness.sample_rate=0.0"])
     assert rc == 3
     res = json.loads((tmp_path / "results.json").read_text())
     assert res["exact"] is False and res["max_abs_dlogits"] > 1e-2
+    # sample_rate 0 still compares the last decode step (warmup 1 + 3 timed: step 3), and that
+    # comparison itself (not only the prefill's) sees the wrong replica
+    ex = res["runs"][0]["exactness"]
+    assert ex["checked_steps"] == [3] and ex["step_max_abs_dlogits"][0] > 1e-2
+    assert ex["prefill_max_abs_dlogits"] > 1e-2 and not ex["within_tolerance"]
     assert "FAILED" in capsys.readouterr().err
 
 
