@@ -51,9 +51,10 @@ def test_single_process_run_writes_results_plot_and_wandb(tmp_path, clean_env, c
         assert r["peak_memory_kind"] == "cpu_peak_rss" and r["peak_memory_bytes"][0] > 10 * 2**20
         ex = r["exactness"]
         assert ex["checked_steps"] == [0, 1, 2, 3]  # sample_rate 1: warmup + timed steps
-        assert ex["within_tolerance"] and ex["max_abs_dlogits"] < 1e-3
+        # fp32 rounding gives ~7e-6 here; 1e-4 (not the config's 1e-3) leaves room for it and no more
+        assert ex["within_tolerance"] and ex["max_abs_dlogits"] < 1e-4
         assert r["tokens_agree_across_ranks"]
-    assert res["exact"] is True and res["max_abs_dlogits"] < 1e-3
+    assert res["exact"] is True and res["max_abs_dlogits"] < 1e-4
     run_dir = res["wandb"]["run_dir"]
     assert run_dir.startswith(str(out / "wandb")) and any(f.startswith("run-") and f.endswith(".wandb")
                                                           for f in os.listdir(run_dir))

@@ -49,7 +49,8 @@ def _check_results(out_dir, p, *, launcher, levels):
     assert launch["launcher"] == launcher
     assert launch["world_size"] == 4 and launch["cp_size"] == 4
     assert launch["level_sizes"] == levels
-    assert res["exact"] is True and res["max_abs_dlogits"] < 1e-3
+    # the config's tolerance is 1e-3; fp32 rounding at CP 4 is ~1e-5, so hold the run to 1e-4
+    assert res["exact"] is True and res["max_abs_dlogits"] < 1e-4
     assert res["tokens_agree_across_ranks"] is True
     by = {r["strategy"]: r for r in res["runs"]}
     assert set(by) == {"two_level", "allgather", "auto"}
