@@ -98,6 +98,11 @@ def test_values_are_read_not_guessed(tmp_path):
     (["model.source=hf"], "model.path: source 'hf' needs a checkpoint directory"),
     (["model.num_key_value_heads=3"], "model.num_key_value_heads: 3 does not divide"),
     (["eval.decode_steps=0"], "eval.decode_steps: must be a positive integer"),
+    (["eval.warmup_steps=-1"], "eval.warmup_steps: must be >= 0"),
+    (["eval.exactness.tolerance=-1e-3"], "eval.exactness.tolerance: must be >= 0"),
+    (["eval.exactness.max_context=0"], "eval.exactness.max_context: must be a positive integer"),
+    (["eval.passkey.context_lengths=[64, 0]"], "eval.passkey.context_lengths: must be positive"),
+    (["topology.timeout_s=0"], "topology.timeout_s: must be positive"),
 ])
 def test_combinations_that_cannot_run(overrides, fragment):
     assert fragment in _err(None, overrides)
