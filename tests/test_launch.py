@@ -148,6 +148,23 @@ def test_bad_launches_fail_on_every_rank(tmp_path):
     assert time.monotonic() - t0 < 90
 
 
+def test_ranks_that_decode_different_tokens_fail_the_run(tmp_path):
+    # Rank 1's output head is negated (tests/scripts/eval_rank1_diverges.py): the tokens
+    # agreement across ranks must be recorded as false and the job must exit non-zero.
+    out = tmp_path / "diverge"
+    p = _launch([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                 str(_free_port()), "tests/scripts/eval_rank1_diverges.py", "--config", "configs/cpu_tiny.yaml",
+                 f"output_dir={out}", "eval.context_lengths=[16]", "eval.batch_sizes=[1]",
+                 "eval.strategies=[packed]", "eval.decode_steps=2", "eval.warmup_steps=0", "eval.progress=false",
+                 "topology.intra_size=null", "wandb.enabled=false"], _env(OMP_NUM_THREADS="1"), timeout=120)
+    assert p.returncode != 0, p.stdout[-2000:]
+    res = json.loads((out / "results.json").read_text())
+    assert res["launch"]["world_size"] == 2
+    assert res["tokens_agree_across_ranks"] is False
+    assert [r["tokens_agree_across_ranks"] for r in res["runs"]] == [False]
+    assert "ranks decoded different tokens" in p.stderr
+
+
 @pytest.mark.parametrize("nodelist, expected", [
     ("fake-node[1-2]", 2), ("n[01-03,7]", 4), ("a,b", 2), ("gpu[5]", 1),
 ])
