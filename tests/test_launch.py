@@ -59,6 +59,12 @@ def _check_results(out_dir, p, *, launcher, levels):
     assert chosen in ("allreduce3", "packed", "two_level", "allgather")
     if chosen in by:
         assert by["auto"]["comm_per_step"]["levels"] == by[chosen]["comm_per_step"]["levels"]
+    # and whatever it chose (often one not in the sweep), its collectives per level per step
+    merge = {"all_reduce_max": LAYERS, "all_reduce_sum": LAYERS}
+    expected_ops = {"two_level": {lvl: merge for lvl in levels}, "packed": {"cp": merge},
+                    "allreduce3": {"cp": {"all_reduce_max": LAYERS, "all_reduce_sum": 2 * LAYERS}},
+                    "allgather": {"cp": {"all_gather": LAYERS}}}
+    assert {k: v["ops"] for k, v in by["auto"]["comm_per_step"]["levels"].items()} == expected_ops[chosen], chosen
     for r in res["runs"]:
         assert r["exactness"]["checked_steps"] == [0, 1, 2, 3] and r["exactness"]["within_tolerance"]
         assert len(r["peak_memory_bytes"]) == 4 and min(r["peak_memory_bytes"]) > 10 * 2**20
