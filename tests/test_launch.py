@@ -59,7 +59,7 @@ def _check_results(out_dir, p, *, launcher, levels):
     assert chosen in ("allreduce3", "packed", "two_level", "allgather")
     if chosen in by:
         assert by["auto"]["comm_per_step"]["levels"] == by[chosen]["comm_per_step"]["levels"]
-    # and whatever it chose (often one not in the sweep), its collectives per level per step
+    # and whatever it chose (it may pick one not in the sweep), its collectives per level per step
     merge = {"all_reduce_max": LAYERS, "all_reduce_sum": LAYERS}
     expected_ops = {"two_level": {lvl: merge for lvl in levels}, "packed": {"cp": merge},
                     "allreduce3": {"cp": {"all_reduce_max": LAYERS, "all_reduce_sum": 2 * LAYERS}},
