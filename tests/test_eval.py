@@ -46,7 +46,10 @@ def test_single_process_run_writes_results_plot_and_wandb(tmp_path, clean_env, c
         assert len(r["step_latency_ms"]) == 3
         lat = r["decode_latency_ms"]
         assert 0 < lat["min"] <= lat["p50"] <= lat["p90"] <= lat["p99"] <= lat["max"]
-        assert r["tokens_per_s"] > 0 and r["prefill_s"] > 0
+        steps = r["step_latency_ms"]  # the summary is computed from the recorded steps
+        assert [lat[f"p{q}"] for q in (50, 90, 99)] == [E.percentile(steps, q) for q in (50, 90, 99)]
+        assert (lat["min"], lat["max"]) == (min(steps), max(steps))
+        assert r["tokens_per_s"] == pytest.approx(2 * 3 / (sum(steps) / 1e3)) and r["prefill_s"] > 0
         assert r["comm_per_step"]["collectives"] == 0  # CP = 1: nothing to merge
         assert r["peak_memory_kind"] == "cpu_peak_rss" and r["peak_memory_bytes"][0] > 10 * 2**20
         ex = r["exactness"]
