@@ -61,6 +61,14 @@ def test_single_process_run_writes_results_plot_and_wandb(tmp_path, clean_env, c
     run_dir = res["wandb"]["run_dir"]
     assert run_dir.startswith(str(out / "wandb")) and any(f.startswith("run-") and f.endswith(".wandb")
                                                           for f in os.listdir(run_dir))
+    # what was logged: per-step metrics and the summary (in the run's record), a table per
+    # context length and the plot as an image (media files)
+    record = open(os.path.join(run_dir, [f for f in os.listdir(run_dir) if f.endswith(".wandb")][0]), "rb").read()
+    assert b"decode_latency_ms/packed" in record and b"decode_latency_ms/allgather" in record
+    assert b"max_abs_dlogits" in record
+    tables = sorted(os.listdir(os.path.join(run_dir, "files", "media", "table", "runs")))
+    assert [t.split("_")[1] for t in tables] == ["24", "40"], tables
+    assert os.listdir(os.path.join(run_dir, "files", "media", "images"))
     assert os.path.getsize(res["plot"]) > 1000 and res["plot"].endswith(".png")
     assert f"results: {out / 'results.json'}" in printed and "plot:" in printed and run_dir in printed
     assert printed.count("max|dlogits|") == 4  # one summary line per run
