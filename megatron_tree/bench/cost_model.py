@@ -440,35 +440,31 @@ def plot_predictions(preset: Preset, dims: Dims, out_dir: str, tag: str | None =
         rows = speedup_table(preset, dims, gpus, [n])
         ax.plot(gpus, [r["speedup_vs_ring"] for r in rows], marker="o", label=f"{n/1e6:g}M tokens")
     ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("GPUs (P)")
-    ax.set_ylabel("predicted ring / tree step time")
-    ax.set_title(f"Tree vs ring decode, predicted ({preset.name})")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    p1 = os.path.join(out_dir, f"cost_speedup_vs_gpus_{tag}.png")
-    fig.savefig(p1, dpi=110)
-    plt.close(fig)
-    paths.append(p1)
+    paths.append(_save_speedup_plot(plt, fig, ax, "GPUs (P)", preset.name,
+                                    os.path.join(out_dir, f"cost_speedup_vs_gpus_{tag}.png")))
     fig, ax = plt.subplots(figsize=(6, 4))
     ctx = [16_000 * 2 ** i for i in range(10)]
     for p in (8, 32, 128, 1024):
         rows = speedup_table(preset, dims, [p], ctx)
         ax.plot(ctx, [r["speedup_vs_ring"] for r in rows], marker="o", label=f"P={p}")
     ax.set_xscale("log")
+    paths.append(_save_speedup_plot(plt, fig, ax, "context length (tokens)", preset.name,
+                                    os.path.join(out_dir, f"cost_speedup_vs_context_{tag}.png")))
+    return paths
+
+
+def _save_speedup_plot(plt, fig, ax, xlabel: str, preset_name: str, path: str) -> str:
+    """Shared styling of the predicted-speedup plots (log y, labels, grid, legend); returns path."""
     ax.set_yscale("log")
-    ax.set_xlabel("context length (tokens)")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("predicted ring / tree step time")
-    ax.set_title(f"Tree vs ring decode, predicted ({preset.name})")
+    ax.set_title(f"Tree vs ring decode, predicted ({preset_name})")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    p2 = os.path.join(out_dir, f"cost_speedup_vs_context_{tag}.png")
-    fig.savefig(p2, dpi=110)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
-    paths.append(p2)
-    return paths
+    return path
 
 
 def compare_with_bench(rows: list[dict], preset: Preset, use_run_lanes: bool = True) -> list[dict]:
