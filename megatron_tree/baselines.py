@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from . import ops
+from . import ops, reference
 from .comm import CommError, CommStats
 from .topology import TreeGroups
 
@@ -203,7 +203,7 @@ def passq_ring_decode(
     """
     p, r = groups.size, groups.rank
     out, lse = ops.flash_decode(q, k, v, cache_seqlens=cache_seqlens, softmax_scale=softmax_scale, backend=backend)
-    acc = torch.float64 if out.dtype == torch.float64 else torch.float32
+    acc = reference.acc_dtype(out.dtype)
     no, nl = out.numel(), lse.numel()
     plan = plan if plan is not None else ShardPlan(tuple([k.shape[1]] * p), r)
     states = plan.buffer("passq_states", p * (no + nl), acc, q.device)[: p * (no + nl)].view(p, no + nl)

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from . import ops
-from .reference import lse_weights, normalize, weighted
+from .reference import acc_dtype, lse_weights, normalize, weighted
 from .topology import TreeGroups
 
 __all__ = ["CommStats", "LevelStats", "STRATEGIES", "merge", "choose_strategy", "CommError"]
@@ -75,6 +75,10 @@ class CommStats:
         s.sent_bytes += sent
         s.ops[op] = s.ops.get(op, 0) + 1
 
+    def record_all_reduce(self, level: str, op: str, nbytes: int, size: int) -> None:
+        """An all-reduce of ``nbytes`` over ``size`` ranks: the ring algorithm sends 2(P-1)/P of it."""
+        self.record(level, op, nbytes, 2 * (size - 1) * nbytes // size)
+
     @property
     def collectives(self) -> int:
         return sum(s.collectives for s in self.levels.values())
@@ -107,8 +111,7 @@ def _all_reduce(buf: torch.Tensor, op, group, size: int, level: str, name: str, 
             f"have died or timed out: {e}"
         ) from e
     if stats is not None:
-        n = buf.numel() * buf.element_size()
-        stats.record(level, name, n, 2 * (size - 1) * n // size)
+        stats.record_all_reduce(level, name, buf.numel() * buf.element_size(), size)
 
 
 def _all_gather(buf: torch.Tensor, group, size: int, level: str, stats) -> torch.Tensor:
@@ -188,7 +191,7 @@ def merge(
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown merge strategy {strategy!r}; expected one of {STRATEGIES}")
-    acc = torch.float64 if out.dtype == torch.float64 else torch.float32
+    acc = acc_dtype(out.dtype)
     o = out.to(acc)
     lse = lse.to(acc)
     if stats is not None:

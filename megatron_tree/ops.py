@@ -56,10 +56,6 @@ def _check(q, k, v, cache_seqlens, q_positions, k_positions) -> None:
         reference.check_cache_seqlens(cache_seqlens, q.shape[0], k.shape[1], q.device, by_value=False)
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 @torch.library.custom_op("megatron_tree::flash_decode", mutates_args=())
 def _flash_decode_op(
     q: torch.Tensor,
@@ -83,7 +79,7 @@ def _flash_decode_op(
 @_flash_decode_op.register_fake
 def _flash_decode_fake(q, k, v, cache_seqlens, softmax_scale, q_positions, k_positions, backend):
     b, sq, hq, d = q.shape
-    return q.new_empty((b, sq, hq, d)), q.new_empty((b, hq, sq), dtype=_acc_dtype(q.dtype))
+    return q.new_empty((b, sq, hq, d)), q.new_empty((b, hq, sq), dtype=reference.acc_dtype(q.dtype))
 
 
 @torch.library.custom_op("megatron_tree::merge_states", mutates_args=())
@@ -103,7 +99,7 @@ def _merge_states_op(outs: torch.Tensor, lses: torch.Tensor, backend: str) -> tu
 @_merge_states_op.register_fake
 def _merge_states_fake(outs, lses, backend):
     _, b, sq, hq, d = outs.shape
-    return outs.new_empty((b, sq, hq, d)), lses.new_empty((b, hq, sq), dtype=_acc_dtype(outs.dtype))
+    return outs.new_empty((b, sq, hq, d)), lses.new_empty((b, hq, sq), dtype=reference.acc_dtype(outs.dtype))
 
 
 def _kernel_backend(name: str, dtype: torch.dtype, forced: bool, headdim: int = 0) -> str:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import ops
+from . import ops, reference
 from .comm import CommStats
 from .topology import TreeGroups
 
@@ -62,14 +62,14 @@ def _common_length(n: int, groups: TreeGroups, device, stats) -> int:
     t = torch.tensor([n], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=groups.cp_group)
     if stats is not None:
-        stats.record("cp", "all_reduce_max", 8, 2 * (groups.size - 1) * 8 // groups.size)
+        stats.record_all_reduce("cp", "all_reduce_max", t.numel() * t.element_size(), groups.size)
     return int(t.item())
 
 
 def _local(q, k, v, q_pos, k_pos, softmax_scale, backend):
     """Partial state of q over one KV block: out (B, Sq, Hq, D), lse (B, Hq, Sq), both float32
     (float64 for float64 input), so that partials accumulate in full precision."""
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc = reference.acc_dtype(q.dtype)
     out, lse = ops.flash_decode(
         q, k, v, softmax_scale=softmax_scale, q_positions=q_pos, k_positions=k_pos, backend=backend,
     )

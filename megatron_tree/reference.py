@@ -26,12 +26,13 @@ import math
 import torch
 
 __all__ = [
-    "partial_attention", "merge_states", "lse_weights", "normalize", "weighted",
+    "partial_attention", "merge_states", "lse_weights", "normalize", "weighted", "acc_dtype",
     "check_decode_inputs", "check_cache_seqlens", "check_merge_inputs",
 ]
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype partial states accumulate and travel in: float64 for float64 input, else float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
@@ -152,7 +153,7 @@ def partial_attention(
     b, sq, hq, d = q.shape
     n, hkv = k.shape[1], k.shape[2]
     g = hq // hkv
-    acc = _acc_dtype(q.dtype)
+    acc = acc_dtype(q.dtype)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
 
     # (b, hkv, g*sq, d): query heads of one KV group side by side; k as (b, hkv, n, d).
@@ -223,7 +224,7 @@ def merge_states(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, 
     """
     check_merge_inputs(outs, lses)
     p = outs.shape[0]
-    acc = _acc_dtype(outs.dtype)
+    acc = acc_dtype(outs.dtype)
     if p == 1:
         return outs[0], lses[0].to(acc)
     lses = lses.to(acc)

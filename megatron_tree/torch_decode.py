@@ -23,6 +23,8 @@ import math
 
 import torch
 
+from . import reference
+
 __all__ = ["flash_decode"]
 
 
@@ -50,7 +52,7 @@ def flash_decode(
     b, sq, hq, d = q.shape
     n, hkv = k.shape[1], k.shape[2]
     g = hq // hkv
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc = reference.acc_dtype(q.dtype)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     out = torch.empty((b, sq, hq, d), dtype=q.dtype, device=q.device)
     lse = torch.empty((b, hq, sq), dtype=acc, device=q.device)

@@ -394,8 +394,7 @@ class Llama(nn.Module):
             h32 = h.float()
             dist.all_reduce(h32, op=dist.ReduceOp.SUM, group=self.groups.cp_group)
             if stats is not None:
-                n = h32.numel() * h32.element_size()
-                stats.record("cp", "all_reduce_sum", n, 2 * (self.cp_size - 1) * n // self.cp_size)
+                stats.record_all_reduce("cp", "all_reduce_sum", h32.numel() * h32.element_size(), self.cp_size)
             h = h32.to(h.dtype)
         return self._logits(h)
 
