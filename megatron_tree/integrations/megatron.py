@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .. import ops
+from .. import collectives, ops
 from ..attention import tree_decode
 from ..comm import STRATEGIES
 from ..topology import TopologyError, TreeGroups
@@ -136,7 +136,9 @@ def initialize_model_parallel(
 
     Raises :class:`TopologyError` (before any group is created) when the CP size does not
     fit the world or the hierarchical sizes do not multiply to it; never falls back to CP = 1.
-    Extra keyword arguments go to ``parallel_state.initialize_model_parallel``.
+    Extra keyword arguments go to ``parallel_state.initialize_model_parallel``; its groups'
+    timeout (``distributed_timeout_minutes``) defaults to the default process group's own
+    rather than Megatron's fixed 30 minutes.
     """
     from megatron.core import parallel_state
 
@@ -160,6 +162,7 @@ def initialize_model_parallel(
                 f"context_parallel_size {context_parallel_size}"
             )
         hierarchical_context_parallel_sizes = sizes
+    kwargs.setdefault("distributed_timeout_minutes", collectives.group_timeout().total_seconds() / 60)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size,
