@@ -358,7 +358,7 @@ def disagreement(site: str, table: dict[int, dict], waiting: Sequence[int] = ())
 class Agreement:
     """Cross-rank check that every rank of one group makes each call with the same signature.
 
-    A *site* is a named call (``"merge"``, ``"llama.prefill"``, ...) whose collectives need
+    A *site* is a named call (``"merge"``, ``"Llama.prefill"``, ...) whose collectives need
     every rank to agree on a few host-side values, its *signature* (shapes, dtype, strategy,
     backend, ...): :meth:`call` wraps the call's collectives::
 

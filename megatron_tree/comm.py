@@ -20,8 +20,11 @@ name            collectives per call                                         lev
 
 Bytes "sent" per rank are those of the bandwidth-optimal ring algorithms (an all-reduce of
 n bytes over p ranks sends 2(p-1)/p * n; an all-gather of n bytes per rank sends
-(p-1) * n), the model the paper's traffic formula uses. Collectives go through
-``collectives.py``, so a failure is a :class:`CommError` naming the level and likely cause.
+(p-1) * n), the model the paper's traffic formula uses.
+
+Collectives go through ``collectives.py`` (a failure is a :class:`CommError`), inside the CP
+group's :class:`collectives.Agreement` on :data:`MERGE_SIGNATURE`, so ranks that disagree on
+a call get a :class:`DisagreementError` instead of a backend abort or a wrong answer.
 """
 
 from __future__ import annotations
@@ -31,15 +34,21 @@ from typing import Literal
 import torch
 
 from . import collectives, ops
-from .collectives import CommError, CommStats, LevelStats
+from .collectives import CommError, CommStats, DisagreementError, LevelStats
 from .reference import acc_dtype, lse_weights, normalize, weighted
 from .topology import TreeGroups
 
-__all__ = ["CommStats", "LevelStats", "STRATEGIES", "merge", "choose_strategy", "CommError"]
+__all__ = ["CommStats", "LevelStats", "STRATEGIES", "merge", "choose_strategy", "CommError",
+           "DisagreementError", "MERGE_SIGNATURE"]
 
 Strategy = Literal["allreduce3", "packed", "two_level", "allgather", "auto"]
 STRATEGIES = ("allreduce3", "packed", "two_level", "allgather", "auto")
 
+
+MERGE_SIGNATURE = ("batch", "seqlen_q", "heads_q", "headdim", "dtype", "strategy", "backend")
+"""What every rank of a merge must agree on (:class:`collectives.Agreement` checks it when it changes).
+A new argument that changes the collectives (e.g. a shift) is one more name here and one more value in
+:func:`merge`."""
 
 _WHAT = "tree merge"
 
@@ -100,16 +109,30 @@ def merge(
     groups: TreeGroups,
     strategy: str = "auto",
     stats: CommStats | None = None,
+    *,
+    dtype: torch.dtype | None = None,
+    backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge this rank's partial state with every other rank's of ``groups``; result on all ranks.
 
     out: (batch, seqlen_q, nheads_q, headdim), any float dtype (this rank's normalised partial)
     lse: (batch, nheads_q, seqlen_q) natural log, -inf for an empty shard
+    dtype, backend: the caller's input dtype and kernel backend (default: out's dtype, none),
+        part of what every rank must agree on (:data:`MERGE_SIGNATURE`)
     returns out: (batch, seqlen_q, nheads_q, headdim) float32 (float64 for float64 input),
             lse: (batch, nheads_q, seqlen_q) same dtype; every rank of the CP group gets the same.
+
+    Ranks that disagree on the signature raise :class:`DisagreementError` on every rank
+    (checked when this rank's signature differs from its previous merge on ``groups``: no
+    extra collective or host sync in steady state; see :class:`collectives.Agreement`).
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown merge strategy {strategy!r}; expected one of {STRATEGIES}")
+    if out.dim() != 4 or tuple(lse.shape) != (out.shape[0], out.shape[2], out.shape[1]):
+        raise ValueError(
+            f"merge expects out (batch, seqlen_q, heads_q, headdim) and lse (batch, heads_q, seqlen_q), "
+            f"got {tuple(out.shape)} and {tuple(lse.shape)}"
+        )
     acc = acc_dtype(out.dtype)
     o = out.to(acc)
     lse = lse.to(acc)
@@ -119,9 +142,12 @@ def merge(
         return o, lse
     if strategy == "auto":
         strategy = choose_strategy(groups, tuple(out.shape), o.element_size())
-    if strategy == "two_level":
-        for lvl in groups.levels:  # innermost first
-            o, lse = _merge_packed(o, lse, lvl.group, lvl.size, lvl.name, stats)
-        return o, lse
-    fn = {"packed": _merge_packed, "allreduce3": _merge_allreduce3, "allgather": _merge_allgather}[strategy]
-    return fn(o, lse, groups.cp_group, groups.size, "cp", stats)
+    b, sq, hq, d = out.shape
+    signature = (b, sq, hq, d, out.dtype if dtype is None else dtype, strategy, backend)
+    with groups.agreement.call("merge", MERGE_SIGNATURE, signature):
+        if strategy == "two_level":
+            for lvl in groups.levels:  # innermost first
+                o, lse = _merge_packed(o, lse, lvl.group, lvl.size, lvl.name, stats)
+            return o, lse
+        fn = {"packed": _merge_packed, "allreduce3": _merge_allreduce3, "allgather": _merge_allgather}[strategy]
+        return fn(o, lse, groups.cp_group, groups.size, "cp", stats)
