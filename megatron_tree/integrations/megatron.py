@@ -196,14 +196,17 @@ def load_balanced_positions(seq_len: int, cp_size: int, cp_rank: int) -> torch.T
     return torch.cat([first, second])
 
 
-def _gather_seq(t: torch.Tensor, group, size: int) -> torch.Tensor:
-    """All-gather ``t`` ([s, ...], equal s on every rank) over ``group``; concatenated along dim 0."""
-    if size == 1:
+def _gather_seq(t: torch.Tensor, groups: TreeGroups, site: str) -> torch.Tensor:
+    """All-gather ``t`` ([s, ...], equal shape on every rank) over the CP group; concatenated along dim 0.
+
+    site names the call for the CP group's agreement check: ranks whose shapes or dtypes
+    differ get a ``DisagreementError`` naming each rank's, not a gloo abort.
+    """
+    if groups.size == 1:
         return t
-    t = t.contiguous()
-    parts = [torch.empty_like(t) for _ in range(size)]
-    dist.all_gather(parts, t, group=group)
-    return torch.cat(parts, dim=0)
+    with groups.agreement.call(site, ("shape", "dtype"), (tuple(t.shape), t.dtype)):
+        parts = collectives.all_gather(t, groups.cp_group, what=f"Megatron integration: {site}")
+    return torch.cat(parts.unbind(0), dim=0)
 
 
 # --------------------------------------------------------------------------- core attention
@@ -356,8 +359,8 @@ class TreeDotProductAttention(_megatron_module_base()):
             k_buf[start:end, b0:b1] = key.index_select(0, stored)
             v_buf[start:end, b0:b1] = value.index_select(0, stored)
         if plan.mode == "prefill":
-            keys = _gather_seq(key, self.groups.cp_group, self.cp_size)
-            values = _gather_seq(value, self.groups.cp_group, self.cp_size)
+            keys = _gather_seq(key, self.groups, "prefill keys/values")
+            values = _gather_seq(value, self.groups, "prefill keys/values")
             self._pending = _Pending("prefill", plan.positions, plan.gathered_positions)
         else:
             keys, values = k_buf[:end, b0:b1], v_buf[:end, b0:b1]
@@ -393,8 +396,8 @@ class TreeDotProductAttention(_megatron_module_base()):
             else:
                 qpos, kpos = self._training_positions(q, k, attn_mask_type)
                 if kpos is not None and self.cp_size > 1:
-                    k = _gather_seq(key, self.groups.cp_group, self.cp_size).transpose(0, 1)
-                    v = _gather_seq(value, self.groups.cp_group, self.cp_size).transpose(0, 1)
+                    k = _gather_seq(key, self.groups, "training-layout keys/values").transpose(0, 1)
+                    v = _gather_seq(value, self.groups, "training-layout keys/values").transpose(0, 1)
                 elif self.cp_size > 1:
                     raise NotImplementedError("unmasked attention at CP > 1 outside inference is not supported")
             out, _ = ops.flash_decode(
@@ -704,7 +707,7 @@ class TreeGPTInferenceWrapper(_gpt_wrapper_base()):
         finally:
             ctx.materialize_only_last_token_logits = only_last
         if plan.mode == "prefill":
-            gathered = _gather_seq(logits.transpose(0, 1), ctx.groups.cp_group, ctx.cp_size).transpose(0, 1)
+            gathered = _gather_seq(logits.transpose(0, 1), ctx.groups, "prefill logits").transpose(0, 1)
             order = torch.argsort(plan.gathered_positions).to(gathered.device)
             logits = gathered.index_select(1, order)[:, :s]
             if only_last:

@@ -15,14 +15,15 @@ transformers is not needed at run time.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, fields
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
+from .. import collectives
 from ..cache import CacheConfig, ShardedKVCache
 from ..comm import CommStats
 from ..layer import ROPE_TYPES, RotaryEmbedding, TreeAttention
@@ -392,9 +393,9 @@ class Llama(nn.Module):
         h = (x * hit[..., None].to(x.dtype)).sum(dim=1)  # (B, hidden)
         if self.cp_size > 1:
             h32 = h.float()
-            dist.all_reduce(h32, op=dist.ReduceOp.SUM, group=self.groups.cp_group)
-            if stats is not None:
-                stats.record_all_reduce("cp", "all_reduce_sum", h32.numel() * h32.element_size(), self.cp_size)
+            with self.groups.agreement.call("Llama.prefill", ("batch", "hidden", "dtype"), (*h.shape, h.dtype)):
+                collectives.all_reduce(h32, self.groups.cp_group, op="sum", stats=stats,
+                                       what="Llama.prefill: sum of the last prompt tokens' hidden states")
             h = h32.to(h.dtype)
         return self._logits(h)
 
