@@ -455,10 +455,17 @@ def use_tree_attention(spec, *, strategy: str = "auto", backend: str | None = No
         block spec with ``submodules.layer_specs``. Idempotent: a slot that already holds
         ours (marker ``_megatron_tree``) is left alone. The previous slot content is kept in
         ``__wrapped__``; :func:`restore_core_attention` puts it back. Returns ``spec``.
+
+    Also applies patch 0001 (idempotent), so that with Megatron's own inference context at
+    CP > 1 the model fails with "needs a TreeInferenceContext" on every rank instead of
+    silently replicating the KV cache, even when our wrapper is never constructed.
     """
     version = check_megatron_version("use_tree_attention")
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown merge strategy {strategy!r}; expected one of {STRATEGIES}")
+    from .patches import apply_runtime
+
+    apply_runtime()
     for layer in _layer_specs(spec):
         subs = _self_attention_submodules(layer)
         current = subs.core_attention
