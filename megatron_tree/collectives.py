@@ -50,9 +50,6 @@ __all__ = [
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 """Collective timeout used when a group's own cannot be read (a backend that does not expose it)."""
 
-FACT_BYTES = 4096
-"""Size of one rank's record in an agreement exchange (a fixed size: mismatched ranks never abort gloo)."""
-
 
 class CommError(RuntimeError):
     """A collective failed: a peer died, timed out, or is waiting in a different collective."""
@@ -164,8 +161,9 @@ def group_timeout(group=None) -> datetime.timedelta:
 def new_group(ranks: Sequence[int], *, timeout, backend: str | None = None, local: bool = False):
     """``dist.new_group`` that always has a finite timeout (torch's default for ``None`` is 30 minutes).
 
-    local: only the members call it (``use_local_synchronization``); otherwise every rank of
-    the default group must call it, in the same order.
+    local: only the members call it (``use_local_synchronization``; torch then names the group
+    from each rank's count of groups it knows, so the members must have made equally many);
+    otherwise every rank of the default group must call it, in the same order.
     """
     td = as_timedelta(timeout)
     if td is None:
@@ -373,32 +371,37 @@ class Agreement:
       differing field (the same text on every rank) -- at once when every rank's signature
       changed at that call; when only some changed, after the group's timeout ``T`` (the
       unchanged ranks first wait it out in the call's collectives, then compare notes).
-    * The check never runs on the call's own process groups: it uses a clone of the group
-      (gloo, timeout ``2T``) and one fixed-size record per rank, so ranks that disagree
-      never enter one collective with different buffer sizes (the SIGABRT that gloo gives
-      for "Received data size doesn't match") and never combine garbage.
+    * The check never runs on the call's own process groups: records travel through
+      torch.distributed's rendezvous store (the key-value store every process group was
+      built from; a rank waits at most ``2T`` for the others'), so ranks that disagree never
+      enter one collective with different buffer sizes (the SIGABRT that gloo gives for
+      "Received data size doesn't match") and never combine garbage.
     * Steady state (a rank's signature equals its previous one at that site): no extra
-      collective and no host-device synchronisation -- the signature is host metadata
-      (shapes, dtypes, strings) compared as a tuple. A change costs one all-gather of
-      :data:`FACT_BYTES` bytes per rank on the clone; :attr:`checks` counts them.
+      collective, no store access and no host-device synchronisation -- the signature is
+      host metadata (shapes, dtypes, strings) compared as a tuple (about 1 us). A change
+      costs one store write of a < 1 KiB record and P reads per rank; :attr:`checks`
+      counts the exchanges.
     * A dead or stuck peer (not a disagreement): the survivors raise :class:`CommError`
       within ``2T`` (``T`` in the collective, at most ``T`` more comparing notes).
 
     On NCCL the call's collectives are asynchronous: a rank that kept its signature does not
     block in them, so when only some ranks change, those ranks raise :class:`CommError`
     after ``2T`` saying what changed, and the others are stopped by NCCL's watchdog at
-    ``T``; telling them too would need a host read every call.
+    ``T``; telling them too would need a host read every call. The store is reached through
+    ``torch.distributed.distributed_c10d._get_default_store()`` (what DeviceMesh and torch's
+    own helpers use); a torch without it makes the first check a :class:`CommError` saying so.
 
     After any of these errors the group's collectives are out of step: build new groups.
     """
 
-    def __init__(self, ranks: Sequence[int], timeout: datetime.timedelta):
+    def __init__(self, ranks: Sequence[int], timeout: datetime.timedelta, key: str):
         self.ranks = tuple(ranks)
         self.timeout = timeout
-        """``T``: the timeout of the guarded collectives (the clone waits 2T)."""
+        """``T``: the timeout of the guarded collectives (a check waits at most 2T)."""
         self.checks = 0
         """Exchanges made (signature changes seen plus failures diagnosed)."""
-        self._group = None
+        self._prefix = f"megatron_tree/agreement/{key}"
+        self._epoch = 0
         self._last: dict = {}
 
     # -- the guarded call ----------------------------------------------------------------
@@ -424,8 +427,8 @@ class Agreement:
 
     def explain(self, site: str, names: tuple, values: tuple, error: CommError) -> None:
         """After ``error`` inside ``site``: raise :class:`DisagreementError` if ranks disagree, else return."""
-        if self._group is None:
-            return  # no check was ever made here, so there is no clone to compare notes on
+        if self._epoch == 0:
+            return  # no check was ever made here: the peers are not in step with this record
         try:
             table, status = self._exchange("failed", site, names, values, self.timeout, self._last.get(site))
         except CommError:
@@ -436,29 +439,26 @@ class Agreement:
 
     # -- the exchange ----------------------------------------------------------------------
 
-    def _clone(self):
-        if self._group is None:
-            backend = "gloo" if dist.is_gloo_available() else None
-            self._group = new_group(self.ranks, timeout=self.timeout * 2, backend=backend, local=True)
-        return self._group
-
     def _exchange(self, status: str, site: str, names: tuple, values: tuple, wait: datetime.timedelta, last):
-        """One fixed-size all-gather of (rank, status, site, {name: value}) on the clone group."""
+        """Every member's (site, {name: value}, status) through the rendezvous store, in rank order.
+
+        Exchange k (counted on every member: checks and explanations happen at the same points
+        on every rank) writes this rank's record under ``<prefix>/<k>/<rank>`` and waits at most
+        ``wait`` for the others'. Records of exchange k-2 are deleted: every member has read them.
+        """
         me = dist.get_rank()
         record = {"site": site, "fields": dict(zip(names, (_plain(v) for v in values))), "status": status}
-        blob = pickle.dumps(record)
-        if len(blob) > FACT_BYTES - 4:
-            blob = pickle.dumps({"site": site, "fields": {"signature": "too large to exchange"}, "status": status})
-        buf = torch.zeros(FACT_BYTES, dtype=torch.uint8)
-        buf[:4] = torch.tensor(list(len(blob).to_bytes(4, "little")), dtype=torch.uint8)
-        buf[4 : 4 + len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
-        group = self._clone()
-        out = torch.empty(len(self.ranks), FACT_BYTES, dtype=torch.uint8)
+        store = self._store()
+        k, self._epoch = self._epoch, self._epoch + 1
         self.checks += 1
+        keys = [f"{self._prefix}/{k}/{r}" for r in self.ranks]
         try:
-            work = dist.all_gather(list(out.unbind(0)), buf, group=group, async_op=True)
-            work.wait(timeout=wait)
-        except RuntimeError as e:
+            store.set(f"{self._prefix}/{k}/{me}", pickle.dumps(record))
+            if k >= 2:
+                store.delete_key(f"{self._prefix}/{k - 2}/{me}")
+            store.wait(keys, wait)
+            blobs = [store.get(key) for key in keys]
+        except RuntimeError as e:  # DistStoreError: "Wait timeout", or the store's server is gone
             mine = ", ".join(f"{n}={_plain(v)!r}" for n, v in zip(names, values))
             before = ("this is its first call there" if last is None else
                       "previous call: " + ", ".join(f"{n}={_plain(v)!r}" for n, v in zip(names, last)))
@@ -466,15 +466,21 @@ class Agreement:
                 f"{site}: rank {me} called it with {mine} ({before}); comparing arguments with the other "
                 f"{len(self.ranks) - 1} rank(s) got no answer within {_seconds(wait)}: they most likely are "
                 "still in the call's collectives with other (e.g. the previous) arguments, or died. "
-                f"Backend error: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}"
+                f"Store error: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}"
             ) from e
         table, status_of = {}, {}
-        for rank, row in zip(self.ranks, out):
-            raw = row.numpy().tobytes()
-            rec = pickle.loads(raw[4 : 4 + int.from_bytes(raw[:4], "little")])
+        for rank, blob in zip(self.ranks, blobs):
+            rec = pickle.loads(blob)
             table[rank] = {"call": rec["site"], **rec["fields"]}  # ranks in different calls differ here
             status_of[rank] = rec["status"]
         return table, status_of
+
+    @staticmethod
+    def _store():
+        try:
+            return dist.distributed_c10d._get_default_store()
+        except Exception as e:  # noqa: BLE001 -- an unusual torch or backend: say so, do not guess
+            raise CommError(f"the cross-rank agreement check needs torch.distributed's rendezvous store: {e}") from e
 
 
 class _Call:
@@ -497,14 +503,17 @@ _AGREEMENTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def agreement_for(group, ranks: Sequence[int], timeout) -> Agreement:
-    """The :class:`Agreement` of ``group`` (one per process group; created on first use).
+    """The :class:`Agreement` of ``group`` (one per process group and process; created on first use).
 
     ranks: the group's global ranks; timeout: its collective timeout ``T`` (seconds or a
-    ``timedelta``). The clone group is created at the first check, by every member at the
-    same call (the first guarded call always checks).
+    ``timedelta``). Records are keyed by the group's name, which every member knows alike.
     """
     ag = _AGREEMENTS.get(group)
     if ag is None:
-        ag = Agreement(ranks, as_timedelta(timeout) or group_timeout(group))
+        try:
+            name = group.group_name
+        except Exception:  # noqa: BLE001 -- older torch: the registry's name
+            name = dist.distributed_c10d._get_process_group_name(group)
+        ag = Agreement(ranks, as_timedelta(timeout) or group_timeout(group), str(name))
         _AGREEMENTS[group] = ag
     return ag
