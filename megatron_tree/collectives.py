@@ -52,7 +52,12 @@ DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 
 
 class CommError(RuntimeError):
-    """A collective failed: a peer died, timed out, or is waiting in a different collective."""
+    """A collective failed: a peer died, timed out, or is waiting in a different collective.
+
+    ``cause``: ``"closed"`` (a peer's connection closed: it died), ``"timeout"``, or ``"other"``.
+    """
+
+    cause = "other"
 
 
 class DisagreementError(CommError):
@@ -189,16 +194,18 @@ def _failure(what: str, op: str, level: str, group, err: BaseException) -> CommE
     text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     low = str(err).lower()
     if "timed out" in low or "timeout" in low:
-        cause = (f"no answer within the group's timeout of {timeout}: a peer is stuck, died, or is waiting "
-                 "in a different collective (ranks that disagree on what to call)")
+        kind, cause = "timeout", (f"no answer within the group's timeout of {timeout}: a peer is stuck, died, or "
+                                  "is waiting in a different collective (ranks that disagree on what to call)")
     elif any(s in low for s in ("closed", "reset by peer", "broken pipe", "crash")):
-        cause = "a peer's connection closed: it most likely died (see that rank's log)"
+        kind, cause = "closed", "a peer's connection closed: it most likely died (see that rank's log)"
     else:
-        cause = f"the backend reported an error (the group's timeout is {timeout})"
-    return CommError(
+        kind, cause = "other", f"the backend reported an error (the group's timeout is {timeout})"
+    error = CommError(
         f"{what}: {op} over the {level!r} level ({size} ranks) failed; a peer rank may have died or "
         f"timed out -- {cause}. Backend error: {text}"
     )
+    error.cause = kind
+    return error
 
 
 # --------------------------------------------------------------------------- collectives
@@ -382,7 +389,8 @@ class Agreement:
       costs one store write of a < 1 KiB record and P reads per rank; :attr:`checks`
       counts the exchanges.
     * A dead or stuck peer (not a disagreement): the survivors raise :class:`CommError`
-      within ``2T`` (``T`` in the collective, at most ``T`` more comparing notes).
+      within ``2T`` (``T`` in the collective, at most ``T`` more comparing notes); a survivor
+      that sees the dead peer's connection close raises at once, without comparing.
 
     On NCCL the call's collectives are asynchronous: a rank that kept its signature does not
     block in them, so when only some ranks change, those ranks raise :class:`CommError`
@@ -494,7 +502,9 @@ class _Call:
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        if exc_type is not None and issubclass(exc_type, CommError) and not issubclass(exc_type, DisagreementError):
+        # A peer whose connection closed is dead: nobody would answer, so no comparison.
+        if (exc_type is not None and issubclass(exc_type, CommError) and not issubclass(exc_type, DisagreementError)
+                and getattr(exc, "cause", "other") != "closed"):
             self.agreement.explain(self.site, self.names, self.values, exc)
         return False
 
