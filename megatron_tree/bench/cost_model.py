@@ -42,7 +42,7 @@ __all__ = [
     "sent_bytes", "predict", "predict_all", "peak_memory_bytes", "choose_strategy", "merge_cost",
 ]
 
-PRESET_DIR = Path(__file__).with_name("presets")
+PRESET_DIR = Path(__file__).resolve().parents[1] / "presets"  # megatron_tree/presets, shipped by setup.py
 ENV_PRESET = "MEGATRON_TREE_COST_PRESET"
 TREE_STRATEGIES = ("allreduce3", "packed", "two_level", "allgather")
 ALL_STRATEGIES = TREE_STRATEGIES + ("ring", "passq_ring", "allgather_kv", "single")
