@@ -23,6 +23,7 @@ HEADS, KV_HEADS = 4, 2
 PROMPT_LEN = 11
 NEW_TOKENS = 16
 MAX_LEN = 28
+BLOCK = 4  # decode tokens go to one rank in blocks of 4, round-robin (megatron_tree.placement)
 
 
 def _config(cp, hier):
@@ -218,11 +219,14 @@ def megatron_rank(rank, world):
             stats = CommStats()
             for layer in model.decoder.layers:
                 layer.self_attention.core_attention.comm_stats = stats
-            ctx = mt.TreeInferenceContext(2, MAX_LEN, groups=mt.tree_groups_from_megatron(model.pg_collection))
+            ctx = mt.TreeInferenceContext(2, MAX_LEN, groups=mt.tree_groups_from_megatron(model.pg_collection),
+                                          block_size=BLOCK)
             results[name] = greedy_decode(model, mt.TreeGPTInferenceWrapper, ctx)
             results[name + "_stats"] = (stats.calls, {k: v.collectives for k, v in stats.levels.items()})
-            results[name + "_shard"] = (ctx.local_len, list(ctx.shard_lens), ctx.capacity)
-            results[name + "_positions"] = ctx.local_positions[: ctx.local_len].tolist()
+            results[name + "_shard"] = (ctx.local_lengths(0, 2).tolist(), ctx.shard_lens(0), ctx.shard_lens(1),
+                                        ctx.capacity)
+            results[name + "_positions"] = [ctx.local_positions[b, : ctx.local_lengths(b, b + 1)[0]].tolist()
+                                            for b in range(2)]
             results[name + "_levels"] = [lvl.size for lvl in ctx.groups.levels]
             results[name + "_core"] = type(model.decoder.layers[0].self_attention.core_attention).__name__
             results[name + "_engine"] = engine_generate(model, mt.TreeGPTInferenceWrapper, ctx)
@@ -333,27 +337,25 @@ def test_greedy_decode_identical_cp4_hierarchical_and_megatron_cp1(megatron_resu
     # two_level = 2 inside each simulated node, then 2 across.
     assert out[0]["tree_cp4_stats"] == (30, {"cp": 60})
     assert out[0]["tree_cp2x2_stats"] == (30, {"intra": 60, "inter": 60})
-    # The cache is sharded: 11 prompt + 15 stored decode tokens = 26 over 4 ranks, balanced.
-    lens = out[0]["tree_cp4_shard"][1]
-    assert sum(lens) == PROMPT_LEN + NEW_TOKENS - 1
-    assert max(lens) - min(lens) <= 1
-    assert [out[r]["tree_cp4_shard"][0] for r in range(4)] == lens
-    assert out[0]["tree_cp4_shard"][2] < MAX_LEN
+    # The cache is sharded by the planner: 11 prompt tokens as 3, 3, 3, 2, then 15 decode tokens
+    # in blocks of 4 opening on the least-loaded rank (3, then 0, 1, 2): 26 tokens over 4 ranks.
+    for name in ("tree_cp4", "tree_cp2x2"):
+        _, row0, row1, capacity = out[0][name + "_shard"]
+        assert row0 == row1 == [7, 7, 6, 6]
+        assert [out[r][name + "_shard"][0] for r in range(4)] == [[n, n] for n in row0]
+        assert capacity == MAX_LEN // 4
 
 
 def test_prefill_in_training_layout_and_cache_shards_disjoint(megatron_results):
-    """The 11-token prompt is padded to 16 and stored in get_batch_on_this_cp_rank's chunks
-    (r and 7-r of 8, 2 tokens each); decode tokens follow. Together the ranks hold every
-    position of the 26 cached tokens exactly once."""
+    """The 11-token prompt is stored in get_batch_on_this_cp_rank's chunks r and 7-r of 8
+    (the first 11 % 8 chunks one token longer); decode tokens follow in blocks of 4. Together
+    the ranks hold every position of the 26 cached tokens exactly once."""
+    expected = {0: [0, 1, 10, *range(15, 19)], 1: [2, 3, 9, *range(19, 23)], 2: [4, 5, 8, *range(23, 26)],
+                3: [6, 7, *range(11, 15)]}
     for name in ("tree_cp4", "tree_cp2x2"):
-        held = []
         for r in range(4):
-            pos = megatron_results[r][name + "_positions"]
-            prefill = [x for x in (2 * r, 2 * r + 1, 14 - 2 * r, 15 - 2 * r) if x < PROMPT_LEN]
-            assert pos[: len(prefill)] == prefill, (name, r, pos)
-            assert all(x >= PROMPT_LEN for x in pos[len(prefill):]), (name, r, pos)
-            held += pos
-        assert sorted(held) == list(range(PROMPT_LEN + NEW_TOKENS - 1)), (name, sorted(held))
+            for b in range(2):
+                assert megatron_results[r][name + "_positions"][b] == expected[r], (name, r, b)
 
 
 def test_patched_megatron_attention_unchanged(megatron_results):
