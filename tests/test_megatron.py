@@ -190,7 +190,6 @@ def megatron_rank(rank, world):
     from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
     from megatron.core.transformer.enums import AttnMaskType
 
-    from megatron_tree import TreeGroups
     from megatron_tree.comm import CommStats
     from megatron_tree.integrations import megatron as mt
     from megatron_tree.integrations import patches
@@ -232,9 +231,9 @@ def megatron_rank(rank, world):
             results[name + "_engine"] = engine_generate(model, mt.TreeGPTInferenceWrapper, ctx)
             results[name + "_uneven"] = engine_generate(model, mt.TreeGPTInferenceWrapper, ctx, UNEVEN_PROMPTS)
             results[name + "_train"] = full_sequence_logits(model, model.pg_collection.cp, cp)
-            # The core API's constructors see the same layout (pg_collection, then parallel_state).
-            results[name + "_from_megatron"] = (TreeGroups.from_megatron(model.pg_collection).describe(),
-                                                TreeGroups.from_megatron().describe())
+            # The integration's constructor sees the same layout from pg_collection and from parallel_state.
+            results[name + "_from_megatron"] = (mt.tree_groups_from_megatron(model.pg_collection).describe(),
+                                                mt.tree_groups_from_megatron().describe())
             parallel_state.destroy_model_parallel()
 
         # With patch 0001 applied (the wrapper applied it), Megatron's own attention is unchanged.

@@ -109,3 +109,25 @@ def test_bad_arguments():
         row.locate(3)
     with pytest.raises(PlacementError, match="block 0 does not exist"):
         row.block_owner(0)
+
+
+def _imports(module_file):
+    import ast
+
+    tree = ast.parse(open(module_file, encoding="utf-8").read())
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            out.add("." * node.level + (node.module or ""))
+    return out
+
+
+def test_layers_import_one_way():
+    """placement is pure (no torch, no torch.distributed); topology never reaches up to integrations."""
+    import megatron_tree.placement as placement
+    import megatron_tree.topology as topology
+
+    assert not {m for m in _imports(placement.__file__) if m.startswith(("torch", "."))}
+    assert not {m for m in _imports(topology.__file__) if "integrations" in m}
