@@ -32,6 +32,7 @@ TINY = ["eval.context_lengths=[40]", "eval.batch_sizes=[1]", "eval.strategies=[t
         "eval.decode_steps=3", "eval.warmup_steps=1", "eval.progress=false", "eval.exactness.sample_rate=1.0"]
 LAYERS = 2
 NEW_TOKENS = 5  # the prefill's token + 1 warmup + 3 timed decode steps
+SHORT = [5, 17, 3]
 MEGATRON_REFERENCE = "Megatron-Core GPTModel at CP=1, TP=1 with its own DotProductAttention, same weights"
 
 
@@ -54,12 +55,12 @@ def _launch(cmd, env, timeout=300):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """(checkpoint dir, the CP = 1 tokens of Megatron's own engine for the eval's prompt)."""
+    """(checkpoint dir, the CP = 1 tokens of Megatron's own engine for the eval's prompt and SHORT)."""
     from megatron_tree.eval.run import random_prompts
 
     ckpt = tmp_path_factory.mktemp("megatron_ckpt")
     result = tmp_path_factory.mktemp("megatron_ckpt_result") / "result.json"
-    prompts = random_prompts(0, 40, 1, 512)  # the eval's prompt for ctx 40, batch 1 (model.seed 0)
+    prompts = random_prompts(0, 40, 1, 512) + [SHORT]  # the eval's prompt for ctx 40, batch 1 (model.seed 0)
     p = _launch([sys.executable, "tests/megatron_ckpt.py", str(ckpt), json.dumps(prompts), str(NEW_TOKENS),
                  str(result)], _env(OMP_NUM_THREADS="1"), timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -141,7 +142,7 @@ def test_deepspeed_sh_evaluates_a_trained_checkpoint_at_cp4_as_2x2(tmp_path, tra
     out = tmp_path / "ds"
     p = _launch(["bash", "launch/deepspeed.sh", f"output_dir={out}", f"model.path={ckpt}", *TINY],
                 _env(HOSTFILE=str(hostfile), MASTER_PORT=str(_free_port())))
-    res = _check_results(out, p, launcher="deepspeed", levels={"intra": 2, "inter": 2}, tokens=cp1_tokens)
+    res = _check_results(out, p, launcher="deepspeed", levels={"intra": 2, "inter": 2}, tokens=cp1_tokens[:1])
     assert res["launch"]["backend"] == "gloo"
     assert res["model"]["checkpoint"]["iteration"] == 4 and res["model"]["checkpoint"]["training_args"] is True
     assert res["model"]["checkpoint"]["dist_dir"] == str(ckpt / "iter_0000004")
@@ -154,8 +155,26 @@ def test_torchrun_sh_evaluates_a_trained_checkpoint_at_tp2_x_cp2(tmp_path, train
     out = tmp_path / "torchrun"
     p = _launch(["bash", "launch/torchrun.sh", f"output_dir={out}", f"model.path={ckpt}", "topology.tp_size=2",
                  "topology.intra_size=null", *TINY], _env(NPROC_PER_NODE="4", MASTER_PORT=str(_free_port())))
-    res = _check_results(out, p, launcher="torchrun", levels={"intra": 2}, tp=2, tokens=cp1_tokens)
+    res = _check_results(out, p, launcher="torchrun", levels={"intra": 2}, tp=2, tokens=cp1_tokens[:1])
     assert res["launch"]["topology"]["cp_ranks"] == [0, 2] and res["launch"]["num_cp_groups"] == 2
+
+
+def test_generate_megatron_under_local_sh(tmp_path, trained):
+    """The Megatron-LM-style generation entry under the same launcher (MODULE=...): CP 2, prompts
+    of 40 and 3 tokens from a file, the 40-token one continued with Megatron's own CP = 1 tokens."""
+    ckpt, cp1_tokens = trained
+    from megatron_tree.eval.run import random_prompts
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(" ".join(map(str, random_prompts(0, 40, 1, 512)[0])) + "\n" + " ".join(map(str, SHORT)) + "\n")
+    out = tmp_path / "out.jsonl"
+    p = _launch(["bash", "launch/local.sh", "--sample-input-file", str(prompts), "--sample-output-file", str(out),
+                 "--out-seq-length", str(NEW_TOKENS), f"model.path={ckpt}", "topology.intra_size=null"],
+                _env(NPROC="2", MODULE="megatron_tree.generate_megatron"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 2 and rows[1]["prompt_tokens"] == SHORT and rows[1]["text"] is None
+    assert [r["tokens"] for r in rows] == cp1_tokens
 
 
 def _slurm_env(**extra) -> dict:
