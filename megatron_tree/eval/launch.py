@@ -128,21 +128,23 @@ def check_safetensors(file: str) -> None:
         with open(file, "rb") as f:
             head = f.read(8)
             if len(head) < 8:
-                raise ValueError(f"{size} bytes, shorter than the 8-byte header length")
+                raise ConfigError(f"model.path: {file} is {size} bytes, too short for a safetensors header "
+                                  "(truncated or empty)")
             (n,) = struct.unpack("<Q", head)
             if 8 + n > size:
-                raise ValueError(f"its header claims {n} bytes but the file has {size}")
+                raise ConfigError(f"model.path: {file} announces a {n}-byte header but the file has {size} bytes: "
+                                  "not a safetensors file, or truncated")
             header = json.loads(f.read(n))
     except (OSError, ValueError, UnicodeDecodeError) as e:
+        if isinstance(e, ConfigError):
+            raise
         raise ConfigError(f"model.path: {file} is not a readable safetensors file: {e}") from None
     if not isinstance(header, dict):
         raise ConfigError(f"model.path: {file} is not a readable safetensors file: the header is not a JSON object")
     end = max((v["data_offsets"][1] for k, v in header.items()
                if k != "__metadata__" and isinstance(v, dict) and "data_offsets" in v), default=0)
     if 8 + n + end > size:
-        raise ConfigError(
-            f"model.path: {file} is truncated: its tensors need {8 + n + end} bytes, the file has {size}"
-        )
+        raise ConfigError(f"model.path: {file} is truncated: its tensors end at byte {8 + n + end}, the file has {size}")
 
 
 def _check_output_dir(output_dir: str) -> None:
@@ -174,8 +176,14 @@ def check_model(m: ModelConfig):
         if not files:
             raise ConfigError(f"model.path: {m.path!r} has no *.safetensors weights")
         max_pos = _hf_config(m.path).get("max_position_embeddings", max_pos)
-        for f in files:
-            check_safetensors(str(f))
+        from ..models import llama
+
+        full_check = getattr(llama, "check_checkpoint", None)  # issue 10's pre-flight, where it exists
+        if full_check is not None:
+            full_check(m.path)  # headers, tensor names and shapes; CheckpointError naming the file
+        else:
+            for f in files:
+                check_safetensors(str(f))
     elif m.source == "megatron" and m.path is not None:
         from ..integrations.megatron_model import check_checkpoint
         from .models import gpt_shape
