@@ -589,6 +589,16 @@ class TreeInferenceContext(_static_context_base()):
         self._new_rows()
         self.step = None
 
+    @property
+    def batch_size(self) -> int:
+        """Rows of the cache (the interface ``generate`` checks, as ``ShardedKVCache``'s)."""
+        return self.max_batch_size
+
+    @property
+    def max_seq_len(self) -> int:
+        """Longest row the cache holds."""
+        return self.max_sequence_length
+
     def lengths(self, start: int = 0, end: int | None = None) -> list[int]:
         """Global tokens cached in each row of ``[start, end)``."""
         return [row.total for row in self.rows[start:end]]

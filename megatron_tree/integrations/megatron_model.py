@@ -403,8 +403,6 @@ class MegatronLM:
 
         ctx = TreeInferenceContext(batch_size, max_seq_len, groups=self.groups, layout=layout, block_size=block_size)
         ctx.bind_rope(unwrap_model(self.model))
-        ctx.batch_size = batch_size
-        ctx.max_seq_len = ctx.max_sequence_length
         return ctx
 
     def _keep_last_token(self, module, args, output):
