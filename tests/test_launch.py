@@ -179,9 +179,10 @@ def test_generate_megatron_under_local_sh(tmp_path, trained):
 
 def _slurm_env(**extra) -> dict:
     # What sbatch would have set for `--nodes=2 --ntasks-per-node=2`.
+    extra.setdefault("MASTER_PORT", str(_free_port()))
     return _env(PATH=FAKE_SLURM + os.pathsep + os.environ["PATH"], SLURM_JOB_NODELIST="fake-node[1-2]",
                 SLURM_JOB_NUM_NODES="2", SLURM_NTASKS_PER_NODE="2", SLURM_JOB_ID="77", SLURM_SUBMIT_DIR=ROOT,
-                MASTER_PORT=str(_free_port()), **extra)
+                **extra)
 
 
 def test_slurm_sbatch_runs_the_llama_source_with_tiers_from_slurm(tmp_path):
@@ -233,8 +234,14 @@ def test_bad_megatron_inputs_fail_on_every_rank_before_any_collective(tmp_path, 
     out.mkdir()
     (out / "results.json").write_text('{"exact": true}')  # an earlier run's
     t0 = time.monotonic()
-    p = _launch([os.path.join(FAKE_SLURM, "srun"), sys.executable, "-c", _BAD_RUNS, str(out), str(ckpt), str(plain),
-                 str(stripped)], _slurm_env(MASTER_ADDR="127.0.0.1"), timeout=120)
+    # MASTER_PORT is held by a socket that never answers: a rank that reached init_process_group
+    # would fail to start the store (rank 0) or hang connecting to it, not print the checks' line.
+    with socket.socket() as blocker:
+        blocker.bind(("127.0.0.1", 0))
+        blocker.listen(1)
+        env = _slurm_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(blocker.getsockname()[1]))
+        p = _launch([os.path.join(FAKE_SLURM, "srun"), sys.executable, "-c", _BAD_RUNS, str(out), str(ckpt),
+                     str(plain), str(stripped)], env, timeout=120)
     assert p.returncode == 0, p.stderr[-3000:]
     assert p.stdout.split().count("exit") == 16 and set(p.stdout.split()) == {"exit", "2"}, p.stdout
     assert "Traceback" not in p.stderr
