@@ -173,6 +173,12 @@ def test_helpers():
 # ----------------------------------------------------------------------------- real checkpoint
 
 
+HF_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 320, "hidden_size": 32,
+             "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 2048, "hidden_act": "silu",
+             "tie_word_embeddings": False, "bos_token_id": 1, "initializer_range": 0.2}
+
+
 def _tiny_checkpoint(path):
     """A random Llama saved as a Hugging Face directory, with a byte-level BPE tokenizer.json."""
     from safetensors.torch import save_file
@@ -187,13 +193,9 @@ def _tiny_checkpoint(path):
               "What is the pass key? The pass key is 12345. Remember it."] * 20
     tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     tok.save(str(path / "tokenizer.json"))
-    hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 320, "hidden_size": 32,
-          "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-          "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 2048, "hidden_act": "silu",
-          "tie_word_embeddings": False, "bos_token_id": 1, "initializer_range": 0.2}
-    (path / "config.json").write_text(json.dumps(hf))
+    (path / "config.json").write_text(json.dumps(HF_CONFIG))
     torch.manual_seed(0)
-    model = Llama(LlamaConfig.from_hf(hf))
+    model = Llama(LlamaConfig.from_hf(HF_CONFIG))
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path / "model.safetensors"))
     return model, tok
 
@@ -260,8 +262,9 @@ def test_broken_checkpoints_are_clear_errors(tmp_path, clean_env, capsys):
     (tmp_path / "model.safetensors").write_bytes(b"")
     assert E.main(args) == 2
     assert "config.json is not valid JSON" in capsys.readouterr().err
-    # Unreadable or truncated weights: named, before any process group.
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    # Unreadable or truncated weights: named, before any process group (a complete config, so
+    # that a fuller pre-flight -- issue 10's check_checkpoint -- also gets as far as the weights).
+    (tmp_path / "config.json").write_text(json.dumps(HF_CONFIG))
     assert E.main(args) == 2
     err = capsys.readouterr().err
     assert f"{tmp_path / 'model.safetensors'} is 0 bytes, too short for a safetensors header" in err, err
