@@ -32,6 +32,7 @@ setup(
     entry_points={
         "console_scripts": [
             "megatron-tree-eval=megatron_tree.eval:main",
+            "megatron-tree-generate=megatron_tree.generate_megatron:main",
             "megatron-tree-demo=megatron_tree.demo:main",
         ],
     },
