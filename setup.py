@@ -9,7 +9,7 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["megatron_tree", "megatron_tree.*"]),
-    package_data={"megatron_tree": ["bench/presets/*.yaml"]},
+    package_data={"megatron_tree": ["presets/*.yaml"]},
     python_requires=">=3.10",
     install_requires=[
         # A range the machine's CPU build (2.13.0) satisfies; launch/setup.sh pins it first,
@@ -32,6 +32,7 @@ setup(
     entry_points={
         "console_scripts": [
             "megatron-tree-eval=megatron_tree.eval:main",
+            "megatron-tree-generate=megatron_tree.generate_megatron:main",
             "megatron-tree-demo=megatron_tree.demo:main",
         ],
     },

@@ -15,7 +15,7 @@ name            collectives per call                                         lev
 ``packed``      MAX(lse), SUM(cat[w*o, w])                                   ``cp``
 ``two_level``   ``packed`` inside each node, then across nodes               intra, inter
 ``allgather``   one all-gather of cat[o, lse], then a local merge            ``cp``
-``auto``        chosen per call by :func:`choose_strategy`
+``auto``        chosen by :func:`cost.choose_strategy`, once per shape
 ==============  ===========================================================  ===========
 
 Bytes "sent" per rank are those of the bandwidth-optimal ring algorithms (an all-reduce of
@@ -35,6 +35,7 @@ import torch
 
 from . import collectives, ops
 from .collectives import CommError, CommStats, DisagreementError, LevelStats
+from .cost import choose_strategy  # the policy of auto, resolved once per (groups, shape, dtype)
 from .reference import acc_dtype, lse_weights, normalize, weighted
 from .topology import TreeGroups
 
@@ -86,21 +87,6 @@ def _merge_allgather(o, lse, group, size, level, stats):
     outs = parts[:, : o.numel()].reshape(size, *o.shape)
     lses = parts[:, o.numel():].reshape(size, *lse.shape)
     return ops.merge_states(outs, lses)
-
-
-def choose_strategy(groups: TreeGroups, out_shape, dtype_bytes: int = 4) -> str:
-    """The strategy ``auto`` resolves to for a state of ``out_shape`` (B, Sq, Hq, D) on ``groups``.
-
-    Uses the α-β cost model (``bench/cost_model.py``) when it is importable; without it,
-    ``two_level`` on hierarchical groups and ``packed`` elsewhere.
-    """
-    try:
-        from .bench.cost_model import choose_strategy as model_choice
-    except ImportError:
-        model_choice = None
-    if model_choice is not None:
-        return model_choice(groups, out_shape, dtype_bytes)
-    return "two_level" if groups.is_hierarchical else "packed"
 
 
 def merge(

@@ -8,8 +8,8 @@ overrides from the command line go through the same checks. Keeping every knob i
 place is what lets the launch scripts stay thin (STYLE.md rules 6 and 8).
 
 The defaults of :class:`RunConfig` are the tiny CPU eval (4 processes as 2 simulated
-nodes x 2, random weights, wandb offline); ``configs/cpu_tiny.yaml`` spells the same
-values out.
+nodes x 2, a random-weight Megatron-Core GPTModel, wandb offline); ``configs/cpu_tiny.yaml``
+spells the same values out (``configs/cpu_tiny_llama.yaml``: the same with the library's Llama).
 
 Only PyYAML and the standard library are imported here, so a bad config is reported
 quickly, before torch is even needed.
@@ -48,13 +48,18 @@ def _positive(obj, *names: str) -> None:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Which model to evaluate; the shape fields apply only to ``source: random``."""
+    """Which model to evaluate. The shape fields describe ``source: megatron`` and ``source: random``
+    (a ``hf`` checkpoint brings its own ``config.json``)."""
 
-    source: Literal["random", "hf"] = "random"
-    """``random``: a Llama with random weights built from the fields below (seeded by
-    ``seed``); ``hf``: a Hugging Face Llama checkpoint directory at ``path``."""
+    source: Literal["megatron", "random", "hf"] = "megatron"
+    """``megatron``: a Megatron-Core ``GPTModel`` (Llama-style: RMSNorm, SwiGLU, no biases,
+    RoPE, GQA) of the shape below, from the distributed checkpoint at ``path`` or with random
+    weights when ``path`` is null; ``random``: the library's Llama with random weights;
+    ``hf``: a Hugging Face Llama checkpoint directory at ``path``."""
     path: str | None = None
-    """Checkpoint directory (``config.json`` + ``*.safetensors``) for ``source: hf``."""
+    """``hf``: a checkpoint directory (``config.json`` + ``*.safetensors``); ``megatron``: a
+    ``dist_checkpointing`` directory or a Megatron-LM ``--save`` directory (latest iteration
+    from ``latest_checkpointed_iteration.txt``), loaded at the run's TP x CP layout."""
     tokenizer: str | None = None
     """``tokenizer.json`` to use; ``None`` takes ``<path>/tokenizer.json`` when it exists.
     Only passkey retrieval and perplexity need a tokenizer (random token ids otherwise)."""
@@ -95,6 +100,8 @@ class ModelConfig:
                   "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings")
         if self.source == "hf" and not self.path:
             raise ConfigError("path: source 'hf' needs a checkpoint directory, got none")
+        if self.source == "megatron" and self.rope_scaling is not None:
+            raise ConfigError("rope_scaling: not supported for source 'megatron' (plain RoPE); set it to null")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"num_key_value_heads: {self.num_key_value_heads} does not divide "
@@ -104,11 +111,14 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class TopologyConfig:
-    """How the launched ranks form context-parallel groups and their reduction levels."""
+    """How the launched ranks form tensor- and context-parallel groups and the CP reduction levels."""
 
+    tp_size: int = 1
+    """Tensor-parallel ranks per model replica (``source: megatron`` only); CP groups are
+    then the ranks of equal TP rank, as Megatron-Core builds them."""
     cp_size: int | None = None
-    """Ranks per CP group; ``None`` = the whole launched world. A divisor of the world
-    size gives several CP groups side by side, each running the same eval."""
+    """Ranks per CP group; ``None`` = the launched world / tp_size. A divisor of that gives
+    several CP groups side by side, each running the same eval."""
     intra_size: int | None = 2
     """CP ranks per (possibly simulated) node, passed to ``TreeGroups.from_env``;
     ``None`` = the real layout from the launcher (LOCAL_WORLD_SIZE, LOCAL_SIZE,
@@ -117,7 +127,7 @@ class TopologyConfig:
     """Seconds a collective may wait before the run fails (a dead peer, no hang)."""
 
     def __post_init__(self):
-        _positive(self, "cp_size", "intra_size")
+        _positive(self, "tp_size", "cp_size", "intra_size")
         if self.timeout_s <= 0:
             raise ConfigError(f"timeout_s: must be positive, got {self.timeout_s}")
         if self.cp_size is not None and self.intra_size is not None and self.cp_size % self.intra_size:
@@ -213,8 +223,9 @@ class EvalConfig:
     allow_beyond_max_position: bool = False
     """Allow context lengths past the model's ``max_position_embeddings`` (speed and
     exactness runs; RoPE extrapolates, answer quality is not meaningful there)."""
-    prefill_method: Literal["ring", "allgather"] = "ring"
-    """Context-parallel prefill."""
+    prefill_method: Literal["ring", "allgather"] | None = None
+    """Context-parallel prefill; ``None`` = the model's own (``ring`` for the Llama, ``allgather``
+    for Megatron models, whose core attention all-gathers the prompt's keys/values)."""
     cache_layout: Literal["load_balanced", "contiguous"] = "load_balanced"
     """Placement of prompt tokens on CP ranks."""
     block_size: int = 16

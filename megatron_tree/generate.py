@@ -8,6 +8,12 @@ Sampling uses a ``torch.Generator`` seeded with ``seed``, so a run is reproducib
 
 Rows of different lengths share one batch: each row has its own length in the cache
 (per-row ``cache_seqlens``), so no padding token ever enters attention.
+
+This is the one decode loop of the package: the eval drives it too, through a
+:class:`GenerationHook` that times each step and keeps logits (no second loop beside this
+one). Any model with ``prefill``, ``decode_step``, ``new_cache``, ``groups``, ``device`` and
+``config.vocab_size`` runs in it: the library's Llama and Megatron-Core's ``GPTModel``
+(``integrations.megatron_model.MegatronLM``).
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from . import collectives
 from .cache import CacheOverflowError, ShardedKVCache
 from .comm import CommStats
 
-__all__ = ["generate", "GenerationResult", "sample_next"]
+__all__ = ["generate", "GenerationResult", "GenerationHook", "sample_next"]
 
 
 @dataclass
@@ -44,6 +50,28 @@ class GenerationResult:
         """Decode throughput over the batch (rows x steps / decode seconds)."""
         t = self.decode_time
         return len(self.tokens) * len(self.step_times) / t if t > 0 else float("nan")
+
+
+class GenerationHook:
+    """Callbacks of :func:`generate`'s loop; override what you need (every method is a no-op here).
+
+    The eval's timing hook puts a barrier before and a device sync after each forward, keeps
+    the logits of chosen steps and records traffic of timed steps only.
+    """
+
+    def before_prefill(self) -> None:
+        """Called right before the prefill forward."""
+
+    def after_prefill(self, logits: torch.Tensor) -> None:
+        """logits: (batch, vocab) of each prompt's last token, before the first token is chosen."""
+
+    def before_step(self, step: int):
+        """Called before decode step ``step`` (0-based); returns the ``CommStats`` to record into
+        (``None``: the ``stats`` given to :func:`generate`)."""
+        return None
+
+    def after_step(self, step: int, logits: torch.Tensor) -> None:
+        """logits: (batch, vocab) of decode step ``step``, before its token is chosen."""
 
 
 def sample_next(
@@ -112,16 +140,20 @@ def generate(
     top_p: float | None = None,
     stop_token_ids=None,
     seed: int | None = None,
-    cache: ShardedKVCache | None = None,
+    cache=None,
     strategy: str = "auto",
     stats: CommStats | None = None,
     progress: bool = True,
-    prefill_method: str = "ring",
+    prefill_method: str | None = None,
+    hook: GenerationHook | None = None,
+    forced_tokens: torch.Tensor | None = None,
+    broadcast: bool = True,
 ) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens after each prompt, on every rank of ``model.groups``.
 
-    model: a :class:`megatron_tree.models.llama.Llama` (anything with ``prefill``,
-        ``decode_step``, ``new_cache``, ``groups`` and ``config.vocab_size``)
+    model: a :class:`megatron_tree.models.llama.Llama`, an
+        :class:`~megatron_tree.integrations.megatron_model.MegatronLM`, or anything with
+        ``prefill``, ``decode_step``, ``new_cache``, ``groups``, ``device`` and ``config.vocab_size``
     prompts: token-id lists of any (non-zero) lengths; every CP rank passes the same
     stop_token_ids: a row stops after producing one of these ids
     seed: seeds the sampling generator (identical results for identical seeds)
@@ -130,10 +162,21 @@ def generate(
         must fit in it.
     strategy, stats: passed to ``tree_decode`` at every decode step
     progress: show a tqdm bar on CP rank 0
+    prefill_method: the model's CP prefill (``None``: the model's default)
+    hook: a :class:`GenerationHook` called around the prefill and each decode step
+    forced_tokens: (batch, n) token ids fed instead of the chosen ones (teacher forcing, for
+        scoring); token ``i`` is fed after the prefill (``i = 0``) or decode step ``i - 1``
+    broadcast: CP rank 0's choice is broadcast each step (default). ``False`` keeps every
+        rank's own choice, so that a check across ranks can see a divergence (the eval).
     """
     vocab = model.config.vocab_size
     _check_args(prompts, max_new_tokens, do_sample, temperature, top_k, top_p, vocab)
     prompts = [list(p) for p in prompts]
+    if forced_tokens is not None and tuple(forced_tokens.shape) != (len(prompts), max_new_tokens):
+        raise ValueError(
+            f"forced_tokens has shape {tuple(forced_tokens.shape)}, expected (batch, max_new_tokens) = "
+            f"({len(prompts)}, {max_new_tokens})"
+        )
     need = max(len(p) for p in prompts) + max_new_tokens
     if cache is None:
         cache = model.new_cache(len(prompts), need)
@@ -147,6 +190,7 @@ def generate(
                     f"{len(p) + max_new_tokens} slots, beyond the cache's max_seq_len {cache.max_seq_len}"
                 )
     stops = set(stop_token_ids or ())
+    hook = hook if hook is not None else GenerationHook()
     groups = model.groups
     rank0 = groups is None or groups.rank == 0
     generator = torch.Generator(device="cpu")
@@ -155,10 +199,12 @@ def generate(
     else:
         generator.seed()
 
-    def choose(logits: torch.Tensor) -> torch.Tensor:
+    def choose(logits: torch.Tensor, i: int) -> torch.Tensor:
+        if forced_tokens is not None:
+            return forced_tokens[:, i].to(model.device)
         ids = sample_next(logits, do_sample=do_sample, temperature=temperature, top_k=top_k,
                           top_p=top_p, generator=generator).to(model.device)
-        if groups is not None and groups.size > 1:  # CP rank 0 decides for everyone
+        if broadcast and groups is not None and groups.size > 1:  # CP rank 0 decides for everyone
             # (B,) int64: B already agreed on by the model's checked collectives (prefill, merge)
             collectives.broadcast(ids, groups.cp_ranks[0], groups.cp_group,
                                   what="generate: broadcasting CP rank 0's token choice")
@@ -166,20 +212,27 @@ def generate(
 
     from tqdm.auto import tqdm
 
+    prefill_kw = {} if prefill_method is None else {"method": prefill_method}
     bar = tqdm(total=max_new_tokens, desc="generate", unit="tok", disable=not (progress and rank0))
     try:
+        hook.before_prefill()
         t0 = time.perf_counter()
-        ids = choose(model.prefill(prompts, cache, method=prefill_method))
+        logits = model.prefill(prompts, cache, **prefill_kw)
+        hook.after_prefill(logits)
+        ids = choose(logits, 0)
         prefill_time = time.perf_counter() - t0
         out = [[t] for t in ids.tolist()]
         done = [t in stops for t in ids.tolist()]
         bar.update(1)
         step_times: list[float] = []
-        for _ in range(max_new_tokens - 1):
+        for step in range(max_new_tokens - 1):
             if all(done):
                 break
+            step_stats = hook.before_step(step)
             t0 = time.perf_counter()
-            ids = choose(model.decode_step(ids, cache, strategy=strategy, stats=stats))
+            logits = model.decode_step(ids, cache, strategy=strategy, stats=stats if step_stats is None else step_stats)
+            hook.after_step(step, logits)
+            ids = choose(logits, step + 1)
             step_times.append(time.perf_counter() - t0)
             for b, t in enumerate(ids.tolist()):
                 if not done[b]:

@@ -240,13 +240,6 @@ class TreeGroups:
         levels = (Level("intra", level_groups[0], ranks[0]), Level("inter", level_groups[1], ranks[1]))
         return cls(cp_group, cp_ranks, levels, len(ranks[0]), timeout)
 
-    @classmethod
-    def from_megatron(cls, pg_collection=None) -> "TreeGroups":
-        """Groups of Megatron-Core's CP (and hierarchical CP) process groups."""
-        from .integrations.megatron import tree_groups_from_megatron
-
-        return tree_groups_from_megatron(pg_collection)
-
 
 def launcher_local_size(env) -> tuple[int | None, str]:
     """Processes per node announced by the launcher, and which variable said so."""

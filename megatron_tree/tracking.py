@@ -115,6 +115,11 @@ class WandbTracker:
 
     def finish(self, exit_code: int = 0) -> None:
         self.run.finish(exit_code=exit_code)
+        # run.finish() can return before wandb's service has written the run's last records
+        # (seen offline on a loaded machine: the summary missing from run-<id>.wandb right
+        # after the eval returned); teardown waits for it, so the run file is complete when
+        # the eval prints its path.
+        self._wandb.teardown()
 
 
 def make_tracker(cfg: WandbConfig, *, rank: int, output_dir: str, config: dict, default_name: str):

@@ -50,3 +50,28 @@ def test_tiny_sweep_end_to_end(tmp_path):
     assert md.count(" | yes | ") == len(rows)  # ... and every row was compared
     for png in ("bench_latency.png", "bench_ratio_vs_ring.png", "bench_bytes.png"):
         assert os.path.getsize(out / png) > 5000, png
+
+
+def test_cold_start_bench_measures_first_and_warm_calls(tmp_path):
+    """One fresh launch per strategy (P=2, tiny shards): the first call is slower than the
+    warm ones for tree and ring alike, both decode the same attention, and the summary's
+    ratios are the measured medians' ratios."""
+    from megatron_tree.bench import cold_start
+
+    out = tmp_path / "cold.json"
+    argv = ["--ranks", "2", "--context", "256", "--heads", "4/2", "--head-dim", "16", "--repeat", "1", "--warm", "3",
+            "--modes", "cold", "--quiet", "--out", str(out)]
+    assert cold_start.main(argv) == 0
+    data = json.loads(out.read_text())
+    assert data["command"].endswith(" ".join(argv))
+    recs = data["records"]
+    assert sorted(r["strategy"] for r in recs) == sorted(cold_start.STRATEGIES)
+    for r in recs:
+        assert r["mode"] == "cold" and len(r["warm_s"]) == 3 and r["setup_s"] > 0
+        assert r["first_s"] > max(r["warm_s"]), r  # the first call pays one-time costs
+    s = data["summary"]
+    assert s["max_abs_diff_between_runs"] < 1e-5
+    med = s["modes"]["cold"]["medians"]
+    assert s["modes"]["cold"]["ratio_first_call"] == med["ring"]["first_s"] / med["tree:allreduce3"]["first_s"]
+    assert s["ratio_warm"] == med["ring"]["warm_median_s"] / med["tree:allreduce3"]["warm_median_s"]
+    assert s["predicted_warm_s"]["ring"] > 0

@@ -34,7 +34,14 @@ def test_cpu_tiny_yaml_is_exactly_the_defaults():
     # The embedded default and the shipped file must not drift apart.
     assert load_config(os.path.join(CONFIGS, "cpu_tiny.yaml")) == RunConfig()
     d = RunConfig()
-    assert d.topology.intra_size == 2 and d.model.source == "random" and d.wandb.mode == "offline"
+    assert d.topology.intra_size == 2 and d.model.source == "megatron" and d.wandb.mode == "offline"
+    assert d.model.path is None and d.topology.tp_size == 1 and d.eval.prefill_method is None
+    # The Llama source is one CONFIG= away and otherwise the same run.
+    llama = load_config(os.path.join(CONFIGS, "cpu_tiny_llama.yaml"))
+    assert llama.model.source == "random" and llama.eval.prefill_method == "ring"
+    assert llama.model.__class__(**{**vars(llama.model), "source": "megatron"}) == d.model
+    assert llama.topology == d.topology and llama.wandb == d.wandb
+    assert llama.eval.__class__(**{**vars(llama.eval), "prefill_method": None}) == d.eval
 
 
 def test_shipped_configs_load_with_the_intended_topology():
@@ -78,7 +85,7 @@ def test_wrong_type_names_path_and_expected_type(tmp_path, text, path, expected)
 
 def test_values_are_read_not_guessed(tmp_path):
     cfg = load_config(_yaml(tmp_path, """
-        model: {rms_norm_eps: 1e-6, rope_scaling: {rope_type: llama3, factor: 8.0}}
+        model: {source: random, rms_norm_eps: 1e-6, rope_scaling: {rope_type: llama3, factor: 8.0}}
         topology: {timeout_s: 30}
         eval: {context_lengths: [64, 128]}
     """))
@@ -96,6 +103,8 @@ def test_values_are_read_not_guessed(tmp_path):
     (["eval.context_lengths=[]"], "eval.context_lengths: must not be empty"),
     (["eval.batch_sizes=[0]"], "eval.batch_sizes: must be positive"),
     (["model.source=hf"], "model.path: source 'hf' needs a checkpoint directory"),
+    (["model.rope_scaling={rope_type: linear, factor: 2.0}"], "model.rope_scaling: not supported for source 'megatron'"),
+    (["topology.tp_size=0"], "topology.tp_size: must be a positive integer"),
     (["model.num_key_value_heads=3"], "model.num_key_value_heads: 3 does not divide"),
     (["eval.decode_steps=0"], "eval.decode_steps: must be a positive integer"),
     (["eval.warmup_steps=-1"], "eval.warmup_steps: must be >= 0"),
@@ -135,7 +144,7 @@ def test_missing_or_malformed_file(tmp_path):
 
 
 def test_round_trip_through_plain_data():
-    cfg = load_config(None, ["eval.strategies=[packed]", "model.rope_scaling={rope_type: linear, factor: 2.0}"])
+    cfg = load_config(None, ["eval.strategies=[packed]", "model.source=random", "model.rope_scaling={rope_type: linear, factor: 2.0}"])
     data = C.to_dict(cfg)
     json.dumps(data)  # plain data only
     assert C.from_dict(RunConfig, data) == cfg

@@ -1,6 +1,7 @@
-"""The eval entry point in one process: results.json schema, exactness against the unsharded
-model, wandb offline run inside the output dir, passkey/perplexity with a real (tiny)
-checkpoint and tokenizer, and every bad-config path failing fast with a clear message.
+"""The eval entry point in one process: results.json schema, exactness against the reference
+(the unsharded Llama; Megatron's own GPTModel at CP = 1), wandb offline run inside the output
+dir, passkey/perplexity with a real (tiny) checkpoint and tokenizer for both sources, and
+every bad-config path failing fast with a clear message.
 
 Multi-process runs through the real launchers are in test_launch.py.
 """
@@ -16,8 +17,11 @@ import torch
 
 from megatron_tree import eval as E
 from megatron_tree.config import load_config
+from megatron_tree.eval import models as M
+from megatron_tree.eval import run as R
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LLAMA = os.path.join(ROOT, "configs/cpu_tiny_llama.yaml")
 TINY = ["eval.context_lengths=[24, 40]", "eval.batch_sizes=[2]", "eval.strategies=[packed, allgather]",
         "eval.decode_steps=3", "eval.warmup_steps=1", "eval.progress=false", "topology.intra_size=null"]
 
@@ -33,11 +37,11 @@ def clean_env(monkeypatch):
 
 def test_single_process_run_writes_results_plot_and_wandb(tmp_path, clean_env, capsys):
     out = tmp_path / "run"
-    assert E.main(["--config", os.path.join(ROOT, "configs/cpu_tiny.yaml"), f"output_dir={out}", *TINY,
-                   "eval.exactness.sample_rate=1.0"]) == 0
+    assert E.main(["--config", LLAMA, f"output_dir={out}", *TINY, "eval.exactness.sample_rate=1.0"]) == 0
     printed = capsys.readouterr().out
     res = json.loads((out / "results.json").read_text())
-    assert res["schema_version"] == 1
+    assert res["schema_version"] == 2
+    assert res["model"]["source"] == "random" and res["exactness_reference"].startswith("unsharded Llama")
     assert res["launch"]["world_size"] == 1 and res["launch"]["cp_size"] == 1
     assert res["launch"]["level_sizes"] == {"intra": 1}
     assert [(r["context_length"], r["strategy"]) for r in res["runs"]] == [
@@ -57,7 +61,9 @@ def test_single_process_run_writes_results_plot_and_wandb(tmp_path, clean_env, c
         # fp32 rounding gives ~7e-6 here; 1e-4 (not the config's 1e-3) leaves room for it and no more
         assert ex["within_tolerance"] and ex["max_abs_dlogits"] < 1e-4
         assert r["tokens_agree_across_ranks"]
-    assert res["exact"] is True and res["max_abs_dlogits"] < 1e-4
+        # the generated ids (prefill's token + 4 steps per row), and the reference chose the same
+        assert [len(row) for row in r["tokens"]] == [5, 5] and ex["reference_tokens"] == r["tokens"]
+    assert res["exact"] is True and res["max_abs_dlogits"] < 1e-4 and res["tokens_match_reference"] is True
     run_dir = res["wandb"]["run_dir"]
     assert run_dir.startswith(str(out / "wandb")) and any(f.startswith("run-") and f.endswith(".wandb")
                                                           for f in os.listdir(run_dir))
@@ -76,18 +82,17 @@ def test_single_process_run_writes_results_plot_and_wandb(tmp_path, clean_env, c
 
 def test_exactness_catches_a_wrong_model(tmp_path, clean_env, capsys):
     """The check can fail: a replica with different weights must exceed the tolerance."""
-    import megatron_tree.eval as mod
+    real = M.build
 
-    real = mod.build_reference
-
-    def perturbed(model, lcfg, cfg, device):
-        ref = real(model, lcfg, cfg, device)  # shares the model's tensors: replace, do not modify
+    def perturbed(*args, **kwargs):
+        em = real(*args, **kwargs)
+        ref = em.reference  # shares the model's tensors: replace, do not modify
         ref.model.norm.weight = torch.nn.Parameter(ref.model.norm.weight.detach() * 1.5)
-        return ref
+        return em
 
-    clean_env.setattr(mod, "build_reference", perturbed)
-    rc = E.main([f"output_dir={tmp_path}", *TINY, "eval.context_lengths=[24]", "eval.strategies=[packed]",
-                 "eval.exactness.sample_rate=0.0"])
+    clean_env.setattr(M, "build", perturbed)
+    rc = E.main(["--config", LLAMA, f"output_dir={tmp_path}", *TINY, "eval.context_lengths=[24]",
+                 "eval.strategies=[packed]", "eval.exactness.sample_rate=0.0"])
     assert rc == 3
     res = json.loads((tmp_path / "results.json").read_text())
     assert res["exact"] is False and res["max_abs_dlogits"] > 1e-2
@@ -107,6 +112,15 @@ def test_exactness_catches_a_wrong_model(tmp_path, clean_env, capsys):
     (["topology.cp_size=3", "topology.intra_size=null"], {"WORLD_SIZE": "4", "RANK": "0"},
      "topology.cp_size: 3 does not divide the launched world of 4"),
     (["model.source=hf", "model.path=/nonexistent/ckpt"], {}, "model.path: checkpoint directory '/nonexistent/ckpt' does not exist"),
+    (["model.path=/nonexistent/ckpt"], {}, "model.path: checkpoint directory '/nonexistent/ckpt' does not exist"),
+    (["model.path=/"], {}, "model.path: '/' is not a Megatron distributed checkpoint"),
+    (["topology.tp_size=2", "topology.cp_size=4"], {"WORLD_SIZE": "4", "RANK": "0"},
+     "topology.tp_size x topology.cp_size: 2 x 4 = 8 does not fit the launched world of 4"),
+    (["topology.tp_size=3"], {"WORLD_SIZE": "6", "RANK": "0"}, "model.num_attention_heads: 4 is not divisible by topology.tp_size 3"),
+    (["model.source=random", "topology.tp_size=2"], {"WORLD_SIZE": "4", "RANK": "0"}, "topology.tp_size: 2 needs model.source megatron"),
+    (["topology.tp_size=2", "topology.intra_size=2"], {"WORLD_SIZE": "8", "RANK": "0", "LOCAL_WORLD_SIZE": "2"},
+     "topology.intra_size: 2 disagrees with the real layout: with tp_size 2 an intra-node CP group spans 4"),
+    (["eval.prefill_method=ring"], {}, "eval.prefill_method: 'ring' is not available for model.source megatron"),
     (["eval.passkey.enabled=true"], {}, "eval.passkey.enabled needs a tokenizer"),
     (["eval.context_lengths=[70000]"], {}, "eval.allow_beyond_max_position=true"),
     (["wandb.ds_config=/nonexistent/ds.json"], {}, "wandb.ds_config"),
@@ -120,13 +134,26 @@ def test_bad_config_fails_before_any_process_group(clean_env, capsys, args, env,
     assert not torch.distributed.is_initialized()
 
 
+def test_output_dir_that_is_a_file_fails_before_any_process_group(tmp_path, clean_env, capsys):
+    (tmp_path / "taken").write_text("a file")
+    for out in (tmp_path / "taken", tmp_path / "taken" / "sub"):
+        assert E.main([f"output_dir={out}", "topology.intra_size=null"]) == 2
+        err = capsys.readouterr().err
+        assert f"output_dir: '{out}' cannot be created: '{tmp_path / 'taken'}' is a file" in err, err
+    assert not torch.distributed.is_initialized()
+
+
 def test_bad_config_exit_status_from_the_command_line(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "results.json").write_text('{"exact": true}')  # an earlier run's: must not survive a failed run
     p = subprocess.run([sys.executable, "-m", "megatron_tree.eval", "--config", "configs/cpu_tiny.yaml",
-                        "model.source=hf", f"model.path={tmp_path}", "topology.intra_size=null"],
+                        "model.source=hf", f"model.path={tmp_path}", "topology.intra_size=null", f"output_dir={out}"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "has no config.json" in p.stderr
     assert "Traceback" not in p.stderr
+    assert not (out / "results.json").exists()
 
 
 def test_helpers():
@@ -136,10 +163,20 @@ def test_helpers():
     assert E.map_slurm_env(env) == {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
     assert E.map_slurm_env({**env, "RANK": "0"}) == {}  # torchrun inside srun: leave it alone
     assert E.check_launch(load_config(None, ["topology.intra_size=2"]), 8) == 8
+    assert E.check_launch(load_config(None, ["topology.tp_size=2", "topology.intra_size=null"]), 8, {}) == 4
+    # Megatron's CP groups at TP 2 are strided by 2, so an intra-node level of 2 spans 4 ranks
+    topo = load_config(None, ["topology.tp_size=2", "topology.intra_size=null"]).topology
+    assert M.megatron_layout(topo, 16, 8, 8) == [4, 2] and M.megatron_layout(topo, 8, 4, 8) is None
     assert E.parse_args(["--local_rank=2", "eval.decode_steps=2"]).overrides == ["eval.decode_steps=2"]
 
 
 # ----------------------------------------------------------------------------- real checkpoint
+
+
+HF_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 320, "hidden_size": 32,
+             "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 2048, "hidden_act": "silu",
+             "tie_word_embeddings": False, "bos_token_id": 1, "initializer_range": 0.2}
 
 
 def _tiny_checkpoint(path):
@@ -156,13 +193,9 @@ def _tiny_checkpoint(path):
               "What is the pass key? The pass key is 12345. Remember it."] * 20
     tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     tok.save(str(path / "tokenizer.json"))
-    hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 320, "hidden_size": 32,
-          "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-          "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 2048, "hidden_act": "silu",
-          "tie_word_embeddings": False, "bos_token_id": 1, "initializer_range": 0.2}
-    (path / "config.json").write_text(json.dumps(hf))
+    (path / "config.json").write_text(json.dumps(HF_CONFIG))
     torch.manual_seed(0)
-    model = Llama(LlamaConfig.from_hf(hf))
+    model = Llama(LlamaConfig.from_hf(HF_CONFIG))
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path / "model.safetensors"))
     return model, tok
 
@@ -175,14 +208,14 @@ def test_passkey_and_perplexity_with_a_checkpoint(tmp_path, clean_env):
     text.write_text("The sky is blue and the grass is green. " * 40)
     out = tmp_path / "out"
     seen = []  # the passkey prompts and what the sharded decode generated for them
-    real_greedy_n = E._greedy_n
+    real_greedy_n = R.greedy_n
 
-    def spy(model_, prompts, n, *args, **kw):
-        got = real_greedy_n(model_, prompts, n, *args, **kw)
+    def spy(em, prompts, n, *args, **kw):
+        got = real_greedy_n(em, prompts, n, *args, **kw)
         seen.append((prompts, got.tolist()))
         return got
 
-    clean_env.setattr(E, "_greedy_n", spy)
+    clean_env.setattr(R, "greedy_n", spy)
     rc = E.main(["model.source=hf", f"model.path={ckpt}", f"output_dir={out}", *TINY, "eval.context_lengths=[64]",
                  "eval.strategies=[packed]", "eval.passkey.enabled=true", "eval.passkey.trials=2",
                  "eval.passkey.new_tokens=4", f"eval.perplexity.text_file={text}", "eval.perplexity.prefix_tokens=40",
@@ -229,10 +262,82 @@ def test_broken_checkpoints_are_clear_errors(tmp_path, clean_env, capsys):
     (tmp_path / "model.safetensors").write_bytes(b"")
     assert E.main(args) == 2
     assert "config.json is not valid JSON" in capsys.readouterr().err
+    # Unreadable or truncated weights: named, before any process group (a complete config, so
+    # that a fuller pre-flight -- issue 10's check_checkpoint -- also gets as far as the weights).
+    (tmp_path / "config.json").write_text(json.dumps(HF_CONFIG))
+    assert E.main(args) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'model.safetensors'} is 0 bytes, too short for a safetensors header" in err, err
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.zeros(64, 64)}, str(tmp_path / "model.safetensors"))
+    data = (tmp_path / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(data[: len(data) - 100])
+    assert E.main(args) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'model.safetensors'} is truncated" in err, err
+    assert not torch.distributed.is_initialized()
     # A readable checkpoint of another architecture: refused by the loader, after the
     # process group exists, as one line (no traceback) and exit status 2.
+    save_file({"w": torch.zeros(64, 64)}, str(tmp_path / "model.safetensors"))
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["MistralForCausalLM"], "model_type": "mistral"}))
     assert E.main(args) == 2
     err = capsys.readouterr().err
     assert "error:" in err and "unsupported architecture" in err and "Traceback" not in err
     assert not torch.distributed.is_initialized()
+
+
+def test_megatron_source_in_one_process_passkey_perplexity_and_a_wrong_reference(tmp_path, clean_env):
+    """The default source (a Megatron-Core GPTModel, random weights) at CP = 1: exact against
+    Megatron's own model, and with a tokenizer the passkey and perplexity tasks run on it; the
+    perplexity equals the reference model's. A perturbed reference fails the run (exit 3)."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    _, tok = _tiny_checkpoint(ckpt)  # only its tokenizer.json is used
+    text = tmp_path / "book.txt"
+    text.write_text("The sky is blue and the grass is green. " * 40)
+    seen = {}
+    real_ppl = R.perplexity_eval
+
+    def spy(em, ev, device, tok_):
+        got = real_ppl(em, ev, device, tok_)
+        ids = tok_.encode(text.read_text(), add_special_tokens=False).ids
+        with torch.no_grad():  # the reference (Megatron's DotProductAttention, CP = 1) over the same tokens
+            logp = torch.log_softmax(em.reference(torch.tensor([ids[:46]])).float()[0], -1)
+        seen["nll"] = -torch.stack([logp[39 + i, ids[40 + i]] for i in range(6)]).mean().item()
+        seen["reference"] = type(em.reference.model.decoder.layers[0].self_attention.core_attention).__name__
+        return got
+
+    clean_env.setattr(R, "perplexity_eval", spy)
+    out = tmp_path / "out"
+    rc = E.main([f"output_dir={out}", *TINY, "topology.intra_size=null", "eval.context_lengths=[64]",
+                 "eval.strategies=[packed]", "eval.exactness.sample_rate=1.0", f"model.tokenizer={ckpt / 'tokenizer.json'}",
+                 "eval.passkey.enabled=true", "eval.passkey.trials=2", "eval.passkey.new_tokens=3",
+                 f"eval.perplexity.text_file={text}", "eval.perplexity.prefix_tokens=40",
+                 "eval.perplexity.eval_tokens=6", "wandb.enabled=false"])
+    assert rc == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["model"]["source"] == "megatron" and res["model"]["class"].endswith("GPTModel")
+    assert res["exactness_reference"].endswith("with its own DotProductAttention, same weights")
+    assert res["exact"] is True and res["max_abs_dlogits"] < 1e-4 and res["tokens_match_reference"] is True
+    (run,) = res["runs"]
+    assert run["exactness"]["reference_tokens"] == run["tokens"] and len(run["tokens"][0]) == 5
+    (pk,) = res["passkey"]
+    assert pk["trials"] == 2 and pk["accuracy"] == sum(str(k) in a for k, a in zip(pk["keys"], pk["answers"])) / 2
+    assert seen["reference"] == "DotProductAttention"
+    assert res["perplexity"]["nll"] == pytest.approx(seen["nll"], abs=1e-4)
+
+    real_build = M.build
+
+    def perturbed(*args, **kwargs):
+        em = real_build(*args, **kwargs)
+        with torch.no_grad():  # the reference is a separate TP = 1 model: scale its final norm
+            em.reference.model.decoder.final_layernorm.weight.mul_(1.5)
+        return em
+
+    clean_env.setattr(M, "build", perturbed)
+    rc = E.main([f"output_dir={out}", *TINY, "topology.intra_size=null", "eval.context_lengths=[24]",
+                 "eval.strategies=[packed]", "wandb.enabled=false"])
+    assert rc == 3
+    res = json.loads((out / "results.json").read_text())
+    assert res["exact"] is False and res["max_abs_dlogits"] > 1e-2

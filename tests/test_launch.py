@@ -2,13 +2,21 @@
 launch/deepspeed.sh (the real deepspeed launcher, with a hostfile) and both Slurm scripts
 run by bash under the stand-in srun/scontrol of tests/fake_slurm (2 nodes x 2 tasks).
 
-Each run's results.json must show the launched topology, max |delta logits| within
-tolerance, collectives per level per step as the strategies promise, and an offline wandb
-run directory holding the run. Bad launches fail on every rank, quickly.
+The default main job is a Megatron-Core GPTModel: local.sh runs it with random weights at
+CP 4 = 2 simulated nodes x 2; deepspeed.sh at CP 4 (2 x 2) and torchrun.sh at TP 2 x CP 2
+run a checkpoint written by a short Megatron training loop at CP = 1 (the ``trained``
+fixture, Megatron-LM's ``--save`` layout) and must generate the tokens Megatron's own
+StaticInferenceEngine generated at CP = 1. One Slurm script runs the library's Llama.
+
+Each run's results.json must show the launched topology, exactness against the reference
+(Megatron's own model at CP = 1 with its DotProductAttention, or the unsharded Llama), the
+generated token ids, collectives per level per step as the strategies promise, and an
+offline wandb run directory holding the run. Bad launches fail on every rank, quickly.
 """
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -16,12 +24,16 @@ import time
 
 import pytest
 
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAKE_SLURM = os.path.join(ROOT, "tests", "fake_slurm")
-# Tiny: one context length, batch 1, two strategies, 3 timed steps. Layers: 2 (cpu_tiny).
+# Tiny: one context length, batch 1, three strategies, 1 warmup + 3 timed steps. Layers: 2 (cpu_tiny).
 TINY = ["eval.context_lengths=[40]", "eval.batch_sizes=[1]", "eval.strategies=[two_level,allgather,auto]",
         "eval.decode_steps=3", "eval.warmup_steps=1", "eval.progress=false", "eval.exactness.sample_rate=1.0"]
 LAYERS = 2
+NEW_TOKENS = 5  # the prefill's token + 1 warmup + 3 timed decode steps
+SHORT = [5, 17, 3]
+MEGATRON_REFERENCE = "Megatron-Core GPTModel at CP=1, TP=1 with its own DotProductAttention, same weights"
 
 
 def _free_port() -> int:
@@ -37,23 +49,51 @@ def _env(**extra) -> dict:
     return env
 
 
-def _launch(cmd, env, timeout=240):
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    return p
+def _launch(cmd, env, timeout=300):
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def _check_results(out_dir, p, *, launcher, levels):
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """(checkpoint dir, the CP = 1 tokens of Megatron's own engine for the eval's prompt and SHORT)."""
+    from megatron_tree.eval.run import random_prompts
+
+    ckpt = tmp_path_factory.mktemp("megatron_ckpt")
+    result = tmp_path_factory.mktemp("megatron_ckpt_result") / "result.json"
+    prompts = random_prompts(0, 40, 1, 512) + [SHORT]  # the eval's prompt for ctx 40, batch 1 (model.seed 0)
+    p = _launch([sys.executable, "tests/megatron_ckpt.py", str(ckpt), json.dumps(prompts), str(NEW_TOKENS),
+                 str(result)], _env(OMP_NUM_THREADS="1"), timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(result.read_text())
+    assert out["core_attention"] == "DotProductAttention"
+    assert out["losses"][-1] < out["losses"][0], out["losses"]  # the optimizer steps changed the weights
+    assert sorted(os.listdir(ckpt)) == ["iter_0000004", "latest_checkpointed_iteration.txt"]
+    return ckpt, out["tokens"]
+
+
+def _check_results(out_dir, p, *, launcher, levels, source="megatron", tp=1, tokens=None):
     assert p.returncode == 0, f"stdout:\n{p.stdout[-3000:]}\nstderr:\n{p.stderr[-5000:]}"
     res = json.loads((out_dir / "results.json").read_text())
+    assert res["schema_version"] == 2
     launch = res["launch"]
     assert launch["launcher"] == launcher
-    assert launch["world_size"] == 4 and launch["cp_size"] == 4
+    assert launch["world_size"] == 4 and launch["tp_size"] == tp and launch["cp_size"] == 4 // tp
     assert launch["level_sizes"] == levels
+    assert res["model"]["source"] == source
+    if source == "megatron":
+        assert res["exactness_reference"] == MEGATRON_REFERENCE
     # the config's tolerance is 1e-3; fp32 rounding at CP 4 is ~1e-5, so hold the run to 1e-4
     assert res["exact"] is True and res["max_abs_dlogits"] < 1e-4
-    assert res["tokens_agree_across_ranks"] is True
+    assert res["tokens_match_reference"] is True and res["tokens_agree_across_ranks"] is True
     by = {r["strategy"]: r for r in res["runs"]}
     assert set(by) == {"two_level", "allgather", "auto"}
+    for r in res["runs"]:
+        assert len(r["tokens"]) == 1 and len(r["tokens"][0]) == NEW_TOKENS
+        ex = r["exactness"]
+        assert ex["reference_tokens"] == r["tokens"] and ex["tokens_match_reference"]
+        assert r["tokens"] == res["runs"][0]["tokens"]  # every merge strategy decodes the same tokens
+        if tokens is not None:
+            assert r["tokens"] == tokens, (r["strategy"], r["tokens"], tokens)
     # auto ran what the cost model chose, with that strategy's collectives
     chosen = by["auto"]["resolved_strategy"]
     assert chosen in ("allreduce3", "packed", "two_level", "allgather")
@@ -82,49 +122,76 @@ def _check_results(out_dir, p, *, launcher, levels):
     assert f"results: {out_dir / 'results.json'}" in p.stdout
     assert os.path.isfile(res["plot"])
     # Other ranks are quiet: one summary line per run, printed once.
-    assert p.stdout.count("max|dlogits|") == 3
+    assert p.stdout.count("max|dlogits|") == 3 and p.stdout.count("tokens = reference") == 3
     return res
 
 
-def test_local_sh(tmp_path):
+def test_local_sh_default_is_megatron_at_cp4_as_2x2(tmp_path):
     out = tmp_path / "local"
     p = _launch(["bash", "launch/local.sh", f"output_dir={out}", *TINY, "eval.progress=true"], _env(NPROC="4"))
-    _check_results(out, p, launcher="torchrun", levels={"intra": 2, "inter": 2})
+    res = _check_results(out, p, launcher="torchrun", levels={"intra": 2, "inter": 2})
+    assert res["model"]["checkpoint"] is None and res["model"]["hierarchical_context_parallel_sizes"] == [2, 2]
     # One progress bar over the sweep (rank 0's), finished.
     assert p.stderr.count("sweep: 100%") == 1, p.stderr[-2000:]
 
 
-def test_torchrun_sh_takes_the_real_layout(tmp_path):
-    # intra_size null: the layout of the launch itself, 4 ranks on one node -> one level.
-    out = tmp_path / "torchrun"
-    p = _launch(["bash", "launch/torchrun.sh", f"output_dir={out}", "topology.intra_size=null", *TINY],
-                _env(NPROC_PER_NODE="4", MASTER_PORT=str(_free_port())))
-    _check_results(out, p, launcher="torchrun", levels={"intra": 4})
-
-
-def test_deepspeed_sh_with_a_hostfile(tmp_path):
+def test_deepspeed_sh_evaluates_a_trained_checkpoint_at_cp4_as_2x2(tmp_path, trained):
+    ckpt, cp1_tokens = trained
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=4\n")
     out = tmp_path / "ds"
-    p = _launch(["bash", "launch/deepspeed.sh", f"output_dir={out}", *TINY],
+    p = _launch(["bash", "launch/deepspeed.sh", f"output_dir={out}", f"model.path={ckpt}", *TINY],
                 _env(HOSTFILE=str(hostfile), MASTER_PORT=str(_free_port())))
-    res = _check_results(out, p, launcher="deepspeed", levels={"intra": 2, "inter": 2})
+    res = _check_results(out, p, launcher="deepspeed", levels={"intra": 2, "inter": 2}, tokens=cp1_tokens[:1])
     assert res["launch"]["backend"] == "gloo"
+    assert res["model"]["checkpoint"]["iteration"] == 4 and res["model"]["checkpoint"]["training_args"] is True
+    assert res["model"]["checkpoint"]["dist_dir"] == str(ckpt / "iter_0000004")
+
+
+def test_torchrun_sh_evaluates_a_trained_checkpoint_at_tp2_x_cp2(tmp_path, trained):
+    # intra_size null: the layout of the launch itself, 4 ranks on one node; CP groups are
+    # the ranks of equal TP rank ([0, 2] and [1, 3]), one level each.
+    ckpt, cp1_tokens = trained
+    out = tmp_path / "torchrun"
+    p = _launch(["bash", "launch/torchrun.sh", f"output_dir={out}", f"model.path={ckpt}", "topology.tp_size=2",
+                 "topology.intra_size=null", *TINY], _env(NPROC_PER_NODE="4", MASTER_PORT=str(_free_port())))
+    res = _check_results(out, p, launcher="torchrun", levels={"intra": 2}, tp=2, tokens=cp1_tokens[:1])
+    assert res["launch"]["topology"]["cp_ranks"] == [0, 2] and res["launch"]["num_cp_groups"] == 2
+
+
+def test_generate_megatron_under_local_sh(tmp_path, trained):
+    """The Megatron-LM-style generation entry under the same launcher (MODULE=...): CP 2, prompts
+    of 40 and 3 tokens from a file, the 40-token one continued with Megatron's own CP = 1 tokens."""
+    ckpt, cp1_tokens = trained
+    from megatron_tree.eval.run import random_prompts
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(" ".join(map(str, random_prompts(0, 40, 1, 512)[0])) + "\n" + " ".join(map(str, SHORT)) + "\n")
+    out = tmp_path / "out.jsonl"
+    p = _launch(["bash", "launch/local.sh", "--sample-input-file", str(prompts), "--sample-output-file", str(out),
+                 "--out-seq-length", str(NEW_TOKENS), f"model.path={ckpt}", "topology.intra_size=null"],
+                _env(NPROC="2", MODULE="megatron_tree.generate_megatron"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 2 and rows[1]["prompt_tokens"] == SHORT and rows[1]["text"] is None
+    assert [r["tokens"] for r in rows] == cp1_tokens
 
 
 def _slurm_env(**extra) -> dict:
     # What sbatch would have set for `--nodes=2 --ntasks-per-node=2`.
+    extra.setdefault("MASTER_PORT", str(_free_port()))
     return _env(PATH=FAKE_SLURM + os.pathsep + os.environ["PATH"], SLURM_JOB_NODELIST="fake-node[1-2]",
                 SLURM_JOB_NUM_NODES="2", SLURM_NTASKS_PER_NODE="2", SLURM_JOB_ID="77", SLURM_SUBMIT_DIR=ROOT,
-                MASTER_PORT=str(_free_port()), **extra)
+                **extra)
 
 
-def test_slurm_sbatch_tiers_from_slurm_ntasks_per_node(tmp_path):
+def test_slurm_sbatch_runs_the_llama_source_with_tiers_from_slurm(tmp_path):
     # intra_size null: the tiers come from SLURM_NTASKS_PER_NODE (2 per node x 2 nodes).
     out = tmp_path / "slurm"
     p = _launch(["bash", "launch/slurm/eval.sbatch", f"output_dir={out}", "topology.intra_size=null", *TINY],
-                _slurm_env())
-    _check_results(out, p, launcher="slurm", levels={"intra": 2, "inter": 2})
+                _slurm_env(CONFIG="configs/cpu_tiny_llama.yaml"))
+    res = _check_results(out, p, launcher="slurm", levels={"intra": 2, "inter": 2}, source="random")
+    assert res["exactness_reference"].startswith("unsharded Llama")
 
 
 def test_slurm_torchrun_sbatch(tmp_path):
@@ -132,6 +199,68 @@ def test_slurm_torchrun_sbatch(tmp_path):
     p = _launch(["bash", "launch/slurm/torchrun.sbatch", f"output_dir={out}", "topology.intra_size=null", *TINY],
                 _slurm_env(GPUS_PER_NODE="2"))
     _check_results(out, p, launcher="slurm+torchrun", levels={"intra": 2, "inter": 2})
+
+
+_BAD_RUNS = """
+import sys
+from megatron_tree.eval import main
+out, ckpt, plain, stripped = sys.argv[1:]
+cases = [
+    [f"model.path={plain}"],
+    [f"model.path={ckpt}", "model.hidden_size=128"],
+    [f"model.path={stripped}", "model.intermediate_size=96"],
+    ["topology.tp_size=2", "topology.cp_size=3", "topology.intra_size=null"],
+]
+for case in cases:
+    print("exit", main(["--config", "configs/cpu_tiny.yaml", f"output_dir={out}", "topology.timeout_s=30", *case]),
+          flush=True)
+"""
+
+
+def test_bad_megatron_inputs_fail_on_every_rank_before_any_collective(tmp_path, trained):
+    """4 real ranks (fake srun): a path that is not a distributed checkpoint, training arguments
+    and tensor shapes that disagree with the config, TP x CP that does not fit the world. Each
+    is one line per rank and exit status 2, before any process group exists (a rank that got
+    past the checks would wait in rendezvous for the others and time out), and a stale
+    results.json from an earlier run is gone."""
+    ckpt, _ = trained
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "model.pt").write_bytes(b"not a checkpoint")
+    stripped = tmp_path / "stripped"  # the same tensors without the training arguments (common.pt)
+    shutil.copytree(ckpt / "iter_0000004", stripped)
+    (stripped / "common.pt").unlink()
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "results.json").write_text('{"exact": true}')  # an earlier run's
+    t0 = time.monotonic()
+    # MASTER_PORT is held by a socket that never answers: a rank that reached init_process_group
+    # would fail to start the store (rank 0) or hang connecting to it, not print the checks' line.
+    with socket.socket() as blocker:
+        blocker.bind(("127.0.0.1", 0))
+        blocker.listen(1)
+        env = _slurm_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(blocker.getsockname()[1]))
+        p = _launch([os.path.join(FAKE_SLURM, "srun"), sys.executable, "-c", _BAD_RUNS, str(out), str(ckpt),
+                     str(plain), str(stripped)], env, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.split().count("exit") == 16 and set(p.stdout.split()) == {"exit", "2"}, p.stdout
+    assert "Traceback" not in p.stderr
+    needles = [
+        f"is not a Megatron distributed checkpoint: expected metadata.json and .metadata",
+        "the config disagrees with the training arguments: model.hidden_size=128 but the checkpoint was trained "
+        "with hidden_size=64",
+        "tensors whose shapes disagree with model.*: decoder.layers.mlp.linear_fc1.weight: (2, 256, 64) "
+        "(the config gives (2, 192, 64))",
+        "topology.tp_size x topology.cp_size: 2 x 3 = 6 does not fit the launched world of 4",
+    ]
+    lines = [l for l in p.stderr.splitlines() if "error:" in l]
+    assert len(lines) == 16, p.stderr[-3000:]
+    for needle in needles:
+        hits = [l for l in lines if needle in l]
+        assert sorted(l.split(":")[1].strip() for l in hits) == [f"rank {r}" for r in range(4)], (needle, lines)
+    assert str(plain) in p.stderr and str(stripped) in p.stderr  # the messages name the file
+    assert not (out / "results.json").exists()
+    assert time.monotonic() - t0 < 90
 
 
 def test_bad_launches_fail_on_every_rank(tmp_path):
@@ -142,11 +271,12 @@ def test_bad_launches_fail_on_every_rank(tmp_path):
                 _env(NPROC="4"), timeout=120)
     assert p.returncode != 0
     assert "error: topology.cp_size: 3 does not divide the launched world of 4" in p.stderr, p.stderr[-3000:]
-    # An intra-node level wider than the real nodes (2 tasks per node), found after the process
-    # group exists: without --kill-on-bad-exit every rank must still exit on its own, none hangs.
+    # The Llama source: an intra-node level wider than the real nodes (2 tasks per node), found
+    # after the process group exists: without --kill-on-bad-exit every rank must still exit on
+    # its own, none hangs.
     env = _slurm_env(MASTER_ADDR="127.0.0.1")
     p = _launch([os.path.join(FAKE_SLURM, "srun"), sys.executable, "-m", "megatron_tree.eval", "--config",
-                 "configs/cpu_tiny.yaml", f"output_dir={tmp_path}", "topology.intra_size=4"], env, timeout=120)
+                 "configs/cpu_tiny_llama.yaml", f"output_dir={tmp_path}", "topology.intra_size=4"], env, timeout=120)
     assert p.returncode == 2
     for r in range(4):
         assert f"rank {r}: error: intra_size 4 disagrees with the real layout" in p.stderr, p.stderr[-3000:]
@@ -159,7 +289,7 @@ def test_ranks_that_decode_different_tokens_fail_the_run(tmp_path):
     # agreement across ranks must be recorded as false and the job must exit non-zero.
     out = tmp_path / "diverge"
     p = _launch([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                 str(_free_port()), "tests/scripts/eval_rank1_diverges.py", "--config", "configs/cpu_tiny.yaml",
+                 str(_free_port()), "tests/scripts/eval_rank1_diverges.py", "--config", "configs/cpu_tiny_llama.yaml",
                  f"output_dir={out}", "eval.context_lengths=[16]", "eval.batch_sizes=[1]",
                  "eval.strategies=[packed]", "eval.decode_steps=2", "eval.warmup_steps=0", "eval.progress=false",
                  "topology.intra_size=null", "wandb.enabled=false"], _env(OMP_NUM_THREADS="1"), timeout=120)

@@ -23,6 +23,7 @@ HEADS, KV_HEADS = 4, 2
 PROMPT_LEN = 11
 NEW_TOKENS = 16
 MAX_LEN = 28
+BLOCK = 4  # decode tokens go to one rank in blocks of 4, round-robin (megatron_tree.placement)
 
 
 def _config(cp, hier):
@@ -189,7 +190,6 @@ def megatron_rank(rank, world):
     from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
     from megatron.core.transformer.enums import AttnMaskType
 
-    from megatron_tree import TreeGroups
     from megatron_tree.comm import CommStats
     from megatron_tree.integrations import megatron as mt
     from megatron_tree.integrations import patches
@@ -218,19 +218,22 @@ def megatron_rank(rank, world):
             stats = CommStats()
             for layer in model.decoder.layers:
                 layer.self_attention.core_attention.comm_stats = stats
-            ctx = mt.TreeInferenceContext(2, MAX_LEN, groups=mt.tree_groups_from_megatron(model.pg_collection))
+            ctx = mt.TreeInferenceContext(2, MAX_LEN, groups=mt.tree_groups_from_megatron(model.pg_collection),
+                                          block_size=BLOCK)
             results[name] = greedy_decode(model, mt.TreeGPTInferenceWrapper, ctx)
             results[name + "_stats"] = (stats.calls, {k: v.collectives for k, v in stats.levels.items()})
-            results[name + "_shard"] = (ctx.local_len, list(ctx.shard_lens), ctx.capacity)
-            results[name + "_positions"] = ctx.local_positions[: ctx.local_len].tolist()
+            results[name + "_shard"] = (ctx.local_lengths(0, 2).tolist(), ctx.shard_lens(0), ctx.shard_lens(1),
+                                        ctx.capacity)
+            results[name + "_positions"] = [ctx.local_positions[b, : ctx.local_lengths(b, b + 1)[0]].tolist()
+                                            for b in range(2)]
             results[name + "_levels"] = [lvl.size for lvl in ctx.groups.levels]
             results[name + "_core"] = type(model.decoder.layers[0].self_attention.core_attention).__name__
             results[name + "_engine"] = engine_generate(model, mt.TreeGPTInferenceWrapper, ctx)
             results[name + "_uneven"] = engine_generate(model, mt.TreeGPTInferenceWrapper, ctx, UNEVEN_PROMPTS)
             results[name + "_train"] = full_sequence_logits(model, model.pg_collection.cp, cp)
-            # The core API's constructors see the same layout (pg_collection, then parallel_state).
-            results[name + "_from_megatron"] = (TreeGroups.from_megatron(model.pg_collection).describe(),
-                                                TreeGroups.from_megatron().describe())
+            # The integration's constructor sees the same layout from pg_collection and from parallel_state.
+            results[name + "_from_megatron"] = (mt.tree_groups_from_megatron(model.pg_collection).describe(),
+                                                mt.tree_groups_from_megatron().describe())
             parallel_state.destroy_model_parallel()
 
         # With patch 0001 applied (the wrapper applied it), Megatron's own attention is unchanged.
@@ -245,6 +248,8 @@ def megatron_rank(rank, world):
         for label, args in (("cp3", (3,)), ("cp8", (8,)), ("hier23", (4, [2, 3])), ("hier4_2", (4, [2]))):
             results["bad_" + label] = (_error(mt.initialize_model_parallel, *args),
                                        parallel_state.model_parallel_is_initialized())
+        results["mixed_batch"] = mixed_length_batch(rank)
+
         mt.initialize_model_parallel(2)
         # Misuse: our spec with Megatron's own wrapper and context at CP = 2, patch reverted
         # above and never applied by hand: building the spec applies it, so the model refuses.
@@ -262,6 +267,57 @@ def megatron_rank(rank, world):
         parallel_state.destroy_model_parallel()
         results["world"] = dist.get_world_size()
     return results
+
+
+MIXED_LENGTHS = (8, 512)
+MIXED_NEW = 4
+
+
+def mixed_length_batch(rank) -> dict:
+    """Prompts of 8 and 512 tokens in one batch at CP 4 = [2, 2], through the eval's path
+    (MegatronLM + generate): every prompt is prefilled CP-sharded at its full length, then
+    both rows decode together. Counted on each rank: the query tokens its core attention saw
+    in each prefill forward and the keys they attended, and the decode forwards. Megatron's
+    own StaticInferenceEngine at CP = 1 (rank 0) is the token reference and shows the
+    controller's way: prefill the shortest prompt, then the rest one token per step."""
+    from megatron.core import parallel_state
+
+    from megatron_tree.generate import generate
+    from megatron_tree.integrations import megatron as mt
+    from megatron_tree.integrations import megatron_model as mm
+    from megatron_ckpt import engine_generate
+
+    mt.initialize_model_parallel(4, [2, 2])
+    shape = mm.GPTShape(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=2,
+                        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=1024,
+                        initializer_range=0.2)
+    single = mm.single_rank_groups()
+    src = mm.build_gpt(shape, tree=False, pg_collection=single, seed=3)  # Megatron's own attention, CP = 1
+    model = mm.build_gpt(shape, tree=True, cp=4, hierarchical=[2, 2], seed=3)
+    mm.fill_from_global(model, mm.global_tensors(src))
+    lm = mm.MegatronLM(model, mt.tree_groups_from_megatron(model.pg_collection), shape)
+    seen = []
+
+    def count(module, args):
+        query, key = args[0], args[1]
+        seen.append((module._pending.mode if module._pending else None, module.layer_number, tuple(query.shape[:2]),
+                     key.shape[0]))
+
+    for layer in model.decoder.layers:
+        layer.self_attention.core_attention.register_forward_pre_hook(count)
+    gen = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in MIXED_LENGTHS]
+    cache = lm.new_cache(2, max(MIXED_LENGTHS) + MIXED_NEW, block_size=16)
+    res = generate(lm, prompts, MIXED_NEW, cache=cache, progress=False)
+    out = {"tokens": res.tokens, "calls": seen, "shards": [cache.shard_lens(b) for b in range(2)]}
+    if rank == 0:
+        baseline_calls = []
+        src.decoder.layers[0].self_attention.core_attention.register_forward_pre_hook(
+            lambda m, a: baseline_calls.append(tuple(a[0].shape[:2])))
+        out["megatron_cp1"] = engine_generate(src, prompts, MIXED_NEW, max(MIXED_LENGTHS) + MIXED_NEW + 2)
+        out["megatron_cp1_calls"] = baseline_calls
+    parallel_state.destroy_model_parallel()
+    return out
 
 
 def deepspeed_mpu_check() -> dict:
@@ -339,27 +395,52 @@ def test_greedy_decode_identical_cp4_hierarchical_and_megatron_cp1(megatron_resu
     # two_level = 2 inside each simulated node, then 2 across.
     assert out[0]["tree_cp4_stats"] == (30, {"cp": 60})
     assert out[0]["tree_cp2x2_stats"] == (30, {"intra": 60, "inter": 60})
-    # The cache is sharded: 11 prompt + 15 stored decode tokens = 26 over 4 ranks, balanced.
-    lens = out[0]["tree_cp4_shard"][1]
-    assert sum(lens) == PROMPT_LEN + NEW_TOKENS - 1
-    assert max(lens) - min(lens) <= 1
-    assert [out[r]["tree_cp4_shard"][0] for r in range(4)] == lens
-    assert out[0]["tree_cp4_shard"][2] < MAX_LEN
+    # The cache is sharded by the planner: 11 prompt tokens as 3, 3, 3, 2, then 15 decode tokens
+    # in blocks of 4 opening on the least-loaded rank (3, then 0, 1, 2): 26 tokens over 4 ranks.
+    for name in ("tree_cp4", "tree_cp2x2"):
+        _, row0, row1, capacity = out[0][name + "_shard"]
+        assert row0 == row1 == [7, 7, 6, 6]
+        assert [out[r][name + "_shard"][0] for r in range(4)] == [[n, n] for n in row0]
+        assert capacity == MAX_LEN // 4
 
 
 def test_prefill_in_training_layout_and_cache_shards_disjoint(megatron_results):
-    """The 11-token prompt is padded to 16 and stored in get_batch_on_this_cp_rank's chunks
-    (r and 7-r of 8, 2 tokens each); decode tokens follow. Together the ranks hold every
-    position of the 26 cached tokens exactly once."""
+    """The 11-token prompt is stored in get_batch_on_this_cp_rank's chunks r and 7-r of 8
+    (the first 11 % 8 chunks one token longer); decode tokens follow in blocks of 4. Together
+    the ranks hold every position of the 26 cached tokens exactly once."""
+    expected = {0: [0, 1, 10, *range(15, 19)], 1: [2, 3, 9, *range(19, 23)], 2: [4, 5, 8, *range(23, 26)],
+                3: [6, 7, *range(11, 15)]}
     for name in ("tree_cp4", "tree_cp2x2"):
-        held = []
         for r in range(4):
-            pos = megatron_results[r][name + "_positions"]
-            prefill = [x for x in (2 * r, 2 * r + 1, 14 - 2 * r, 15 - 2 * r) if x < PROMPT_LEN]
-            assert pos[: len(prefill)] == prefill, (name, r, pos)
-            assert all(x >= PROMPT_LEN for x in pos[len(prefill):]), (name, r, pos)
-            held += pos
-        assert sorted(held) == list(range(PROMPT_LEN + NEW_TOKENS - 1)), (name, sorted(held))
+            for b in range(2):
+                assert megatron_results[r][name + "_positions"][b] == expected[r], (name, r, b)
+
+
+def test_mixed_length_batch_is_prefilled_cp_sharded_then_decoded(megatron_results):
+    """Prompts of 8 and 512 tokens: two prefill forwards (one per length), each rank's attention
+    sees its 2 and 128 query tokens against all 8 and 512 keys; then MIXED_NEW - 1 decode
+    forwards of both rows. Megatron's static controller at CP = 1 needs 1 + 504 + 3 forwards."""
+    base = megatron_results[0]["mixed_batch"]["megatron_cp1"]
+    assert [len(t) for t in base] == [MIXED_NEW, MIXED_NEW]
+    for r in range(4):
+        mixed = megatron_results[r]["mixed_batch"]
+        assert mixed["tokens"] == base, (r, mixed["tokens"], base)
+        for layer in (1, 2):
+            calls = [(mode, q, k) for mode, ln, q, k in mixed["calls"] if ln == layer]
+            prefill = [c for c in calls if c[0] == "prefill"]
+            decode = [c for c in calls if c[0] == "decode"]
+            # [s, b] of the queries on this rank, and the keys they attend (the whole prompt)
+            assert prefill == [("prefill", (2, 1), 8), ("prefill", (128, 1), 512)], (r, layer, prefill)
+            assert sum(q[0] for _, q, _ in prefill) == sum(MIXED_LENGTHS) // 4
+            assert [q for _, q, _ in decode] == [(1, 2)] * (MIXED_NEW - 1)
+            assert len(calls) == 2 + MIXED_NEW - 1
+        # stored: the prompts in the load-balanced layout, then 3 decode tokens of each row in a
+        # block opened on rank 0; row 1's rank 0 is full at ceil(516 / 4) = 129, so its block
+        # moves on to ranks 1 and 2
+        assert mixed["shards"] == [[5, 2, 2, 2], [129, 129, 129, 128]]
+    # Megatron's controller: one prefill of the shortest prompt (8 tokens), then one forward per token.
+    calls = megatron_results[0]["mixed_batch"]["megatron_cp1_calls"]
+    assert calls[0] == (8, 2) and calls[1:] == [(1, 2)] * (max(MIXED_LENGTHS) - 8 + MIXED_NEW - 1)
 
 
 def test_patched_megatron_attention_unchanged(megatron_results):

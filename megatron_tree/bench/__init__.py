@@ -1,7 +1,9 @@
-"""Benchmarks and the α-β cost model of context-parallel decoding.
+"""Benchmarks and the α-β cost model of context-parallel decoding (entry points; nothing in the
+library imports this package).
 
-``decode`` measures every strategy side by side on one process group; ``cost_model``
-predicts the same numbers from a few link and kernel parameters (YAML presets in
-``presets/``, written for this machine by ``calibrate``). Importing this package loads
-nothing heavy: ``comm.choose_strategy`` imports ``cost_model`` from here on every process.
+``decode`` measures every strategy side by side on one process group; ``cold_start``
+measures a first call against warm calls (the paper's timing methodology beside the steady
+state); ``cost_model`` predicts whole steps from the presets and merge prices of
+``megatron_tree.cost`` (the policy ``strategy="auto"`` uses); ``calibrate`` measures this
+machine's parameters into ``megatron_tree/presets/cpu_gloo.yaml``.
 """

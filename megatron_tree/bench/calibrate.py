@@ -3,7 +3,7 @@
 Invariant: every parameter written is measured here, by the same operations the model
 prices (``ops.flash_decode`` for the kernel; gloo point-to-point and all-reduce for the
 links), each the median of repeated runs; nothing is copied from another preset. The
-fitted values are the model's own parameters (see ``cost_model``'s docstring), so a
+fitted values are the model's own parameters (see ``megatron_tree.cost``'s docstring), so a
 prediction made with the written preset uses them with no further correction.
 
 Measured on ``--ranks`` local processes (default 4):
@@ -32,6 +32,8 @@ import os
 import statistics
 import tempfile
 import time
+
+SCORE_PASSES = 5  # the torch decode path on CPU materialises its fp32 scores (written into the preset)
 
 
 def _median_time(fn, reps: int) -> float:
@@ -64,7 +66,8 @@ def _rank_main(rank: int, world: int, store_path: str, opts: dict, out_path: str
                 v = torch.randn(1, n, 8, 128)
                 flash_decode(q, k, v)
                 t = _median_time(lambda: flash_decode(q, k, v), reps)
-                nbytes = 2 * k.numel() * 4 + 5 * 8 * n * 4  # KV once + fp32 scores 5 times (cost_model.Dims.kernel_bytes)
+                # KV once + the torch path's fp32 score passes (cost.Dims.kernel_bytes)
+                nbytes = 2 * k.numel() * 4 + SCORE_PASSES * 8 * n * 4
                 pts.append((nbytes, t))
             (b1, t1), (b2, t2) = pts  # a tiny shard gives the fixed cost, a large one the bandwidth
             res["kernel_overhead"] = t1
@@ -191,12 +194,12 @@ def main(argv=None) -> int:
     ap.add_argument("--kernel-tokens", default="16,65536",
                     help="a tiny and a large shard length: fixed cost and bandwidth of the kernel")
     ap.add_argument("--name", default="cpu_gloo")
-    ap.add_argument("--out", default=None, help="YAML to write (default: the package's presets/NAME.yaml)")
+    ap.add_argument("--out", default=None, help="YAML to write (default: megatron_tree/presets/NAME.yaml)")
     args = ap.parse_args(argv)
     import torch.multiprocessing as tmp
     import yaml
 
-    from .cost_model import PRESET_DIR, Preset
+    from ..cost import PRESET_DIR, Preset
 
     opts = {"reps": args.reps, "ring_bytes": int(args.ring_mb * 2**20),
             "kernel_tokens": [int(x) for x in args.kernel_tokens.split(",")]}
@@ -228,6 +231,7 @@ def main(argv=None) -> int:
         "kernel_overhead": float(f"{p['kernel_overhead']:.4g}"),
         "launch": float(f"{p['launch']:.4g}"),
         "algorithm": "ring",
+        "score_passes": SCORE_PASSES,
         "shared_host": True,
         "host_cores": float(f"{p['lanes']:.3g}"),
         "overlap": False,

@@ -15,8 +15,9 @@ Pieces, and how they meet inside Megatron's own inference path (megatron-core 0.
 * :class:`TreeDotProductAttention` fills ``SelfAttentionSubmodules.core_attention``
   (:func:`use_tree_attention` swaps the slot, :func:`get_gpt_layer_tree_spec` builds a spec).
 * :class:`TreeInferenceContext` is a ``StaticInferenceContext`` whose KV cache is sharded
-  over the CP group: the prompt in the training CP layout (``get_batch_on_this_cp_rank``'s
-  2·CP load-balanced chunks), decoded tokens appended to the shortest shard.
+  over the CP group, each row placed by :mod:`megatron_tree.placement` (the planner every
+  cache shares): the prompt in the training CP layout (``get_batch_on_this_cp_rank``'s
+  2·CP load-balanced chunks), decoded tokens in blocks, round-robin over the ranks.
 * :class:`TreeGPTInferenceWrapper` is a ``GPTInferenceWrapper`` that hands each CP rank its
   chunks of the prompt and gathers the logits back, so ``TextGenerationController`` and
   ``StaticInferenceEngine`` run unchanged.
@@ -40,6 +41,7 @@ import torch.distributed as dist
 from .. import collectives, ops
 from ..attention import tree_decode
 from ..comm import STRATEGIES
+from ..placement import RowPlacement
 from ..topology import TopologyError, TreeGroups
 
 __all__ = [
@@ -196,6 +198,10 @@ def load_balanced_positions(seq_len: int, cp_size: int, cp_rank: int) -> torch.T
     return torch.cat([first, second])
 
 
+_NEVER = 2**62
+"""Key position of padding: later than every query, so the causal mask never shows it."""
+
+
 def _gather_seq(t: torch.Tensor, groups: TreeGroups, site: str) -> torch.Tensor:
     """All-gather ``t`` ([s, ...], equal shape on every rank) over the CP group; concatenated along dim 0.
 
@@ -219,9 +225,12 @@ class _Pending:
     mode: str
     """``"prefill"`` (local queries, all-gathered keys) or ``"decode"`` (replicated queries, local shard)."""
     q_positions: torch.Tensor
-    """(seqlen_q,) global positions of the queries."""
+    """(batch, seqlen_q) global positions of the queries; -1 marks padding (it sees no key)."""
     k_positions: torch.Tensor
-    """(seqlen_k,) global positions of the keys handed to the core attention."""
+    """(batch, seqlen_k) global positions of the keys handed to the core attention; padding
+    is never visible (a position past every query, or a slot beyond ``k_lengths``)."""
+    k_lengths: torch.Tensor | None = None
+    """decode: (batch,) int32 valid keys of each row in this rank's shard."""
 
 
 def _megatron_module_base():
@@ -343,28 +352,31 @@ class TreeDotProductAttention(_megatron_module_base()):
                 "TreeInferenceContext has no planned step; run the model through TreeGPTInferenceWrapper "
                 "or call context.plan_step(...) before the forward"
             )
-        if tuple(query.shape[:2]) != (len(plan.positions), key.shape[1]):
+        b0, b1 = plan.rows
+        if tuple(query.shape[:2]) != (plan.width, b1 - b0) or key.shape[1] != b1 - b0:
             raise ValueError(
-                f"query has [s, b] = {tuple(query.shape[:2])}, but the planned step has {len(plan.positions)} "
-                "tokens on this rank; pass the tokens from plan.index"
+                f"query has [s, b] = {tuple(query.shape[:2])}, but the planned step has {plan.width} tokens of "
+                f"{b1 - b0} rows on this rank; pass the tokens from plan.index"
             )
         if rotary_pos_emb is not None:
             query, key = ctx.apply_rope(query, key, plan.positions, self.config, self.pg_collection.cp)
         k_buf, v_buf = ctx.buffers(self.layer_number, key, value)
-        b0, b1 = ctx.batch_size_offset, ctx.batch_size_offset + key.shape[1]
-        start = ctx.local_len
-        stored = plan.store.nonzero().flatten()
-        end = start + stored.numel()
-        if stored.numel():
-            k_buf[start:end, b0:b1] = key.index_select(0, stored)
-            v_buf[start:end, b0:b1] = value.index_select(0, stored)
+        row, tok = (plan.slots >= 0).nonzero(as_tuple=True)
+        if row.numel():
+            slot = plan.slots[row, tok].to(key.device)
+            row_d, tok_d = row.to(key.device), tok.to(key.device)
+            k_buf[slot, b0 + row_d] = key[tok_d, row_d]
+            v_buf[slot, b0 + row_d] = value[tok_d, row_d]
         if plan.mode == "prefill":
             keys = _gather_seq(key, self.groups, "prefill keys/values")
             values = _gather_seq(value, self.groups, "prefill keys/values")
-            self._pending = _Pending("prefill", plan.positions, plan.gathered_positions)
+            kpos = plan.gathered_positions.masked_fill(plan.gathered_positions < 0, _NEVER)
+            self._pending = _Pending("prefill", plan.positions, kpos)
         else:
-            keys, values = k_buf[:end, b0:b1], v_buf[:end, b0:b1]
-            self._pending = _Pending("decode", plan.positions, ctx.local_positions[:end])
+            lengths = ctx.local_lengths(b0, b1)
+            n = int(lengths.max()) if lengths.numel() else 0
+            keys, values = k_buf[:n, b0:b1], v_buf[:n, b0:b1]
+            self._pending = _Pending("decode", plan.positions, ctx.local_positions[b0:b1, :n], lengths)
         return query, keys, values, None, self.attn_mask_type, None
 
     # -- forward --------------------------------------------------------------------------
@@ -384,11 +396,10 @@ class TreeDotProductAttention(_megatron_module_base()):
         v = value.transpose(0, 1)
         b, sq = q.shape[0], q.shape[1]
         if pending is not None and pending.mode == "decode":
-            qp = pending.q_positions.to(q.device)[None, :].expand(b, sq)
             out = tree_decode(
-                q, k, v, self.groups, softmax_scale=self.softmax_scale, strategy=self.strategy,
-                q_positions=qp, k_positions=pending.k_positions.to(q.device), backend=self.backend,
-                stats=self.comm_stats,
+                q, k, v, self.groups, cache_seqlens=pending.k_lengths.to(q.device), softmax_scale=self.softmax_scale,
+                strategy=self.strategy, q_positions=pending.q_positions.to(q.device),
+                k_positions=pending.k_positions.to(q.device), backend=self.backend, stats=self.comm_stats,
             )
         else:
             if pending is not None:  # prefill: local queries over the gathered prompt
@@ -400,9 +411,11 @@ class TreeDotProductAttention(_megatron_module_base()):
                     v = _gather_seq(value, self.groups, "training-layout keys/values").transpose(0, 1)
                 elif self.cp_size > 1:
                     raise NotImplementedError("unmasked attention at CP > 1 outside inference is not supported")
+            if qpos is not None and qpos.dim() == 1:
+                qpos = qpos[None, :].expand(b, sq)
             out, _ = ops.flash_decode(
                 q, k, v, softmax_scale=self.softmax_scale,
-                q_positions=None if qpos is None else qpos.to(q.device)[None, :].expand(b, sq),
+                q_positions=None if qpos is None else qpos.to(q.device),
                 k_positions=None if kpos is None else kpos.to(q.device),
                 backend=self.backend,
             )
@@ -506,20 +519,35 @@ def get_gpt_layer_tree_spec(*, strategy: str = "auto", backend: str | None = Non
 
 @dataclass(frozen=True)
 class StepPlan:
-    """Which tokens of one forward this CP rank processes and which of them it stores."""
+    """Which tokens of one forward this CP rank processes and where it stores them.
+
+    The forward covers rows ``rows[0]:rows[1]`` of the context's batch and a window of
+    tokens per row (prefill: the whole prompt, the same length for every row of the step;
+    decode: the newest token(s) of every row, replicated on every rank).
+    """
 
     mode: str
-    """``"prefill"`` (cache empty: the prompt in 2·CP chunks) or ``"decode"`` (tokens replicated)."""
+    """``"prefill"`` (this rank's prompt chunks) or ``"decode"`` (tokens replicated on every rank)."""
+    rows: tuple[int, int]
+    """Batch rows ``[start, end)`` of the forward."""
     index: torch.Tensor
-    """(n_local,) indices into the (padded) window of tokens given to the forward."""
+    """(width,) indices into the window of tokens given to the forward (padding repeats index 0)."""
     positions: torch.Tensor
-    """(n_local,) global positions of those tokens."""
-    store: torch.Tensor
-    """(n_local,) bool: keep this token's key/value in this rank's shard."""
+    """(batch, width) int64 global positions of those tokens; -1 marks padding."""
+    slots: torch.Tensor
+    """(batch, width) int64 slot of each token in this rank's shard; -1 where it is not stored here."""
     gathered_positions: torch.Tensor | None
-    """prefill: (n_local * cp,) positions of the all-gathered window, in gather order."""
-    padded_len: int
-    """Window length after padding to a multiple of 2·CP (prefill) or the window length (decode)."""
+    """prefill: (batch, width * cp) positions of the all-gathered window, in gather order (-1 = padding)."""
+
+    @property
+    def width(self) -> int:
+        """Tokens per row this rank feeds to the forward (the same on every CP rank)."""
+        return int(self.index.numel())
+
+    @property
+    def store(self) -> torch.Tensor:
+        """(batch, width) bool: this rank keeps the token's key/value."""
+        return self.slots >= 0
 
 
 def _static_context_base():
@@ -532,42 +560,69 @@ class TreeInferenceContext(_static_context_base()):
     """A ``StaticInferenceContext`` whose KV cache is sharded along the sequence over the CP group.
 
     Per layer, this rank holds ``k, v: [capacity, max_batch, hkv, d]`` with
-    ``capacity = ceil(max_sequence_length / cp) + 2`` (not the full sequence), and the
-    global position of each stored token in ``local_positions``. The prompt is stored in
-    the training CP layout (rank r keeps chunks r and 2·CP-1-r of 2·CP); each decoded
-    token goes to the shard with the fewest tokens (lowest rank on ties), so shards stay
-    balanced and no rank (in particular not the last one) takes every new token.
+    ``capacity = ceil(max_sequence_length / cp)`` (not the full sequence), and the global
+    position of every stored token in ``local_positions: [max_batch, capacity]`` (-1 where
+    free). Each row has its own :class:`~megatron_tree.placement.RowPlacement` (``rows``), the
+    planner every sequence-sharded cache shares: the prompt in the training CP layout (rank r
+    keeps chunks r and 2·CP-1-r of 2·CP, ``layout="load_balanced"``), decoded tokens in blocks
+    of ``block_size`` that move round-robin over the ranks. Rows may hold different lengths.
+
+    Two ways to drive it: Megatron's controller through :class:`TreeGPTInferenceWrapper`
+    (:meth:`plan_step`, every row the same length), or per-row prefill then batched decode
+    (:meth:`plan_prefill`, :meth:`plan_decode`; ``megatron_tree.integrations.megatron_model``).
 
     ``max_sequence_length`` is rounded up to an even number: Megatron slices its RoPE table
     of ``max_sequence_length * cp`` rows into 2·CP chunks on every forward.
     """
 
     def __init__(self, max_batch_size: int, max_sequence_length: int, *, groups: TreeGroups | None = None,
-                 pg_collection=None, use_flashinfer_fused_rope=None):
+                 pg_collection=None, layout: str = "load_balanced", block_size: int = 16,
+                 use_flashinfer_fused_rope=None):
         max_sequence_length = int(max_sequence_length) + int(max_sequence_length) % 2
         super().__init__(max_batch_size, max_sequence_length)
         self.groups = groups if groups is not None else tree_groups_from_megatron(pg_collection)
         self.cp_size = self.groups.size
         self.cp_rank = self.groups.rank
-        self.capacity = -(-max_sequence_length // self.cp_size) + 2
-        self.local_positions = torch.full((self.capacity,), -1, dtype=torch.long)
-        self.local_len = 0
-        self.shard_lens = [0] * self.cp_size
+        self.layout = layout
+        self.block_size = block_size
+        self.capacity = -(-max_sequence_length // self.cp_size)
+        self.local_positions = torch.full((max_batch_size, self.capacity), -1, dtype=torch.long)
+        self.rows: list[RowPlacement] = []
         self.step: StepPlan | None = None
-        self._new_counts: list[int] = [0] * self.cp_size
         self.rope_table: torch.Tensor | None = None
+        self._new_rows()
+
+    def _new_rows(self) -> None:
+        self.rows = [RowPlacement(self.cp_size, layout=self.layout, block_size=self.block_size,
+                                  capacity=self.capacity) for _ in range(self.max_batch_size)]
 
     def reset(self):
         super().reset()
         self.local_positions.fill_(-1)
-        self.local_len = 0
-        self.shard_lens = [0] * self.cp_size
+        self._new_rows()
         self.step = None
 
     @property
-    def total_len(self) -> int:
-        """Tokens cached over the whole CP group."""
-        return sum(self.shard_lens)
+    def batch_size(self) -> int:
+        """Rows of the cache (the interface ``generate`` checks, as ``ShardedKVCache``'s)."""
+        return self.max_batch_size
+
+    @property
+    def max_seq_len(self) -> int:
+        """Longest row the cache holds."""
+        return self.max_sequence_length
+
+    def lengths(self, start: int = 0, end: int | None = None) -> list[int]:
+        """Global tokens cached in each row of ``[start, end)``."""
+        return [row.total for row in self.rows[start:end]]
+
+    def shard_lens(self, row: int) -> list[int]:
+        """Tokens of ``row`` held by each CP rank (the same on every rank)."""
+        return list(self.rows[row].counts)
+
+    def local_lengths(self, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """(rows,) int32: tokens this rank holds of each row in ``[start, end)``."""
+        return torch.tensor([row.counts[self.cp_rank] for row in self.rows[start:end]], dtype=torch.int32)
 
     def bind_rope(self, model) -> None:
         """Keep the model's un-sharded RoPE table so layers can rotate at global positions."""
@@ -580,15 +635,23 @@ class TreeInferenceContext(_static_context_base()):
         self.rope_table = rotary.get_emb(self.max_sequence_length)  # [S, 1, 1, rot_dim]
 
     def apply_rope(self, query, key, positions, config, cp_group):
-        """Rotate query/key ([s, b, h, d]) at their global ``positions`` with Megatron's own RoPE."""
+        """Rotate query/key ([s, b, h, d]) at their global ``positions`` ((b, s); -1 = padding)."""
         from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 
         if self.rope_table is None:
             raise RuntimeError("the model uses RoPE but TreeInferenceContext.bind_rope(model) was not called")
-        emb = self.rope_table.index_select(0, positions.to(self.rope_table.device))
-        query = apply_rotary_pos_emb(query, emb, config=config, cp_group=cp_group)
-        key = apply_rotary_pos_emb(key, emb, config=config, cp_group=cp_group)
-        return query, key
+        s, b = query.shape[:2]
+        pos = positions.clamp(min=0).to(self.rope_table.device)
+        if bool((pos == pos[:1]).all()):  # every row at the same positions: Megatron's [s, 1, 1, rot]
+            emb = self.rope_table.index_select(0, pos[0])
+            query = apply_rotary_pos_emb(query, emb, config=config, cp_group=cp_group)
+            key = apply_rotary_pos_emb(key, emb, config=config, cp_group=cp_group)
+            return query, key
+        # Rows at different positions: fold the batch into the sequence ([s*b, 1, h, d]).
+        emb = self.rope_table.index_select(0, pos.t().reshape(-1))
+        query = apply_rotary_pos_emb(query.reshape(s * b, 1, *query.shape[2:]), emb, config=config, cp_group=cp_group)
+        key = apply_rotary_pos_emb(key.reshape(s * b, 1, *key.shape[2:]), emb, config=config, cp_group=cp_group)
+        return query.reshape(s, b, *query.shape[2:]), key.reshape(s, b, *key.shape[2:])
 
     def buffers(self, layer_number: int, key, value):
         """This layer's shard buffers ``[capacity, max_batch, hkv, d]``, allocated on first use."""
@@ -600,51 +663,82 @@ class TreeInferenceContext(_static_context_base()):
             )
         return self.key_value_memory_dict[layer_number]
 
-    def plan_step(self, start: int, num_tokens: int) -> StepPlan:
-        """Plan the forward of tokens at global positions ``[start, start + num_tokens)``."""
-        if start != self.total_len:
-            raise RuntimeError(
-                f"step starts at position {start} but {self.total_len} tokens are cached; the CP-sharded cache "
-                "appends in order"
-            )
-        if start + num_tokens > self.max_sequence_length:
-            raise ValueError(
-                f"{start + num_tokens} tokens exceed max_sequence_length={self.max_sequence_length}"
-            )
-        p = self.cp_size
-        if self.total_len == 0:
-            padded = -(-num_tokens // (2 * p)) * 2 * p
-            index = load_balanced_positions(padded, p, self.cp_rank)
-            positions = index + start
-            store = index < num_tokens
-            gathered = torch.cat([load_balanced_positions(padded, p, r) for r in range(p)]) + start
-            counts = [int((load_balanced_positions(padded, p, r) < num_tokens).sum()) for r in range(p)]
-            plan = StepPlan("prefill", index, positions, store, gathered, padded)
-        else:
-            counts = list(self.shard_lens)
-            owners = []
-            for _ in range(num_tokens):
-                owner = min(range(p), key=lambda r: (counts[r], r))
-                owners.append(owner)
-                counts[owner] += 1
-            counts = [c - s for c, s in zip(counts, self.shard_lens)]
-            index = torch.arange(num_tokens)
-            store = torch.tensor([o == self.cp_rank for o in owners], dtype=torch.bool)
-            plan = StepPlan("decode", index, index + start, store, None, num_tokens)
-        n_new = int(plan.store.sum())
-        if self.local_len + n_new > self.capacity:
-            raise RuntimeError(f"CP shard overflow: {self.local_len + n_new} tokens > capacity {self.capacity}")
-        self.local_positions[self.local_len : self.local_len + n_new] = plan.positions[plan.store]
-        self._new_counts = counts
+    def _check_rows(self, start: int, end: int) -> None:
+        if not 0 <= start < end <= self.max_batch_size:
+            raise ValueError(f"rows [{start}, {end}) are outside the context's batch of {self.max_batch_size}")
+
+    def plan_prefill(self, start: int, end: int, length: int) -> StepPlan:
+        """Plan the prefill of rows ``[start, end)``, each an empty row receiving a ``length``-token prompt."""
+        self._check_rows(start, end)
+        if length > self.max_sequence_length:
+            raise ValueError(f"a {length}-token prompt exceeds max_sequence_length={self.max_sequence_length}")
+        for b in range(start, end):
+            if self.rows[b].total:
+                raise RuntimeError(f"row {b} already holds {self.rows[b].total} tokens; prefill needs an empty row")
+        ranges = [self.rows[b].place_prompt(length) for b in range(start, end)][0]
+        per_rank = [[t for s, e in rr for t in range(s, e)] for rr in ranges]
+        width = max(len(p) for p in per_rank)
+        padded = torch.tensor([p + [-1] * (width - len(p)) for p in per_rank], dtype=torch.long)  # [cp, width]
+        mine = padded[self.cp_rank]
+        n_mine = len(per_rank[self.cp_rank])
+        slots = torch.where(mine >= 0, torch.arange(width), torch.full_like(mine, -1))
+        rows = end - start
+        self.local_positions[start:end, :n_mine] = mine[:n_mine]
+        plan = StepPlan("prefill", (start, end), mine.clamp(min=0), mine[None].expand(rows, -1),
+                        slots[None].expand(rows, -1), padded.reshape(1, -1).expand(rows, -1))
         self.step = plan
         return plan
 
+    def plan_decode(self, start: int, end: int, num_tokens: int = 1) -> StepPlan:
+        """Plan ``num_tokens`` new tokens at the end of every row in ``[start, end)`` (rows may differ in length)."""
+        self._check_rows(start, end)
+        positions, slots = [], []
+        for b in range(start, end):
+            row = self.rows[b]
+            if row.total == 0:
+                raise RuntimeError(f"row {b} is empty: prefill it before decoding")
+            if row.total + num_tokens > self.max_sequence_length:
+                raise ValueError(
+                    f"row {b}: {row.total + num_tokens} tokens exceed max_sequence_length={self.max_sequence_length}"
+                )
+            first = row.total
+            owners = row.append(num_tokens)
+            pos = list(range(first, first + num_tokens))
+            slot = [row.locate(t)[1] if o == self.cp_rank else -1 for t, o in zip(pos, owners)]
+            for t, sl in zip(pos, slot):
+                if sl >= 0:
+                    self.local_positions[b, sl] = t
+            positions.append(pos)
+            slots.append(slot)
+        plan = StepPlan("decode", (start, end), torch.arange(num_tokens), torch.tensor(positions, dtype=torch.long),
+                        torch.tensor(slots, dtype=torch.long), None)
+        self.step = plan
+        return plan
+
+    def plan_step(self, start: int, num_tokens: int, batch_size: int | None = None) -> StepPlan:
+        """Plan the forward of tokens at global positions ``[start, start + num_tokens)`` of every row.
+
+        Megatron's controller path: rows ``batch_size_offset .. + batch_size`` (default: the
+        rest of the batch), all of the same length. ``start == 0`` is the prefill.
+        """
+        b0 = self.batch_size_offset
+        b1 = self.max_batch_size if batch_size is None else b0 + batch_size
+        lengths = set(self.lengths(b0, b1))
+        if lengths != {start}:
+            raise RuntimeError(
+                f"step starts at position {start} but the rows hold {sorted(lengths)} tokens; the CP-sharded cache "
+                "appends in order"
+            )
+        if start + num_tokens > self.max_sequence_length:
+            raise ValueError(f"{start + num_tokens} tokens exceed max_sequence_length={self.max_sequence_length}")
+        if start == 0:
+            return self.plan_prefill(b0, b1, num_tokens)
+        return self.plan_decode(b0, b1, num_tokens)
+
     def commit_step(self) -> None:
-        """Account the planned step's stored tokens (after every layer has written them)."""
+        """Close the planned step (after every layer has stored its keys/values)."""
         if self.step is None:
             raise RuntimeError("commit_step() without plan_step()")
-        self.local_len += int(self.step.store.sum())
-        self.shard_lens = [a + b for a, b in zip(self.shard_lens, self._new_counts)]
         self.step = None
 
 
@@ -698,12 +792,10 @@ class TreeGPTInferenceWrapper(_gpt_wrapper_base()):
         tokens = inference_input["tokens"]
         b, s = tokens.shape
         start = ctx.sequence_len_offset
-        plan = ctx.plan_step(start, s)
-        if plan.padded_len > s:
-            tokens = torch.cat([tokens, tokens[:, -1:].expand(b, plan.padded_len - s)], dim=1)
+        plan = ctx.plan_step(start, s, b)
         index = plan.index.to(tokens.device)
         local_tokens = tokens.index_select(1, index)
-        local_pos = plan.positions.to(tokens.device)[None, :].expand(b, -1)
+        local_pos = plan.positions.clamp(min=0).to(tokens.device)
         only_last = ctx.materialize_only_last_token_logits
         if plan.mode == "prefill":
             ctx.materialize_only_last_token_logits = False
@@ -715,7 +807,8 @@ class TreeGPTInferenceWrapper(_gpt_wrapper_base()):
             ctx.materialize_only_last_token_logits = only_last
         if plan.mode == "prefill":
             gathered = _gather_seq(logits.transpose(0, 1), ctx.groups, "prefill logits").transpose(0, 1)
-            order = torch.argsort(plan.gathered_positions).to(gathered.device)
+            order_key = plan.gathered_positions[0].masked_fill(plan.gathered_positions[0] < 0, _NEVER)
+            order = torch.argsort(order_key).to(gathered.device)
             logits = gathered.index_select(1, order)[:, :s]
             if only_last:
                 logits = logits[:, -1:]

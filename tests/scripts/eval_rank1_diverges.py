@@ -2,7 +2,8 @@
 
 Rank 1's greedy choices then differ from rank 0's (argmin instead of argmax), so the run
 must record ``tokens_agree_across_ranks: false`` and exit non-zero on every rank: the
-cross-rank agreement check is shown able to fail. Run under torchrun with 2 processes.
+cross-rank agreement check is shown able to fail. Run under torchrun with 2 processes,
+with the Llama source (configs/cpu_tiny_llama.yaml).
 """
 
 import os
@@ -10,19 +11,19 @@ import sys
 
 import torch
 
-from megatron_tree import eval as E
+from megatron_tree.eval import launch, models
 
-_real_build_model = E.build_model
+_real_build = models.build
 
 
-def _build_model(cfg, groups, device):
-    model, lcfg = _real_build_model(cfg, groups, device)
+def _build(*args, **kwargs):
+    em = _real_build(*args, **kwargs)
     if int(os.environ["RANK"]) == 1:
         with torch.no_grad():
-            model.lm_head.weight.neg_()
-    return model, lcfg
+            em.lm.lm_head.weight.neg_()
+    return em
 
 
 if __name__ == "__main__":
-    E.build_model = _build_model
-    sys.exit(E.main(sys.argv[1:]))
+    models.build = _build
+    sys.exit(launch.main(sys.argv[1:]))

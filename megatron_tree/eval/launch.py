@@ -1,0 +1,455 @@
+"""The eval's launch and setup: command line, launcher environment, checks before launch, the run.
+
+Invariant: everything that can be known wrong without a process group is checked here
+first, identically on every rank -- the TP x CP layout against the launched world, the
+topology against the launcher's nodes, the checkpoint's files, metadata and shapes,
+``output_dir`` -- and reported as one line per rank (``megatron-tree-eval: rank R: error:
+...``) with exit status 2, before any collective. Global rank 0 removes an earlier
+``results.json`` as soon as the config is read, so a run that fails cannot leave one
+behind that looks like its own.
+
+:func:`run_eval` strings the parts together: process group, model (:mod:`.models`), tracker,
+the sweep and tasks (:mod:`.run`), outputs (:mod:`.report`). Each part gets its sub-config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import struct
+import sys
+import time
+from pathlib import Path
+
+from ..config import ConfigError, ModelConfig, RunConfig, load_config, to_dict
+
+__all__ = ["main", "run_eval", "map_slurm_env", "launcher_name", "check_launch", "check_model", "check_inputs",
+           "init_distributed", "parse_args", "is_user_error", "remove_stale_results", "ExactnessError"]
+
+
+class ExactnessError(RuntimeError):
+    """Sharded decode disagreed with the reference beyond the configured tolerance (or ranks disagreed)."""
+
+
+# --------------------------------------------------------------------------- launch environment
+
+
+def map_slurm_env(env) -> dict:
+    """torch's variables from Slurm's when a task was started by ``srun`` without torchrun.
+
+    Returns the variables to add (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE); empty
+    when RANK is already set or this is not a Slurm task. MASTER_ADDR/PORT come from the
+    sbatch script (first host of the node list).
+    """
+    if "RANK" in env or "SLURM_PROCID" not in env:
+        return {}
+    out = {
+        "RANK": env["SLURM_PROCID"],
+        "WORLD_SIZE": env.get("SLURM_NTASKS", "1"),
+        "LOCAL_RANK": env.get("SLURM_LOCALID", "0"),
+    }
+    per_node = env.get("SLURM_NTASKS_PER_NODE")
+    if per_node:
+        out["LOCAL_WORLD_SIZE"] = per_node.split("(")[0].split(",")[0]
+    return out
+
+
+def launcher_name(env) -> str:
+    if "TORCHELASTIC_RUN_ID" in env:
+        return "slurm+torchrun" if "SLURM_PROCID" in env else "torchrun"
+    if "CROSS_RANK" in env and "LOCAL_SIZE" in env:
+        return "deepspeed"
+    if "SLURM_PROCID" in env:
+        return "slurm"
+    return "none"
+
+
+def check_launch(cfg: RunConfig, world: int, env=None) -> int:
+    """The CP size for ``world`` launched ranks, or a ConfigError that names the mismatch.
+
+    Runs before any process group exists, identically on every rank.
+    """
+    topo, m = cfg.topology, cfg.model
+    tp = topo.tp_size
+    if tp > 1 and m.source != "megatron":
+        raise ConfigError(f"topology.tp_size: {tp} needs model.source megatron (the Llama source is CP only)")
+    if world % tp:
+        raise ConfigError(
+            f"topology.tp_size: {tp} does not divide the launched world of {world} rank(s); expected a divisor of {world}"
+        )
+    cp = topo.cp_size or world // tp
+    what = f"topology.cp_size: {cp}" if tp == 1 else f"topology.tp_size x topology.cp_size: {tp} x {cp} = {tp * cp}"
+    if tp * cp > world:
+        raise ConfigError(
+            f"{what} does not fit the launched world of {world} rank(s); launch at least {tp * cp} "
+            f"processes or choose sizes whose product divides {world}"
+        )
+    if world % (tp * cp):
+        raise ConfigError(f"{what} does not divide the launched world of {world} rank(s); "
+                          f"expected a divisor of {world}")
+    intra = topo.intra_size
+    if intra is not None and cp % intra:
+        raise ConfigError(
+            f"topology.intra_size: {intra} does not factor the CP size {cp}; expected a divisor of {cp}"
+        )
+    if m.source == "megatron":
+        for name, value in (("num_attention_heads", m.num_attention_heads),
+                            ("num_key_value_heads", m.num_key_value_heads), ("vocab_size", m.vocab_size)):
+            if value % tp:
+                raise ConfigError(f"model.{name}: {value} is not divisible by topology.tp_size {tp}")
+        from ..topology import launcher_local_size
+        from .models import megatron_layout
+
+        per_node, _ = launcher_local_size(os.environ if env is None else env)
+        megatron_layout(topo, world, cp, per_node)
+    return cp
+
+
+def _hf_config(path: str) -> dict:
+    file = os.path.join(path, "config.json")
+    try:
+        with open(file, encoding="utf-8") as f:
+            data = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"model.path: {file} is not valid JSON: {e}") from None
+    except OSError as e:
+        raise ConfigError(f"model.path: {file} cannot be read: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"model.path: {file} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def check_safetensors(file: str) -> None:
+    """A cheap header check of one safetensors file: readable, a JSON header, data as long as it says."""
+    try:
+        size = os.path.getsize(file)
+        with open(file, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise ConfigError(f"model.path: {file} is {size} bytes, too short for a safetensors header "
+                                  "(truncated or empty)")
+            (n,) = struct.unpack("<Q", head)
+            if 8 + n > size:
+                raise ConfigError(f"model.path: {file} announces a {n}-byte header but the file has {size} bytes: "
+                                  "not a safetensors file, or truncated")
+            header = json.loads(f.read(n))
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"model.path: {file} is not a readable safetensors file: {e}") from None
+    if not isinstance(header, dict):
+        raise ConfigError(f"model.path: {file} is not a readable safetensors file: the header is not a JSON object")
+    end = max((v["data_offsets"][1] for k, v in header.items()
+               if k != "__metadata__" and isinstance(v, dict) and "data_offsets" in v), default=0)
+    if 8 + n + end > size:
+        raise ConfigError(f"model.path: {file} is truncated: its tensors end at byte {8 + n + end}, the file has {size}")
+
+
+def _check_output_dir(output_dir: str) -> None:
+    p = Path(output_dir)
+    for parent in [p, *p.parents]:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ConfigError(
+                    f"output_dir: {output_dir!r} cannot be created: {str(parent)!r} is a file; expected a directory"
+                )
+            return
+
+
+def check_model(m: ModelConfig):
+    """The model's files, checked before launch: ``(checkpoint, max_position_embeddings)``.
+
+    checkpoint: the Megatron checkpoint's :class:`~megatron_tree.integrations.megatron_model.CheckpointInfo`
+    (``None`` for other sources or random weights).
+    """
+    max_pos = m.max_position_embeddings
+    checkpoint = None
+    if m.source == "hf":
+        p = Path(m.path)
+        if not p.is_dir():
+            raise ConfigError(f"model.path: checkpoint directory {m.path!r} does not exist")
+        if not (p / "config.json").is_file():
+            raise ConfigError(f"model.path: {m.path!r} has no config.json (expected a Hugging Face checkpoint)")
+        files = sorted(p.glob("*.safetensors"))
+        if not files:
+            raise ConfigError(f"model.path: {m.path!r} has no *.safetensors weights")
+        max_pos = _hf_config(m.path).get("max_position_embeddings", max_pos)
+        from ..models import llama
+
+        full_check = getattr(llama, "check_checkpoint", None)  # issue 10's pre-flight, where it exists
+        if full_check is not None:
+            full_check(m.path)  # headers, tensor names and shapes; CheckpointError naming the file
+        else:
+            for f in files:
+                check_safetensors(str(f))
+    elif m.source == "megatron" and m.path is not None:
+        from ..integrations.megatron_model import check_checkpoint
+        from .models import gpt_shape
+
+        checkpoint = check_checkpoint(m.path, gpt_shape(m))
+    return checkpoint, max_pos
+
+
+def check_inputs(cfg: RunConfig):
+    """Files the run needs (checkpoint, tokenizer, text file, ds_config, output_dir), checked before launch.
+
+    Returns the Megatron checkpoint's :class:`~megatron_tree.integrations.megatron_model.CheckpointInfo`
+    (``None`` for other sources or random weights).
+    """
+    m, ev = cfg.model, cfg.eval
+    _check_output_dir(cfg.output_dir)
+    checkpoint, max_pos = check_model(m)
+    if m.source == "megatron" and ev.prefill_method == "ring":
+        raise ConfigError("eval.prefill_method: 'ring' is not available for model.source megatron (its core "
+                          "attention all-gathers the prompt's keys); use allgather or null")
+    need = max(ev.context_lengths) + ev.warmup_steps + ev.decode_steps + 1
+    if need > max_pos and not ev.allow_beyond_max_position:
+        raise ConfigError(
+            f"eval.context_lengths: the longest run needs {need} positions (context + warmup + decode "
+            f"steps + 1), but the model has max_position_embeddings {max_pos}; shorten it or set "
+            "eval.allow_beyond_max_position=true"
+        )
+    if ev.passkey.enabled or ev.perplexity.text_file:
+        tok = tokenizer_path(cfg)
+        what = "eval.passkey.enabled" if ev.passkey.enabled else "eval.perplexity.text_file"
+        if tok is None:
+            raise ConfigError(
+                f"{what} needs a tokenizer: set model.tokenizer to a tokenizer.json or use a checkpoint "
+                "directory that has one"
+            )
+        if not os.path.isfile(tok):
+            raise ConfigError(f"model.tokenizer: {tok!r} does not exist")
+        try:
+            import tokenizers  # noqa: F401
+        except ImportError:
+            raise ConfigError(f"{what} needs the 'tokenizers' package to read {tok!r}; pip install tokenizers") from None
+    if ev.perplexity.text_file and not os.path.isfile(ev.perplexity.text_file):
+        raise ConfigError(f"eval.perplexity.text_file: {ev.perplexity.text_file!r} does not exist")
+    if cfg.wandb.ds_config and not os.path.isfile(cfg.wandb.ds_config):
+        raise ConfigError(f"wandb.ds_config: {cfg.wandb.ds_config!r} does not exist")
+    return checkpoint
+
+
+def tokenizer_path(cfg: RunConfig) -> str | None:
+    if cfg.model.tokenizer:
+        return cfg.model.tokenizer
+    if cfg.model.path and os.path.isfile(os.path.join(cfg.model.path, "tokenizer.json")):
+        return os.path.join(cfg.model.path, "tokenizer.json")
+    return None
+
+
+def init_distributed(cfg: RunConfig, env) -> tuple[str, "object"]:
+    """Initialise torch.distributed from the launcher's env:// variables; returns (backend, device)."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    backend = cfg.dist.backend
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ConfigError("dist.backend: nccl needs CUDA, which this machine does not have; use gloo or auto")
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", int(env.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    timeout = datetime.timedelta(seconds=cfg.topology.timeout_s)
+    if "RANK" not in env:  # a single process, no launcher
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    elif cfg.dist.init == "deepspeed":
+        try:  # the integration's helper skips the CPU shm op's g++ compile
+            from ..integrations.deepspeed import init_distributed as ds_init
+        except ImportError:
+            import deepspeed
+
+            deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
+        else:
+            ds_init(dist_backend=backend, timeout_s=cfg.topology.timeout_s, env=env)
+    else:
+        dist.init_process_group(backend, init_method="env://", timeout=timeout)
+    return backend, device
+
+
+# --------------------------------------------------------------------------- the run
+
+
+def run_eval(cfg: RunConfig, env=None) -> dict | None:
+    """Run the whole sweep on this rank; returns the results dict on global rank 0, else None."""
+    env = os.environ if env is None else env
+    t_start = time.perf_counter()
+    world = int(env.get("WORLD_SIZE", 1))
+    cp_size = check_launch(cfg, world, env)
+    checkpoint = check_inputs(cfg)
+
+    import torch
+    import torch.distributed as dist
+    from tqdm.auto import tqdm
+
+    from ..tracking import make_tracker
+    from . import models, report, run
+
+    backend, device = init_distributed(cfg, env)
+    stack = contextlib.ExitStack()
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if cp_size != check_launch(cfg, world, env):  # WORLD_SIZE lied; re-check against the real group
+            raise ConfigError(f"WORLD_SIZE={env.get('WORLD_SIZE')} disagrees with the process group's {world}")
+        if device.type == "cpu" and torch.get_num_threads() > 1 and world > 1:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        out_dir = Path(cfg.output_dir)
+        if rank == 0:
+            out_dir.mkdir(parents=True, exist_ok=True)
+        ev = cfg.eval
+        phases = {"setup_s": time.perf_counter() - t_start}
+        t0 = time.perf_counter()
+        em = models.build(cfg.model, cfg.topology, cp_size=cp_size, rank=rank, device=device, env=env,
+                          want_reference=ev.exactness.enabled, checkpoint=checkpoint, stack=stack)
+        phases["model_s"] = time.perf_counter() - t0
+        topo = em.groups.describe()
+        launch = {
+            "launcher": launcher_name(env), "world_size": world, "backend": backend, "device": device.type,
+            "tp_size": cfg.topology.tp_size, "cp_size": cp_size, "num_cp_groups": world // cp_size,
+            "level_sizes": {l["name"]: l["size"] for l in topo["levels"]}, "topology": topo,
+        }
+        t0 = time.perf_counter()
+        tracker, err = None, [None]
+        try:
+            tracker = make_tracker(cfg.wandb, rank=rank, output_dir=str(out_dir),
+                                   config={**to_dict(cfg), "launch": launch, "model_info": em.info},
+                                   default_name=f"{cfg.name}-{cp_size}cp")
+        except Exception as e:  # noqa: BLE001 -- e.g. wandb online without an API key
+            err = [f"wandb could not start on rank 0: {type(e).__name__}: {e}"]
+        dist.broadcast_object_list(err, src=0)  # so every rank fails, not rank 0 alone
+        if err[0]:
+            raise ConfigError(err[0] + " (set wandb.mode=offline or wandb.enabled=false)")
+        phases["wandb_init_s"] = time.perf_counter() - t0
+        combos = [(c, b, s) for c in ev.context_lengths for b in ev.batch_sizes for s in ev.strategies]
+        show = rank == 0 and ev.progress
+        every = 0.1 if sys.stderr.isatty() else 5.0  # keep non-terminal logs (Slurm, CI) short
+        t0 = time.perf_counter()
+        run.warm_up(em, ev, cfg.model.seed, device)
+        phases["warmup_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        sweep = tqdm(combos, desc="sweep", disable=not show, file=sys.stderr, position=0, mininterval=every)
+        runs, step, ref_cache = [], 0, run._ReferenceCache()
+        for ctx, batch, strategy in sweep:
+            sweep.set_postfix_str(f"ctx={ctx} batch={batch} {strategy}")
+            with tqdm(total=ev.warmup_steps + ev.decode_steps, desc="decode", leave=False, disable=not show,
+                      file=sys.stderr, position=1, mininterval=every) as bar:
+                r = run.run_one(em, ev, cfg.model.seed, device, ctx, batch, strategy, rank=rank, bar=bar,
+                                ref_cache=ref_cache)
+            runs.append(r)
+            for ms in r["step_latency_ms"]:
+                tracker.log({f"decode_latency_ms/{strategy}": ms, "context_length": ctx, "batch_size": batch}, step=step)
+                step += 1
+        sweep.close()
+        phases["sweep_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        tok = load_tokenizer(cfg) if (ev.passkey.enabled or ev.perplexity.text_file) else None
+        passkey = run.passkey_eval(em, ev, cfg.model.seed, device, tok) if ev.passkey.enabled else None
+        ppl = run.perplexity_eval(em, ev, device, tok) if ev.perplexity.text_file else None
+
+        results = None
+        ok = True
+        if rank == 0:
+            results = report.build_results(name=cfg.name, launch=launch, config=to_dict(cfg), model=em.info,
+                                           runs=runs, passkey=passkey, perplexity=ppl,
+                                           reference=em.reference_name if ev.exactness.enabled else None)
+            ok = report.passed(results)
+            levels = " x ".join(f"{k} {v}" for k, v in launch["level_sizes"].items())
+            tp = f"TP {cfg.topology.tp_size} x " if cfg.topology.tp_size > 1 else ""
+            results["plot"] = report.save_plot(
+                runs, out_dir / "decode_latency.png",
+                f"{cfg.name}: decode latency, {tp}CP {cp_size} ({levels}), {backend}/{device.type}")
+            report.track(tracker, results, ev.context_lengths, results["plot"])
+            results["wandb"] = {"enabled": tracker.run_dir is not None, "mode": cfg.wandb.mode,
+                                "run_dir": tracker.run_dir}
+            phases["tasks_and_outputs_s"] = time.perf_counter() - t0
+            results["phases_s"] = phases
+            results["elapsed_s"] = time.perf_counter() - t_start
+            path = report.write(results, out_dir)
+            tracker.finish(exit_code=0 if ok else 1)
+            report.print_summary(results, path, tracker.run_dir, cfg.wandb.mode, ev.exactness.tolerance)
+        if rank != 0 and ev.log_all_ranks:
+            for r in runs:
+                print(f"[rank {rank}] {report.summary_line(r)}", flush=True)
+        # Every rank learns the verdict, so a failed exactness check fails the whole job.
+        verdict = [ok]
+        dist.broadcast_object_list(verdict, src=0)
+        if not verdict[0] and ev.exactness.fail_on_mismatch:
+            raise ExactnessError("exactness check failed (see rank 0's output)")
+        return results
+    finally:
+        stack.close()
+        dist.destroy_process_group()
+
+
+def load_tokenizer(cfg: RunConfig):
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(tokenizer_path(cfg))
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(
+        prog="megatron-tree-eval",
+        description="Context-parallel tree-decode eval; every knob is in the YAML config.",
+    )
+    p.add_argument("--config", default=None, help="YAML config (default: the built-in tiny CPU eval)")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. eval.decode_steps=4")
+    # The deepspeed launcher appends --local_rank=N; LOCAL_RANK in the environment says the same.
+    args, unknown = p.parse_known_args(argv)
+    extra = [u for u in unknown if not u.startswith(("--local_rank", "--local-rank"))]
+    if extra:
+        p.error(f"unrecognised arguments: {' '.join(extra)}")
+    return args
+
+
+def is_user_error(e: BaseException) -> bool:
+    """Config, topology and checkpoint errors: reported as one line, not a traceback."""
+    from ..models.llama import CheckpointError
+    from ..topology import TopologyError
+
+    return isinstance(e, (ConfigError, TopologyError, CheckpointError))
+
+
+def remove_stale_results(output_dir: str, rank: str) -> None:
+    """Global rank 0 deletes ``<output_dir>/results.json`` left by an earlier run (before anything can fail)."""
+    path = Path(output_dir) / "results.json"
+    if rank == "0" and path.is_file():
+        path.unlink()
+
+
+def main(argv=None) -> int:
+    """Console entry point ``megatron-tree-eval``; exits non-zero on any failure."""
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    env = dict(os.environ)
+    mapped = map_slurm_env(env)
+    os.environ.update(mapped)
+    env.update(mapped)
+    rank = env.get("RANK", "0")
+    try:
+        cfg = load_config(args.config, args.overrides)
+        if args.print_config:
+            import yaml
+
+            print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
+            return 0
+        remove_stale_results(cfg.output_dir, rank)
+        run_eval(cfg, env)
+    except ValueError as e:
+        if not is_user_error(e):
+            raise
+        print(f"megatron-tree-eval: rank {rank}: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    except ExactnessError as e:
+        print(f"megatron-tree-eval: rank {rank}: {e}", file=sys.stderr, flush=True)
+        return 3
+    return 0

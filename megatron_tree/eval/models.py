@@ -1,0 +1,185 @@
+"""The eval's model per ``model.source``, and the reference it is held to.
+
+Invariant: whatever the source, the sweep sees one interface -- :class:`EvalModel`: an
+``lm`` that :func:`megatron_tree.generate.generate` drives (``prefill``, ``decode_step``,
+``new_cache``), its ``groups``, and on global rank 0 a ``reference`` that maps token ids
+(batch, seqlen) to full-sequence logits with *no* context parallelism:
+
+* ``megatron`` -- a Megatron-Core ``GPTModel`` at the run's TP x CP layout with
+  ``TreeDotProductAttention``; the reference is Megatron's own model at CP = 1, TP = 1 with
+  its own ``DotProductAttention``, built on rank 0 with size-1 process groups (Megatron's
+  ``parallel_state`` keeps the run's layout) and filled from the same global tensors: the
+  seeded TP = 1 model itself (random weights) or the checkpoint, read on rank 0 alone;
+* ``random`` / ``hf`` -- the library's Llama, weights replicated on every CP rank; the
+  reference is an unsharded replica (``groups=None``) sharing the weight tensors.
+
+Only this module and :mod:`.launch` know about ``model.source``; each function here takes
+the sub-configs it needs, not the whole run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, field
+
+from ..config import ConfigError, ModelConfig, TopologyConfig, to_dict
+
+__all__ = ["EvalModel", "gpt_shape", "megatron_layout", "build"]
+
+
+@dataclass
+class EvalModel:
+    """What the sweep needs from a model, whatever its source."""
+
+    lm: object
+    """Driven by ``generate``: ``prefill``, ``decode_step``, ``new_cache``, ``groups``, ``config.vocab_size``."""
+    groups: object
+    """This rank's CP group and levels (``TreeGroups``)."""
+    vocab_size: int
+    heads: int
+    """Query heads of the merge state on this rank (after TP)."""
+    head_dim: int
+    reference: object | None
+    """rank 0 with exactness on: ``ids (batch, seqlen) -> logits (batch, seqlen, vocab)``, no CP."""
+    reference_name: str
+    bos: list = field(default_factory=list)
+    """Token ids put before tokenized text (passkey, perplexity)."""
+    info: dict = field(default_factory=dict)
+    """Recorded in results.json ``model``."""
+
+
+def gpt_shape(m: ModelConfig):
+    """The Megatron GPT shape of ``model:`` (Hugging Face field names map one to one)."""
+    from ..integrations.megatron_model import GPTShape
+
+    names = {f.name for f in dataclasses.fields(GPTShape)}
+    return GPTShape(**{k: v for k, v in to_dict(m).items() if k in names})
+
+
+def megatron_layout(topo: TopologyConfig, world: int, cp: int, per_node: int | None) -> list[int] | None:
+    """Hierarchical CP sizes ``[intra, inter]`` (``None``: one level) for a TP x CP layout.
+
+    Megatron numbers ranks TP-fastest, so an intra-node CP group spans ``tp * intra``
+    consecutive ranks; it must sit inside one (real) node. Pure: checked before launch.
+    """
+    tp = topo.tp_size
+    intra = topo.intra_size
+    if intra is None:
+        intra = cp if per_node is None else max(1, min(cp, per_node // tp))
+        while cp % intra:
+            intra -= 1
+    if cp % intra:
+        raise ConfigError(f"topology.intra_size: {intra} does not factor the CP size {cp}; expected a divisor of {cp}")
+    if per_node is not None and 1 < intra and (tp * intra > per_node or per_node % (tp * intra)):
+        raise ConfigError(
+            f"topology.intra_size: {intra} disagrees with the real layout: with tp_size {tp} an intra-node CP group "
+            f"spans {tp * intra} consecutive ranks, but the launcher puts {per_node} ranks on a node; expected "
+            f"tp_size x intra_size to divide {per_node}"
+        )
+    return [intra, cp // intra] if 1 < intra < cp else None
+
+
+def build(m: ModelConfig, topo: TopologyConfig, *, cp_size: int, rank: int, device, env, want_reference: bool,
+          checkpoint=None, stack: contextlib.ExitStack) -> EvalModel:
+    """The model of ``m`` on this rank at the layout of ``topo``; collective over every rank."""
+    if m.source == "megatron":
+        return _build_megatron(m, topo, cp_size=cp_size, rank=rank, device=device, env=env,
+                               want_reference=want_reference, checkpoint=checkpoint, stack=stack)
+    return _build_llama(m, topo, cp_size=cp_size, rank=rank, device=device, env=env, want_reference=want_reference)
+
+
+# --------------------------------------------------------------------------- Llama
+
+
+def _build_llama(m: ModelConfig, topo: TopologyConfig, *, cp_size, rank, device, env, want_reference) -> EvalModel:
+    import json
+
+    import torch
+    import torch.distributed as dist
+
+    from ..models.llama import Llama, LlamaConfig
+    from ..topology import TreeGroups
+
+    world = dist.get_world_size()
+    ranks = [list(range(i, i + cp_size)) for i in range(0, world, cp_size)]
+    groups = TreeGroups.from_env(ranks, intra_size=topo.intra_size, timeout=topo.timeout_s, env=env)
+    dtype = getattr(torch, m.dtype)
+    bos = []
+    if m.source == "hf":
+        model = Llama.from_pretrained(m.path, groups=groups, dtype=dtype, device=device)
+        lcfg = model.config
+        with open(os.path.join(m.path, "config.json"), encoding="utf-8") as f:
+            bos_id = json.load(f).get("bos_token_id")
+        bos = [bos_id] if isinstance(bos_id, int) else []
+    else:
+        wanted = {f.name for f in dataclasses.fields(LlamaConfig)}
+        lcfg = LlamaConfig(**{k: v for k, v in to_dict(m).items() if k in wanted})
+        torch.manual_seed(m.seed)  # identical random weights on every rank
+        model = Llama(lcfg, groups=groups, dtype=dtype)
+    model = model.to(device).eval()
+    ref = None
+    if want_reference and rank == 0:
+        # Built on the meta device and pointed at the model's tensors: no second copy of the weights.
+        with torch.device("meta"):
+            replica = Llama(lcfg, groups=None, dtype=dtype)
+        replica.load_state_dict(model.state_dict(), assign=True)
+        ref = replica.to(device).eval()
+    return EvalModel(model, groups, lcfg.vocab_size, lcfg.num_attention_heads, lcfg.head_dim, ref,
+                     "unsharded Llama (groups=None), same weight tensors", bos,
+                     {"source": m.source, "class": "megatron_tree.Llama", "tp_size": 1})
+
+
+# --------------------------------------------------------------------------- Megatron-Core
+
+
+def _build_megatron(m: ModelConfig, topo: TopologyConfig, *, cp_size, rank, device, env, want_reference,
+                    checkpoint, stack) -> EvalModel:
+    import torch
+    import torch.distributed as dist
+
+    from ..integrations import megatron as mtm
+    from ..integrations import megatron_model as mm
+    from ..topology import launcher_local_size
+
+    if device.type == "cpu":
+        from ..integrations._cpu import megatron_on_cpu
+
+        stack.enter_context(megatron_on_cpu())
+    from megatron.core import parallel_state
+
+    shape = gpt_shape(m)
+    dtype = getattr(torch, m.dtype)
+    tp = topo.tp_size
+    per_node, _ = launcher_local_size(env)
+    hier = megatron_layout(topo, dist.get_world_size(), cp_size, per_node)
+    groups = mtm.initialize_model_parallel(cp_size, hier, tensor_model_parallel_size=tp,
+                                           distributed_timeout_minutes=max(1, math.ceil(topo.timeout_s / 60)))
+    stack.callback(parallel_state.destroy_model_parallel)
+    single = mm.single_rank_groups()  # collective: every rank creates every size-1 group
+    model = mm.build_gpt(shape, tree=True, dtype=dtype, tp=tp, cp=cp_size, hierarchical=hier, seed=m.seed)
+    src = None
+    if checkpoint is None:
+        # Random weights: a seeded TP = 1 model on every rank is the source of truth; the run's
+        # model takes its shards from it, rank 0 keeps it as the reference.
+        src = mm.build_gpt(shape, tree=False, dtype=dtype, pg_collection=single, seed=m.seed)
+        mm.fill_from_global(model, mm.global_tensors(src))
+        if not (want_reference and rank == 0):
+            src = None
+    else:
+        mm.load_checkpoint(model, checkpoint.dist_dir)
+        if want_reference and rank == 0:
+            src = mm.build_gpt(shape, tree=False, dtype=dtype, pg_collection=single, seed=m.seed)
+            mm.fill_from_global(src, mm.read_global_tensors(checkpoint.dist_dir, mm.expected_tensor_shapes(shape), dtype))
+    model = model.to(device)
+    lm = mm.MegatronLM(model, groups, shape, tp_size=tp)
+    ref = mm.MegatronReference(src.to(device)) if src is not None else None
+    info = {"source": "megatron", "class": "megatron.core.models.gpt.GPTModel", "tp_size": tp, "cp_size": cp_size,
+            "hierarchical_context_parallel_sizes": hier, "checkpoint": None if checkpoint is None else {
+                "path": checkpoint.path, "dist_dir": checkpoint.dist_dir, "iteration": checkpoint.iteration,
+                "training_args": checkpoint.args is not None}}
+    return EvalModel(lm, groups, shape.vocab_size, shape.num_attention_heads // tp, shape.kv_channels, ref,
+                     "Megatron-Core GPTModel at CP=1, TP=1 with its own DotProductAttention, same weights",
+                     [], info)

@@ -1,0 +1,308 @@
+"""The sweep: for each (context length, batch size, merge strategy) a CP prefill and timed decode steps.
+
+Invariant: every decode runs through :func:`megatron_tree.generate.generate`, the package's
+one generation loop; this module only hooks into it (:class:`StepTimer`: a barrier on the
+CP group before each forward, a device sync after it, the step's logits kept when asked)
+and turns what it saw into one ``runs[i]`` entry of results.json. Every CP rank keeps its
+own greedy choice (``broadcast=False``), so ranks that disagree are seen, not hidden.
+
+Per run: decode-step latency (max over the CP ranks of each step), tokens/s, prefill time,
+collectives and bytes per level per step (``comm.CommStats``), peak memory per rank, the
+generated token ids, and exactness on rank 0: max |delta logits| of the prefill and of
+sampled decode steps against the model's reference over the full sequence, and whether the
+reference's greedy choices are the tokens the run generated.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+
+from ..config import ConfigError, EvalConfig
+from ..generate import GenerationHook, generate
+
+__all__ = ["percentile", "peak_memory", "random_prompts", "StepTimer", "decode", "run_one", "warm_up",
+           "compare_with_reference", "passkey_eval", "perplexity_eval"]
+
+
+def percentile(values, q: float) -> float:
+    """Linear-interpolated percentile ``q`` in [0, 100] of a non-empty list."""
+    xs = sorted(values)
+    if not xs:
+        raise ValueError("percentile of an empty list")
+    pos = (len(xs) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_memory(device) -> tuple[int, str]:
+    """(bytes, kind): CUDA allocator peak since the last reset, or the process's peak RSS on CPU."""
+    import torch
+
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device)), "cuda_max_memory_allocated"
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024, "cpu_peak_rss"
+
+
+def random_prompts(seed: int, ctx: int, batch: int, vocab: int) -> list[list[int]]:
+    """Identical on every rank: seeded by (model seed, context length, batch size)."""
+    rng = random.Random(f"{seed}-{ctx}-{batch}")
+    return [[rng.randrange(vocab) for _ in range(ctx)] for _ in range(batch)]
+
+
+class StepTimer(GenerationHook):
+    """Times the prefill and each decode step between a CP barrier and a device sync.
+
+    Steps ``>= timed_from`` are timed and record traffic into ``stats``; the logits of the
+    prefill, of the steps in ``keep`` (or of every step with ``keep_all``) are kept on the CPU.
+    """
+
+    def __init__(self, groups, device, *, timed_from: int, stats, keep=(), keep_all: bool = False, bar=None):
+        self.groups, self.device, self.timed_from, self.stats = groups, device, timed_from, stats
+        self.keep, self.keep_all, self.bar = set(keep), keep_all, bar
+        self.prefill_time = 0.0
+        self.prefill_logits = None
+        self.times: list[float] = []
+        self.kept: dict = {}
+        self.step_logits: list = []
+        self._t0 = 0.0
+
+    def _barrier(self) -> None:
+        import torch.distributed as dist
+
+        dist.barrier(group=self.groups.cp_group)
+        self._t0 = time.perf_counter()
+
+    def before_prefill(self) -> None:
+        self._barrier()
+
+    def after_prefill(self, logits) -> None:
+        _sync(self.device)
+        self.prefill_time = time.perf_counter() - self._t0
+        self.prefill_logits = logits.float().cpu()
+
+    def before_step(self, step: int):
+        self._barrier()
+        return self.stats if step >= self.timed_from else None
+
+    def after_step(self, step: int, logits) -> None:
+        _sync(self.device)
+        if step >= self.timed_from:
+            self.times.append(time.perf_counter() - self._t0)
+        if self.keep_all:
+            self.step_logits.append(logits.float().cpu())
+        elif step in self.keep:
+            self.kept[step] = logits.float().cpu()
+        if self.bar is not None:
+            self.bar.update(1)
+
+
+def decode(em, prompts, n_steps: int, ev: EvalConfig, device, strategy: str, *, timed_from: int = 0, keep=(),
+           forced=None, bar=None) -> dict:
+    """CP prefill of ``prompts``, then ``n_steps`` greedy (or teacher-forced) decode steps, timed.
+
+    forced: (batch, n_steps + 1) token ids fed instead of the argmax (perplexity). Returns
+    tokens (batch, 1 + n_steps) int64, prefill_logits (batch, vocab), prefill_time,
+    step_times (max over the CP ranks), stats, kept {step: logits}, step_logits [logits].
+    """
+    import torch
+    import torch.distributed as dist
+
+    from ..comm import CommStats
+
+    stats = CommStats()
+    timer = StepTimer(em.groups, device, timed_from=timed_from, stats=stats, keep=keep, keep_all=forced is not None,
+                      bar=bar)
+    longest = max(len(p) for p in prompts)
+    cache = em.lm.new_cache(len(prompts), longest + n_steps + 1, layout=ev.cache_layout, block_size=ev.block_size)
+    res = generate(em.lm, prompts, n_steps + 1, cache=cache, strategy=strategy, progress=False,
+                   prefill_method=ev.prefill_method, hook=timer, forced_tokens=forced, broadcast=False)
+    # A step takes as long as its slowest rank.
+    t = torch.tensor(timer.times, dtype=torch.float64)
+    if t.numel():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=em.groups.cp_group)
+    return {"tokens": torch.tensor(res.tokens, dtype=torch.long), "prefill_logits": timer.prefill_logits,
+            "prefill_time": timer.prefill_time, "step_times": t.tolist(), "stats": stats, "kept": timer.kept,
+            "step_logits": timer.step_logits}
+
+
+class _ReferenceCache:
+    """The last reference forward: consecutive strategies of a sweep decode the same tokens."""
+
+    def __init__(self):
+        self.key = None
+        self.logits = None
+
+
+def compare_with_reference(em, prompts, tokens, out, sampled, tolerance, device,
+                           cache: _ReferenceCache | None = None) -> dict:
+    """max |delta logits| of the prefill and the sampled decode steps against one reference forward.
+
+    Decode step s fed ``tokens[:, s]`` at position ctx + s; the reference reads its logits at
+    that position of a forward over prompt + tokens[:, :last sampled + 1]. Its argmax at
+    every position is the token it would have chosen: ``reference_tokens``.
+    """
+    import torch
+
+    ctx = len(prompts[0])
+    last = max(sampled)
+    ids = torch.cat([torch.tensor(prompts, dtype=torch.long), tokens[:, : last + 1]], dim=1)
+    key = (ids.shape, hash(tuple(ids.flatten().tolist())))
+    if cache is not None and cache.key == key:
+        full = cache.logits
+    else:
+        with torch.no_grad():
+            full = em.reference(ids.to(device))[:, ctx - 1 :].float().cpu()
+        if cache is not None:
+            cache.key, cache.logits = key, full
+    prefill_d = (full[:, 0] - out["prefill_logits"]).abs().max().item()
+    per_step = {s: (full[:, 1 + s] - out["kept"][s]).abs().max().item() for s in sampled}
+    worst = max([prefill_d, *per_step.values()])
+    ref_tokens = full.argmax(-1)  # (batch, last + 2): the reference's choice after each prefix
+    match = bool(torch.equal(ref_tokens, tokens[:, : last + 2]))
+    return {
+        "reference": em.reference_name, "checked_steps": sampled, "prefill_max_abs_dlogits": prefill_d,
+        "step_max_abs_dlogits": [per_step[s] for s in sampled], "max_abs_dlogits": worst, "tolerance": tolerance,
+        "logits_within_tolerance": bool(worst <= tolerance), "reference_tokens": ref_tokens.tolist(),
+        "tokens_match_reference": match, "within_tolerance": bool(worst <= tolerance) and match,
+    }
+
+
+def run_one(em, ev: EvalConfig, seed: int, device, ctx: int, batch: int, strategy: str, *, rank: int, bar=None,
+            ref_cache: _ReferenceCache | None = None) -> dict:
+    """One (context length, batch size, strategy) run; the returned dict is results.json's ``runs[i]``."""
+    import torch
+    import torch.distributed as dist
+
+    ex = ev.exactness
+    n_steps = ev.warmup_steps + ev.decode_steps
+    check = ex.enabled and (ex.max_context is None or ctx <= ex.max_context)
+    rng = random.Random(f"exact-{seed}-{ctx}-{batch}-{strategy}")
+    sampled = sorted({s for s in range(n_steps) if rng.random() < ex.sample_rate} | {n_steps - 1}) if check else []
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    prompts = random_prompts(seed, ctx, batch, em.vocab_size)
+    out = decode(em, prompts, n_steps, ev, device, strategy, timed_from=ev.warmup_steps, keep=sampled, bar=bar)
+    times_ms = [1e3 * t for t in out["step_times"]]
+    stats = out["stats"]
+    per_step = max(1, ev.decode_steps)
+    comm = {
+        "collectives": stats.collectives / per_step,
+        "sent_bytes": stats.sent_bytes / per_step,
+        "levels": {
+            name: {"collectives": s.collectives / per_step, "payload_bytes": s.payload_bytes / per_step,
+                   "sent_bytes": s.sent_bytes / per_step, "ops": {k: v / per_step for k, v in s.ops.items()}}
+            for name, s in stats.levels.items()
+        },
+    }
+    # Every CP rank must have decoded the same tokens (greedy on identical logits).
+    toks = out["tokens"]
+    gathered = [None] * dist.get_world_size()
+    mem, mem_kind = peak_memory(device)
+    dist.all_gather_object(gathered, (em.groups.cp_ranks, toks.tolist(), mem))
+    agree = all(g[1] == toks.tolist() for g in gathered if g[0] == em.groups.cp_ranks)
+    exact = None
+    if check and rank == 0:
+        exact = compare_with_reference(em, prompts, toks, out, sampled, ex.tolerance, device, ref_cache)
+    resolved = strategy
+    if strategy == "auto":  # what the cost model picks for this step's merge state (fp32 partials)
+        from ..comm import choose_strategy
+
+        resolved = "none (CP 1)" if em.groups.size == 1 else choose_strategy(
+            em.groups, (batch, 1, em.heads, em.head_dim), 4)
+    return {
+        "context_length": ctx, "batch_size": batch, "strategy": strategy, "resolved_strategy": resolved,
+        "prefill_s": out["prefill_time"],
+        "decode_latency_ms": {
+            "p50": percentile(times_ms, 50), "p90": percentile(times_ms, 90), "p99": percentile(times_ms, 99),
+            "mean": sum(times_ms) / len(times_ms), "min": min(times_ms), "max": max(times_ms),
+        },
+        "step_latency_ms": times_ms,
+        "tokens_per_s": batch * len(times_ms) / (sum(times_ms) / 1e3),
+        "comm_per_step": comm,
+        "peak_memory_bytes": [g[2] for g in gathered],
+        "peak_memory_kind": mem_kind,
+        "tokens": toks.tolist(),
+        "tokens_agree_across_ranks": agree,
+        "exactness": exact,
+    }
+
+
+def warm_up(em, ev: EvalConfig, seed: int, device) -> None:
+    """One untimed short prefill + decode step per strategy before the sweep.
+
+    The first collective on each process group sets up its connections (seconds on gloo),
+    and the first kernels allocate; without this the first run of the sweep pays for it.
+    """
+    ctx = min(ev.context_lengths)
+    for strategy in ev.strategies:
+        decode(em, random_prompts(seed, ctx, 1, em.vocab_size), 1, ev, device, strategy)
+
+
+# --------------------------------------------------------------------------- tokenized tasks
+
+
+def greedy_n(em, prompts, n: int, ev: EvalConfig, device):
+    """``n`` greedy tokens per prompt, (batch, n), with the config's first strategy."""
+    return decode(em, prompts, n - 1, ev, device, ev.strategies[0])["tokens"][:, :n]
+
+
+def passkey_eval(em, ev: EvalConfig, seed: int, device, tok) -> list[dict]:
+    """Accuracy of retrieving a 5-digit pass key hidden at evenly spread depths, per context length."""
+    pk = ev.passkey
+    enc = lambda s: tok.encode(s, add_special_tokens=False).ids  # noqa: E731
+    filler = enc("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ")
+    question = enc(" What is the pass key? The pass key is")
+    out = []
+    for ctx in pk.context_lengths or ev.context_lengths:
+        rng = random.Random(f"passkey-{seed}-{ctx}")
+        keys = [rng.randrange(10000, 100000) for _ in range(pk.trials)]
+        prompts = []
+        for i, key in enumerate(keys):
+            needle = enc(f" The pass key is {key}. Remember it. {key} is the pass key. ")
+            room = ctx - len(em.bos) - len(needle) - len(question)
+            if room < 0:
+                raise ConfigError(f"eval.passkey.context_lengths: {ctx} tokens cannot hold the passkey prompt")
+            hay = (filler * (room // max(1, len(filler)) + 1))[:room]
+            depth = int(room * (i + 0.5) / pk.trials)
+            prompts.append(em.bos + hay[:depth] + needle + hay[depth:] + question)
+        res = greedy_n(em, prompts, pk.new_tokens, ev, device)
+        answers = [tok.decode(row) for row in res.tolist()]
+        hits = [str(k) in a for k, a in zip(keys, answers)]
+        out.append({"context_length": ctx, "accuracy": sum(hits) / len(hits), "trials": len(hits),
+                    "answers": answers, "keys": keys})
+    return out
+
+
+def perplexity_eval(em, ev: EvalConfig, device, tok) -> dict:
+    """Perplexity of ``eval_tokens`` tokens after a CP-prefilled prefix, scored by decode steps."""
+    import torch
+
+    pc = ev.perplexity
+    with open(pc.text_file, encoding="utf-8") as f:
+        ids = em.bos + tok.encode(f.read(), add_special_tokens=False).ids
+    need = pc.prefix_tokens + pc.eval_tokens
+    if len(ids) < need:
+        raise ConfigError(
+            f"eval.perplexity.text_file: {pc.text_file!r} has {len(ids)} tokens; prefix_tokens + eval_tokens "
+            f"needs {need}"
+        )
+    prefix = [ids[: pc.prefix_tokens]]
+    targets = torch.tensor([ids[pc.prefix_tokens : need]], dtype=torch.long)
+    # The prefill's logits predict target 0; feeding target t as decode step t predicts t + 1.
+    r = decode(em, prefix, pc.eval_tokens - 1, ev, device, ev.strategies[0], forced=targets)
+    logits = [r["prefill_logits"], *r["step_logits"]]
+    lp = torch.stack([torch.log_softmax(l[0], -1) for l in logits])  # (eval_tokens, vocab)
+    nll = -lp.gather(1, targets[0, : len(logits)].unsqueeze(1)).squeeze(1)
+    return {"text_file": pc.text_file, "prefix_tokens": pc.prefix_tokens, "eval_tokens": len(logits),
+            "nll": nll.mean().item(), "perplexity": math.exp(nll.mean().item())}
