@@ -251,8 +251,9 @@ def megatron_rank(rank, world):
         results["mixed_batch"] = mixed_length_batch(rank)
 
         mt.initialize_model_parallel(2)
-        # Misuse: our spec with Megatron's own wrapper and context at CP = 2, patch reverted
-        # above and never applied by hand: building the spec applies it, so the model refuses.
+        # Misuse: our spec with Megatron's own wrapper and context at CP = 2, the patch reverted
+        # and never applied by hand: building the spec applies it, so the model refuses.
+        patches.revert_runtime()  # (the mixed batch's MegatronLM applied it)
         results["megatron_ctx_cp2_patched_before"] = patches.check_runtime()
         results["megatron_ctx_cp2"] = _error(
             greedy_decode, _build_model(2, None, tree=True), GPTInferenceWrapper, StaticInferenceContext(2, MAX_LEN)
