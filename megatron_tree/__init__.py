@@ -6,7 +6,7 @@ Importing the package has no side effects.
 """
 
 from .attention import tree_decode
-from .comm import STRATEGIES, CommError, CommStats
+from .comm import STRATEGIES, CommError, CommStats, DisagreementError
 from .ops import flash_decode, merge_states
 from .topology import Level, TopologyError, TreeGroups
 from .cache import CacheConfig, ShardedKVCache
@@ -17,6 +17,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "flash_decode", "merge_states", "tree_decode", "TreeGroups", "Level", "TopologyError",
-    "CommStats", "CommError", "STRATEGIES", "CacheConfig", "ShardedKVCache", "Llama", "LlamaConfig",
+    "CommStats", "CommError", "DisagreementError", "STRATEGIES", "CacheConfig", "ShardedKVCache", "Llama", "LlamaConfig",
     "generate", "GenerationResult", "__version__",
 ]

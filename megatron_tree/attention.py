@@ -50,6 +50,11 @@ def tree_decode(
     strategy: one of ``comm.STRATEGIES``; stats: a :class:`CommStats` to record traffic into
     returns out: (batch, seqlen_q, nheads_q, headdim) in q.dtype, identical on every CP rank,
             and with ``return_lse`` also lse: (batch, nheads_q, seqlen_q) float32, natural log
+
+    Every CP rank must pass the same batch, seqlen_q, nheads_q, headdim, dtype, strategy and
+    backend; ranks that do not raise :class:`~megatron_tree.comm.DisagreementError` on every
+    rank (see ``comm.merge``). A peer that dies or hangs is a ``CommError`` within the groups'
+    timeout.
     """
     if strategy not in comm.STRATEGIES:
         raise ValueError(f"unknown merge strategy {strategy!r}; expected one of {comm.STRATEGIES}")
@@ -58,6 +63,7 @@ def tree_decode(
         q_positions=q_positions, k_positions=k_positions, backend=backend,
     )
     if groups is not None:
-        out, lse = comm.merge(out, lse, groups, strategy, stats)
+        out, lse = comm.merge(out, lse, groups, strategy, stats, dtype=q.dtype,
+                              backend=ops.resolve_backend(q.device, backend))
     out = out.to(q.dtype)
     return (out, lse) if return_lse else out

@@ -21,7 +21,10 @@ Partial states are merged in shard order (rank 0's shard first), so every rank c
 bit-identical outputs -- a requirement when every rank samples the next token itself.
 Traffic is recorded in a :class:`comm.CommStats` under level ``"cp"``: a point-to-point
 message counts its bytes once as payload and once as sent; an all-gather counts
-``(P-1) * payload`` sent, the same model ``comm.py`` uses.
+``(P-1) * payload`` sent, the same model ``comm.py`` uses. Collectives go through
+``collectives.py`` inside the CP group's :class:`~megatron_tree.collectives.Agreement` on
+:data:`BASELINE_SIGNATURE` (ranks that disagree get a :class:`DisagreementError`, not a gloo
+abort); :meth:`ShardPlan.build` exchanges the KV shapes with the lengths.
 """
 
 from __future__ import annotations
@@ -29,15 +32,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
-from . import ops, reference
-from .comm import CommError, CommStats
+from . import collectives, ops, reference
+from .comm import CommStats
 from .topology import TreeGroups
 
-__all__ = ["ShardPlan", "ring_decode", "passq_ring_decode", "allgather_kv_decode", "BASELINES"]
+__all__ = ["ShardPlan", "ring_decode", "passq_ring_decode", "allgather_kv_decode", "BASELINES",
+           "BASELINE_SIGNATURE"]
 
 BASELINES = ("ring", "passq_ring", "allgather_kv")
+BASELINE_SIGNATURE = ("batch", "seqlen_q", "heads_q", "heads_kv", "headdim", "dtype", "backend", "shard_lengths")
+"""What every CP rank of a baseline decode must agree on."""
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 @dataclass
@@ -54,19 +60,31 @@ class ShardPlan:
     """KV shard length (dim 1 of k/v) of every CP rank, in CP-rank order."""
     rank: int
     """This process's CP rank."""
+    kv_shape: tuple | None = None
+    """(batch, nheads_kv, headdim, dtype) every rank agreed on at build (``None``: not checked)."""
     buffers: dict = field(default_factory=dict)
     """Name -> reusable tensor (ring double buffers, all-gather outputs)."""
 
     @classmethod
     def build(cls, k: torch.Tensor, groups: TreeGroups) -> "ShardPlan":
-        """Exchange shard lengths; every CP rank calls this with its own k: (batch, shard_len, nheads_kv, headdim)."""
-        mine = torch.tensor([k.shape[1]], dtype=torch.int64, device=k.device)  # NCCL needs device tensors
-        parts = [torch.zeros_like(mine) for _ in range(groups.size)]
+        """Exchange shard lengths; every CP rank calls this with its own k: (batch, shard_len, nheads_kv, headdim).
+
+        One all-gather of (shard_len, batch, nheads_kv, headdim, dtype) per rank: ranks whose
+        KV shapes differ raise :class:`DisagreementError` here, naming each rank's value.
+        """
+        b, n, hkv, d = k.shape
+        code = _DTYPES.index(k.dtype) if k.dtype in _DTYPES else -1
+        mine = torch.tensor([n, b, hkv, d, code], dtype=torch.int64, device=k.device)  # NCCL needs device tensors
+        rows = [mine.tolist()]
         if groups.size > 1:
-            dist.all_gather(parts, mine, group=groups.cp_group)
-        else:
-            parts = [mine]
-        return cls(tuple(int(p) for p in parts), groups.rank)
+            rows = collectives.all_gather(mine, groups.cp_group, what="ShardPlan.build: exchanging KV shapes").tolist()
+        name = lambda c: str(_DTYPES[c]).replace("torch.", "") if c >= 0 else "other"  # noqa: E731
+        table = {r: {"batch": row[1], "heads_kv": row[2], "headdim": row[3], "dtype": name(row[4])}
+                 for r, row in zip(groups.cp_ranks, rows)}
+        err = collectives.disagreement("ShardPlan.build", table)
+        if err is not None:
+            raise err
+        return cls(tuple(row[0] for row in rows), groups.rank, (b, hkv, d, k.dtype))
 
     @property
     def max_len(self) -> int:
@@ -90,6 +108,12 @@ class ShardPlan:
                 f"plan says CP rank {groups.rank} holds {self.lengths[groups.rank]} keys, but k has "
                 f"{k.shape[1]}; rebuild the plan with ShardPlan.build after the cache changed"
             )
+        got = (k.shape[0], k.shape[2], k.shape[3], k.dtype)
+        if self.kv_shape is not None and got != self.kv_shape:
+            raise ValueError(
+                f"plan was built for k of (batch, nheads_kv, headdim, dtype) = {self.kv_shape}, got {got}; "
+                "rebuild the plan with ShardPlan.build"
+            )
 
 
 def _seqlens(cache_seqlens, k) -> torch.Tensor:
@@ -98,16 +122,13 @@ def _seqlens(cache_seqlens, k) -> torch.Tensor:
     return torch.full((k.shape[0],), k.shape[1], dtype=torch.int32, device=k.device)
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def _wait(works, what: str, groups: TreeGroups) -> None:
+def _signature(q, k, backend, lengths) -> tuple:
+    b, sq, hq, d = q.shape
     try:
-        for w in works:
-            w.wait()
-    except RuntimeError as e:
-        raise CommError(f"{what} over the CP ring ({groups.size} ranks) failed; a peer may have died: {e}") from e
+        name = ops.resolve_backend(q.device, backend)
+    except (ValueError, RuntimeError):  # agree first; the kernel call then says what is wrong
+        name = None
+    return (b, sq, hq, k.shape[2], d, q.dtype, name, lengths)
 
 
 def _finish(outs, lses, q_dtype, return_lse):
@@ -151,31 +172,24 @@ def ring_decode(
     cur = (k, v, _seqlens(cache_seqlens, k))
     nxt, prv = groups.cp_ranks[(r + 1) % p], groups.cp_ranks[(r - 1) % p]
     cap = b * plan.max_len * hkv * d
-    for hop in range(p):
-        src = (r - hop) % p  # owner of the shard in hand
-        works = []
-        if hop < p - 1:
-            n_in = plan.lengths[(src - 1) % p]
-            slot = hop % 2
-            bk = plan.buffer(f"ring_k{slot}", cap, k.dtype, k.device)[: b * n_in * hkv * d].view(b, n_in, hkv, d)
-            bv = plan.buffer(f"ring_v{slot}", cap, v.dtype, v.device)[: b * n_in * hkv * d].view(b, n_in, hkv, d)
-            bs = plan.buffer(f"ring_s{slot}", b, torch.int32, k.device)[:b]
-            try:
-                for t in cur:
-                    works.append(dist.isend(t.contiguous(), dst=nxt, group=groups.cp_group))
-                for t in (bk, bv, bs):
-                    works.append(dist.irecv(t, src=prv, group=groups.cp_group))
-            except RuntimeError as e:
-                raise CommError(f"ring decode: posting hop {hop} failed: {e}") from e
-            if stats is not None:
-                for t in cur:
-                    stats.record("cp", "send", _nbytes(t), _nbytes(t))
-        outs[src], lses[src] = ops.flash_decode(
-            q, cur[0], cur[1], cache_seqlens=cur[2], softmax_scale=softmax_scale, backend=backend
-        )
-        if works:
-            _wait(works, f"ring decode hop {hop}", groups)
-            cur = (bk, bv, bs)
+    with groups.agreement.call("ring decode", BASELINE_SIGNATURE, _signature(q, k, backend, plan.lengths)):
+        for hop in range(p):
+            src = (r - hop) % p  # owner of the shard in hand
+            pending = None
+            if hop < p - 1:
+                n_in = plan.lengths[(src - 1) % p]
+                slot = hop % 2
+                bk = plan.buffer(f"ring_k{slot}", cap, k.dtype, k.device)[: b * n_in * hkv * d].view(b, n_in, hkv, d)
+                bv = plan.buffer(f"ring_v{slot}", cap, v.dtype, v.device)[: b * n_in * hkv * d].view(b, n_in, hkv, d)
+                bs = plan.buffer(f"ring_s{slot}", b, torch.int32, k.device)[:b]
+                pending = collectives.p2p([(t, nxt) for t in cur], [(t, prv) for t in (bk, bv, bs)], groups.cp_group,
+                                          stats=stats, what=f"ring decode, hop {hop}")
+            outs[src], lses[src] = ops.flash_decode(
+                q, cur[0], cur[1], cache_seqlens=cur[2], softmax_scale=softmax_scale, backend=backend
+            )
+            if pending is not None:
+                pending.wait()
+                cur = (bk, bv, bs)
     if stats is not None:
         stats.calls += 1
     return _finish(outs, lses, q.dtype, return_lse)
@@ -210,18 +224,11 @@ def passq_ring_decode(
     states[r, :no] = out.reshape(-1)
     states[r, no:] = lse.reshape(-1)
     nxt, prv = groups.cp_ranks[(r + 1) % p], groups.cp_ranks[(r - 1) % p]
-    for hop in range(p - 1):
-        send_slot, recv_slot = (r - hop) % p, (r - hop - 1) % p
-        try:
-            works = [
-                dist.isend(states[send_slot], dst=nxt, group=groups.cp_group),
-                dist.irecv(states[recv_slot], src=prv, group=groups.cp_group),
-            ]
-        except RuntimeError as e:
-            raise CommError(f"pass-Q ring: posting hop {hop} failed: {e}") from e
-        _wait(works, f"pass-Q ring hop {hop}", groups)
-        if stats is not None:
-            stats.record("cp", "send", _nbytes(states[send_slot]), _nbytes(states[send_slot]))
+    with groups.agreement.call("pass-Q ring decode", BASELINE_SIGNATURE, _signature(q, k, backend, None)):
+        for hop in range(p - 1):
+            send_slot, recv_slot = (r - hop) % p, (r - hop - 1) % p
+            collectives.p2p([(states[send_slot], nxt)], [(states[recv_slot], prv)], groups.cp_group,
+                            stats=stats, what=f"pass-Q ring decode, hop {hop}").wait()
     if stats is not None:
         stats.calls += 1
     outs = states[:, :no].reshape(p, *out.shape)
@@ -258,16 +265,15 @@ def allgather_kv_decode(
     m = plan.max_len
     seq = _seqlens(cache_seqlens, k)
     gathered = []
-    for name, t in (("k", k), ("v", v)):
-        if n < m:  # pad this rank's shard to the common size
-            pad = plan.buffer(f"ag_pad_{name}", b * m * hkv * d, t.dtype, t.device)[: b * m * hkv * d].view(b, m, hkv, d)
-            pad[:, :n].copy_(t)
-            t = pad
-        else:
-            t = t.contiguous()
-        out_buf = plan.buffer(f"ag_{name}", p * b * m * hkv * d, t.dtype, t.device)[: p * b * m * hkv * d].view(p, b, m, hkv, d)
-        gathered.append(_gather_into(out_buf, t, groups, stats))
-    seqs = _gather_into(torch.empty(p, b, dtype=torch.int32, device=k.device), seq.contiguous(), groups, stats)
+    with groups.agreement.call("all-gather-KV decode", BASELINE_SIGNATURE, _signature(q, k, backend, plan.lengths)):
+        for name, t in (("k", k), ("v", v)):
+            if n < m:  # pad this rank's shard to the common size
+                pad = plan.buffer(f"ag_pad_{name}", b * m * hkv * d, t.dtype, t.device)[: b * m * hkv * d].view(b, m, hkv, d)
+                pad[:, :n].copy_(t)
+                t = pad
+            out_buf = plan.buffer(f"ag_{name}", p * b * m * hkv * d, t.dtype, t.device)[: p * b * m * hkv * d]
+            gathered.append(_gather_into(out_buf.view(p, b, m, hkv, d), t, groups, stats))
+        seqs = _gather_into(torch.empty(p, b, dtype=torch.int32, device=k.device), seq, groups, stats)
     outs, lses = [], []
     for u in range(p):
         o, l = ops.flash_decode(q, gathered[0][u], gathered[1][u], cache_seqlens=seqs[u],
@@ -281,11 +287,4 @@ def allgather_kv_decode(
 
 def _gather_into(out_buf: torch.Tensor, t: torch.Tensor, groups: TreeGroups, stats) -> torch.Tensor:
     """All-gather t into out_buf (P, *t.shape) over the CP group; record the traffic."""
-    parts = list(out_buf.unbind(0))
-    try:
-        dist.all_gather(parts, t, group=groups.cp_group)
-    except RuntimeError as e:
-        raise CommError(f"all-gather-KV decode: all_gather over {groups.size} ranks failed: {e}") from e
-    if stats is not None:
-        stats.record("cp", "all_gather", _nbytes(t), (groups.size - 1) * _nbytes(t))
-    return out_buf
+    return collectives.all_gather(t, groups.cp_group, out=out_buf, stats=stats, what="all-gather-KV decode")

@@ -18,6 +18,7 @@ are kept beside them (``positions``) for RoPE and causal masking.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -162,16 +163,43 @@ class ShardedKVCache:
         self.seqlens.copy_(torch.tensor([row.counts[self.cp_rank] for row in self._rows], dtype=torch.int32))
         return local
 
+    def _layer(self, layer, what: str) -> int:
+        """``layer`` as an index into the cache's layers, or a ValueError naming the valid range."""
+        try:
+            index = operator.index(layer)
+        except TypeError:
+            raise TypeError(f"{what}: layer must be an integer index, got {type(layer).__name__} {layer!r}") from None
+        if not 0 <= index < self.num_layers:
+            raise ValueError(f"{what}: layer index {index} is outside [0, {self.num_layers}) (the cache has "
+                             f"{self.num_layers} layers)")
+        return index
+
+    def _check_kv(self, what: str, k, v, tokens: int | None) -> None:
+        """k, v must be (batch, tokens, num_kv_heads, head_dim) floats; ``tokens=None`` allows any length."""
+        _, b, _, hkv, d = self.k.shape
+        for name, t in (("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+                raise TypeError(f"{what}: {name} must be a floating-point tensor, got "
+                                f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
+            shape = tuple(t.shape)
+            if len(shape) != 4 or shape[0] != b or shape[2:] != (hkv, d) or (tokens is not None and shape[1] != tokens):
+                expected = f"({b}, {'S' if tokens is None else tokens}, {hkv}, {d})"
+                raise ValueError(f"{what}: {name} must have shape {expected} (batch, tokens, num_kv_heads, "
+                                 f"head_dim), got {shape}")
+
     def write_prefill(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store this rank's prompt keys/values of one layer.
 
         k, v: (batch, S, num_kv_heads, head_dim) in the order of :meth:`start_prefill`'s
-        positions; padding entries are ignored.
+        positions (S at least this rank's largest share); padding entries are ignored.
         """
+        layer = self._layer(layer, "write_prefill")
+        self._check_kv("write_prefill", k, v, None)
         s = k.shape[1]
         n = self.local_max
-        if s < n:
-            raise ValueError(f"prefill keys cover {s} tokens per row, but this rank keeps up to {n}")
+        if s < n or v.shape[1] != s:
+            raise ValueError(f"write_prefill: k and v must cover the same S >= {n} tokens per row (this rank "
+                             f"keeps up to {n}), got k {tuple(k.shape)} and v {tuple(v.shape)}")
         self.k[layer, :, :n] = k[:, :n].to(self.k.dtype)
         self.v[layer, :, :n] = v[:, :n].to(self.v.dtype)
 
@@ -211,6 +239,12 @@ class ShardedKVCache:
 
         k, v: (batch, 1, num_kv_heads, head_dim); slots: (batch,) from :meth:`begin_decode_step`.
         """
+        layer = self._layer(layer, "append")
+        self._check_kv("append", k, v, 1)
+        if not isinstance(slots, torch.Tensor) or slots.dtype.is_floating_point or tuple(slots.shape) != (self.batch_size,):
+            raise ValueError(f"append: slots must be the integer ({self.batch_size},) tensor begin_decode_step returned, "
+                             f"got {slots.dtype if isinstance(slots, torch.Tensor) else type(slots).__name__} "
+                             f"{tuple(getattr(slots, 'shape', ()))}")
         rows = (slots >= 0).nonzero().flatten()
         if rows.numel():
             idx = slots[rows]
@@ -223,5 +257,6 @@ class ShardedKVCache:
         returns k, v: (batch, n, num_kv_heads, head_dim) with ``n = max(seqlens)``; rows
         shorter than n are masked by ``seqlens``.
         """
+        layer = self._layer(layer, "layer_kv")
         n = self.local_max
         return self.k[layer, :, :n], self.v[layer, :, :n]

@@ -22,8 +22,8 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
+from . import collectives
 from .cache import CacheOverflowError, ShardedKVCache
 from .comm import CommStats
 
@@ -205,7 +205,9 @@ def generate(
         ids = sample_next(logits, do_sample=do_sample, temperature=temperature, top_k=top_k,
                           top_p=top_p, generator=generator).to(model.device)
         if broadcast and groups is not None and groups.size > 1:  # CP rank 0 decides for everyone
-            dist.broadcast(ids, src=groups.cp_ranks[0], group=groups.cp_group)
+            # (B,) int64: B already agreed on by the model's checked collectives (prefill, merge)
+            collectives.broadcast(ids, groups.cp_ranks[0], groups.cp_group,
+                                  what="generate: broadcasting CP rank 0's token choice")
         return ids
 
     from tqdm.auto import tqdm

@@ -14,14 +14,18 @@ over the whole prompt returns for these queries (up to float rounding):
 Padding convention: a query or key whose position is negative is padding. Padded keys are
 never visible; padded queries see nothing and get output 0. Ranks may hold different
 numbers of tokens: the key length is padded to the CP-wide maximum internally.
+
+Agreement: both variants start with one all-gather of a fixed-size record per rank (its key
+length plus everything that must not differ: batch, heads, head dim, dtype, method, kernel
+backend), so ranks that disagree raise the same :class:`DisagreementError` on every rank,
+naming each rank's value, before any KV moves -- never a gloo abort on mismatched buffers.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from . import ops, reference
+from . import collectives, ops, reference
 from .comm import CommStats
 from .topology import TreeGroups
 
@@ -54,16 +58,43 @@ def _pad_keys(k, v, k_pos, length: int):
     return k.contiguous(), v.contiguous(), k_pos.contiguous()
 
 
-def _nbytes(*ts) -> int:
-    return sum(t.numel() * t.element_size() for t in ts)
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+PREFILL_SIGNATURE = ("batch", "heads_q", "heads_kv", "headdim", "dtype", "method", "backend")
+"""What every CP rank of a prefill must agree on (the local lengths may differ)."""
 
 
-def _common_length(n: int, groups: TreeGroups, device, stats) -> int:
-    t = torch.tensor([n], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=groups.cp_group)
-    if stats is not None:
-        stats.record_all_reduce("cp", "all_reduce_max", t.numel() * t.element_size(), groups.size)
-    return int(t.item())
+def _code(value, table) -> int:
+    return table.index(value) if value in table else -1
+
+
+def _agree_and_length(q, k, method: str, backend, groups: TreeGroups, stats) -> int:
+    """One all-gather of (seqlen_k, *PREFILL_SIGNATURE) per rank: the CP-wide key length, or an error.
+
+    Every rank sees every rank's record, so a disagreement is the same
+    :class:`DisagreementError` on every rank.
+    """
+    b, _, hq, d = q.shape
+    try:
+        name = ops.resolve_backend(q.device, backend)
+    except (ValueError, RuntimeError):  # unusable here: agree first, then the kernel call says why
+        name = None
+    record = [k.shape[1], b, hq, k.shape[2], d, _code(q.dtype, _DTYPES), _code(method, PREFILL_METHODS),
+              _code(name, ops.BACKENDS)]
+    mine = torch.tensor(record, dtype=torch.int64, device=q.device)  # NCCL needs device tensors
+    rows = collectives.all_gather(mine, groups.cp_group, level="cp", stats=stats,
+                                  what=f"CP prefill ({method}): exchanging shapes and key lengths").tolist()
+    decode = (lambda v: v, lambda v: v, lambda v: v, lambda v: v, lambda v: _name(v, _DTYPES),
+              lambda v: _name(v, PREFILL_METHODS), lambda v: _name(v, ops.BACKENDS))
+    table = {rank: {n: f(v) for n, f, v in zip(PREFILL_SIGNATURE, decode, row[1:])}
+             for rank, row in zip(groups.cp_ranks, rows)}
+    err = collectives.disagreement("CP prefill", table)
+    if err is not None:
+        raise err
+    return max(row[0] for row in rows)
+
+
+def _name(code: int, table) -> str:
+    return str(table[code]).replace("torch.", "") if 0 <= code < len(table) else f"other ({code})"
 
 
 def _local(q, k, v, q_pos, k_pos, softmax_scale, backend):
@@ -98,9 +129,10 @@ def ring_prefill(
     q_pos: (batch, seqlen_q), k_pos: (batch, seqlen_k) integer global positions, < 0 = padding
     returns out: (batch, seqlen_q, nheads_q, headdim) in q.dtype
 
-    Collectives: one all-reduce MAX of seqlen_k, then P-1 rounds of isend/irecv of
-    (k, v, k_pos) to the next/from the previous CP rank; recorded in ``stats`` (level
-    ``"cp"``, ops ``all_reduce_max`` and ``send_recv``) when one is given.
+    Collectives: one all-gather of a fixed-size record (seqlen_k and the signature; see
+    the module docstring), then P-1 rounds of one batch of isend/irecv of (k, v, k_pos) to
+    the next/from the previous CP rank; recorded in ``stats`` (level ``"cp"``, ops
+    ``all_gather`` and ``send``, one per message) when one is given.
     """
     _check(q, k, v, q_pos, k_pos)
     q_pos = q_pos.to(torch.int64)
@@ -108,7 +140,7 @@ def ring_prefill(
         k, v, kp = _pad_keys(k, v, k_pos, k.shape[1])
         return _local(q, k, v, q_pos, kp, softmax_scale, backend)[0].to(q.dtype)
     p, me = groups.size, groups.rank
-    length = _common_length(k.shape[1], groups, q.device, stats)
+    length = _agree_and_length(q, k, "ring", backend, groups, stats)
     k, v, kp = _pad_keys(k, v, k_pos, length)
     nxt, prv = groups.cp_ranks[(me + 1) % p], groups.cp_ranks[(me - 1) % p]
     q_last = int(q_pos.max()) if q_pos.numel() else -1
@@ -116,16 +148,11 @@ def ring_prefill(
     acc_out = acc_lse = None
     block = (k, v, kp)
     for step in range(p):
-        reqs, incoming = [], None
+        pending, incoming = None, None
         if step < p - 1:  # the next block travels while this one is computed
             incoming = tuple(torch.empty_like(t) for t in block)
-            # One batch of isend/irecv: NCCL would deadlock on a ring of separate blocking pairs.
-            p2p = [dist.P2POp(dist.isend, t, nxt, groups.cp_group) for t in block]
-            p2p += [dist.P2POp(dist.irecv, t, prv, groups.cp_group) for t in incoming]
-            reqs = dist.batch_isend_irecv(p2p)
-            if stats is not None:
-                n = _nbytes(*block)
-                stats.record("cp", "send_recv", n, n)
+            pending = collectives.p2p([(t, nxt) for t in block], [(t, prv) for t in incoming], groups.cp_group,
+                                      level="cp", stats=stats, what=f"ring prefill, round {step}")
         bk, bv, bp = block
         if bp.numel() and int(bp.min()) <= q_last:  # else every key is in the future: skip
             out, lse = _local(q, bk, bv, q_pos, bp, softmax_scale, backend)
@@ -133,8 +160,8 @@ def ring_prefill(
                 acc_out, acc_lse = out, lse
             else:
                 acc_out, acc_lse = ops.merge_states(torch.stack([acc_out, out]), torch.stack([acc_lse, lse]))
-        for r in reqs:
-            r.wait()
+        if pending is not None:
+            pending.wait()
         if incoming is not None:
             block = incoming
     if acc_out is None:  # no visible key at all (e.g. only padded queries on this rank)
@@ -156,23 +183,21 @@ def allgather_prefill(
 ) -> torch.Tensor:
     """Causal attention of this rank's queries over all ranks' keys, after an all-gather of KV.
 
-    Shapes as :func:`ring_prefill`. Collectives: one all-reduce MAX of seqlen_k, three
-    all-gathers (k, v, k_pos), recorded in ``stats`` when one is given. Holds every rank's keys at once: P times ring's KV memory.
+    Shapes as :func:`ring_prefill`. Collectives: one all-gather of a fixed-size record
+    (seqlen_k and the signature), three all-gathers (k, v, k_pos), recorded in ``stats``
+    when one is given. Holds every rank's keys at once: P times ring's KV memory.
     """
     _check(q, k, v, q_pos, k_pos)
     q_pos = q_pos.to(torch.int64)
     if groups is None or groups.size == 1:
         k, v, kp = _pad_keys(k, v, k_pos, k.shape[1])
         return _local(q, k, v, q_pos, kp, softmax_scale, backend)[0].to(q.dtype)
-    length = _common_length(k.shape[1], groups, q.device, stats)
+    length = _agree_and_length(q, k, "allgather", backend, groups, stats)
     k, v, kp = _pad_keys(k, v, k_pos, length)
     gathered = []
     for t in (k, v, kp):
-        parts = [torch.empty_like(t) for _ in range(groups.size)]
-        dist.all_gather(parts, t, group=groups.cp_group)
-        if stats is not None:
-            stats.record("cp", "all_gather", _nbytes(t), (groups.size - 1) * _nbytes(t))
-        gathered.append(torch.cat(parts, dim=1))
+        parts = collectives.all_gather(t, groups.cp_group, level="cp", stats=stats, what="all-gather prefill")
+        gathered.append(torch.cat(parts.unbind(0), dim=1))
     k_all, v_all, kp_all = gathered
     out, _ = _local(q, k_all, v_all, q_pos, kp_all, softmax_scale, backend)
     return out.to(q.dtype)

@@ -116,13 +116,22 @@ def check_cache_seqlens(cache_seqlens, batch: int, seqlen_k: int, device, *, by_
 
 
 def check_merge_inputs(outs: torch.Tensor, lses: torch.Tensor) -> None:
-    """outs: (P, batch, seqlen_q, nheads_q, headdim); lses: (P, batch, nheads_q, seqlen_q)."""
+    """outs: (P, batch, seqlen_q, nheads_q, headdim); lses: (P, batch, nheads_q, seqlen_q); P >= 1."""
+    for name, t in (("outs", outs), ("lses", lses)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"merge_states: {name} must be a stacked tensor (torch.stack the partial states), "
+                            f"got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"merge_states: {name} must be floating point, got {t.dtype}")
     if outs.dim() != 5 or lses.dim() != 4:
         raise ValueError(
             f"merge_states expects outs (P, B, Sq, Hq, D) and lses (P, B, Hq, Sq), "
             f"got {tuple(outs.shape)} and {tuple(lses.shape)}"
         )
     p, b, sq, hq, _ = outs.shape
+    if p == 0:
+        raise ValueError(f"merge_states needs at least one partial state (P >= 1), got outs {tuple(outs.shape)} "
+                         "with P = 0")
     if tuple(lses.shape) != (p, b, hq, sq):
         raise ValueError(f"lses must have shape {(p, b, hq, sq)} to match outs {tuple(outs.shape)}, got {tuple(lses.shape)}")
 

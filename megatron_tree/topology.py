@@ -12,7 +12,15 @@ index on every node (InfiniBand). A CP group that lives on one node, or has one 
 node, has a single level.
 
 Every process of the default group must call the builders with the same arguments (like
-``torch.distributed.new_group``), also processes that end up in another CP group.
+``torch.distributed.new_group``), also processes that end up in another CP group. The
+builders exchange what each rank sees (arguments, host name, launcher variables) once, in
+one all-gather over the default group, and validate the gathered facts with the same code
+on every rank: a bad layout is the same :class:`TopologyError` on every rank, never an
+error on some and a timeout on the others.
+
+Every group built here has a finite collective timeout: ``timeout=`` seconds, else the
+default group's own (what ``init_process_group(timeout=...)`` was given; torch's default
+is 30 minutes for gloo, 10 for NCCL), never ``None``.
 """
 
 from __future__ import annotations
@@ -25,9 +33,15 @@ from typing import Sequence
 
 import torch.distributed as dist
 
-__all__ = ["Level", "TreeGroups", "TopologyError", "launcher_local_size"]
+from . import collectives
+
+__all__ = ["Level", "TreeGroups", "TopologyError", "launcher_local_size", "LAUNCHER_VARIABLES"]
 
 ENV_HOSTNAME = "MEGATRON_TREE_HOSTNAME"  # override the host name, to test multi-host validation
+
+
+LAUNCHER_VARIABLES = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "SLURM_NTASKS_PER_NODE", "LOCAL_RANK", "SLURM_LOCALID")
+"""Launcher variables :meth:`TreeGroups.from_env` reads (processes per node, then local rank)."""
 
 
 class TopologyError(ValueError):
@@ -62,6 +76,17 @@ class TreeGroups:
     """Reduction levels, innermost first; one level for a single node or one rank per node."""
     intra_size: int
     """CP ranks per (possibly simulated) node."""
+    timeout: float | None = None
+    """Collective timeout of these groups in seconds (``None``: read from the CP group)."""
+
+    @property
+    def agreement(self) -> collectives.Agreement:
+        """The CP group's cross-rank signature check (shared by every ``TreeGroups`` of that group)."""
+        ag = self.__dict__.get("_agreement")
+        if ag is None:
+            ag = collectives.agreement_for(self.cp_group, self.cp_ranks, self.timeout)
+            object.__setattr__(self, "_agreement", ag)
+        return ag
 
     @property
     def size(self) -> int:
@@ -105,7 +130,7 @@ class TreeGroups:
         intra_size: int | None = None,
         *,
         node_of: Sequence | None = None,
-        timeout: float | None = None,
+        timeout: float | datetime.timedelta | None = None,
     ) -> "TreeGroups":
         """Build CP groups and their levels; every process calls it with the same arguments.
 
@@ -115,40 +140,46 @@ class TreeGroups:
         intra_size: CP ranks per node. ``None`` takes the real layout (ranks per host);
             a smaller divisor simulates nodes inside one host (8 processes as 2 x 4).
         node_of: node id of every global rank (default: host names, exchanged once).
-        timeout: seconds a collective on these groups may wait before failing.
+        timeout: seconds (or a ``timedelta``) a collective on these groups may wait before
+            failing with ``CommError``; default: the default process group's own timeout.
+
+        Collectives: one all-gather of this rank's facts (arguments, host name) over the
+        default group, then ``new_group`` for every CP group and level.
         """
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError(
-                "TreeGroups.build needs torch.distributed to be initialised "
-                "(init_process_group, torchrun, the deepspeed launcher or srun)"
-            )
+        _require_initialised("TreeGroups.build")
+        facts = _exchange_facts(ranks, intra_size, node_of, timeout)
+        return cls._assemble(facts, ranks, intra_size, node_of, timeout)
+
+    @classmethod
+    def _assemble(cls, facts: list[dict], ranks, intra_size, node_of, timeout) -> "TreeGroups":
+        """Validate the gathered facts (the same on every rank) and create the groups."""
         world = dist.get_world_size()
         me = dist.get_rank()
         cp_lists = _normalise_rank_lists(ranks, world)
         if node_of is None:
-            node_of = _gather_hostnames(world)
+            node_of = [f["host"] for f in facts]
         elif len(node_of) != world:
             raise TopologyError(f"node_of must name a node for each of the {world} ranks, got {len(node_of)}")
-        td = datetime.timedelta(seconds=timeout) if timeout is not None else None
+        td = collectives.as_timedelta(timeout) or collectives.group_timeout()
+        layouts = [(cp_ranks, _intra_size_for(cp_ranks, node_of, intra_size)) for cp_ranks in cp_lists]
 
         mine = None
-        for cp_ranks in cp_lists:
-            size_intra = _intra_size_for(cp_ranks, node_of, intra_size)
-            cp_group = dist.new_group(list(cp_ranks), timeout=td)
+        for cp_ranks, size_intra in layouts:
+            cp_group = collectives.new_group(cp_ranks, timeout=td)
             blocks = [cp_ranks[i : i + size_intra] for i in range(0, len(cp_ranks), size_intra)]
             strides = [tuple(b[j] for b in blocks) for j in range(size_intra)]
             levels: list[Level] = []
             if 1 < size_intra < len(cp_ranks):
                 for name, parts in (("intra", blocks), ("inter", strides)):
                     for part in parts:
-                        g = dist.new_group(list(part), timeout=td)
+                        g = collectives.new_group(part, timeout=td)
                         if me in part:
                             levels.append(Level(name, g, tuple(part)))
             if me in cp_ranks:
                 if not levels:
                     name = "inter" if size_intra == 1 and len(cp_ranks) > 1 else "intra"
                     levels = [Level(name, cp_group, tuple(cp_ranks))]
-                mine = cls(cp_group, tuple(cp_ranks), tuple(levels), size_intra)
+                mine = cls(cp_group, tuple(cp_ranks), tuple(levels), size_intra, td.total_seconds())
         if mine is None:
             raise TopologyError(f"rank {me} is not in any of the CP groups {cp_lists}")
         return mine
@@ -159,7 +190,7 @@ class TreeGroups:
         ranks: Sequence[int] | Sequence[Sequence[int]] | None = None,
         intra_size: int | None = None,
         *,
-        timeout: float | None = None,
+        timeout: float | datetime.timedelta | None = None,
         env: dict | None = None,
     ) -> "TreeGroups":
         """Build the groups from the launcher's environment (torchrun, deepspeed, Slurm).
@@ -168,25 +199,21 @@ class TreeGroups:
         ``SLURM_NTASKS_PER_NODE``) defines the real nodes, assuming the launchers' block
         placement (global rank = node * per_node + local rank), which is checked against
         ``LOCAL_RANK``/``SLURM_LOCALID``. ``intra_size`` may only split real nodes further.
+        timeout: as :meth:`build` (default: the default process group's own timeout).
+
+        Every rank's launcher variables are gathered once and checked on every rank, so a
+        variable that differs between ranks, is not an integer, or numbers ranks
+        round-robin across nodes is the same :class:`TopologyError` everywhere.
         """
+        _require_initialised("TreeGroups.from_env")
         env = os.environ if env is None else env
+        launcher = {v: env.get(v) for v in LAUNCHER_VARIABLES}
+        facts = _exchange_facts(ranks, intra_size, "launcher", timeout, launcher=launcher)
         world = dist.get_world_size()
-        me = dist.get_rank()
-        per_node, source = launcher_local_size(env)
-        if per_node is None:
-            per_node, source = world, "no launcher variable; one node assumed"
-        if world % per_node != 0:
-            raise TopologyError(
-                f"world size {world} is not a multiple of the processes per node {per_node} ({source})"
-            )
-        local_rank = env.get("LOCAL_RANK", env.get("SLURM_LOCALID"))
-        if local_rank is not None and int(local_rank) != me % per_node:
-            raise TopologyError(
-                f"rank {me} has local rank {local_rank}, but block placement with {per_node} processes "
-                f"per node ({source}) expects {me % per_node}; ranks must be numbered node by node"
-            )
+        per_node, source = _per_node_from_facts(facts, world)
+        _check_local_ranks(facts, per_node, source)
         node_of = [r // per_node for r in range(world)]
-        return cls.build(ranks, intra_size, node_of=node_of, timeout=timeout)
+        return cls._assemble(facts, ranks, intra_size, node_of, timeout)
 
     @classmethod
     def from_groups(cls, cp_group, level_groups: Sequence = ()) -> "TreeGroups":
@@ -197,8 +224,9 @@ class TreeGroups:
         """
         cp_ranks = tuple(dist.get_process_group_ranks(cp_group))
         level_groups = list(level_groups)
+        timeout = max(collectives.group_timeout(g).total_seconds() for g in [cp_group, *level_groups])
         if len(level_groups) in (0, 1):
-            return cls(cp_group, cp_ranks, (Level("intra", cp_group, cp_ranks),), len(cp_ranks))
+            return cls(cp_group, cp_ranks, (Level("intra", cp_group, cp_ranks),), len(cp_ranks), timeout)
         if len(level_groups) != 2:
             raise TopologyError(f"expected at most 2 levels (intra, inter), got {len(level_groups)}")
         ranks = [tuple(dist.get_process_group_ranks(g)) for g in level_groups]
@@ -210,7 +238,7 @@ class TreeGroups:
         if not set(ranks[0]) | set(ranks[1]) <= set(cp_ranks):
             raise TopologyError(f"level groups {ranks} are not inside the CP group {cp_ranks}")
         levels = (Level("intra", level_groups[0], ranks[0]), Level("inter", level_groups[1], ranks[1]))
-        return cls(cp_group, cp_ranks, levels, len(ranks[0]))
+        return cls(cp_group, cp_ranks, levels, len(ranks[0]), timeout)
 
 
 def launcher_local_size(env) -> tuple[int | None, str]:
@@ -293,8 +321,104 @@ def _intra_size_for(cp_ranks: Sequence[int], node_of: Sequence, intra_size: int 
     return intra_size
 
 
-def _gather_hostnames(world: int) -> list[str]:
-    name = os.environ.get(ENV_HOSTNAME) or socket.gethostname()
-    names: list = [None] * world
-    dist.all_gather_object(names, name)
-    return names
+def _require_initialised(what: str) -> None:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            f"{what} needs torch.distributed to be initialised "
+            "(init_process_group, torchrun, the deepspeed launcher or srun)"
+        )
+
+
+def _exchange_facts(ranks, intra_size, node_of, timeout, launcher: dict | None = None) -> list[dict]:
+    """Every rank's view of the build, gathered once over the default group (rank order).
+
+    Nothing is validated before the exchange, so that no rank raises while the others wait;
+    :func:`_check_same_call` is the first check on the gathered facts.
+    """
+    try:
+        td = collectives.as_timedelta(timeout) or collectives.group_timeout()
+        timeout_s, timeout_error = td.total_seconds(), None
+    except (TypeError, ValueError) as e:
+        timeout_s, timeout_error = repr(timeout), f"timeout must be a positive number of seconds or a timedelta: {e}"
+    shown_nodes = "from the launcher" if isinstance(node_of, str) else _plain_ranks(node_of)
+    call = (f"(ranks={_plain_ranks(ranks)!r}, intra_size={intra_size!r}, node_of={shown_nodes!r}, "
+            f"timeout_s={timeout_s!r})")
+    mine = {"call": call, "timeout_error": timeout_error, "launcher": launcher,
+            "host": os.environ.get(ENV_HOSTNAME) or socket.gethostname()}
+    facts = collectives.exchange_objects(mine, None, what="TreeGroups: exchanging topology facts")
+    _check_same_call(facts)
+    return facts
+
+
+def _check_same_call(facts: list[dict]) -> None:
+    calls: dict = {}
+    for r, f in enumerate(facts):
+        calls.setdefault(f["call"], []).append(r)
+    if len(calls) > 1:
+        listed = "; ".join(f"{call} on ranks {rs}" for call, rs in calls.items())
+        raise TopologyError(f"ranks built TreeGroups with different arguments: {listed}; every rank must pass the same")
+    if facts[0]["timeout_error"]:
+        raise TopologyError(facts[0]["timeout_error"])
+
+
+def _plain_ranks(value):
+    if value is None or isinstance(value, (str, int)):
+        return value
+    try:
+        return [_plain_ranks(v) for v in value]
+    except TypeError:
+        return repr(value)
+
+
+def _per_node_from_facts(facts: list[dict], world: int) -> tuple[int, str]:
+    """Processes per node from every rank's launcher variables; the same verdict on every rank."""
+    seen: dict = {}
+    for r, f in enumerate(facts):
+        try:
+            value, source = launcher_local_size(f["launcher"])
+        except TopologyError as e:
+            raise TopologyError(f"rank {r}: {e}") from None
+        seen.setdefault((value, source), []).append(r)
+    if len(seen) > 1:
+        listed = "; ".join(f"{src or 'no launcher variable'} on ranks {rs}" for (_, src), rs in seen.items())
+        raise TopologyError(
+            f"ranks see different processes per node: {listed}; every rank of one launch must see the same"
+        )
+    (per_node, source), = seen
+    if per_node is None:
+        per_node, source = world, "no launcher variable; one node assumed"
+    if world % per_node != 0:
+        raise TopologyError(
+            f"world size {world} is not a multiple of the processes per node {per_node} ({source})"
+        )
+    return per_node, source
+
+
+def _check_local_ranks(facts: list[dict], per_node: int, source: str) -> None:
+    """LOCAL_RANK / SLURM_LOCALID of every rank must be an integer equal to rank % per_node."""
+    found, var = [], None
+    for r, f in enumerate(facts):
+        env = f["launcher"]
+        var = "LOCAL_RANK" if env.get("LOCAL_RANK") is not None else "SLURM_LOCALID"
+        raw = env.get(var)
+        if raw is None:
+            found.append(None)
+            continue
+        try:
+            found.append(int(raw))
+        except (TypeError, ValueError):
+            raise TopologyError(
+                f"rank {r} has {var}={raw!r}, which is not an integer; expected its index on its node "
+                f"(0..{per_node - 1})"
+            ) from None
+    given = [(r, lr) for r, lr in enumerate(found) if lr is not None]
+    bad = [(r, lr) for r, lr in given if lr != r % per_node]
+    if bad:
+        r, lr = bad[0]
+        shown = [lr for _, lr in given][:16]
+        raise TopologyError(
+            f"rank {r} has local rank {lr}, but block placement with {per_node} processes per node ({source}) "
+            f"expects {r % per_node}; local ranks of ranks 0..{len(found) - 1} are {shown}"
+            f"{' ...' if len(given) > 16 else ''}, expected {[x % per_node for x, _ in given][:16]}; "
+            "ranks must be numbered node by node (round-robin numbering across nodes is not supported)"
+        )

@@ -251,6 +251,13 @@ def megatron_rank(rank, world):
         results["mixed_batch"] = mixed_length_batch(rank)
 
         mt.initialize_model_parallel(2)
+        # Misuse: our spec with Megatron's own wrapper and context at CP = 2, the patch reverted
+        # and never applied by hand: building the spec applies it, so the model refuses.
+        patches.revert_runtime()  # (the mixed batch's MegatronLM applied it)
+        results["megatron_ctx_cp2_patched_before"] = patches.check_runtime()
+        results["megatron_ctx_cp2"] = _error(
+            greedy_decode, _build_model(2, None, tree=True), GPTInferenceWrapper, StaticInferenceContext(2, MAX_LEN)
+        )
         results["deepspeed_mpu"] = deepspeed_mpu_check()
         results["bad_config_vs_groups"] = _error(_build_model, 4, None, True)
         results["bad_ctx_type"] = _error(
@@ -473,6 +480,15 @@ def test_bad_layouts_fail_loudly(megatron_results):
     assert out["bad_ctx_type"].startswith("RuntimeError") and "needs a TreeInferenceContext" in out["bad_ctx_type"]
 
 
+def test_megatrons_own_context_at_cp2_is_refused_on_every_rank(megatron_results):
+    """No TreeGPTInferenceWrapper anywhere: the spec alone makes Megatron's StaticInferenceContext fail loudly."""
+    for out in megatron_results:
+        assert out["megatron_ctx_cp2_patched_before"] == {"0001-attention-kv-cache-hook": False}
+        message = out["megatron_ctx_cp2"]
+        assert message.startswith("RuntimeError"), message
+        assert "context_parallel_size=2 needs a TreeInferenceContext (got StaticInferenceContext)" in message
+
+
 def test_spec_swap_idempotent_reversible_version_gated(monkeypatch, caplog):
     import logging
 
@@ -484,9 +500,15 @@ def test_spec_swap_idempotent_reversible_version_gated(monkeypatch, caplog):
     spec = get_gpt_layer_local_spec()
     subs = spec.submodules.self_attention.submodules
     assert subs.core_attention is DotProductAttention
+    from megatron_tree.integrations import patches
+
+    patches.revert_runtime()
     with caplog.at_level(logging.INFO, logger="megatron_tree.integrations"):
         mt.use_tree_attention(spec, strategy="two_level")
     assert any("TreeDotProductAttention(strategy=two_level)" in r.getMessage() for r in caplog.records)
+    # building the spec applies the KV-cache hook: Megatron's own context at CP > 1 then fails loudly
+    assert patches.check_runtime() == {"0001-attention-kv-cache-hook": True}
+    patches.revert_runtime()
     slot = subs.core_attention
     assert slot.func is mt.TreeDotProductAttention and slot.keywords["strategy"] == "two_level"
     assert slot._megatron_tree == mt.MARKER and slot.__wrapped__ is DotProductAttention

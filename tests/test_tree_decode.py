@@ -150,6 +150,9 @@ def accounting_body(rank, world, intra_size):
         q = torch.randn(b, sq, hq, d)
         k = torch.randn(b, n_local, hkv, d)
         for strategy in TREE_STRATEGIES[:-1]:
+            # A strategy (or shape) different from the previous call's is checked across ranks
+            # once (the agreement's own exchange, not merge traffic); count the steady state.
+            mt.tree_decode(q, k, k, groups, strategy=strategy)
             stats = mt.CommStats()
             with CommDebugMode() as debug:
                 mt.tree_decode(q, k, k, groups, strategy=strategy, stats=stats)

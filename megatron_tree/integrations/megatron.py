@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .. import ops
+from .. import collectives, ops
 from ..attention import tree_decode
 from ..comm import STRATEGIES
 from ..placement import RowPlacement
@@ -138,7 +138,9 @@ def initialize_model_parallel(
 
     Raises :class:`TopologyError` (before any group is created) when the CP size does not
     fit the world or the hierarchical sizes do not multiply to it; never falls back to CP = 1.
-    Extra keyword arguments go to ``parallel_state.initialize_model_parallel``.
+    Extra keyword arguments go to ``parallel_state.initialize_model_parallel``; its groups'
+    timeout (``distributed_timeout_minutes``) defaults to the default process group's own
+    rather than Megatron's fixed 30 minutes.
     """
     from megatron.core import parallel_state
 
@@ -162,6 +164,7 @@ def initialize_model_parallel(
                 f"context_parallel_size {context_parallel_size}"
             )
         hierarchical_context_parallel_sizes = sizes
+    kwargs.setdefault("distributed_timeout_minutes", collectives.group_timeout().total_seconds() / 60)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size,
@@ -199,14 +202,17 @@ _NEVER = 2**62
 """Key position of padding: later than every query, so the causal mask never shows it."""
 
 
-def _gather_seq(t: torch.Tensor, group, size: int) -> torch.Tensor:
-    """All-gather ``t`` ([s, ...], equal s on every rank) over ``group``; concatenated along dim 0."""
-    if size == 1:
+def _gather_seq(t: torch.Tensor, groups: TreeGroups, site: str) -> torch.Tensor:
+    """All-gather ``t`` ([s, ...], equal shape on every rank) over the CP group; concatenated along dim 0.
+
+    site names the call for the CP group's agreement check: ranks whose shapes or dtypes
+    differ get a ``DisagreementError`` naming each rank's, not a gloo abort.
+    """
+    if groups.size == 1:
         return t
-    t = t.contiguous()
-    parts = [torch.empty_like(t) for _ in range(size)]
-    dist.all_gather(parts, t, group=group)
-    return torch.cat(parts, dim=0)
+    with groups.agreement.call(site, ("shape", "dtype"), (tuple(t.shape), t.dtype)):
+        parts = collectives.all_gather(t, groups.cp_group, what=f"Megatron integration: {site}")
+    return torch.cat(parts.unbind(0), dim=0)
 
 
 # --------------------------------------------------------------------------- core attention
@@ -362,8 +368,8 @@ class TreeDotProductAttention(_megatron_module_base()):
             k_buf[slot, b0 + row_d] = key[tok_d, row_d]
             v_buf[slot, b0 + row_d] = value[tok_d, row_d]
         if plan.mode == "prefill":
-            keys = _gather_seq(key, self.groups.cp_group, self.cp_size)
-            values = _gather_seq(value, self.groups.cp_group, self.cp_size)
+            keys = _gather_seq(key, self.groups, "prefill keys/values")
+            values = _gather_seq(value, self.groups, "prefill keys/values")
             kpos = plan.gathered_positions.masked_fill(plan.gathered_positions < 0, _NEVER)
             self._pending = _Pending("prefill", plan.positions, kpos)
         else:
@@ -401,8 +407,8 @@ class TreeDotProductAttention(_megatron_module_base()):
             else:
                 qpos, kpos = self._training_positions(q, k, attn_mask_type)
                 if kpos is not None and self.cp_size > 1:
-                    k = _gather_seq(key, self.groups.cp_group, self.cp_size).transpose(0, 1)
-                    v = _gather_seq(value, self.groups.cp_group, self.cp_size).transpose(0, 1)
+                    k = _gather_seq(key, self.groups, "training-layout keys/values").transpose(0, 1)
+                    v = _gather_seq(value, self.groups, "training-layout keys/values").transpose(0, 1)
                 elif self.cp_size > 1:
                     raise NotImplementedError("unmasked attention at CP > 1 outside inference is not supported")
             if qpos is not None and qpos.dim() == 1:
@@ -462,10 +468,17 @@ def use_tree_attention(spec, *, strategy: str = "auto", backend: str | None = No
         block spec with ``submodules.layer_specs``. Idempotent: a slot that already holds
         ours (marker ``_megatron_tree``) is left alone. The previous slot content is kept in
         ``__wrapped__``; :func:`restore_core_attention` puts it back. Returns ``spec``.
+
+    Also applies patch 0001 (idempotent), so that with Megatron's own inference context at
+    CP > 1 the model fails with "needs a TreeInferenceContext" on every rank instead of
+    silently replicating the KV cache, even when our wrapper is never constructed.
     """
     version = check_megatron_version("use_tree_attention")
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown merge strategy {strategy!r}; expected one of {STRATEGIES}")
+    from .patches import apply_runtime
+
+    apply_runtime()
     for layer in _layer_specs(spec):
         subs = _self_attention_submodules(layer)
         current = subs.core_attention
@@ -793,7 +806,7 @@ class TreeGPTInferenceWrapper(_gpt_wrapper_base()):
         finally:
             ctx.materialize_only_last_token_logits = only_last
         if plan.mode == "prefill":
-            gathered = _gather_seq(logits.transpose(0, 1), ctx.groups.cp_group, ctx.cp_size).transpose(0, 1)
+            gathered = _gather_seq(logits.transpose(0, 1), ctx.groups, "prefill logits").transpose(0, 1)
             order_key = plan.gathered_positions[0].masked_fill(plan.gathered_positions[0] < 0, _NEVER)
             order = torch.argsort(order_key).to(gathered.device)
             logits = gathered.index_select(1, order)[:, :s]

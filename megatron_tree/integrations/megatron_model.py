@@ -33,6 +33,7 @@ from dataclasses import dataclass, fields
 import torch
 import torch.distributed as dist
 
+from .. import collectives
 from ..models.llama import CheckpointError
 
 __all__ = [
@@ -261,7 +262,7 @@ def single_rank_groups():
 
     mine = None
     for r in range(dist.get_world_size()):
-        g = dist.new_group([r])
+        g = collectives.new_group([r], timeout=collectives.group_timeout())
         if r == dist.get_rank():
             mine = g
     pgs = ProcessGroupCollection()
@@ -447,9 +448,9 @@ class MegatronLM:
             # one all-reduce SUM gives every rank the same (exact: x + 0 = x).
             logits = logits.float() * (1.0 if last else 0.0)
             if self.groups.size > 1:
-                dist.all_reduce(logits, op=dist.ReduceOp.SUM, group=self.groups.cp_group)
-                if stats is not None:
-                    stats.record_all_reduce("cp", "all_reduce_sum", logits.numel() * 4, self.groups.size)
+                with self.groups.agreement.call("MegatronLM.prefill", ("batch", "vocab"), tuple(logits.shape)):
+                    collectives.all_reduce(logits, self.groups.cp_group, op="sum", stats=stats,
+                                           what="MegatronLM.prefill: sum of the last prompt tokens' logits")
             if out is None:
                 out = torch.empty(len(prompts), logits.shape[-1], dtype=torch.float32, device=logits.device)
             out[b0:b1] = logits

@@ -15,14 +15,15 @@ transformers is not needed at run time.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, fields
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
+from .. import collectives
 from ..cache import CacheConfig, ShardedKVCache
 from ..comm import CommStats
 from ..layer import ROPE_TYPES, RotaryEmbedding, TreeAttention
@@ -34,7 +35,8 @@ try:  # NVIDIA apex's fused kernel, used on CUDA tensors when it is installed
 except Exception:  # noqa: BLE001 -- absent or broken apex: the torch path is exact anyway
     _apex_rms_norm = None
 
-__all__ = ["LlamaConfig", "Llama", "RMSNorm", "CheckpointError", "SUPPORTED_ARCHITECTURES"]
+__all__ = ["LlamaConfig", "Llama", "RMSNorm", "CheckpointError", "SUPPORTED_ARCHITECTURES", "check_checkpoint",
+           "safetensors_header"]
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
 
@@ -111,15 +113,20 @@ class LlamaConfig:
         (another architecture, biases, another activation) is a :class:`CheckpointError`.
         """
         if isinstance(source, (str, os.PathLike)):
-            path = os.path.join(source, "config.json") if os.path.isdir(source) else str(source)
+            path = os.path.join(source, "config.json") if os.path.isdir(source) else os.fspath(source)
             if not os.path.isfile(path):
                 raise CheckpointError(f"no config.json at {path}")
-            with open(path, encoding="utf-8") as f:
-                hf = json.load(f)
-        elif isinstance(source, dict):
-            hf = dict(source)
-        else:
-            raise TypeError(f"from_hf expects a dict or a path, got {type(source).__name__}")
+            hf = _read_json(path, "config.json")
+            try:
+                return cls._from_hf_dict(hf)
+            except (ValueError, TypeError) as e:  # CheckpointError is a ValueError: name the file
+                raise CheckpointError(f"{path}: {e}") from e
+        if isinstance(source, dict):
+            return cls._from_hf_dict(dict(source))
+        raise TypeError(f"from_hf expects a dict or a path, got {type(source).__name__}")
+
+    @classmethod
+    def _from_hf_dict(cls, hf: dict) -> "LlamaConfig":
         archs = hf.get("architectures") or []
         model_type = hf.get("model_type")
         if archs and not any(a in SUPPORTED_ARCHITECTURES for a in archs):
@@ -138,6 +145,8 @@ class LlamaConfig:
                 raise CheckpointError(f"{flag}=true is not supported; Llama layers have no biases")
         rope = hf.get("rope_parameters")
         if rope is not None:  # transformers >= 5
+            if not isinstance(rope, dict):
+                raise CheckpointError(f"rope_parameters must be an object, got {rope!r}")
             rope = dict(rope)
             theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
             scaling = rope if rope.get("rope_type", "default") != "default" else None
@@ -253,51 +262,26 @@ class Llama(nn.Module):
                         device: torch.device | str = "cpu") -> "Llama":
         """Load a Hugging Face Llama directory: ``config.json`` + ``model.safetensors`` or a sharded index.
 
-        Every CP rank loads the full weights. Missing or unexpected tensors, or tensors of
-        the wrong shape, raise :class:`CheckpointError` listing them.
+        Every CP rank loads the full weights. The checkpoint is first validated by
+        :func:`check_checkpoint` (headers only): an unreadable or invalid ``config.json``, a
+        truncated or garbage safetensors file, missing or unexpected tensors, or tensors of
+        the wrong shape raise :class:`CheckpointError` naming the file and what was wrong.
         """
         from safetensors import safe_open
 
         path = os.fspath(path)
-        cfg = LlamaConfig.from_hf(path)
-        single = os.path.join(path, "model.safetensors")
-        index = os.path.join(path, "model.safetensors.index.json")
-        if os.path.isfile(index):
-            with open(index, encoding="utf-8") as f:
-                weight_map = json.load(f)["weight_map"]
-            files = sorted(set(weight_map.values()))
-        elif os.path.isfile(single):
-            files = ["model.safetensors"]
-        else:
-            raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {path}")
-
+        cfg, layout = _validate_checkpoint(path)
         with torch.device("meta"):
             model = cls(cfg, groups, dtype)
-        expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
         state: dict[str, torch.Tensor] = {}
-        unexpected: list[str] = []
-        for fname in files:
-            with safe_open(os.path.join(path, fname), framework="pt", device="cpu") as f:
-                for name in f.keys():
-                    if name.endswith("rotary_emb.inv_freq"):
-                        continue  # older checkpoints store RoPE's buffer; it is recomputed
-                    if name == "lm_head.weight" and cfg.tie_word_embeddings:
-                        continue  # tied: the embedding is the output projection
-                    if name not in expected:
-                        unexpected.append(name)
-                        continue
-                    state[name] = f.get_tensor(name)
-        missing = sorted(set(expected) - set(state))
-        if missing or unexpected:
-            parts = []
-            if missing:
-                parts.append(f"missing tensors {missing}")
-            if unexpected:
-                parts.append(f"unexpected tensors {sorted(unexpected)}")
-            raise CheckpointError(f"checkpoint {path} does not match {cls.__name__}({cfg}): " + "; ".join(parts))
-        wrong = [f"{n}: {tuple(t.shape)} (expected {expected[n]})" for n, t in state.items() if tuple(t.shape) != expected[n]]
-        if wrong:
-            raise CheckpointError(f"checkpoint {path} has tensors of the wrong shape: {wrong}")
+        for fname, names in layout.items():
+            file = os.path.join(path, fname)
+            try:
+                with safe_open(file, framework="pt", device="cpu") as f:
+                    for name in names:
+                        state[name] = f.get_tensor(name)
+            except Exception as e:  # noqa: BLE001 -- safetensors' own error types vary by release
+                raise CheckpointError(f"cannot read {file}: {type(e).__name__}: {e}") from e
         state = {n: t.to(device=device, dtype=dtype) for n, t in state.items()}
         model.load_state_dict(state, strict=True, assign=True)
         return model
@@ -392,9 +376,9 @@ class Llama(nn.Module):
         h = (x * hit[..., None].to(x.dtype)).sum(dim=1)  # (B, hidden)
         if self.cp_size > 1:
             h32 = h.float()
-            dist.all_reduce(h32, op=dist.ReduceOp.SUM, group=self.groups.cp_group)
-            if stats is not None:
-                stats.record_all_reduce("cp", "all_reduce_sum", h32.numel() * h32.element_size(), self.cp_size)
+            with self.groups.agreement.call("Llama.prefill", ("batch", "hidden", "dtype"), (*h.shape, h.dtype)):
+                collectives.all_reduce(h32, self.groups.cp_group, op="sum", stats=stats,
+                                       what="Llama.prefill: sum of the last prompt tokens' hidden states")
             h = h32.to(h.dtype)
         return self._logits(h)
 
@@ -418,3 +402,146 @@ class Llama(nn.Module):
                                           strategy=strategy, stats=stats)
             x = layer._finish(x, attn)
         return self._logits(self.model.norm(x))[:, 0]
+
+
+# --------------------------------------------------------------------------- checkpoint validation
+
+_SAFETENSORS_ITEMSIZE = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "I16": 2, "F16": 2, "BF16": 2,
+    "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8,
+}
+_MAX_HEADER = 100 * 2**20  # safetensors' own limit on the JSON header
+
+
+def _read_json(path: str, what: str) -> dict:
+    """A JSON object from ``path``; anything else is a CheckpointError naming the file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"no {what} at {path}") from None
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); expected {what} (JSON)") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}); "
+                              f"expected {what}") from None
+    except OSError as e:
+        raise CheckpointError(f"cannot read {what} {path}: {e.strerror or e}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} must hold a JSON object, got {type(data).__name__}; expected {what}")
+    return data
+
+
+def safetensors_header(path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """``{tensor name: (dtype, shape)}`` of a safetensors file, validated against the file's size.
+
+    Reads only the header (8-byte length + JSON), never the tensors. A file too short for its
+    header, a header that is not JSON, or a tensor whose bytes lie beyond the end of the file
+    (a truncated download) is a :class:`CheckpointError` naming the file.
+    """
+    path = os.fspath(path)
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else None
+            raw = f.read(n) if n is not None and 0 < n <= min(size - 8, _MAX_HEADER) else None
+    except OSError as e:
+        raise CheckpointError(f"cannot read {path}: {e.strerror or e}") from None
+    if n is None:
+        raise CheckpointError(f"{path} is {size} bytes, too short for a safetensors header (truncated or empty)")
+    if raw is None:
+        raise CheckpointError(
+            f"{path} announces a {n}-byte header but the file has {size} bytes: not a safetensors file, or truncated"
+        )
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: the safetensors header is not valid JSON ({e}); not a safetensors file?") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: the safetensors header is not a JSON object")
+    data = size - 8 - n
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = info["dtype"], tuple(int(x) for x in info["shape"]), info["data_offsets"]
+            itemsize = _SAFETENSORS_ITEMSIZE[dtype]
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{path}: malformed header entry for tensor {name!r}: {info!r}") from None
+        if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end) or any(x < 0 for x in shape):
+            raise CheckpointError(f"{path}: tensor {name!r} has invalid shape {shape} or offsets {[begin, end]}")
+        if end - begin != math.prod(shape) * itemsize:
+            raise CheckpointError(f"{path}: tensor {name!r} of {dtype} {shape} needs {math.prod(shape) * itemsize} bytes, "
+                                  f"its offsets span {end - begin}")
+        if end > data:
+            raise CheckpointError(
+                f"{path} is truncated: tensor {name!r} ends at byte {8 + n + end} of the file, but the file has "
+                f"{size} bytes"
+            )
+        out[name] = (dtype, shape)
+    return out
+
+
+def _validate_checkpoint(path: str) -> tuple[LlamaConfig, dict[str, list[str]]]:
+    """The config and ``{file: [tensor names to load]}`` of a checkpoint directory, fully validated."""
+    if not os.path.isdir(path):
+        raise CheckpointError(f"checkpoint directory {path} does not exist (or is not a directory)")
+    cfg = LlamaConfig.from_hf(path)
+    single = os.path.join(path, "model.safetensors")
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        weight_map = _read_json(index, "a safetensors index").get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index} has no 'weight_map' object of tensor name -> file name")
+        files = sorted(set(weight_map.values()))
+        for fname in files:
+            if not os.path.isfile(os.path.join(path, fname)):
+                raise CheckpointError(f"{index} names {fname}, which is not in {path}")
+    elif os.path.isfile(single):
+        files = ["model.safetensors"]
+    else:
+        raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {path}")
+
+    with torch.device("meta"):
+        expected = {name: tuple(p.shape) for name, p in Llama(cfg).state_dict().items()}
+    found: dict[str, tuple] = {}
+    layout: dict[str, list[str]] = {}
+    unexpected: list[str] = []
+    for fname in files:
+        for name, (_, shape) in safetensors_header(os.path.join(path, fname)).items():
+            if name.endswith("rotary_emb.inv_freq"):
+                continue  # older checkpoints store RoPE's buffer; it is recomputed
+            if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                continue  # tied: the embedding is the output projection
+            if name not in expected:
+                unexpected.append(name)
+                continue
+            found[name] = shape
+            layout.setdefault(fname, []).append(name)
+    missing = sorted(set(expected) - set(found))
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing tensors {missing}")
+        if unexpected:
+            parts.append(f"unexpected tensors {sorted(unexpected)}")
+        raise CheckpointError(f"checkpoint {path} does not match Llama({cfg}): " + "; ".join(parts))
+    wrong = [f"{n}: {s} (expected {expected[n]})" for n, s in found.items() if s != expected[n]]
+    if wrong:
+        raise CheckpointError(f"checkpoint {path} has tensors of the wrong shape: {wrong}")
+    return cfg, layout
+
+
+def check_checkpoint(path) -> LlamaConfig:
+    """Validate a checkpoint directory without loading any tensor; return its config.
+
+    Checks what :meth:`Llama.from_pretrained` needs: ``config.json`` readable, valid JSON and
+    a supported Llama config; the safetensors file(s) (or the index and every file it
+    names) with intact headers whose tensors fit inside each file; every expected tensor
+    present, none unexpected, every shape right. Raises :class:`CheckpointError` naming the
+    file and what was wrong. Costs a few kilobytes of reads: cheap enough to run on every
+    rank before any process group starts (the eval CLI's pre-flight).
+    """
+    return _validate_checkpoint(os.fspath(path))[0]
