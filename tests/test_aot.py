@@ -19,6 +19,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -35,6 +36,9 @@ SMEM_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
 MAX_REGS_LOWP = 168
 """fp16/bf16 decode: at most 168 registers, so 3 blocks of 4 warps fit an SM's 64K registers."""
 LOWP = ("bfloat16", "float16")
+N = 256
+"""Cache length of the compiled calls: not a compile-time value (only strides' 16-divisibility
+is), so small tensors compile exactly what a 512K cache would, in little memory."""
 
 
 # ---- the configurations -------------------------------------------------------------------
@@ -56,16 +60,16 @@ def _decode_cases(full: bool):
     for dtype in dtypes:
         for d in dims:
             for name, (hq, hkv, sq, splits) in shapes.items():
-                q, kv = torch.zeros(2, sq, hq, d, dtype=dtype), torch.zeros(2, 4096, hkv, d, dtype=dtype)
+                q, kv = torch.zeros(2, sq, hq, d, dtype=dtype), torch.zeros(2, N, hkv, d, dtype=dtype)
                 yield {"variant": name, "dtype": str(dtype)[6:], "d": d, "heads": f"{hq}/{hkv}", "sq": sq}, \
                     q, kv, kv, {"num_splits": splits}
-                if full:
+                if full and name != "mqa_sq2":
                     yield from _feature_cases(dtype, d, hq, hkv, sq)
     if not full:
         yield from _feature_cases(torch.bfloat16, 80, 8, 2, 4, only=("causal",))
         yield from _feature_cases(torch.bfloat16, 128, 32, 8, 1, only=("paged16",))
         yield from _feature_cases(torch.float16, 128, 32, 8, 1, only=("paged256",))
-        q, kv = torch.zeros(2, 1, 32, 128), torch.zeros(2, 4096, 8, 128)
+        q, kv = torch.zeros(2, 1, 32, 128), torch.zeros(2, N, 8, 128)
         yield {"variant": "gqa", "dtype": "float32", "d": 128, "heads": "32/8", "sq": 1}, q, kv, kv, {}
 
 
@@ -79,16 +83,16 @@ def _feature_cases(dtype, d, hq, hkv, sq, only=("causal", "paged16", "paged256")
     label = {"dtype": str(dtype)[6:], "d": d, "heads": f"{hq}/{hkv}", "sq": sq}
     q = torch.zeros(2, sq, hq, d, dtype=dtype)
     if "causal" in only:
-        kv = torch.zeros(2, 4096, hkv, d, dtype=dtype)
+        kv = torch.zeros(2, N, hkv, d, dtype=dtype)
         yield {"variant": "causal", **label}, q, kv, kv, {
-            "cache_seqlens": torch.tensor([0, 4096], dtype=torch.int32),
-            "q_positions": torch.arange(4096 - sq, 4096).expand(2, sq), "k_positions": torch.arange(4096)}
+            "cache_seqlens": torch.tensor([0, N], dtype=torch.int32),
+            "q_positions": torch.arange(N - sq, N).expand(2, sq), "k_positions": torch.arange(N)}
     for page in (16, 256):
         if f"paged{page}" in only:
-            pool = torch.zeros(64 * 4096 // page, page, hkv, d, dtype=dtype)
-            table = torch.zeros(2, 4096 // page, dtype=torch.int32)
+            pool = torch.zeros(2 * N // page + 1, page, hkv, d, dtype=dtype)
+            table = torch.zeros(2, N // page, dtype=torch.int32)
             yield {"variant": f"paged{page}", **label}, q, pool, pool, {
-                "block_table": table, "cache_seqlens": torch.tensor([100, 4096], dtype=torch.int32),
+                "block_table": table, "cache_seqlens": torch.tensor([100, N], dtype=torch.int32),
                 "out_dtype": torch.float32}
 
 
@@ -101,7 +105,7 @@ def _merge_cases(full: bool):
     if full:
         combos = [(src, dst, d, p) for src in (torch.float32, torch.bfloat16, torch.float16)
                   for dst in ({src, torch.bfloat16, torch.float16} if src == torch.float32 else {src})
-                  for d in (64, 80, 128, 256) for p in (2, 64, 130)]
+                  for d in (64, 80, 128, 256) for p in (2, 130)]
     for src, dst, d, p in combos:
         outs = torch.zeros(p, 2, 1, 8, d, dtype=src)
         lses = torch.zeros(p, 2, 8, 1)
@@ -197,12 +201,13 @@ def test_lowp_decode_streams_kv_with_128bit_async_loads_into_bf16_fp16_tensor_co
         for d in (64, 128, 256):
             assert {(dtype, d, "gqa"), (dtype, d, "mqa")} <= covered, sorted(covered)
     assert {"causal", "paged16", "paged256"} <= {r["variant"] for r in lowp}
+    # mma.sync m16n8k16 (HMMA.16816) or, for 64-row tiles on sm_90, wgmma (HGMMA); never TF32.
+    want = {"bfloat16": r"(HMMA\.16816|HGMMA\.64x\d+x16)\.F32\.BF16", "float16": r"(HMMA\.16816|HGMMA\.64x\d+x16)\.F32"}
     for r in lowp:
-        want_mma = "HMMA.16816.F32.BF16" if r["dtype"] == "bfloat16" else "HMMA.16816.F32"
+        assert r["mma"] and all(re.fullmatch(want[r["dtype"]], op) for op in r["mma"]), f"MMA kind:\n{_show([r])}"
         assert r["ldg_u16"] == 0, f"16-bit scalar loads:\n{_show([r])}"
         tile_copies = r["config"]["BLOCK_N"] * r["config"]["BLOCK_D"] * 2 // (16 * 32 * r["config"]["num_warps"])
         assert r["ldgsts_128"] >= 3 * 2 * tile_copies, f"K/V copies not 128-bit or not pipelined:\n{_show([r])}"
-        assert set(r["mma"]) == {want_mma}, f"MMA kind:\n{_show([r])}"
         assert r["regs"] <= MAX_REGS_LOWP and r["stack"] == 0, _show([r])
 
 
@@ -214,14 +219,16 @@ def test_fp32_decode_keeps_fp32_accuracy_on_tensor_cores(rows):
 
 
 def test_non_causal_decode_loads_no_positions(rows):
-    """causal is a compile-time switch: only the causal build loads int64 positions (and the
-    int32 cache_seqlens); a plain call's kernel has no such load at all."""
+    """causal is a compile-time switch: only the causal build loads positions (and
+    cache_seqlens), with narrow loads; a plain call's kernel has no load but q's and K/V's
+    128-bit ones."""
     decode = [r for r in rows if r["kernel"] == "decode"]
     for r in decode:
+        narrow = r["ldg_64"] + r["ldg_32"] + r["ldgsts_narrow"] + r["ldg_u16"]
         if r["variant"] == "causal":
-            assert r["ldg_64"] >= 1 and r["ldg_32"] >= 1, _show([r])
+            assert narrow >= 2, _show([r])
         elif not r["variant"].startswith("paged"):
-            assert r["ldg_64"] == 0 and r["ldg_32"] == 0, _show([r])
+            assert narrow == 0, _show([r])
 
 
 def test_merge_kernel_reads_partials_with_vector_loads(rows):
@@ -285,9 +292,11 @@ def test_sass_facts_read_the_instructions_that_matter():
         "LDGSTS.E.BYPASS.LTC128B.128 [R3], desc[UR4][R4.64]", "@P0 LDGSTS.E.BYPASS.LTC128B.128.ZFILL [R3+0x800], desc[UR4][R6.64]",
         "LDG.E.64 R10, desc[UR4][R12.64]", "LDG.E R5, desc[UR4][R2.64]", "HMMA.16816.F32.BF16 R20, R4, R8, R20",
         "HMMA.16816.F32.BF16 R24, R4, R10, R24", "HMMA.1688.F32.TF32 R0, R2, R4, R0", "STL [R1], R6",
+        "LDGSTS.E.64 [R5+0x100], desc[UR4][R8.64]",
         "HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], R24"]))
     facts = sass_facts(sass)
-    assert facts == {"ldg_u16": 1, "ldg_128": 1, "ldgsts_128": 2, "ldg_64": 1, "ldg_32": 1, "stl": 1, "ldl": 0,
+    assert facts == {"ldg_u16": 1, "ldg_128": 1, "ldgsts_128": 2, "ldgsts_narrow": 1, "ldg_64": 1, "ldg_32": 1,
+                     "stl": 1, "ldl": 0,
                      "mma": {"HMMA.16816.F32.BF16": 2, "HMMA.1688.F32.TF32": 1, "HGMMA.64x64x16.F32.BF16": 1}}
 
 

@@ -93,8 +93,8 @@ def sass_facts(text: str) -> dict:
     """Instruction counts that matter for a memory-bound kernel, from its SASS.
 
     ldg_u16: 16-bit scalar global loads; ldg_128: 128-bit synchronous loads;
-    ldgsts_128: 128-bit asynchronous global->shared copies (cp.async); ldg_64 / ldg_32:
-    other loads; stl / lds spill traffic (``STL``/``LDL``); mma: each MMA opcode with its
+    ldgsts_128: 128-bit asynchronous global->shared copies (cp.async); ldgsts_narrow: narrower
+    ones; ldg_64 / ldg_32: other loads; stl / ldl: spill traffic; mma: each MMA opcode with its
     count (``HMMA.16816.F32.BF16``, ``HGMMA.64x64x16.F32.BF16``, ``HMMA.1688.F32.TF32`` ...).
     """
     lines = [ln.split("*/", 1)[1] if "*/" in ln else ln for ln in text.splitlines() if "/*" in ln]
@@ -103,6 +103,7 @@ def sass_facts(text: str) -> dict:
         "ldg_u16": sum(bool(re.search(r"\bLDG\.E\.(U16|S16)\b", op)) for op in ops),
         "ldg_128": sum(bool(re.search(r"\bLDG\.E\.128\b", op)) for op in ops),
         "ldgsts_128": sum(bool(re.search(r"\bLDGSTS\.E(\.\w+)*\.128\b", op)) for op in ops),
+        "ldgsts_narrow": sum(bool(re.search(r"\bLDGSTS\b", op)) and not re.search(r"\.128\b", op) for op in ops),
         "ldg_64": sum(bool(re.search(r"\bLDG\.E\.64\b", op)) for op in ops),
         "ldg_32": sum(bool(re.search(r"\bLDG\.E(\.(EL|EF|LU|CONSTANT|STRONG\.\w+))?\s", op + " ")) for op in ops),
         "stl": sum(bool(re.search(r"\bSTL\b", op)) for op in ops),

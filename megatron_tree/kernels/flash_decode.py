@@ -101,6 +101,8 @@ def _split_kv_kernel(
 ):
     # PAGE: 0 for a contiguous (B, N, Hkv, D) cache, else the block size of a paged one
     # (then s_kb / s_vb are block strides and s_bt the block table's row stride).
+    # EXACT_INPUTS: multiply in fp32 after widening the inputs (fp32 input, or the
+    # interpreter); otherwise fp16/bf16 operands go into the tensor cores as loaded.
     pid = tl.program_id(0)
     split = tl.program_id(1)
     mb = pid % num_m_blocks
@@ -133,7 +135,8 @@ def _split_kv_kernel(
     if EXACT_INPUTS:
         q = q.to(tl.float32)
     if CAUSAL:
-        qpos = tl.load(QPOS + b64 * s_qpb + s.to(tl.int64) * s_qps, mask=row_ok, other=0).to(tl.int64)
+        # Positions are compared as int32 (token positions stay below 2^31): half the registers.
+        qpos = tl.load(QPOS + b64 * s_qpb + s.to(tl.int64) * s_qps, mask=row_ok, other=0).to(tl.int32)
 
     hkv64 = hkv.to(tl.int64)
     if PAGE == 0:
@@ -172,7 +175,7 @@ def _split_kv_kernel(
             k = k.to(tl.float32)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         if CAUSAL:
-            kpos = tl.load(KPOS + b64 * s_kpb + offs_n.to(tl.int64) * s_kpn, mask=n_ok, other=0).to(tl.int64)
+            kpos = tl.load(KPOS + b64 * s_kpb + offs_n.to(tl.int64) * s_kpn, mask=n_ok, other=0).to(tl.int32)
             visible = n_ok[None, :] & (kpos[None, :] <= qpos[:, None])
         else:
             visible = n_ok[None, :]
@@ -217,7 +220,8 @@ def decode_config(headdim: int, rows: int, dtype: torch.dtype, paged: bool = Fal
     headdim: D; rows: query rows per KV head (GQA group size x Sq). Head dims that are not a
     power of two (80, 96) are padded to the next one with a compile-time mask. Query rows
     come in tiles of 16 (decode with GQA groups up to 16) or, for larger groups and several
-    query tokens in fp16/bf16, of up to 64 / 32 / 16 rows for head dims 64 / 128 / 256.
+    query tokens in fp16/bf16, of up to 64 / 32 / 16 rows for head dims 64 / 128 / 256
+    (with 8 warps; 16-row tiles use 4). fp32 input at head dim 256 uses 8 warps too.
     A paged cache adds two pipeline stages: Triton schedules the block-id load and the K/V
     loads that depend on it in stages of their own, and with two more stages two K/V tiles
     stay in flight as in the contiguous kernel (``tests/test_aot.py`` counts the copies).
@@ -234,7 +238,8 @@ def decode_config(headdim: int, rows: int, dtype: torch.dtype, paged: bool = Fal
         # three ways for tf32x3, so tiles stay small (a 64 x 256 query tile overflows A100's
         # shared memory).
         return {"BLOCK_M": 16, "BLOCK_N": 32 if block_d <= 128 else 16, "BLOCK_D": block_d,
-                "DOT_PRECISION": "tf32x3", "num_warps": 4, "num_stages": 4 if paged else 2}
+                "DOT_PRECISION": "tf32x3", "num_warps": 4 if block_d <= 128 else 8,
+                "num_stages": 4 if paged else 2}
     block_m = 16 if rows <= 16 else min(triton.next_power_of_2(rows), max(16, MAX_BLOCK_M * 64 // block_d))
     return {
         "BLOCK_M": block_m,
@@ -243,7 +248,8 @@ def decode_config(headdim: int, rows: int, dtype: torch.dtype, paged: bool = Fal
         "BLOCK_N": 64 if block_d <= 128 else 32,
         "BLOCK_D": block_d,
         "DOT_PRECISION": "tf32",  # unused for fp16/bf16 inputs (they multiply as they are)
-        "num_warps": 4,
+        # 32- and 64-row tiles take 8 warps: with 4, sm_80 needs up to 200 registers.
+        "num_warps": 4 if block_m == 16 else 8,
         "num_stages": 5 if paged else 3,
     }
 
@@ -365,13 +371,12 @@ def flash_decode(
 
     q: (batch, seqlen_q, nheads_q, headdim) fp16/bf16/fp32, any strides
     k, v: (batch, seqlen_k, nheads_kv, headdim), any strides (e.g. a slice of a larger cache),
-        or with ``block_table`` a paged cache (num_blocks, page, nheads_kv, headdim) whose
-        innermost stride is 1
+        or with ``block_table`` a paged cache (num_blocks, page, nheads_kv, headdim), any strides
     block_table: (batch, max_blocks) int32: row b's key j is in block block_table[b, j // page];
         then seqlen_k = max_blocks * page. Entries past a row's cache_seqlens are not read.
     cache_seqlens: (batch,) int32, valid keys per row (0 allowed; clamped to [0, seqlen_k])
-    q_positions: (batch, seqlen_q), k_positions: (batch, seqlen_k) or (seqlen_k,) integers;
-        key j is visible to query i iff k_pos[j] <= q_pos[i]
+    q_positions: (batch, seqlen_q), k_positions: (batch, seqlen_k) or (seqlen_k,) integers
+        below 2^31 (compared as int32); key j is visible to query i iff k_pos[j] <= q_pos[i]
     out_dtype: dtype of ``out`` (default q.dtype); float32 keeps partials unrounded
     num_splits, block_n, config: overrides of the heuristics (tests, benchmarks); config may
         set BLOCK_N, num_warps, num_stages
@@ -405,8 +410,6 @@ def decode_launches(q, k, v, *, block_table=None, cache_seqlens=None, softmax_sc
     cfg.update(config or {})
     if block_n is not None:
         cfg["BLOCK_N"] = block_n
-    if block_table is not None and k.stride(-1) != 1:
-        raise ValueError("a paged cache must be contiguous in its head dim (stride 1)")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     dev = q.device
     out_dtype = q.dtype if out_dtype is None else out_dtype
