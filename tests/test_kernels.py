@@ -455,7 +455,7 @@ def test_cuda_flash_decode_long_cache_every_head_dim(dtype, d):
 
 @needs_cuda
 def test_cuda_merge_matches_reference():
-    for p in (2, 21):
+    for p in (2, 21, 130):
         outs, lses = _random_states(p, torch.float32, seed=p)
         out, lse = ops.merge_states(outs.cuda(), lses.cuda())
         clean = torch.where(torch.isneginf(lses).transpose(-1, -2)[..., None], torch.zeros_like(outs), outs)
@@ -484,3 +484,89 @@ def test_cuda_decode_step_is_cuda_graph_capturable():
     # would be off by far more than that tolerance.
     assert (stale.float() - ref_o.float()).abs().max() > 0.05
     assert torch.allclose(out.float(), ref_o.float(), atol=4e-3, rtol=0)
+
+
+def _to_cuda(kw):
+    return {key: (val.cuda() if isinstance(val, torch.Tensor) else val) for key, val in kw.items()}
+
+
+@needs_cuda
+@pytest.mark.parametrize("page", [16, 256])
+def test_cuda_paged_matches_contiguous_and_reference(page):
+    """bf16 GQA 32/8, D 128, ragged rows (one empty), Sq 2 causal by per-row positions, a
+    random block table with spare blocks and NaN tails; one split and the occupancy's choice."""
+    from paged import to_paged
+
+    g = torch.Generator().manual_seed(page)
+    b, n, hq, hkv, d = 3, 3000, 32, 8, 128
+    q = torch.randn(b, 2, hq, d, generator=g).bfloat16()
+    k, v = (torch.randn(b, n, hkv, d, generator=g).bfloat16() for _ in range(2))
+    sl = torch.tensor([n, 0, 1234], dtype=torch.int32)
+    k_pool, v_pool, table = to_paged(k, v, sl, page, seed=page)
+    n_paged = table.shape[1] * page
+    k_pos = torch.stack([torch.arange(n_paged) + off for off in (0, 5, 700)])
+    kw = dict(cache_seqlens=sl, q_positions=torch.tensor([[n - 2, n - 1], [3, 4], [1500, 1933]]))
+    ref_o, ref_l = _oracle(q, k, v, k_positions=k_pos[:, :n], **kw)
+    base_o, base_l = _naive_same_dtype(q, k, v, k_positions=k_pos[:, :n], **kw)
+    for num_splits in (1, None):
+        out, lse = fd_cuda().flash_decode(q.cuda(), k_pool.cuda(), v_pool.cuda(), block_table=table.cuda(),
+                                          k_positions=k_pos.cuda(), num_splits=num_splits, **_to_cuda(kw))
+        flat, flat_l = fd_cuda().flash_decode(q.cuda(), k.cuda(), v.cuda(), k_positions=k_pos[:, :n].cuda(),
+                                              num_splits=num_splits, **_to_cuda(kw))
+        out, lse, flat, flat_l = out.cpu(), lse.cpu(), flat.cpu(), flat_l.cpu()
+        assert not torch.isnan(out).any() and torch.all(out[1] == 0) and torch.isneginf(lse[1]).all()
+        assert _err(out, ref_o) <= 2 * _err(base_o, ref_o) and _err(lse, ref_l) <= 2 * _err(base_l, ref_l)
+        # Same tiles and arithmetic as the contiguous kernel (only addresses and pipelining differ).
+        assert _err(out, flat) <= 2**-8 and _err(lse, flat_l) <= 1e-5, num_splits
+
+
+@needs_cuda
+def test_cuda_split_count_fills_whole_waves_of_this_gpu():
+    from megatron_tree.kernels.flash_decode import choose_num_splits, waves
+
+    dev = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    q = torch.randn(1, 1, 32, 128, dtype=torch.bfloat16, device=dev)
+    k = torch.randn(1, 65536, 8, 128, dtype=torch.bfloat16, device=dev)
+    _, _, launches = fd_cuda().decode_launches(q, k, k)
+    wave = waves(launches[0], dev)
+    assert wave % sms == 0 and sms <= wave <= 32 * sms, (wave, sms)
+    splits = launches[0].grid[1]
+    assert splits == choose_num_splits(65536 // launches[0].kwargs["BLOCK_N"], 8, wave) and splits > 1
+    assert 8 * splits / (wave * math.ceil(8 * splits / wave)) >= 0.9  # whole waves, 90 % full
+    out, lse = fd_cuda().flash_decode(q, k, k)
+    one, one_l = fd_cuda().flash_decode(q, k, k, num_splits=1)
+    assert (out.float() - one.float()).abs().max() <= 2**-7 and (lse - one_l).abs().max() <= 1e-4
+
+
+@needs_cuda
+def test_cuda_out_dtype_float32_one_rounding():
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(2, 1, 32, 128, generator=g).bfloat16().cuda()
+    k, v = (torch.randn(2, 2048, 8, 128, generator=g).bfloat16().cuda() for _ in range(2))
+    for num_splits in (1, 4):
+        o32, l32 = fd_cuda().flash_decode(q, k, v, out_dtype=torch.float32, num_splits=num_splits)
+        o16, l16 = fd_cuda().flash_decode(q, k, v, num_splits=num_splits)
+        # Rounded once: o16 is o32 to within half a bf16 ulp (outputs are below 1: ulp <= 2^-8).
+        assert o32.dtype == torch.float32 and (o32 - o16.float()).abs().max() <= 2**-9
+        assert not torch.equal(o32, o16.float()) and (l32 - l16).abs().max() <= 1e-6
+
+
+@needs_cuda
+def test_cuda_graph_keeps_its_own_workspace():
+    """A graph captured with split partials keeps its buffers: an eager call that needs a larger
+    workspace afterwards (the reused one is then replaced and freed) must not corrupt the replay."""
+    dev = torch.device("cuda")
+    q = torch.randn(1, 1, 32, 128, dtype=torch.bfloat16, device=dev)
+    k = torch.randn(1, 32768, 8, 128, dtype=torch.bfloat16, device=dev)
+    want, _ = fd_cuda().flash_decode(q, k, k)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, _ = fd_cuda().flash_decode(q, k, k)
+    qb = torch.randn(64, 1, 32, 128, dtype=torch.bfloat16, device=dev)
+    kb = torch.randn(64, 8192, 8, 128, dtype=torch.bfloat16, device=dev)
+    fd_cuda().flash_decode(qb, kb, kb, num_splits=64)  # needs a far larger workspace
+    torch.cuda.synchronize()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)

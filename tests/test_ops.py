@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -232,13 +234,32 @@ def test_gpu_check_script_is_valid_and_selects_the_cuda_tests():
     script = ROOT / "megatron_tree" / "bench" / "gpu_check.sh"
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
     text = script.read_text()
-    assert "TRITON_INTERPRET=0" in text and "-k cuda" in text and "bench.kernel --device cuda" in text
+    assert "TRITON_INTERPRET=0" in text and "-k cuda" in text and "megatron_tree.bench.gpu_check --out" in text
+    # Time limits of the parts add up to at most 8 minutes.
+    limits = [int(t) for t in re.findall(r"^timeout (\d+) ", text, flags=re.M)]
+    assert len(limits) == 2 and sum(limits) <= 8 * 60 - 30, limits
     for banned in ("deepspeed", "megatron.core", "wandb"):  # absent on the GPU machine
         assert f"import {banned}" not in text
     import test_kernels  # what "-k cuda" selects: the test_cuda_* functions, and nothing that runs on CPU
 
     selected = [n for n in dir(test_kernels) if n.startswith("test") and "cuda" in n]
-    assert len(selected) >= 4 and all(n.startswith("test_cuda_") for n in selected), selected
+    assert len(selected) >= 6 and all(n.startswith("test_cuda_") for n in selected), selected
+
+
+def test_gpu_check_records_a_failing_variant_and_keeps_the_others(tmp_path, monkeypatch):
+    from megatron_tree.bench import gpu_check
+
+    bad, good = {"BLOCK_N": 24, "num_warps": 4, "num_stages": 2}, {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+    monkeypatch.setattr(gpu_check, "_sweep_configs", lambda dry: [bad, good])
+    assert gpu_check.main(["--dry-run", "--steps", "sweep", "--out", str(tmp_path)]) == 1
+    sweep = json.loads((tmp_path / "gpu_check.json").read_text())["steps"]["sweep"]
+    assert "error" in sweep["N=128 BLOCK_N=24 warps=4 stages=2"]
+    kept = sweep["N=128 BLOCK_N=64 warps=4 stages=2"]
+    assert kept["max_abs_diff"] < 1e-5 and kept["median_s"] > 0 and "error" not in kept
+    # An exhausted time budget skips configurations instead of running them.
+    assert gpu_check.main(["--dry-run", "--steps", "merge", "--budget-s", "0", "--out", str(tmp_path)]) == 0
+    merge = json.loads((tmp_path / "gpu_check.json").read_text())["steps"]["merge"]
+    assert all(v == {"skipped": "time budget of the step used up"} for v in merge.values()) and len(merge) == 3
 
 
 def test_kernel_benchmark_cpu_mode_runs_and_reports(tmp_path):
@@ -246,30 +267,40 @@ def test_kernel_benchmark_cpu_mode_runs_and_reports(tmp_path):
 
     code = kb.main(["--device", "cpu", "--seqlens", "512", "--rounds", "2", "--out", str(tmp_path)])
     assert code == 0
-    import json
-
     result = json.loads((tmp_path / "kernel_bench_cpu.json").read_text())
     rows = {r["method"]: r for r in result["rows"]}
-    assert set(rows) == {"ours", "sdpa_gqa", "sdpa_gqa_bhnd"}
+    assert set(rows) == {"ours", "sdpa_gqa", "sdpa_gqa_bhnd"} and len(result["rows"]) == 3
     assert rows["ours"]["kv_bytes"] == 2 * 512 * 8 * 128 * 4 and rows["ours"]["time_vs_ours"] == 1.0
     for r in rows.values():  # every method agreed with ours before being timed
         assert r["max_abs_diff_vs_first"] < 1e-5 and r["median_s"] > 0 and r["kv_gbps"] > 0
 
 
-def test_gpu_check_needs_no_deepspeed_megatron_or_wandb():
-    # The GPU machine has none of them: the package and the CUDA test module must import
-    # with those imports failing.
-    script = textwrap.dedent("""
-        import sys
+def test_gpu_check_needs_no_deepspeed_megatron_or_wandb(tmp_path):
+    # The GPU machine has none of them: the package, the CUDA test module and every step of
+    # the GPU check (dry run: tiny shapes on CPU, interpreter for the kernels) must work with
+    # those imports failing.
+    script = textwrap.dedent(f"""
+        import json, sys
         for name in ("deepspeed", "megatron", "megatron.core", "wandb", "flash_attn"):
             sys.modules[name] = None  # makes `import name` raise ImportError
         import megatron_tree, megatron_tree.ops, megatron_tree.bench.kernel
+        from megatron_tree.bench import gpu_check
         import test_kernels
-        print("ok")
+        assert gpu_check.main(["--dry-run", "--out", {str(tmp_path)!r}]) == 0
+        doc = json.load(open({str(tmp_path / "gpu_check.json")!r}))
+        print(json.dumps(doc["steps"], default=str))
     """)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_INTERPRET"] = "0"
+    env["TRITON_INTERPRET"] = "1"
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH", "")])
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
-                          cwd=ROOT, timeout=120)
-    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-4000:]
+                          cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:] + proc.stdout[-2000:]
+    steps = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(steps) == {"env", "kernel", "sweep", "merge", "model_step"}
+    methods = {r["method"] for r in steps["kernel"]["bench"]["rows"]}
+    assert methods == {"ours", "sdpa_gqa", "sdpa_gqa_bhnd"}
+    assert all(v["max_abs_diff"] < 1e-5 for v in steps["sweep"].values()) and len(steps["sweep"]) == 2
+    assert all(v["max_abs_diff"] < 1e-5 for v in steps["merge"].values()) and len(steps["merge"]) == 3
+    # The capturable step composed from the model's modules equals Llama.decode_step.
+    assert steps["model_step"]["composed_decode_step_captured"]["max_abs_diff_vs_decode_step"] == 0.0
