@@ -17,7 +17,8 @@ Two modes:
   cache viewed as (B, H, N, D): no copy; the backend SDPA picked is recorded),
   ``flash_attn`` (``flash_attn_with_kvcache``, when importable). The ``ours`` row also
   carries the device time of each kernel (split vs merge, CUDA events around each launch)
-  and the split count. Before every timed call the L2 cache is flushed by *reading* a
+  and the split count; every row carries ``wall_per_call_s``, the host time per call of
+  back-to-back calls (launch overhead included: eager vs graph). Before every timed call the L2 cache is flushed by *reading* a
   buffer larger than it (a write would leave dirty lines whose write-back overlaps the
   timed kernel). Bandwidth is reported in GB/s, as a fraction of ``--peak-tbps`` (H200:
   4.8 TB/s) and as a fraction of a device-to-device copy measured in the same run.
@@ -222,6 +223,19 @@ def _kernel_times(q, k, v, timer: Timer, rounds: int) -> dict:
             "config": {k: v for k, v in launches[0].kwargs.items() if k.isupper() or k.startswith("num_")}}
 
 
+def _wall_per_call(call, reps: int = 20) -> float:
+    """Host wall time per call of ``reps`` back-to-back calls, synchronised at the end: where
+    launch overhead exceeds the kernel (short caches) this is what eager decode costs, and
+    what a CUDA graph saves. (The timed rounds flush L2 first, which hides launch overhead
+    behind the flush; they measure device time.)"""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        call()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / reps
+
+
 def run(cfg: KernelBenchConfig, log=print, on_row=None, deadline: float | None = None) -> dict:
     """Run the sweep; returns ``{"meta": ..., "rows": [...]}`` (one row per configuration x method).
 
@@ -279,6 +293,8 @@ def _one_config(cfg, methods, timer, device, dtype, b, n, hq, hkv, meta, log) ->
                 extra[name] = {"sdpa_backend": sdpa_backend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))}
             if name == "ours" and device.type == "cuda":
                 extra[name] = _kernel_times(q, k, v, timer, cfg.rounds)
+            if device.type == "cuda":
+                extra.setdefault(name, {})["wall_per_call_s"] = _wall_per_call(call)
         except Exception as e:  # OOM or an unsupported backend: recorded, not fatal
             errors[name] = f"{type(e).__name__}: {str(e)[:300]}"
         if device.type == "cuda":
@@ -333,6 +349,8 @@ def _fmt(row) -> str:
                  f"merge {row['merge_kernel_s'] * 1e6:.1f} us]")
     if "sdpa_backend" in row:
         text += f"  [{row['sdpa_backend']}]"
+    if "wall_per_call_s" in row:
+        text += f"  host {row['wall_per_call_s'] * 1e6:.0f} us/call"
     return text
 
 

@@ -1,12 +1,13 @@
-"""Triton kernel: merge P partial attention states in one pass (DESIGN.md section 1).
+"""Triton kernel: merge P partial attention states (DESIGN.md section 1).
 
 Invariant: this is the only Triton implementation of the merge formula, and it follows
 ``reference.merge_states`` exactly -- ``m = max_u lse_u``, ``w_u = exp(lse_u - m)`` (0 for an
 empty shard, and no NaN when every shard is empty), ``o = sum_u w_u o_u / sum_u w_u``,
-``lse = m + log sum_u w_u`` -- read with a running maximum so each partial is loaded once.
-It serves two callers: ``ops.merge_states`` (the local merge after ``comm``'s all-gather on
-GPU) and the combine pass of ``flash_decode.py`` (its KV splits are partial states too), so
-the split-KV kernel and the distributed merge share one formula and one set of edge cases.
+``lse = m + log sum_u w_u``. The lse of up to 128 partials are read at once for ``m``, then
+the partial outputs once each, with 128-bit loads; every offset is int64. It serves two
+callers: ``ops.merge_states`` (the local merge after ``comm``'s all-gather on GPU) and
+``flash_decode.py`` (its KV splits are partial states too), so the split-KV kernel and the
+distributed merge share one formula and one set of edge cases.
 
 Kernel tier only: ``@triton.jit`` code and a launcher that checks shapes, allocates and builds
 the grid. No torch.distributed here.
