@@ -221,7 +221,8 @@ def decode_config(headdim: int, rows: int, dtype: torch.dtype, paged: bool = Fal
     power of two (80, 96) are padded to the next one with a compile-time mask. Query rows
     come in tiles of 16 (decode with GQA groups up to 16) or, for larger groups and several
     query tokens in fp16/bf16, of up to 64 / 32 / 16 rows for head dims 64 / 128 / 256
-    (with 8 warps; 16-row tiles use 4). fp32 input at head dim 256 uses 8 warps too.
+    (8 warps; 16-row tiles with head dims up to 128 use 4). fp32 input at head dim 256 uses 8
+    warps too.
     A paged cache adds two pipeline stages: Triton schedules the block-id load and the K/V
     loads that depend on it in stages of their own, and with two more stages two K/V tiles
     stay in flight as in the contiguous kernel (``tests/test_aot.py`` counts the copies).
@@ -243,13 +244,13 @@ def decode_config(headdim: int, rows: int, dtype: torch.dtype, paged: bool = Fal
     block_m = 16 if rows <= 16 else min(triton.next_power_of_2(rows), max(16, MAX_BLOCK_M * 64 // block_d))
     return {
         "BLOCK_M": block_m,
-        # 64 keys x D per tile, 32 for D = 256: with 3 stages K and V tiles take
-        # 3 x 2 x 16 KB of shared memory, and registers stay under 168.
-        "BLOCK_N": 64 if block_d <= 128 else 32,
+        # 64 keys x D per tile (32 for D = 256 or 64-row tiles): K and V tiles of 16 KB per
+        # pipeline stage, and registers under 168 (checked under Triton 3.6 and 3.7).
+        "BLOCK_N": 64 if block_d <= 128 and block_m <= 32 else 32,
         "BLOCK_D": block_d,
         "DOT_PRECISION": "tf32",  # unused for fp16/bf16 inputs (they multiply as they are)
-        # 32- and 64-row tiles take 8 warps: with 4, sm_80 needs up to 200 registers.
-        "num_warps": 4 if block_m == 16 else 8,
+        # Wider tiles take 8 warps: with 4, sm_80 needs up to 200 registers.
+        "num_warps": 4 if block_m == 16 and block_d <= 128 else 8,
         "num_stages": 5 if paged else 3,
     }
 
