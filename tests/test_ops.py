@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -13,6 +15,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from distributed import run_ranks
 from megatron_tree import ops, reference, torch_decode
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -106,6 +109,64 @@ def test_torch_path_causal_several_queries_strided_cache(hkv):
     assert torch.allclose(lse[fin], ref_l[fin], atol=2e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("page", [4, 16])
+def test_torch_path_paged_equals_contiguous_and_reference(page, dtype):
+    """The paged torch path against the same rows stored contiguously and the fp64 reference:
+    random block table, blocks shared by no row, spare blocks and tails full of NaN, ragged
+    rows (one empty), GQA 8/2, two query tokens causal by per-row positions."""
+    from paged import to_paged
+
+    q, k, v = _inputs(dtype, sq=2, n=57)
+    sl = torch.tensor([57, 0, 22], dtype=torch.int32)
+    k_pool, v_pool, table = to_paged(k, v, sl, page, seed=page)
+    n_paged = table.shape[1] * page
+    k_pos = torch.stack([torch.arange(n_paged) + off for off in (0, 7, 40)])
+    q_pos = torch.tensor([[55, 56], [9, 10], [50, 61]])
+    kw = dict(cache_seqlens=sl, q_positions=q_pos)
+    out, lse = ops.flash_decode(q, k_pool, v_pool, block_table=table, k_positions=k_pos, **kw)
+    want_o, want_l = ops.flash_decode(q, k, v, k_positions=k_pos[:, :57], **kw)
+    ref_o, ref_l = reference.partial_attention(q.double(), k.double(), v.double(), k_positions=k_pos[:, :57], **kw)
+    assert out.dtype == dtype and not torch.isnan(out).any()
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_l)) and torch.isneginf(lse[1]).all()
+    fin = torch.isfinite(ref_l)
+    tol = 2e-6 if dtype == torch.float32 else 0.0  # bf16: both round the same fp32 result
+    assert (out.double() - want_o.double()).abs().max() <= tol
+    assert (lse[fin] - want_l[fin]).abs().max() <= 2e-6
+    tol_ref = 2e-6 if dtype == torch.float32 else 8e-3  # bf16: one rounding of values below 2
+    assert (out.double() - ref_o).abs().max() <= tol_ref and (lse[fin].double() - ref_l[fin]).abs().max() <= 2e-6
+    # The reference's own paged path agrees too.
+    rp_o, rp_l = reference.partial_attention(q, k_pool, v_pool, block_table=table, k_positions=k_pos, **kw)
+    assert (rp_o.double() - out.double()).abs().max() <= tol_ref and torch.equal(torch.isneginf(rp_l), torch.isneginf(lse))
+
+
+def test_out_dtype_through_ops_and_one_rounding_in_tree_decode():
+    q, k, v = _inputs(torch.bfloat16, n=57)
+    out32, lse = ops.flash_decode(q, k, v, out_dtype=torch.float32)
+    out16, lse16 = ops.flash_decode(q, k, v)
+    assert out32.dtype == torch.float32 and out16.dtype == torch.bfloat16 and torch.equal(lse, lse16)
+    assert torch.equal(out32.bfloat16(), out16) and not torch.equal(out32, out16.float())
+    reports = run_ranks(_one_rounding_body, 2)
+    for rep in reports:
+        assert rep["ours_vs_once"] == 0.0, rep  # bit for bit the fp32 merge rounded once
+        assert rep["twice_vs_once"] > 0.0, rep  # rounding the partials first would differ
+
+
+def _one_rounding_body(rank, world):
+    import megatron_tree as mt
+
+    q, k, v = _inputs(torch.bfloat16, b=4, hq=16, hkv=4, d=64, n=400, seed=11)
+    groups = mt.TreeGroups.build()
+    shard = slice(rank * 200, (rank + 1) * 200)
+    ours = mt.tree_decode(q, k[:, shard], v[:, shard], groups, strategy="allgather")
+    parts = [ops.flash_decode(q, k[:, s], v[:, s], out_dtype=torch.float32) for s in (slice(0, 200), slice(200, 400))]
+    once = reference.merge_states(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]))[0]
+    twice = reference.merge_states(torch.stack([p[0].bfloat16() for p in parts]),
+                                   torch.stack([p[1] for p in parts]))[0]
+    return {"ours_vs_once": float((ours.float() - once.bfloat16().float()).abs().max()),
+            "twice_vs_once": float((twice.float() - once.bfloat16().float()).abs().max())}
+
+
 def test_ops_validates_inputs_on_cpu():
     q, k, v = _inputs()
     with pytest.raises(ValueError, match=r"cache_seqlens must lie in \[0, 57\]"):
@@ -119,11 +180,16 @@ def test_ops_validates_inputs_on_cpu():
 
 
 def test_custom_ops_pass_opcheck():
+    from paged import to_paged
+
     q, k, v = _inputs(sq=2)
     sl = torch.tensor([5, 57, 0], dtype=torch.int32)
     qp, kp = torch.tensor([[10, 11]] * 3), torch.arange(57)
     torch.library.opcheck(torch.ops.megatron_tree.flash_decode.default, (q, k, v, sl, None, None, None, "torch"))
     torch.library.opcheck(torch.ops.megatron_tree.flash_decode.default, (q, k, v, None, 0.3, qp, kp, "torch"))
+    k_pool, v_pool, table = to_paged(k, v, sl, 8)
+    torch.library.opcheck(torch.ops.megatron_tree.flash_decode.default,
+                          (q, k_pool, v_pool, sl, None, None, None, "torch", table, torch.float64))
     outs, lses = torch.randn(3, 3, 2, 8, 32), torch.randn(3, 3, 8, 2)
     torch.library.opcheck(torch.ops.megatron_tree.merge_states.default, (outs, lses, "torch"))
     torch.library.opcheck(torch.ops.megatron_tree.merge_states.default, (outs[:1], lses[:1], "torch"))
@@ -136,6 +202,10 @@ def test_fake_implementations_give_contract_shapes_and_dtypes():
         out, lse = torch.ops.megatron_tree.flash_decode(q, k, k, None, None, None, None, "triton")
         assert out.shape == (4, 2, 16, 64) and out.dtype == torch.bfloat16
         assert lse.shape == (4, 16, 2) and lse.dtype == torch.float32
+        pool, table = torch.empty(30, 16, 4, 64, dtype=torch.bfloat16), torch.empty(4, 8, dtype=torch.int32)
+        out, lse = torch.ops.megatron_tree.flash_decode(q, pool, pool, None, None, None, None, "triton", table,
+                                                        torch.float32)
+        assert out.shape == (4, 2, 16, 64) and out.dtype == torch.float32 and lse.shape == (4, 16, 2)
         mo, ml = torch.ops.megatron_tree.merge_states(torch.empty(8, 4, 2, 16, 64), torch.empty(8, 4, 16, 2), "triton")
         assert mo.shape == (4, 2, 16, 64) and ml.shape == (4, 16, 2) and ml.dtype == torch.float32
 
@@ -164,13 +234,32 @@ def test_gpu_check_script_is_valid_and_selects_the_cuda_tests():
     script = ROOT / "megatron_tree" / "bench" / "gpu_check.sh"
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
     text = script.read_text()
-    assert "TRITON_INTERPRET=0" in text and "-k cuda" in text and "bench.kernel --device cuda" in text
+    assert "TRITON_INTERPRET=0" in text and "-k cuda" in text and "megatron_tree.bench.gpu_check --out" in text
+    # Time limits of the parts add up to at most 8 minutes.
+    limits = [int(t) for t in re.findall(r"^timeout (\d+) ", text, flags=re.M)]
+    assert len(limits) == 2 and sum(limits) <= 8 * 60 - 30, limits
     for banned in ("deepspeed", "megatron.core", "wandb"):  # absent on the GPU machine
         assert f"import {banned}" not in text
     import test_kernels  # what "-k cuda" selects: the test_cuda_* functions, and nothing that runs on CPU
 
     selected = [n for n in dir(test_kernels) if n.startswith("test") and "cuda" in n]
-    assert len(selected) >= 4 and all(n.startswith("test_cuda_") for n in selected), selected
+    assert len(selected) >= 6 and all(n.startswith("test_cuda_") for n in selected), selected
+
+
+def test_gpu_check_records_a_failing_variant_and_keeps_the_others(tmp_path, monkeypatch):
+    from megatron_tree.bench import gpu_check
+
+    bad, good = {"BLOCK_N": 24, "num_warps": 4, "num_stages": 2}, {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+    monkeypatch.setattr(gpu_check, "_sweep_configs", lambda dry: [bad, good])
+    assert gpu_check.main(["--dry-run", "--steps", "sweep", "--out", str(tmp_path)]) == 1
+    sweep = json.loads((tmp_path / "gpu_check.json").read_text())["steps"]["sweep"]
+    assert "error" in sweep["N=128 BLOCK_N=24 warps=4 stages=2"]
+    kept = sweep["N=128 BLOCK_N=64 warps=4 stages=2"]
+    assert kept["max_abs_diff"] < 1e-5 and kept["median_s"] > 0 and "error" not in kept
+    # An exhausted time budget skips configurations instead of running them.
+    assert gpu_check.main(["--dry-run", "--steps", "merge", "--budget-s", "0", "--out", str(tmp_path)]) == 0
+    merge = json.loads((tmp_path / "gpu_check.json").read_text())["steps"]["merge"]
+    assert all(v == {"skipped": "time budget of the step used up"} for v in merge.values()) and len(merge) == 3
 
 
 def test_kernel_benchmark_cpu_mode_runs_and_reports(tmp_path):
@@ -178,30 +267,40 @@ def test_kernel_benchmark_cpu_mode_runs_and_reports(tmp_path):
 
     code = kb.main(["--device", "cpu", "--seqlens", "512", "--rounds", "2", "--out", str(tmp_path)])
     assert code == 0
-    import json
-
     result = json.loads((tmp_path / "kernel_bench_cpu.json").read_text())
     rows = {r["method"]: r for r in result["rows"]}
-    assert set(rows) == {"ours", "sdpa_gqa", "sdpa_gqa_bhnd"}
+    assert set(rows) == {"ours", "sdpa_gqa", "sdpa_gqa_bhnd"} and len(result["rows"]) == 3
     assert rows["ours"]["kv_bytes"] == 2 * 512 * 8 * 128 * 4 and rows["ours"]["time_vs_ours"] == 1.0
     for r in rows.values():  # every method agreed with ours before being timed
         assert r["max_abs_diff_vs_first"] < 1e-5 and r["median_s"] > 0 and r["kv_gbps"] > 0
 
 
-def test_gpu_check_needs_no_deepspeed_megatron_or_wandb():
-    # The GPU machine has none of them: the package and the CUDA test module must import
-    # with those imports failing.
-    script = textwrap.dedent("""
-        import sys
+def test_gpu_check_needs_no_deepspeed_megatron_or_wandb(tmp_path):
+    # The GPU machine has none of them: the package, the CUDA test module and every step of
+    # the GPU check (dry run: tiny shapes on CPU, interpreter for the kernels) must work with
+    # those imports failing.
+    script = textwrap.dedent(f"""
+        import json, sys
         for name in ("deepspeed", "megatron", "megatron.core", "wandb", "flash_attn"):
             sys.modules[name] = None  # makes `import name` raise ImportError
         import megatron_tree, megatron_tree.ops, megatron_tree.bench.kernel
+        from megatron_tree.bench import gpu_check
         import test_kernels
-        print("ok")
+        assert gpu_check.main(["--dry-run", "--out", {str(tmp_path)!r}]) == 0
+        doc = json.load(open({str(tmp_path / "gpu_check.json")!r}))
+        print(json.dumps(doc["steps"], default=str))
     """)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_INTERPRET"] = "0"
+    env["TRITON_INTERPRET"] = "1"
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH", "")])
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
-                          cwd=ROOT, timeout=120)
-    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-4000:]
+                          cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:] + proc.stdout[-2000:]
+    steps = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(steps) == {"env", "kernel", "sweep", "merge", "model_step"}
+    methods = {r["method"] for r in steps["kernel"]["bench"]["rows"]}
+    assert methods == {"ours", "sdpa_gqa", "sdpa_gqa_bhnd"}
+    assert all(v["max_abs_diff"] < 1e-5 for v in steps["sweep"].values()) and len(steps["sweep"]) == 2
+    assert all(v["max_abs_diff"] < 1e-5 for v in steps["merge"].values()) and len(steps["merge"]) == 3
+    # The capturable step composed from the model's modules equals Llama.decode_step.
+    assert steps["model_step"]["composed_decode_step_captured"]["max_abs_diff_vs_decode_step"] == 0.0

@@ -5,10 +5,32 @@ query rows are *all* the query heads of that KV head's GQA group times the ``Sq`
 tokens, so every K/V tile is read from memory exactly once per split, whatever Hq/Hkv is
 (MQA included); KV is never expanded. Each split keeps flash-attention's online softmax in
 base 2 (``exp2`` of scores pre-multiplied by ``log2 e``) and converts to the natural log at
-its boundary, then the splits are combined by the one merge kernel in ``merge.py``: a split
-is a partial state exactly like a CP rank's shard. Values are converted to float32 right
-after every ``tl.load`` (the interpreter computes bf16 arithmetic wrongly; on GPU the
-bf16/fp16 -> fp32 -> tf32 path is lossless for the inputs), and partials travel in fp32.
+its boundary. Splits are partial states exactly like a CP rank's shard, combined by the one
+merge kernel in ``merge.py``; with a single split the kernel writes the result itself.
+
+What makes it fast on a GPU (each fact is asserted from the SASS by ``tests/test_aot.py``):
+
+* the head dim is a compile-time constant and the innermost strides are specialised to 1,
+  so K/V rows are read with 128-bit loads, issued asynchronously (``cp.async``) and
+  software-pipelined ``num_stages`` deep;
+* fp16/bf16 K and V go into the tensor cores as they are (``mma`` with fp32
+  accumulation); the probabilities are rounded to the input dtype for the second product,
+  as flash-attention does. fp32 input keeps fp32 accuracy (3-pass tf32);
+* ``causal``, ``cache_seqlens`` present and the paged layout are compile-time switches:
+  a call without them loads nothing for them and allocates nothing for them;
+* the split count fills whole waves of the GPU, computed from the compiled kernel's
+  registers, shared memory and warps and the device's limits (:func:`waves`).
+
+The Triton interpreter computes bf16 arithmetic and bf16 ``tl.dot`` wrongly (ENV.md), so
+under it (``EXACT_INPUTS``) inputs are converted to fp32 right after loading, and the
+probabilities and the output are rounded to their dtype by integer arithmetic
+(``merge.round_like_gpu``: round to nearest even, what the GPU's conversion does; the
+interpreter's own fp32 -> bf16 cast truncates): the interpreter tests check the GPU's
+rounding, exactly.
+
+Paged KV (``block_table``): key ``j`` of batch row ``b`` is slot ``j % page`` of block
+``block_table[b, j // page]`` of a ``[num_blocks, page, Hkv, D]`` cache; ``cache_seqlens``,
+``k_positions`` and splits all count keys in that logical order.
 
 Only plain pointer arithmetic and APIs present in Triton 3.6 through 3.9 are used (no
 ``tl.make_block_ptr``, no TMA descriptors), so the same source compiles on the GPU
@@ -26,54 +48,61 @@ import torch
 import triton
 import triton.language as tl
 
-from .merge import Launch, merge_launch
+from .merge import INTERPRETED, Launch, merge_launch, round_like_gpu
 
-__all__ = ["flash_decode", "decode_launches", "decode_config", "choose_num_splits", "SUPPORTED_DTYPES", "MAX_HEADDIM",
-           "MAX_BLOCK_M"]
+__all__ = ["flash_decode", "decode_launches", "decode_config", "choose_num_splits", "waves", "SUPPORTED_DTYPES",
+           "MAX_HEADDIM", "MAX_BLOCK_M", "MAX_SPLITS", "INTERPRETED"]
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEADDIM = 256
 MAX_BLOCK_M = 64
 """Query rows (GQA group x Sq) per program; larger groups are tiled over the grid."""
 MAX_SPLITS = 128
-MIN_BLOCKS_PER_SPLIT = 4
-"""A split reads at least this many KV tiles, so the combine pass stays small next to the reads."""
-PROGRAMS_PER_SM = 4
-"""Target programs per SM: enough loads in flight to saturate HBM on A100/H100-class GPUs."""
-INTERPRETER_SMS = 4
-"""Stand-in SM count on CPU (interpreter), so tests exercise the multi-split path."""
+"""At most this many KV splits per (row, KV head): the merge reads them all at once."""
+MIN_TILES_PER_SPLIT = 2
+"""A split reads at least this many KV tiles, so the merge stays small next to the reads."""
+INTERPRETER_WAVE = 4
+"""Stand-in programs per wave on CPU (interpreter), so tests exercise the multi-split path."""
 LOG2E = 1.4426950408889634
 
 
 # Integer arguments that vary between calls and are sometimes 1 (Sq, G, Hkv, ...) are not
 # specialised on: each would double the set of compiled variants (and the AOT check) for no
-# speed. K/V strides and the innermost strides stay specialised -- stride 1 and 16-element
-# alignment are what let Triton vectorise the K/V loads, the only loads that matter.
+# speed. Strides of q, K/V and out stay specialised -- stride 1 and 16-element alignment
+# are what let Triton vectorise their loads and stores.
 _DECODE_GENERIC = [
-    "N", "D", "SQ", "G", "HKV", "chunk", "num_m_blocks", "s_qb", "s_qs", "s_qh",
-    "s_qpb", "s_qps", "s_kpb", "s_kpn", "s_op", "s_ob", "s_os", "s_oh", "s_lp", "s_lb", "s_lh",
-    "s_ls", "causal",
+    "N", "G", "HKV", "chunk", "num_m_blocks", "s_bt",
+    "s_qpb", "s_qps", "s_kpb", "s_kpn", "s_lp", "s_lb", "s_lh", "s_ls",
 ]
 
 
 @triton.jit(do_not_specialize=_DECODE_GENERIC)
 def _split_kv_kernel(
-    Q, K, V, SEQLENS, QPOS, KPOS, O, LSE,
+    Q, K, V, SEQLENS, BLOCK_TABLE, QPOS, KPOS, O, LSE,
     scale_log2,
-    N, D, SQ, G, HKV, chunk, num_m_blocks,
+    N, SQ, G, HKV, chunk, num_m_blocks,
     s_qb, s_qs, s_qh, s_qd,
     s_kb, s_kn, s_kh, s_kd,
     s_vb, s_vn, s_vh, s_vd,
+    s_bt,
     s_qpb, s_qps,
     s_kpb, s_kpn,
     s_op, s_ob, s_os, s_oh, s_od,
     s_lp, s_lb, s_lh, s_ls,
-    causal,
-    DOT_PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_SEQLENS: tl.constexpr,
+    EXACT_INPUTS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
+    # PAGE: 0 for a contiguous (B, N, Hkv, D) cache, else the block size of a paged one
+    # (then s_kb / s_vb are block strides and s_bt the block table's row stride).
+    # EXACT_INPUTS: multiply in fp32 after widening the inputs (fp32 input, or the
+    # interpreter); otherwise fp16/bf16 operands go into the tensor cores as loaded.
     pid = tl.program_id(0)
     split = tl.program_id(1)
     mb = pid % num_m_blocks
@@ -83,42 +112,73 @@ def _split_kv_kernel(
     b64 = b.to(tl.int64)
 
     # Keys [start, end) of this split that row b holds (cache_seqlens clamped to [0, N]).
-    seqlen = tl.minimum(tl.maximum(tl.load(SEQLENS + b), 0), N)
+    if HAS_SEQLENS:
+        seqlen = tl.minimum(tl.maximum(tl.load(SEQLENS + b), 0), N)
+    else:
+        seqlen = N
     start = split * chunk
     end = tl.minimum(start + chunk, seqlen)
 
     # Query rows r = g * SQ + s: query head hkv * G + g, query token s.
     offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = offs_m < G * SQ
-    g = offs_m // SQ
-    s = offs_m % SQ
-    head = hkv * G + g
+    s = offs_m % SQ  # int32 while live across the loop (fewer registers); int64 at each use
+    head = hkv * G + offs_m // SQ
     offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < D
-    q_ptrs = (Q + b64 * s_qb + s[:, None].to(tl.int64) * s_qs + head[:, None].to(tl.int64) * s_qh
-              + offs_d[None, :] * s_qd)
-    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-    # causal is a runtime flag, not a constexpr: it halves the set of compiled configurations.
-    # Without it the position pointers are a one-element placeholder read with stride 0 (an
-    # L1 hit, nothing next to the K/V tiles) and the position test is switched off.
-    qpos = tl.load(QPOS + b64 * s_qpb + s * s_qps, mask=row_ok, other=0)
-    no_mask = causal == 0
+    if HEAD_DIM == BLOCK_D:  # compile-time: no head-dim mask at all
+        q_mask = row_ok[:, None]
+    else:  # 80, 96, ...: a constant-width mask, so the loads stay vectorised
+        q_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    q = tl.load(Q + b64 * s_qb + s[:, None].to(tl.int64) * s_qs + head[:, None].to(tl.int64) * s_qh
+                + offs_d[None, :] * s_qd,
+                mask=q_mask, other=0.0)
+    if EXACT_INPUTS:
+        q = q.to(tl.float32)
+    if CAUSAL:
+        # Positions are compared as int32 (token positions stay below 2^31): half the registers.
+        qpos = tl.load(QPOS + b64 * s_qpb + s.to(tl.int64) * s_qps, mask=row_ok, other=0).to(tl.int32)
 
-    k_base = K + b64 * s_kb + hkv.to(tl.int64) * s_kh
-    v_base = V + b64 * s_vb + hkv.to(tl.int64) * s_vh
+    hkv64 = hkv.to(tl.int64)
+    if PAGE == 0:
+        k_base = K + b64 * s_kb + hkv64 * s_kh
+        v_base = V + b64 * s_vb + hkv64 * s_vh
+    else:
+        k_base = K + hkv64 * s_kh
+        v_base = V + hkv64 * s_vh
+        bt_row = BLOCK_TABLE + b64 * s_bt
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < end
-        n64 = offs_n.to(tl.int64)
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_base + n64[:, None] * s_kn + offs_d[None, :] * s_kd, mask=kv_mask, other=0.0)
-        k = k.to(tl.float32)
+        if PAGE == 0:
+            k_rows = offs_n.to(tl.int64) * s_kn
+            v_rows = offs_n.to(tl.int64) * s_vn
+        elif PAGE % BLOCK_N == 0:
+            # n0 is a multiple of BLOCK_N (chunk is), so the whole tile lies in one block.
+            blk = tl.load(bt_row + n0 // PAGE).to(tl.int64)
+            slot = (n0 % PAGE + tl.arange(0, BLOCK_N)).to(tl.int64)
+            k_rows = blk * s_kb + slot * s_kn
+            v_rows = blk * s_vb + slot * s_vn
+        else:
+            blk = tl.load(bt_row + offs_n // PAGE, mask=n_ok, other=0).to(tl.int64)
+            slot = (offs_n % PAGE).to(tl.int64)
+            k_rows = blk * s_kb + slot * s_kn
+            v_rows = blk * s_vb + slot * s_vn
+        if HEAD_DIM == BLOCK_D:
+            kv_mask = n_ok[:, None]
+        else:
+            kv_mask = n_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+        k = tl.load(k_base + k_rows[:, None] + offs_d[None, :] * s_kd, mask=kv_mask, other=0.0)
+        if EXACT_INPUTS:
+            k = k.to(tl.float32)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        kpos = tl.load(KPOS + b64 * s_kpb + n64 * s_kpn, mask=n_ok, other=0)
-        visible = n_ok[None, :] & ((kpos[None, :] <= qpos[:, None]) | no_mask)
+        if CAUSAL:
+            kpos = tl.load(KPOS + b64 * s_kpb + offs_n.to(tl.int64) * s_kpn, mask=n_ok, other=0).to(tl.int32)
+            visible = n_ok[None, :] & (kpos[None, :] <= qpos[:, None])
+        else:
+            visible = n_ok[None, :]
         scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         # A row with no visible key so far keeps m = -inf; rescale against 0 to avoid inf - inf.
@@ -126,9 +186,13 @@ def _split_kv_kernel(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(scores - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + n64[:, None] * s_vn + offs_d[None, :] * s_vd, mask=kv_mask, other=0.0)
-        v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+        v = tl.load(v_base + v_rows[:, None] + offs_d[None, :] * s_vd, mask=kv_mask, other=0.0)
+        if EXACT_INPUTS:
+            v = v.to(tl.float32)
+            p = round_like_gpu(p, V.dtype.element_ty)
+        else:
+            p = p.to(V.dtype.element_ty)
+        acc = tl.dot(p, v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
 
     has = l_i > 0
@@ -137,73 +201,156 @@ def _split_kv_kernel(
     lse = tl.where(has, (tl.where(has, m_i, 0.0) + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453,
                    float("-inf"))
     split64 = split.to(tl.int64)
-    o_ptrs = (O + split64 * s_op + b64 * s_ob + s[:, None].to(tl.int64) * s_os
-              + head[:, None].to(tl.int64) * s_oh + offs_d[None, :] * s_od)
-    tl.store(o_ptrs, out, mask=row_ok[:, None] & d_ok[None, :])
-    tl.store(LSE + split64 * s_lp + b64 * s_lb + head * s_lh + s * s_ls, lse, mask=row_ok)
+    if HEAD_DIM == BLOCK_D:
+        o_mask = row_ok[:, None]
+    else:
+        o_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    s64 = s.to(tl.int64)
+    head64 = head.to(tl.int64)
+    if EXACT_INPUTS:
+        out = round_like_gpu(out, O.dtype.element_ty)  # then the interpreter's cast is exact
+    tl.store(O + split64 * s_op + b64 * s_ob + s64[:, None] * s_os + head64[:, None] * s_oh + offs_d[None, :] * s_od,
+             out.to(O.dtype.element_ty), mask=o_mask)
+    tl.store(LSE + split64 * s_lp + b64 * s_lb + head64 * s_lh + s64 * s_ls, lse, mask=row_ok)
 
 
-@functools.lru_cache(maxsize=None)
-def _no_positions(device: torch.device) -> torch.Tensor:
-    """A one-element int64 placeholder passed as the position pointers of non-causal calls."""
-    return torch.zeros(1, dtype=torch.int64, device=device)
-
-
-def decode_config(headdim: int, rows: int, dtype: torch.dtype) -> dict:
+def decode_config(headdim: int, rows: int, dtype: torch.dtype, paged: bool = False) -> dict:
     """Launch constants for one call: tile sizes, warps, stages and the dot precision.
 
     headdim: D; rows: query rows per KV head (GQA group size x Sq). Head dims that are not a
-    power of two (80, 96) are padded to the next one and masked; head dims below 64 are
-    padded to 64. Query rows come in tiles of 16 (decode with GQA groups up to 16) or, for
-    larger groups and several query tokens in fp16/bf16, of 64 / 32 / 16 rows for head dims
-    64 / 128 / 256. These few choices keep the set of configurations
-    small enough that ``tests/test_aot.py`` compiles every one of them for sm_80 and sm_90.
+    power of two (80, 96) are padded to the next one with a compile-time mask. Query rows
+    come in tiles of 16 (decode with GQA groups up to 16) or, for larger groups and several
+    query tokens in fp16/bf16, of up to 64 / 32 / 16 rows for head dims 64 / 128 / 256
+    (8 warps; 16-row tiles with head dims up to 128 use 4). fp32 input at head dim 256 uses 8
+    warps too.
+    A paged cache adds two pipeline stages: Triton schedules the block-id load and the K/V
+    loads that depend on it in stages of their own, and with two more stages two K/V tiles
+    stay in flight as in the contiguous kernel (``tests/test_aot.py`` counts the copies).
+    ``tests/test_aot.py`` compiles every configuration this returns for sm_80 and sm_90 and
+    checks registers (<= 168 for fp16/bf16), spills and the instructions used.
     """
     if not 1 <= headdim <= MAX_HEADDIM:
         raise ValueError(f"flash_decode kernel supports head dims 1..{MAX_HEADDIM}, got {headdim}")
     if dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"flash_decode kernel supports {SUPPORTED_DTYPES}, got {dtype}")
-    block_d = max(64, triton.next_power_of_2(headdim))
-    # fp32 input (not the performance path) keeps 16-row tiles: a 64 x 256 fp32 query tile
-    # split for tf32x3 overflows an A100's shared memory.
-    # Larger groups take 64 x 64, 32 x 128 (or 16 x 256) query tiles: wider ones spill.
-    block_m = 16 if rows <= 16 or dtype == torch.float32 else max(16, MAX_BLOCK_M * 64 // block_d)
+    block_d = max(16, triton.next_power_of_2(headdim))
+    if dtype == torch.float32:
+        # Not the performance path: fp32 K/V tiles are staged twice as large and split
+        # three ways for tf32x3, so tiles stay small (a 64 x 256 query tile overflows A100's
+        # shared memory).
+        return {"BLOCK_M": 16, "BLOCK_N": 32 if block_d <= 128 else 16, "BLOCK_D": block_d,
+                "DOT_PRECISION": "tf32x3", "num_warps": 4 if block_d <= 128 else 8,
+                "num_stages": 4 if paged else 2}
+    block_m = 16 if rows <= 16 else min(triton.next_power_of_2(rows), max(16, MAX_BLOCK_M * 64 // block_d))
     return {
         "BLOCK_M": block_m,
-        # K/V tiles of BLOCK_N x BLOCK_D live in registers as fp32: halve them for wide
-        # tiles and for fp32 input (whose shared-memory staging is twice as large).
-        "BLOCK_N": (64 if block_d * block_m <= 128 * 16 else 32) // (2 if dtype == torch.float32 else 1),
+        # 64 keys x D per tile (32 for D = 256 or 64-row tiles): K and V tiles of 16 KB per
+        # pipeline stage, and registers under 168 (checked under Triton 3.6 and 3.7).
+        "BLOCK_N": 64 if block_d <= 128 and block_m <= 32 else 32,
         "BLOCK_D": block_d,
-        # fp16/bf16 converted to fp32 are exact in tf32; fp32 input needs the 3-pass tf32
-        # split (fp32-accurate on tensor cores; "ieee" spills registers at these tile sizes).
-        "DOT_PRECISION": "tf32x3" if dtype == torch.float32 else "tf32",
-        "num_warps": 4 if block_m * block_d < 64 * 64 else 8,
-        "num_stages": 2,
+        "DOT_PRECISION": "tf32",  # unused for fp16/bf16 inputs (they multiply as they are)
+        # Wider tiles take 8 warps: with 4, sm_80 needs up to 200 registers.
+        "num_warps": 4 if block_m == 16 and block_d <= 128 else 8,
+        "num_stages": 5 if paged else 3,
     }
 
 
+# ---- split count from the compiled kernel's occupancy -----------------------------------
+
 @functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+def _device_limits(index: int) -> dict:
+    props = torch.cuda.get_device_properties(index)
+    return {
+        "sms": props.multi_processor_count,
+        "regs": getattr(props, "regs_per_multiprocessor", 65536),
+        "threads": getattr(props, "max_threads_per_multi_processor", 2048),
+        "smem": getattr(props, "shared_memory_per_multiprocessor", 0)
+        or (getattr(props, "shared_memory_per_block_optin", 0) + 1024),
+        "blocks": 32,  # resident blocks per SM on sm_80 / sm_90 (CUDA guide, compute capabilities)
+    }
 
 
-def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of ``device`` (a stand-in constant for CPU tensors/interpreter)."""
-    if device.type != "cuda":
-        return INTERPRETER_SMS
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+def blocks_per_sm(regs: int, shared: int, num_warps: int, limits: dict) -> int:
+    """Resident programs per SM for a kernel using ``regs`` registers per thread and ``shared``
+    bytes of shared memory with ``num_warps`` warps (registers are allocated per warp in
+    units of 256; the driver reserves 1 KB of shared memory per block)."""
+    per_warp = -(-max(regs, 1) * 32 // 256) * 256
+    by_regs = (limits["regs"] // per_warp) // num_warps
+    by_threads = limits["threads"] // (32 * num_warps)
+    by_smem = limits["smem"] // (shared + 1024) if shared else limits["blocks"]
+    return max(1, min(by_regs, by_threads, by_smem, limits["blocks"]))
 
 
-def choose_num_splits(seqlen_k: int, programs: int, sms: int, block_n: int) -> int:
-    """KV splits per (row, KV head): fill ``PROGRAMS_PER_SM * sms`` programs, but give each
-    split at least ``MIN_BLOCKS_PER_SPLIT`` tiles of ``block_n`` keys and at most ``MAX_SPLITS``.
+_WAVES: dict = {}
 
-    seqlen_k: N (the cache length, not the data-dependent cache_seqlens, so the launch needs
-    no device sync and can be captured in a CUDA graph); programs: B * Hkv * query-row blocks.
+
+def waves(launch: Launch, device: torch.device) -> int:
+    """Programs one wave of ``device`` runs at once for ``launch``'s compiled kernel.
+
+    Compiles (once per configuration and device) to read the kernel's registers and shared
+    memory; on CPU (interpreter) returns the stand-in ``INTERPRETER_WAVE``.
     """
-    tiles = triton.cdiv(max(seqlen_k, 1), block_n)
-    want = triton.cdiv(PROGRAMS_PER_SM * sms, max(programs, 1))
-    return max(1, min(want, triton.cdiv(tiles, MIN_BLOCKS_PER_SPLIT), MAX_SPLITS))
+    if device.type != "cuda":
+        return INTERPRETER_WAVE
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, tuple(str(a.dtype) for a in launch.args[:9] if isinstance(a, torch.Tensor)),
+           tuple(sorted(launch.kwargs.items())))
+    wave = _WAVES.get(key)
+    if wave is None:
+        compiled = launch.kernel.warmup(*launch.args, grid=launch.grid, **launch.kwargs)
+        compiled._init_handles()  # loads the module onto the device, which reads n_regs (Triton 3.6-3.7)
+        limits = _device_limits(index)
+        wave = limits["sms"] * blocks_per_sm(compiled.n_regs, compiled.metadata.shared,
+                                             compiled.metadata.num_warps, limits)
+        _WAVES[key] = wave
+    return wave
+
+
+def choose_num_splits(tiles: int, programs: int, wave: int) -> int:
+    """KV splits per (row, KV head, query-row block) so the grid fills whole waves.
+
+    tiles: KV tiles of the cache (from its length N, not the data-dependent cache_seqlens,
+    so the launch needs no device sync and can be captured in a CUDA graph); programs:
+    B * Hkv * query-row blocks; wave: programs the GPU runs at once (:func:`waves`).
+    A split reads at least ``MIN_TILES_PER_SPLIT`` tiles and there are at most
+    ``MAX_SPLITS``. Among split counts that change the work per split, take the fewest
+    whose wave efficiency (programs / (waves x wave)) is within 90 % of the best (the
+    heuristic FlashDecoding uses).
+    """
+    programs = max(programs, 1)
+    if programs >= 0.8 * wave:
+        return 1
+    most = max(1, min(MAX_SPLITS, tiles // MIN_TILES_PER_SPLIT))
+    effs = {}
+    for s in range(1, most + 1):
+        if s > 1 and -(-tiles // s) == -(-tiles // (s - 1)):
+            continue  # same tiles per split as s - 1: more programs for the same work
+        n = programs * s / wave
+        effs[s] = n / math.ceil(n)
+    best = max(effs.values())
+    return min(s for s, e in effs.items() if e >= 0.9 * best)
+
+
+# ---- workspace for the partial states ----------------------------------------------------
+
+_WORKSPACE: dict = {}
+
+
+def _workspace(numel: int, device: torch.device) -> torch.Tensor:
+    """An fp32 buffer of ``numel`` elements for the split partials, reused across calls.
+
+    One buffer per (device, stream), so kernels ordered on one stream never race. While a
+    CUDA graph is being captured a fresh buffer comes from the graph's private pool instead
+    (a reused buffer could be freed or grown under a graph that still points at it).
+    """
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return torch.empty(numel, dtype=torch.float32, device=device)
+    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
+    buf = _WORKSPACE.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = torch.empty(max(numel, 1 << 20), dtype=torch.float32, device=device)
+        _WORKSPACE[key] = buf
+    return buf[:numel]
 
 
 def flash_decode(
@@ -211,87 +358,117 @@ def flash_decode(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
+    block_table: torch.Tensor | None = None,
     cache_seqlens: torch.Tensor | None = None,
     softmax_scale: float | None = None,
     q_positions: torch.Tensor | None = None,
     k_positions: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
     num_splits: int | None = None,
     block_n: int | None = None,
+    config: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-KV flash decoding of q over one KV shard (inputs already validated by ``ops``).
 
     q: (batch, seqlen_q, nheads_q, headdim) fp16/bf16/fp32, any strides
-    k, v: (batch, seqlen_k, nheads_kv, headdim), any strides (e.g. a slice of a larger cache)
+    k, v: (batch, seqlen_k, nheads_kv, headdim), any strides (e.g. a slice of a larger cache),
+        or with ``block_table`` a paged cache (num_blocks, page, nheads_kv, headdim), any strides
+    block_table: (batch, max_blocks) int32: row b's key j is in block block_table[b, j // page];
+        then seqlen_k = max_blocks * page. Entries past a row's cache_seqlens are not read.
     cache_seqlens: (batch,) int32, valid keys per row (0 allowed; clamped to [0, seqlen_k])
-    q_positions: (batch, seqlen_q), k_positions: (batch, seqlen_k) or (seqlen_k,) integers;
-        key j is visible to query i iff k_pos[j] <= q_pos[i]
-    num_splits, block_n: overrides of the heuristics (tests, benchmarks)
-    returns out: (batch, seqlen_q, nheads_q, headdim) in q.dtype, zero where no key is visible
+    q_positions: (batch, seqlen_q), k_positions: (batch, seqlen_k) or (seqlen_k,) integers
+        below 2^31 (compared as int32); key j is visible to query i iff k_pos[j] <= q_pos[i]
+    out_dtype: dtype of ``out`` (default q.dtype); float32 keeps partials unrounded
+    num_splits, block_n, config: overrides of the heuristics (tests, benchmarks); config may
+        set BLOCK_N, num_warps, num_stages
+    returns out: (batch, seqlen_q, nheads_q, headdim) in out_dtype, zero where no key is visible
             lse: (batch, nheads_q, seqlen_q) float32, natural log, -inf where no key is visible
     """
     out, lse, launches = decode_launches(
-        q, k, v, cache_seqlens=cache_seqlens, softmax_scale=softmax_scale, q_positions=q_positions,
-        k_positions=k_positions, num_splits=num_splits, block_n=block_n,
+        q, k, v, block_table=block_table, cache_seqlens=cache_seqlens, softmax_scale=softmax_scale,
+        q_positions=q_positions, k_positions=k_positions, out_dtype=out_dtype, num_splits=num_splits,
+        block_n=block_n, config=config,
     )
     for launch in launches:
         launch.run()
     return out, lse
 
 
-def decode_launches(q, k, v, *, cache_seqlens=None, softmax_scale=None, q_positions=None,
-                    k_positions=None, num_splits=None, block_n=None):
+def decode_launches(q, k, v, *, block_table=None, cache_seqlens=None, softmax_scale=None, q_positions=None,
+                    k_positions=None, out_dtype=None, num_splits=None, block_n=None, config=None):
     """Allocate the outputs and build (without running) the kernel launches of one decode call.
 
-    Same arguments and shapes as :func:`flash_decode`; returns ``(out, lse, launches)``.
+    Same arguments and shapes as :func:`flash_decode`; returns ``(out, lse, launches)``: one
+    launch (the split kernel writing ``out`` itself) or two (split kernel, then merge).
     Split out so that ``tests/test_aot.py`` compiles exactly what a real call would launch.
     """
     b, sq, hq, d = q.shape
-    n, hkv = k.shape[1], k.shape[2]
+    hkv = k.shape[2]
+    page = 0 if block_table is None else k.shape[1]
+    n = k.shape[1] if block_table is None else block_table.shape[1] * page
     g = hq // hkv
-    cfg = decode_config(d, g * sq, q.dtype)
+    cfg = decode_config(d, g * sq, q.dtype, paged=block_table is not None)
+    cfg.update(config or {})
     if block_n is not None:
         cfg["BLOCK_N"] = block_n
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     dev = q.device
-    out = torch.empty((b, sq, hq, d), dtype=q.dtype, device=dev)
+    out_dtype = q.dtype if out_dtype is None else out_dtype
+    out = torch.empty((b, sq, hq, d), dtype=out_dtype, device=dev)
     lse = torch.empty((b, hq, sq), dtype=torch.float32, device=dev)
     if b * sq * hq == 0:
         return out, lse, []
-    if cache_seqlens is None:
-        cache_seqlens = torch.full((b,), n, dtype=torch.int32, device=dev)
     causal = q_positions is not None
-    if causal != 0:
-        q_pos = q_positions.to(torch.int64)
-        k_pos = k_positions.to(torch.int64)
-        k_pos = k_pos if k_pos.dim() == 2 else k_pos[None, :]
-        s_qp = q_pos.stride()
-        s_kp = (k_pos.stride(0) if k_pos.shape[0] == b and b > 1 else 0, k_pos.stride(1))
+    if causal:
+        s_qp = q_positions.stride()
+        s_kp = (k_positions.stride(0), k_positions.stride(1)) if k_positions.dim() == 2 else (0, k_positions.stride(0))
     else:
-        q_pos = k_pos = _no_positions(dev)
         s_qp = s_kp = (0, 0)
+    # Absent tensors are compile-time absent; q stands in for their pointers (never read).
+    seqlens = cache_seqlens if cache_seqlens is not None else q
+    table = block_table if block_table is not None else q
+    qpos, kpos = (q_positions, k_positions) if causal else (q, q)
+    s_bt = block_table.stride(0) if block_table is not None else 0
 
     m_blocks = triton.cdiv(g * sq, cfg["BLOCK_M"])
     programs = b * hkv * m_blocks
+    constants = {
+        "HEAD_DIM": d, "BLOCK_D": cfg["BLOCK_D"], "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"],
+        "PAGE": page, "CAUSAL": causal, "HAS_SEQLENS": cache_seqlens is not None,
+        "EXACT_INPUTS": INTERPRETED or q.dtype == torch.float32, "DOT_PRECISION": cfg["DOT_PRECISION"],
+        "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"],
+    }
+
+    def split_launch(grid, o, l, chunk):
+        # o, l: the final (out, lse), or the partials with a leading split dimension.
+        s_op, s_lp = (o.stride(0), l.stride(0)) if o.dim() == 5 else (0, 0)
+        return Launch(
+            _split_kv_kernel, grid,
+            (q, k, v, seqlens, table, qpos, kpos, o, l,
+             scale * LOG2E,
+             n, sq, g, hkv, chunk, m_blocks,
+             *q.stride(), *k.stride(), *v.stride(), s_bt, *s_qp, *s_kp,
+             s_op, *o.stride()[-4:], s_lp, *l.stride()[-3:]),
+            constants,
+        )
+
+    tiles = triton.cdiv(max(n, 1), cfg["BLOCK_N"])
     if num_splits is None:
-        num_splits = choose_num_splits(n, programs, sm_count(dev), cfg["BLOCK_N"])
+        # The compiled kernel is the same for any split count (chunk is a runtime argument).
+        num_splits = choose_num_splits(tiles, programs, waves(split_launch((programs, 1), out, lse, n), dev))
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    chunk = triton.cdiv(triton.cdiv(max(n, 1), num_splits), cfg["BLOCK_N"]) * cfg["BLOCK_N"]
+    chunk = triton.cdiv(tiles, num_splits) * cfg["BLOCK_N"]
     num_splits = triton.cdiv(max(n, 1), chunk)
+    if num_splits == 1:  # the split kernel writes the result itself, rounded once
+        return out, lse, [split_launch((programs, 1), out, lse, chunk)]
 
-    # Partials are always fp32, also for a single split (then the combine is just the cast to
-    # q.dtype): one pointer type per input dtype keeps the compiled set small (test_aot.py).
-    o_part = torch.empty((num_splits, b, sq, hq, d), dtype=torch.float32, device=dev)
-    lse_part = torch.empty((num_splits, b, hq, sq), dtype=torch.float32, device=dev)
-
-    split = Launch(
-        _split_kv_kernel, (programs, num_splits),
-        (q, k, v, cache_seqlens, q_pos, k_pos, o_part, lse_part,
-         scale * LOG2E,
-         n, d, sq, g, hkv, chunk, m_blocks,
-         *q.stride(), *k.stride(), *v.stride(), *s_qp, *s_kp, *o_part.stride(), *lse_part.stride(),
-         int(causal)),
-        {"DOT_PRECISION": cfg["DOT_PRECISION"], "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"],
-         "BLOCK_D": cfg["BLOCK_D"], "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]},
-    )
+    # Partials are fp32 in one reused workspace: o (P, B, Sq, Hq, D), then lse (P, B, Hq, Sq)
+    # starting 64-byte aligned.
+    o_numel = num_splits * b * sq * hq * d
+    o_pad = -(-o_numel // 16) * 16
+    work = _workspace(o_pad + num_splits * b * hq * sq, dev)
+    o_part = work[:o_numel].view(num_splits, b, sq, hq, d)
+    lse_part = work[o_pad:].view(num_splits, b, hq, sq)
+    split = split_launch((programs, num_splits), o_part, lse_part, chunk)
     return out, lse, [split, merge_launch(o_part, lse_part, out, lse)]

@@ -1,12 +1,13 @@
-"""Triton kernel: merge P partial attention states in one pass (DESIGN.md section 1).
+"""Triton kernel: merge P partial attention states (DESIGN.md section 1).
 
 Invariant: this is the only Triton implementation of the merge formula, and it follows
 ``reference.merge_states`` exactly -- ``m = max_u lse_u``, ``w_u = exp(lse_u - m)`` (0 for an
 empty shard, and no NaN when every shard is empty), ``o = sum_u w_u o_u / sum_u w_u``,
-``lse = m + log sum_u w_u`` -- read with a running maximum so each partial is loaded once.
-It serves two callers: ``ops.merge_states`` (the local merge after ``comm``'s all-gather on
-GPU) and the combine pass of ``flash_decode.py`` (its KV splits are partial states too), so
-the split-KV kernel and the distributed merge share one formula and one set of edge cases.
+``lse = m + log sum_u w_u``. The lse of up to 128 partials are read at once for ``m``, then
+the partial outputs once each, with 128-bit loads; every offset is int64. It serves two
+callers: ``ops.merge_states`` (the local merge after ``comm``'s all-gather on GPU) and
+``flash_decode.py`` (its KV splits are partial states too), so the split-KV kernel and the
+distributed merge share one formula and one set of edge cases.
 
 Kernel tier only: ``@triton.jit`` code and a launcher that checks shapes, allocates and builds
 the grid. No torch.distributed here.
@@ -19,81 +20,123 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.jit import JITFunction
 
-__all__ = ["merge_states", "merge_launch", "Launch", "MERGE_BLOCK_P", "merge_config", "SUPPORTED_DTYPES"]
+__all__ = ["merge_states", "merge_launch", "Launch", "MAX_BLOCK_P", "merge_config", "SUPPORTED_DTYPES",
+           "round_like_gpu", "INTERPRETED"]
 
-MERGE_BLOCK_P = 16
-"""Partial states read per loop iteration (a fixed tile: P is small and padding is masked)."""
+MAX_BLOCK_P = 128
+"""Partial states whose lse one program reads at once (P up to this needs no running rescale)."""
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEADDIM = 256
 
 
-# Shapes and outer strides vary between calls and are sometimes 1: not specialised on, so
-# the compiled set stays one kernel per (dtype, BLOCK_D). Innermost strides stay specialised.
-_MERGE_GENERIC = ["P", "SQ", "HQ", "D", "s_op", "s_ob", "s_os", "s_oh", "s_lp", "s_lb", "s_lh",
-                  "s_ls", "s_Ob", "s_Os", "s_Oh", "s_Lb", "s_Lh", "s_Ls"]
+@triton.jit
+def round_like_gpu(x, DTYPE: tl.constexpr):
+    """fp32 ``x`` rounded to ``DTYPE`` (round to nearest even, as the GPU converts), kept in fp32.
+
+    For the interpreter, whose fp32 -> bf16 cast truncates: after this the cast is exact.
+    x must be finite (probabilities and attention outputs are).
+    """
+    if DTYPE == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    elif DTYPE == tl.float16:
+        return x.to(tl.float16).to(tl.float32)
+    else:
+        return x
+
+
+# Shapes and lse strides vary between calls and are sometimes 1: not specialised on, so
+# the compiled set stays small. The head dim is a compile-time constant and the strides of
+# the outputs stay specialised (16-element alignment, innermost stride 1), so partial
+# outputs are read and the result written with vector loads and stores.
+_MERGE_GENERIC = ["P", "SQ", "HQ", "s_lp", "s_lb", "s_lh", "s_ls", "s_Lb", "s_Lh", "s_Ls"]
 
 
 @triton.jit(do_not_specialize=_MERGE_GENERIC)
 def _merge_kernel(
     OUTS, LSES, O, LSE,
-    P, SQ, HQ, D,
+    P, SQ, HQ,
     s_op, s_ob, s_os, s_oh, s_od,
     s_lp, s_lb, s_lh, s_ls,
     s_Ob, s_Os, s_Oh, s_Od,
     s_Lb, s_Lh, s_Ls,
-    BLOCK_P: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    CHUNK_P: tl.constexpr,
+    EXACT_ROUNDING: tl.constexpr,
 ):
-    # One program merges one (batch, query, head) row over all P partial states.
-    row = tl.program_id(0)
+    # One program merges one (batch, query, head) row over all P partial states. Every
+    # index is int64 before it meets a stride: s * s_os alone passes 2^31 once
+    # Sq * Hq * D does.
+    row = tl.program_id(0).to(tl.int64)
     h = row % HQ
     s = (row // HQ) % SQ
     b = (row // HQ) // SQ
-    b64 = b.to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < D
-    lse_base = LSES + b64 * s_lb + h * s_lh + s * s_ls
-    out_base = OUTS + b64 * s_ob + s * s_os + h * s_oh
+    lse_base = LSES + b * s_lb + h * s_lh + s * s_ls
+    out_base = OUTS + b * s_ob + s * s_os + h * s_oh
 
+    # Pass 1: m = max_u lse_u, all lse of the row at once when P <= BLOCK_P (= up to 128).
     m = tl.max(tl.full([BLOCK_P], float("-inf"), tl.float32), 0)
-    den = tl.sum(tl.zeros([BLOCK_P], tl.float32), 0)
-    num = tl.zeros([BLOCK_D], tl.float32)
     for p0 in range(0, P, BLOCK_P):
         offs_p = p0 + tl.arange(0, BLOCK_P)
+        lse = tl.load(lse_base + offs_p.to(tl.int64) * s_lp, mask=offs_p < P, other=float("-inf"))
+        m = tl.maximum(m, tl.max(lse.to(tl.float32), 0))
+    # All shards empty: m = -inf; weigh against 0 so every weight is 0 (no inf - inf).
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+
+    # Pass 2: num = sum_u w_u o_u, den = sum_u w_u, CHUNK_P partial outputs per load.
+    den = tl.sum(tl.zeros([CHUNK_P], tl.float32), 0)
+    num = tl.zeros([BLOCK_D], tl.float32)
+    for p0 in range(0, P, CHUNK_P):
+        offs_p = p0 + tl.arange(0, CHUNK_P)
         p_ok = offs_p < P
         p64 = offs_p.to(tl.int64)
         lse = tl.load(lse_base + p64 * s_lp, mask=p_ok, other=float("-inf")).to(tl.float32)
-        o = tl.load(out_base + p64[:, None] * s_op + offs_d[None, :] * s_od,
-                    mask=p_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-        m_new = tl.maximum(m, tl.max(lse, 0))
-        # All shards seen so far empty: m_new = -inf; rescale against 0 so every weight is 0.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        rescale = tl.exp(m - m_safe)
         w = tl.exp(lse - m_safe)
+        if HEAD_DIM == BLOCK_D:
+            o_mask = p_ok[:, None]
+        else:
+            o_mask = p_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+        o = tl.load(out_base + p64[:, None] * s_op + offs_d[None, :] * s_od, mask=o_mask, other=0.0)
         # An empty shard (w = 0) contributes nothing even if its output holds garbage.
-        contrib = tl.where(w[:, None] > 0, w[:, None] * o, 0.0)
-        num = num * rescale + tl.sum(contrib, 0)
-        den = den * rescale + tl.sum(w, 0)
-        m = m_new
+        num += tl.sum(tl.where(w[:, None] > 0, w[:, None] * o.to(tl.float32), 0.0), 0)
+        den += tl.sum(w, 0)
 
     has = den > 0
-    out = num / tl.where(has, den, 1.0)
-    out = tl.where(has, out, 0.0)
-    lse_out = tl.where(has, tl.where(has, m, 0.0) + tl.log(tl.where(has, den, 1.0)), float("-inf"))
-    tl.store(O + b64 * s_Ob + s * s_Os + h * s_Oh + offs_d * s_Od,
-             out.to(O.dtype.element_ty), mask=d_ok)
-    tl.store(LSE + b64 * s_Lb + h * s_Lh + s * s_Ls, lse_out)
+    out = tl.where(has, num / tl.where(has, den, 1.0), 0.0)
+    lse_out = tl.where(has, m_safe + tl.log(tl.where(has, den, 1.0)), float("-inf"))
+    if EXACT_ROUNDING:  # the interpreter: round to nearest even first, so its cast is exact
+        out = round_like_gpu(out, O.dtype.element_ty)
+    tl.store(O + b * s_Ob + s * s_Os + h * s_Oh + offs_d * s_Od, out.to(O.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)
+    tl.store(LSE + b * s_Lb + h * s_Lh + s * s_Ls, lse_out)
 
 
-def merge_config(headdim: int) -> dict:
-    """Launch constants for a head dim: ``BLOCK_D`` (next power of two, >= 64, as in
-    ``flash_decode.decode_config``) and ``num_warps``."""
+def merge_config(headdim: int, p: int) -> dict:
+    """Launch constants for a head dim and P partial states.
+
+    ``BLOCK_D``: the head dim's next power of two; ``BLOCK_P``: lse values read at once (P's
+    next power of two, at most ``MAX_BLOCK_P``); ``CHUNK_P``: partial outputs per load, at most
+    32 elements per thread and at least 8 (so 16-bit partials load 128 bits at a time; rows
+    past P are masked); 4 warps for tiles of 1024 elements and more, else 1.
+    """
     if not 1 <= headdim <= MAX_HEADDIM:
         raise ValueError(f"merge kernel supports head dims 1..{MAX_HEADDIM}, got {headdim}")
-    block_d = max(64, triton.next_power_of_2(headdim))
-    return {"BLOCK_P": MERGE_BLOCK_P, "BLOCK_D": block_d, "num_warps": 1 if block_d <= 64 else 2}
+    block_d = max(16, triton.next_power_of_2(headdim))
+    block_p = min(MAX_BLOCK_P, max(2, triton.next_power_of_2(p)))
+    num_warps = 4 if block_p * block_d >= 1024 else 1
+    chunk_p = max(min(block_p, 32 * 32 * num_warps // block_d), 8 * 32 * num_warps // block_d)
+    return {"BLOCK_D": block_d, "BLOCK_P": block_p, "CHUNK_P": chunk_p, "num_warps": num_warps}
+
+
+INTERPRETED = not isinstance(_merge_kernel, JITFunction)
+"""True when ``TRITON_INTERPRET=1`` was set before import (kernels then run on CPU tensors)."""
 
 
 class Launch(NamedTuple):
@@ -121,12 +164,12 @@ def merge_launch(outs: torch.Tensor, lses: torch.Tensor, out: torch.Tensor, lse:
     lse: (batch, nheads_q, seqlen_q) float32 (written)
     """
     p, b, sq, hq, d = outs.shape
-    cfg = merge_config(d)
+    cfg = merge_config(d, p)
     return Launch(
         _merge_kernel, (b * sq * hq,),
-        (outs, lses, out, lse, p, sq, hq, d,
+        (outs, lses, out, lse, p, sq, hq,
          *outs.stride(), *lses.stride(), *out.stride(), *lse.stride()),
-        {"BLOCK_P": cfg["BLOCK_P"], "BLOCK_D": cfg["BLOCK_D"], "num_warps": cfg["num_warps"]},
+        {"HEAD_DIM": d, "EXACT_ROUNDING": INTERPRETED, **cfg},
     )
 
 
