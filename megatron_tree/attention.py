@@ -16,6 +16,7 @@ import torch
 
 from . import comm, ops
 from .comm import CommStats
+from .reference import acc_dtype
 from .topology import TreeGroups
 
 __all__ = ["tree_decode"]
@@ -53,9 +54,10 @@ def tree_decode(
     """
     if strategy not in comm.STRATEGIES:
         raise ValueError(f"unknown merge strategy {strategy!r}; expected one of {comm.STRATEGIES}")
+    # fp32 partials (DESIGN.md section 1): a bf16/fp16 result is rounded once, below.
     out, lse = ops.flash_decode(
         q, k, v, cache_seqlens=cache_seqlens, softmax_scale=softmax_scale,
-        q_positions=q_positions, k_positions=k_positions, backend=backend,
+        q_positions=q_positions, k_positions=k_positions, out_dtype=acc_dtype(q.dtype), backend=backend,
     )
     if groups is not None:
         out, lse = comm.merge(out, lse, groups, strategy, stats)

@@ -47,15 +47,16 @@ def resolve_backend(device: torch.device, backend: str | None = None) -> str:
     return choice
 
 
-def _check(q, k, v, cache_seqlens, q_positions, k_positions) -> None:
-    # Value checks (cache_seqlens within [0, N]) read the tensor: only on CPU and outside
-    # tracing. On CUDA they would synchronise every step and break CUDA-graph capture.
+def _check(q, k, v, cache_seqlens, q_positions, k_positions, block_table, out_dtype) -> None:
+    # Value checks (cache_seqlens within [0, N], block ids within the cache) read the tensors:
+    # only on CPU and outside tracing. On CUDA they would synchronise every step and break
+    # CUDA-graph capture.
     by_value = q.device.type == "cpu" and not torch.compiler.is_compiling()
-    reference.check_decode_inputs(q, k, v, cache_seqlens if by_value else None, q_positions, k_positions)
-    if cache_seqlens is not None and not by_value:
-        reference.check_cache_seqlens(cache_seqlens, q.shape[0], k.shape[1], q.device, by_value=False)
+    reference.check_decode_inputs(q, k, v, cache_seqlens, q_positions, k_positions, block_table, out_dtype,
+                                  by_value=by_value)
 
 
+# New arguments go at the end with defaults, so positional calls of the op stay valid.
 @torch.library.custom_op("megatron_tree::flash_decode", mutates_args=())
 def _flash_decode_op(
     q: torch.Tensor,
@@ -66,9 +67,11 @@ def _flash_decode_op(
     q_positions: Optional[torch.Tensor],
     k_positions: Optional[torch.Tensor],
     backend: str,
+    block_table: Optional[torch.Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    kwargs = dict(cache_seqlens=cache_seqlens, softmax_scale=softmax_scale,
-                  q_positions=q_positions, k_positions=k_positions)
+    kwargs = dict(block_table=block_table, cache_seqlens=cache_seqlens, softmax_scale=softmax_scale,
+                  q_positions=q_positions, k_positions=k_positions, out_dtype=out_dtype)
     if backend == "triton":
         from .kernels import flash_decode as kernel  # imported lazily: needs triton
 
@@ -77,9 +80,11 @@ def _flash_decode_op(
 
 
 @_flash_decode_op.register_fake
-def _flash_decode_fake(q, k, v, cache_seqlens, softmax_scale, q_positions, k_positions, backend):
+def _flash_decode_fake(q, k, v, cache_seqlens, softmax_scale, q_positions, k_positions, backend, block_table=None,
+                       out_dtype=None):
     b, sq, hq, d = q.shape
-    return q.new_empty((b, sq, hq, d)), q.new_empty((b, hq, sq), dtype=reference.acc_dtype(q.dtype))
+    out = q.new_empty((b, sq, hq, d), dtype=q.dtype if out_dtype is None else out_dtype)
+    return out, q.new_empty((b, hq, sq), dtype=reference.acc_dtype(q.dtype))
 
 
 @torch.library.custom_op("megatron_tree::merge_states", mutates_args=())
@@ -102,10 +107,15 @@ def _merge_states_fake(outs, lses, backend):
     return outs.new_empty((b, sq, hq, d)), lses.new_empty((b, hq, sq), dtype=reference.acc_dtype(outs.dtype))
 
 
-def _kernel_backend(name: str, dtype: torch.dtype, forced: bool, headdim: int = 0) -> str:
-    # The kernels cover fp16/bf16/fp32 and head dims up to 256; anything else on CUDA quietly
-    # takes the torch path unless a backend was forced (then the kernel's error names it).
-    if name == "triton" and not forced and (dtype == torch.float64 or headdim > 256):
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _kernel_backend(name: str, dtype: torch.dtype, forced: bool, headdim: int = 0, out_dtype=None) -> str:
+    # The kernels cover fp16/bf16/fp32 (in and out) and head dims up to 256; anything else on
+    # CUDA quietly takes the torch path unless a backend was forced (then the kernel's error
+    # names it).
+    if name == "triton" and not forced and (
+            dtype not in _KERNEL_DTYPES or headdim > 256 or (out_dtype is not None and out_dtype not in _KERNEL_DTYPES)):
         return "torch"
     return name
 
@@ -115,22 +125,31 @@ def flash_decode(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
+    block_table: torch.Tensor | None = None,
     cache_seqlens: torch.Tensor | None = None,
     softmax_scale: float | None = None,
     q_positions: torch.Tensor | None = None,
     k_positions: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
     backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Local attention of q over one KV shard; see :func:`reference.partial_attention` for shapes.
+    """Local attention of q over one KV shard; see :func:`reference.partial_attention` for details.
 
-    q: (batch, seqlen_q, nheads_q, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim)
-    returns out: (batch, seqlen_q, nheads_q, headdim) in q.dtype,
+    q: (batch, seqlen_q, nheads_q, headdim)
+    k, v: (batch, seqlen_k, nheads_kv, headdim), or with block_table a paged cache
+        (num_blocks, block_size, nheads_kv, headdim)
+    block_table: (batch, max_blocks) int32; row b's key j lives in block block_table[b, j // block_size]
+    cache_seqlens: (batch,) int32 keys per row in [0, N] (N = seqlen_k, or max_blocks * block_size)
+    q_positions: (batch, seqlen_q), k_positions: (batch, N) or (N,): causal by global position
+    out_dtype: dtype of out (default q.dtype); float32 leaves a bf16/fp16 partial unrounded
+    returns out: (batch, seqlen_q, nheads_q, headdim) in out_dtype,
             lse: (batch, nheads_q, seqlen_q) float32, natural log, -inf where no key is visible
     """
-    _check(q, k, v, cache_seqlens, q_positions, k_positions)
+    _check(q, k, v, cache_seqlens, q_positions, k_positions, block_table, out_dtype)
     forced = backend is not None or bool(os.environ.get(ENV_BACKEND))
-    name = _kernel_backend(resolve_backend(q.device, backend), q.dtype, forced, q.shape[-1])
-    return _flash_decode_op(q, k, v, cache_seqlens, softmax_scale, q_positions, k_positions, name)
+    name = _kernel_backend(resolve_backend(q.device, backend), q.dtype, forced, q.shape[-1], out_dtype)
+    return _flash_decode_op(q, k, v, cache_seqlens, softmax_scale, q_positions, k_positions, name, block_table,
+                            out_dtype)
 
 
 def merge_states(outs: torch.Tensor, lses: torch.Tensor, *, backend: str | None = None):

@@ -27,7 +27,8 @@ import torch
 
 __all__ = [
     "partial_attention", "merge_states", "lse_weights", "normalize", "weighted", "acc_dtype",
-    "check_decode_inputs", "check_cache_seqlens", "check_merge_inputs",
+    "check_decode_inputs", "check_cache_seqlens", "check_block_table", "check_merge_inputs", "gather_pages",
+    "kv_length",
 ]
 
 
@@ -43,20 +44,30 @@ def _rowwise_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.stack([torch.matmul(a[i], b[i]) for i in range(a.shape[0])])
 
 
-def check_decode_inputs(q, k, v, cache_seqlens=None, q_positions=None, k_positions=None) -> None:
+def kv_length(k: torch.Tensor, block_table: torch.Tensor | None = None) -> int:
+    """Keys per batch row that ``cache_seqlens`` and ``k_positions`` count: ``seqlen_k`` of a
+    contiguous cache, ``max_blocks * block_size`` of a paged one."""
+    return k.shape[1] if block_table is None else block_table.shape[1] * k.shape[1]
+
+
+def check_decode_inputs(q, k, v, cache_seqlens=None, q_positions=None, k_positions=None, block_table=None,
+                        out_dtype=None, *, by_value: bool = True) -> None:
     """Validate the flash-decode contract and raise ``ValueError``/``TypeError`` naming the problem.
 
-    q: (batch, seqlen_q, nheads_q, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim);
-    cache_seqlens: (batch,) int32 in [0, seqlen_k]; q_positions: (batch, seqlen_q) integer;
-    k_positions: (batch, seqlen_k) or (seqlen_k,) integer.
+    q: (batch, seqlen_q, nheads_q, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim), or with
+    ``block_table`` (batch, max_blocks) int32 a paged cache (num_blocks, block_size, nheads_kv,
+    headdim); cache_seqlens: (batch,) int32 in [0, N]; q_positions: (batch, seqlen_q) integer;
+    k_positions: (batch, N) or (N,) integer, where N = :func:`kv_length`; out_dtype: a
+    floating-point dtype or None. ``by_value=False`` skips the checks that read tensor values
+    (on CUDA or while tracing they would synchronise with the host every step).
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
-            raise ValueError(
-                f"{name} must be 4-D (batch, seqlen, heads, headdim), got shape {tuple(t.shape)}"
-            )
+            layout = "(batch, seqlen, heads, headdim)" if name == "q" or block_table is None else \
+                "(num_blocks, block_size, heads, headdim) with a block_table"
+            raise ValueError(f"{name} must be 4-D {layout}, got shape {tuple(t.shape)}")
         if not t.is_floating_point():
             raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
     if not (q.dtype == k.dtype == v.dtype):
@@ -68,8 +79,8 @@ def check_decode_inputs(q, k, v, cache_seqlens=None, q_positions=None, k_positio
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got k={tuple(k.shape)}, v={tuple(v.shape)}")
     b, _, hq, d = q.shape
-    bk, n, hkv, dk = k.shape
-    if bk != b:
+    bk, _, hkv, dk = k.shape
+    if block_table is None and bk != b:
         raise ValueError(f"batch size of k/v ({bk}) differs from q's ({b})")
     if dk != d:
         raise ValueError(f"head dim of k/v ({dk}) differs from q's ({d})")
@@ -77,8 +88,13 @@ def check_decode_inputs(q, k, v, cache_seqlens=None, q_positions=None, k_positio
         raise ValueError(
             f"number of query heads ({hq}) must be a multiple of the number of KV heads ({hkv})"
         )
+    if out_dtype is not None and not (isinstance(out_dtype, torch.dtype) and out_dtype.is_floating_point):
+        raise TypeError(f"out_dtype must be a floating-point torch.dtype or None, got {out_dtype!r}")
+    n = kv_length(k, block_table)
     if cache_seqlens is not None:
-        check_cache_seqlens(cache_seqlens, b, n, q.device)
+        check_cache_seqlens(cache_seqlens, b, n, q.device, by_value=by_value)
+    if block_table is not None:
+        check_block_table(block_table, b, k.shape[0], k.shape[1], cache_seqlens, q.device, by_value=by_value)
     if (q_positions is None) != (k_positions is None):
         raise ValueError("causal masking needs both q_positions and k_positions (or neither)")
     if q_positions is not None:
@@ -88,10 +104,67 @@ def check_decode_inputs(q, k, v, cache_seqlens=None, q_positions=None, k_positio
                 f"got {q_positions.dtype} {tuple(q_positions.shape)}"
             )
         if k_positions.dtype.is_floating_point or tuple(k_positions.shape) not in ((b, n), (n,)):
+            what = " (max_blocks * block_size)" if block_table is not None else ""
             raise ValueError(
-                f"k_positions must be an integer tensor of shape ({b}, {n}) or ({n},), "
+                f"k_positions must be an integer tensor of shape ({b}, {n}) or ({n},){what}, "
                 f"got {k_positions.dtype} {tuple(k_positions.shape)}"
             )
+        for name, t in (("q_positions", q_positions), ("k_positions", k_positions)):
+            if t.device != q.device:
+                raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+
+
+def check_block_table(block_table, batch: int, num_blocks: int, block_size: int, cache_seqlens, device, *,
+                      by_value: bool = True) -> None:
+    """block_table: (batch, max_blocks) int32 on ``device``; with ``by_value`` also every entry a
+    row uses (the first ``ceil(cache_seqlens[b] / block_size)``) in ``[0, num_blocks)``.
+
+    Entries past a row's length are never read (engines pad them with -1 or 0).
+    """
+    if not isinstance(block_table, torch.Tensor):
+        raise TypeError(f"block_table must be an int32 tensor of shape ({batch}, max_blocks), "
+                        f"got {type(block_table).__name__}")
+    if block_table.dtype != torch.int32:
+        raise TypeError(f"block_table must be int32, got {block_table.dtype}")
+    if block_table.dim() != 2 or block_table.shape[0] != batch:
+        raise ValueError(f"block_table must have shape ({batch}, max_blocks) (one row per batch row), "
+                         f"got {tuple(block_table.shape)}")
+    if block_table.device != device:
+        raise ValueError(f"block_table is on {block_table.device} but q is on {device}")
+    if block_size < 1:
+        raise ValueError(f"a paged cache needs blocks of at least one token, got block_size {block_size}")
+    if not by_value or batch == 0 or block_table.shape[1] == 0:
+        return
+    lens = (cache_seqlens.to(torch.int64) if cache_seqlens is not None
+            else torch.full((batch,), block_table.shape[1] * block_size, device=device))
+    used = torch.arange(block_table.shape[1], device=device)[None, :] < (lens + block_size - 1)[:, None] // block_size
+    bad = used & ((block_table < 0) | (block_table >= num_blocks))
+    if bool(bad.any()):
+        row, col = (int(x) for x in bad.nonzero()[0])
+        raise ValueError(
+            f"block_table[{row}, {col}] = {int(block_table[row, col])} is not a block of the cache "
+            f"(expected 0 <= id < num_blocks = {num_blocks} for every block a row uses)"
+        )
+
+
+def gather_pages(cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor | None = None):
+    """A paged cache's keys (or values) in each row's logical order: (batch, N, heads, headdim).
+
+    cache: (num_blocks, block_size, heads, headdim); block_table: (batch, max_blocks) int32;
+    cache_seqlens: (batch,) int32 or None (every block of the table used). Slots past a
+    row's length are zero, and the blocks they would name are not read.
+    """
+    b, max_blocks = block_table.shape
+    page = cache.shape[1]
+    n = max_blocks * page
+    lens = (cache_seqlens.to(torch.int64) if cache_seqlens is not None
+            else torch.full((b,), n, dtype=torch.int64, device=cache.device))
+    used = torch.arange(max_blocks, device=cache.device)[None, :] < (lens + page - 1)[:, None] // page
+    ids = torch.where(used, block_table.to(torch.int64), torch.zeros_like(block_table, dtype=torch.int64))
+    out = cache[ids.reshape(-1)].reshape(b, n, *cache.shape[2:]) if cache.shape[0] else \
+        cache.new_zeros((b, n, *cache.shape[2:]))
+    valid = torch.arange(n, device=cache.device)[None, :] < lens[:, None]
+    return torch.where(valid[:, :, None, None], out, torch.zeros((), dtype=cache.dtype, device=cache.device))
 
 
 def check_cache_seqlens(cache_seqlens, batch: int, seqlen_k: int, device, *, by_value: bool = True) -> None:
@@ -132,24 +205,33 @@ def partial_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
+    block_table: torch.Tensor | None = None,
     cache_seqlens: torch.Tensor | None = None,
     softmax_scale: float | None = None,
     q_positions: torch.Tensor | None = None,
     k_positions: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q`` over one shard of keys/values, returning the partial state.
 
     q: (batch, seqlen_q, nheads_q, headdim)
     k, v: (batch, seqlen_k, nheads_kv, headdim), nheads_q % nheads_kv == 0 (GQA/MQA; KV is
         never repeated: query heads are grouped onto their KV head instead)
+    block_table: (batch, max_blocks) int32 -- k, v are then a paged cache (num_blocks,
+        block_size, nheads_kv, headdim) and row b's key j is slot ``j % block_size`` of block
+        ``block_table[b, j // block_size]``; seqlen_k below means max_blocks * block_size
     cache_seqlens: (batch,) int32 -- keys ``[0, cache_seqlens[b])`` of row b are valid
     q_positions: (batch, seqlen_q), k_positions: (batch, seqlen_k) or (seqlen_k,) -- global
-        token positions; when given, key j is visible to query i iff k_pos[j] <= q_pos[i]
-    returns out: (batch, seqlen_q, nheads_q, headdim) in q.dtype, zero where no key is visible
+        token positions (with a block table: of each row's keys in that logical order); when
+        given, key j is visible to query i iff k_pos[j] <= q_pos[i]
+    out_dtype: dtype of ``out`` (default q.dtype)
+    returns out: (batch, seqlen_q, nheads_q, headdim) in out_dtype, zero where no key is visible
             lse: (batch, nheads_q, seqlen_q) float32 (float64 for float64 input), natural log,
                  -inf where no key is visible
     """
-    check_decode_inputs(q, k, v, cache_seqlens, q_positions, k_positions)
+    check_decode_inputs(q, k, v, cache_seqlens, q_positions, k_positions, block_table, out_dtype)
+    if block_table is not None:
+        k, v = gather_pages(k, block_table, cache_seqlens), gather_pages(v, block_table, cache_seqlens)
     b, sq, hq, d = q.shape
     n, hkv = k.shape[1], k.shape[2]
     g = hq // hkv
@@ -183,7 +265,7 @@ def partial_attention(
 
     out = out.reshape(b, hkv, g, sq, d).permute(0, 3, 1, 2, 4).reshape(b, sq, hq, d)
     lse = lse.reshape(b, hkv, g, sq).reshape(b, hq, sq)
-    return out.to(q.dtype), lse
+    return out.to(q.dtype if out_dtype is None else out_dtype), lse
 
 
 def lse_weights(lse: torch.Tensor, m: torch.Tensor) -> torch.Tensor:

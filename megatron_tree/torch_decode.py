@@ -15,6 +15,10 @@ matmuls over the KV heads do all the work:
 torch SDPA on the same input reads the cache at about half the bandwidth on this CPU
 (ENV.md), and with ``enable_gqa`` or expanded KV it materialises more. Slicing each row to
 its ``cache_seqlens`` also skips the padded tail entirely instead of masking it.
+
+A paged cache (``block_table``) is the exception to "no copy": a row's blocks are gathered
+(only the blocks it uses) into one contiguous (L, Hkv, D) buffer first, then the same two
+matmuls run on it.
 """
 
 from __future__ import annotations
@@ -33,28 +37,35 @@ def flash_decode(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
+    block_table: torch.Tensor | None = None,
     cache_seqlens: torch.Tensor | None = None,
     softmax_scale: float | None = None,
     q_positions: torch.Tensor | None = None,
     k_positions: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q over one KV shard (inputs already validated by ``ops``).
 
     q: (batch, seqlen_q, nheads_q, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim),
-        any strides; nheads_q % nheads_kv == 0
+        any strides, or with block_table a paged cache (num_blocks, block_size, nheads_kv,
+        headdim); nheads_q % nheads_kv == 0
+    block_table: (batch, max_blocks) int32: row b's key j is in block block_table[b, j // block_size]
     cache_seqlens: (batch,) int32, valid keys per row (0 allowed)
-    q_positions: (batch, seqlen_q), k_positions: (batch, seqlen_k) or (seqlen_k,) integers;
-        key j is visible to query i iff k_pos[j] <= q_pos[i]
-    returns out: (batch, seqlen_q, nheads_q, headdim) in q.dtype, zero where no key is visible
+    q_positions: (batch, seqlen_q), k_positions: (batch, N) or (N,) integers (N = seqlen_k or
+        max_blocks * block_size); key j is visible to query i iff k_pos[j] <= q_pos[i]
+    out_dtype: dtype of out (default q.dtype)
+    returns out: (batch, seqlen_q, nheads_q, headdim) in out_dtype, zero where no key is visible
             lse: (batch, nheads_q, seqlen_q) float32 (float64 for float64 input), natural log,
                  -inf where no key is visible
     """
     b, sq, hq, d = q.shape
-    n, hkv = k.shape[1], k.shape[2]
+    hkv = k.shape[2]
+    n = reference.kv_length(k, block_table)
+    page = k.shape[1]
     g = hq // hkv
     acc = reference.acc_dtype(q.dtype)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
-    out = torch.empty((b, sq, hq, d), dtype=q.dtype, device=q.device)
+    out = torch.empty((b, sq, hq, d), dtype=q.dtype if out_dtype is None else out_dtype, device=q.device)
     lse = torch.empty((b, hq, sq), dtype=acc, device=q.device)
     lens = cache_seqlens.tolist() if cache_seqlens is not None else [n] * b
     if k_positions is not None and k_positions.dim() == 1:
@@ -68,8 +79,14 @@ def flash_decode(
             continue
         # Query rows r = g_idx * sq + s of KV head h: query head h * g + g_idx, token s.
         qg = (q[i].to(acc) * scale).reshape(sq, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * sq, d)
-        kt = k[i, :length].permute(1, 2, 0)  # (hkv, d, L) strided view, no copy
-        vt = v[i, :length].transpose(0, 1)  # (hkv, L, d) strided view, no copy
+        if block_table is None:
+            k_i, v_i = k[i, :length], v[i, :length]  # strided views, no copy
+        else:  # gather the blocks this row uses, then drop the last block's unused slots
+            ids = block_table[i, :-(-length // page)].to(torch.int64)
+            k_i = k.index_select(0, ids).reshape(-1, hkv, d)[:length]
+            v_i = v.index_select(0, ids).reshape(-1, hkv, d)[:length]
+        kt = k_i.permute(1, 2, 0)  # (hkv, d, L)
+        vt = v_i.transpose(0, 1)  # (hkv, L, d)
         if kt.dtype != acc:  # fp16/bf16 on CPU: accumulate in fp32 (costs a conversion)
             kt, vt = kt.to(acc), vt.to(acc)
         s = torch.bmm(qg, kt)  # (hkv, g*sq, L)

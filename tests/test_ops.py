@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from distributed import run_ranks
 from megatron_tree import ops, reference, torch_decode
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -106,6 +107,64 @@ def test_torch_path_causal_several_queries_strided_cache(hkv):
     assert torch.allclose(lse[fin], ref_l[fin], atol=2e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("page", [4, 16])
+def test_torch_path_paged_equals_contiguous_and_reference(page, dtype):
+    """The paged torch path against the same rows stored contiguously and the fp64 reference:
+    random block table, blocks shared by no row, spare blocks and tails full of NaN, ragged
+    rows (one empty), GQA 8/2, two query tokens causal by per-row positions."""
+    from paged import to_paged
+
+    q, k, v = _inputs(dtype, sq=2, n=57)
+    sl = torch.tensor([57, 0, 22], dtype=torch.int32)
+    k_pool, v_pool, table = to_paged(k, v, sl, page, seed=page)
+    n_paged = table.shape[1] * page
+    k_pos = torch.stack([torch.arange(n_paged) + off for off in (0, 7, 40)])
+    q_pos = torch.tensor([[55, 56], [9, 10], [50, 61]])
+    kw = dict(cache_seqlens=sl, q_positions=q_pos)
+    out, lse = ops.flash_decode(q, k_pool, v_pool, block_table=table, k_positions=k_pos, **kw)
+    want_o, want_l = ops.flash_decode(q, k, v, k_positions=k_pos[:, :57], **kw)
+    ref_o, ref_l = reference.partial_attention(q.double(), k.double(), v.double(), k_positions=k_pos[:, :57], **kw)
+    assert out.dtype == dtype and not torch.isnan(out).any()
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_l)) and torch.isneginf(lse[1]).all()
+    fin = torch.isfinite(ref_l)
+    tol = 2e-6 if dtype == torch.float32 else 0.0  # bf16: both round the same fp32 result
+    assert (out.double() - want_o.double()).abs().max() <= tol
+    assert (lse[fin] - want_l[fin]).abs().max() <= 2e-6
+    tol_ref = 2e-6 if dtype == torch.float32 else 8e-3  # bf16: one rounding of values below 2
+    assert (out.double() - ref_o).abs().max() <= tol_ref and (lse[fin].double() - ref_l[fin]).abs().max() <= 2e-6
+    # The reference's own paged path agrees too.
+    rp_o, rp_l = reference.partial_attention(q, k_pool, v_pool, block_table=table, k_positions=k_pos, **kw)
+    assert (rp_o.double() - out.double()).abs().max() <= tol_ref and torch.equal(torch.isneginf(rp_l), torch.isneginf(lse))
+
+
+def test_out_dtype_through_ops_and_one_rounding_in_tree_decode():
+    q, k, v = _inputs(torch.bfloat16, n=57)
+    out32, lse = ops.flash_decode(q, k, v, out_dtype=torch.float32)
+    out16, lse16 = ops.flash_decode(q, k, v)
+    assert out32.dtype == torch.float32 and out16.dtype == torch.bfloat16 and torch.equal(lse, lse16)
+    assert torch.equal(out32.bfloat16(), out16) and not torch.equal(out32, out16.float())
+    reports = run_ranks(_one_rounding_body, 2)
+    for rep in reports:
+        assert rep["ours_vs_once"] == 0.0, rep  # bit for bit the fp32 merge rounded once
+        assert rep["twice_vs_once"] > 0.0, rep  # rounding the partials first would differ
+
+
+def _one_rounding_body(rank, world):
+    import megatron_tree as mt
+
+    q, k, v = _inputs(torch.bfloat16, b=4, hq=16, hkv=4, d=64, n=400, seed=11)
+    groups = mt.TreeGroups.build()
+    shard = slice(rank * 200, (rank + 1) * 200)
+    ours = mt.tree_decode(q, k[:, shard], v[:, shard], groups, strategy="allgather")
+    parts = [ops.flash_decode(q, k[:, s], v[:, s], out_dtype=torch.float32) for s in (slice(0, 200), slice(200, 400))]
+    once = reference.merge_states(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]))[0]
+    twice = reference.merge_states(torch.stack([p[0].bfloat16() for p in parts]),
+                                   torch.stack([p[1] for p in parts]))[0]
+    return {"ours_vs_once": float((ours.float() - once.bfloat16().float()).abs().max()),
+            "twice_vs_once": float((twice.float() - once.bfloat16().float()).abs().max())}
+
+
 def test_ops_validates_inputs_on_cpu():
     q, k, v = _inputs()
     with pytest.raises(ValueError, match=r"cache_seqlens must lie in \[0, 57\]"):
@@ -119,11 +178,16 @@ def test_ops_validates_inputs_on_cpu():
 
 
 def test_custom_ops_pass_opcheck():
+    from paged import to_paged
+
     q, k, v = _inputs(sq=2)
     sl = torch.tensor([5, 57, 0], dtype=torch.int32)
     qp, kp = torch.tensor([[10, 11]] * 3), torch.arange(57)
     torch.library.opcheck(torch.ops.megatron_tree.flash_decode.default, (q, k, v, sl, None, None, None, "torch"))
     torch.library.opcheck(torch.ops.megatron_tree.flash_decode.default, (q, k, v, None, 0.3, qp, kp, "torch"))
+    k_pool, v_pool, table = to_paged(k, v, sl, 8)
+    torch.library.opcheck(torch.ops.megatron_tree.flash_decode.default,
+                          (q, k_pool, v_pool, sl, None, None, None, "torch", table, torch.float64))
     outs, lses = torch.randn(3, 3, 2, 8, 32), torch.randn(3, 3, 8, 2)
     torch.library.opcheck(torch.ops.megatron_tree.merge_states.default, (outs, lses, "torch"))
     torch.library.opcheck(torch.ops.megatron_tree.merge_states.default, (outs[:1], lses[:1], "torch"))
@@ -136,6 +200,10 @@ def test_fake_implementations_give_contract_shapes_and_dtypes():
         out, lse = torch.ops.megatron_tree.flash_decode(q, k, k, None, None, None, None, "triton")
         assert out.shape == (4, 2, 16, 64) and out.dtype == torch.bfloat16
         assert lse.shape == (4, 16, 2) and lse.dtype == torch.float32
+        pool, table = torch.empty(30, 16, 4, 64, dtype=torch.bfloat16), torch.empty(4, 8, dtype=torch.int32)
+        out, lse = torch.ops.megatron_tree.flash_decode(q, pool, pool, None, None, None, None, "triton", table,
+                                                        torch.float32)
+        assert out.shape == (4, 2, 16, 64) and out.dtype == torch.float32 and lse.shape == (4, 16, 2)
         mo, ml = torch.ops.megatron_tree.merge_states(torch.empty(8, 4, 2, 16, 64), torch.empty(8, 4, 16, 2), "triton")
         assert mo.shape == (4, 2, 16, 64) and ml.shape == (4, 16, 2) and ml.dtype == torch.float32
 

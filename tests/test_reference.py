@@ -150,3 +150,71 @@ def test_unknown_strategy_and_backend():
         mt.tree_decode(q, k, v, None, strategy="ring")
     with pytest.raises(ValueError, match="unknown backend argument 'cuda'"):
         mt.flash_decode(q, k, v, backend="cuda")
+
+
+# ---- paged KV cache (block_table) ---------------------------------------------------------
+
+def test_paged_reference_equals_naive_on_the_rows_it_names():
+    from paged import to_paged
+
+    g = torch.Generator().manual_seed(7)
+    b, n, hq, hkv, d, page = 3, 13, 6, 2, 8, 4
+    q = torch.randn(b, 2, hq, d, generator=g, dtype=torch.float64)
+    k = torch.randn(b, n, hkv, d, generator=g, dtype=torch.float64)
+    v = torch.randn(b, n, hkv, d, generator=g, dtype=torch.float64)
+    seqlens = torch.tensor([13, 0, 6], dtype=torch.int32)
+    kp, vp, table = to_paged(k, v, seqlens, page)
+    assert table.shape == (3, 4) and table[1].eq(-1).all() and torch.isnan(kp).any()
+    # Causal by per-row positions over the table's 16 logical slots (rows start at different offsets).
+    k_pos = torch.stack([torch.arange(16) + off for off in (0, 5, 100)])
+    q_pos = torch.tensor([[11, 12], [3, 4], [103, 104]])
+    out, lse = reference.partial_attention(q, kp, vp, block_table=table, cache_seqlens=seqlens,
+                                           q_positions=q_pos, k_positions=k_pos)
+    for bi in range(b):
+        want_o, want_l = naive_attention(q[bi:bi + 1], k[bi:bi + 1], v[bi:bi + 1], seqlens[bi:bi + 1],
+                                         q_pos[bi:bi + 1], k_pos[bi, :n])
+        torch.testing.assert_close(out[bi:bi + 1], want_o, atol=1e-12, rtol=0)
+        torch.testing.assert_close(lse[bi:bi + 1], want_l, atol=1e-12, rtol=0)
+    assert torch.all(out[1] == 0) and torch.isneginf(lse[1]).all()
+
+
+def test_gather_pages_reads_only_used_blocks_and_zeroes_the_tail():
+    pool = torch.arange(5 * 2, dtype=torch.float32).reshape(5, 2, 1, 1)  # 5 blocks of 2 slots
+    table = torch.tensor([[4, 0, -1], [2, 3, 1]], dtype=torch.int32)
+    got = reference.gather_pages(pool, table, torch.tensor([3, 5], dtype=torch.int32))
+    assert got[..., 0, 0].tolist() == [[8, 9, 0, 0, 0, 0], [4, 5, 6, 7, 2, 0]]
+
+
+@pytest.mark.parametrize(
+    "mutate,exc,pattern",
+    [
+        (lambda t, s: (t.long(), s), TypeError, "block_table must be int32"),
+        (lambda t, s: (t[:1], s), ValueError, r"block_table must have shape \(2, max_blocks\)"),
+        (lambda t, s: (t.clone().fill_(9), s), ValueError, r"block_table\[0, 0\] = 9 is not a block .* num_blocks = 4"),
+        (lambda t, s: (t, torch.tensor([3, 7], dtype=torch.int32)), ValueError, r"cache_seqlens must lie in \[0, 6\]"),
+    ],
+)
+def test_bad_block_table_raises_clear_errors(mutate, exc, pattern):
+    q = torch.randn(2, 1, 4, 8)
+    pool = torch.randn(4, 2, 2, 8)  # 4 blocks of 2 slots
+    table = torch.tensor([[0, 1, -1], [2, 3, 3]], dtype=torch.int32)  # -1 past row 0's 3 keys: fine
+    seqlens = torch.tensor([3, 6], dtype=torch.int32)
+    mt.flash_decode(q, pool, pool, block_table=table, cache_seqlens=seqlens)
+    t, s = mutate(table, seqlens)
+    with pytest.raises(exc, match=pattern):
+        mt.flash_decode(q, pool, pool, block_table=t, cache_seqlens=s)
+    with pytest.raises(ValueError, match=r"k_positions must be .* shape \(2, 6\) or \(6,\) \(max_blocks \* block_size\)"):
+        mt.flash_decode(q, pool, pool, block_table=table, cache_seqlens=seqlens,
+                        q_positions=torch.zeros(2, 1, dtype=torch.long), k_positions=torch.arange(4))
+
+
+def test_out_dtype_keeps_the_partial_unrounded():
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 1, 4, 16, generator=g).bfloat16()
+    k, v = (torch.randn(2, 9, 2, 16, generator=g).bfloat16() for _ in range(2))
+    full, lse = reference.partial_attention(q, k, v, out_dtype=torch.float32)
+    rounded, lse2 = reference.partial_attention(q, k, v)
+    assert full.dtype == torch.float32 and rounded.dtype == torch.bfloat16 and torch.equal(lse, lse2)
+    assert torch.equal(full.bfloat16(), rounded) and not torch.equal(full, rounded.float())
+    with pytest.raises(TypeError, match="out_dtype must be a floating-point torch.dtype"):
+        mt.flash_decode(q, k, v, out_dtype=torch.int32)

@@ -211,10 +211,12 @@ def flash_decode(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
+    block_table: torch.Tensor | None = None,
     cache_seqlens: torch.Tensor | None = None,
     softmax_scale: float | None = None,
     q_positions: torch.Tensor | None = None,
     k_positions: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
     num_splits: int | None = None,
     block_n: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -226,12 +228,16 @@ def flash_decode(
     q_positions: (batch, seqlen_q), k_positions: (batch, seqlen_k) or (seqlen_k,) integers;
         key j is visible to query i iff k_pos[j] <= q_pos[i]
     num_splits, block_n: overrides of the heuristics (tests, benchmarks)
-    returns out: (batch, seqlen_q, nheads_q, headdim) in q.dtype, zero where no key is visible
+    block_table: not yet supported by this kernel (the torch path has it)
+    out_dtype: dtype of out (default q.dtype)
+    returns out: (batch, seqlen_q, nheads_q, headdim) in out_dtype, zero where no key is visible
             lse: (batch, nheads_q, seqlen_q) float32, natural log, -inf where no key is visible
     """
+    if block_table is not None:
+        raise NotImplementedError("the Triton decode kernel does not take a block_table yet; use backend='torch'")
     out, lse, launches = decode_launches(
         q, k, v, cache_seqlens=cache_seqlens, softmax_scale=softmax_scale, q_positions=q_positions,
-        k_positions=k_positions, num_splits=num_splits, block_n=block_n,
+        k_positions=k_positions, num_splits=num_splits, block_n=block_n, out_dtype=out_dtype,
     )
     for launch in launches:
         launch.run()
@@ -239,7 +245,7 @@ def flash_decode(
 
 
 def decode_launches(q, k, v, *, cache_seqlens=None, softmax_scale=None, q_positions=None,
-                    k_positions=None, num_splits=None, block_n=None):
+                    k_positions=None, num_splits=None, block_n=None, out_dtype=None):
     """Allocate the outputs and build (without running) the kernel launches of one decode call.
 
     Same arguments and shapes as :func:`flash_decode`; returns ``(out, lse, launches)``.
@@ -253,7 +259,7 @@ def decode_launches(q, k, v, *, cache_seqlens=None, softmax_scale=None, q_positi
         cfg["BLOCK_N"] = block_n
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     dev = q.device
-    out = torch.empty((b, sq, hq, d), dtype=q.dtype, device=dev)
+    out = torch.empty((b, sq, hq, d), dtype=q.dtype if out_dtype is None else out_dtype, device=dev)
     lse = torch.empty((b, hq, sq), dtype=torch.float32, device=dev)
     if b * sq * hq == 0:
         return out, lse, []
