@@ -40,10 +40,11 @@ from . import comm, ops
 from .cache import CacheOverflowError
 from .comm import CommStats
 from .placement import RowPlacement
+from .reference import acc_dtype
 from .topology import TreeGroups
 
 __all__ = ["PagedKVCache", "PoolExhaustedError", "CacheOverflowError", "BlockPool", "TokenSlots",
-           "paged_flash_decode", "paged_tree_decode"]
+           "paged_tree_decode"]
 
 
 class PoolExhaustedError(RuntimeError):
@@ -364,25 +365,6 @@ class PagedKVCache:
 # --------------------------------------------------------------------------- decode over pages
 
 
-def paged_flash_decode(q, k_cache, v_cache, *, block_table, cache_seqlens, softmax_scale=None, backend=None):
-    """Local attention of q over a paged shard: DESIGN.md section 3's paged ``flash_decode``.
-
-    q: (batch, seqlen_q, nheads_q, headdim); k_cache, v_cache: (num_blocks, block_size,
-    nheads_kv, headdim); block_table: (batch, width) int32; cache_seqlens: (batch,) int32.
-    returns out (batch, seqlen_q, nheads_q, headdim) in q.dtype, lse (batch, nheads_q, seqlen_q).
-    """
-    # TEMPORARY stand-in until ops.flash_decode(..., block_table=) lands (issue 15 item 1, branch
-    # kern): gather each row's blocks into a contiguous shard and call the contiguous decode.
-    # Replace the body with ops.flash_decode(q, k_cache, v_cache, block_table=block_table,
-    # cache_seqlens=cache_seqlens, softmax_scale=softmax_scale, backend=backend).
-    b, width = block_table.shape
-    bs = k_cache.shape[1]
-    index = block_table.reshape(-1).to(torch.int64)
-    k = k_cache.index_select(0, index).reshape(b, width * bs, *k_cache.shape[2:])
-    v = v_cache.index_select(0, index).reshape(b, width * bs, *v_cache.shape[2:])
-    return ops.flash_decode(q, k, v, cache_seqlens=cache_seqlens, softmax_scale=softmax_scale, backend=backend)
-
-
 def paged_tree_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -410,8 +392,9 @@ def paged_tree_decode(
     """
     if strategy not in comm.STRATEGIES:
         raise ValueError(f"unknown merge strategy {strategy!r}; expected one of {comm.STRATEGIES}")
-    out, lse = paged_flash_decode(q, k_cache, v_cache, block_table=block_table, cache_seqlens=cache_seqlens,
-                                  softmax_scale=softmax_scale, backend=backend)
+    # fp32 partials (DESIGN.md section 1): a bf16/fp16 result is rounded once, after the merge.
+    out, lse = ops.flash_decode(q, k_cache, v_cache, block_table=block_table, cache_seqlens=cache_seqlens,
+                                softmax_scale=softmax_scale, out_dtype=acc_dtype(q.dtype), backend=backend)
     if groups is not None:
         out, lse = comm.merge(out, lse, groups, strategy, stats)
     return out.to(q.dtype)

@@ -405,6 +405,8 @@ class DynamicRun:
     """Request id -> engine step at which it finished."""
     steps: int = 0
     """Engine steps run."""
+    step_times: list = field(default_factory=list)
+    """Seconds of each engine step, as Megatron timed it (its step events)."""
     blocks_per_rank: list = field(default_factory=list)
     """Per step, KV blocks in use on each CP rank (tree context only)."""
     max_blocks_per_rank: list = field(default_factory=list)
@@ -454,6 +456,7 @@ def generate_dynamic(engine, prompts, *, num_tokens_to_generate, arrivals=None, 
             raise RuntimeError(f"the dynamic engine did not finish within {max_steps} steps")
         result = engine.step_modern()
         step += 1
+        run.step_times.append(float(result["step_time"]))
         for record in result["finished_request_records"]:
             req = record.merge()
             rid = req.request_id
