@@ -209,7 +209,9 @@ class TreeDynamicInferenceContext(_dynamic_context_base()):
             self.rope_table = None
             return
         if getattr(model, "position_embedding_type", "rope") != "rope":
-            raise NotImplementedError(f"position_embedding_type={model.position_embedding_type!r}; only 'rope' is supported")
+            raise NotImplementedError(
+                f"position_embedding_type={model.position_embedding_type!r}; only 'rope' is supported"
+            )
         self.rope_table = rotary.get_emb(self.max_sequence_length)  # [S, 1, 1, rot_dim]
 
     def apply_rope(self, query, key, positions, config, cp_group):
@@ -245,7 +247,9 @@ def adjust_key_value_dynamic(core, attention, ctx, query, key, value, rotary_pos
         )
     step = ctx.step
     if step is None:
-        raise RuntimeError("TreeDynamicInferenceContext has no planned step; initialize_attention_state() was not called")
+        raise RuntimeError(
+            "TreeDynamicInferenceContext has no planned step; initialize_attention_state() was not called"
+        )
     if query.shape[0] != step.padded_tokens or query.shape[1] != 1:
         raise ValueError(
             f"query has [s, b] = {tuple(query.shape[:2])}, but the step has {step.padded_tokens} packed tokens"
@@ -305,7 +309,8 @@ class TreeDynamicGPTInferenceWrapper(_gpt_wrapper_base()):
     def __init__(self, model, inference_wrapper_config, inference_context, pg_collection=None):
         if not isinstance(inference_context, TreeDynamicInferenceContext):
             raise TypeError(
-                f"TreeDynamicGPTInferenceWrapper needs a TreeDynamicInferenceContext, got {type(inference_context).__name__}"
+                "TreeDynamicGPTInferenceWrapper needs a TreeDynamicInferenceContext, got "
+                f"{type(inference_context).__name__}"
             )
         cores = _core_attentions(model)
         if not all(hasattr(c, "dynamic_attention") for c in cores):
@@ -323,7 +328,9 @@ class TreeDynamicGPTInferenceWrapper(_gpt_wrapper_base()):
             raise NotImplementedError("TreeDynamicGPTInferenceWrapper does not support pipeline parallelism")
         config = unwrap_model(model).config
         if getattr(config, "flash_decode", False) or getattr(config, "cuda_graph_impl", "none") == "local":
-            raise NotImplementedError("flash_decode=True and CUDA graphs are not supported with the dynamic tree engine")
+            raise NotImplementedError(
+                "flash_decode=True and CUDA graphs are not supported with the dynamic tree engine"
+            )
         if cores[0].cp_size != inference_context.cp_size:
             raise ValueError(
                 f"the model runs at context_parallel_size={cores[0].cp_size} but the context was built for "
