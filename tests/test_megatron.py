@@ -446,7 +446,7 @@ def test_mixed_length_batch_is_prefilled_cp_sharded_then_decoded(megatron_result
 
 def test_patched_megatron_attention_unchanged(megatron_results):
     out = megatron_results
-    assert out[0]["patched"] == {"0001-attention-kv-cache-hook": True}
+    assert out[0]["patched"] == {"0001-attention-kv-cache-hook": True, "0002-dynamic-attention-hook": True}
     for r in range(4):
         assert out[r]["megatron_cp1_patched"][0] == out[r]["megatron_cp1"][0]
         assert out[r]["megatron_cp1_patched"][2] == out[r]["megatron_cp1"][2]  # bit-identical logits

@@ -50,29 +50,35 @@ def _sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+IDS = ["0001-attention-kv-cache-hook", "0002-dynamic-attention-hook"]
+TARGETS = ["_adjust_key_value_for_inference", "flash_decode_and_prefill"]
+
+
 def test_series_metadata_matches_the_installed_release():
     specs = patches.load_series("0.16.1")
-    assert [s.id for s in specs] == ["0001-attention-kv-cache-hook"]
-    spec = specs[0]
-    assert "_adjust_key_value_for_inference" in spec.target and "slot" in spec.why
-    # The installed file is the pristine release: nothing in this project patches it in place.
-    assert _sha(_installed_root() / spec.file) == spec.file_sha256
+    assert [s.id for s in specs] == IDS
+    for spec, target in zip(specs, TARGETS):
+        assert spec.target.endswith("Attention." + target) and "slot" in spec.why
+        # The installed file is the pristine release: nothing in this project patches it in place.
+        assert _sha(_installed_root() / spec.file) == spec.file_sha256
 
 
 def test_runtime_apply_is_idempotent_logged_and_reverts(attention_cls, caplog):
-    original = attention_cls.__dict__["_adjust_key_value_for_inference"]
-    assert patches.check_runtime() == {"0001-attention-kv-cache-hook": False}
+    originals = [attention_cls.__dict__[t] for t in TARGETS]
+    assert patches.check_runtime() == dict.fromkeys(IDS, False)
     with caplog.at_level(logging.INFO, logger="megatron_tree.patches"):
-        assert patches.apply_runtime() == ["0001-attention-kv-cache-hook"]
-    assert any("applied patch 0001-attention-kv-cache-hook" in r.getMessage() for r in caplog.records)
-    patched = attention_cls.__dict__["_adjust_key_value_for_inference"]
-    assert patched is not original and patched.__wrapped__ is original
-    assert patched._megatron_tree_patch == "0001-attention-kv-cache-hook"
+        assert patches.apply_runtime() == IDS
+    for pid in IDS:
+        assert any(f"applied patch {pid}" in r.getMessage() for r in caplog.records)
+    patched = [attention_cls.__dict__[t] for t in TARGETS]
+    for pid, new, old in zip(IDS, patched, originals):
+        assert new is not old and new.__wrapped__ is old
+        assert new._megatron_tree_patch == pid
     assert patches.apply_runtime() == []  # second apply changes nothing
-    assert attention_cls.__dict__["_adjust_key_value_for_inference"] is patched
-    assert patches.check_runtime() == {"0001-attention-kv-cache-hook": True}
-    assert patches.revert_runtime() == ["0001-attention-kv-cache-hook"]
-    assert attention_cls.__dict__["_adjust_key_value_for_inference"] is original
+    assert [attention_cls.__dict__[t] for t in TARGETS] == patched
+    assert patches.check_runtime() == dict.fromkeys(IDS, True)
+    assert patches.revert_runtime() == IDS[::-1]
+    assert [attention_cls.__dict__[t] for t in TARGETS] == originals
     assert patches.revert_runtime() == []
 
 
@@ -92,18 +98,36 @@ def test_runtime_refuses_other_version_and_drifted_source(attention_cls, monkeyp
 def test_files_apply_idempotent_revert(tree_copy):
     target = tree_copy / "megatron/core/transformer/attention.py"
     before = target.read_bytes()
-    assert patches.check_files(tree_copy) == {"0001-attention-kv-cache-hook": "not applied"}
-    assert patches.apply_files(tree_copy) == ["0001-attention-kv-cache-hook"]
+    assert patches.check_files(tree_copy) == dict.fromkeys(IDS, "not applied")
+    assert patches.apply_files(tree_copy) == IDS
     patched = target.read_bytes()
-    assert patched != before and b"megatron_tree patch 0001" in patched
+    assert patched != before and b"megatron_tree patch 0001" in patched and b"megatron_tree patch 0002" in patched
     assert patches.apply_files(tree_copy) == []  # idempotent
     assert target.read_bytes() == patched
-    assert patches.check_files(tree_copy) == {"0001-attention-kv-cache-hook": "applied"}
+    assert patches.check_files(tree_copy) == dict.fromkeys(IDS, "applied")
     # The patched file still compiles.
     compile(patched, str(target), "exec")
-    assert patches.revert_files(tree_copy) == ["0001-attention-kv-cache-hook"]
+    assert patches.revert_files(tree_copy) == IDS[::-1]
     assert target.read_bytes() == before
     assert patches.revert_files(tree_copy) == []
+
+
+def test_files_series_on_one_file_partly_applied(tree_copy):
+    """A tree with only 0001 applied (the series before 0002 existed): 0002 is recognised as the
+    release plus 0001, applies on top, and an edit elsewhere in that file is still refused."""
+    target = tree_copy / "megatron/core/transformer/attention.py"
+    release = target.read_bytes()
+    first = patches.load_series("0.16.1")[0]
+    assert subprocess.run(["git", "apply", str(first.path)], cwd=tree_copy).returncode == 0
+    assert patches.check_files(tree_copy) == {IDS[0]: "applied", IDS[1]: "not applied"}
+    assert patches.apply_files(tree_copy) == [IDS[1]]
+    assert patches.check_files(tree_copy) == dict.fromkeys(IDS, "applied")
+    assert patches.revert_files(tree_copy) == IDS[::-1]
+    assert target.read_bytes() == release
+    assert subprocess.run(["git", "apply", str(first.path)], cwd=tree_copy).returncode == 0
+    target.write_text(target.read_text() + "\n# local edit\n")
+    with pytest.raises(patches.PatchError, match=f"patch {IDS[1]}: .* differs from the 0.16.1 release"):
+        patches.check_files(tree_copy)
 
 
 def test_files_refuse_other_version_and_modified_file(tree_copy):
@@ -127,19 +151,19 @@ def test_cli(tree_copy, capsys):
 
     proc = run("apply")
     assert proc.returncode == 0, proc.stderr
-    assert "applied ['0001-attention-kv-cache-hook']" in proc.stdout
-    assert patches.check_files(tree_copy) == {"0001-attention-kv-cache-hook": "applied"}
+    assert f"applied {IDS}" in proc.stdout
+    assert patches.check_files(tree_copy) == dict.fromkeys(IDS, "applied")
 
     # check and revert through the same entry point (in-process: the same main()).
     capsys.readouterr()
     assert patches.main(["check", "--root", str(tree_copy)]) == 0
-    assert "0001-attention-kv-cache-hook: applied" in capsys.readouterr().out
+    assert capsys.readouterr().out.splitlines() == [f"{pid}: applied" for pid in IDS]
     target = tree_copy / "megatron/core/transformer/attention.py"
     assert patches.main(["revert", "--root", str(tree_copy)]) == 0
-    assert "reverted ['0001-attention-kv-cache-hook']" in capsys.readouterr().out
+    assert f"reverted {IDS[::-1]}" in capsys.readouterr().out
     assert _sha(target) == patches.load_series("0.16.1")[0].file_sha256  # the release, byte for byte
     assert patches.main(["check", "--root", str(tree_copy)]) == 0
-    assert "0001-attention-kv-cache-hook: not applied" in capsys.readouterr().out
+    assert capsys.readouterr().out.splitlines() == [f"{pid}: not applied" for pid in IDS]
 
     # Errors: exit status 2 and the message.
     info = tree_copy / "megatron/core/package_info.py"

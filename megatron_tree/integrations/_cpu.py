@@ -2,12 +2,19 @@
 
 Invariant: nothing here changes numerics; every replacement does on the CPU what the
 replaced call does on the GPU (allocate on "the current device", move to it, time an
-event), and :func:`megatron_on_cpu` restores every attribute it touched when it exits.
-It exists because megatron-core calls ``torch.cuda.current_device()`` when it allocates
-(RoPE, KV buffers, the inference controller) and pins host memory when it slices RoPE for
-context parallelism; a CPU-only torch raises on both. It is never needed on a GPU and
-:func:`megatron_on_cpu` refuses to run when CUDA is available, so it cannot hide a real
-device problem there.
+event, attend with flash-attention's semantics), and :func:`megatron_on_cpu` restores
+every attribute it touched when it exits. It exists because megatron-core calls
+``torch.cuda.current_device()`` when it allocates (RoPE, KV buffers, the inference
+controller), pins host memory (RoPE slicing for context parallelism, the dynamic
+controller's sampling buffers), marks NVTX ranges (the dynamic engine) and, for its
+dynamic inference context, attends only through flash-attn's varlen / paged kernels; a
+CPU-only torch has none of these. It is never needed on a GPU and :func:`megatron_on_cpu`
+refuses to run when CUDA is available, so it cannot hide a real device problem there.
+
+The flash-attn stand-ins (:func:`flash_attn_varlen_func`, :func:`flash_attn_with_kvcache`)
+are plain softmax attention in torch, written from flash-attn's documented contract and
+deliberately not from this library's kernels, so that Megatron's own dynamic engine run
+through them is an independent reference for the tree path.
 """
 
 from __future__ import annotations
@@ -16,7 +23,10 @@ import contextlib
 
 import torch
 
-__all__ = ["megatron_on_cpu"]
+__all__ = ["megatron_on_cpu", "flash_attn_varlen_func", "flash_attn_with_kvcache", "FLASH_ATTN_STANDIN_VERSION"]
+
+FLASH_ATTN_STANDIN_VERSION = "2.7.3"
+"""The flash-attn API the stand-ins implement (the part megatron-core 0.16.1's dynamic path calls)."""
 
 
 class _CpuEvent:
@@ -51,24 +61,126 @@ def _pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
     return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2 :])
 
 
+def _attend(q, k, v, softmax_scale, causal: bool):
+    """Softmax attention of one sequence. q: [sq, hq, d]; k, v: [sk, hkv, d] -> [sq, hq, d].
+
+    GQA as flash-attn: query head h reads KV head h // (hq // hkv). ``causal`` aligns the mask
+    to the bottom right (query i sees keys j <= i + sk - sq), as flash-attn >= 2.1 does.
+    """
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    sq, hq, d = q.shape
+    sk, hkv = k.shape[0], k.shape[1]
+    scale = softmax_scale if softmax_scale is not None else d ** -0.5
+    kk = k.to(acc).repeat_interleave(hq // hkv, dim=1)
+    vv = v.to(acc).repeat_interleave(hq // hkv, dim=1)
+    s = torch.einsum("qhd,khd->hqk", q.to(acc), kk) * scale
+    if causal:
+        hidden = torch.arange(sk)[None, :] > torch.arange(sq)[:, None] + (sk - sq)
+        s = s.masked_fill(hidden.to(s.device), float("-inf"))
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # a query with no visible key gets 0, as flash-attn
+    return torch.einsum("hqk,khd->qhd", p, vv).to(q.dtype)
+
+
+def _paged(cache, table_row, n: int):
+    """The first ``n`` tokens of one sequence from a paged cache [blocks, block_size, h, d]."""
+    blocks = -(-n // cache.shape[1])
+    return cache.index_select(0, table_row[:blocks].to(torch.int64)).reshape(-1, *cache.shape[2:])[:n]
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, block_table=None, **unsupported):
+    """flash-attn's ``flash_attn_varlen_func`` (2.7.3 API) on the CPU.
+
+    q: [total_q, hq, d] packed sequences delimited by cu_seqlens_q; with ``block_table``
+    ([batch, max_blocks] int32) k and v are paged caches [num_blocks, block_size, hkv, d] and
+    sequence i has cu_seqlens_k[i+1] - cu_seqlens_k[i] keys; without it k, v are packed like q.
+    Rows of q past cu_seqlens_q[-1] (padding) are returned as 0.
+    """
+    if dropout_p or any(v_ is not None and v_ is not False for v_ in unsupported.values()):
+        raise NotImplementedError(f"CPU flash_attn_varlen_func stand-in: unsupported arguments {sorted(unsupported)}")
+    out = torch.zeros_like(q)
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for i in range(len(cq) - 1):
+        a, b = cq[i], cq[i + 1]
+        if a == b:
+            continue
+        if block_table is not None:
+            n = ck[i + 1] - ck[i]
+            ki, vi = _paged(k, block_table[i], n), _paged(v, block_table[i], n)
+        else:
+            ki, vi = k[ck[i]: ck[i + 1]], v[ck[i]: ck[i + 1]]
+        out[a:b] = _attend(q[a:b], ki, vi, softmax_scale, causal)
+    return out
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, block_table=None, softmax_scale=None,
+                            causal=False, num_splits=0, **unsupported):
+    """flash-attn's ``flash_attn_with_kvcache`` (2.7.3 API) on the CPU, without the fused cache update.
+
+    q: [batch, sq, hq, d]; k_cache, v_cache: [batch, n, hkv, d], or paged [num_blocks,
+    block_size, hkv, d] with ``block_table`` [batch, max_blocks]; cache_seqlens: [batch]
+    keys per row. (Megatron's dynamic path passes no new k/v and no rotary tables.)
+    """
+    if k is not None or v is not None or rotary_cos is not None or cache_batch_idx is not None or any(
+        v_ is not None and v_ is not False for v_ in unsupported.values()
+    ):
+        raise NotImplementedError("CPU flash_attn_with_kvcache stand-in: only reads the cache (no k/v/rotary)")
+    out = torch.zeros_like(q)
+    lens = cache_seqlens.tolist() if cache_seqlens is not None else [k_cache.shape[1]] * q.shape[0]
+    for i, n in enumerate(lens):
+        if n == 0:
+            continue
+        if block_table is not None:
+            ki, vi = _paged(k_cache, block_table[i], n), _paged(v_cache, block_table[i], n)
+        else:
+            ki, vi = k_cache[i, :n], v_cache[i, :n]
+        out[i] = _attend(q[i], ki, vi, softmax_scale, causal)
+    return out
+
+
+def _standin_version_check(version, check_equality=True) -> bool:
+    """``is_fa_min_version`` answered for the stand-ins' API version."""
+    from packaging.version import Version
+
+    have, want = Version(FLASH_ATTN_STANDIN_VERSION), Version(version)
+    return have >= want if check_equality else have > want
+
+
 @contextlib.contextmanager
 def megatron_on_cpu():
     """Within the block, megatron-core's CUDA calls act on the CPU; everything is restored after.
 
     Replaces ``torch.cuda.current_device`` (-> ``"cpu"``), ``torch.cuda.Event``,
-    ``torch.cuda.synchronize``, ``torch.Tensor.cuda`` (-> no move) and megatron's
-    ``get_pos_emb_on_this_cp_rank`` (same chunks, no pinned memory).
+    ``torch.cuda.synchronize``, ``torch.Tensor.cuda`` (-> no move), megatron's
+    ``get_pos_emb_on_this_cp_rank`` (same chunks, no pinned memory), and for the dynamic
+    engine: ``torch.empty_like(..., pin_memory=True)`` (-> unpinned: pinning only speeds up
+    copies to a GPU), the engine's NVTX ranges (-> no-ops), the dynamic context's Triton
+    KV-append kernel (-> Megatron's own indexing fallback) and, in Megatron's attention
+    module, flash-attn's ``flash_attn_varlen_func`` / ``flash_attn_with_kvcache`` (-> the
+    torch stand-ins above) with ``is_fa_min_version`` answering for their API version.
     """
     if torch.cuda.is_available():
         raise RuntimeError("megatron_on_cpu() is a CPU-only shim; CUDA is available, run megatron-core natively")
+    from megatron.core.inference.contexts import dynamic_context
+    from megatron.core.inference.engines import dynamic_engine
     from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding
+    from megatron.core.transformer import attention
 
     saved = [
         (torch.cuda, "current_device"), (torch.cuda, "Event"), (torch.cuda, "synchronize"),
         (torch.Tensor, "cuda"), (rope_utils, "get_pos_emb_on_this_cp_rank"),
-        (rotary_pos_embedding, "get_pos_emb_on_this_cp_rank"),
+        (rotary_pos_embedding, "get_pos_emb_on_this_cp_rank"), (torch, "empty_like"),
+        (dynamic_engine, "range_push"), (dynamic_engine, "range_pop"),
+        (dynamic_context, "triton_append_key_value_cache"), (attention, "flash_attn_varlen_func"),
+        (attention, "flash_attn_with_kvcache"), (attention, "is_fa_min_version"),
     ]
     originals = [(obj, name, getattr(obj, name)) for obj, name in saved]
+    empty_like = torch.empty_like
+
+    def unpinned_empty_like(*args, pin_memory=False, **kwargs):
+        return empty_like(*args, **kwargs)
+
     try:
         torch.cuda.current_device = lambda: "cpu"
         torch.cuda.Event = _CpuEvent
@@ -76,6 +188,13 @@ def megatron_on_cpu():
         torch.Tensor.cuda = lambda self, *a, **k: self
         rope_utils.get_pos_emb_on_this_cp_rank = _pos_emb_on_this_cp_rank
         rotary_pos_embedding.get_pos_emb_on_this_cp_rank = _pos_emb_on_this_cp_rank
+        torch.empty_like = unpinned_empty_like
+        dynamic_engine.range_push = lambda *a, **k: None
+        dynamic_engine.range_pop = lambda *a, **k: None
+        dynamic_context.triton_append_key_value_cache = None
+        attention.flash_attn_varlen_func = flash_attn_varlen_func
+        attention.flash_attn_with_kvcache = flash_attn_with_kvcache
+        attention.is_fa_min_version = _standin_version_check
         yield
     finally:
         for obj, name, value in originals:

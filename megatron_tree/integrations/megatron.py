@@ -338,6 +338,10 @@ class TreeDotProductAttention(_megatron_module_base()):
         Megatron do it) only for a plain ``StaticInferenceContext`` at CP = 1.
         """
         ctx = inference_context
+        if ctx is not None and ctx.is_dynamic_batching():  # paged, continuous batching: megatron_dynamic.py
+            from .megatron_dynamic import adjust_key_value_dynamic
+
+            return adjust_key_value_dynamic(self, attention, ctx, query, key, value, rotary_pos_emb)
         if not isinstance(ctx, TreeInferenceContext):
             if self.cp_size == 1 and ctx is not None and ctx.is_static_batching():
                 return None
@@ -378,6 +382,12 @@ class TreeDotProductAttention(_megatron_module_base()):
             keys, values = k_buf[:n, b0:b1], v_buf[:n, b0:b1]
             self._pending = _Pending("decode", plan.positions, ctx.local_positions[b0:b1, :n], lengths)
         return query, keys, values, None, self.attn_mask_type, None
+
+    def dynamic_attention(self, attention, q, k, v, *megatron_args):
+        """Attention of a dynamic (packed, paged) batch, called by patch 0002; see ``megatron_dynamic``."""
+        from .megatron_dynamic import dynamic_attention
+
+        return dynamic_attention(self, attention, q, k, v, *megatron_args)
 
     # -- forward --------------------------------------------------------------------------
 

@@ -164,7 +164,30 @@ def _hook_adjust_key_value(original):
     return _adjust_key_value_for_inference
 
 
-RUNTIME = {"0001-attention-kv-cache-hook": _hook_adjust_key_value}
+def _hook_dynamic_attention(original):
+    """Runtime form of patch 0002: the core attention may compute a dynamic batch's attention."""
+
+    @functools.wraps(original)
+    def flash_decode_and_prefill(self, q, k, v, max_seqlen_q, max_seqlen_k, cu_seqlens_q, cu_seqlens_k,
+                                 seqlens_k, block_table, is_decode_only):
+        assert not self.training
+        assert block_table is not None
+        hook = getattr(self.core_attention, "dynamic_attention", None)
+        if hook is not None:
+            result = hook(self, q, k, v, max_seqlen_q, max_seqlen_k, cu_seqlens_q, cu_seqlens_k, seqlens_k,
+                          block_table, is_decode_only)
+            if result is not None:
+                return result
+        return original(self, q, k, v, max_seqlen_q, max_seqlen_k, cu_seqlens_q, cu_seqlens_k, seqlens_k,
+                        block_table, is_decode_only)
+
+    return flash_decode_and_prefill
+
+
+RUNTIME = {
+    "0001-attention-kv-cache-hook": _hook_adjust_key_value,
+    "0002-dynamic-attention-hook": _hook_dynamic_attention,
+}
 """Patch id -> factory ``original -> replacement`` implementing the same change as the diff."""
 
 
@@ -264,23 +287,48 @@ def _git_apply(root: Path, patch: Path, *args: str) -> bool:
     return proc.returncode == 0
 
 
+def _release_sha256(root: Path, spec: PatchSpec, applied: list[PatchSpec]) -> str:
+    """sha256 of ``spec.file`` under ``root`` with the series' other applied patches on it taken out.
+
+    Several patches may change one file; the file of one that is not applied yet must be the
+    release plus exactly the others that are.
+    """
+    others = [s for s in applied if s.file == spec.file]
+    if not others:
+        return _sha256((root / spec.file).read_bytes())
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="mt_patch_check_") as tmp:
+        copy = Path(tmp) / spec.file
+        copy.parent.mkdir(parents=True)
+        copy.write_bytes((root / spec.file).read_bytes())
+        for other in reversed(others):
+            if not _git_apply(Path(tmp), other.path, "-R"):
+                raise PatchError(f"patch {other.id} does not revert cleanly from {root / spec.file}")
+        return _sha256(copy.read_bytes())
+
+
 def check_files(root) -> dict[str, str]:
     """Patch id -> ``"applied"``, ``"not applied"`` for the tree at ``root`` (refuses other versions)."""
     root = Path(root)
+    series = load_series(_tree_version(root))
     status = {}
-    for spec in load_series(_tree_version(root)):
+    for spec in series:
         if _git_apply(root, spec.path, "--check", "-R"):
             status[spec.id] = "applied"
         elif _git_apply(root, spec.path, "--check"):
-            found = _sha256((root / spec.file).read_bytes())
+            status[spec.id] = "not applied"
+        else:
+            raise PatchError(f"patch {spec.id} neither applies nor reverts cleanly on {root / spec.file}")
+    applied = [s for s in series if status[s.id] == "applied"]
+    for spec in series:
+        if status[spec.id] == "not applied":
+            found = _release_sha256(root, spec, applied)
             if found != spec.file_sha256:
                 raise PatchError(
                     f"patch {spec.id}: {spec.file} under {root} differs from the {spec.version} release "
                     f"(sha256 {found[:12]}, expected {spec.file_sha256[:12]})"
                 )
-            status[spec.id] = "not applied"
-        else:
-            raise PatchError(f"patch {spec.id} neither applies nor reverts cleanly on {root / spec.file}")
     return status
 
 

@@ -1,0 +1,483 @@
+"""Megatron-Core's dynamic inference engine at context parallelism > 1: a paged KV cache sharded over CP.
+
+Invariant: Megatron's scheduler runs unchanged and identically on every CP rank (same
+requests, same steps, same sampled tokens), every rank computes every token of a step
+(embeddings, projections, MLP), and only the KV cache and the attention over it are split:
+each rank stores the keys/values of its own blocks (:class:`~megatron_tree.paged_cache.PagedKVCache`)
+and attends every query of the step to them; ``comm.merge`` (the tree merge) makes the
+result exact and identical on every rank. Prefill chunks and decode tokens take the same
+path: each token is one query row whose causal window on a rank is a prefix of that
+rank's slots (``cache_seqlens``), so a chunk's attention is split over the ranks and each
+rank stores only its blocks of the chunk.
+
+Why it lives here: Megatron's dynamic context, engine and attention are private
+territory (``integrations/megatron.py`` holds the static-batching integration and the
+core-attention slot we fill); this module adds the dynamic pieces beside it:
+
+* :class:`TreeDynamicInferenceContext` -- a ``DynamicInferenceContext`` whose scheduling
+  (request slots, block accounting, chunked prefill, pausing, eviction) is Megatron's own,
+  with a logical block of ``CP * block_size_tokens`` tokens, and whose KV storage is a
+  :class:`PagedKVCache` of blocks of ``block_size_tokens`` per rank (Megatron's own
+  ``memory_buffer`` is allocated empty). A request of L tokens holds
+  ``ceil(L / (CP * block_size))`` logical blocks and at most as many blocks on any rank (the
+  placement is round-robin by block), so Megatron's admission control guarantees every
+  rank's pool has room: no rank runs out while Megatron believes there is space.
+* :class:`TreeDynamicGPTInferenceWrapper` -- a ``GPTInferenceWrapper`` that applies the
+  patches and binds the model's unsharded RoPE table.
+* :func:`adjust_key_value_dynamic` and :func:`dynamic_attention` -- what
+  ``TreeDotProductAttention`` does for a dynamic context, reached through patch 0001
+  (``Attention._adjust_key_value_for_inference``) and patch 0002
+  (``Attention.flash_decode_and_prefill``): RoPE at global positions, store this rank's
+  tokens, then paged partial attention and the tree merge.
+* :func:`build_dynamic_engine` / :func:`generate_dynamic` -- the engine for a model built
+  with either Megatron's or our layer spec, and a greedy run with requests arriving at
+  given steps (what the eval and the tests call).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ..paged_cache import PagedKVCache, TokenSlots, paged_tree_decode
+from ..topology import TreeGroups
+from .megatron import check_megatron_version, tree_groups_from_megatron
+
+__all__ = [
+    "TreeDynamicInferenceContext", "TreeDynamicGPTInferenceWrapper", "adjust_key_value_dynamic",
+    "dynamic_attention", "build_dynamic_engine", "generate_dynamic", "DynamicRun",
+]
+
+
+def _dynamic_context_base():
+    from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
+
+    return DynamicInferenceContext
+
+
+@dataclass(frozen=True)
+class DynamicStep:
+    """One forward of the dynamic batch, as this CP rank sees it."""
+
+    num_tokens: int
+    """Real tokens in the step (Megatron's ``active_token_count``)."""
+    padded_tokens: int
+    """Rows of the forward (``padded_active_token_count``); rows past ``num_tokens`` are padding."""
+    positions: torch.Tensor
+    """(padded_tokens,) int64 global position of each row's token in its request (0 for padding)."""
+    placed: TokenSlots
+    """Owner rank and storage slot of each real token (rows ``0 .. num_tokens - 1``)."""
+    block_table: torch.Tensor
+    """(padded_tokens, width) int32 this rank's blocks of each row's request."""
+    cache_seqlens: torch.Tensor
+    """(padded_tokens,) int32 keys on this rank each row may see (causal); 0 for padding."""
+
+
+class TreeDynamicInferenceContext(_dynamic_context_base()):
+    """A ``DynamicInferenceContext`` whose paged KV cache is sharded over the CP group.
+
+    Takes ``DynamicInferenceContext``'s keyword arguments, with two meanings changed:
+
+    block_size_tokens: tokens per KV block on one rank (Megatron schedules in logical
+        blocks of ``cp_size * block_size_tokens`` tokens, one block on every rank)
+    buffer_size_gb: KV memory of *one* CP rank (Megatron's own argument is the whole cache)
+
+    plus ``groups`` (a :class:`TreeGroups`) or ``pg_collection`` to take them from. The KV
+    cache is :attr:`kv_cache` (``PagedKVCache``: ``(layers, blocks, block_size, kv_heads,
+    head_dim)`` per rank); ``max_sequence_length`` is rounded up to an even number (Megatron
+    slices its RoPE table into 2·CP chunks at CP > 1).
+
+    Unsupported (refused): CUDA graphs, MLA latent caches, hybrid (Mamba) models, unified
+    memory, flashinfer RoPE, suspending the engine.
+    """
+
+    def __init__(self, *, groups: TreeGroups | None = None, pg_collection=None, block_size_tokens: int = 16,
+                 buffer_size_gb: float, max_sequence_length: int, **kwargs):
+        check_megatron_version("TreeDynamicInferenceContext")
+        for key in ("cache_mla_latent", "mamba_inference_state_config", "use_flashinfer_fused_rope",
+                    "unified_memory_level"):
+            if kwargs.get(key):
+                raise NotImplementedError(f"TreeDynamicInferenceContext does not support {key}={kwargs[key]!r}")
+        if not isinstance(block_size_tokens, int) or block_size_tokens < 1:
+            raise ValueError(f"block_size_tokens must be a positive integer, got {block_size_tokens!r}")
+        self.groups = groups if groups is not None else tree_groups_from_megatron(pg_collection)
+        self.cp_size, self.cp_rank = self.groups.size, self.groups.rank
+        max_sequence_length = int(max_sequence_length) + int(max_sequence_length) % 2
+        kwargs["use_flashinfer_fused_rope"] = False
+        super().__init__(
+            block_size_tokens=self.cp_size * block_size_tokens,
+            buffer_size_gb=buffer_size_gb * self.cp_size,  # Megatron divides by its (logical) block bytes
+            max_sequence_length=max_sequence_length,
+            **kwargs,
+        )
+        usable = self.block_allocator.total_count - 1  # Megatron keeps one dummy block
+        if usable * self.block_size_tokens < self.max_sequence_length:
+            raise ValueError(
+                f"buffer_size_gb={buffer_size_gb} per rank holds {usable} blocks of {block_size_tokens} tokens per "
+                f"rank = {usable * self.block_size_tokens} tokens over the {self.cp_size} CP ranks, fewer than "
+                f"max_sequence_length={self.max_sequence_length}: a request of the full context window could never "
+                "be scheduled; give each rank more KV memory or shorten the context window"
+            )
+        self.kv_cache = PagedKVCache(
+            num_layers=self.num_attention_layers, num_kv_heads=self.num_attention_heads_per_partition,
+            head_dim=self.hidden_size_per_attention_head, block_size=block_size_tokens, blocks_per_rank=usable,
+            max_seq_len=self.max_sequence_length, cp_size=self.cp_size, cp_rank=self.cp_rank,
+            dtype=self.params_dtype, device=torch.cuda.current_device(),
+        )
+        self.step: DynamicStep | None = None
+        self.rope_table: torch.Tensor | None = None
+
+    # -- storage: Megatron's buffer stays empty, the paged cache holds this rank's blocks ----------
+
+    def allocate_all_tensors(self, *, is_init: bool) -> None:
+        # Megatron sizes memory_buffer [2, layers, blocks, block_size_tokens, heads, dim] by
+        # block_size_tokens and uses it nowhere else here; the KV lives in self.kv_cache.
+        logical = self.block_size_tokens
+        self.block_size_tokens = 0
+        try:
+            super().allocate_all_tensors(is_init=is_init)
+        finally:
+            self.block_size_tokens = logical
+
+    def deallocate_all_tensors(self):
+        raise NotImplementedError("TreeDynamicInferenceContext does not support suspending the engine")
+
+    def append_key_value_cache(self, layer_number: int, key, value) -> None:
+        raise RuntimeError(
+            "TreeDynamicInferenceContext keeps the KV cache sharded over the CP group in .kv_cache; the model's "
+            "core attention must be TreeDotProductAttention (get_gpt_layer_tree_spec) with patches 0001 and 0002 "
+            "applied (TreeDynamicGPTInferenceWrapper applies them)"
+        )
+
+    key_value_cache = append_key_value_cache
+
+    def reset(self) -> None:
+        super().reset()
+        if hasattr(self, "kv_cache"):
+            self.kv_cache.reset()
+        self.step = None
+
+    def release_memory_blocks_from_request_indexes(self, request_indexes) -> None:
+        # Megatron calls this for finished and evicted requests: their blocks go back on every rank.
+        for rid in self.request_ids[request_indexes].reshape(-1).tolist():
+            if rid in self.kv_cache:
+                self.kv_cache.free(rid)
+        super().release_memory_blocks_from_request_indexes(request_indexes)
+
+    # -- one step: where this step's tokens go and what each query row sees -------------------
+
+    def initialize_attention_state(self, *, construct_graph_dimensions=None) -> None:
+        if construct_graph_dimensions is not None:
+            raise NotImplementedError("TreeDynamicInferenceContext does not support CUDA graphs")
+        super().initialize_attention_state()
+        n, padded = self.active_token_count, self.padded_active_token_count
+        active = slice(self.paused_request_count, self.total_request_count)
+        rids = self.request_ids[active].tolist()
+        offsets = self.request_kv_length_offsets[active].tolist()
+        lengths = self.request_query_lengths[active].tolist()
+        placed: dict = {}
+        for rid, offset, q_len in zip(rids, offsets, lengths):
+            have = self.kv_cache.length(rid) if rid in self.kv_cache else 0
+            if have != offset:
+                raise RuntimeError(
+                    f"request {rid}: Megatron's context has {offset} cached tokens but the paged cache holds {have}"
+                )
+            placed[rid] = self.kv_cache.extend(rid, q_len)
+        req_of_token = self.request_ids[self.token_to_request_idx[:n]].tolist()
+        positions = torch.zeros(padded, dtype=torch.int64)
+        positions[:n] = self.token_to_pos_ids[:n].cpu()
+        owners = torch.empty(n, dtype=torch.int64)
+        slots = torch.empty(n, dtype=torch.int64)
+        for rid, p in placed.items():
+            rows = torch.tensor([i for i, r in enumerate(req_of_token) if r == rid], dtype=torch.int64)
+            if rows.numel() != p.positions.numel():
+                raise RuntimeError(f"request {rid}: {rows.numel()} tokens in the step, {p.positions.numel()} placed")
+            index = positions[rows] - p.positions[0]
+            owners[rows], slots[rows] = p.owners[index], p.slots[index]
+        table, seqlens = self.kv_cache.rows(req_of_token + [None] * (padded - n), positions)
+        self.step = DynamicStep(n, padded, positions, TokenSlots(positions[:n], owners, slots), table, seqlens)
+
+    # -- RoPE at global positions ------------------------------------------------------------
+
+    def bind_rope(self, model) -> None:
+        """Keep the model's unsharded RoPE table (Megatron's own is sliced per CP rank at CP > 1)."""
+        rotary = getattr(model, "rotary_pos_emb", None)
+        if rotary is None or not hasattr(rotary, "get_emb"):
+            self.rope_table = None
+            return
+        if getattr(model, "position_embedding_type", "rope") != "rope":
+            raise NotImplementedError(
+                f"position_embedding_type={model.position_embedding_type!r}; only 'rope' is supported"
+            )
+        self.rope_table = rotary.get_emb(self.max_sequence_length)  # [S, 1, 1, rot_dim]
+
+    def apply_rope(self, query, key, positions, config, cp_group):
+        """Rotate query/key ([T, 1, h, d]) at the step's global ``positions`` with Megatron's RoPE."""
+        from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+
+        if self.rope_table is None:
+            raise RuntimeError("the model uses RoPE but TreeDynamicInferenceContext.bind_rope(model) was not called")
+        emb = self.rope_table.index_select(0, positions.to(self.rope_table.device))
+        return (apply_rotary_pos_emb(query, emb, config=config, cp_group=cp_group),
+                apply_rotary_pos_emb(key, emb, config=config, cp_group=cp_group))
+
+
+# --------------------------------------------------------------------------- core-attention hooks
+
+
+def adjust_key_value_dynamic(core, attention, ctx, query, key, value, rotary_pos_emb):
+    """Patch 0001's hook for a dynamic context: RoPE, store this rank's tokens, hand back the block table.
+
+    query: [T, 1, hq, d]; key, value: [T, 1, hkv, d] (T = padded tokens of the step).
+    Returns Megatron's tuple ``(query, key, value, rotary_pos_emb=None, attn_mask_type,
+    block_table)``, or ``None`` for Megatron's own ``DynamicInferenceContext`` at CP = 1.
+    """
+    from megatron.core.transformer.enums import AttnMaskType
+
+    if not isinstance(ctx, TreeDynamicInferenceContext):
+        if core.cp_size == 1:
+            return None
+        raise RuntimeError(
+            f"TreeDotProductAttention at context_parallel_size={core.cp_size} needs a TreeDynamicInferenceContext "
+            f"for dynamic batching (got {type(ctx).__name__}); Megatron's DynamicInferenceContext keeps every "
+            "request's whole KV cache on every rank"
+        )
+    step = ctx.step
+    if step is None:
+        raise RuntimeError(
+            "TreeDynamicInferenceContext has no planned step; initialize_attention_state() was not called"
+        )
+    if query.shape[0] != step.padded_tokens or query.shape[1] != 1:
+        raise ValueError(
+            f"query has [s, b] = {tuple(query.shape[:2])}, but the step has {step.padded_tokens} packed tokens"
+        )
+    if rotary_pos_emb is not None:
+        query, key = ctx.apply_rope(query, key, step.positions.to(query.device), attention.config,
+                                    core.pg_collection.cp)
+    layer = ctx.layer_map[attention.layer_number - 1]
+    n = step.num_tokens
+    ctx.kv_cache.write(layer, key[:n, 0], value[:n, 0], step.placed)
+    core._dynamic_pending = (ctx, layer)
+    return query, key, value, None, AttnMaskType.no_mask, step.block_table
+
+
+def dynamic_attention(core, attention, q, k, v, *megatron_args):
+    """Patch 0002's hook: attention of every row of the packed batch, exact over the CP group.
+
+    q: [T, 1, hq, d] -> out [T, 1, hq, d] (Megatron's ``s b h d``). ``None`` when the preceding
+    cache hook did not take over (Megatron's own context at CP = 1).
+    """
+    pending, core._dynamic_pending = getattr(core, "_dynamic_pending", None), None
+    if pending is None:
+        return None
+    ctx, layer = pending
+    step = ctx.step
+    return paged_tree_decode(
+        q, ctx.kv_cache.k[layer], ctx.kv_cache.v[layer], ctx.groups, block_table=step.block_table,
+        cache_seqlens=step.cache_seqlens, softmax_scale=core.softmax_scale, strategy=core.strategy,
+        stats=core.comm_stats, backend=core.backend,
+    )
+
+
+# --------------------------------------------------------------------------- wrapper
+
+
+def _gpt_wrapper_base():
+    from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
+
+    return GPTInferenceWrapper
+
+
+def _core_attentions(model):
+    from megatron.core.utils import unwrap_model
+
+    return [layer.self_attention.core_attention for layer in unwrap_model(model).decoder.layers]
+
+
+class TreeDynamicGPTInferenceWrapper(_gpt_wrapper_base()):
+    """``GPTInferenceWrapper`` for a tree-spec model and a :class:`TreeDynamicInferenceContext`.
+
+    Applies the runtime patches (0001: KV-cache hook, 0002: dynamic-attention hook; both
+    idempotent) and binds the model's unsharded RoPE table to the context. Every CP rank
+    runs the whole packed batch, so Megatron's controller and ``DynamicInferenceEngine``
+    run unchanged and sample the same tokens on every rank.
+    """
+
+    def __init__(self, model, inference_wrapper_config, inference_context, pg_collection=None):
+        if not isinstance(inference_context, TreeDynamicInferenceContext):
+            raise TypeError(
+                "TreeDynamicGPTInferenceWrapper needs a TreeDynamicInferenceContext, got "
+                f"{type(inference_context).__name__}"
+            )
+        cores = _core_attentions(model)
+        if not all(hasattr(c, "dynamic_attention") for c in cores):
+            raise TypeError(
+                f"the model's core attention is {type(cores[0]).__name__}; build it with get_gpt_layer_tree_spec() "
+                "so that TreeDotProductAttention fills the core_attention slot"
+            )
+        from megatron.core.utils import unwrap_model
+
+        from .patches import apply_runtime
+
+        apply_runtime()  # no slot exists for the dynamic KV cache or attention in megatron-core; idempotent
+        super().__init__(model, inference_wrapper_config, inference_context, pg_collection)
+        if self.pp_group is not None and dist.get_world_size(self.pp_group) > 1:
+            raise NotImplementedError("TreeDynamicGPTInferenceWrapper does not support pipeline parallelism")
+        config = unwrap_model(model).config
+        if getattr(config, "flash_decode", False) or getattr(config, "cuda_graph_impl", "none") == "local":
+            raise NotImplementedError(
+                "flash_decode=True and CUDA graphs are not supported with the dynamic tree engine"
+            )
+        if cores[0].cp_size != inference_context.cp_size:
+            raise ValueError(
+                f"the model runs at context_parallel_size={cores[0].cp_size} but the context was built for "
+                f"{inference_context.cp_size} CP ranks"
+            )
+        inference_context.bind_rope(unwrap_model(model))
+
+
+# --------------------------------------------------------------------------- engine and a greedy run
+
+
+def build_dynamic_engine(model, tokenizer, *, max_sequence_length: int, buffer_size_gb: float,
+                         block_size_tokens: int = 16, max_tokens: int | None = None, max_requests: int | None = None,
+                         params_dtype: torch.dtype | None = None, random_seed: int = 0,
+                         enable_chunked_prefill: bool = True):
+    """Megatron's ``DynamicInferenceEngine`` for ``model``, tree-sharded when its spec is the tree spec.
+
+    A model built with ``get_gpt_layer_tree_spec`` gets a :class:`TreeDynamicInferenceContext`
+    over its CP groups (``buffer_size_gb`` and ``block_size_tokens`` per rank) and a
+    :class:`TreeDynamicGPTInferenceWrapper`; any other model gets Megatron's own
+    ``DynamicInferenceContext`` and ``GPTInferenceWrapper`` (CP must then be 1), with
+    ``buffer_size_gb`` and ``block_size_tokens`` as Megatron means them.
+    """
+    from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
+    from megatron.core.inference.engines import DynamicInferenceEngine
+    from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
+    from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import InferenceWrapperConfig
+    from megatron.core.inference.text_generation_controllers.text_generation_controller import (
+        TextGenerationController,
+    )
+    from megatron.core.utils import unwrap_model
+
+    inner = unwrap_model(model)
+    config = inner.config
+    dtype = params_dtype or config.params_dtype
+    dims = dict(
+        params_dtype=dtype, num_layers=config.num_layers // config.pipeline_model_parallel_size,
+        kv_channels=config.kv_channels, num_attention_heads=config.num_query_groups or config.num_attention_heads,
+        tensor_model_parallel_size=config.tensor_model_parallel_size, max_sequence_length=max_sequence_length,
+        buffer_size_gb=buffer_size_gb, block_size_tokens=block_size_tokens, max_requests=max_requests,
+    )
+    if max_tokens is not None:
+        dims["max_tokens"] = max_tokens
+    tree = all(hasattr(c, "dynamic_attention") for c in _core_attentions(model))
+    if tree:
+        context = TreeDynamicInferenceContext(pg_collection=inner.pg_collection, **dims)
+        wrapper_cls = TreeDynamicGPTInferenceWrapper
+    else:
+        if config.context_parallel_size != 1:
+            raise ValueError(
+                f"Megatron's own attention at context_parallel_size={config.context_parallel_size}: its dynamic "
+                "context keeps the whole KV cache on every rank; build the model with get_gpt_layer_tree_spec()"
+            )
+        context = DynamicInferenceContext(**dims)
+        wrapper_cls = GPTInferenceWrapper
+    wrapper_config = InferenceWrapperConfig(
+        hidden_size=config.hidden_size, params_dtype=dtype, inference_batch_times_seqlen_threshold=-1,
+        padded_vocab_size=inner.vocab_size, inference_max_requests=context.max_requests,
+        inference_max_seq_length=context.max_sequence_length,
+    )
+    controller = TextGenerationController(wrapper_cls(model, wrapper_config, context), tokenizer)
+    return DynamicInferenceEngine(controller, context, random_seed=random_seed,
+                                  enable_chunked_prefill=enable_chunked_prefill)
+
+
+@dataclass
+class DynamicRun:
+    """What :func:`generate_dynamic` saw."""
+
+    tokens: dict = field(default_factory=dict)
+    """Request id -> generated token ids."""
+    log_probs: dict = field(default_factory=dict)
+    """Request id -> log-probabilities of the generated tokens."""
+    status: dict = field(default_factory=dict)
+    """Request id -> Megatron's final status name (``COMPLETED``, ``FAILED``)."""
+    errors: dict = field(default_factory=dict)
+    """Request id -> why a failed request failed."""
+    finished_step: dict = field(default_factory=dict)
+    """Request id -> engine step at which it finished."""
+    steps: int = 0
+    """Engine steps run."""
+    step_times: list = field(default_factory=list)
+    """Seconds of each engine step, as Megatron timed it (its step events)."""
+    blocks_per_rank: list = field(default_factory=list)
+    """Per step, KV blocks in use on each CP rank (tree context only)."""
+    max_blocks_per_rank: list = field(default_factory=list)
+    """Per step, most blocks any one request held on any rank minus the fewest (tree context only)."""
+    live_requests: list = field(default_factory=list)
+    """Per step, requests holding KV blocks (tree context only)."""
+    evicted: int = 0
+    """Requests Megatron evicted (to be prefilled again) for lack of KV blocks."""
+
+
+def generate_dynamic(engine, prompts, *, num_tokens_to_generate, arrivals=None, termination_id: int = -1,
+                     max_steps: int = 10_000) -> DynamicRun:
+    """Greedy continuous batching: request i (``prompts[i]``, token ids) joins before step ``arrivals[i]``.
+
+    num_tokens_to_generate: one int, or one per request. Returns a :class:`DynamicRun`;
+    every CP rank must call it with the same arguments (each runs the same scheduler).
+    """
+    from megatron.core.inference.sampling_params import SamplingParams
+
+    n = len(prompts)
+    arrivals = list(arrivals) if arrivals is not None else [0] * n
+    counts = [num_tokens_to_generate] * n if isinstance(num_tokens_to_generate, int) else list(num_tokens_to_generate)
+    if len(arrivals) != n or len(counts) != n:
+        raise ValueError(f"{n} prompts but {len(arrivals)} arrival steps and {len(counts)} token counts")
+    context = engine.context
+    run = DynamicRun()
+    step = 0
+    while True:
+        for i in range(n):
+            if arrivals[i] != step:
+                continue
+            if len(prompts[i]) + counts[i] > context.max_sequence_length:
+                run.errors[i] = (
+                    f"request {i}: {len(prompts[i])} prompt + {counts[i]} new tokens exceed the context window "
+                    f"of {context.max_sequence_length} tokens (max_sequence_length)"
+                )
+            params = SamplingParams(top_k=1, num_tokens_to_generate=counts[i], termination_id=termination_id,
+                                    return_log_probs=True, skip_prompt_log_probs=True)
+            engine.add_request(i, list(prompts[i]), params)
+        if not engine.has_unfinished_requests() and not engine.failed_request_ids:
+            later = [a for a in arrivals if a > step]
+            if not later:
+                break
+            step = min(later)  # nothing to run until the next arrival
+            continue
+        if step >= max_steps:
+            raise RuntimeError(f"the dynamic engine did not finish within {max_steps} steps")
+        result = engine.step_modern()
+        step += 1
+        run.step_times.append(float(result["step_time"]))
+        for record in result["finished_request_records"]:
+            req = record.merge()
+            rid = req.request_id
+            run.tokens[rid] = [int(t) for t in req.generated_tokens]
+            run.log_probs[rid] = list(req.generated_log_probs or [])
+            run.status[rid] = req.status.name
+            run.finished_step[rid] = step
+            if req.status.name == "FAILED":
+                run.errors.setdefault(rid, f"request {rid} failed: {[str(e) for e in req.events]}")
+        if isinstance(context, TreeDynamicInferenceContext):
+            run.blocks_per_rank.append(context.kv_cache.blocks_used())
+            spread = [max(b) - min(b) for b in (context.kv_cache.request_blocks(r) for r in context.kv_cache.requests)]
+            run.max_blocks_per_rank.append(max(spread, default=0))
+            run.live_requests.append(len(context.kv_cache.requests))
+    run.steps = step
+    run.evicted = engine.evicted_request_count
+    return run
