@@ -362,3 +362,57 @@ def test_bad_calls_are_refused():
             model(ids[:, :3], cache=_cache_of(out))
     with pytest.raises(ValueError, match="unknown merge strategy"):
         enable_tree_attention(hf_model("llama"), None, strategy="ring")
+
+
+# --------------------------------------------------------------------------- DeepSpeed
+
+
+def test_deepspeed_trained_model_generates_cp_sharded(tmp_path):
+    """The real launcher: train with deepspeed.initialize, generate on DeepSpeed's sequence-parallel group."""
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from transformers import LlamaForCausalLM
+
+    root = Path(__file__).resolve().parents[1]
+    script = root / "tests" / "scripts" / "ds_hf_generate.py"
+    if shutil.which("deepspeed") is None:
+        pytest.fail("the deepspeed launcher is not on PATH (pip install deepspeed==0.19.8)")
+    ext_dir = tmp_path / "torch_extensions"
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(ext_dir), PYTHONPATH=str(root), OMP_NUM_THREADS="1")
+    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(29300 + os.getpid() % 300), str(script),
+           "--out", str(tmp_path / "out")]
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=420)
+    assert proc.returncode == 0, f"deepspeed launcher failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    res = json.loads((tmp_path / "out" / "result.json").read_text())
+    assert res["backend"] == "gloo" and res["world_size"] == 2 and res["local_size"] == "2"
+    assert res["group_source"] == "deepspeed sequence-parallel group" and res["cp_ranks"] == [0, 1]
+    assert res["weights_agree"]  # DeepSpeed kept the replicas equal (they started from different seeds)
+    assert res["losses"][-1] < res["losses"][0]  # it trained
+    built = list(ext_dir.rglob("*.so")) if ext_dir.exists() else []
+    assert built == [], f"DeepSpeed compiled ops during the run: {built}"
+
+    sys.path.insert(0, str(script.parent))
+    try:
+        import ds_hf_generate as script_mod
+    finally:
+        sys.path.remove(str(script.parent))
+    trained = LlamaForCausalLM.from_pretrained(str(tmp_path / "out" / "model")).eval()
+    fresh = script_mod.tiny_llama(seed=0)
+    assert any(not torch.equal(a, b) for a, b in zip(trained.parameters(), fresh.parameters()))
+    ids, mask = script_mod.prompts()
+    with torch.no_grad():
+        ref = trained.generate(ids, attention_mask=mask, max_new_tokens=script_mod.NEW_TOKENS, do_sample=False,
+                               output_logits=True, return_dict_in_generate=True)
+    want = torch.stack(ref.logits)
+    total = sum(n + script_mod.NEW_TOKENS - 1 for n in script_mod.PROMPT_LENGTHS)
+    for r in res["ranks"]:
+        assert r["tokens"] == ref.sequences.tolist(), r["rank"]
+        err = float((torch.tensor(r["logits"]) - want).abs().max())
+        assert err < 5e-5, f"rank {r['rank']}: max |dlogits| {err}"
+        assert sum(sum(s) for s in r["shards"]) == total
+        assert r["merges"] == 2 * (script_mod.NEW_TOKENS - 1)  # one tree merge per layer per decode step
