@@ -286,6 +286,33 @@ def test_cp1_forward_generate_and_disable():
         torch.testing.assert_close(model(ids, attention_mask=mask).logits, want, rtol=0, atol=0)
 
 
+def test_eval_protocol_cp1(tmp_path):
+    """load_hf_model's HFTreeModel drives the library's own generation loop; unsharded() is the plain model."""
+    from megatron_tree.generate import generate
+    from megatron_tree.integrations.hf import load_hf_model
+
+    ref = hf_model("mistral", seed=2)
+    ref.save_pretrained(str(tmp_path), safe_serialization=True)
+    model = load_hf_model(str(tmp_path), None)
+    prompts = [[5, 17, 99, 3, 42], list(range(1, 12))]
+    res = generate(model, prompts, 6, progress=False)
+    with torch.no_grad():
+        for p, toks in zip(prompts, res.tokens):
+            want = ref.generate(torch.tensor([p]), max_new_tokens=6, min_new_tokens=6, do_sample=False)
+            assert toks == want[0, len(p):].tolist()
+        cache = model.new_cache(2, 20)
+        first = model.prefill(prompts, cache)
+        second = model.decode_step(first.argmax(-1), cache)
+        plain = model.unsharded()
+        assert plain.config._attn_implementation != "megatron_tree"
+        assert plain.model.embed_tokens.weight.data_ptr() == model.hf.model.embed_tokens.weight.data_ptr()
+        for b, p in enumerate(prompts):
+            full = plain(torch.tensor([p + [int(first[b].argmax())]])).logits[0]
+            torch.testing.assert_close(full, ref(torch.tensor([p + [int(first[b].argmax())]])).logits[0], rtol=0, atol=0)
+            torch.testing.assert_close(first[b], full[-2], rtol=0, atol=5e-5)
+            torch.testing.assert_close(second[b], full[-1], rtol=0, atol=5e-5)
+
+
 def test_cache_grows_when_unsized(monkeypatch):
     """Without a size (no generate, no max_seq_len) the cache doubles and replays its placement."""
     from megatron_tree.integrations import hf as hf_mod

@@ -31,8 +31,8 @@ as ``generate`` derives them from the attention mask, or ``arange`` without them
 pad positions (only returned when more than the last position is asked for) are 0.
 
 Why it lives here: transformers is an integration, like Megatron-Core and DeepSpeed; the
-library's layers below do not import it. The module imports transformers (>= 5.0) when it
-is itself imported and says so clearly when it is missing.
+library's layers below do not import it. The module imports transformers (>= 5.17) when it
+is itself imported and says so clearly when it is missing or older.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ try:
     from transformers.cache_utils import Cache, CacheLayerMixin
 except ImportError as e:  # pragma: no cover -- exercised only where transformers is absent
     raise ImportError(
-        "megatron_tree.integrations.hf needs transformers >= 5.0 (pip install 'transformers>=5.0'); "
+        "megatron_tree.integrations.hf needs transformers >= 5.17 (pip install 'transformers>=5.17'); "
         f"importing it failed: {e}"
     ) from e
 
@@ -69,8 +69,8 @@ __all__ = [
 
 ATTN_IMPLEMENTATION = "megatron_tree"
 """The name registered with transformers' ``AttentionInterface``."""
-MIN_TRANSFORMERS = (5, 0)
-"""Oldest transformers release with the per-layer ``Cache`` API used here (tested: 5.17 and 5.24)."""
+MIN_TRANSFORMERS = (5, 17)
+"""Oldest transformers release this module was tested against (5.17, the GPU machine's, and 5.24)."""
 _MARK = "_megatron_tree"  # attribute on the model and on each attention module: the binding
 _REFUSED_ATTENTION_KWARGS = ("sliding_window", "softcap", "s_aux", "attention_chunk_size")
 _HEADROOM = 256  # tokens per row an unsized cache makes room for beyond the prompt before it first grows
@@ -91,7 +91,8 @@ def _version_tuple(v: str) -> tuple[int, ...]:
 if _version_tuple(transformers.__version__) < MIN_TRANSFORMERS:  # pragma: no cover
     raise ImportError(
         f"megatron_tree.integrations.hf needs transformers >= {'.'.join(map(str, MIN_TRANSFORMERS))} "
-        f"(its per-layer Cache API), but {transformers.__version__} is installed"
+        f"(the releases its Cache, AttentionInterface and generate hooks were written against), but "
+        f"{transformers.__version__} is installed"
     )
 
 
@@ -636,7 +637,12 @@ def _decode(orig, binding: _Binding, cache: TreeCache, call: dict, batch: int, q
             "continuation; start a new cache for a new prompt)"
         )
     mask = call.pop("attention_mask", None)
-    if mask is not None and mask.dim() == 2 and mask.shape[-1] >= 1 and not bool(mask[:, -1].all()):
+    if mask is not None and mask.dim() != 2:
+        raise NotImplementedError(
+            f"a {mask.dim()}-D attention_mask is not supported; tree attention takes the 2-D padding mask only "
+            "(causality and padding come from global token positions)"
+        )
+    if mask is not None and mask.shape[-1] >= 1 and not bool(mask[:, -1].all()):
         raise ValueError("the attention_mask marks a new (decoded) token as padding; only prompts may be padded")
     cache._begin_decode(batch)
     call["attention_mask"] = None
@@ -738,8 +744,9 @@ def _attention_modules(model) -> list:
 
 def _check_model(model) -> None:
     if not isinstance(model, transformers.PreTrainedModel) or not hasattr(model, "generate"):
+        hint = " (for a DeepSpeed engine, pass engine.module)" if hasattr(model, "module") else ""
         raise UnsupportedModelError(
-            f"expected a transformers causal LM (PreTrainedModel with generate), got {type(model).__name__}"
+            f"expected a transformers causal LM (PreTrainedModel with generate), got {type(model).__name__}{hint}"
         )
     cfg = _text_config(model.config)
     name = type(model).__name__
@@ -874,7 +881,8 @@ class HFTreeModel:
     prompt's last token, ``decode_step(ids, cache)`` -> (batch, vocab) logits of the next
     token, identical on every CP rank; ``groups``, ``device``, ``dtype``, ``config``
     (``vocab_size``, ``num_attention_heads``, ``num_key_value_heads``, ``head_dim``).
-    ``hf`` is the enabled transformers model (``hf.generate`` works too).
+    ``hf`` is the enabled transformers model (``hf.generate`` works too); :meth:`unsharded`
+    gives a one-process replica sharing its weights, for reference logits.
     """
 
     def __init__(self, hf_model, groups: TreeGroups | None, **enable_kwargs):
@@ -909,6 +917,24 @@ class HFTreeModel:
             if v is not None:
                 setattr(b, k, v)
         return saved
+
+    def unsharded(self):
+        """A plain transformers replica for reference logits, sharing this model's weight tensors (no copy).
+
+        It runs the attention implementation the model had before tree attention, in one process:
+        ``ref(input_ids).logits`` is the unsharded forward the eval compares against.
+        """
+        import copy
+
+        cfg = copy.deepcopy(self.hf.config)
+        with torch.device("meta"):
+            ref = type(self.hf)(cfg)
+        ref.load_state_dict(self.hf.state_dict(), assign=True)
+        for name, buf in self.hf.named_buffers():  # non-persistent buffers (e.g. RoPE's inv_freq)
+            owner, _, leaf = name.rpartition(".")
+            ref.get_submodule(owner)._buffers[leaf] = buf
+        ref.set_attn_implementation(self._binding.previous_attn or "sdpa")
+        return ref.eval()
 
     @torch.no_grad()
     def prefill(self, prompts: list[list[int]], cache: TreeCache, method: str | None = None,
