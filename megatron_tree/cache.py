@@ -6,18 +6,10 @@ without communicating, and this module never communicates. A rank stores only it
 tokens, in a buffer of ``ceil(max_seq_len / cp_size)`` slots per row: memory per rank is
 1/CP of an unsharded cache (rounded up to a whole token).
 
-Placement (DESIGN.md section 6):
-
-* prefill, ``layout="load_balanced"`` -- the prompt is cut into ``2 * cp_size`` chunks and
-  rank ``r`` keeps chunks ``r`` and ``2 * cp_size - 1 - r``, as Megatron-Core's training CP
-  does (``get_batch_on_this_cp_rank``), so causal work is balanced and a trained layout
-  needs no reshard. Megatron requires the length to be a multiple of ``2 * cp_size``; here
-  the first ``length % (2 * cp_size)`` chunks are one token longer instead.
-* prefill, ``layout="contiguous"`` -- ``cp_size`` consecutive chunks, rank ``r`` keeps chunk ``r``.
-* decode -- new tokens are placed by blocks of ``block_size``: a block fills up on one
-  rank, the next block opens on the least-loaded rank (ties broken round-robin after the
-  previous block's rank). Shards therefore never differ by more than one block (plus the
-  at most two tokens of a load-balanced prefill) and appends never pile onto the last rank.
+Placement (DESIGN.md section 6) is decided by :mod:`megatron_tree.placement`, the planner
+every sequence-sharded cache shares: the prompt in Megatron-Core's load-balanced 2·CP chunks
+(or contiguous chunks), decoded tokens in blocks of ``block_size`` that open on the
+least-loaded rank, round-robin on ties. This module stores what it decides.
 
 Within a rank a row's tokens are stored in the order they arrived; their global positions
 are kept beside them (``positions``) for RoPE and causal masking.
@@ -26,15 +18,16 @@ are kept beside them (``positions``) for RoPE and causal masking.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
+from .placement import LAYOUTS, RowPlacement, prefill_ranges
+
 __all__ = ["CacheConfig", "CacheOverflowError", "ShardedKVCache", "prefill_ranges", "LAYOUTS"]
 
 Layout = Literal["load_balanced", "contiguous"]
-LAYOUTS = ("load_balanced", "contiguous")
 
 
 class CacheOverflowError(ValueError):
@@ -55,49 +48,6 @@ class CacheConfig:
             raise ValueError(f"unknown cache layout {self.layout!r}; expected one of {LAYOUTS}")
         if not isinstance(self.block_size, int) or self.block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
-
-
-def _split(length: int, parts: int) -> list[tuple[int, int]]:
-    """``parts`` consecutive ranges covering ``[0, length)``, the first ``length % parts`` one longer."""
-    base, extra = divmod(length, parts)
-    out, start = [], 0
-    for i in range(parts):
-        end = start + base + (1 if i < extra else 0)
-        out.append((start, end))
-        start = end
-    return out
-
-
-def prefill_ranges(length: int, cp_size: int, layout: str) -> list[list[tuple[int, int]]]:
-    """Global position ranges ``[start, end)`` of a prompt of ``length`` tokens kept by each CP rank.
-
-    Returns one list of ranges per rank, in ascending position order (that is the order in
-    which the rank stores them).
-    """
-    if layout not in LAYOUTS:
-        raise ValueError(f"unknown cache layout {layout!r}; expected one of {LAYOUTS}")
-    if cp_size < 1:
-        raise ValueError(f"cp_size must be >= 1, got {cp_size}")
-    if layout == "contiguous":
-        return [[r] for r in _split(length, cp_size)]
-    chunks = _split(length, 2 * cp_size)
-    return [[chunks[r], chunks[2 * cp_size - 1 - r]] for r in range(cp_size)]
-
-
-@dataclass
-class _RowPlan:
-    """Where one row's tokens are, known identically on every CP rank."""
-
-    counts: list[int]
-    """Tokens held by each CP rank."""
-    total: int = 0
-    """Tokens in the row (global length; the next token's position)."""
-    open_rank: int | None = None
-    """Rank that holds the current, not yet full decode block."""
-    open_fill: int = 0
-    """Tokens already in the current decode block."""
-    last_rank: int = field(default=-1)
-    """Rank of the most recent decode block (round-robin tie-break)."""
 
 
 class ShardedKVCache:
@@ -143,7 +93,7 @@ class ShardedKVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.positions = torch.full((batch_size, self.capacity), -1, dtype=torch.int64, device=device)
         self.seqlens = torch.zeros(batch_size, dtype=torch.int32, device=device)
-        self._rows: list[_RowPlan] = []
+        self._rows: list[RowPlacement] = []
         self.reset()
 
     # ------------------------------------------------------------------ bookkeeping
@@ -152,7 +102,8 @@ class ShardedKVCache:
         """Forget every token (storage is kept)."""
         self.positions.fill_(-1)
         self.seqlens.zero_()
-        self._rows = [_RowPlan(counts=[0] * self.cp_size) for _ in range(self.batch_size)]
+        self._rows = [RowPlacement(self.cp_size, layout=self.config.layout, block_size=self.config.block_size,
+                                   capacity=self.capacity) for _ in range(self.batch_size)]
 
     @property
     def lengths(self) -> list[int]:
@@ -199,13 +150,10 @@ class ShardedKVCache:
                     "create the cache with a larger max_seq_len"
                 )
         self.reset()
-        plans = [prefill_ranges(n, self.cp_size, self.config.layout) for n in lengths]
+        plans = [row.place_prompt(n) for row, n in zip(self._rows, lengths)]
         width = max(sum(e - s for s, e in ranges) for plan in plans for ranges in plan)
         local = torch.full((self.batch_size, width), -1, dtype=torch.int64)
         for b, plan in enumerate(plans):
-            row = self._rows[b]
-            row.counts = [sum(e - s for s, e in ranges) for ranges in plan]
-            row.total = lengths[b]
             mine = torch.cat([torch.arange(s, e, dtype=torch.int64) for s, e in plan[self.cp_rank]])
             local[b, : mine.numel()] = mine
         local = local.to(self.positions.device)
@@ -229,18 +177,6 @@ class ShardedKVCache:
 
     # ------------------------------------------------------------------ decode
 
-    def _next_owner(self, row: _RowPlan) -> int:
-        bs = self.config.block_size
-        if row.open_rank is not None and row.open_fill < bs and row.counts[row.open_rank] < self.capacity:
-            return row.open_rank
-        free = [r for r in range(self.cp_size) if row.counts[r] < self.capacity]
-        least = min(row.counts[r] for r in free)
-        # Round-robin among the least-loaded ranks, starting after the previous block's rank.
-        order = [(row.last_rank + 1 + i) % self.cp_size for i in range(self.cp_size)]
-        owner = next(r for r in order if r in free and row.counts[r] == least)
-        row.open_rank, row.open_fill, row.last_rank = owner, 0, owner
-        return owner
-
     def begin_decode_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Place one new token at the end of every row.
 
@@ -258,12 +194,10 @@ class ShardedKVCache:
                 )
         positions, slots = [], []
         for row in self._rows:
-            owner = self._next_owner(row)
-            slots.append(row.counts[owner] if owner == self.cp_rank else -1)
-            positions.append(row.total)
-            row.counts[owner] += 1
-            row.open_fill += 1
-            row.total += 1
+            pos = row.total
+            (owner,) = row.append(1)
+            slots.append(row.locate(pos)[1] if owner == self.cp_rank else -1)
+            positions.append(pos)
         pos = torch.tensor(positions, dtype=torch.int64, device=self.positions.device)
         slot = torch.tensor(slots, dtype=torch.int64, device=self.positions.device)
         for b in range(self.batch_size):
