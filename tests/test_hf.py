@@ -126,6 +126,17 @@ def _rank_fn(rank, world, paths):
             seen[(topo, "wrong_group")] = None
         except ValueError as e:
             seen[(topo, "wrong_group")] = str(e)
+    # Ranks handed different prompts: every rank of the CP group (2 x 2) raises, none computes.
+    from megatron_tree.collectives import DisagreementError
+
+    other = (ids + 1) % 128
+    if rank == 1:
+        other[0, -1] = (other[0, -1] + 1) % 128
+    try:
+        hf(other, attention_mask=mask)
+        seen["different_prompts"] = None
+    except DisagreementError as e:
+        seen["different_prompts"] = str(e)
     return seen
 
 
@@ -159,7 +170,7 @@ def references(tmp_path_factory):
 @pytest.fixture(scope="module")
 def ranks(references):
     paths, _ = references
-    return run_ranks(_rank_fn, 4, paths, timeout=420, pg_timeout=120)
+    return run_ranks(_rank_fn, 4, paths, timeout=900, pg_timeout=300)
 
 
 def _max_share(lengths, cp, layout, rank=None):
@@ -234,15 +245,23 @@ def test_collectives_per_step(ranks):
         assert st["levels"]["intra"]["collectives"] == 2 * layers * steps
         assert st["levels"]["inter"]["collectives"] == 2 * layers * steps
         ops = st["levels"]["cp"]["ops"]
-        # prefill: per layer an all-reduce MAX of the chunk length and 3 all-gathers (k, v, positions),
-        # one all-reduce SUM of the last tokens' logits; per step: the random state and the tokens
-        assert ops["all_gather"] == 3 * layers + NEW
+        # prefill: an all-gather comparing the ranks' arguments, per layer an all-reduce MAX of the chunk
+        # length and 3 all-gathers (k, v, positions), one all-reduce SUM of the last tokens' logits;
+        # per generated token: the random state and the tokens
+        assert ops["all_gather"] == 3 * layers + NEW + 1  # + the prefill's argument check
         assert ops["all_reduce_max"] == layers
         assert ops["all_reduce_sum"] == 1
         assert ops["broadcast"] == NEW
         e = r[("cp3", "llama")]
         if e["cp"] == 3:  # ring prefill: P - 1 rounds of send/recv per layer
             assert e["stats"]["levels"]["cp"]["ops"]["send_recv"] == 2 * layers
+
+
+def test_different_prompts_on_ranks_are_refused(ranks):
+    msgs = [r["different_prompts"] for r in ranks]
+    assert all(m is not None and "ranks disagree on hf.prefill: input_ids:" in m for m in msgs), msgs
+    assert "attention_mask" not in msgs[0].split(". Every rank")[0]  # only what differs is listed
+    assert "on rank 1" in msgs[0] and len(set(msgs)) == 1  # the same text everywhere, naming the odd rank
 
 
 def test_cache_of_another_group_is_refused(ranks):

@@ -39,7 +39,8 @@ from __future__ import annotations
 
 import functools
 import inspect
-import math
+import struct
+import zlib
 from dataclasses import dataclass, field
 
 import torch
@@ -56,9 +57,11 @@ except ImportError as e:  # pragma: no cover -- exercised only where transformer
         f"importing it failed: {e}"
     ) from e
 
+from .. import collectives
 from ..attention import tree_decode
 from ..cache import LAYOUTS, CacheConfig, CacheOverflowError, ShardedKVCache
-from ..comm import STRATEGIES, CommStats
+from ..collectives import CommStats
+from ..comm import STRATEGIES
 from ..prefill import PREFILL_METHODS, cp_prefill
 from ..topology import TreeGroups
 
@@ -569,6 +572,50 @@ def _run(orig, binding, cache, call):
     return out
 
 
+def _checksum(t: torch.Tensor | None):
+    """A position-weighted sum of ``t``'s values (host int or float): equal inputs give equal sums."""
+    if t is None:
+        return None
+    flat = t.detach().reshape(-1)
+    w = torch.arange(1, flat.numel() + 1, device=flat.device)
+    if flat.is_floating_point():
+        return float((flat.double() * w).sum())
+    return int(((flat.long() + 1) * w).sum())
+
+
+def _as_int64(value) -> int:
+    """A signature value as one int64 (ints wrap, floats by their bits, strings by CRC-32, None as -1)."""
+    if value is None:
+        return -1
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, int):
+        return (value + 2 ** 63) % 2 ** 64 - 2 ** 63
+    if isinstance(value, float):
+        return struct.unpack("<q", struct.pack("<d", value))[0]
+    return zlib.crc32(str(value).encode())
+
+
+def _agree(binding: _Binding, site: str, names: tuple, values: tuple) -> None:
+    """Every CP rank must make this call with the same ``values``; else all raise the same DisagreementError.
+
+    One all-gather of ``len(names)`` int64 on the CP group itself (a fixed size whatever the
+    values, so ranks that disagree never enter a collective with different buffer sizes).
+    ``collectives.Agreement`` is not used: its clone group is created lazily with local
+    synchronisation, which hangs torch 2.13 once side-by-side CP groups have created different
+    numbers of groups (the hashed group name counts them).
+    """
+    if binding.cp_size == 1:
+        return
+    g = binding.groups
+    mine = torch.tensor([_as_int64(v) for v in values], dtype=torch.int64)
+    rows = collectives.all_gather(mine.to(_comm_device(g, mine.device)), g.cp_group, stats=binding.stats,
+                                  what=f"{site}: comparing the ranks' arguments").cpu()
+    if bool((rows != rows[0]).any()):
+        table = {rank: dict(zip(names, row.tolist())) for rank, row in zip(g.cp_ranks, rows)}
+        raise collectives.disagreement(site, table)
+
+
 def _prefill(model, orig, binding: _Binding, cache: TreeCache, call: dict, batch: int, seq: int):
     ids, embeds = call.get("input_ids"), call.get("inputs_embeds")
     device = (ids if ids is not None else embeds).device
@@ -608,6 +655,12 @@ def _prefill(model, orig, binding: _Binding, cache: TreeCache, call: dict, batch
         slot_of[rows_local] = torch.arange(rows_local.numel(), device=device)
     else:
         slot_of = torch.arange(local.shape[1], device=device)
+    # Ranks handed different prompts would each compute their chunk of another prompt: compare first.
+    names = ("batch", "seq", "input_ids", "inputs_embeds", "attention_mask", "position_ids", "logits_wanted",
+             "strategy", "prefill", "layout", "block_size")
+    values = (batch, seq, _checksum(ids), _checksum(embeds), _checksum(mask), _checksum(pos_ids), _checksum(wanted),
+              binding.strategy, binding.prefill, binding.layout, binding.block_size)
+    _agree(binding, "hf.prefill", names, values)
     out = _run(orig, binding, cache, call)
     logits = out.logits  # (B, |rows_local| or W, V)
     vocab = logits.shape[-1]
@@ -620,10 +673,8 @@ def _prefill(model, orig, binding: _Binding, cache: TreeCache, call: dict, batch
     if binding.cp_size > 1:
         # The rank holding each requested token contributes its logits, the others zeros: a SUM is exact.
         buf = mine.to(_comm_device(binding.groups, device))
-        dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=binding.groups.cp_group)
-        if binding.stats is not None:
-            binding.stats.record_all_reduce("cp", "all_reduce_sum", buf.numel() * buf.element_size(),
-                                            binding.cp_size)
+        collectives.all_reduce(buf, binding.groups.cp_group, op="sum", stats=binding.stats,
+                               what="tree attention prefill: gathering the requested logits")
         mine = buf.to(device)
     out.logits = mine.to(logits.dtype)
     return out
@@ -668,9 +719,8 @@ class _RankZeroDraws(LogitsProcessor):
         dev = scores.device
         state = torch.cuda.get_rng_state(dev) if dev.type == "cuda" else torch.get_rng_state()
         buf = state.to(_comm_device(self.groups, dev))
-        dist.broadcast(buf, src=self.groups.cp_ranks[0], group=self.groups.cp_group)
-        if self.stats is not None:
-            self.stats.record("cp", "broadcast", buf.nbytes, buf.nbytes)
+        collectives.broadcast(buf, self.groups.cp_ranks[0], self.groups.cp_group, stats=self.stats,
+                              what="generate: CP rank 0's random state before a draw")
         if self.groups.rank != 0:
             if dev.type == "cuda":
                 torch.cuda.set_rng_state(buf.cpu(), dev)
@@ -687,12 +737,9 @@ class _TokensAgree(StoppingCriteria):
         self.step = 0
 
     def __call__(self, input_ids, scores, **kwargs):
-        last = input_ids[:, -1].contiguous()
-        dev = _comm_device(self.groups, last.device)
-        parts = [torch.empty_like(last, device=dev) for _ in range(self.groups.size)]
-        dist.all_gather(parts, last.to(dev), group=self.groups.cp_group)
-        if self.stats is not None:
-            self.stats.record("cp", "all_gather", last.nbytes, (self.groups.size - 1) * last.nbytes)
+        last = input_ids[:, -1]
+        parts = collectives.all_gather(last.to(_comm_device(self.groups, last.device)), self.groups.cp_group,
+                                       stats=self.stats, what="generate: checking the ranks' new tokens")
         self.step += 1
         if any(not torch.equal(p, parts[0]) for p in parts[1:]):
             raise RuntimeError(
