@@ -19,10 +19,14 @@ extension points are filled:
   sequence gives each rank its own chunk of the prompt, with the global positions
   transformers would use, so every layer (attention, MLP, norms) processes ~1/CP of the
   tokens; the logits transformers asked for are assembled on every rank with one all-reduce.
-  ``generate`` is wrapped to add a ``TreeCache`` sized for the request, a logits processor
-  that hands every rank CP rank 0's random state before each token is drawn (so rank 0's
-  draw decides for all, whatever the ranks were seeded with), and a stopping criterion that
-  checks every step that all ranks hold rank 0's tokens and fails loudly otherwise.
+  Before it, the ranks compare the call's arguments (one small all-gather): a rank handed
+  another prompt fails with the others instead of computing a chunk of the wrong one. The
+  empty cache ``generate`` makes is swapped for a ``TreeCache`` (sized for the request while
+  ``generate`` runs), which ``generate`` then carries from step to step. ``generate`` is
+  wrapped to add a logits processor that hands every rank CP rank 0's random state before
+  each token is drawn (so rank 0's draw decides for all, whatever the ranks were seeded
+  with), and a stopping criterion that checks every step that all ranks hold rank 0's
+  tokens and fails loudly otherwise.
 
 Padding: prompts must be left-padded (transformers' convention for generation). Pad tokens
 are dropped before the layers run -- they are never computed, stored or attended to -- and
@@ -534,9 +538,8 @@ def _sharded_forward(model, orig, binding: _Binding, args, kwargs):
         raise ValueError("pass input_ids or inputs_embeds")
     batch, q_len = src.shape[0], src.shape[1]
 
-    keep = cache
+    returned = not (use_cache is False and cache is None)  # else a one-off cache, dropped after this forward
     if cache is None or (not isinstance(cache, TreeCache) and cache.get_seq_length() == 0):
-        keep = None if (use_cache is False and cache is None) else "new"
         cache = TreeCache(model, binding.groups, layout=binding.layout, block_size=binding.block_size,
                           new_tokens=binding.new_tokens_hint)
     elif not isinstance(cache, TreeCache):
@@ -556,7 +559,7 @@ def _sharded_forward(model, orig, binding: _Binding, args, kwargs):
         out = _prefill(model, orig, binding, cache, call, batch, q_len)
     else:
         out = _decode(orig, binding, cache, call, batch, q_len)
-    out[binding.cache_kwarg] = None if keep is None else cache
+    out[binding.cache_kwarg] = cache if returned else None
     return out if return_dict is not False else out.to_tuple()
 
 
