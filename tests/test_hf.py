@@ -5,8 +5,9 @@ sliding window), each a tiny random model saved with ``save_pretrained`` (safete
 loaded on every rank through ``load_hf_model``. Biases and norm weights are randomised, so a
 backend that dropped them would fail. One 4-rank gloo launch serves both topologies of the
 issue: CP 3 (ranks 0-2; rank 3 runs alone, CP 1) and CP 4 as 2 simulated nodes x 2. Each
-rank generates from a left-padded batch of two prompts of different lengths, greedy and
-sampled (ranks seeded differently), and returns tokens, per-step logits, what the MLP of
+rank generates from a left-padded batch (the issue's two prompts of different lengths plus a
+1-token one, so some ranks start with an empty shard of a row), greedy and sampled (ranks
+seeded differently), and returns tokens, per-step logits, what the MLP of
 layer 0 processed, the cache's shards and bytes; the parent holds them to single-process
 transformers. Bad input is checked in this process (CP 1, no process group) where it needs
 no collective, and inside the launch where it needs groups.
@@ -22,7 +23,10 @@ import torch
 from distributed import run_ranks
 
 NEW = 16
-LENGTHS = (29, 17)  # odd and uneven: chunks of different sizes, one prompt left-padded by 12
+SAMPLED_NEW = 8  # sampling is checked on fewer steps (its own logits are the greedy run's code path)
+# The issue's two prompts of different lengths (odd: chunks of different sizes; the shorter is
+# left-padded by 12) plus a 1-token one: at CP > 1 some ranks hold an empty shard of that row.
+LENGTHS = (29, 17, 1)
 SEED_SAMPLE = 1234
 SAMPLING = dict(do_sample=True, temperature=1.3, top_k=40, top_p=0.95)
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
@@ -65,7 +69,7 @@ def hf_model(arch: str, seed: int = 0, **over):
 
 
 def batch():
-    """A left-padded batch of two prompts (LENGTHS), identical on every rank."""
+    """A left-padded batch of the prompts of LENGTHS, identical on every rank."""
     g = torch.Generator().manual_seed(5)
     seq = max(LENGTHS)
     ids = torch.zeros(len(LENGTHS), seq, dtype=torch.long)
@@ -117,7 +121,8 @@ def _rank_fn(rank, world, paths):
             # Sampling: every rank seeded differently; CP rank 0's seed is the reference's.
             torch.manual_seed(SEED_SAMPLE if groups.rank == 0 else 999 + rank)
             with torch.no_grad():
-                entry["sampled"] = hf.generate(ids, attention_mask=mask, max_new_tokens=NEW, **SAMPLING).tolist()
+                entry["sampled"] = hf.generate(ids, attention_mask=mask, max_new_tokens=SAMPLED_NEW,
+                                               **SAMPLING).tolist()
             seen[(topo, arch)] = entry
         # A cache made for the other group, handed to this model: refused before any collective.
         other = built["cp2x2" if topo == "cp3" else "cp3"]
@@ -160,7 +165,7 @@ def references(tmp_path_factory):
         kv = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
         torch.manual_seed(SEED_SAMPLE)
         with torch.no_grad():
-            sampled = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, **SAMPLING).tolist()
+            sampled = model.generate(ids, attention_mask=mask, max_new_tokens=SAMPLED_NEW, **SAMPLING).tolist()
         paths[arch] = str(path)
         refs[arch] = {"tokens": out.sequences.tolist(), "logits": torch.stack(out.logits),
                       "mlp_prefill": counts[0], "kv_bytes": kv, "sampled": sampled}
@@ -289,7 +294,7 @@ def test_cp1_forward_generate_and_disable():
         torch.testing.assert_close(got * mask[..., None], want * mask[..., None], rtol=0, atol=5e-5)
         assert float(got[mask == 0].abs().max()) == 0.0
         last = model(ids, attention_mask=mask, logits_to_keep=1)
-        assert isinstance(_cache_of(last), TreeCache) and last.logits.shape == (2, 1, 128)
+        assert isinstance(_cache_of(last), TreeCache) and last.logits.shape == (len(LENGTHS), 1, 128)
         torch.testing.assert_close(last.logits[:, 0], want[:, -1], rtol=0, atol=5e-5)
         # a manual decode step on the returned cache, against the full forward of the longer sequence;
         # without position_ids transformers places the token at the cache's (padded) length on every row
@@ -397,7 +402,7 @@ def test_bad_calls_are_refused():
     ids, mask = batch()
     right = mask.flip(1)  # right padding
     with torch.no_grad():
-        with pytest.raises(ValueError, match=r"rows \[1\] are not left-padded"):
+        with pytest.raises(ValueError, match=r"rows \[1, 2\] are not left-padded"):
             model(ids, attention_mask=right)
         with pytest.raises(NotImplementedError, match="labels"):
             model(ids, attention_mask=mask, labels=ids)
