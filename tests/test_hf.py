@@ -325,6 +325,9 @@ def test_eval_protocol_cp1(tmp_path):
             want = ref.generate(torch.tensor([p]), max_new_tokens=6, min_new_tokens=6, do_sample=False)
             assert toks == want[0, len(p):].tolist()
         cache = model.new_cache(2, 20)
+        assert cache.batch_size == 2 and cache.max_seq_len == 20  # what generate() checks a given cache by
+        with pytest.raises(ValueError, match="made for batch_size=2"):
+            model.prefill(prompts[:1], cache)
         first = model.prefill(prompts, cache)
         second = model.decode_step(first.argmax(-1), cache)
         plain = model.unsharded()

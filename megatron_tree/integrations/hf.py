@@ -205,7 +205,8 @@ class TreeCache(Cache):
 
     def __init__(self, config, groups: TreeGroups | None, *, max_seq_len: int | None = None,
                  layout: str = "load_balanced", block_size: int = 16, new_tokens: int | None = None,
-                 dtype: torch.dtype | None = None, device: torch.device | str | None = None):
+                 batch_size: int | None = None, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None):
         model = config if isinstance(config, torch.nn.Module) else None
         cfg = _text_config(model.config if model is not None else config)
         self.num_layers = int(cfg.num_hidden_layers)
@@ -217,7 +218,10 @@ class TreeCache(Cache):
             raise ValueError(f"max_seq_len must be a positive integer or None, got {max_seq_len!r}")
         if new_tokens is not None and (not isinstance(new_tokens, int) or new_tokens < 0):
             raise ValueError(f"new_tokens must be a non-negative integer or None, got {new_tokens!r}")
+        if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
+            raise ValueError(f"batch_size must be a positive integer or None, got {batch_size!r}")
         self.groups = groups
+        self._batch = batch_size
         self.cache_config = CacheConfig(layout=layout, block_size=block_size)
         self.max_seq_len = max_seq_len
         self.new_tokens = new_tokens
@@ -251,7 +255,10 @@ class TreeCache(Cache):
 
     @property
     def batch_size(self) -> int:
-        return -1 if self.storage is None else self.storage.batch_size
+        """Rows: the storage's, else the one the cache was made for (-1: not known before the prompt)."""
+        if self.storage is not None:
+            return self.storage.batch_size
+        return -1 if self._batch is None else self._batch
 
     def reset(self) -> None:
         self.storage = None
@@ -324,6 +331,8 @@ class TreeCache(Cache):
 
     def _begin_prefill(self, lengths: list[int], padded: int) -> torch.Tensor:
         """Place the prompts; returns (batch, W) global (unpadded) positions of this rank's tokens, -1 = filler."""
+        if self._batch is not None and len(lengths) != self._batch:
+            raise ValueError(f"got {len(lengths)} prompts for a TreeCache made for batch_size={self._batch}")
         if self.max_seq_len is not None:
             need = self.max_seq_len
         elif self.new_tokens is not None:
@@ -957,8 +966,8 @@ class HFTreeModel:
     def new_cache(self, batch_size: int, max_seq_len: int, layout: str | None = None,
                   block_size: int | None = None) -> TreeCache:
         """An empty cache for ``batch_size`` rows of up to ``max_seq_len`` tokens (1/CP of them per rank)."""
-        return TreeCache(self.hf, self.groups, max_seq_len=max_seq_len, layout=layout or self._binding.layout,
-                         block_size=block_size or self._binding.block_size)
+        return TreeCache(self.hf, self.groups, max_seq_len=max_seq_len, batch_size=batch_size,
+                         layout=layout or self._binding.layout, block_size=block_size or self._binding.block_size)
 
     def _with(self, **over):
         b = self._binding
