@@ -629,6 +629,19 @@ def _agree(binding: _Binding, site: str, names: tuple, values: tuple) -> None:
 
 
 def _prefill(model, orig, binding: _Binding, cache: TreeCache, call: dict, batch: int, seq: int):
+    """The forward that starts a sequence, each CP rank on its chunk.
+
+    Per rank (every rank passes the same call):
+
+    input_ids: (batch, seq) or inputs_embeds: (batch, seq, hidden) -- the left-padded prompt
+    attention_mask: (batch, seq) 2-D padding mask or None; position_ids: (batch|1, seq) or None
+    runs the model on (batch, W) tokens, W = this rank's largest share of a row (pads dropped)
+    returns the model's output with logits: (batch, K, vocab) for the K positions asked for
+        (``logits_to_keep``), identical on every rank; 0 at pad positions
+
+    Collectives (CP > 1): an all-gather of the call's arguments, the prefill method's per layer
+    (``prefill.cp_prefill``), one all-reduce SUM of (batch, K, vocab) float32.
+    """
     ids, embeds = call.get("input_ids"), call.get("inputs_embeds")
     device = (ids if ids is not None else embeds).device
     mask = call.pop("attention_mask", None)
@@ -693,6 +706,10 @@ def _prefill(model, orig, binding: _Binding, cache: TreeCache, call: dict, batch
 
 
 def _decode(orig, binding: _Binding, cache: TreeCache, call: dict, batch: int, q_len: int):
+    """One new token per row on a filled cache: input_ids (batch, 1) -> logits (batch, 1, vocab).
+
+    The same on every rank; one ``tree_decode`` merge per layer (its strategy's collectives).
+    """
     if q_len != 1:
         raise NotImplementedError(
             f"a forward of {q_len} tokens on a TreeCache that already holds {cache.get_seq_length()}: only one new "
