@@ -25,9 +25,11 @@ setup(
         "safetensors",
         "tqdm",
         "matplotlib",
+        # integrations/hf.py (transformers' own model classes, CP-sharded); tested with 5.17 and 5.24
+        "transformers>=5.17",
     ],
     extras_require={
-        "test": ["pytest", "pytest-xdist", "pytest-timeout", "transformers", "hypothesis"],
+        "test": ["pytest", "pytest-xdist", "pytest-timeout", "hypothesis"],
     },
     entry_points={
         "console_scripts": [
