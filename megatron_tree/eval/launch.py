@@ -74,7 +74,7 @@ def check_launch(cfg: RunConfig, world: int, env=None) -> int:
     topo, m = cfg.topology, cfg.model
     tp = topo.tp_size
     if tp > 1 and m.source != "megatron":
-        raise ConfigError(f"topology.tp_size: {tp} needs model.source megatron (the Llama source is CP only)")
+        raise ConfigError(f"topology.tp_size: {tp} needs model.source megatron (the Llama and transformers sources are CP only)")
     if world % tp:
         raise ConfigError(
             f"topology.tp_size: {tp} does not divide the launched world of {world} rank(s); expected a divisor of {world}"
