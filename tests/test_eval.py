@@ -386,3 +386,39 @@ def test_megatron_source_in_one_process_passkey_perplexity_and_a_wrong_reference
     assert rc == 3
     res = json.loads((out / "results.json").read_text())
     assert res["exact"] is False and res["max_abs_dlogits"] > 1e-2
+
+
+def test_dynamic_engine_comparison_reads_the_right_positions():
+    """compare_dynamic_with_reference: the engine's token t of row b (t = 0 from the prefill) is
+    scored by the reference's logits at position ctx - 1 + t over prompt + tokens[:, :-1]; a
+    log-prob off by 0.01 at one step, or a token the reference would not choose, is caught."""
+    from types import SimpleNamespace
+
+    torch.manual_seed(3)
+    ctx, new, vocab = 5, 4, 11
+    prompts = [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]]
+    table = torch.randn(vocab, vocab) * 3  # logits depend on the last token and its position
+
+    def reference(ids):
+        pos = torch.arange(ids.shape[1], dtype=torch.float32)[None, :, None]
+        return table[ids] + 0.1 * pos
+
+    ids = torch.tensor(prompts)
+    for _ in range(new):  # the reference's own greedy continuation: what an exact engine generates
+        ids = torch.cat([ids, reference(ids)[:, -1].argmax(-1, keepdim=True)], 1)
+    tokens = ids[:, ctx:]
+    lp = torch.log_softmax(reference(ids[:, :-1])[:, ctx - 1:].double(), -1).gather(-1, tokens[..., None])[..., 0]
+    em = SimpleNamespace(reference=reference, reference_name="ref")
+    ok = R.compare_dynamic_with_reference(em, prompts, tokens, lp, 1e-3, "cpu")
+    assert ok["quantity"] == "log_probs" and ok["checked_steps"] == [0, 1, 2]
+    assert ok["max_abs_dlogprobs"] < 1e-6 and ok["tokens_match_reference"] and ok["within_tolerance"]
+    assert ok["max_abs_dlogits"] is None and ok["reference_tokens"] == tokens.tolist()
+    off = lp.clone()
+    off[1, 2] += 0.01  # decode step 1 of row 1
+    bad = R.compare_dynamic_with_reference(em, prompts, tokens, off, 1e-3, "cpu")
+    assert bad["step_max_abs_dlogprobs"][1] == pytest.approx(0.01) and bad["prefill_max_abs_dlogprobs"] < 1e-6
+    assert not bad["within_tolerance"] and bad["tokens_match_reference"]
+    other = tokens.clone()
+    other[0, 3] = (other[0, 3] + 1) % vocab
+    wrong = R.compare_dynamic_with_reference(em, prompts, other, lp, 1.0, "cpu")
+    assert not wrong["tokens_match_reference"] and not wrong["within_tolerance"]
