@@ -205,9 +205,9 @@ def test_slurm_sbatch_runs_a_transformers_qwen2_with_tiers_from_slurm(tmp_path):
     p = _launch(["bash", "launch/slurm/eval.sbatch", f"output_dir={out}", "topology.intra_size=null", *TINY,
                  "model.source=hf", f"model.path={ckpt}"], _slurm_env(CONFIG="configs/cpu_tiny_llama.yaml"))
     res = _check_results(out, p, launcher="slurm", levels={"intra": 2, "inter": 2}, source="hf")
-    assert res["model"]["class"] == "transformers.Qwen2ForCausalLM"
+    assert res["model"]["class"] == "transformers.Qwen2ForCausalLM" and res["model"]["model_type"] == "qwen2"
     assert res["exactness_reference"].startswith("unmodified transformers Qwen2ForCausalLM in one process")
-    assert p.stderr.count("Loading weights") <= 1 + p.stderr.count("Loading weights: 100%")  # rank 0's bar only
+    assert p.stderr.count("Loading weights: 100%") <= 1  # rank 0's loading bar only, not one per rank
 
 
 def test_slurm_torchrun_sbatch_runs_megatrons_dynamic_engine(tmp_path):
