@@ -49,15 +49,18 @@ def _positive(obj, *names: str) -> None:
 @dataclass(frozen=True)
 class ModelConfig:
     """Which model to evaluate. The shape fields describe ``source: megatron`` and ``source: random``
-    (a ``hf`` checkpoint brings its own ``config.json``)."""
+    (an ``hf`` or ``llama`` checkpoint brings its own ``config.json``)."""
 
-    source: Literal["megatron", "random", "hf"] = "megatron"
+    source: Literal["megatron", "random", "hf", "llama"] = "megatron"
     """``megatron``: a Megatron-Core ``GPTModel`` (Llama-style: RMSNorm, SwiGLU, no biases,
     RoPE, GQA) of the shape below, from the distributed checkpoint at ``path`` or with random
-    weights when ``path`` is null; ``random``: the library's Llama with random weights;
-    ``hf``: a Hugging Face Llama checkpoint directory at ``path``."""
+    weights when ``path`` is null; ``hf``: transformers' own model class for the checkpoint
+    at ``path`` (``save_pretrained`` directory: Llama, Qwen2, Qwen3, Mistral, ...) with tree
+    attention as its attention backend (``integrations.hf``); ``llama``: the library's own
+    Llama from a Hugging Face Llama checkpoint at ``path``; ``random``: the library's Llama
+    with random weights of the shape below."""
     path: str | None = None
-    """``hf``: a checkpoint directory (``config.json`` + ``*.safetensors``); ``megatron``: a
+    """``hf``, ``llama``: a checkpoint directory (``config.json`` + ``*.safetensors``); ``megatron``: a
     ``dist_checkpointing`` directory or a Megatron-LM ``--save`` directory (latest iteration
     from ``latest_checkpointed_iteration.txt``), loaded at the run's TP x CP layout."""
     tokenizer: str | None = None
@@ -98,8 +101,8 @@ class ModelConfig:
     def __post_init__(self):
         _positive(self, "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                   "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings")
-        if self.source == "hf" and not self.path:
-            raise ConfigError("path: source 'hf' needs a checkpoint directory, got none")
+        if self.source in ("hf", "llama") and not self.path:
+            raise ConfigError(f"path: source {self.source!r} needs a checkpoint directory, got none")
         if self.source == "megatron" and self.rope_scaling is not None:
             raise ConfigError("rope_scaling: not supported for source 'megatron' (plain RoPE); set it to null")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -226,10 +229,18 @@ class EvalConfig:
     prefill_method: Literal["ring", "allgather"] | None = None
     """Context-parallel prefill; ``None`` = the model's own (``ring`` for the Llama, ``allgather``
     for Megatron models, whose core attention all-gathers the prompt's keys/values)."""
+    engine: Literal["static", "dynamic"] = "static"
+    """How a Megatron model (``model.source: megatron``) generates: ``static`` -- the library's
+    decode loop over a ``TreeInferenceContext`` (a contiguous CP-sharded cache, rows prefilled
+    at full length); ``dynamic`` -- Megatron-Core's ``DynamicInferenceEngine`` over the paged,
+    CP-sharded KV cache (``integrations.megatron_dynamic``), every row a request. Other sources
+    have the static path only."""
     cache_layout: Literal["load_balanced", "contiguous"] = "load_balanced"
-    """Placement of prompt tokens on CP ranks."""
+    """Placement of prompt tokens on CP ranks (static engine; the paged cache of the dynamic
+    engine places every token round-robin by block)."""
     block_size: int = 16
-    """KV cache block (decode appends go round-robin by block)."""
+    """KV cache block (decode appends go round-robin by block); with ``engine: dynamic``, the
+    paged cache's block on one rank (Megatron schedules blocks of CP x block_size tokens)."""
     exactness: ExactnessConfig = field(default_factory=ExactnessConfig)
     """Comparison against the unsharded model."""
     passkey: PasskeyConfig = field(default_factory=PasskeyConfig)
@@ -294,6 +305,30 @@ class RunConfig:
     """The sweep and its checks."""
     wandb: WandbConfig = field(default_factory=WandbConfig)
     """Tracking."""
+
+    def __post_init__(self):
+        ev = self.eval
+        if ev.engine == "dynamic":
+            if self.model.source != "megatron":
+                raise ConfigError(
+                    f"eval.engine: 'dynamic' is Megatron-Core's DynamicInferenceEngine and needs model.source "
+                    f"megatron, got {self.model.source!r}; use eval.engine=static for this source"
+                )
+            if ev.prefill_method is not None:
+                raise ConfigError(
+                    f"eval.prefill_method: {ev.prefill_method!r} does not apply to eval.engine dynamic (Megatron's "
+                    "engine prefills through the paged cache, chunk by chunk); set it to null"
+                )
+            if ev.cache_layout != "load_balanced":
+                raise ConfigError(
+                    f"eval.cache_layout: {ev.cache_layout!r} does not apply to eval.engine dynamic (the paged cache "
+                    "places every token round-robin by block); leave it at load_balanced"
+                )
+            if self.topology.tp_size != 1:
+                raise ConfigError(
+                    f"eval.engine: 'dynamic' runs at topology.tp_size 1 (the paged CP-sharded engine is built and "
+                    f"tested at TP 1), got tp_size {self.topology.tp_size}; use eval.engine=static for TP > 1"
+                )
 
 
 # --------------------------------------------------------------------------- loading

@@ -47,8 +47,10 @@ def test_cpu_tiny_yaml_is_exactly_the_defaults():
 def test_shipped_configs_load_with_the_intended_topology():
     one = load_config(os.path.join(CONFIGS, "llama31_8b_1node.yaml"))
     many = load_config(os.path.join(CONFIGS, "llama31_8b_16nodes.yaml"))
-    for cfg in (one, many):
-        assert cfg.model.source == "hf" and cfg.model.dtype == "bfloat16"
+    qwen = load_config(os.path.join(CONFIGS, "qwen3_8b_hf_1node.yaml"))
+    assert qwen.model.source == "hf" and qwen.eval.engine == "static"  # transformers' own Qwen3 class
+    for cfg in (one, many, qwen):
+        assert cfg.model.source in ("llama", "hf") and cfg.model.dtype == "bfloat16"
         assert cfg.topology.intra_size is None  # tiers come from the launcher
         assert cfg.eval.exactness.max_context is not None
     assert max(many.eval.context_lengths) > max(one.eval.context_lengths)
@@ -103,6 +105,8 @@ def test_values_are_read_not_guessed(tmp_path):
     (["eval.context_lengths=[]"], "eval.context_lengths: must not be empty"),
     (["eval.batch_sizes=[0]"], "eval.batch_sizes: must be positive"),
     (["model.source=hf"], "model.path: source 'hf' needs a checkpoint directory"),
+    (["model.source=llama"], "model.path: source 'llama' needs a checkpoint directory"),
+    (["model.source=random", "eval.engine=dynamic"], "eval.engine: 'dynamic' is Megatron-Core's DynamicInferenceEngine"),
     (["model.rope_scaling={rope_type: linear, factor: 2.0}"], "model.rope_scaling: not supported for source 'megatron'"),
     (["topology.tp_size=0"], "topology.tp_size: must be a positive integer"),
     (["model.num_key_value_heads=3"], "model.num_key_value_heads: 3 does not divide"),

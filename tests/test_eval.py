@@ -40,7 +40,7 @@ def test_single_process_run_writes_results_plot_and_wandb(tmp_path, clean_env, c
     assert E.main(["--config", LLAMA, f"output_dir={out}", *TINY, "eval.exactness.sample_rate=1.0"]) == 0
     printed = capsys.readouterr().out
     res = json.loads((out / "results.json").read_text())
-    assert res["schema_version"] == 2
+    assert res["schema_version"] == 3 and res["engine"] == "static"
     assert res["model"]["source"] == "random" and res["exactness_reference"].startswith("unsharded Llama")
     assert res["launch"]["world_size"] == 1 and res["launch"]["cp_size"] == 1
     assert res["launch"]["level_sizes"] == {"intra": 1}
@@ -112,6 +112,16 @@ def test_exactness_catches_a_wrong_model(tmp_path, clean_env, capsys):
     (["topology.cp_size=3", "topology.intra_size=null"], {"WORLD_SIZE": "4", "RANK": "0"},
      "topology.cp_size: 3 does not divide the launched world of 4"),
     (["model.source=hf", "model.path=/nonexistent/ckpt"], {}, "model.path: checkpoint directory '/nonexistent/ckpt' does not exist"),
+    (["model.source=llama", "model.path=/nonexistent/ckpt"], {}, "model.path: checkpoint directory '/nonexistent/ckpt' does not exist"),
+    (["model.source=bogus"], {}, "model.source: expected one of 'megatron', 'random', 'hf', 'llama', got 'bogus'"),
+    (["model.source=hf", "model.path=/x", "eval.engine=dynamic"], {},
+     "eval.engine: 'dynamic' is Megatron-Core's DynamicInferenceEngine and needs model.source megatron, got 'hf'"),
+    (["model.source=random", "eval.engine=dynamic"], {}, "needs model.source megatron, got 'random'"),
+    (["model.source=llama", "model.path=/x", "eval.engine=dynamic"], {}, "needs model.source megatron, got 'llama'"),
+    (["eval.engine=dynamic", "eval.prefill_method=allgather"], {}, "eval.prefill_method: 'allgather' does not apply to eval.engine dynamic"),
+    (["eval.engine=dynamic", "eval.cache_layout=contiguous"], {}, "eval.cache_layout: 'contiguous' does not apply to eval.engine dynamic"),
+    (["eval.engine=dynamic", "topology.tp_size=2"], {"WORLD_SIZE": "4", "RANK": "0"}, "eval.engine: 'dynamic' runs at topology.tp_size 1"),
+    (["eval.engine=paged"], {}, "eval.engine: expected one of 'static', 'dynamic', got 'paged'"),
     (["model.path=/nonexistent/ckpt"], {}, "model.path: checkpoint directory '/nonexistent/ckpt' does not exist"),
     (["model.path=/"], {}, "model.path: '/' is not a Megatron distributed checkpoint"),
     (["topology.tp_size=2", "topology.cp_size=4"], {"WORLD_SIZE": "4", "RANK": "0"},
@@ -216,7 +226,7 @@ def test_passkey_and_perplexity_with_a_checkpoint(tmp_path, clean_env):
         return got
 
     clean_env.setattr(R, "greedy_n", spy)
-    rc = E.main(["model.source=hf", f"model.path={ckpt}", f"output_dir={out}", *TINY, "eval.context_lengths=[64]",
+    rc = E.main(["model.source=llama", f"model.path={ckpt}", f"output_dir={out}", *TINY, "eval.context_lengths=[64]",
                  "eval.strategies=[packed]", "eval.passkey.enabled=true", "eval.passkey.trials=2",
                  "eval.passkey.new_tokens=4", f"eval.perplexity.text_file={text}", "eval.perplexity.prefix_tokens=40",
                  "eval.perplexity.eval_tokens=6", "wandb.enabled=false"])
@@ -254,7 +264,7 @@ def test_passkey_and_perplexity_with_a_checkpoint(tmp_path, clean_env):
 
 
 def test_broken_checkpoints_are_clear_errors(tmp_path, clean_env, capsys):
-    args = ["model.source=hf", f"model.path={tmp_path}", "topology.intra_size=null", "wandb.enabled=false"]
+    args = ["model.source=llama", f"model.path={tmp_path}", "topology.intra_size=null", "wandb.enabled=false"]
     (tmp_path / "config.json").write_text("{}")
     assert E.main(args) == 2
     assert "has no *.safetensors weights" in capsys.readouterr().err
@@ -285,6 +295,41 @@ def test_broken_checkpoints_are_clear_errors(tmp_path, clean_env, capsys):
     err = capsys.readouterr().err
     assert "error:" in err and "unsupported architecture" in err and "Traceback" not in err
     assert not torch.distributed.is_initialized()
+
+
+def test_transformers_checkpoints_that_cannot_run_are_clear_errors(tmp_path, clean_env, capsys):
+    """model.source hf: what transformers cannot load, or tree attention cannot run exactly, is
+    refused before any process group (architecture) or before any collective (weights), as one line."""
+    import transformers as tf
+    from safetensors.torch import save_file
+
+    args = ["model.source=hf", f"model.path={tmp_path}", "topology.intra_size=null", "wandb.enabled=false",
+            "eval.context_lengths=[24]"]
+    save_file({"w": torch.zeros(4, 4)}, str(tmp_path / "model.safetensors"))
+
+    def refused(config: dict, fragment: str, *, before_group: bool = True):
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        assert E.main(args) == 2
+        err = capsys.readouterr().err
+        assert "error:" in err and fragment in err and "Traceback" not in err, err
+        if before_group:
+            assert not torch.distributed.is_initialized()
+
+    refused({"model_type": "no_such_model"}, "model.path: transformers cannot read")
+    refused(tf.T5Config(num_layers=1, d_model=8, d_ff=8, num_heads=1, d_kv=8, vocab_size=16).to_dict(),
+            "unsupported architecture: " + str(tmp_path / "config.json") + " describes model_type 't5', which has "
+            "no causal-LM class")
+    tiny = dict(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1, max_position_embeddings=64)
+    refused(tf.MistralConfig(**tiny, sliding_window=32).to_dict(),
+            "unsupported architecture: " + str(tmp_path / "config.json") + ": MistralForCausalLM's config sets "
+            "sliding_window=32")
+    # A supported class whose weights are not in the files: transformers would fill them randomly.
+    refused(tf.Qwen3Config(**tiny, head_dim=4).to_dict(),
+            f"model.path: the *.safetensors in '{tmp_path}' do not hold Qwen3ForCausalLM's weights", before_group=False)
+    # and the context must fit the checkpoint's positions (its config.json, not model.*)
+    refused(tf.Qwen3Config(**tiny, head_dim=4).to_dict() | {"max_position_embeddings": 16},
+            "the model has max_position_embeddings 16")
 
 
 def test_megatron_source_in_one_process_passkey_perplexity_and_a_wrong_reference(tmp_path, clean_env):
@@ -341,3 +386,39 @@ def test_megatron_source_in_one_process_passkey_perplexity_and_a_wrong_reference
     assert rc == 3
     res = json.loads((out / "results.json").read_text())
     assert res["exact"] is False and res["max_abs_dlogits"] > 1e-2
+
+
+def test_dynamic_engine_comparison_reads_the_right_positions():
+    """compare_dynamic_with_reference: the engine's token t of row b (t = 0 from the prefill) is
+    scored by the reference's logits at position ctx - 1 + t over prompt + tokens[:, :-1]; a
+    log-prob off by 0.01 at one step, or a token the reference would not choose, is caught."""
+    from types import SimpleNamespace
+
+    torch.manual_seed(3)
+    ctx, new, vocab = 5, 4, 11
+    prompts = [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]]
+    table = torch.randn(vocab, vocab) * 3  # logits depend on the last token and its position
+
+    def reference(ids):
+        pos = torch.arange(ids.shape[1], dtype=torch.float32)[None, :, None]
+        return table[ids] + 0.1 * pos
+
+    ids = torch.tensor(prompts)
+    for _ in range(new):  # the reference's own greedy continuation: what an exact engine generates
+        ids = torch.cat([ids, reference(ids)[:, -1].argmax(-1, keepdim=True)], 1)
+    tokens = ids[:, ctx:]
+    lp = torch.log_softmax(reference(ids[:, :-1])[:, ctx - 1:].double(), -1).gather(-1, tokens[..., None])[..., 0]
+    em = SimpleNamespace(reference=reference, reference_name="ref")
+    ok = R.compare_dynamic_with_reference(em, prompts, tokens, lp, 1e-3, "cpu")
+    assert ok["quantity"] == "log_probs" and ok["checked_steps"] == [0, 1, 2]
+    assert ok["max_abs_dlogprobs"] < 1e-6 and ok["tokens_match_reference"] and ok["within_tolerance"]
+    assert ok["max_abs_dlogits"] is None and ok["reference_tokens"] == tokens.tolist()
+    off = lp.clone()
+    off[1, 2] += 0.01  # decode step 1 of row 1
+    bad = R.compare_dynamic_with_reference(em, prompts, tokens, off, 1e-3, "cpu")
+    assert bad["step_max_abs_dlogprobs"][1] == pytest.approx(0.01) and bad["prefill_max_abs_dlogprobs"] < 1e-6
+    assert not bad["within_tolerance"] and bad["tokens_match_reference"]
+    other = tokens.clone()
+    other[0, 3] = (other[0, 3] + 1) % vocab
+    wrong = R.compare_dynamic_with_reference(em, prompts, other, lp, 1.0, "cpu")
+    assert not wrong["tokens_match_reference"] and not wrong["within_tolerance"]

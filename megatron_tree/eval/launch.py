@@ -74,7 +74,7 @@ def check_launch(cfg: RunConfig, world: int, env=None) -> int:
     topo, m = cfg.topology, cfg.model
     tp = topo.tp_size
     if tp > 1 and m.source != "megatron":
-        raise ConfigError(f"topology.tp_size: {tp} needs model.source megatron (the Llama source is CP only)")
+        raise ConfigError(f"topology.tp_size: {tp} needs model.source megatron (the Llama and transformers sources are CP only)")
     if world % tp:
         raise ConfigError(
             f"topology.tp_size: {tp} does not divide the launched world of {world} rank(s); expected a divisor of {world}"
@@ -158,6 +158,51 @@ def _check_output_dir(output_dir: str) -> None:
             return
 
 
+def _check_files(path: str) -> None:
+    p = Path(path)
+    if not p.is_dir():
+        raise ConfigError(f"model.path: checkpoint directory {path!r} does not exist")
+    if not (p / "config.json").is_file():
+        raise ConfigError(f"model.path: {path!r} has no config.json (expected a Hugging Face checkpoint)")
+    if not sorted(p.glob("*.safetensors")):
+        raise ConfigError(f"model.path: {path!r} has no *.safetensors weights")
+
+
+def check_transformers_checkpoint(path: str) -> int:
+    """``model.source: hf`` before launch: transformers knows the architecture, it has a causal-LM
+    class, and tree attention can replace that class's attention (checked on a meta-device
+    instance: no weights read). Returns the model's ``max_position_embeddings``.
+    """
+    _hf_config(path)  # valid JSON, an object: named errors before transformers parses it
+    import torch
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    from ..integrations import hf
+
+    file = os.path.join(path, "config.json")
+    try:
+        cfg = AutoConfig.from_pretrained(path)
+    except (ValueError, KeyError, OSError) as e:
+        raise ConfigError(f"model.path: transformers cannot read {file}: {e}") from None
+    try:
+        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg)]
+    except KeyError:
+        raise ConfigError(
+            f"model.path: unsupported architecture: {file} describes model_type {cfg.model_type!r}, which has no "
+            "causal-LM class in transformers (AutoModelForCausalLM); model.source hf runs decoder-only causal LMs "
+            "such as Llama, Qwen2, Qwen3, Mistral"
+        ) from None
+    with torch.device("meta"):
+        model = cls(cfg)
+    try:
+        hf.check_model(model)
+    except hf.UnsupportedModelError as e:
+        raise ConfigError(f"model.path: unsupported architecture: {file}: {e}") from None
+    text = getattr(cfg, "get_text_config", lambda **_: cfg)(decoder=True)
+    return int(getattr(text, "max_position_embeddings", None) or 2**31 - 1)
+
+
 def check_model(m: ModelConfig):
     """The model's files, checked before launch: ``(checkpoint, max_position_embeddings)``.
 
@@ -167,6 +212,11 @@ def check_model(m: ModelConfig):
     max_pos = m.max_position_embeddings
     checkpoint = None
     if m.source == "hf":
+        _check_files(m.path)
+        for f in sorted(Path(m.path).glob("*.safetensors")):
+            check_safetensors(str(f))
+        max_pos = check_transformers_checkpoint(m.path)
+    elif m.source == "llama":
         p = Path(m.path)
         if not p.is_dir():
             raise ConfigError(f"model.path: checkpoint directory {m.path!r} does not exist")
@@ -357,7 +407,8 @@ def run_eval(cfg: RunConfig, env=None) -> dict | None:
         if rank == 0:
             results = report.build_results(name=cfg.name, launch=launch, config=to_dict(cfg), model=em.info,
                                            runs=runs, passkey=passkey, perplexity=ppl,
-                                           reference=em.reference_name if ev.exactness.enabled else None)
+                                           reference=em.reference_name if ev.exactness.enabled else None,
+                                           engine=ev.engine)
             ok = report.passed(results)
             levels = " x ".join(f"{k} {v}" for k, v in launch["level_sizes"].items())
             tp = f"TP {cfg.topology.tp_size} x " if cfg.topology.tp_size > 1 else ""
@@ -417,7 +468,9 @@ def is_user_error(e: BaseException) -> bool:
     from ..models.llama import CheckpointError
     from ..topology import TopologyError
 
-    return isinstance(e, (ConfigError, TopologyError, CheckpointError))
+    hf = sys.modules.get("megatron_tree.integrations.hf")  # loaded only by model.source hf
+    unsupported = (hf.UnsupportedModelError,) if hf is not None else ()
+    return isinstance(e, (ConfigError, TopologyError, CheckpointError, *unsupported))
 
 
 def remove_stale_results(output_dir: str, rank: str) -> None:

@@ -10,7 +10,12 @@ Invariant: whatever the source, the sweep sees one interface -- :class:`EvalMode
   its own ``DotProductAttention``, built on rank 0 with size-1 process groups (Megatron's
   ``parallel_state`` keeps the run's layout) and filled from the same global tensors: the
   seeded TP = 1 model itself (random weights) or the checkpoint, read on rank 0 alone;
-* ``random`` / ``hf`` -- the library's Llama, weights replicated on every CP rank; the
+* ``hf`` -- transformers' own model class for the checkpoint (any architecture its
+  ``AutoModelForCausalLM`` knows whose attention goes through ``AttentionInterface``), with
+  tree attention as its attention backend (``integrations.hf``), weights replicated on every
+  CP rank; the reference is the same transformers class in one process with the attention
+  implementation it had before (``HFTreeModel.unsharded``), sharing the weight tensors;
+* ``random`` / ``llama`` -- the library's Llama, weights replicated on every CP rank; the
   reference is an unsharded replica (``groups=None``) sharing the weight tensors.
 
 Only this module and :mod:`.launch` know about ``model.source``; each function here takes
@@ -88,32 +93,88 @@ def build(m: ModelConfig, topo: TopologyConfig, *, cp_size: int, rank: int, devi
     if m.source == "megatron":
         return _build_megatron(m, topo, cp_size=cp_size, rank=rank, device=device, env=env,
                                want_reference=want_reference, checkpoint=checkpoint, stack=stack)
+    if m.source == "hf":
+        return _build_hf(m, topo, cp_size=cp_size, rank=rank, device=device, env=env, want_reference=want_reference)
     return _build_llama(m, topo, cp_size=cp_size, rank=rank, device=device, env=env, want_reference=want_reference)
+
+
+def _cp_groups(topo: TopologyConfig, cp_size: int, env):
+    """This rank's ``TreeGroups``: consecutive blocks of ``cp_size`` ranks, levels from the launcher."""
+    import torch.distributed as dist
+
+    from ..topology import TreeGroups
+
+    world = dist.get_world_size()
+    ranks = [list(range(i, i + cp_size)) for i in range(0, world, cp_size)]
+    return TreeGroups.from_env(ranks, intra_size=topo.intra_size, timeout=topo.timeout_s, env=env)
+
+
+def _bos(path: str) -> list:
+    import json
+
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        bos_id = json.load(f).get("bos_token_id")
+    return [bos_id] if isinstance(bos_id, int) else []
+
+
+# --------------------------------------------------------------------------- transformers
+
+
+def _build_hf(m: ModelConfig, topo: TopologyConfig, *, cp_size, rank, device, env, want_reference) -> EvalModel:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ..integrations.hf import HFTreeModel
+    from ..models.llama import CheckpointError
+
+    if rank != 0:  # one loading bar per job, not one per rank
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    # Loaded before any group exists: every rank reads the same files and fails alike.
+    model, info = AutoModelForCausalLM.from_pretrained(m.path, dtype=getattr(torch, m.dtype),
+                                                       output_loading_info=True)
+    missing, mismatched = list(info.get("missing_keys") or []), list(info.get("mismatched_keys") or [])
+    if missing or mismatched:  # transformers would run them with random initial values
+        what = [f"missing {sorted(missing)[:6]}"] if missing else []
+        what += [f"of other shapes {[k for k, *_ in mismatched][:6]}"] if mismatched else []
+        raise CheckpointError(
+            f"model.path: the *.safetensors in {m.path!r} do not hold {type(model).__name__}'s weights: "
+            f"{len(missing) + len(mismatched)} tensors {'; '.join(what)}"
+        )
+    groups = _cp_groups(topo, cp_size, env)
+    lm = HFTreeModel(model.to(device).eval(), groups)
+    ref, attn = None, "its own"
+    if want_reference and rank == 0:
+        plain = lm.unsharded()  # same weight tensors, the attention the model had before (sdpa/eager)
+        attn = repr(plain.config._attn_implementation)
+
+        def ref(ids):
+            return plain(input_ids=ids).logits
+
+    cfg = lm.config
+    return EvalModel(lm, groups, cfg.vocab_size, cfg.num_attention_heads, cfg.head_dim, ref,
+                     f"unmodified transformers {type(lm.hf).__name__} in one process (attn_implementation "
+                     f"{attn}), same weight tensors", _bos(m.path),
+                     {"source": "hf", "class": f"transformers.{type(lm.hf).__name__}", "tp_size": 1,
+                      "model_type": getattr(lm.hf.config, "model_type", None)})
 
 
 # --------------------------------------------------------------------------- Llama
 
 
 def _build_llama(m: ModelConfig, topo: TopologyConfig, *, cp_size, rank, device, env, want_reference) -> EvalModel:
-    import json
-
     import torch
-    import torch.distributed as dist
 
     from ..models.llama import Llama, LlamaConfig
-    from ..topology import TreeGroups
 
-    world = dist.get_world_size()
-    ranks = [list(range(i, i + cp_size)) for i in range(0, world, cp_size)]
-    groups = TreeGroups.from_env(ranks, intra_size=topo.intra_size, timeout=topo.timeout_s, env=env)
+    groups = _cp_groups(topo, cp_size, env)
     dtype = getattr(torch, m.dtype)
     bos = []
-    if m.source == "hf":
+    if m.source == "llama":
         model = Llama.from_pretrained(m.path, groups=groups, dtype=dtype, device=device)
         lcfg = model.config
-        with open(os.path.join(m.path, "config.json"), encoding="utf-8") as f:
-            bos_id = json.load(f).get("bos_token_id")
-        bos = [bos_id] if isinstance(bos_id, int) else []
+        bos = _bos(m.path)
     else:
         wanted = {f.name for f in dataclasses.fields(LlamaConfig)}
         lcfg = LlamaConfig(**{k: v for k, v in to_dict(m).items() if k in wanted})

@@ -13,19 +13,28 @@ from pathlib import Path
 
 __all__ = ["RESULTS_SCHEMA_VERSION", "build_results", "save_plot", "summary_line", "track", "write", "print_summary"]
 
-RESULTS_SCHEMA_VERSION = 2
+RESULTS_SCHEMA_VERSION = 3
 """2: ``runs[].tokens``, ``exactness.reference``/``reference_tokens``/``tokens_match_reference``,
-``exact`` also requires the reference's greedy tokens, ``model``, ``launch.tp_size``."""
+``exact`` also requires the reference's greedy tokens, ``model``, ``launch.tp_size``.
+3: ``engine``, ``runs[].engine``, ``runs[].kv_blocks_per_rank``, ``exactness.quantity``,
+``max_abs_dlogprobs``; a dynamic-engine run compares log-probabilities (``*_dlogprobs``) and
+has ``null`` logits fields."""
+
+
+def _worst(checked: list[dict], key: str):
+    values = [e[key] for e in checked if e.get(key) is not None]
+    return max(values) if values else None
 
 
 def build_results(*, name: str, launch: dict, config: dict, model: dict, runs: list[dict], passkey, perplexity,
-                  reference: str | None) -> dict:
+                  reference: str | None, engine: str = "static") -> dict:
     """The results dict of a sweep (everything but the outputs' paths and timings)."""
     checked = [r["exactness"] for r in runs if r["exactness"]]
     return {
         "schema_version": RESULTS_SCHEMA_VERSION, "name": name, "launch": launch, "config": config,
-        "model": model, "exactness_reference": reference, "runs": runs,
-        "max_abs_dlogits": max(e["max_abs_dlogits"] for e in checked) if checked else None,
+        "model": model, "engine": engine, "exactness_reference": reference, "runs": runs,
+        "max_abs_dlogits": _worst(checked, "max_abs_dlogits"),
+        "max_abs_dlogprobs": _worst(checked, "max_abs_dlogprobs"),
         "exact": all(e["within_tolerance"] for e in checked) if checked else None,
         "tokens_match_reference": all(e["tokens_match_reference"] for e in checked) if checked else None,
         "tokens_agree_across_ranks": all(r["tokens_agree_across_ranks"] for r in runs),
@@ -68,13 +77,14 @@ def summary_line(r: dict) -> str:
     lat = r["decode_latency_ms"]
     ex = r["exactness"]
     levels = " ".join(f"{k}:{v['collectives']:g}/{v['sent_bytes']:.0f}B" for k, v in r["comm_per_step"]["levels"].items())
-    dl = f"{ex['max_abs_dlogits']:.2e}" if ex else "n/a"
+    what = "dlogprobs" if ex and ex.get("quantity") == "log_probs" else "dlogits"
+    dl = f"{ex[f'max_abs_{what}']:.2e}" if ex else "n/a"
     same = "" if not ex else ("  tokens = reference" if ex["tokens_match_reference"] else "  tokens != reference")
     name = r["strategy"] if r["strategy"] == r["resolved_strategy"] else f"{r['strategy']}->{r['resolved_strategy']}"
     return (f"ctx={r['context_length']:<7d} batch={r['batch_size']:<3d} {name:<10s} "
             f"prefill {r['prefill_s']:.3f}s  decode p50 {lat['p50']:.2f} p90 {lat['p90']:.2f} "
             f"p99 {lat['p99']:.2f} ms  {r['tokens_per_s']:.1f} tok/s  coll/step {levels or '-'}  "
-            f"max|dlogits| {dl}{same}")
+            f"max|{what}| {dl}{same}")
 
 
 def track(tracker, results: dict, context_lengths, plot: str) -> None:
@@ -84,13 +94,15 @@ def track(tracker, results: dict, context_lengths, plot: str) -> None:
         rows = [[r["strategy"], r["batch_size"], r["prefill_s"], r["decode_latency_ms"]["p50"],
                  r["decode_latency_ms"]["p90"], r["decode_latency_ms"]["p99"], r["tokens_per_s"],
                  r["comm_per_step"]["collectives"], r["comm_per_step"]["sent_bytes"],
-                 max(r["peak_memory_bytes"]), r["exactness"]["max_abs_dlogits"] if r["exactness"] else None]
+                 max(r["peak_memory_bytes"]), r["exactness"]["max_abs_dlogits"] if r["exactness"] else None,
+                 r["exactness"].get("max_abs_dlogprobs") if r["exactness"] else None]
                 for r in runs if r["context_length"] == ctx]
         tracker.table(f"runs/ctx_{ctx}", ["strategy", "batch_size", "prefill_s", "p50_ms", "p90_ms", "p99_ms",
                                           "tokens_per_s", "collectives_per_step", "sent_bytes_per_step",
-                                          "peak_memory_bytes_max", "max_abs_dlogits"], rows)
+                                          "peak_memory_bytes_max", "max_abs_dlogits", "max_abs_dlogprobs"], rows)
     tracker.image("decode_latency_vs_context", plot)
-    summ = {"max_abs_dlogits": results["max_abs_dlogits"], "exact": results["exact"],
+    summ = {"max_abs_dlogits": results["max_abs_dlogits"], "max_abs_dlogprobs": results["max_abs_dlogprobs"],
+            "engine": results["engine"], "exact": results["exact"],
             "tokens_match_reference": results["tokens_match_reference"], "world_size": launch["world_size"],
             "cp_size": launch["cp_size"], "tp_size": launch["tp_size"],
             **{f"level_size/{k}": v for k, v in launch["level_sizes"].items()}}
@@ -124,5 +136,7 @@ def print_summary(results: dict, path: Path, tracker_dir: str | None, wandb_mode
     print(f"wandb:   {tracker_dir or 'disabled'}"
           + (f"  (sync with: wandb sync {tracker_dir})" if tracker_dir and wandb_mode == "offline" else ""))
     if not passed(results):
-        print(f"FAILED: max|dlogits| {results['max_abs_dlogits']} exceeds eval.exactness.tolerance {tolerance}, "
+        worst = results["max_abs_dlogits"] if results["max_abs_dlogprobs"] is None else results["max_abs_dlogprobs"]
+        what = "max|dlogits|" if results["max_abs_dlogprobs"] is None else "max|dlogprobs|"
+        print(f"FAILED: {what} {worst} exceeds eval.exactness.tolerance {tolerance}, "
               "the reference chose other tokens, or ranks decoded different tokens", file=sys.stderr)

@@ -5,6 +5,10 @@ one generation loop; this module only hooks into it (:class:`StepTimer`: a barri
 CP group before each forward, a device sync after it, the step's logits kept when asked)
 and turns what it saw into one ``runs[i]`` entry of results.json. Every CP rank keeps its
 own greedy choice (``broadcast=False``), so ranks that disagree are seen, not hidden.
+With ``eval.engine: dynamic`` (Megatron models) the loop is Megatron-Core's own
+``DynamicInferenceEngine`` instead (``integrations.megatron_dynamic.generate_dynamic``),
+hooked the same way (:class:`DynamicStepTimer`); its engine hands back log-probabilities,
+not logits, so that is what its exactness compares.
 
 Per run: decode-step latency (max over the CP ranks of each step), tokens/s, prefill time,
 collectives and bytes per level per step (``comm.CommStats``), peak memory per rank, the
@@ -23,7 +27,8 @@ from ..config import ConfigError, EvalConfig
 from ..generate import GenerationHook, generate
 
 __all__ = ["percentile", "peak_memory", "random_prompts", "StepTimer", "decode", "run_one", "warm_up",
-           "compare_with_reference", "passkey_eval", "perplexity_eval"]
+           "compare_with_reference", "DynamicStepTimer", "decode_dynamic", "compare_dynamic_with_reference",
+           "passkey_eval", "perplexity_eval"]
 
 
 def percentile(values, q: float) -> float:
@@ -171,7 +176,7 @@ def compare_with_reference(em, prompts, tokens, out, sampled, tolerance, device,
     ref_tokens = full.argmax(-1)  # (batch, last + 2): the reference's choice after each prefix
     match = bool(torch.equal(ref_tokens, tokens[:, : last + 2]))
     return {
-        "reference": em.reference_name, "checked_steps": sampled, "prefill_max_abs_dlogits": prefill_d,
+        "reference": em.reference_name, "quantity": "logits", "checked_steps": sampled, "prefill_max_abs_dlogits": prefill_d,
         "step_max_abs_dlogits": [per_step[s] for s in sampled], "max_abs_dlogits": worst, "tolerance": tolerance,
         "logits_within_tolerance": bool(worst <= tolerance), "reference_tokens": ref_tokens.tolist(),
         "tokens_match_reference": match, "within_tolerance": bool(worst <= tolerance) and match,
@@ -192,7 +197,11 @@ def run_one(em, ev: EvalConfig, seed: int, device, ctx: int, batch: int, strateg
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     prompts = random_prompts(seed, ctx, batch, em.vocab_size)
-    out = decode(em, prompts, n_steps, ev, device, strategy, timed_from=ev.warmup_steps, keep=sampled, bar=bar)
+    dynamic = ev.engine == "dynamic"
+    if dynamic:
+        out = decode_dynamic(em, prompts, n_steps, ev, device, strategy, timed_from=ev.warmup_steps, bar=bar)
+    else:
+        out = decode(em, prompts, n_steps, ev, device, strategy, timed_from=ev.warmup_steps, keep=sampled, bar=bar)
     times_ms = [1e3 * t for t in out["step_times"]]
     stats = out["stats"]
     per_step = max(1, ev.decode_steps)
@@ -212,7 +221,9 @@ def run_one(em, ev: EvalConfig, seed: int, device, ctx: int, batch: int, strateg
     dist.all_gather_object(gathered, (em.groups.cp_ranks, toks.tolist(), mem))
     agree = all(g[1] == toks.tolist() for g in gathered if g[0] == em.groups.cp_ranks)
     exact = None
-    if check and rank == 0:
+    if check and rank == 0 and dynamic:
+        exact = compare_dynamic_with_reference(em, prompts, toks, out["log_probs"], ex.tolerance, device, ref_cache)
+    elif check and rank == 0:
         exact = compare_with_reference(em, prompts, toks, out, sampled, ex.tolerance, device, ref_cache)
     resolved = strategy
     if strategy == "auto":  # what the cost model picks for this step's merge state (fp32 partials)
@@ -222,7 +233,7 @@ def run_one(em, ev: EvalConfig, seed: int, device, ctx: int, batch: int, strateg
             em.groups, (batch, 1, em.heads, em.head_dim), 4)
     return {
         "context_length": ctx, "batch_size": batch, "strategy": strategy, "resolved_strategy": resolved,
-        "prefill_s": out["prefill_time"],
+        "engine": ev.engine, "prefill_s": out["prefill_time"],
         "decode_latency_ms": {
             "p50": percentile(times_ms, 50), "p90": percentile(times_ms, 90), "p99": percentile(times_ms, 99),
             "mean": sum(times_ms) / len(times_ms), "min": min(times_ms), "max": max(times_ms),
@@ -234,6 +245,7 @@ def run_one(em, ev: EvalConfig, seed: int, device, ctx: int, batch: int, strateg
         "peak_memory_kind": mem_kind,
         "tokens": toks.tolist(),
         "tokens_agree_across_ranks": agree,
+        "kv_blocks_per_rank": out.get("kv_blocks_per_rank"),
         "exactness": exact,
     }
 
@@ -246,7 +258,163 @@ def warm_up(em, ev: EvalConfig, seed: int, device) -> None:
     """
     ctx = min(ev.context_lengths)
     for strategy in ev.strategies:
-        decode(em, random_prompts(seed, ctx, 1, em.vocab_size), 1, ev, device, strategy)
+        prompts = random_prompts(seed, ctx, 1, em.vocab_size)
+        if ev.engine == "dynamic":
+            decode_dynamic(em, prompts, 1, ev, device, strategy)
+        else:
+            decode(em, prompts, 1, ev, device, strategy)
+
+
+# --------------------------------------------------------------------------- Megatron's dynamic engine
+
+
+class _IdTokenizer:
+    """Token ids as text: all Megatron's engine asks of a tokenizer when prompts are ids."""
+
+    bos = None
+
+    def __init__(self, vocab: int):
+        self.eod = vocab - 1  # never used to stop: requests run with termination_id -1
+
+    def tokenize(self, text):
+        return [int(t) for t in text.split()]
+
+    def detokenize(self, tokens):
+        return " ".join(str(int(t)) for t in tokens)
+
+
+class DynamicStepTimer:
+    """``generate_dynamic``'s hook: each engine step timed between a CP barrier and a device sync;
+    the core attentions record traffic into ``stats`` on steps ``>= timed_from`` only."""
+
+    def __init__(self, groups, device, cores, *, timed_from: int, stats, bar=None):
+        self.groups, self.device, self.cores, self.timed_from, self.stats = groups, device, cores, timed_from, stats
+        self.bar = bar
+        self.times: list[float] = []
+        self._t0 = 0.0
+
+    def before_step(self, step: int) -> None:
+        import torch.distributed as dist
+
+        for core in self.cores:
+            core.comm_stats = self.stats if step >= self.timed_from else None
+        dist.barrier(group=self.groups.cp_group)
+        self._t0 = time.perf_counter()
+
+    def after_step(self, step: int) -> None:
+        _sync(self.device)
+        self.times.append(time.perf_counter() - self._t0)
+        for core in self.cores:
+            core.comm_stats = None
+        if self.bar is not None and step > 0:
+            self.bar.update(1)
+
+
+def _round_up_tokens(n: int) -> int:
+    """Megatron pads a step's tokens to a multiple of its TOKEN_ROUNDER; the step budget must hold the padding."""
+    from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
+
+    r = DynamicInferenceContext.TOKEN_ROUNDER
+    return -(-n // r) * r
+
+
+def decode_dynamic(em, prompts, n_steps: int, ev: EvalConfig, device, strategy: str, *, timed_from: int = 0,
+                   bar=None) -> dict:
+    """Every prompt as one request of Megatron's ``DynamicInferenceEngine`` over the paged CP-sharded cache.
+
+    All requests arrive at step 0 and the step's token budget holds every prompt, so engine
+    step 0 is the prefill (and the first token) and steps 1 .. n_steps are decode steps, one
+    token per row each -- the static path's shape, timed the same way. ``timed_from``
+    counts decode steps. Returns tokens (batch, 1 + n_steps) int64, log_probs (batch,
+    1 + n_steps) of those tokens, prefill_time, step_times (decode steps >= timed_from, max
+    over the CP ranks), stats, kv_blocks_per_rank (most blocks in use on each CP rank), and
+    the engine's step count.
+    """
+    import torch
+    import torch.distributed as dist
+    from megatron.core.utils import unwrap_model
+
+    from ..comm import CommStats
+    from ..integrations.megatron_dynamic import build_dynamic_engine, generate_dynamic
+
+    lm = em.lm
+    model = lm.model
+    cores = [layer.self_attention.core_attention for layer in unwrap_model(model).decoder.layers]
+    for core in cores:
+        core.strategy = strategy
+    shape, cp = lm.shape, em.groups.size
+    batch, longest, new = len(prompts), max(len(p) for p in prompts), n_steps + 1
+    max_len = longest + new
+    block = ev.block_size
+    per_request = -(-max_len // (cp * block))  # logical blocks (one block on every rank) of a whole request
+    blocks = batch * per_request + 2  # + Megatron's dummy block + one spare: nothing is ever evicted
+    itemsize = torch.empty((), dtype=next(model.parameters()).dtype).element_size()
+    token_bytes = 2 * shape.num_hidden_layers * shape.num_key_value_heads * shape.kv_channels * itemsize
+    engine = build_dynamic_engine(
+        model, _IdTokenizer(em.vocab_size), max_sequence_length=max_len,
+        buffer_size_gb=(blocks + 0.5) * block * token_bytes / 2**30, block_size_tokens=block,
+        max_tokens=_round_up_tokens(sum(len(p) for p in prompts)), max_requests=batch)
+    stats = CommStats()
+    timer = DynamicStepTimer(em.groups, device, cores, timed_from=1 + timed_from, stats=stats, bar=bar)
+    try:
+        run = generate_dynamic(engine, prompts, num_tokens_to_generate=new, hook=timer)
+    finally:
+        for core in cores:
+            core.comm_stats = None
+    lengths = sorted({len(t) for t in run.tokens.values()})
+    if run.errors or run.evicted or run.steps != new or sorted(run.tokens) != list(range(batch)) or lengths != [new]:
+        raise RuntimeError(
+            f"the dynamic engine did not run the {batch} request(s) as one prefill step and {n_steps} decode steps: "
+            f"{run.steps} steps, {run.evicted} evictions, tokens per request {lengths}, errors {run.errors}"
+        )
+    t = torch.tensor(timer.times, dtype=torch.float64)
+    if cp > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=em.groups.cp_group)
+    used = run.blocks_per_rank or [[0] * cp]
+    return {
+        "tokens": torch.tensor([run.tokens[i] for i in range(batch)], dtype=torch.long),
+        "log_probs": torch.tensor([run.log_probs[i] for i in range(batch)], dtype=torch.float64),
+        "prefill_time": float(t[0]), "step_times": t[1 + timed_from:].tolist(), "stats": stats,
+        "kv_blocks_per_rank": [max(step[r] for step in used) for r in range(cp)], "engine_steps": run.steps,
+    }
+
+
+def compare_dynamic_with_reference(em, prompts, tokens, log_probs, tolerance, device,
+                                   cache: _ReferenceCache | None = None) -> dict:
+    """The dynamic engine's greedy tokens and their log-probabilities against one reference forward.
+
+    Megatron's engine hands back log-probabilities, not logits: the quantity compared is
+    max |delta log p| of every generated token (prefill's and each decode step's), where
+    the reference -- Megatron's own GPTModel at CP = 1, TP = 1 -- scores the same tokens
+    with one full causal forward over prompt + tokens.
+    """
+    import torch
+
+    ctx = len(prompts[0])
+    ids = torch.cat([torch.tensor(prompts, dtype=torch.long), tokens[:, :-1]], dim=1)
+    key = (ids.shape, hash(tuple(ids.flatten().tolist())))
+    if cache is not None and cache.key == key:
+        full = cache.logits
+    else:
+        with torch.no_grad():
+            full = em.reference(ids.to(device))[:, ctx - 1 :].float().cpu()
+        if cache is not None:
+            cache.key, cache.logits = key, full
+    ref_lp = torch.log_softmax(full.double(), -1).gather(-1, tokens[..., None]).squeeze(-1)  # (batch, 1 + steps)
+    diff = (ref_lp - log_probs).abs()
+    ref_tokens = full.argmax(-1)
+    match = bool(torch.equal(ref_tokens, tokens))
+    worst = diff.max().item()
+    steps = list(range(tokens.shape[1] - 1))
+    return {
+        "reference": em.reference_name, "quantity": "log_probs", "checked_steps": steps,
+        "prefill_max_abs_dlogits": None, "step_max_abs_dlogits": None, "max_abs_dlogits": None,
+        "prefill_max_abs_dlogprobs": diff[:, 0].max().item(),
+        "step_max_abs_dlogprobs": [diff[:, 1 + s].max().item() for s in steps], "max_abs_dlogprobs": worst,
+        "tolerance": tolerance, "logits_within_tolerance": None, "logprobs_within_tolerance": bool(worst <= tolerance),
+        "reference_tokens": ref_tokens.tolist(), "tokens_match_reference": match,
+        "within_tolerance": bool(worst <= tolerance) and match,
+    }
 
 
 # --------------------------------------------------------------------------- tokenized tasks

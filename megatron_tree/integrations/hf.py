@@ -71,6 +71,7 @@ from ..topology import TreeGroups
 
 __all__ = [
     "ATTN_IMPLEMENTATION", "MIN_TRANSFORMERS", "UnsupportedModelError", "TreeCache", "tree_attention_forward",
+    "check_model",
     "enable_tree_attention", "disable_tree_attention", "HFTreeModel", "load_hf_model",
 ]
 
@@ -852,6 +853,15 @@ def _check_model(model) -> None:
     for attr in ("attn_logit_softcapping", "alibi"):
         if getattr(cfg, attr, None):
             raise UnsupportedModelError(f"{name}'s config sets {attr}; tree attention computes plain softmax attention")
+
+
+def check_model(model) -> None:
+    """Raise :class:`UnsupportedModelError` when tree attention cannot run ``model`` exactly.
+
+    What :func:`enable_tree_attention` checks before it changes anything; cheap on a
+    meta-device instance (the eval checks a checkpoint's class this way before launch).
+    """
+    _check_model(model)
 
 
 def enable_tree_attention(model, groups: TreeGroups | None, *, strategy: str = "auto", prefill: str = "ring",

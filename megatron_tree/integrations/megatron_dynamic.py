@@ -425,11 +425,13 @@ class DynamicRun:
 
 
 def generate_dynamic(engine, prompts, *, num_tokens_to_generate, arrivals=None, termination_id: int = -1,
-                     max_steps: int = 10_000) -> DynamicRun:
+                     max_steps: int = 10_000, hook=None) -> DynamicRun:
     """Greedy continuous batching: request i (``prompts[i]``, token ids) joins before step ``arrivals[i]``.
 
     num_tokens_to_generate: one int, or one per request. Returns a :class:`DynamicRun`;
     every CP rank must call it with the same arguments (each runs the same scheduler).
+    hook: optional, with ``before_step(step)`` and ``after_step(step)`` called around each
+    engine step (the eval times steps between a CP barrier and a device sync this way).
     """
     from megatron.core.inference.sampling_params import SamplingParams
 
@@ -461,7 +463,11 @@ def generate_dynamic(engine, prompts, *, num_tokens_to_generate, arrivals=None, 
             continue
         if step >= max_steps:
             raise RuntimeError(f"the dynamic engine did not finish within {max_steps} steps")
+        if hook is not None:
+            hook.before_step(step)
         result = engine.step_modern()
+        if hook is not None:
+            hook.after_step(step)
         step += 1
         run.step_times.append(float(result["step_time"]))
         for record in result["finished_request_records"]:
