@@ -201,6 +201,11 @@ def _two_level_stages(o, lse, groups, stats):
     return o, lse
 
 
+def _stage_count(strategy: str, groups: TreeGroups) -> int:
+    """Dependent collective stages of one merge (:func:`_stages`)."""
+    return {"packed": 2, "allreduce3": 2, "allgather": 1}.get(strategy, 2 * len(groups.levels))
+
+
 def _stages(strategy: str, o, lse, groups: TreeGroups, stats):
     if strategy == "two_level":
         return _two_level_stages(o, lse, groups, stats)
@@ -213,7 +218,7 @@ class _InFlight:
     """One part's merge: its stage generator and the collectives it has in flight."""
 
     def __init__(self, stages):
-        self._stages, self.result = stages, None
+        self._stages, self.result, self.started = stages, None, 0
         self._waiting = self._resume()  # runs up to its first collective and starts it
 
     def _resume(self) -> tuple:
@@ -222,16 +227,16 @@ class _InFlight:
         except StopIteration as stop:
             self.result = stop.value
             return ()
+        self.started += 1
         return handles if isinstance(handles, tuple) else (handles,)
 
-    def advance(self) -> bool:
-        """Wait for the collectives in flight, run the local work after them up to (and starting) the
-        next collective; True once the merge is finished."""
+    def advance(self) -> None:
+        """Wait for the collectives in flight, then run the local work after them up to (and
+        starting) the next stage's collectives, or to the end (``result`` set)."""
         for handle in self._waiting:
             handle.wait()
         if self.result is None:
             self._waiting = self._resume()
-        return self.result is not None
 
 
 def merge_overlapped(
@@ -261,10 +266,16 @@ def merge_overlapped(
 
     Schedule (the same on every rank, so each group sees its collectives in one order)::
 
-        part 0: local, start its first collective
-        part 1: local (while part 0's collective travels), start its first collective
-        until every part is done, part by part: wait its collectives, run its local work
-            up to its next collective and start that one (levels of two_level chain here)
+        for each part, in order:
+            local attention            -- while the previous part's last collective travels
+            its stages but the last: start, wait, local work (two_level's levels chain here)
+            start its last collective  -- the SUM of cat[w*o, w] (the bulk of the bytes;
+                                          for two_level the inter-node one), or the all-gather
+        for each part: wait its last collective, normalise
+
+    Only a part's last stage is hidden behind the next part's local attention: its earlier
+    stages (the MAX of lse, a few bytes) are waited for first, so the last stage's inputs
+    are ready before the next local attention occupies the device (an in-order stream).
 
     One merge call in ``stats`` (``calls``), every part's collectives in its levels; one
     agreement check on :data:`SPLIT_SIGNATURE`.
@@ -287,11 +298,14 @@ def merge_overlapped(
         strategy = choose_strategy(groups, (max(sizes), sq, hq, d), torch.tensor([], dtype=acc).element_size())
     signature = (b, sq, hq, d, dtype, strategy, backend, sizes)
     with groups.agreement.call("merge", SPLIT_SIGNATURE, signature):
+        n = _stage_count(strategy, groups)
         flights = []
         for p in parts:
             o, lse = local(p)
-            flights.append(_InFlight(_stages(strategy, o.to(acc), lse.to(acc), groups, stats)))
-        pending = list(flights)
-        while pending:
-            pending = [f for f in pending if not f.advance()]
+            flight = _InFlight(_stages(strategy, o.to(acc), lse.to(acc), groups, stats))
+            while flight.started < n:
+                flight.advance()
+            flights.append(flight)
+        for flight in flights:
+            flight.advance()
     return torch.cat([f.result[0] for f in flights]), torch.cat([f.result[1] for f in flights])

@@ -62,7 +62,7 @@ def _check_group(groups, tag, strategies, report):
 
 
 def _schedule(groups):
-    """What part 1's local attention sees of part 0's merge: started (torch counted it) but not finished."""
+    """What part 1's local attention sees of part 0's merge: started (torch counted it), finished (stats)."""
     from torch.distributed.tensor.debug import CommDebugMode
 
     seen = []
@@ -169,9 +169,10 @@ def _assert_rank(report, rank):
         assert uc == sum(l["collectives"] for l in us["levels"].values())
     assert checked == (26 if rank < 3 else 9), f"rank {rank}: {checked} cases checked"
     seen, total = report["schedule"]
-    # part 0's local ran before any collective; part 1's ran with part 0's first collective
-    # (intra MAX) started and none finished -- the overlap -- and then 8 collectives in all.
-    assert seen == [(0, 0), (1, 0)] and total == 8, f"rank {rank}: schedule {seen}, {total} collectives"
+    # part 0's local ran before any collective; part 1's ran with part 0's four collectives
+    # (intra MAX, SUM, inter MAX, SUM) started and all but the last (inter SUM) finished --
+    # the overlap -- and then 8 collectives in all.
+    assert seen == [(0, 0), (4, 3)] and total == 8, f"rank {rank}: schedule {seen}, {total} collectives"
     errors = report["errors"]
     assert "unknown merge strategy 'bogus'" in errors["unknown"], errors["unknown"]
     assert "an overlapped merge supports the strategies" in errors["merge_bogus"], errors["merge_bogus"]
