@@ -197,3 +197,30 @@ def test_overlap_exact_scheduled_and_loud():
     for report in reports[1:3]:
         assert {k: v["err_out"] for k, v in report.items() if isinstance(k, tuple)} == \
             {k: v["err_out"] for k, v in reports[0].items() if isinstance(k, tuple)}
+
+
+def test_overlap_cost_model():
+    """cost.overlap_step_times: the staged merge adds up to merge_cost, and the replayed schedule
+    hides half A's last collective behind half B's kernel only where lanes are separate."""
+    from megatron_tree import cost
+
+    gpu, cpu = cost.load_preset("dgx_h100"), cost.load_preset("cpu_gloo")
+    for preset in (gpu, cpu):
+        for strategy, p, intra in (("packed", 8, None), ("allreduce3", 3, None), ("allgather", 8, None),
+                                   ("two_level", 16, 8), ("two_level", 4, None)):
+            dims = cost.Dims(6, 32, 8, 128)
+            stages, local = cost.merge_stages(strategy, preset, dims, p, intra)
+            staged = sum(s for stage in stages for _, s in stage) + local
+            assert abs(staged - cost.merge_cost(strategy, preset, dims, p, intra)) < 1e-12, (preset.name, strategy)
+            unsplit, split = cost.overlap_step_times(strategy, preset, dims, p, intra, 4096)
+            assert abs(unsplit - cost.kernel_time(preset, dims, 4096, p) - staged) < 1e-12
+            if preset.shared_host:  # one lane: the split only adds kernel calls and collectives
+                assert split > unsplit, (strategy, unsplit, split)
+    # NCCL, bandwidth-bound merge (B=128, Hq=64, 2 nodes): half A's SUM hides behind half B's kernel
+    unsplit, split = cost.overlap_step_times("packed", gpu, cost.Dims(128, 64, 8, 128), 16, None, 4096)
+    assert split < 0.98 * unsplit, (unsplit, split)
+    # latency-bound merge (B=4, Hq=8): twice the collectives, each as slow as the whole one
+    unsplit, split = cost.overlap_step_times("packed", gpu, cost.Dims(4, 8, 8, 128), 8, None, 4096)
+    assert split > 1.1 * unsplit, (unsplit, split)
+    assert cost.overlap_step_times("packed", gpu, cost.Dims(1, 8, 8, 128), 8, None, 4096)[1] == \
+        cost.overlap_step_times("packed", gpu, cost.Dims(1, 8, 8, 128), 8, None, 4096)[0]
