@@ -3,8 +3,10 @@
 Invariant: for every configuration both variants run on the same ``TreeGroups``, query and
 shards, interleaved round by round (round i starts with variant i mod 2) so that load from
 other processes hits both alike; a round's time is the max over ranks from a barrier to the
-step's end; reported are medians, p90s and the ratio unsplit / split (> 1: the split step is
-faster), and the largest difference between the two outputs.
+step's end; reported are medians, minima, p90s, the ratio of the medians unsplit / split
+(> 1: the split step is faster), the median of the per-round ratios (both variants ran back
+to back in each round, so a slow drift of the machine's load cancels), and the largest
+difference between the two outputs.
 
 Beside each measured row it prints what ``cost.overlap_step_times`` predicts for the same
 shapes on the ``cpu_gloo`` preset and on a GPU preset (``--gpu-preset``, default dgx_h100),
@@ -79,7 +81,10 @@ def _rank_main(rank: int, world: int, store_path: str, cfgs: list, opts: dict, o
                     "median_ms": {v_: med[v_] * 1e3 for v_ in VARIANTS},
                     "p90_ms": {v_: sorted(times[v_])[int(0.9 * (len(times[v_]) - 1))] * 1e3 for v_ in VARIANTS},
                     "times_ms": {v_: [t * 1e3 for t in times[v_]] for v_ in VARIANTS},
+                    "min_ms": {v_: min(times[v_]) * 1e3 for v_ in VARIANTS},
                     "ratio_unsplit_over_split": med["unsplit"] / med["split"],
+                    # round i ran both variants back to back: the median of per-round ratios cancels slow drifts
+                    "paired_ratio": statistics.median(u / s_ for u, s_ in zip(times["unsplit"], times["split"])),
                     "max_abs_diff": float((outs["split"] - outs["unsplit"]).abs().max()),
                 })
                 with open(out_path, "w") as f:  # after every config: a crash later keeps these rows
@@ -121,17 +126,18 @@ def markdown(rows: list[dict], gpu_preset: str, command: str) -> str:
     lines = [
         f"Command: `{command}`",
         "",
-        "| P | layout | strategy | context | B | Hq/Hkv | D | unsplit ms | split ms | unsplit/split | "
-        f"max \\|Δ\\| | model cpu_gloo | model {gpu_preset} (µs → µs) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| P | layout | strategy | context | B | Hq/Hkv | D | unsplit ms (min) | split ms (min) | unsplit/split "
+        f"| paired | max \\|Δ\\| | model cpu_gloo | model {gpu_preset} (µs → µs) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         cpu, gpu = r["model"]["cpu_gloo"], r["model"][gpu_preset]
         layout = f"{r['ranks'] // r['intra']} × {r['intra']}" if r["intra"] < r["ranks"] else "flat"
         lines.append(
             f"| {r['ranks']} | {layout} | {r['strategy']} | {r['context']} | {r['batch']} | "
-            f"{r['heads_q']}/{r['heads_kv']} | {r['head_dim']} | {r['median_ms']['unsplit']:.2f} | "
-            f"{r['median_ms']['split']:.2f} | {r['ratio_unsplit_over_split']:.2f}× | {r['max_abs_diff']:.1e} | "
+            f"{r['heads_q']}/{r['heads_kv']} | {r['head_dim']} | {r['median_ms']['unsplit']:.1f} "
+            f"({r['min_ms']['unsplit']:.1f}) | {r['median_ms']['split']:.1f} ({r['min_ms']['split']:.1f}) | "
+            f"{r['ratio_unsplit_over_split']:.2f}× | {r['paired_ratio']:.2f}× | {r['max_abs_diff']:.1e} | "
             f"{cpu['ratio']:.2f}× | {gpu['unsplit_ms'] * 1e3:.0f} → {gpu['split_ms'] * 1e3:.0f} = {gpu['ratio']:.2f}× |"
         )
     return "\n".join(lines) + "\n"
