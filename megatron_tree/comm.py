@@ -153,9 +153,11 @@ def merge(
 SPLIT_STRATEGIES = ("allreduce3", "packed", "two_level", "allgather", "auto")
 """Strategies :func:`merge_overlapped` runs in stages (every collective asynchronous)."""
 
-SPLIT_SIGNATURE = MERGE_SIGNATURE + ("split",)
-"""An overlapped merge's signature at the ``merge`` site: :data:`MERGE_SIGNATURE` plus the parts' batch sizes,
-so a rank that splits and one that does not (or splits differently) get a :class:`DisagreementError`."""
+SPLIT_SIGNATURE = ("batch", "seqlen_q", "heads_q", "headdim", "dtype", "strategy", "backend", "split")
+"""An overlapped merge's signature at the ``merge`` site: :data:`MERGE_SIGNATURE`'s shape, dtype, strategy and
+backend plus the parts' batch sizes, so a rank that splits and one that does not (or splits differently) get a
+:class:`DisagreementError`. Spelled out rather than derived, so a name added to ``MERGE_SIGNATURE`` for
+another strategy cannot shift the labels of these values."""
 
 
 def _start_all_reduce(buf: torch.Tensor, op: str, group, level: str, stats) -> collectives.Pending:
