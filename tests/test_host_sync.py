@@ -1,0 +1,164 @@
+"""A decode step makes no host-device synchronisation (issue 13 item 5), checked on CPU.
+
+``megatron_tree.sync_guard.no_host_sync`` raises on any call that would make the host wait
+for the device on CUDA (``.item()``, ``.tolist()``, ``.cpu()``, ``bool(t)``, ``nonzero``,
+boolean-mask indexing, ...), whatever the device. One 4-rank gloo run (CP 4 = 2 nodes x 2)
+decodes under the guard with our Llama (``Llama.decode_step``: cache append, tree_decode,
+the two-level and packed merges) and with Megatron-Core's GPTModel behind
+``TreeDotProductAttention`` (``MegatronLM.decode_step``: ``TreeInferenceContext``, the
+KV-cache hook, the core attention), and checks the guarded logits against a single-process
+forward over the whole sequence (exact). The same run checks that no persistent buffer is
+created by a decode step (everything a step reuses exists after prefill).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distributed import run_ranks
+
+PROMPTS = [[3, 1, 4, 1, 5, 9, 2], [6, 5], [3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4]]  # uneven rows, 2 < CP tokens
+STEPS = 5  # with blocks of 2, new tokens move across ranks during the run
+
+
+def _tensors(obj, seen=None, prefix="") -> dict:
+    """name -> (data_ptr, shape) of every tensor reachable from obj's attributes (modules, dicts, lists)."""
+    seen = set() if seen is None else seen
+    out = {}
+    if id(obj) in seen:
+        return out
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        return {prefix: (obj.data_ptr(), tuple(obj.shape))}
+    if isinstance(obj, dict):
+        items = obj.items()
+    elif isinstance(obj, (list, tuple)):
+        items = enumerate(obj)
+    elif hasattr(obj, "__dict__") and type(obj).__module__.startswith(("megatron_tree", "torch.nn")):
+        items = vars(obj).items()
+    else:
+        return out
+    for k, v in items:
+        out.update(_tensors(v, seen, f"{prefix}.{k}"))
+    return out
+
+
+def _llama_rank(rank, world):
+    from megatron_tree import TreeGroups
+    from megatron_tree.collectives import CommStats
+    from megatron_tree.models.llama import Llama, LlamaConfig
+    from megatron_tree.sync_guard import HostSyncError, no_host_sync
+
+    groups = TreeGroups.build(intra_size=2)  # CP 4 = 2 simulated nodes x 2
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    torch.manual_seed(0)
+    model = Llama(cfg, groups)
+    out = {}
+    for strategy in ("two_level", "packed", "allgather"):
+        cache = model.new_cache(len(PROMPTS), 32, block_size=2)
+        logits = model.prefill(PROMPTS, cache)
+        before = _tensors(cache) | _tensors(model) | _tensors(groups)
+        seqs = [list(p) for p in PROMPTS]
+        got, stats = [], CommStats()
+        ids = logits.argmax(-1)
+        for _ in range(STEPS):
+            for s, t in zip(seqs, ids.tolist()):
+                s.append(t)
+            with no_host_sync("Llama.decode_step"):
+                logits = model.decode_step(ids, cache, strategy=strategy, stats=stats)
+                ids = logits.argmax(-1)
+            got.append(logits)
+        after = _tensors(cache) | _tensors(model) | _tensors(groups)
+        new = sorted(set(after) - set(before)) + sorted(k for k in before if k in after and after[k] != before[k])
+        # Reference: one process, the whole sequence, no cache.
+        ref = [[] for _ in range(STEPS)]
+        for b, s in enumerate(seqs):
+            full = model.forward(torch.tensor([s]))[0]
+            for i in range(STEPS):
+                ref[i].append(full[len(PROMPTS[b]) + i])
+        err = max(float((g - torch.stack(r)).abs().max()) for g, r in zip(got, ref))
+        out[strategy] = {"err": err, "new_buffers": new, "shards": cache.shard_lengths,
+                         "collectives": stats.collectives}
+    # The guard is live in this process: an injected sync in the step is caught.
+    cache = model.new_cache(len(PROMPTS), 32, block_size=2)
+    model.prefill(PROMPTS, cache)
+    try:
+        with no_host_sync("Llama.decode_step"):
+            model.decode_step(torch.tensor([1, 2, 3]), cache, strategy="packed")
+            cache.seqlens.max().item()
+        out["injected"] = "not caught"
+    except HostSyncError as e:
+        out["injected"] = str(e)
+    return out
+
+
+def _megatron_rank(rank, world):
+    from megatron.core import parallel_state
+
+    from megatron_tree.integrations import megatron as mt
+    from megatron_tree.integrations import megatron_model as mm
+    from megatron_tree.integrations._cpu import megatron_on_cpu
+    from megatron_tree.sync_guard import no_host_sync
+
+    with megatron_on_cpu():
+        return _megatron_decode(mt, mm, no_host_sync, parallel_state)
+
+
+def _megatron_decode(mt, mm, no_host_sync, parallel_state):
+    mt.initialize_model_parallel(4, [2, 2])
+    shape = mm.GPTShape(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                        initializer_range=0.2)
+    src = mm.build_gpt(shape, tree=False, pg_collection=mm.single_rank_groups(), seed=3)
+    model = mm.build_gpt(shape, tree=True, cp=4, hierarchical=[2, 2], seed=3)
+    mm.fill_from_global(model, mm.global_tensors(src))
+    lm = mm.MegatronLM(model, mt.tree_groups_from_megatron(model.pg_collection), shape)
+    ref = mm.MegatronReference(src)
+    prompts = PROMPTS[:2]
+    cache = lm.new_cache(len(prompts), 32, block_size=2)
+    logits = lm.prefill(prompts, cache)
+    seqs = [list(p) for p in prompts]
+    err = 0.0
+    ids = logits.argmax(-1)
+    for i in range(STEPS):
+        for s, t in zip(seqs, ids.tolist()):
+            s.append(t)
+        with no_host_sync("MegatronLM.decode_step"):
+            logits = lm.decode_step(ids, cache, strategy="two_level")
+            ids = logits.argmax(-1)
+        for b, s in enumerate(seqs):
+            full = ref(torch.tensor([s]))[0, -1].float()
+            err = max(err, float((logits[b] - full).abs().max()))
+    parallel_state.destroy_model_parallel()
+    return {"err": err, "shards": [cache.shard_lens(b) for b in range(len(prompts))]}
+
+
+def _rank(rank, world):
+    return {"llama": _llama_rank(rank, world), "megatron": _megatron_rank(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_ranks(_rank, 4, timeout=240)
+
+
+def test_llama_decode_step_cp4_two_level_has_no_host_sync_and_is_exact(results):
+    for r in results:
+        for strategy, res in r["llama"].items():
+            if strategy == "injected":
+                continue
+            assert res["err"] < 1e-5, (strategy, res["err"])
+            assert res["new_buffers"] == [], (strategy, res["new_buffers"])
+            assert res["collectives"] > 0
+        # every rank of 2 x 2 took part in the steps: the new tokens moved across ranks
+        shards = r["llama"]["two_level"]["shards"]
+        assert all(min(row) > 0 for row in shards), shards
+    assert "host sync inside Llama.decode_step: Tensor.item()" in results[0]["llama"]["injected"]
+
+
+def test_megatron_decode_step_cp4_two_level_has_no_host_sync_and_is_exact(results):
+    for r in results:
+        assert r["megatron"]["err"] < 1e-4, r["megatron"]["err"]
+    assert results[0]["megatron"]["shards"] == results[3]["megatron"]["shards"]
