@@ -59,7 +59,7 @@ def _llama_rank(rank, world):
     for strategy in ("two_level", "packed", "allgather"):
         cache = model.new_cache(len(PROMPTS), 32, block_size=2)
         logits = model.prefill(PROMPTS, cache)
-        before = _tensors(cache) | _tensors(model) | _tensors(groups)
+        before = _tensors(cache, prefix="cache") | _tensors(model, prefix="model") | _tensors(groups, prefix="groups")
         seqs = [list(p) for p in PROMPTS]
         got, stats = [], CommStats()
         ids = logits.argmax(-1)
@@ -70,7 +70,7 @@ def _llama_rank(rank, world):
                 logits = model.decode_step(ids, cache, strategy=strategy, stats=stats)
                 ids = logits.argmax(-1)
             got.append(logits)
-        after = _tensors(cache) | _tensors(model) | _tensors(groups)
+        after = _tensors(cache, prefix="cache") | _tensors(model, prefix="model") | _tensors(groups, prefix="groups")
         new = sorted(set(after) - set(before)) + sorted(k for k in before if k in after and after[k] != before[k])
         # Reference: one process, the whole sequence, no cache.
         ref = [[] for _ in range(STEPS)]
@@ -115,3 +115,42 @@ def test_llama_decode_step_cp4_two_level_has_no_host_sync_and_is_exact(results):
         shards = r["llama"]["two_level"]["shards"]
         assert all(min(row) > 0 for row in shards), shards
     assert "host sync inside Llama.decode_step: Tensor.item()" in results[0]["llama"]["injected"]
+
+
+SYNCS = {
+    "item": lambda t: t[0].item(), "tolist": lambda t: t.tolist(), "cpu": lambda t: t.cpu(),
+    "numpy": lambda t: t.numpy(), "if": lambda t: 1 if t.any() else 0, "int": lambda t: int(t.max()),
+    "float": lambda t: float(t[0]), "nonzero": lambda t: (t > 2).nonzero(), "where1": lambda t: torch.where(t > 2),
+    "mask_index": lambda t: t[t > 2], "mask_put": lambda t: t.clone().__setitem__(t > 2, 0),
+    "masked_select": lambda t: t.masked_select(t > 1), "unique": lambda t: t.unique(),
+    "repeat_interleave": lambda t: torch.repeat_interleave(t),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SYNCS))
+def test_guard_catches_each_kind_of_host_read(name):
+    from megatron_tree.sync_guard import HostSyncError, no_host_sync
+
+    t = torch.arange(5)
+    with pytest.raises(HostSyncError, match="host sync inside a decode step"):
+        with no_host_sync():
+            SYNCS[name](t)
+
+
+def test_guard_passes_device_work_and_keeps_cpu_value_checks():
+    from megatron_tree import ops
+    from megatron_tree.sync_guard import HostSyncError, no_host_sync
+
+    t = torch.arange(5)
+    q, k = torch.randn(2, 1, 4, 8), torch.randn(2, 10, 2, 8)
+    with no_host_sync():  # index arithmetic, host data made a tensor, shapes, the opaque local op
+        torch.where(t > 2, t, 0).scatter_(0, t.clamp(max=3), t)
+        torch.tensor([1, 2]) + t.shape[0] + len(t)
+        ops.flash_decode(q, k, k, cache_seqlens=torch.tensor([3, 10], dtype=torch.int32))
+        with pytest.raises(HostSyncError, match="megatron_tree::flash_decode, an op the guard cannot see into"):
+            with no_host_sync(opaque=()):
+                ops.flash_decode(q, k, k)
+        # the value check moved inside the op: still a clear error on CPU, no sync outside it
+        with pytest.raises(ValueError, match=r"cache_seqlens must lie in \[0, 10\]"):
+            ops.flash_decode(q, k, k, cache_seqlens=torch.tensor([3, 11], dtype=torch.int32))
+
