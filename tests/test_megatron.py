@@ -249,6 +249,7 @@ def megatron_rank(rank, world):
             results["bad_" + label] = (_error(mt.initialize_model_parallel, *args),
                                        parallel_state.model_parallel_is_initialized())
         results["mixed_batch"] = mixed_length_batch(rank)
+        results["host_sync"] = decode_without_host_sync()
 
         mt.initialize_model_parallel(2)
         # Misuse: our spec with Megatron's own wrapper and context at CP = 2, the patch reverted
@@ -268,6 +269,45 @@ def megatron_rank(rank, world):
         parallel_state.destroy_model_parallel()
         results["world"] = dist.get_world_size()
     return results
+
+
+def decode_without_host_sync() -> dict:
+    """MegatronLM.decode_step at CP 4 = [2, 2] under ``sync_guard.no_host_sync`` (issue 13 item 5):
+    TreeInferenceContext's plan, the KV-cache hook, the core attention's tree_decode and the
+    two-level merge read no tensor value back to the host. Rows of different lengths, blocks
+    of 2 so new tokens move across ranks; logits checked against Megatron's own model at CP 1."""
+    from megatron.core import parallel_state
+
+    from megatron_tree.integrations import megatron as mt
+    from megatron_tree.integrations import megatron_model as mm
+    from megatron_tree.sync_guard import HostSyncError, no_host_sync
+
+    mt.initialize_model_parallel(4, [2, 2])
+    shape = mm.GPTShape(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=2,
+                        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=64,
+                        initializer_range=0.2)
+    src = mm.build_gpt(shape, tree=False, pg_collection=mm.single_rank_groups(), seed=5)
+    model = mm.build_gpt(shape, tree=True, cp=4, hierarchical=[2, 2], seed=5)
+    mm.fill_from_global(model, mm.global_tensors(src))
+    lm = mm.MegatronLM(model, mt.tree_groups_from_megatron(model.pg_collection), shape)
+    seqs = [[3, 1, 4, 1, 5, 9, 2], [6, 5]]
+    cache = lm.new_cache(len(seqs), 32, block_size=2)
+    ids = lm.prefill(seqs, cache).argmax(-1)
+    err, sync = 0.0, None
+    try:
+        for _ in range(5):
+            for s, t in zip(seqs, ids.tolist()):
+                s.append(t)
+            with no_host_sync("MegatronLM.decode_step"):
+                logits = lm.decode_step(ids, cache, strategy="two_level")
+                ids = logits.argmax(-1)
+            for b, s in enumerate(seqs):
+                full = mm.MegatronReference(src)(torch.tensor([s]))[0, -1].float()
+                err = max(err, float((logits[b] - full).abs().max()))
+    except HostSyncError as e:  # reported by the test; the rest of the run goes on
+        sync = str(e)
+    parallel_state.destroy_model_parallel()
+    return {"err": err, "sync": sync, "shards": [cache.shard_lens(b) for b in range(len(seqs))]}
 
 
 MIXED_LENGTHS = (8, 512)
@@ -537,3 +577,11 @@ def test_deepspeed_initialize_sees_megatron_cp_as_sequence_parallel(megatron_res
         assert mpu["seq_dp_world_size"] == 4 and mpu["seq_dp_group_ranks"] == [0, 1, 2, 3]
         assert mpu["train_batch_size"] == 2  # micro-batch 1 x DP 2
         assert mpu["sp_group_ranks"] == mpu["megatron_cp_ranks"] == ([0, 1] if r < 2 else [2, 3])
+
+
+def test_megatron_decode_step_cp4_two_level_has_no_host_sync(megatron_results):
+    """MegatronLM.decode_step ran under sync_guard.no_host_sync on every rank (a sync raises) and stayed exact."""
+    for out in megatron_results:
+        assert out["host_sync"]["sync"] is None, out["host_sync"]["sync"]
+        assert out["host_sync"]["err"] < 1e-4, out["host_sync"]
+        assert all(min(row) > 0 for row in out["host_sync"]["shards"]), out["host_sync"]  # every rank holds tokens

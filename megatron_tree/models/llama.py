@@ -28,6 +28,7 @@ from ..cache import CacheConfig, ShardedKVCache
 from ..comm import CommStats
 from ..layer import ROPE_TYPES, RotaryEmbedding, TreeAttention
 from ..prefill import PREFILL_METHODS
+from ..sync_guard import CHECK_VALUES_ENV
 from ..topology import TreeGroups
 
 try:  # NVIDIA apex's fused kernel, used on CUDA tensors when it is installed
@@ -389,12 +390,19 @@ class Llama(nn.Module):
 
         next_ids: (batch,) int64 -- the same on every CP rank
         returns logits: (batch, vocab), identical on every CP rank
+
+        No host-device synchronisation (issue 13 item 5; ``megatron_tree.sync_guard``): token
+        ids given as host data (a list) are range-checked on the host; a tensor's values are
+        not read back (it usually comes from sampling on the device, within the vocabulary by
+        construction), unless ``MEGATRON_TREE_CHECK_VALUES=1`` asks for that debug check.
         """
         self._check_cache(cache)
+        host = not isinstance(next_ids, torch.Tensor)
+        if host or os.environ.get(CHECK_VALUES_ENV) == "1":
+            self._check_ids(torch.as_tensor(next_ids, dtype=torch.int64), "next_ids")
         next_ids = torch.as_tensor(next_ids, dtype=torch.int64, device=self.device).reshape(-1)
         if next_ids.numel() != cache.batch_size:
             raise ValueError(f"next_ids has {next_ids.numel()} tokens, the cache's batch size is {cache.batch_size}")
-        self._check_ids(next_ids, "next_ids")
         positions, slots = cache.begin_decode_step()
         x = self.model.embed_tokens(next_ids)[:, None]  # (B, 1, hidden)
         for layer in self.model.layers:
