@@ -52,8 +52,8 @@ ENV_PRESET = "MEGATRON_TREE_COST_PRESET"
 
 MERGE_STRATEGIES = ("allreduce3", "packed", "two_level", "allgather", "shifted")
 """Every merge this module prices (DESIGN.md section 4)."""
-AUTO_CANDIDATES = ("allreduce3", "packed", "two_level", "allgather")
-"""What ``auto`` may pick: the merges ``comm`` implements today (``shifted`` joins when it lands)."""
+AUTO_CANDIDATES = ("allreduce3", "packed", "two_level", "allgather", "shifted")
+"""What ``auto`` may pick (``shifted`` only for a call that passes a shift: without one it is ``packed``)."""
 SHIFTED_FALLBACK = 0.01
 """Expected fraction of ``shifted`` calls whose weights overflow or all underflow and are
 redone with MAX + SUM (an assumption: the shift is the previous step's merged lse, which
@@ -359,21 +359,23 @@ def default_preset(device_type: str | None = None) -> Preset:
 _RESOLVED: dict = {}
 
 
-def choose_strategy(groups, out_shape, dtype_bytes: int = 4) -> str:
+def choose_strategy(groups, out_shape, dtype_bytes: int = 4, shifted: bool = False) -> str:
     """The merge ``auto`` runs for a state of ``out_shape`` on ``groups``.
 
     groups: a ``TreeGroups`` (``.size``, ``.intra_size``, ``.is_hierarchical``);
-    out_shape: (batch, seqlen_q, nheads_q, headdim). Returns one of :data:`AUTO_CANDIDATES`.
+    out_shape: (batch, seqlen_q, nheads_q, headdim). Returns one of :data:`AUTO_CANDIDATES`;
+    ``shifted`` only when ``shifted`` is true (the call has a shift to pass).
     The :func:`policy` runs once per (layout, shape, dtype, preset); every later call, e.g.
     every layer of every decode step, is a dictionary lookup.
     """
     name = _preset_name()
     shape = tuple(int(x) for x in out_shape)
-    key = (name, groups.size, groups.intra_size, bool(groups.is_hierarchical), shape, int(dtype_bytes))
+    key = (name, groups.size, groups.intra_size, bool(groups.is_hierarchical), shape, int(dtype_bytes), bool(shifted))
     choice = _RESOLVED.get(key)
     if choice is None:
+        cands = AUTO_CANDIDATES if shifted else tuple(c for c in AUTO_CANDIDATES if c != "shifted")
         choice = policy(_cached_preset(name), groups.size, groups.intra_size, bool(groups.is_hierarchical),
-                        shape, int(dtype_bytes))
+                        shape, int(dtype_bytes), cands)
         _RESOLVED[key] = choice
     return choice
 
