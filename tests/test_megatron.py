@@ -380,7 +380,7 @@ def _pg():
 
 @pytest.fixture(scope="module")
 def megatron_results():
-    return run_ranks(megatron_rank, 4, timeout=280)
+    return run_ranks(megatron_rank, 4, timeout=900)
 
 
 def test_greedy_decode_identical_cp4_hierarchical_and_megatron_cp1(megatron_results):
