@@ -99,6 +99,9 @@ class CommStats:
 
     calls: int = 0
     """Merge calls recorded."""
+    fallbacks: int = 0
+    """``shifted`` merges whose check failed and that were redone with MAX + SUM (deferred ones
+    are counted when the decode loop reads the step's flags)."""
     levels: dict = field(default_factory=dict)
     """Level name (``cp``, ``intra``, ``inter``) -> :class:`LevelStats`."""
 
@@ -123,11 +126,13 @@ class CommStats:
 
     def reset(self) -> None:
         self.calls = 0
+        self.fallbacks = 0
         self.levels.clear()
 
     def as_dict(self) -> dict:
         return {
             "calls": self.calls,
+            "fallbacks": self.fallbacks,
             "levels": {
                 k: {"collectives": v.collectives, "payload_bytes": v.payload_bytes,
                     "sent_bytes": v.sent_bytes, "ops": dict(v.ops)}

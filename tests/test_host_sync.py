@@ -46,6 +46,7 @@ def _tensors(obj, seen=None, prefix="") -> dict:
 
 def _llama_rank(rank, world):
     from megatron_tree import TreeGroups
+    from megatron_tree.attention import ShiftState
     from megatron_tree.collectives import CommStats
     from megatron_tree.models.llama import Llama, LlamaConfig
     from megatron_tree.sync_guard import HostSyncError, no_host_sync
@@ -56,19 +57,26 @@ def _llama_rank(rank, world):
     torch.manual_seed(0)
     model = Llama(cfg, groups)
     out = {}
-    for strategy in ("two_level", "packed", "allgather"):
+    for strategy in ("two_level", "packed", "allgather", "shifted"):
         cache = model.new_cache(len(PROMPTS), 32, block_size=2)
         logits = model.prefill(PROMPTS, cache)
         before = _tensors(cache, prefix="cache") | _tensors(model, prefix="model") | _tensors(groups, prefix="groups")
         seqs = [list(p) for p in PROMPTS]
         got, stats = [], CommStats()
+        # shifted: the merges leave device flags in the ShiftState; generate() reads them once
+        # per step, outside the step (as here), and redoes the step only when one is raised
+        shift = ShiftState() if strategy == "shifted" else None
+        redos = 0
         ids = logits.argmax(-1)
         for _ in range(STEPS):
             for s, t in zip(seqs, ids.tolist()):
                 s.append(t)
             with no_host_sync("Llama.decode_step"):
-                logits = model.decode_step(ids, cache, strategy=strategy, stats=stats)
+                logits = model.decode_step(ids, cache, strategy=strategy, stats=stats, shift=shift)
                 ids = logits.argmax(-1)
+            if shift is not None:
+                redos += shift.needs_redo(stats)
+                shift.step_done()
             got.append(logits)
         after = _tensors(cache, prefix="cache") | _tensors(model, prefix="model") | _tensors(groups, prefix="groups")
         new = sorted(set(after) - set(before)) + sorted(k for k in before if k in after and after[k] != before[k])
@@ -80,7 +88,7 @@ def _llama_rank(rank, world):
                 ref[i].append(full[len(PROMPTS[b]) + i])
         err = max(float((g - torch.stack(r)).abs().max()) for g, r in zip(got, ref))
         out[strategy] = {"err": err, "new_buffers": new, "shards": cache.shard_lengths,
-                         "collectives": stats.collectives}
+                         "collectives": stats.collectives, "redos": redos}
     # The guard is live in this process: an injected sync in the step is caught.
     cache = model.new_cache(len(PROMPTS), 32, block_size=2)
     model.prefill(PROMPTS, cache)
@@ -111,6 +119,7 @@ def test_llama_decode_step_cp4_two_level_has_no_host_sync_and_is_exact(results):
             assert res["err"] < 1e-5, (strategy, res["err"])
             assert res["new_buffers"] == [], (strategy, res["new_buffers"])
             assert res["collectives"] > 0
+            assert res["redos"] == 0, (strategy, res["redos"])  # shifted: every step's shift was in range
         # every rank of 2 x 2 took part in the steps: the new tokens moved across ranks
         shards = r["llama"]["two_level"]["shards"]
         assert all(min(row) > 0 for row in shards), shards

@@ -350,7 +350,27 @@ def mixed_length_batch(rank) -> dict:
     prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in MIXED_LENGTHS]
     cache = lm.new_cache(2, max(MIXED_LENGTHS) + MIXED_NEW, block_size=16)
     res = generate(lm, prompts, MIXED_NEW, cache=cache, progress=False)
-    out = {"tokens": res.tokens, "calls": seen, "shards": [cache.shard_lens(b) for b in range(2)]}
+    out = {"tokens": res.tokens, "calls": list(seen), "shards": [cache.shard_lens(b) for b in range(2)]}
+    # strategy="shifted" through the same path: one SUM per layer per step after the first, and a
+    # step whose shifts are far off raises the deferred flag and is redone on the same plan.
+    from megatron_tree.attention import ShiftState
+    from megatron_tree.comm import CommStats
+
+    st = CommStats()
+    shifted = generate(lm, prompts, MIXED_NEW, cache=cache, strategy="shifted", stats=st, progress=False)
+    out["shifted"] = (shifted.tokens, st.fallbacks, dict(st.levels["cp"].ops))
+    ids, state, redo_tokens = lm.prefill(prompts, cache).argmax(-1), ShiftState(), []
+    for i in range(MIXED_NEW - 1):
+        if i == 1:
+            state.shifts = {key: r - 500.0 for key, r in state.shifts.items()}  # weights overflow
+        logits = lm.decode_step(ids, cache, strategy="shifted", shift=state)
+        redone = state.needs_redo()
+        if redone:
+            logits = lm.decode_step(ids, cache, strategy="shifted", shift=state)
+        state.step_done()
+        ids = logits.argmax(-1)
+        redo_tokens.append((ids.tolist(), redone))
+    out["shifted_redo"] = (redo_tokens, [cache.shard_lens(b) for b in range(2)])
     if rank == 0:
         baseline_calls = []
         src.decoder.layers[0].self_attention.core_attention.register_forward_pre_hook(
@@ -400,7 +420,7 @@ def _pg():
 
 @pytest.fixture(scope="module")
 def megatron_results():
-    return run_ranks(megatron_rank, 4, timeout=280)
+    return run_ranks(megatron_rank, 4, timeout=900)
 
 
 def test_greedy_decode_identical_cp4_hierarchical_and_megatron_cp1(megatron_results):
@@ -479,6 +499,15 @@ def test_mixed_length_batch_is_prefilled_cp_sharded_then_decoded(megatron_result
         # block opened on rank 0; row 1's rank 0 is full at ceil(516 / 4) = 129, so its block
         # moves on to ranks 1 and 2
         assert mixed["shards"] == [[5, 2, 2, 2], [129, 129, 129, 128]]
+        # shifted: the same tokens; step 0 packed (MAX + SUM per layer), later steps one SUM per layer
+        tokens, fallbacks, ops = mixed["shifted"]
+        assert tokens == base and fallbacks == 0, (r, tokens, fallbacks)
+        assert ops == {"all_reduce_max": 2, "all_reduce_sum": 2 * (MIXED_NEW - 1)}, ops
+        # the redone step gives the same tokens and the cache advanced once per step
+        steps, shards = mixed["shifted_redo"]
+        assert [redone for _, redone in steps] == [False, True, False]
+        assert [t for t, _ in steps] == [[row[i + 1] for row in base] for i in range(MIXED_NEW - 1)]
+        assert shards == [[5, 2, 2, 2], [129, 129, 129, 128]]
     # Megatron's controller: one prefill of the shortest prompt (8 tokens), then one forward per token.
     calls = megatron_results[0]["mixed_batch"]["megatron_cp1_calls"]
     assert calls[0] == (8, 2) and calls[1:] == [(1, 2)] * (max(MIXED_LENGTHS) - 8 + MIXED_NEW - 1)
