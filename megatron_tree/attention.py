@@ -8,6 +8,10 @@ enters a collective. The algorithm, like the paper's JAX ``tree_decode``::
     out, lse = flash_decode(q, k_shard, v_shard)        # local partial state
     out, lse = merge(out, lse, groups, strategy)         # m = max lse; sum w*o / sum w
     return out.to(q.dtype)
+
+With ``overlap=True`` the batch is split in two halves and the two steps interleave
+(``comm.merge_overlapped``): the first half's merge collectives travel while the second
+half's local attention computes.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import torch
 
 from . import comm, ops
 from .comm import CommStats
-from .reference import acc_dtype
+from .reference import acc_dtype, check_decode_inputs
 from .topology import TreeGroups
 
 __all__ = ["tree_decode"]
@@ -36,6 +40,7 @@ def tree_decode(
     k_positions: torch.Tensor | None = None,
     stats: CommStats | None = None,
     backend: str | None = None,
+    overlap: bool = False,
 ):
     """Exact attention of ``q`` over the union of every CP rank's ``(k, v)`` shard.
 
@@ -49,6 +54,9 @@ def tree_decode(
         token positions for causal masking when seqlen_q > 1; without them every query sees
         every valid key
     strategy: one of ``comm.STRATEGIES``; stats: a :class:`CommStats` to record traffic into
+    overlap: split the batch in halves of ceil(B/2) and floor(B/2) rows and merge the first
+        while the second's local attention computes (same result; strategies in
+        ``comm.SPLIT_STRATEGIES``); B = 1 or no CP group runs unsplit
     returns out: (batch, seqlen_q, nheads_q, headdim) in q.dtype, identical on every CP rank,
             and with ``return_lse`` also lse: (batch, nheads_q, seqlen_q) float32, natural log
 
@@ -59,6 +67,14 @@ def tree_decode(
     """
     if strategy not in comm.STRATEGIES:
         raise ValueError(f"unknown merge strategy {strategy!r}; expected one of {comm.STRATEGIES}")
+    if overlap and strategy not in comm.SPLIT_STRATEGIES:
+        raise ValueError(f"overlap=True supports the strategies {comm.SPLIT_STRATEGIES}, got {strategy!r}; "
+                         "pass overlap=False for it")
+    if overlap and groups is not None and groups.size > 1 and q.shape[0] >= 2:
+        out, lse = _decode_overlapped(q, k, v, groups, cache_seqlens, softmax_scale, strategy, q_positions,
+                                      k_positions, stats, backend)
+        out = out.to(q.dtype)
+        return (out, lse) if return_lse else out
     # fp32 partials (DESIGN.md section 1): a bf16/fp16 result is rounded once, below.
     out, lse = ops.flash_decode(
         q, k, v, cache_seqlens=cache_seqlens, softmax_scale=softmax_scale,
@@ -69,3 +85,28 @@ def tree_decode(
                               backend=ops.resolve_backend(q.device, backend))
     out = out.to(q.dtype)
     return (out, lse) if return_lse else out
+
+
+def _decode_overlapped(q, k, v, groups, cache_seqlens, softmax_scale, strategy, q_positions, k_positions, stats,
+                       backend):
+    """``tree_decode`` with the batch in two halves, each half's merge overlapping the next half's local attention.
+
+    Shapes as in :func:`tree_decode`. The whole batch is checked before the first collective
+    starts, so bad input fails on every rank before any rank waits in one.
+    """
+    check_decode_inputs(q, k, v, cache_seqlens, q_positions, k_positions,
+                        by_value=q.device.type == "cpu" and not torch.compiler.is_compiling())
+    b = q.shape[0]
+    halves = [slice(0, (b + 1) // 2), slice((b + 1) // 2, b)]
+    shared_kpos = k_positions is not None and k_positions.dim() == 1  # (N,): the same for every row
+
+    def local(rows):
+        pick = lambda t: None if t is None else t[rows]  # noqa: E731
+        return ops.flash_decode(
+            q[rows], k[rows], v[rows], cache_seqlens=pick(cache_seqlens), softmax_scale=softmax_scale,
+            q_positions=pick(q_positions), k_positions=k_positions if shared_kpos else pick(k_positions),
+            out_dtype=acc_dtype(q.dtype), backend=backend,
+        )
+
+    return comm.merge_overlapped(local, halves, tuple(q.shape), groups, strategy, stats, dtype=q.dtype,
+                                 backend=ops.resolve_backend(q.device, backend))

@@ -22,6 +22,8 @@ stats and messages, ``what`` says what the caller was doing)::
     all_gather(t, group, out=None)                  # (P, *t.shape), group-rank order
     broadcast(t, src, group)                        # in place from global rank src
     p2p(sends, recvs, group).wait()                 # one batch of isend/irecv (NCCL-safe ring)
+    all_reduce_async(t, group, op=...).wait()       # all_reduce started now, finished (and recorded) at wait
+    all_gather_async(t, group, out=...).wait()      # all_gather likewise
     exchange_objects(obj, group)                    # every rank's picklable obj, in rank order
 
 Traffic model (the one the paper's formula uses, from this rank's point of view): an
@@ -44,6 +46,7 @@ import torch.distributed as dist
 __all__ = [
     "CommError", "DisagreementError", "CommStats", "LevelStats", "DEFAULT_TIMEOUT", "group_timeout",
     "as_timedelta", "new_group", "all_reduce", "all_gather", "broadcast", "p2p", "Pending",
+    "all_reduce_async", "all_gather_async",
     "exchange_objects", "Agreement", "agreement_for", "disagreement",
 ]
 
@@ -268,18 +271,26 @@ def broadcast(tensor: torch.Tensor, src: int, group, *, level: str = "cp", stats
 
 
 class Pending:
-    """Posted point-to-point messages; :meth:`wait` completes them or raises :class:`CommError`."""
+    """Posted collectives or point-to-point messages; :meth:`wait` completes them or raises :class:`CommError`.
 
-    def __init__(self, works, what: str, level: str, group):
+    op: the operation's name in a failure's message; on_done: called once, after the first
+    successful :meth:`wait` (an asynchronous collective records its traffic there).
+    """
+
+    def __init__(self, works, what: str, level: str, group, *, op: str = "send/recv", on_done=None):
         self._works, self._what, self._level, self._group = works, what, level, group
+        self._op, self._on_done = op, on_done
 
     def wait(self) -> None:
         try:
             for w in self._works:
                 w.wait()
         except RuntimeError as e:
-            raise _failure(self._what, "send/recv", self._level, self._group, e) from e
+            raise _failure(self._what, self._op, self._level, self._group, e) from e
         self._works = []
+        done, self._on_done = self._on_done, None
+        if done is not None:
+            done()
 
 
 def p2p(sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.Tensor, int]], group, *,
@@ -301,6 +312,48 @@ def p2p(sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.T
         for t, _ in sends:
             stats.record(level, op, _nbytes(t), _nbytes(t))
     return Pending(works, what, level, group)
+
+
+def all_reduce_async(tensor: torch.Tensor, group, *, op: str = "sum", level: str = "cp",
+                     stats: CommStats | None = None, what: str = "all_reduce") -> Pending:
+    """Start :func:`all_reduce` of ``tensor`` and return at once; read ``tensor`` after ``wait()``.
+
+    tensor: any shape and dtype, the same on every rank (contiguous), reduced in place.
+    Ranks must start their asynchronous collectives on one group in the same order. The
+    :class:`Pending`'s ``wait()`` raises :class:`CommError` on failure and records
+    ``all_reduce_<op>`` into ``stats`` once it succeeds. On NCCL ``wait()`` makes the current
+    stream wait for the collective (no host block); on gloo a worker thread runs it meanwhile.
+    """
+    name = f"all_reduce({op.upper()})"
+    try:
+        work = dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=group, async_op=True)
+    except RuntimeError as e:
+        raise _failure(what, name, level, group, e) from e
+    done = None
+    if stats is not None:
+        nbytes, size = _nbytes(tensor), dist.get_world_size(group)
+        done = lambda: stats.record_all_reduce(level, f"all_reduce_{op}", nbytes, size)  # noqa: E731
+    return Pending([work], what, level, group, op=name, on_done=done)
+
+
+def all_gather_async(tensor: torch.Tensor, group, *, out: torch.Tensor, level: str = "cp",
+                     stats: CommStats | None = None, what: str = "all_gather") -> Pending:
+    """Start :func:`all_gather` of ``tensor`` into ``out`` and return at once; read ``out`` after ``wait()``.
+
+    tensor: any shape, the same on every rank (contiguous); out: (P, *tensor.shape), filled in
+    group-rank order. Failures and recording as in :func:`all_reduce_async`.
+    """
+    size = dist.get_world_size(group)
+    tensor = tensor.contiguous()
+    try:
+        work = dist.all_gather(list(out.unbind(0)), tensor, group=group, async_op=True)
+    except RuntimeError as e:
+        raise _failure(what, "all_gather", level, group, e) from e
+    done = None
+    if stats is not None:
+        n = _nbytes(tensor)
+        done = lambda: stats.record(level, "all_gather", n, (size - 1) * n)  # noqa: E731
+    return Pending([work], what, level, group, op="all_gather", on_done=done)
 
 
 def exchange_objects(obj, group=None, *, what: str = "exchange") -> list:

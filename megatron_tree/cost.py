@@ -382,3 +382,88 @@ def clear_cache() -> None:
     """Forget resolved choices and loaded presets (after editing a preset file in place)."""
     _RESOLVED.clear()
     _cached_preset.cache_clear()
+
+
+# ---------------------------------------------------------------------------- overlapped decode
+#
+# ``tree_decode(..., overlap=True)`` splits the batch in halves; half A's last merge collective
+# (the SUM that carries w*o, the bulk of the bytes) travels while half B's local kernel runs.
+# Priced by replaying ``comm.merge_overlapped``'s schedule on lanes: one compute lane (kernels,
+# local merge work; a stage's inputs wait for the previous stage there, as on an in-order CUDA
+# stream) and one lane per level for collectives, each in issue order (a NCCL communicator's
+# stream: the NIC and copy engines work while the SMs compute). On a shared host
+# (``shared_host``) gloo's collectives need the same cores as the kernels: one lane, no overlap.
+
+__all__ += ["merge_stages", "overlap_step_times"]
+
+
+def merge_stages(strategy: str, preset: Preset, dims: Dims, p: int,
+                 intra_size: int | None = None) -> tuple[list, float]:
+    """One merge as dependent stages plus its local work: ``([[(lane, seconds), ...], ...], local_seconds)``.
+
+    A stage's collectives start together and the next stage needs their results; lanes are
+    level names (``cp``, ``intra``, ``inter``). The stages' seconds plus the local work add
+    up to :func:`merge_cost`. ``shifted`` is not staged (``overlap=True`` does not run it).
+    """
+    if strategy not in ("packed", "allreduce3", "allgather", "two_level"):
+        raise ValueError(f"merge_stages prices packed, allreduce3, allgather and two_level, got {strategy!r}")
+    if p <= 1:
+        return [], 0.0
+    k, nodes = node_layout(preset, p, intra_size)
+    o, l = dims.out_bytes, dims.lse_bytes
+
+    def ar(n, ranks=p, spread=nodes):
+        return allreduce_time(preset, ranks, spread, n, p)
+
+    local = local_merge_time(preset, dims, 2, p)
+    if strategy == "packed" or (strategy == "two_level" and (nodes == 1 or k == 1)):
+        return [[("cp", ar(l))], [("cp", ar(o + l))]], local
+    if strategy == "allreduce3":
+        return [[("cp", ar(l))], [("cp", ar(l)), ("cp", ar(o))]], local
+    if strategy == "allgather":
+        return [[("cp", allgather_time(preset, p, nodes, o + l, p))]], local_merge_time(preset, dims, p, p)
+    return ([[("intra", ar(l, k, 1))], [("intra", ar(o + l, k, 1))],
+             [("inter", ar(l, nodes, nodes))], [("inter", ar(o + l, nodes, nodes))]], 2 * local)
+
+
+def _replay(parts: list, shared: bool) -> float:
+    """Seconds until every part is merged. parts: [(kernel_s, stages, local_s)] in batch order,
+    run as ``comm.merge_overlapped`` does: each part's kernel, then its stages up to its last
+    collective (started, not waited for), then the next part; at the end every part's last
+    collective is waited for and its local work done."""
+    free: dict = {}
+
+    def occupy(lane: str, ready: float, seconds: float) -> float:
+        lane = "compute" if shared else lane
+        begin = max(ready, free.get(lane, 0.0))
+        free[lane] = begin + seconds
+        return begin + seconds
+
+    def start(stage, ready: float) -> float:
+        return max((occupy(lane, ready, s) for lane, s in stage), default=ready)
+
+    last = []
+    for kernel, stages, _ in parts:
+        done = occupy("compute", 0.0, kernel)
+        for j, stage in enumerate(stages):
+            done = start(stage, done)
+            if j + 1 < len(stages):  # the next stage's inputs are computed once this one is back
+                free["compute"] = max(free.get("compute", 0.0), done)
+        last.append(done)
+    return max(occupy("compute", done, local) for done, (_, _, local) in zip(last, parts))
+
+
+def overlap_step_times(strategy: str, preset: Preset, dims: Dims, p: int, intra_size: int | None,
+                       tokens: int) -> tuple[float, float]:
+    """(unsplit, split) seconds of one decode step -- the local kernel over ``tokens`` keys per
+    rank, then the merge -- for the whole batch and for halves of ceil(B/2) and floor(B/2) rows."""
+    from dataclasses import replace
+
+    def part(rows: int):
+        d = replace(dims, batch=rows)
+        return (kernel_time(preset, d, tokens, p), *merge_stages(strategy, preset, d, p, intra_size))
+
+    whole = _replay([part(dims.batch)], preset.shared_host)
+    if dims.batch < 2:
+        return whole, whole
+    return whole, _replay([part((dims.batch + 1) // 2), part(dims.batch // 2)], preset.shared_host)

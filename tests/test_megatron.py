@@ -483,7 +483,8 @@ def test_bad_layouts_fail_loudly(megatron_results):
 def test_megatrons_own_context_at_cp2_is_refused_on_every_rank(megatron_results):
     """No TreeGPTInferenceWrapper anywhere: the spec alone makes Megatron's StaticInferenceContext fail loudly."""
     for out in megatron_results:
-        assert out["megatron_ctx_cp2_patched_before"] == {"0001-attention-kv-cache-hook": False}
+        assert out["megatron_ctx_cp2_patched_before"] == {
+            "0001-attention-kv-cache-hook": False, "0002-dynamic-attention-hook": False}
         message = out["megatron_ctx_cp2"]
         assert message.startswith("RuntimeError"), message
         assert "context_parallel_size=2 needs a TreeInferenceContext (got StaticInferenceContext)" in message
@@ -506,8 +507,9 @@ def test_spec_swap_idempotent_reversible_version_gated(monkeypatch, caplog):
     with caplog.at_level(logging.INFO, logger="megatron_tree.integrations"):
         mt.use_tree_attention(spec, strategy="two_level")
     assert any("TreeDotProductAttention(strategy=two_level)" in r.getMessage() for r in caplog.records)
-    # building the spec applies the KV-cache hook: Megatron's own context at CP > 1 then fails loudly
-    assert patches.check_runtime() == {"0001-attention-kv-cache-hook": True}
+    # building the spec applies the hooks (static KV cache, dynamic branch): Megatron's own
+    # contexts at CP > 1 then fail loudly
+    assert patches.check_runtime() == {"0001-attention-kv-cache-hook": True, "0002-dynamic-attention-hook": True}
     patches.revert_runtime()
     slot = subs.core_attention
     assert slot.func is mt.TreeDotProductAttention and slot.keywords["strategy"] == "two_level"
