@@ -205,7 +205,10 @@ def _failure(what: str, op: str, level: str, group, err: BaseException) -> CommE
         kind, cause = "timeout", (f"no answer within the group's timeout of {timeout}: a peer is stuck, died, or "
                                   "is waiting in a different collective (ranks that disagree on what to call)")
     elif any(s in low for s in ("closed", "reset by peer", "broken pipe", "crash")):
-        kind, cause = "closed", "a peer's connection closed: it most likely died (see that rank's log)"
+        # a peer that gave up on its own timeout closes its connections too: under load the
+        # slowest ranks see "closed" from the first rank to time out rather than their own timeout
+        kind, cause = "closed", (f"a peer's connection closed: it most likely died, or gave up first on its own "
+                                 f"timeout of {timeout} (see that rank's log)")
     else:
         kind, cause = "other", f"the backend reported an error (the group's timeout is {timeout})"
     error = CommError(
