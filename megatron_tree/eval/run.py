@@ -149,6 +149,24 @@ class _ReferenceCache:
         self.logits = None
 
 
+def _reference_logits(em, ids, ctx: int, device, cache: _ReferenceCache | None):
+    """The reference's logits (batch, len - ctx + 1, vocab) fp32 on the CPU from position ctx - 1 on.
+
+    ids: (batch, len) int64 -- prompt + fed tokens; one forward, reused from ``cache`` when the
+    previous call had the same ids.
+    """
+    import torch
+
+    key = (ids.shape, hash(tuple(ids.flatten().tolist())))
+    if cache is not None and cache.key == key:
+        return cache.logits
+    with torch.no_grad():
+        full = em.reference(ids.to(device))[:, ctx - 1 :].float().cpu()
+    if cache is not None:
+        cache.key, cache.logits = key, full
+    return full
+
+
 def compare_with_reference(em, prompts, tokens, out, sampled, tolerance, device,
                            cache: _ReferenceCache | None = None) -> dict:
     """max |delta logits| of the prefill and the sampled decode steps against one reference forward.
@@ -162,14 +180,7 @@ def compare_with_reference(em, prompts, tokens, out, sampled, tolerance, device,
     ctx = len(prompts[0])
     last = max(sampled)
     ids = torch.cat([torch.tensor(prompts, dtype=torch.long), tokens[:, : last + 1]], dim=1)
-    key = (ids.shape, hash(tuple(ids.flatten().tolist())))
-    if cache is not None and cache.key == key:
-        full = cache.logits
-    else:
-        with torch.no_grad():
-            full = em.reference(ids.to(device))[:, ctx - 1 :].float().cpu()
-        if cache is not None:
-            cache.key, cache.logits = key, full
+    full = _reference_logits(em, ids, ctx, device, cache)
     prefill_d = (full[:, 0] - out["prefill_logits"]).abs().max().item()
     per_step = {s: (full[:, 1 + s] - out["kept"][s]).abs().max().item() for s in sampled}
     worst = max([prefill_d, *per_step.values()])
@@ -392,14 +403,7 @@ def compare_dynamic_with_reference(em, prompts, tokens, log_probs, tolerance, de
 
     ctx = len(prompts[0])
     ids = torch.cat([torch.tensor(prompts, dtype=torch.long), tokens[:, :-1]], dim=1)
-    key = (ids.shape, hash(tuple(ids.flatten().tolist())))
-    if cache is not None and cache.key == key:
-        full = cache.logits
-    else:
-        with torch.no_grad():
-            full = em.reference(ids.to(device))[:, ctx - 1 :].float().cpu()
-        if cache is not None:
-            cache.key, cache.logits = key, full
+    full = _reference_logits(em, ids, ctx, device, cache)
     ref_lp = torch.log_softmax(full.double(), -1).gather(-1, tokens[..., None]).squeeze(-1)  # (batch, 1 + steps)
     diff = (ref_lp - log_probs).abs()
     ref_tokens = full.argmax(-1)

@@ -576,6 +576,20 @@ def _static_context_base():
     return StaticInferenceContext
 
 
+def unsharded_rope_table(model, max_sequence_length: int):
+    """The model's RoPE table for every position ``[S, 1, 1, rot_dim]``, or None for a model without RoPE.
+
+    Megatron slices its own table per CP rank at CP > 1; tree attention rotates at *global*
+    positions, so the inference contexts (static and dynamic) keep the whole table.
+    """
+    rotary = getattr(model, "rotary_pos_emb", None)
+    if rotary is None or not hasattr(rotary, "get_emb"):
+        return None
+    if getattr(model, "position_embedding_type", "rope") != "rope":
+        raise NotImplementedError(f"position_embedding_type={model.position_embedding_type!r}; only 'rope' is supported")
+    return rotary.get_emb(max_sequence_length)
+
+
 class TreeInferenceContext(_static_context_base()):
     """A ``StaticInferenceContext`` whose KV cache is sharded along the sequence over the CP group.
 
@@ -662,13 +676,7 @@ class TreeInferenceContext(_static_context_base()):
 
     def bind_rope(self, model) -> None:
         """Keep the model's un-sharded RoPE table so layers can rotate at global positions."""
-        rotary = getattr(model, "rotary_pos_emb", None)
-        if rotary is None or not hasattr(rotary, "get_emb"):
-            self.rope_table = None
-            return
-        if getattr(model, "position_embedding_type", "rope") != "rope":
-            raise NotImplementedError(f"position_embedding_type={model.position_embedding_type!r}; only 'rope' is supported")
-        self.rope_table = rotary.get_emb(self.max_sequence_length)  # [S, 1, 1, rot_dim]
+        self.rope_table = unsharded_rope_table(model, self.max_sequence_length)
 
     def apply_rope(self, query, key, positions, config, cp_group, same_positions: bool | None = None):
         """Rotate query/key ([s, b, h, d]) at their global ``positions`` ((b, s); -1 = padding).

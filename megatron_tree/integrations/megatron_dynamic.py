@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from ..paged_cache import PagedKVCache, TokenSlots, paged_tree_decode
 from ..topology import TreeGroups
-from .megatron import check_megatron_version, tree_groups_from_megatron
+from .megatron import check_megatron_version, tree_groups_from_megatron, unsharded_rope_table
 
 __all__ = [
     "TreeDynamicInferenceContext", "TreeDynamicGPTInferenceWrapper", "adjust_key_value_dynamic",
@@ -204,15 +204,7 @@ class TreeDynamicInferenceContext(_dynamic_context_base()):
 
     def bind_rope(self, model) -> None:
         """Keep the model's unsharded RoPE table (Megatron's own is sliced per CP rank at CP > 1)."""
-        rotary = getattr(model, "rotary_pos_emb", None)
-        if rotary is None or not hasattr(rotary, "get_emb"):
-            self.rope_table = None
-            return
-        if getattr(model, "position_embedding_type", "rope") != "rope":
-            raise NotImplementedError(
-                f"position_embedding_type={model.position_embedding_type!r}; only 'rope' is supported"
-            )
-        self.rope_table = rotary.get_emb(self.max_sequence_length)  # [S, 1, 1, rot_dim]
+        self.rope_table = unsharded_rope_table(model, self.max_sequence_length)
 
     def apply_rope(self, query, key, positions, config, cp_group):
         """Rotate query/key ([T, 1, h, d]) at the step's global ``positions`` with Megatron's RoPE."""
