@@ -166,6 +166,8 @@ class ShardedKVCache:
     def _layer(self, layer, what: str) -> int:
         """``layer`` as an index into the cache's layers, or a ValueError naming the valid range."""
         try:
+            if isinstance(layer, bool):  # operator.index(True) is 1: a flag passed by mistake
+                raise TypeError
             index = operator.index(layer)
         except TypeError:
             raise TypeError(f"{what}: layer must be an integer index, got {type(layer).__name__} {layer!r}") from None
@@ -248,8 +250,13 @@ class ShardedKVCache:
         rows = (slots >= 0).nonzero().flatten()
         if rows.numel():
             idx = slots[rows]
-            self.k[layer, rows, idx] = k[rows, 0].to(self.k.dtype)
-            self.v[layer, rows, idx] = v[rows, 0].to(self.v.dtype)
+            try:  # the values are not read here (no host sync): an index beyond the storage is torch's IndexError
+                self.k[layer, rows, idx] = k[rows, 0].to(self.k.dtype)
+                self.v[layer, rows, idx] = v[rows, 0].to(self.v.dtype)
+            except IndexError as e:
+                raise IndexError(f"append: a slot is beyond this rank's {self.capacity} storage slots per row; slots "
+                                 f"must be the tensor begin_decode_step returned (each in [-1, {self.capacity})): "
+                                 f"{e}") from None
 
     def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's keys and values of one layer, trimmed to the longest local row.

@@ -463,7 +463,8 @@ class MegatronLM:
             # one all-reduce SUM gives every rank the same (exact: x + 0 = x).
             logits = logits.float() * (1.0 if last else 0.0)
             if self.groups.size > 1:
-                with self.groups.agreement.call("MegatronLM.prefill", ("batch", "vocab"), tuple(logits.shape)):
+                with self.groups.agreement.call("MegatronLM.prefill", ("batch", "vocab", "prompt_length"),
+                                                (*logits.shape, lengths[b0])):
                     collectives.all_reduce(logits, self.groups.cp_group, op="sum", stats=stats,
                                            what="MegatronLM.prefill: sum of the last prompt tokens' logits")
             if out is None:
