@@ -94,6 +94,11 @@ class ShardedKVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.positions = torch.full((batch_size, self.capacity), -1, dtype=torch.int64, device=device)
         self.seqlens = torch.zeros(batch_size, dtype=torch.int32, device=device)
+        # A decode step's per-row plan, rewritten in place every step (static addresses, no
+        # per-step device allocation): [0] global position of the new token, [1] its slot on
+        # this rank or -1, [2] this rank's count of the row's tokens after the step.
+        self._step = torch.zeros((3, batch_size), dtype=torch.int64, device=device)
+        self._batch_index = torch.arange(batch_size, device=device)
         self._rows: list[RowPlacement] = []
         self.reset()
 
@@ -213,6 +218,11 @@ class ShardedKVCache:
         returns positions: (batch,) int64 -- the new tokens' global positions;
                 slots: (batch,) int64 -- storage index on this rank, -1 where another rank
                 holds the row's new token. ``seqlens`` already counts the new tokens.
+
+        Host-side: the plan comes from the rows' placement bookkeeping (no device tensor is
+        read) and reaches the device in one copy into buffers made with the cache (on CUDA
+        a non-blocking copy from pinned memory). The returned tensors are views of those
+        buffers, overwritten by the next step.
         """
         for b, row in enumerate(self._rows):
             if row.total == 0:
@@ -228,18 +238,28 @@ class ShardedKVCache:
             (owner,) = row.append(1)
             slots.append(row.locate(pos)[1] if owner == self.cp_rank else -1)
             positions.append(pos)
-        pos = torch.tensor(positions, dtype=torch.int64, device=self.positions.device)
-        slot = torch.tensor(slots, dtype=torch.int64, device=self.positions.device)
-        for b in range(self.batch_size):
-            if slots[b] >= 0:
-                self.positions[b, slots[b]] = positions[b]
-        self.seqlens.copy_(torch.tensor([row.counts[self.cp_rank] for row in self._rows], dtype=torch.int32))
+        counts = [row.counts[self.cp_rank] for row in self._rows]
+        device = self._step.device
+        # A fresh (cached) pinned buffer per step: the caching host allocator keeps it alive until
+        # the asynchronous copy has read it, so the host never waits for the device here.
+        host = torch.tensor([positions, slots, counts], dtype=torch.int64, pin_memory=device.type == "cuda")
+        self._step.copy_(host, non_blocking=device.type == "cuda")
+        pos, slot, count = self._step.unbind(0)
+        self.seqlens.copy_(count)  # int64 -> int32 on the device
+        # positions[b, slot] = pos where this rank keeps the token; other rows rewrite their own
+        # slot 0 with its old value (device-side select, no host read of which rows are ours).
+        mine = slot >= 0
+        at = slot.clamp(min=0)
+        old = self.positions[self._batch_index, at]
+        self.positions[self._batch_index, at] = torch.where(mine, pos, old)
         return pos, slot
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """Store the new token's key/value of one layer in the rows this rank holds.
 
         k, v: (batch, 1, num_kv_heads, head_dim); slots: (batch,) from :meth:`begin_decode_step`.
+        Rows another rank holds (slot -1) rewrite their slot 0 with its own value: the write is
+        a device-side select and scatter, so no host read of which rows are this rank's.
         """
         layer = self._layer(layer, "append")
         self._check_kv("append", k, v, 1)
@@ -247,16 +267,17 @@ class ShardedKVCache:
             raise ValueError(f"append: slots must be the integer ({self.batch_size},) tensor begin_decode_step returned, "
                              f"got {slots.dtype if isinstance(slots, torch.Tensor) else type(slots).__name__} "
                              f"{tuple(getattr(slots, 'shape', ()))}")
-        rows = (slots >= 0).nonzero().flatten()
-        if rows.numel():
-            idx = slots[rows]
-            try:  # the values are not read here (no host sync): an index beyond the storage is torch's IndexError
-                self.k[layer, rows, idx] = k[rows, 0].to(self.k.dtype)
-                self.v[layer, rows, idx] = v[rows, 0].to(self.v.dtype)
-            except IndexError as e:
-                raise IndexError(f"append: a slot is beyond this rank's {self.capacity} storage slots per row; slots "
-                                 f"must be the tensor begin_decode_step returned (each in [-1, {self.capacity})): "
-                                 f"{e}") from None
+        mine = (slots >= 0)[:, None, None]
+        at = slots.clamp(min=0)
+        rows = self._batch_index
+        try:  # the values are not read here (no host sync): a slot beyond the storage is torch's IndexError
+            for buf, new in ((self.k, k), (self.v, v)):
+                dest = buf[layer]
+                dest[rows, at] = torch.where(mine, new[:, 0].to(buf.dtype), dest[rows, at])
+        except IndexError as e:
+            raise IndexError(f"append: a slot is beyond this rank's {self.capacity} storage slots per row; slots "
+                             f"must be the tensor begin_decode_step returned (each in [-1, {self.capacity})): "
+                             f"{e}") from None
 
     def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's keys and values of one layer, trimmed to the longest local row.

@@ -101,6 +101,9 @@ class CommStats:
 
     calls: int = 0
     """Merge calls recorded."""
+    fallbacks: int = 0
+    """``shifted`` merges whose check failed and that were redone with MAX + SUM (deferred ones
+    are counted when the decode loop reads the step's flags)."""
     levels: dict = field(default_factory=dict)
     """Level name (``cp``, ``intra``, ``inter``) -> :class:`LevelStats`."""
 
@@ -125,11 +128,13 @@ class CommStats:
 
     def reset(self) -> None:
         self.calls = 0
+        self.fallbacks = 0
         self.levels.clear()
 
     def as_dict(self) -> dict:
         return {
             "calls": self.calls,
+            "fallbacks": self.fallbacks,
             "levels": {
                 k: {"collectives": v.collectives, "payload_bytes": v.payload_bytes,
                     "sent_bytes": v.sent_bytes, "ops": dict(v.ops)}
@@ -202,7 +207,10 @@ def _failure(what: str, op: str, level: str, group, err: BaseException) -> CommE
         kind, cause = "timeout", (f"no answer within the group's timeout of {timeout}: a peer is stuck, died, or "
                                   "is waiting in a different collective (ranks that disagree on what to call)")
     elif any(s in low for s in ("closed", "reset by peer", "broken pipe", "crash")):
-        kind, cause = "closed", "a peer's connection closed: it most likely died (see that rank's log)"
+        # a peer that gave up on its own timeout closes its connections too: under load the
+        # slowest ranks see "closed" from the first rank to time out rather than their own timeout
+        kind, cause = "closed", (f"a peer's connection closed: it most likely died, or gave up first on its own "
+                                 f"timeout of {timeout} (see that rank's log)")
     else:
         kind, cause = "other", f"the backend reported an error (the group's timeout is {timeout})"
     error = CommError(

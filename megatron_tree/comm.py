@@ -15,6 +15,8 @@ name            collectives per call                                         lev
 ``packed``      MAX(lse), SUM(cat[w*o, w])                                   ``cp``
 ``two_level``   ``packed`` inside each node, then across nodes               intra, inter
 ``allgather``   one all-gather of cat[o, lse], then a local merge            ``cp``
+``shifted``     SUM(cat[w*o, w, nonempty]) with w = exp(lse - shift);        ``cp``
+                MAX + SUM again only when the check after the SUM fails
 ``auto``        chosen by :func:`cost.choose_strategy`, once per shape
 ==============  ===========================================================  ===========
 
@@ -30,6 +32,47 @@ a call get a :class:`DisagreementError` instead of a backend abort or a wrong an
 batch split in parts, so that one part's collectives travel while the next part's local
 attention computes (``tree_decode(..., overlap=True)``); :data:`SPLIT_STRATEGIES` lists the
 strategies it stages.
+
+``shifted`` (issue 12): one SUM suffices when every rank weights its partial by
+``w_u = exp(lse_u - r)`` for a shift ``r`` that every rank holds bit-identically without
+communicating -- in a decode loop, the previous step's merged lse of the same layer.
+Any ``r`` gives the exact result ``o = sum w_u o_u / sum w_u``, ``lse = r + log sum w_u``
+(the max in ``packed`` is only one choice of shift), *provided* the weights are
+representable. Both failure modes are visible in the all-reduced denominator
+``den = sum_u w_u``, which is bit-identical on every rank, so every rank takes the same
+decision: overflow (some ``lse_u - r > 88``) makes ``den`` infinite or NaN, and too small a
+``den`` means the weights underflowed into subnormals. We accept a row when
+``SHIFT_MIN_DEN <= den <= SHIFT_MAX_DEN`` (``2^-64 .. 2^64``, i.e. ``lse`` within about 44
+nats of ``r``):
+
+* upper bound: every ``w_u <= den <= 2^64`` (weights are >= 0), so every ``w_u o_u`` and
+  every partial sum of the reduction is at most ``2^64 max|v|``, far below fp32's 2^128;
+* lower bound: a weight below fp32's normal range (2^-126) carries an absolute error of at
+  most 2^-150, and so does each element of ``w_u o_u``; divided by ``den >= 2^-64`` that is
+  at most ``P 2^-86`` of the result -- nothing next to fp32's own 2^-24. Above 2^-126 every
+  weight is a normal float rounded once (``lse_u - r`` is formed in float64, where the
+  difference of two float32 values is exact, then ``exp`` is rounded once to fp32).
+
+A row that no rank has keys for (padding, finished requests) has ``den = 0`` too; the third
+part of the buffer, the all-reduced count of ranks with a key in the row, tells the two
+apart, so such rows are answered (out 0, lse -inf) without a fallback. Rows that fail are
+redone for the whole call with ``packed``: at once (a host read of the decision, one flag per
+call), or -- in a decode loop -- later, when the caller passes ``deferred=`` (a list that
+receives the call's flag on the device; the loop reads every layer's flag once per step
+and redoes the step with ``packed``).
+
+Why ranks cannot disagree on ``r``: the shift a decode loop passes is the merged lse of the
+same layer one step earlier, i.e. ``normalize`` applied to the outputs of an all-reduce.
+An all-reduce leaves the same bytes in every rank's buffer: gloo's and NCCL's algorithms
+(ring, tree, halving-doubling) compute each reduced chunk once, on one rank or along one
+fixed chain, and then *copy* it to the others (the all-gather phase / the broadcast down
+the tree); no rank re-adds the chunk in its own order. ``normalize`` and ``lse_weights`` are
+elementwise torch ops with the same inputs, dtypes and device type on every rank, so they
+produce the same bits; by induction over the steps every rank's ``r`` is identical. (A run
+mixing CPU and GPU ranks in one group would break the last step: not a supported setup.)
+The first step has no shift and uses ``packed``, whose result starts the induction. Even a
+shift that did differ would not give a wrong answer silently in the cases that matter: the
+result is exact for any *consistent* r, and the agreement check covers the shift's presence.
 """
 
 from __future__ import annotations
@@ -45,13 +88,19 @@ from .reference import acc_dtype, lse_weights, normalize, weighted
 from .topology import TreeGroups
 
 __all__ = ["CommStats", "LevelStats", "STRATEGIES", "merge", "choose_strategy", "CommError",
-           "DisagreementError", "MERGE_SIGNATURE", "SPLIT_STRATEGIES", "SPLIT_SIGNATURE", "merge_overlapped"]
+           "DisagreementError", "MERGE_SIGNATURE", "SHIFT_MIN_DEN", "SHIFT_MAX_DEN", "check_shift",
+           "SPLIT_STRATEGIES", "SPLIT_SIGNATURE", "merge_overlapped"]
 
-Strategy = Literal["allreduce3", "packed", "two_level", "allgather", "auto"]
-STRATEGIES = ("allreduce3", "packed", "two_level", "allgather", "auto")
+Strategy = Literal["allreduce3", "packed", "two_level", "allgather", "shifted", "auto"]
+STRATEGIES = ("allreduce3", "packed", "two_level", "allgather", "shifted", "auto")
+
+SHIFT_MIN_DEN = 2.0 ** -64
+"""Smallest all-reduced ``sum exp(lse_u - r)`` that ``shifted`` accepts (see the module docstring)."""
+SHIFT_MAX_DEN = 2.0 ** 64
+"""Largest all-reduced ``sum exp(lse_u - r)`` that ``shifted`` accepts (see the module docstring)."""
 
 
-MERGE_SIGNATURE = ("batch", "seqlen_q", "heads_q", "headdim", "dtype", "strategy", "backend")
+MERGE_SIGNATURE = ("batch", "seqlen_q", "heads_q", "headdim", "dtype", "strategy", "backend", "shift")
 """What every rank of a merge must agree on (:class:`collectives.Agreement` checks it when it changes).
 A new argument that changes the collectives (e.g. a shift) is one more name here and one more value in
 :func:`merge`."""
@@ -85,6 +134,39 @@ def _merge_allreduce3(o, lse, group, size, level, stats):
     return normalize(num, den, m)
 
 
+def _merge_shifted(o, lse, group, size, level, stats, shift):
+    """One SUM over cat([w*o, w, nonempty]) with w = exp(lse - shift).
+
+    o: (B, Sq, Hq, D) fp32; lse, shift: (B, Hq, Sq). Returns (out, lse, bad) where bad:
+    (B, Hq, Sq) bool, identical on every rank, marks rows whose weights overflowed or all
+    underflowed (their out/lse are not usable; the caller redoes the merge with ``packed``).
+    """
+    r = shift.to(lse.dtype)
+    r = torch.where(torch.isfinite(r), r, torch.zeros_like(r))  # an all-empty row's -inf shift: any r works
+    w = lse_weights(lse, r)
+    nonempty = torch.isfinite(lse).to(lse.dtype)
+    buf = torch.cat([weighted(o, w).reshape(-1), w.reshape(-1), nonempty.reshape(-1)])
+    _all_reduce(buf, "sum", group, level, stats)
+    n, k = o.numel(), lse.numel()
+    num, den, count = buf[:n].view(o.shape), buf[n: n + k].view(lse.shape), buf[n + k:].view(lse.shape)
+    # NaN fails both comparisons: it is flagged too. A row with no key anywhere (count 0) is fine.
+    bad = (count > 0) & ~((den >= SHIFT_MIN_DEN) & (den <= SHIFT_MAX_DEN))
+    out, lse = normalize(num, den, r)
+    return out, lse, bad
+
+
+def check_shift(shift, lse_shape: tuple) -> None:
+    """shift: a floating tensor of shape ``lse_shape`` (batch, nheads_q, seqlen_q), or None."""
+    if shift is None:
+        return
+    if not isinstance(shift, torch.Tensor) or not shift.is_floating_point():
+        raise TypeError(f"shift must be a float32 tensor of shape {tuple(lse_shape)} (batch, heads_q, seqlen_q) "
+                        f"or None, got {shift.dtype if isinstance(shift, torch.Tensor) else type(shift).__name__}")
+    if tuple(shift.shape) != tuple(lse_shape):
+        raise ValueError(f"shift must have the lse's shape {tuple(lse_shape)} (batch, heads_q, seqlen_q), "
+                         f"got {tuple(shift.shape)}")
+
+
 def _merge_allgather(o, lse, group, size, level, stats):
     """One all-gather of cat([o, lse]) and a local merge of the P states."""
     buf = torch.cat([o.reshape(-1), lse.reshape(-1)])
@@ -103,6 +185,8 @@ def merge(
     *,
     dtype: torch.dtype | None = None,
     backend: str | None = None,
+    shift: torch.Tensor | None = None,
+    deferred: list | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge this rank's partial state with every other rank's of ``groups``; result on all ranks.
 
@@ -110,6 +194,10 @@ def merge(
     lse: (batch, nheads_q, seqlen_q) natural log, -inf for an empty shard
     dtype, backend: the caller's input dtype and kernel backend (default: out's dtype, none),
         part of what every rank must agree on (:data:`MERGE_SIGNATURE`)
+    shift: (batch, nheads_q, seqlen_q) float, bit-identical on every rank (``shifted``; ``None``
+        makes ``shifted`` run ``packed``, and every rank must pass one or none)
+    deferred: ``shifted`` only: a list that receives this call's device flag (a 0-d bool tensor,
+        True when the result must be redone) instead of a host check and an immediate redo
     returns out: (batch, seqlen_q, nheads_q, headdim) float32 (float64 for float64 input),
             lse: (batch, nheads_q, seqlen_q) same dtype; every rank of the CP group gets the same.
 
@@ -127,15 +215,29 @@ def merge(
     acc = acc_dtype(out.dtype)
     o = out.to(acc)
     lse = lse.to(acc)
+    check_shift(shift, tuple(lse.shape))
     if stats is not None:
         stats.calls += 1
     if groups.size == 1:
         return o, lse
     if strategy == "auto":
-        strategy = choose_strategy(groups, tuple(out.shape), o.element_size())
+        strategy = choose_strategy(groups, tuple(out.shape), o.element_size(), shifted=shift is not None)
+    if strategy == "shifted" and shift is None:
+        strategy = "packed"  # a first call: nothing to shift by yet
     b, sq, hq, d = out.shape
-    signature = (b, sq, hq, d, out.dtype if dtype is None else dtype, strategy, backend)
+    signature = (b, sq, hq, d, out.dtype if dtype is None else dtype, strategy, backend,
+                 shift is not None and strategy == "shifted")
     with groups.agreement.call("merge", MERGE_SIGNATURE, signature):
+        if strategy == "shifted":
+            res_o, res_lse, bad = _merge_shifted(o, lse, groups.cp_group, groups.size, "cp", stats, shift)
+            if deferred is not None:
+                deferred.append(bad.any())
+                return res_o, res_lse
+            if not bool(bad.any()):  # identical on every rank: all redo or none does
+                return res_o, res_lse
+            if stats is not None:
+                stats.fallbacks += 1
+            return _merge_packed(o, lse, groups.cp_group, groups.size, "cp", stats)
         if strategy == "two_level":
             for lvl in groups.levels:  # innermost first
                 o, lse = _merge_packed(o, lse, lvl.group, lvl.size, lvl.name, stats)

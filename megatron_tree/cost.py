@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Literal
 
 __all__ = [
-    "Link", "Preset", "Dims", "PRESET_DIR", "ENV_PRESET", "MERGE_STRATEGIES", "AUTO_CANDIDATES",
+    "Link", "Preset", "Dims", "PRESET_DIR", "ENV_PRESET", "MERGE_STRATEGIES", "AUTO_CANDIDATES", "UNSHIFTED_CANDIDATES",
     "SHIFTED_FALLBACK", "load_preset", "preset_names", "default_preset", "node_layout", "allreduce_time",
     "allgather_time", "kernel_time", "local_merge_time", "merge_cost", "policy", "choose_strategy",
     "clear_cache",
@@ -52,8 +52,10 @@ ENV_PRESET = "MEGATRON_TREE_COST_PRESET"
 
 MERGE_STRATEGIES = ("allreduce3", "packed", "two_level", "allgather", "shifted")
 """Every merge this module prices (DESIGN.md section 4)."""
-AUTO_CANDIDATES = ("allreduce3", "packed", "two_level", "allgather")
-"""What ``auto`` may pick: the merges ``comm`` implements today (``shifted`` joins when it lands)."""
+AUTO_CANDIDATES = ("allreduce3", "packed", "two_level", "allgather", "shifted")
+"""What ``auto`` may pick (``shifted`` only for a call that passes a shift: without one it is ``packed``)."""
+UNSHIFTED_CANDIDATES = tuple(c for c in AUTO_CANDIDATES if c != "shifted")
+"""What ``auto`` may pick for a call without a shift (a first decode step, a single call)."""
 SHIFTED_FALLBACK = 0.01
 """Expected fraction of ``shifted`` calls whose weights overflow or all underflow and are
 redone with MAX + SUM (an assumption: the shift is the previous step's merged lse, which
@@ -263,7 +265,8 @@ def merge_cost(strategy: str, preset: Preset, dims: Dims, p: int, intra_size: in
     """Seconds of one merge (collectives + local work) of ``strategy`` over ``p`` ranks.
 
     intra_size: ranks per node (1 for one rank per node; ``None`` fills nodes of the preset's
-    size). ``shifted`` is flat on every layout -- one SUM over the whole CP group, since one
+    size). ``shifted`` is flat on every layout -- one SUM of cat[w*o, w, nonempty count] over the
+    whole CP group, since one
     collective per call is its point and NCCL's all-reduce already follows the node
     hierarchy -- plus, with probability ``fallback``, the MAX + SUM redo.
     """
@@ -285,7 +288,7 @@ def merge_cost(strategy: str, preset: Preset, dims: Dims, p: int, intra_size: in
         return allgather_time(preset, p, nodes, o + l, p) + local_merge_time(preset, dims, p, p)
     if strategy == "shifted":
         redo = ar(l) + ar(o + l) + local_merge_time(preset, dims, 2, p)
-        return ar(o + l) + local_merge_time(preset, dims, 2, p) + fallback * redo
+        return ar(o + 2 * l) + local_merge_time(preset, dims, 2, p) + fallback * redo  # cat[w*o, w, count]
     # two_level: a packed merge inside each node, then one among the node peers
     if nodes == 1 or k == 1:
         return merge_cost("packed", preset, dims, p, k)
@@ -294,7 +297,7 @@ def merge_cost(strategy: str, preset: Preset, dims: Dims, p: int, intra_size: in
 
 
 def policy(preset: Preset, p: int, intra_size: int, hierarchical: bool, out_shape: tuple, dtype_bytes: int,
-           candidates: tuple = AUTO_CANDIDATES) -> str:
+           candidates: tuple = UNSHIFTED_CANDIDATES) -> str:
     """The cheapest of ``candidates`` for a merge state of ``out_shape`` (B, Sq, Hq, D); ties go
     to the earlier candidate. ``two_level`` is a candidate only on hierarchical groups."""
     if p <= 1:
@@ -359,21 +362,23 @@ def default_preset(device_type: str | None = None) -> Preset:
 _RESOLVED: dict = {}
 
 
-def choose_strategy(groups, out_shape, dtype_bytes: int = 4) -> str:
+def choose_strategy(groups, out_shape, dtype_bytes: int = 4, shifted: bool = False) -> str:
     """The merge ``auto`` runs for a state of ``out_shape`` on ``groups``.
 
     groups: a ``TreeGroups`` (``.size``, ``.intra_size``, ``.is_hierarchical``);
-    out_shape: (batch, seqlen_q, nheads_q, headdim). Returns one of :data:`AUTO_CANDIDATES`.
+    out_shape: (batch, seqlen_q, nheads_q, headdim). Returns one of :data:`AUTO_CANDIDATES`;
+    ``shifted`` only when ``shifted`` is true (the call has a shift to pass).
     The :func:`policy` runs once per (layout, shape, dtype, preset); every later call, e.g.
     every layer of every decode step, is a dictionary lookup.
     """
     name = _preset_name()
     shape = tuple(int(x) for x in out_shape)
-    key = (name, groups.size, groups.intra_size, bool(groups.is_hierarchical), shape, int(dtype_bytes))
+    key = (name, groups.size, groups.intra_size, bool(groups.is_hierarchical), shape, int(dtype_bytes), bool(shifted))
     choice = _RESOLVED.get(key)
     if choice is None:
+        cands = AUTO_CANDIDATES if shifted else UNSHIFTED_CANDIDATES
         choice = policy(_cached_preset(name), groups.size, groups.intra_size, bool(groups.is_hierarchical),
-                        shape, int(dtype_bytes))
+                        shape, int(dtype_bytes), cands)
         _RESOLVED[key] = choice
     return choice
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import collectives
+from .attention import ShiftState
 from .cache import CacheOverflowError, ShardedKVCache
 from .comm import CommStats
 
@@ -194,7 +195,10 @@ def generate(
     cache: reuse a cache from ``model.new_cache``; by default one sized
         ``max(len(prompt)) + max_new_tokens`` is made. Every prompt plus ``max_new_tokens``
         must fit in it.
-    strategy, stats: passed to ``tree_decode`` at every decode step
+    strategy, stats: passed to ``tree_decode`` at every decode step. ``"shifted"``: one SUM per
+        layer per step after the first; each layer's merge leaves a device flag, read once per
+        step here (next to the logits' own host read), and a step whose flag is raised is run
+        again with ``packed`` (counted in ``stats.fallbacks``)
     progress: show a tqdm bar on CP rank 0
     prefill_method: the model's CP prefill (``None``: the model's default)
     hook: a :class:`GenerationHook` called around the prefill and each decode step
@@ -249,6 +253,7 @@ def generate(
     from tqdm.auto import tqdm
 
     prefill_kw = {} if prefill_method is None else {"method": prefill_method}
+    shift = ShiftState() if strategy == "shifted" and groups is not None and groups.size > 1 else None
     bar = tqdm(total=max_new_tokens, desc="generate", unit="tok", disable=not (progress and rank0))
     try:
         hook.before_prefill()
@@ -266,7 +271,14 @@ def generate(
                 break
             step_stats = hook.before_step(step)
             t0 = time.perf_counter()
-            logits = model.decode_step(ids, cache, strategy=strategy, stats=stats if step_stats is None else step_stats)
+            st = stats if step_stats is None else step_stats
+            if shift is None:
+                logits = model.decode_step(ids, cache, strategy=strategy, stats=st)
+            else:
+                logits = model.decode_step(ids, cache, strategy=strategy, stats=st, shift=shift)
+                if shift.needs_redo(st):  # the step's one read of the merges' flags
+                    logits = model.decode_step(ids, cache, strategy=strategy, stats=st, shift=shift)
+                shift.step_done()
             hook.after_step(step, logits)
             ids = choose(logits, step + 1)
             step_times.append(time.perf_counter() - t0)

@@ -12,7 +12,9 @@ Both entry points go through ``torch.library`` custom ops (``megatron_tree::flas
 ``megatron_tree::merge_states``) with fake implementations, so ``torch.compile`` captures a
 decode step as one opaque node (no graph break) and CUDA graphs can record it: on CUDA
 the launch path does no host-device synchronisation (``cache_seqlens`` values are clamped
-in the kernel rather than checked on the host).
+in the kernel rather than checked on the host). On CPU tensors the values are checked inside
+the op, where the torch path reads ``cache_seqlens`` to slice rows anyway, so the code around
+the op never reads a tensor's values either (``megatron_tree.sync_guard``).
 """
 
 from __future__ import annotations
@@ -48,12 +50,21 @@ def resolve_backend(device: torch.device, backend: str | None = None) -> str:
 
 
 def _check(q, k, v, cache_seqlens, q_positions, k_positions, block_table, out_dtype) -> None:
-    # Value checks (cache_seqlens within [0, N], block ids within the cache) read the tensors:
-    # only on CPU and outside tracing. On CUDA they would synchronise every step and break
-    # CUDA-graph capture.
-    by_value = q.device.type == "cpu" and not torch.compiler.is_compiling()
+    # Shapes, dtypes and devices only: nothing here reads a tensor's values, so a decode step
+    # stays free of host syncs (issue 13 item 5). The value checks (cache_seqlens within [0, N],
+    # block ids within the cache) run inside the op on CPU tensors, where the torch path reads
+    # cache_seqlens anyway; on CUDA the kernel clamps instead.
     reference.check_decode_inputs(q, k, v, cache_seqlens, q_positions, k_positions, block_table, out_dtype,
-                                  by_value=by_value)
+                                  by_value=False)
+
+
+def _check_values(q, k, cache_seqlens, block_table) -> None:
+    """The value checks of the contract, for CPU inputs (host memory: reading it syncs nothing)."""
+    b = q.shape[0]
+    if cache_seqlens is not None:
+        reference.check_cache_seqlens(cache_seqlens, b, reference.kv_length(k, block_table), q.device)
+    if block_table is not None:
+        reference.check_block_table(block_table, b, k.shape[0], k.shape[1], cache_seqlens, q.device)
 
 
 # New arguments go at the end with defaults, so positional calls of the op stay valid.
@@ -70,6 +81,8 @@ def _flash_decode_op(
     block_table: Optional[torch.Tensor] = None,
     out_dtype: Optional[torch.dtype] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    if q.device.type == "cpu":
+        _check_values(q, k, cache_seqlens, block_table)
     kwargs = dict(block_table=block_table, cache_seqlens=cache_seqlens, softmax_scale=softmax_scale,
                   q_positions=q_positions, k_positions=k_positions, out_dtype=out_dtype)
     if backend == "triton":

@@ -282,9 +282,16 @@ def lse_weights(lse: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
 
     lse, m: broadcastable float tensors (natural log). An empty shard (``lse = -inf``) gets
     weight 0, also when every shard is empty (``m = -inf``), so no NaN is ever produced.
+    ``m`` need not be the maximum (``comm``'s ``shifted`` passes a shared shift).
+
+    The difference is formed in float64, where ``lse - m`` of two float32 values is exact,
+    and ``exp`` rounded once to lse's dtype: the weight's relative error is one rounding
+    whatever ``|lse - m|`` is (in float32, ``lse - m = 40`` alone would be off by 2e-6).
     """
     m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    return torch.exp(lse - m_safe)
+    if lse.dtype == torch.float64:
+        return torch.exp(lse - m_safe)
+    return torch.exp(lse.double() - m_safe.double()).to(lse.dtype)
 
 
 def normalize(num: torch.Tensor, den: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -183,9 +183,9 @@ def test_paper_number_comes_back_with_a_cold_start():
 # ---------------------------------------------------------------------------- merges and auto
 
 
-def test_shifted_priced_as_one_sum_and_not_chosen_yet():
-    """shifted = one flat SUM of cat[w*o, w] (+ the rare MAX+SUM redo); auto only picks merges
-    comm implements today, so adding shifted later is one line (AUTO_CANDIDATES)."""
+def test_shifted_priced_as_one_sum_and_chosen_only_with_a_shift():
+    """shifted = one flat SUM of cat[w*o, w, count] (+ the rare MAX+SUM redo), the buffer comm
+    sends; auto may pick it only for a call that has a shift to pass (without one it is packed)."""
     from megatron_tree import comm
 
     dims = cost.Dims(batch=4, heads_q=32, heads_kv=8, head_dim=128)
@@ -194,14 +194,19 @@ def test_shifted_priced_as_one_sum_and_not_chosen_yet():
         pr = cost.load_preset(name)
         for p, k in ((8, 8), (16, 8), (8, 4)):
             nodes = p // k
-            one = cost.allreduce_time(pr, p, nodes, o + l, p) + cost.local_merge_time(pr, dims, 2, p)
+            one = cost.allreduce_time(pr, p, nodes, o + 2 * l, p) + cost.local_merge_time(pr, dims, 2, p)
             assert cost.merge_cost("shifted", pr, dims, p, k, fallback=0.0) == pytest.approx(one, rel=1e-12)
             packed = cost.merge_cost("packed", pr, dims, p, k)
             assert cost.merge_cost("shifted", pr, dims, p, k, fallback=1.0) == pytest.approx(one + packed, rel=1e-12)
             assert cost.merge_cost("shifted", pr, dims, p, k) < packed
-    assert cm.sent_bytes("shifted", dims, 8) == {"cp": 2 * 7 * (o + l) // 8}
+    assert cm.sent_bytes("shifted", dims, 8) == {"cp": 2 * 7 * (o + 2 * l) // 8}
     assert set(cost.AUTO_CANDIDATES) <= set(comm.STRATEGIES) - {"auto"}
-    assert "shifted" in cost.MERGE_STRATEGIES and "shifted" not in cost.AUTO_CANDIDATES
+    assert "shifted" in cost.MERGE_STRATEGIES and "shifted" in cost.AUTO_CANDIDATES
+    cost.clear_cache()
+    for size, intra in ((8, 8), (16, 8)):  # where one SUM beats the others on this preset
+        without = cost.choose_strategy(_groups(size, intra), (1, 1, 32, 128), 4)
+        assert without != "shifted"
+        assert cost.choose_strategy(_groups(size, intra), (1, 1, 32, 128), 4, shifted=True) == "shifted", size
 
 
 def test_where_two_level_beats_flat():
@@ -226,7 +231,7 @@ def test_choose_strategy_is_the_models_cheapest(name, monkeypatch):
         for shape in ((1, 1, 8, 128), (64, 4, 64, 128)):
             s = cost.choose_strategy(_groups(size, intra), shape, 4)
             hier = 1 < intra < size
-            cands = set(cost.AUTO_CANDIDATES) - (set() if hier else {"two_level"})
+            cands = set(cost.UNSHIFTED_CANDIDATES) - (set() if hier else {"two_level"})  # no shift passed
             assert s in cands
             b, sq, hq, d = shape
             dims = cost.Dims(batch=b, heads_q=hq, heads_kv=hq, head_dim=d, seqlen_q=sq, acc_bytes=4)

@@ -139,6 +139,29 @@ def _rank_fn(rank, world, paths):
             seen[(topo, "wrong_group")] = None
         except ValueError as e:
             seen[(topo, "wrong_group")] = str(e)
+    # HFTreeModel under the library's generate with strategy="shifted" (2 x 2): one SUM per layer
+    # per step after the first; a step whose shifts are far off is redone at the same positions.
+    from megatron_tree.attention import ShiftState
+    from megatron_tree.generate import generate
+
+    model = load_hf_model(paths["llama"], built["cp2x2"], **TOPOLOGIES["cp2x2"][2])
+    prompts = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
+    stats = CommStats()
+    res = generate(model, prompts, NEW, strategy="shifted", stats=stats, progress=False)
+    seen["shifted"] = (res.tokens, stats.fallbacks, dict(stats.levels["cp"].ops))
+    cache = model.new_cache(len(prompts), max(LENGTHS) + 8)
+    state, steps, nxt = ShiftState(), [], model.prefill(prompts, cache).argmax(-1)
+    for i in range(3):
+        if i == 1:
+            state.shifts = {key: r + 500.0 for key, r in state.shifts.items()}  # all weights underflow
+        logits = model.decode_step(nxt, cache, strategy="shifted", shift=state)
+        redone = state.needs_redo()
+        if redone:
+            logits = model.decode_step(nxt, cache, strategy="shifted", shift=state)
+        state.step_done()
+        nxt = logits.argmax(-1)
+        steps.append((nxt.tolist(), redone))
+    seen["shifted_redo"] = (steps, cache.lengths, cache.get_seq_length())
     # Ranks handed different prompts: every rank of the CP group (2 x 2) raises, none computes.
     from megatron_tree.collectives import DisagreementError
 
@@ -488,3 +511,19 @@ def test_deepspeed_trained_model_generates_cp_sharded(tmp_path):
         assert err < 5e-5, f"rank {r['rank']}: max |dlogits| {err}"
         assert sum(sum(s) for s in r["shards"]) == total
         assert r["merges"] == 2 * (script_mod.NEW_TOKENS - 1)  # one tree merge per layer per decode step
+
+
+def test_hf_tree_model_shifted_generate(references, ranks):
+    """HFTreeModel + generate(strategy="shifted") at CP 2 x 2: transformers' tokens, step 0 packed
+    then one SUM per layer per step; a raised deferred flag redoes the step on the same slots."""
+    _, refs = references
+    want = [row[max(LENGTHS):] for row in refs["llama"]["tokens"]]
+    layers = 2
+    for rank, r in enumerate(ranks):
+        tokens, fallbacks, ops = r["shifted"]
+        assert tokens == want and fallbacks == 0, rank
+        assert ops == {"all_reduce_max": layers, "all_reduce_sum": layers * (NEW - 1)}, ops
+        steps, lengths, seq = r["shifted_redo"]
+        assert [redone for _, redone in steps] == [False, True, False]
+        assert [t for t, _ in steps] == [[row[i + 1] for row in want] for i in range(3)]
+        assert lengths == [n + 3 for n in LENGTHS] and seq == max(LENGTHS) + 3  # one token per step

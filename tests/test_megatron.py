@@ -249,6 +249,7 @@ def megatron_rank(rank, world):
             results["bad_" + label] = (_error(mt.initialize_model_parallel, *args),
                                        parallel_state.model_parallel_is_initialized())
         results["mixed_batch"] = mixed_length_batch(rank)
+        results["host_sync"] = decode_without_host_sync()
 
         mt.initialize_model_parallel(2)
         # Misuse: our spec with Megatron's own wrapper and context at CP = 2, the patch reverted
@@ -268,6 +269,45 @@ def megatron_rank(rank, world):
         parallel_state.destroy_model_parallel()
         results["world"] = dist.get_world_size()
     return results
+
+
+def decode_without_host_sync() -> dict:
+    """MegatronLM.decode_step at CP 4 = [2, 2] under ``sync_guard.no_host_sync`` (issue 13 item 5):
+    TreeInferenceContext's plan, the KV-cache hook, the core attention's tree_decode and the
+    two-level merge read no tensor value back to the host. Rows of different lengths, blocks
+    of 2 so new tokens move across ranks; logits checked against Megatron's own model at CP 1."""
+    from megatron.core import parallel_state
+
+    from megatron_tree.integrations import megatron as mt
+    from megatron_tree.integrations import megatron_model as mm
+    from megatron_tree.sync_guard import HostSyncError, no_host_sync
+
+    mt.initialize_model_parallel(4, [2, 2])
+    shape = mm.GPTShape(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=2,
+                        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=64,
+                        initializer_range=0.2)
+    src = mm.build_gpt(shape, tree=False, pg_collection=mm.single_rank_groups(), seed=5)
+    model = mm.build_gpt(shape, tree=True, cp=4, hierarchical=[2, 2], seed=5)
+    mm.fill_from_global(model, mm.global_tensors(src))
+    lm = mm.MegatronLM(model, mt.tree_groups_from_megatron(model.pg_collection), shape)
+    seqs = [[3, 1, 4, 1, 5, 9, 2], [6, 5]]
+    cache = lm.new_cache(len(seqs), 32, block_size=2)
+    ids = lm.prefill(seqs, cache).argmax(-1)
+    err, sync = 0.0, None
+    try:
+        for _ in range(5):
+            for s, t in zip(seqs, ids.tolist()):
+                s.append(t)
+            with no_host_sync("MegatronLM.decode_step"):
+                logits = lm.decode_step(ids, cache, strategy="two_level")
+                ids = logits.argmax(-1)
+            for b, s in enumerate(seqs):
+                full = mm.MegatronReference(src)(torch.tensor([s]))[0, -1].float()
+                err = max(err, float((logits[b] - full).abs().max()))
+    except HostSyncError as e:  # reported by the test; the rest of the run goes on
+        sync = str(e)
+    parallel_state.destroy_model_parallel()
+    return {"err": err, "sync": sync, "shards": [cache.shard_lens(b) for b in range(len(seqs))]}
 
 
 MIXED_LENGTHS = (8, 512)
@@ -310,7 +350,27 @@ def mixed_length_batch(rank) -> dict:
     prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in MIXED_LENGTHS]
     cache = lm.new_cache(2, max(MIXED_LENGTHS) + MIXED_NEW, block_size=16)
     res = generate(lm, prompts, MIXED_NEW, cache=cache, progress=False)
-    out = {"tokens": res.tokens, "calls": seen, "shards": [cache.shard_lens(b) for b in range(2)]}
+    out = {"tokens": res.tokens, "calls": list(seen), "shards": [cache.shard_lens(b) for b in range(2)]}
+    # strategy="shifted" through the same path: one SUM per layer per step after the first, and a
+    # step whose shifts are far off raises the deferred flag and is redone on the same plan.
+    from megatron_tree.attention import ShiftState
+    from megatron_tree.comm import CommStats
+
+    st = CommStats()
+    shifted = generate(lm, prompts, MIXED_NEW, cache=cache, strategy="shifted", stats=st, progress=False)
+    out["shifted"] = (shifted.tokens, st.fallbacks, dict(st.levels["cp"].ops))
+    ids, state, redo_tokens = lm.prefill(prompts, cache).argmax(-1), ShiftState(), []
+    for i in range(MIXED_NEW - 1):
+        if i == 1:
+            state.shifts = {key: r - 500.0 for key, r in state.shifts.items()}  # weights overflow
+        logits = lm.decode_step(ids, cache, strategy="shifted", shift=state)
+        redone = state.needs_redo()
+        if redone:
+            logits = lm.decode_step(ids, cache, strategy="shifted", shift=state)
+        state.step_done()
+        ids = logits.argmax(-1)
+        redo_tokens.append((ids.tolist(), redone))
+    out["shifted_redo"] = (redo_tokens, [cache.shard_lens(b) for b in range(2)])
     if rank == 0:
         baseline_calls = []
         src.decoder.layers[0].self_attention.core_attention.register_forward_pre_hook(
@@ -360,7 +420,7 @@ def _pg():
 
 @pytest.fixture(scope="module")
 def megatron_results():
-    return run_ranks(megatron_rank, 4, timeout=280)
+    return run_ranks(megatron_rank, 4, timeout=900)
 
 
 def test_greedy_decode_identical_cp4_hierarchical_and_megatron_cp1(megatron_results):
@@ -439,6 +499,15 @@ def test_mixed_length_batch_is_prefilled_cp_sharded_then_decoded(megatron_result
         # block opened on rank 0; row 1's rank 0 is full at ceil(516 / 4) = 129, so its block
         # moves on to ranks 1 and 2
         assert mixed["shards"] == [[5, 2, 2, 2], [129, 129, 129, 128]]
+        # shifted: the same tokens; step 0 packed (MAX + SUM per layer), later steps one SUM per layer
+        tokens, fallbacks, ops = mixed["shifted"]
+        assert tokens == base and fallbacks == 0, (r, tokens, fallbacks)
+        assert ops == {"all_reduce_max": 2, "all_reduce_sum": 2 * (MIXED_NEW - 1)}, ops
+        # the redone step gives the same tokens and the cache advanced once per step
+        steps, shards = mixed["shifted_redo"]
+        assert [redone for _, redone in steps] == [False, True, False]
+        assert [t for t, _ in steps] == [[row[i + 1] for row in base] for i in range(MIXED_NEW - 1)]
+        assert shards == [[5, 2, 2, 2], [129, 129, 129, 128]]
     # Megatron's controller: one prefill of the shortest prompt (8 tokens), then one forward per token.
     calls = megatron_results[0]["mixed_batch"]["megatron_cp1_calls"]
     assert calls[0] == (8, 2) and calls[1:] == [(1, 2)] * (max(MIXED_LENGTHS) - 8 + MIXED_NEW - 1)
@@ -537,6 +606,14 @@ def test_deepspeed_initialize_sees_megatron_cp_as_sequence_parallel(megatron_res
         assert mpu["seq_dp_world_size"] == 4 and mpu["seq_dp_group_ranks"] == [0, 1, 2, 3]
         assert mpu["train_batch_size"] == 2  # micro-batch 1 x DP 2
         assert mpu["sp_group_ranks"] == mpu["megatron_cp_ranks"] == ([0, 1] if r < 2 else [2, 3])
+
+
+def test_megatron_decode_step_cp4_two_level_has_no_host_sync(megatron_results):
+    """MegatronLM.decode_step ran under sync_guard.no_host_sync on every rank (a sync raises) and stayed exact."""
+    for out in megatron_results:
+        assert out["host_sync"]["sync"] is None, out["host_sync"]["sync"]
+        assert out["host_sync"]["err"] < 1e-4, out["host_sync"]
+        assert all(min(row) > 0 for row in out["host_sync"]["shards"]), out["host_sync"]  # every rank holds tokens
 
 
 def test_check_checkpoint_refuses_tensors_the_config_would_drop(tmp_path):

@@ -85,6 +85,36 @@ def same_dtype_torch(q, k, v, lens, q_pos, dtype):
     return torch.einsum("bhqn,bnhd->bqhd", p, vd)
 
 
+# One launch per world size serves every test of that size: rank processes cost seconds of
+# interpreter and torch start-up each, the cases below a fraction of that. A job that fails on a
+# rank fails the launch, so every test of that world size fails with the rank's traceback.
+SHARED_LAUNCHES = {
+    4: (("exactness_body", 2), ("accounting_body", 2), ("topology_body",)),
+    8: (("exactness_body", 4), ("exactness_body", 2), ("accounting_body", 4)),
+}
+_launched: dict = {}
+
+
+def shared_body(rank, world, jobs):
+    return [globals()[name](rank, world, *args) for name, *args in jobs]
+
+
+def launch(fn, world, *args):
+    """``run_ranks(fn, world, *args)``, taken from the world size's shared launch when it has one."""
+    jobs = SHARED_LAUNCHES.get(world, ())
+    job = (fn.__name__, *args)
+    if job not in jobs:
+        return run_ranks(fn, world, *args)
+    if world not in _launched:
+        try:  # the jobs of 3 launches in one: a timeout for all three
+            _launched[world] = run_ranks(shared_body, world, jobs, timeout=540)
+        except Exception as e:  # noqa: BLE001 -- every test of this size fails with it, none relaunches
+            _launched[world] = e
+    if isinstance(_launched[world], Exception):
+        raise _launched[world]
+    return [per_rank[jobs.index(job)] for per_rank in _launched[world]]
+
+
 def exactness_body(rank, world, intra_size):
     groups = mt.TreeGroups.build(intra_size=intra_size)
     report = {"levels": [(l.name, l.size) for l in groups.levels], "fp32": {}, "agree": {}, "lowp": {}}
@@ -122,7 +152,7 @@ def exactness_body(rank, world, intra_size):
 
 @pytest.mark.parametrize("world,intra", [(1, None), (2, None), (3, None), (4, 2), (8, 4), (8, 2)])
 def test_tree_decode_exact(world, intra):
-    reports = run_ranks(exactness_body, world, intra)
+    reports = launch(exactness_body, world, intra)
     want_levels = [("intra", intra), ("inter", world // intra)] if intra else [("intra", world)]
     for rank, rep in enumerate(reports):
         assert rep["levels"] == want_levels
@@ -169,7 +199,7 @@ def test_accounting_matches_formulas(world, intra):
     def ring(p, n):  # all-reduce of n bytes over p ranks, ring algorithm
         return 2 * (p - 1) * n // p
 
-    reports = run_ranks(accounting_body, world, intra)
+    reports = launch(accounting_body, world, intra)
     for res in reports:
         for n_total in (64, 4096):
             for strategy in TREE_STRATEGIES[:-1]:
@@ -245,7 +275,7 @@ def topology_body(rank, world):
 
 
 def test_topology_builders_and_errors():
-    reports = run_ranks(topology_body, 4)
+    reports = launch(topology_body, 4)
     for rank, out in enumerate(reports):
         cp_ranks, err = out["side_by_side"]
         assert cp_ranks == ((0, 2) if rank % 2 == 0 else (1, 3))

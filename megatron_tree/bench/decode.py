@@ -36,7 +36,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 
-TREE = ("allreduce3", "packed", "two_level", "allgather", "auto")
+TREE = ("allreduce3", "packed", "two_level", "allgather", "shifted", "auto")
 BASE = ("ring", "passq_ring", "allgather_kv", "single")
 ALL = tuple(f"tree:{s}" for s in TREE) + BASE
 
@@ -252,7 +252,16 @@ def _run_config(cfg: Config, groups, opts: dict) -> list:
     def make_step(s):
         kind = s.split(":")[-1]
         stats = CommStats()
-        if s.startswith("tree:"):
+        if s == "tree:shifted":
+            shift = {}
+
+            def step():  # a decode loop's steady state: the previous step's merged lse is the shift
+                if "r" not in shift:  # the loop's first step has none yet: packed, once, in warmup
+                    shift["r"] = tree_decode(q, k, v, groups, strategy="packed", return_lse=True)[1]
+                out, shift["r"] = tree_decode(q, k, v, groups, strategy="shifted", shift=shift["r"],
+                                              return_lse=True, stats=stats)
+                return out
+        elif s.startswith("tree:"):
             def step():
                 return tree_decode(q, k, v, groups, strategy=kind, stats=stats)
         elif s == "single":

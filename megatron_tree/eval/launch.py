@@ -519,7 +519,9 @@ def main(argv=None) -> int:
     except ValueError as e:
         if not is_user_error(e):
             raise
-        print(f"megatron-tree-eval: rank {rank}: error: {e}", file=sys.stderr, flush=True)
+        # one write: under PYTHONUNBUFFERED print() writes the text and its newline separately,
+        # and 4 ranks sharing a pipe can then glue two ranks' lines together
+        print(f"megatron-tree-eval: rank {rank}: error: {e}\n", end="", file=sys.stderr, flush=True)
         return 2
     except ExactnessError as e:
         print(f"megatron-tree-eval: rank {rank}: {e}", file=sys.stderr, flush=True)

@@ -127,6 +127,8 @@ class _Binding:
     """The cache of the forward in progress (set by the forward wrapper, read by the attention function)."""
     new_tokens_hint: int | None = None
     """Tokens ``generate`` may append (sizes a cache it creates); set only while ``generate`` runs."""
+    shift: object = None
+    """The ``attention.ShiftState`` of a ``strategy="shifted"`` decode step driven by ``HFTreeModel`` (else None)."""
 
     @property
     def cp_size(self) -> int:
@@ -242,6 +244,7 @@ class TreeCache(Cache):
         self._local_positions: torch.Tensor | None = None
         self._slots: torch.Tensor | None = None
         self._written: set[int] = set()
+        self._redo = False  # the next decode forward repeats the last one's step (HFTreeModel, shifted)
 
     # ------------------------------------------------------------------ what transformers asks
 
@@ -379,6 +382,13 @@ class TreeCache(Cache):
             raise ValueError("TreeCache is empty: run a forward over the prompt before decoding")
         if batch != self.storage.batch_size:
             raise ValueError(f"decode step has batch {batch}, the cache holds {self.storage.batch_size} rows")
+        if self._redo:  # the same token again, on the same slots: nothing is placed twice
+            self._redo = False
+            self._padded -= 1
+            self._padded_next = self._padded + 1
+            self._phase = "decode"
+            self._written = set()
+            return
         while max(self.storage.lengths) + 1 > self._nominal:
             if not self.growable:
                 raise CacheOverflowError(
@@ -479,6 +489,9 @@ def tree_attention_forward(module, query, key, value, attention_mask, scaling=No
         pos = cache._local_positions.to(q.device)
         out = cp_prefill(q, k, v, pos, pos, binding.groups, method=binding.prefill, softmax_scale=scaling,
                          stats=binding.stats)
+    elif binding.shift is not None:  # strategy="shifted" under HFTreeModel: shift and flag per layer
+        out = binding.shift.decode(module.layer_idx, q, k, v, binding.groups, cache_seqlens=cache.storage.seqlens,
+                                   softmax_scale=scaling, strategy=binding.strategy, stats=binding.stats)
     else:
         out = tree_decode(q, k, v, binding.groups, cache_seqlens=cache.storage.seqlens, softmax_scale=scaling,
                           strategy=binding.strategy, stats=binding.stats)
@@ -1049,15 +1062,27 @@ class HFTreeModel:
 
     @torch.no_grad()
     def decode_step(self, next_ids, cache: TreeCache, strategy: str | None = None,
-                    stats: CommStats | None = None) -> torch.Tensor:
-        """Append one token per row (the same on every rank); returns (batch, vocab) logits."""
+                    stats: CommStats | None = None, shift=None) -> torch.Tensor:
+        """Append one token per row (the same on every rank); returns (batch, vocab) logits.
+
+        shift: an ``attention.ShiftState`` (``strategy="shifted"``, driven by ``generate``); with
+        ``shift.redo`` the step is run again at the same positions and slots.
+        """
         ids = torch.as_tensor(next_ids, dtype=torch.long, device=self.device).reshape(-1, 1)
-        pos = torch.as_tensor([n for n in cache.lengths], dtype=torch.long, device=self.device)[:, None]
+        if shift is not None and shift.redo:
+            pos, cache._redo = shift.placement, True
+        else:
+            pos = torch.as_tensor([n for n in cache.lengths], dtype=torch.long, device=self.device)[:, None]
+            if shift is not None:
+                shift.placement = pos
         saved = self._with(strategy=strategy, stats=stats)
+        self._binding.shift = shift
         try:
             out = self.hf(input_ids=ids, position_ids=pos, **{self._binding.cache_kwarg: cache})
         finally:
             self._with(**saved)
+            self._binding.shift = None
+            cache._redo = False
         return out.logits[:, -1]
 
 

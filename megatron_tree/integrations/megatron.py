@@ -315,6 +315,8 @@ class TreeDotProductAttention(_megatron_module_base()):
         self._pending: _Pending | None = None
         self.comm_stats = None
         """A :class:`~megatron_tree.comm.CommStats` to record decode merges into (``None``: not recorded)."""
+        self.shift_state = None
+        """An :class:`~megatron_tree.attention.ShiftState` for ``strategy="shifted"`` decode (set per step)."""
 
     @property
     def groups(self) -> TreeGroups:
@@ -363,22 +365,24 @@ class TreeDotProductAttention(_megatron_module_base()):
                 f"{b1 - b0} rows on this rank; pass the tokens from plan.index"
             )
         if rotary_pos_emb is not None:
-            query, key = ctx.apply_rope(query, key, plan.positions, self.config, self.pg_collection.cp)
+            query, key = ctx.apply_rope(query, key, plan.positions, self.config, self.pg_collection.cp,
+                                        same_positions=plan.same_positions)
         k_buf, v_buf = ctx.buffers(self.layer_number, key, value)
-        row, tok = (plan.slots >= 0).nonzero(as_tuple=True)
-        if row.numel():
-            slot = plan.slots[row, tok].to(key.device)
-            row_d, tok_d = row.to(key.device), tok.to(key.device)
-            k_buf[slot, b0 + row_d] = key[tok_d, row_d]
-            v_buf[slot, b0 + row_d] = value[tok_d, row_d]
+        # Tokens another rank keeps go to the buffers' spare slot (never read): one scatter, and
+        # no host read of which tokens are this rank's (a decode step stays free of host syncs).
+        slot = plan.slots.to(key.device)
+        slot = torch.where(slot >= 0, slot, torch.full_like(slot, ctx.capacity)).t()  # [width, rows]
+        rows = torch.arange(b0, b1, device=key.device)[None, :].expand_as(slot)
+        k_buf[slot, rows] = key.to(k_buf.dtype)
+        v_buf[slot, rows] = value.to(v_buf.dtype)
         if plan.mode == "prefill":
             keys = _gather_seq(key, self.groups, "prefill keys/values")
             values = _gather_seq(value, self.groups, "prefill keys/values")
             kpos = plan.gathered_positions.masked_fill(plan.gathered_positions < 0, _NEVER)
             self._pending = _Pending("prefill", plan.positions, kpos)
         else:
-            lengths = ctx.local_lengths(b0, b1)
-            n = int(lengths.max()) if lengths.numel() else 0
+            lengths = plan.k_lengths if plan.k_lengths is not None else ctx.local_lengths(b0, b1)
+            n = ctx.local_max(b0, b1)  # host bookkeeping: no read of lengths
             keys, values = k_buf[:n, b0:b1], v_buf[:n, b0:b1]
             self._pending = _Pending("decode", plan.positions, ctx.local_positions[b0:b1, :n], lengths)
         return query, keys, values, None, self.attn_mask_type, None
@@ -406,11 +410,13 @@ class TreeDotProductAttention(_megatron_module_base()):
         v = value.transpose(0, 1)
         b, sq = q.shape[0], q.shape[1]
         if pending is not None and pending.mode == "decode":
-            out = tree_decode(
-                q, k, v, self.groups, cache_seqlens=pending.k_lengths.to(q.device), softmax_scale=self.softmax_scale,
-                strategy=self.strategy, q_positions=pending.q_positions.to(q.device),
-                k_positions=pending.k_positions.to(q.device), backend=self.backend, stats=self.comm_stats,
-            )
+            kw = dict(cache_seqlens=pending.k_lengths.to(q.device), softmax_scale=self.softmax_scale,
+                      strategy=self.strategy, q_positions=pending.q_positions.to(q.device),
+                      k_positions=pending.k_positions.to(q.device), backend=self.backend, stats=self.comm_stats)
+            if self.shift_state is not None:  # its shift from the previous step, its flag left on the device
+                out = self.shift_state.decode(self.layer_number, q, k, v, self.groups, **kw)
+            else:
+                out = tree_decode(q, k, v, self.groups, **kw)
         else:
             if pending is not None:  # prefill: local queries over the gathered prompt
                 qpos, kpos = pending.q_positions, pending.k_positions
@@ -548,6 +554,10 @@ class StepPlan:
     """(batch, width) int64 slot of each token in this rank's shard; -1 where it is not stored here."""
     gathered_positions: torch.Tensor | None
     """prefill: (batch, width * cp) positions of the all-gathered window, in gather order (-1 = padding)."""
+    k_lengths: torch.Tensor | None = None
+    """decode: (batch,) int32 tokens of each row this rank holds after the step, on the cache's device."""
+    same_positions: bool | None = None
+    """Every row's tokens sit at the same positions (known on the host; ``None``: not known)."""
 
     @property
     def width(self) -> int:
@@ -572,8 +582,9 @@ class TreeInferenceContext(_static_context_base()):
     Per layer, this rank holds ``k, v: [capacity, max_batch, hkv, d]`` with
     ``capacity = ceil(max_sequence_length / cp)`` (not the full sequence), and the global
     position of every stored token in ``local_positions: [max_batch, capacity]`` (-1 where
-    free). Each row has its own :class:`~megatron_tree.placement.RowPlacement` (``rows``), the
-    planner every sequence-sharded cache shares: the prompt in the training CP layout (rank r
+    free; one spare slot past ``capacity`` in both takes the tokens other ranks keep, so a
+    step stores without reading which tokens are this rank's). Each row has its own
+    :class:`~megatron_tree.placement.RowPlacement` (``rows``), the planner every sequence-sharded cache shares: the prompt in the training CP layout (rank r
     keeps chunks r and 2·CP-1-r of 2·CP, ``layout="load_balanced"``), decoded tokens in blocks
     of ``block_size`` that move round-robin over the ranks. Rows may hold different lengths.
 
@@ -596,7 +607,7 @@ class TreeInferenceContext(_static_context_base()):
         self.layout = layout
         self.block_size = block_size
         self.capacity = -(-max_sequence_length // self.cp_size)
-        self.local_positions = torch.full((max_batch_size, self.capacity), -1, dtype=torch.long)
+        self.local_positions = torch.full((max_batch_size, self.capacity + 1), -1, dtype=torch.long)  # + a spare
         self.rows: list[RowPlacement] = []
         self.step: StepPlan | None = None
         self.rope_table: torch.Tensor | None = None
@@ -634,6 +645,21 @@ class TreeInferenceContext(_static_context_base()):
         """(rows,) int32: tokens this rank holds of each row in ``[start, end)``."""
         return torch.tensor([row.counts[self.cp_rank] for row in self.rows[start:end]], dtype=torch.int32)
 
+    def local_max(self, start: int = 0, end: int | None = None) -> int:
+        """Most tokens this rank holds of any row in ``[start, end)`` (host bookkeeping, no device read)."""
+        return max((row.counts[self.cp_rank] for row in self.rows[start:end]), default=0)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the KV buffers live (CPU until the first layer stored keys)."""
+        return self.local_positions.device
+
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """Host bookkeeping onto the cache's device: on CUDA one non-blocking copy from pinned memory."""
+        if self.device.type != "cuda":
+            return host.to(self.device)
+        return host.pin_memory().to(self.device, non_blocking=True)
+
     def bind_rope(self, model) -> None:
         """Keep the model's un-sharded RoPE table so layers can rotate at global positions."""
         rotary = getattr(model, "rotary_pos_emb", None)
@@ -644,15 +670,21 @@ class TreeInferenceContext(_static_context_base()):
             raise NotImplementedError(f"position_embedding_type={model.position_embedding_type!r}; only 'rope' is supported")
         self.rope_table = rotary.get_emb(self.max_sequence_length)  # [S, 1, 1, rot_dim]
 
-    def apply_rope(self, query, key, positions, config, cp_group):
-        """Rotate query/key ([s, b, h, d]) at their global ``positions`` ((b, s); -1 = padding)."""
+    def apply_rope(self, query, key, positions, config, cp_group, same_positions: bool | None = None):
+        """Rotate query/key ([s, b, h, d]) at their global ``positions`` ((b, s); -1 = padding).
+
+        same_positions: whether every row is at the same positions, if the caller knows it on
+        the host (a step's plan does); ``None`` reads ``positions`` to find out (a host sync).
+        """
         from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 
         if self.rope_table is None:
             raise RuntimeError("the model uses RoPE but TreeInferenceContext.bind_rope(model) was not called")
         s, b = query.shape[:2]
         pos = positions.clamp(min=0).to(self.rope_table.device)
-        if bool((pos == pos[:1]).all()):  # every row at the same positions: Megatron's [s, 1, 1, rot]
+        if same_positions is None:
+            same_positions = bool((pos == pos[:1]).all())
+        if same_positions:  # every row at the same positions: Megatron's [s, 1, 1, rot]
             emb = self.rope_table.index_select(0, pos[0])
             query = apply_rotary_pos_emb(query, emb, config=config, cp_group=cp_group)
             key = apply_rotary_pos_emb(key, emb, config=config, cp_group=cp_group)
@@ -664,9 +696,15 @@ class TreeInferenceContext(_static_context_base()):
         return query.reshape(s, b, *query.shape[2:]), key.reshape(s, b, *key.shape[2:])
 
     def buffers(self, layer_number: int, key, value):
-        """This layer's shard buffers ``[capacity, max_batch, hkv, d]``, allocated on first use."""
+        """This layer's shard buffers ``[capacity + 1, max_batch, hkv, d]``, allocated at the prefill.
+
+        Slot ``capacity`` is a spare that takes the tokens other ranks keep (written, never read).
+        The first allocation also moves ``local_positions`` to the buffers' device.
+        """
+        if self.local_positions.device != key.device:
+            self.local_positions = self.local_positions.to(key.device)
         if layer_number not in self.key_value_memory_dict:
-            shape = (self.capacity, self.max_batch_size, key.shape[2], key.shape[3])
+            shape = (self.capacity + 1, self.max_batch_size, key.shape[2], key.shape[3])
             self.key_value_memory_dict[layer_number] = (
                 torch.empty(shape, dtype=key.dtype, device=key.device),
                 torch.empty(shape, dtype=value.dtype, device=value.device),
@@ -695,7 +733,7 @@ class TreeInferenceContext(_static_context_base()):
         rows = end - start
         self.local_positions[start:end, :n_mine] = mine[:n_mine]
         plan = StepPlan("prefill", (start, end), mine.clamp(min=0), mine[None].expand(rows, -1),
-                        slots[None].expand(rows, -1), padded.reshape(1, -1).expand(rows, -1))
+                        slots[None].expand(rows, -1), padded.reshape(1, -1).expand(rows, -1), same_positions=True)
         self.step = plan
         return plan
 
@@ -715,13 +753,20 @@ class TreeInferenceContext(_static_context_base()):
             owners = row.append(num_tokens)
             pos = list(range(first, first + num_tokens))
             slot = [row.locate(t)[1] if o == self.cp_rank else -1 for t, o in zip(pos, owners)]
-            for t, sl in zip(pos, slot):
-                if sl >= 0:
-                    self.local_positions[b, sl] = t
             positions.append(pos)
             slots.append(slot)
-        plan = StepPlan("decode", (start, end), torch.arange(num_tokens), torch.tensor(positions, dtype=torch.long),
-                        torch.tensor(slots, dtype=torch.long), None)
+        # One host tensor, one copy to the device (non-blocking from pinned memory on CUDA).
+        rows = end - start
+        counts = [[row.counts[self.cp_rank]] * num_tokens for row in self.rows[start:end]]
+        plan_dev = self._to_device(torch.tensor([positions, slots, counts], dtype=torch.long))  # [3, rows, width]
+        pos_d, slot_d, count_d = plan_dev.unbind(0)
+        # local_positions[b, slot] = position where this rank keeps the token; the others go to
+        # the spare column ``capacity`` (never read), so no host read of which tokens are ours.
+        at = torch.where(slot_d >= 0, slot_d, torch.full_like(slot_d, self.capacity))
+        index = torch.arange(start, end, device=self.device)[:, None].expand(rows, num_tokens)
+        self.local_positions[index, at] = pos_d
+        plan = StepPlan("decode", (start, end), torch.arange(num_tokens, device=self.device), pos_d, slot_d, None,
+                        k_lengths=count_d[:, 0].to(torch.int32), same_positions=len({p[0] for p in positions}) == 1)
         self.step = plan
         return plan
 

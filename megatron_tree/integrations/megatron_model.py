@@ -475,19 +475,30 @@ class MegatronLM:
         return out
 
     @torch.no_grad()
-    def decode_step(self, next_ids, cache, strategy: str = "auto", stats=None) -> torch.Tensor:
-        """One new token per row (rows may hold different lengths) -> next-token logits (batch, vocab)."""
+    def decode_step(self, next_ids, cache, strategy: str = "auto", stats=None, shift=None) -> torch.Tensor:
+        """One new token per row (rows may hold different lengths) -> next-token logits (batch, vocab).
+
+        shift: an ``attention.ShiftState`` (``strategy="shifted"``, see ``generate``); with
+        ``shift.redo`` the step runs again on its first try's plan (the cache does not advance).
+        """
         ids = torch.as_tensor(next_ids, dtype=torch.long, device=self.device).reshape(-1, 1)
         for attn in self._attention:
             attn.strategy = strategy
             attn.comm_stats = stats
-        plan = cache.plan_decode(0, ids.shape[0], 1)
+            attn.shift_state = shift
+        if shift is not None and shift.redo:
+            plan = cache.step = shift.placement
+        else:
+            plan = cache.plan_decode(0, ids.shape[0], 1)
+            if shift is not None:
+                shift.placement = plan
         try:
             logits = self._run(ids, plan.positions.to(self.device), cache)[:, -1]
         finally:
             cache.step = None
             for attn in self._attention:
                 attn.comm_stats = None
+                attn.shift_state = None
         return logits.float()
 
 

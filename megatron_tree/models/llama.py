@@ -28,6 +28,7 @@ from ..cache import CacheConfig, ShardedKVCache
 from ..comm import CommStats
 from ..layer import ROPE_TYPES, RotaryEmbedding, TreeAttention
 from ..prefill import PREFILL_METHODS
+from ..sync_guard import CHECK_VALUES_ENV
 from ..topology import TreeGroups
 
 try:  # NVIDIA apex's fused kernel, used on CUDA tensors when it is installed
@@ -386,22 +387,37 @@ class Llama(nn.Module):
 
     @torch.no_grad()
     def decode_step(self, next_ids: torch.Tensor, cache: ShardedKVCache, strategy: str = "auto",
-                    stats: CommStats | None = None) -> torch.Tensor:
+                    stats: CommStats | None = None, shift=None) -> torch.Tensor:
         """Append one token per row and return the logits of the next one.
 
         next_ids: (batch,) int64 -- the same on every CP rank
+        shift: an ``attention.ShiftState`` (``strategy="shifted"`` in a decode loop): each layer
+            takes its shift from it and leaves its flag there; with ``shift.redo`` the step is
+            run again on the placement of its first try (the cache does not advance)
         returns logits: (batch, vocab), identical on every CP rank
+
+        No host-device synchronisation (issue 13 item 5; ``megatron_tree.sync_guard``): token
+        ids given as host data (a list) are range-checked on the host; a tensor's values are
+        not read back (it usually comes from sampling on the device, within the vocabulary by
+        construction), unless ``MEGATRON_TREE_CHECK_VALUES=1`` asks for that debug check.
         """
         self._check_cache(cache)
+        host = not isinstance(next_ids, torch.Tensor)
+        if host or os.environ.get(CHECK_VALUES_ENV) == "1":
+            self._check_ids(torch.as_tensor(next_ids, dtype=torch.int64), "next_ids")
         next_ids = torch.as_tensor(next_ids, dtype=torch.int64, device=self.device).reshape(-1)
         if next_ids.numel() != cache.batch_size:
             raise ValueError(f"next_ids has {next_ids.numel()} tokens, the cache's batch size is {cache.batch_size}")
-        self._check_ids(next_ids, "next_ids")
-        positions, slots = cache.begin_decode_step()
+        if shift is not None and shift.redo:
+            positions, slots = shift.placement
+        else:
+            positions, slots = cache.begin_decode_step()
+            if shift is not None:
+                shift.placement = (positions, slots)
         x = self.model.embed_tokens(next_ids)[:, None]  # (B, 1, hidden)
         for layer in self.model.layers:
             attn = layer.self_attn.decode(layer.input_layernorm(x), positions, slots, cache,
-                                          strategy=strategy, stats=stats)
+                                          strategy=strategy, stats=stats, shift=shift)
             x = layer._finish(x, attn)
         return self._logits(self.model.norm(x))[:, 0]
 

@@ -1,0 +1,165 @@
+"""A decode step makes no host-device synchronisation (issue 13 item 5), checked on CPU.
+
+``megatron_tree.sync_guard.no_host_sync`` raises on any call that would make the host wait
+for the device on CUDA (``.item()``, ``.tolist()``, ``.cpu()``, ``bool(t)``, ``nonzero``,
+boolean-mask indexing, ...), whatever the device. One 4-rank gloo run (CP 4 = 2 nodes x 2)
+decodes under the guard with our Llama (``Llama.decode_step``: cache append, tree_decode,
+the two-level, packed and all-gather merges) and checks the guarded logits against a
+single-process forward over the whole sequence (exact), and that a decode step creates no
+persistent buffer (everything a step reuses exists after prefill). The Megatron decode path
+(``MegatronLM.decode_step``) is checked under the same guard inside ``test_megatron.py``'s
+4-rank run, which has paid for Megatron's imports already.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distributed import run_ranks
+
+PROMPTS = [[3, 1, 4, 1, 5, 9, 2], [6, 5], [3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4]]  # uneven rows, 2 < CP tokens
+STEPS = 5  # with blocks of 2, new tokens move across ranks during the run
+
+
+def _tensors(obj, seen=None, prefix="") -> dict:
+    """name -> (data_ptr, shape) of every tensor reachable from obj's attributes (modules, dicts, lists)."""
+    seen = set() if seen is None else seen
+    out = {}
+    if id(obj) in seen:
+        return out
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        return {prefix: (obj.data_ptr(), tuple(obj.shape))}
+    if isinstance(obj, dict):
+        items = obj.items()
+    elif isinstance(obj, (list, tuple)):
+        items = enumerate(obj)
+    elif hasattr(obj, "__dict__") and type(obj).__module__.startswith(("megatron_tree", "torch.nn")):
+        items = vars(obj).items()
+    else:
+        return out
+    for k, v in items:
+        out.update(_tensors(v, seen, f"{prefix}.{k}"))
+    return out
+
+
+def _llama_rank(rank, world):
+    from megatron_tree import TreeGroups
+    from megatron_tree.attention import ShiftState
+    from megatron_tree.collectives import CommStats
+    from megatron_tree.models.llama import Llama, LlamaConfig
+    from megatron_tree.sync_guard import HostSyncError, no_host_sync
+
+    groups = TreeGroups.build(intra_size=2)  # CP 4 = 2 simulated nodes x 2
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    torch.manual_seed(0)
+    model = Llama(cfg, groups)
+    out = {}
+    for strategy in ("two_level", "packed", "allgather", "shifted"):
+        cache = model.new_cache(len(PROMPTS), 32, block_size=2)
+        logits = model.prefill(PROMPTS, cache)
+        before = _tensors(cache, prefix="cache") | _tensors(model, prefix="model") | _tensors(groups, prefix="groups")
+        seqs = [list(p) for p in PROMPTS]
+        got, stats = [], CommStats()
+        # shifted: the merges leave device flags in the ShiftState; generate() reads them once
+        # per step, outside the step (as here), and redoes the step only when one is raised
+        shift = ShiftState() if strategy == "shifted" else None
+        redos = 0
+        ids = logits.argmax(-1)
+        for _ in range(STEPS):
+            for s, t in zip(seqs, ids.tolist()):
+                s.append(t)
+            with no_host_sync("Llama.decode_step"):
+                logits = model.decode_step(ids, cache, strategy=strategy, stats=stats, shift=shift)
+                ids = logits.argmax(-1)
+            if shift is not None:
+                redos += shift.needs_redo(stats)
+                shift.step_done()
+            got.append(logits)
+        after = _tensors(cache, prefix="cache") | _tensors(model, prefix="model") | _tensors(groups, prefix="groups")
+        new = sorted(set(after) - set(before)) + sorted(k for k in before if k in after and after[k] != before[k])
+        # Reference: one process, the whole sequence, no cache.
+        ref = [[] for _ in range(STEPS)]
+        for b, s in enumerate(seqs):
+            full = model.forward(torch.tensor([s]))[0]
+            for i in range(STEPS):
+                ref[i].append(full[len(PROMPTS[b]) + i])
+        err = max(float((g - torch.stack(r)).abs().max()) for g, r in zip(got, ref))
+        out[strategy] = {"err": err, "new_buffers": new, "shards": cache.shard_lengths,
+                         "collectives": stats.collectives, "redos": redos}
+    # The guard is live in this process: an injected sync in the step is caught.
+    cache = model.new_cache(len(PROMPTS), 32, block_size=2)
+    model.prefill(PROMPTS, cache)
+    try:
+        with no_host_sync("Llama.decode_step"):
+            model.decode_step(torch.tensor([1, 2, 3]), cache, strategy="packed")
+            cache.seqlens.max().item()
+        out["injected"] = "not caught"
+    except HostSyncError as e:
+        out["injected"] = str(e)
+    return out
+
+
+def _rank(rank, world):
+    return {"llama": _llama_rank(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_ranks(_rank, 4, timeout=240)
+
+
+def test_llama_decode_step_cp4_two_level_has_no_host_sync_and_is_exact(results):
+    for r in results:
+        for strategy, res in r["llama"].items():
+            if strategy == "injected":
+                continue
+            assert res["err"] < 1e-5, (strategy, res["err"])
+            assert res["new_buffers"] == [], (strategy, res["new_buffers"])
+            assert res["collectives"] > 0
+            assert res["redos"] == 0, (strategy, res["redos"])  # shifted: every step's shift was in range
+        # every rank of 2 x 2 took part in the steps: the new tokens moved across ranks
+        shards = r["llama"]["two_level"]["shards"]
+        assert all(min(row) > 0 for row in shards), shards
+    assert "host sync inside Llama.decode_step: Tensor.item()" in results[0]["llama"]["injected"]
+
+
+SYNCS = {
+    "item": lambda t: t[0].item(), "tolist": lambda t: t.tolist(), "cpu": lambda t: t.cpu(),
+    "numpy": lambda t: t.numpy(), "if": lambda t: 1 if t.any() else 0, "int": lambda t: int(t.max()),
+    "float": lambda t: float(t[0]), "nonzero": lambda t: (t > 2).nonzero(), "where1": lambda t: torch.where(t > 2),
+    "mask_index": lambda t: t[t > 2], "mask_put": lambda t: t.clone().__setitem__(t > 2, 0),
+    "masked_select": lambda t: t.masked_select(t > 1), "unique": lambda t: t.unique(),
+    "repeat_interleave": lambda t: torch.repeat_interleave(t),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SYNCS))
+def test_guard_catches_each_kind_of_host_read(name):
+    from megatron_tree.sync_guard import HostSyncError, no_host_sync
+
+    t = torch.arange(5)
+    with pytest.raises(HostSyncError, match="host sync inside a decode step"):
+        with no_host_sync():
+            SYNCS[name](t)
+
+
+def test_guard_passes_device_work_and_keeps_cpu_value_checks():
+    from megatron_tree import ops
+    from megatron_tree.sync_guard import HostSyncError, no_host_sync
+
+    t = torch.arange(5)
+    q, k = torch.randn(2, 1, 4, 8), torch.randn(2, 10, 2, 8)
+    with no_host_sync():  # index arithmetic, host data made a tensor, shapes, the opaque local op
+        torch.where(t > 2, t, 0).scatter_(0, t.clamp(max=3), t)
+        torch.tensor([1, 2]) + t.shape[0] + len(t)
+        ops.flash_decode(q, k, k, cache_seqlens=torch.tensor([3, 10], dtype=torch.int32))
+        with pytest.raises(HostSyncError, match="megatron_tree::flash_decode, an op the guard cannot see into"):
+            with no_host_sync(opaque=()):
+                ops.flash_decode(q, k, k)
+        # the value check moved inside the op: still a clear error on CPU, no sync outside it
+        with pytest.raises(ValueError, match=r"cache_seqlens must lie in \[0, 10\]"):
+            ops.flash_decode(q, k, k, cache_seqlens=torch.tensor([3, 11], dtype=torch.int32))
+
