@@ -9,7 +9,7 @@ from .attention import tree_decode
 from .comm import STRATEGIES, CommError, CommStats, DisagreementError
 from .ops import flash_decode, merge_states
 from .topology import Level, TopologyError, TreeGroups
-from .cache import CacheConfig, ShardedKVCache
+from .cache import CacheConfig, CacheOverflowError, ShardedKVCache
 from .generate import GenerationResult, generate
 from .models.llama import Llama, LlamaConfig
 
@@ -17,6 +17,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "flash_decode", "merge_states", "tree_decode", "TreeGroups", "Level", "TopologyError",
-    "CommStats", "CommError", "DisagreementError", "STRATEGIES", "CacheConfig", "ShardedKVCache", "Llama", "LlamaConfig",
+    "CommStats", "CommError", "DisagreementError", "STRATEGIES", "CacheConfig", "CacheOverflowError", "ShardedKVCache", "Llama", "LlamaConfig",
     "generate", "GenerationResult", "__version__",
 ]

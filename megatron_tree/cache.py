@@ -171,6 +171,8 @@ class ShardedKVCache:
     def _layer(self, layer, what: str) -> int:
         """``layer`` as an index into the cache's layers, or a ValueError naming the valid range."""
         try:
+            if isinstance(layer, bool):  # operator.index(True) is 1: a flag passed by mistake
+                raise TypeError
             index = operator.index(layer)
         except TypeError:
             raise TypeError(f"{what}: layer must be an integer index, got {type(layer).__name__} {layer!r}") from None
@@ -268,9 +270,14 @@ class ShardedKVCache:
         mine = (slots >= 0)[:, None, None]
         at = slots.clamp(min=0)
         rows = self._batch_index
-        for buf, new in ((self.k, k), (self.v, v)):
-            dest = buf[layer]
-            dest[rows, at] = torch.where(mine, new[:, 0].to(buf.dtype), dest[rows, at])
+        try:  # the values are not read here (no host sync): a slot beyond the storage is torch's IndexError
+            for buf, new in ((self.k, k), (self.v, v)):
+                dest = buf[layer]
+                dest[rows, at] = torch.where(mine, new[:, 0].to(buf.dtype), dest[rows, at])
+        except IndexError as e:
+            raise IndexError(f"append: a slot is beyond this rank's {self.capacity} storage slots per row; slots "
+                             f"must be the tensor begin_decode_step returned (each in [-1, {self.capacity})): "
+                             f"{e}") from None
 
     def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's keys and values of one layer, trimmed to the longest local row.

@@ -25,6 +25,7 @@ stats and messages, ``what`` says what the caller was doing)::
     all_reduce_async(t, group, op=...).wait()       # all_reduce started now, finished (and recorded) at wait
     all_gather_async(t, group, out=...).wait()      # all_gather likewise
     exchange_objects(obj, group)                    # every rank's picklable obj, in rank order
+    agree_values(site, names, values, group, ranks) # equal values on every rank, or a DisagreementError
 
 Traffic model (the one the paper's formula uses, from this rank's point of view): an
 all-reduce of n bytes over P ranks sends 2(P-1)/P * n, an all-gather of n bytes per rank
@@ -35,6 +36,7 @@ root (0 elsewhere). Object exchanges are bookkeeping and are not recorded.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import pickle
 import weakref
 from dataclasses import dataclass, field
@@ -47,7 +49,7 @@ __all__ = [
     "CommError", "DisagreementError", "CommStats", "LevelStats", "DEFAULT_TIMEOUT", "group_timeout",
     "as_timedelta", "new_group", "all_reduce", "all_gather", "broadcast", "p2p", "Pending",
     "all_reduce_async", "all_gather_async",
-    "exchange_objects", "Agreement", "agreement_for", "disagreement",
+    "exchange_objects", "Agreement", "agreement_for", "disagreement", "agree_values",
 ]
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
@@ -419,6 +421,34 @@ def disagreement(site: str, table: dict[int, dict], waiting: Sequence[int] = ())
                 "collectives until their timeout; the others changed them)")
     msg += ". Every rank of the group must make this call with the same " + ", ".join(n for n in names if n != "call")
     return DisagreementError(msg, site, {r: dict(table[r]) for r in ranks})
+
+
+def _as_int64(value) -> int:
+    """A value as one int64 for a fixed-size comparison: ints as themselves (wrapped), anything else
+    by an 8-byte BLAKE2b digest of its type and repr (floats' repr round-trips exactly)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return (value + 2 ** 63) % 2 ** 64 - 2 ** 63
+    digest = hashlib.blake2b(f"{type(value).__name__}:{value!r}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True)
+
+
+def agree_values(site: str, names: tuple, values: tuple, group, ranks: Sequence[int], *, device=None,
+                 stats: CommStats | None = None) -> None:
+    """Every rank of ``group`` passes equal ``values`` (one per name), else all raise the same DisagreementError.
+
+    One all-gather of ``len(names)`` int64 (a fixed size whatever the values -- lists, strings,
+    floats travel as digests -- so ranks that disagree never enter a collective with different
+    buffer sizes), then a host read of the result: a per-call check (``generate``), not a
+    per-step one. Only when the rows differ, one object exchange of the readable values, so the
+    error names each rank's value of every differing field. ranks: the group's global ranks;
+    device: where the exchanged tensor lives (NCCL needs the GPU).
+    """
+    mine = torch.tensor([_as_int64(v) for v in values], dtype=torch.int64, device=device)
+    rows = all_gather(mine, group, stats=stats, what=f"{site}: comparing the ranks' arguments").cpu()
+    if bool((rows == rows[0]).all()):
+        return
+    readable = exchange_objects(tuple(_plain(v) for v in values), group, what=f"{site}: explaining a disagreement")
+    raise disagreement(site, {r: dict(zip(names, row)) for r, row in zip(ranks, readable)})
 
 
 class Agreement:

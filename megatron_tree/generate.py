@@ -18,6 +18,7 @@ one). Any model with ``prefill``, ``decode_step``, ``new_cache``, ``groups``, ``
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass, field
 
@@ -130,6 +131,37 @@ def _check_args(prompts, max_new_tokens, do_sample, temperature, top_k, top_p, v
             raise ValueError(f"top_p must lie in (0, 1] or be None, got {top_p!r}")
 
 
+GENERATE_SIGNATURE = ("batch", "prompt_lengths", "prompt_ids", "max_new_tokens", "stop_token_ids", "do_sample",
+                      "temperature", "top_k", "top_p", "seed", "strategy", "prefill_method", "broadcast",
+                      "forced_tokens")
+"""What every CP rank of one :func:`generate` call must pass alike (checked once per call)."""
+
+
+def _digest(row) -> str:
+    """A short digest of one token-id row (equal rows, equal digests), as the error shows it."""
+    data = b"".join(int(t).to_bytes(8, "little", signed=True) for t in row)
+    return hashlib.blake2b(data, digest_size=6).hexdigest()
+
+
+def _agree_on_call(model, prompts, max_new_tokens, stop_token_ids, do_sample, temperature, top_k, top_p, seed,
+                   strategy, prefill_method, broadcast, forced_tokens) -> None:
+    """Every CP rank must make this call alike, else all raise the same DisagreementError.
+
+    Ranks handed different prompts (contents or lengths), budgets or sampling would each run a
+    consistent-looking but different generation: the collectives' sizes can still match, so
+    nothing else would notice. One fixed-size all-gather per call (``collectives.agree_values``).
+    """
+    groups = model.groups
+    if groups is None or groups.size == 1:
+        return
+    forced = None if forced_tokens is None else tuple(_digest(r) for r in forced_tokens.detach().cpu().tolist())
+    values = (len(prompts), tuple(len(p) for p in prompts), tuple(_digest(p) for p in prompts), max_new_tokens,
+              tuple(sorted(set(stop_token_ids or ()))), bool(do_sample), float(temperature), top_k,
+              None if top_p is None else float(top_p), seed, strategy, prefill_method, bool(broadcast), forced)
+    collectives.agree_values("generate", GENERATE_SIGNATURE, values, groups.cp_group, groups.cp_ranks,
+                             device=model.device)
+
+
 def generate(
     model,
     prompts: list[list[int]],
@@ -155,7 +187,9 @@ def generate(
     model: a :class:`megatron_tree.models.llama.Llama`, an
         :class:`~megatron_tree.integrations.megatron_model.MegatronLM`, or anything with
         ``prefill``, ``decode_step``, ``new_cache``, ``groups``, ``device`` and ``config.vocab_size``
-    prompts: token-id lists of any (non-zero) lengths; every CP rank passes the same
+    prompts: token-id lists of any (non-zero) lengths; every CP rank passes the same (checked:
+        every CP rank must pass equal prompts and arguments, else every rank raises the same
+        ``DisagreementError`` naming each rank's value; one small all-gather per call)
     stop_token_ids: a row stops after producing one of these ids
     seed: seeds the sampling generator (identical results for identical seeds)
     cache: reuse a cache from ``model.new_cache``; by default one sized
@@ -181,6 +215,8 @@ def generate(
             f"forced_tokens has shape {tuple(forced_tokens.shape)}, expected (batch, max_new_tokens) = "
             f"({len(prompts)}, {max_new_tokens})"
         )
+    _agree_on_call(model, prompts, max_new_tokens, stop_token_ids, do_sample, temperature, top_k, top_p, seed,
+                   strategy, prefill_method, broadcast, forced_tokens)
     need = max(len(p) for p in prompts) + max_new_tokens
     if cache is None:
         cache = model.new_cache(len(prompts), need)

@@ -57,8 +57,19 @@ def parse_args(argv):
     extra = [u for u in unknown if not u.startswith(("--local_rank", "--local-rank"))]
     if extra:
         p.error(f"unrecognised arguments: {' '.join(extra)}")
+    # Sampling flags are checked here, before any model is built (a bad one used to surface as
+    # generate()'s traceback after the build). Megatron-LM's conventions: top_k 0 = no top-k,
+    # temperature 0 = greedy.
     if args.max_new_tokens < 1:
-        p.error(f"--out-seq-length must be positive, got {args.max_new_tokens}")
+        p.error(f"--out-seq-length must be a positive integer, got {args.max_new_tokens}")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        p.error(f"--top_p must lie in (0, 1], got {args.top_p}")
+    if args.top_k is not None and args.top_k < 0:
+        p.error(f"--top_k must be >= 0 (0: no top-k), got {args.top_k}")
+    if args.temperature is not None and not args.temperature >= 0:
+        p.error(f"--temperature must be >= 0 (0: greedy), got {args.temperature}")
+    if args.top_k == 0:
+        args.top_k = None
     return args
 
 
@@ -94,9 +105,10 @@ def read_prompts(args, tok, vocab: int) -> tuple[list[str], list[list[int]]]:
 
 def generate_main(cfg: RunConfig, args, env) -> list[dict] | None:
     """Build the model at the config's layout, generate, and return the rows on global rank 0."""
-    from .eval.launch import check_launch, check_model, init_distributed, tokenizer_path
+    from .eval.launch import check_launch, check_model, init_distributed, single_process_topology, tokenizer_path
 
     world = int(env.get("WORLD_SIZE", 1))
+    cfg = single_process_topology(cfg, world, "megatron-tree-generate")
     cp_size = check_launch(cfg, world, env)
     checkpoint, _ = check_model(cfg.model)
     tok_file = tokenizer_path(cfg)
@@ -121,7 +133,8 @@ def generate_main(cfg: RunConfig, args, env) -> list[dict] | None:
         em = models.build(cfg.model, cfg.topology, cp_size=cp_size, rank=rank, device=device, env=env,
                           want_reference=False, checkpoint=checkpoint, stack=stack)
         sample = args.temperature is not None or args.top_k is not None or args.top_p is not None
-        res = generate(em.lm, prompts, args.max_new_tokens, do_sample=sample and not args.greedy,
+        sample = sample and not args.greedy and args.temperature != 0
+        res = generate(em.lm, prompts, args.max_new_tokens, do_sample=sample,
                        temperature=args.temperature or 1.0, top_k=args.top_k, top_p=args.top_p,
                        stop_token_ids=args.stop, seed=cfg.model.seed if args.seed is None else args.seed,
                        progress=rank == 0 and cfg.eval.progress)

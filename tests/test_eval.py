@@ -422,3 +422,31 @@ def test_dynamic_engine_comparison_reads_the_right_positions():
     other[0, 3] = (other[0, 3] + 1) % vocab
     wrong = R.compare_dynamic_with_reference(em, prompts, other, lp, 1.0, "cpu")
     assert not wrong["tokens_match_reference"] and not wrong["within_tolerance"]
+
+
+@pytest.mark.parametrize("flags, fragment", [
+    (["--top_p", "2.0"], "--top_p must lie in (0, 1], got 2.0"),
+    (["--top_k", "-1"], "--top_k must be >= 0 (0: no top-k), got -1"),
+    (["--temperature", "-0.5"], "--temperature must be >= 0 (0: greedy), got -0.5"),
+    (["--out-seq-length", "0"], "--out-seq-length must be a positive integer, got 0"),
+])
+def test_generate_megatron_refuses_bad_sampling_flags_before_building(clean_env, capsys, flags, fragment):
+    from megatron_tree import generate_megatron as G
+
+    with pytest.raises(SystemExit) as exc:
+        G.main(["--prompt", "5 17 3", *flags])
+    assert exc.value.code == 2
+    assert fragment in capsys.readouterr().err
+    assert not torch.distributed.is_initialized()
+
+
+def test_single_process_ignores_the_simulated_node_layout(clean_env, capsys):
+    # configs/cpu_tiny.yaml's intra_size 2 (a 4-rank layout) does not apply to one process: a note, not an error
+    cfg = load_config(os.path.join(ROOT, "configs/cpu_tiny.yaml"), [])
+    one = E.single_process_topology(cfg, 1)
+    assert one.topology.intra_size is None and E.check_launch(one, 1) == 1
+    assert "topology.intra_size 2 ignored" in capsys.readouterr().err
+    assert E.single_process_topology(cfg, 4) is cfg  # launched ranks keep it (and its checks)
+    from megatron_tree.generate_megatron import parse_args
+
+    assert parse_args(["--prompt", "1", "--top_k", "0"]).top_k is None  # Megatron-LM's 0 = no top-k

@@ -145,6 +145,20 @@ def failures_body(rank, world, outdir):
     odd = LlamaConfig(vocab_size=32, hidden_size=32 if rank == 0 else 16, intermediate_size=32, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=1, head_dim=8)
     out["llama_hidden"] = _outcome(lambda: generate(Llama(odd, g), [[1, 2, 3]], 2, progress=False))
+    # generate's one check per call: prompts (lengths, contents), budget, sampling; then Llama.prefill's own
+    lm = Llama(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                           num_attention_heads=2, num_key_value_heads=1), g)
+    rows = [[1, 2, 3, 4, 5], [6, 7]]
+    gen_cases = {
+        "gen_lengths": (rows if rank != 2 else [[1, 2, 3, 4, 5], [6, 7, 8]], 2, {}),
+        "gen_contents": (rows if rank != 1 else [[1, 2, 3, 4, 5], [6, 9]], 2, {}),
+        "gen_max_new": (rows, 3 if rank == 3 else 2, {}),
+        "gen_top_p": (rows, 2, {"do_sample": True, "top_p": 0.5 if rank == 0 else None}),
+    }
+    for name, (prompts, new, kw) in gen_cases.items():
+        out[name] = _outcome(lambda: generate(lm, prompts, new, progress=False, **kw))
+    uneven = rows if rank != 2 else [[1, 2, 3, 4], [6, 7]]
+    out["prefill_lengths"] = _outcome(lambda: lm.prefill(uneven, lm.new_cache(2, 8)))
 
     # -- a dead peer: every helper, prefill and generation raise CommError on the survivors --
     sync()
@@ -271,6 +285,11 @@ def test_stuck_peer_is_a_comm_error_within_twice_the_timeout(failures):
     ("prefill_method", ["method: 'allgather' on rank 0; 'ring' on ranks [1, 2, 3]"]),
     ("shard_plan", ["headdim: 8 on ranks [0, 1, 2]; 16 on rank 3"]),
     ("llama_hidden", ["ranks disagree on Llama.prefill: hidden: 32 on rank 0; 16 on ranks [1, 2, 3]"]),
+    ("gen_lengths", ["ranks disagree on generate: prompt_lengths: (5, 2) on ranks [0, 1, 3]; (5, 3) on rank 2"]),
+    ("gen_contents", ["ranks disagree on generate: prompt_ids: "]),
+    ("gen_max_new", ["max_new_tokens: 2 on ranks [0, 1, 2]; 3 on rank 3"]),
+    ("gen_top_p", ["top_p: 0.5 on rank 0; None on ranks [1, 2, 3]"]),
+    ("prefill_lengths", ["ranks disagree on Llama.prefill: prompt_lengths: (5, 2) on ranks [0, 1, 3]; (4, 2) on rank 2"]),
 ])
 def test_prefill_baseline_and_model_disagreement_is_immediate_on_every_rank(failures, case, needles):
     kind, message, seconds = _same_everywhere(failures, case)
@@ -278,6 +297,9 @@ def test_prefill_baseline_and_model_disagreement_is_immediate_on_every_rank(fail
     for needle in needles:
         assert needle in message, message
     assert seconds < T
+    if case == "gen_contents":  # only what differs is named: the second prompt, on rank 1
+        differing = message.split(". Every rank")[0]
+        assert "prompt_lengths" not in differing and differing.count(" on rank 1") == 1, message
 
 
 @pytest.mark.parametrize("case,op", [
@@ -317,6 +339,8 @@ def test_cache_writes_check_shapes_and_layer_index():
         c.layer_kv(-1)
     with pytest.raises(TypeError, match="layer must be an integer index, got float 1.0"):
         c.write_prefill(1.0, good, good)
+    with pytest.raises(TypeError, match="layer must be an integer index, got bool True"):
+        c.write_prefill(True, good, good)  # operator.index(True) would be layer 1
     with pytest.raises(ValueError, match=r"write_prefill: k must have shape \(2, S, 2, 4\).*got \(3, 3, 2, 4\)"):
         c.write_prefill(0, torch.zeros(3, 3, 2, 4), good)
     with pytest.raises(ValueError, match=r"write_prefill: v must have shape \(2, S, 2, 4\).*got \(2, 3, 1, 4\)"):
@@ -333,6 +357,14 @@ def test_cache_writes_check_shapes_and_layer_index():
         c.append(0, torch.ones(2, 1, 2, 4), torch.ones(2, 1, 2, 4), slots[:1])
     with pytest.raises(ValueError, match=r"append: layer index 5 is outside \[0, 2\)"):
         c.append(5, torch.ones(2, 1, 2, 4), torch.ones(2, 1, 2, 4), slots)
+    with pytest.raises(IndexError, match=r"append: a slot is beyond this rank's 8 storage slots per row"):
+        c.append(0, torch.ones(2, 1, 2, 4), torch.ones(2, 1, 2, 4), torch.tensor([3, 99]))
+    import megatron_tree as mt
+
+    full = _cache(max_seq_len=3)
+    full.start_prefill([3, 1])
+    with pytest.raises(mt.CacheOverflowError, match="row 0 already holds 3 tokens"):  # exported at the top level
+        full.begin_decode_step()
     before = c.k.clone()
     c.append(1, torch.ones(2, 1, 2, 4), torch.ones(2, 1, 2, 4), slots)
     assert int((c.k != before).any(-1).any(-1).sum()) == 2  # exactly the two new tokens of layer 1

@@ -173,6 +173,12 @@ def _rank_fn(rank, world, paths):
         seen["different_prompts"] = None
     except DisagreementError as e:
         seen["different_prompts"] = str(e)
+    # ... and different generate budgets: refused at the prefill, before any rank computes
+    try:
+        hf.generate(ids, attention_mask=mask, max_new_tokens=2 if rank == 0 else 3, do_sample=False)
+        seen["different_budget"] = None
+    except DisagreementError as e:
+        seen["different_budget"] = str(e)
     return seen
 
 
@@ -300,6 +306,8 @@ def test_different_prompts_on_ranks_are_refused(ranks):
     assert all(m is not None and "ranks disagree on hf.prefill: input_ids:" in m for m in msgs), msgs
     assert "attention_mask" not in msgs[0].split(". Every rank")[0]  # only what differs is listed
     assert "on rank 1" in msgs[0] and len(set(msgs)) == 1  # the same text everywhere, naming the odd rank
+    budgets = [r["different_budget"] for r in ranks]
+    assert len(set(budgets)) == 1 and "max_new_tokens: 2 on rank 0; 3 on ranks [1, 2, 3]" in (budgets[0] or ""), budgets
 
 
 def test_cache_of_another_group_is_refused(ranks):

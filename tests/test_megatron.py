@@ -614,3 +614,27 @@ def test_megatron_decode_step_cp4_two_level_has_no_host_sync(megatron_results):
         assert out["host_sync"]["sync"] is None, out["host_sync"]["sync"]
         assert out["host_sync"]["err"] < 1e-4, out["host_sync"]
         assert all(min(row) > 0 for row in out["host_sync"]["shards"]), out["host_sync"]  # every rank holds tokens
+
+
+def test_check_checkpoint_refuses_tensors_the_config_would_drop(tmp_path):
+    """A real torch_dist checkpoint (DCP metadata, as dist_checkpointing writes it) of a model with an
+    untied output layer, read against a config that ties it: the trained output layer would be dropped."""
+    import json
+
+    import torch.distributed.checkpoint as dcp
+
+    from megatron_tree.integrations.megatron_model import CheckpointError, GPTShape, check_checkpoint, expected_tensor_shapes
+
+    dims = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1, max_position_embeddings=128)
+    untied = GPTShape(**dims, tie_word_embeddings=False)
+    tied = GPTShape(**dims, tie_word_embeddings=True)
+    tensors = {k: torch.zeros(v) for k, v in expected_tensor_shapes(untied).items()}
+    tensors["optimizer.state.exp_avg.output_layer.weight"] = torch.zeros(32, 16)  # not the model's: allowed
+    dcp.save(tensors, checkpoint_id=str(tmp_path), no_dist=True)
+    (tmp_path / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                                                        "common_backend": "torch", "common_backend_version": 1}))
+    assert check_checkpoint(str(tmp_path), untied).dist_dir == str(tmp_path)
+    with pytest.raises(CheckpointError, match=r"has output_layer\.weight \(an untied output layer\) but "
+                                              r"model\.tie_word_embeddings is true"):
+        check_checkpoint(str(tmp_path), tied)

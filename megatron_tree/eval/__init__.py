@@ -22,8 +22,8 @@ The package is split the way a run goes:
 * :mod:`.report` -- results.json (schema: docs/eval.md), the plot, wandb, the summary lines.
 """
 
-from .launch import ExactnessError, check_launch, launcher_name, main, map_slurm_env, parse_args, run_eval
+from .launch import ExactnessError, check_launch, launcher_name, main, map_slurm_env, parse_args, run_eval, single_process_topology
 from .run import percentile
 
 __all__ = ["main", "run_eval", "map_slurm_env", "check_launch", "launcher_name", "parse_args", "percentile",
-           "ExactnessError"]
+           "ExactnessError", "single_process_topology"]

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from ..config import ConfigError, ModelConfig, RunConfig, load_config, to_dict
 
-__all__ = ["main", "run_eval", "map_slurm_env", "launcher_name", "check_launch", "check_model", "check_inputs",
+__all__ = ["main", "run_eval", "map_slurm_env", "launcher_name", "check_launch", "single_process_topology", "check_model", "check_inputs",
            "init_distributed", "parse_args", "is_user_error", "remove_stale_results", "ExactnessError"]
 
 
@@ -64,6 +64,24 @@ def launcher_name(env) -> str:
     if "SLURM_PROCID" in env:
         return "slurm"
     return "none"
+
+
+def single_process_topology(cfg: RunConfig, world: int, prog: str = "megatron-tree-eval") -> RunConfig:
+    """``cfg`` with ``topology.intra_size`` dropped (and a note printed) when one process runs.
+
+    A single process (WORLD_SIZE unset or 1) has a CP group of one rank and no node levels, so
+    the shipped configs' ``intra_size: 2`` (a simulated node layout for 4 ranks) does not apply;
+    refusing it would make every ``python -m ...`` run without a launcher need
+    ``topology.intra_size=null``.
+    """
+    intra = cfg.topology.intra_size
+    if world != 1 or intra is None or intra == 1:
+        return cfg
+    import dataclasses
+
+    print(f"{prog}: note: one process (WORLD_SIZE unset or 1): topology.intra_size {intra} ignored "
+          "(a CP group of one rank has no node levels)", file=sys.stderr, flush=True)
+    return dataclasses.replace(cfg, topology=dataclasses.replace(cfg.topology, intra_size=None))
 
 
 def check_launch(cfg: RunConfig, world: int, env=None) -> int:
@@ -331,6 +349,7 @@ def run_eval(cfg: RunConfig, env=None) -> dict | None:
     env = os.environ if env is None else env
     t_start = time.perf_counter()
     world = int(env.get("WORLD_SIZE", 1))
+    cfg = single_process_topology(cfg, world)
     cp_size = check_launch(cfg, world, env)
     checkpoint = check_inputs(cfg)
 

@@ -695,10 +695,12 @@ def _prefill(model, orig, binding: _Binding, cache: TreeCache, call: dict, batch
     else:
         slot_of = torch.arange(local.shape[1], device=device)
     # Ranks handed different prompts would each compute their chunk of another prompt: compare first.
+    # max_new_tokens: generate's budget (None outside generate); ranks with different budgets would
+    # run in step until the first stops, then the others would wait in a collective for it.
     names = ("batch", "seq", "input_ids", "inputs_embeds", "attention_mask", "position_ids", "logits_wanted",
-             "strategy", "prefill", "layout", "block_size")
+             "strategy", "prefill", "layout", "block_size", "max_new_tokens")
     values = (batch, seq, _checksum(ids), _checksum(embeds), _checksum(mask), _checksum(pos_ids), _checksum(wanted),
-              binding.strategy, binding.prefill, binding.layout, binding.block_size)
+              binding.strategy, binding.prefill, binding.layout, binding.block_size, binding.new_tokens_hint)
     _agree(binding, "hf.prefill", names, values)
     out = _run(orig, binding, cache, call)
     logits = out.logits  # (B, |rows_local| or W, V)

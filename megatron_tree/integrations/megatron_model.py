@@ -209,7 +209,9 @@ def check_checkpoint(path: str, shape: GPTShape) -> CheckpointInfo:
     """Find and check a checkpoint against ``shape`` by reading its metadata only (no collective).
 
     Raises :class:`CheckpointError` naming the file: not a distributed checkpoint, a
-    training argument or a tensor shape that disagrees with the config, a missing tensor.
+    training argument or a tensor shape that disagrees with the config, a missing tensor, a
+    model tensor the config has no place for (e.g. an untied ``output_layer.weight`` under
+    ``model.tie_word_embeddings: true``).
     """
     dist_dir, iteration = resolve_checkpoint(path)
     tensors = _read_tensor_shapes(dist_dir)
@@ -226,6 +228,19 @@ def check_checkpoint(path: str, shape: GPTShape) -> CheckpointInfo:
     wrong = [f"{k}: {tensors[k]} (the config gives {v})" for k, v in expected.items() if tensors[k] != v]
     if wrong:
         raise CheckpointError(f"checkpoint {dist_dir} has tensors whose shapes disagree with model.*: " + "; ".join(wrong))
+    # A model tensor the config has no place for would be dropped at load, silently: refuse it.
+    # (Optimizer states, saved beside the model by Megatron-LM, are not the model's.)
+    extra = sorted(k for k in tensors if k not in expected and not k.startswith("optimizer."))
+    if "output_layer.weight" in extra:
+        raise CheckpointError(
+            f"checkpoint {dist_dir} has output_layer.weight (an untied output layer) but model.tie_word_embeddings "
+            "is true: the trained output layer would be dropped; set model.tie_word_embeddings=false"
+        )
+    if extra:
+        raise CheckpointError(
+            f"checkpoint {dist_dir} has tensors the config has no place for: {extra[:8]} (a Llama-style GPTModel "
+            "of model.*'s shape was expected: RMSNorm, SwiGLU, RoPE, no biases, no QK norm)"
+        )
     return CheckpointInfo(path, dist_dir, iteration, tensors, args)
 
 
@@ -448,7 +463,8 @@ class MegatronLM:
             # one all-reduce SUM gives every rank the same (exact: x + 0 = x).
             logits = logits.float() * (1.0 if last else 0.0)
             if self.groups.size > 1:
-                with self.groups.agreement.call("MegatronLM.prefill", ("batch", "vocab"), tuple(logits.shape)):
+                with self.groups.agreement.call("MegatronLM.prefill", ("batch", "vocab", "prompt_length"),
+                                                (*logits.shape, lengths[b0])):
                     collectives.all_reduce(logits, self.groups.cp_group, op="sum", stats=stats,
                                            what="MegatronLM.prefill: sum of the last prompt tokens' logits")
             if out is None:

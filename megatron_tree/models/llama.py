@@ -377,7 +377,9 @@ class Llama(nn.Module):
         h = (x * hit[..., None].to(x.dtype)).sum(dim=1)  # (B, hidden)
         if self.cp_size > 1:
             h32 = h.float()
-            with self.groups.agreement.call("Llama.prefill", ("batch", "hidden", "dtype"), (*h.shape, h.dtype)):
+            # lengths: ranks handed rows of other lengths would place their chunks wrongly (a silent wrong answer)
+            with self.groups.agreement.call("Llama.prefill", ("batch", "hidden", "dtype", "prompt_lengths"),
+                                            (*h.shape, h.dtype, tuple(lengths))):
                 collectives.all_reduce(h32, self.groups.cp_group, op="sum", stats=stats,
                                        what="Llama.prefill: sum of the last prompt tokens' hidden states")
             h = h32.to(h.dtype)
