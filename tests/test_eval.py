@@ -422,6 +422,13 @@ def test_dynamic_engine_comparison_reads_the_right_positions():
     other[0, 3] = (other[0, 3] + 1) % vocab
     wrong = R.compare_dynamic_with_reference(em, prompts, other, lp, 1.0, "cpu")
     assert not wrong["tokens_match_reference"] and not wrong["within_tolerance"]
+    # a token the reference would not choose fails the run even when its log-prob is the
+    # reference's own (the last token does not change the reference's context)
+    ids_other = torch.cat([torch.tensor(prompts), other[:, :-1]], 1)
+    lp_other = torch.log_softmax(reference(ids_other)[:, ctx - 1:].double(), -1).gather(-1, other[..., None])[..., 0]
+    chosen_badly = R.compare_dynamic_with_reference(em, prompts, other, lp_other, 1e-3, "cpu")
+    assert chosen_badly["max_abs_dlogprobs"] < 1e-6
+    assert not chosen_badly["tokens_match_reference"] and not chosen_badly["within_tolerance"]
 
 
 @pytest.mark.parametrize("flags, fragment", [

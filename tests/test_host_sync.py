@@ -132,7 +132,7 @@ SYNCS = {
     "float": lambda t: float(t[0]), "nonzero": lambda t: (t > 2).nonzero(), "where1": lambda t: torch.where(t > 2),
     "mask_index": lambda t: t[t > 2], "mask_put": lambda t: t.clone().__setitem__(t > 2, 0),
     "masked_select": lambda t: t.masked_select(t > 1), "unique": lambda t: t.unique(),
-    "repeat_interleave": lambda t: torch.repeat_interleave(t),
+    "repeat_interleave": lambda t: torch.repeat_interleave(t), "equal": lambda t: torch.equal(t, t),
 }
 
 

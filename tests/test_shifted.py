@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import megatron_tree as mt
-from megatron_tree import reference
+from megatron_tree import comm, reference
 from distributed import run_ranks
 
 HEAD_DIM = 16
@@ -128,6 +128,14 @@ def world2_extra(groups):
         mt.tree_decode(q, k, k, groups, strategy="shifted", shift=torch.zeros(2, 4, 1) if rank == 0 else None)
     except mt.DisagreementError as e:
         msgs.append(str(e))
+    # a NaN partial lse on one rank (the other rank's is finite, so the row counts as nonempty)
+    # makes the all-reduced denominator NaN: flagged too
+    o, lse = mt.flash_decode(q, k, k)
+    if rank % 2 == 0:
+        lse[0, 0, 0] = float("nan")
+    flags = []
+    comm.merge(o.float(), lse, groups, "shifted", None, dtype=q.dtype, shift=torch.zeros(2, 4, 1), deferred=flags)
+    msgs.append(bool(torch.stack(flags).any()))
     return msgs
 
 
@@ -218,6 +226,23 @@ def generate_body(groups, path):
 
     result["redo"] = steps(True)
     result["plain"] = steps(False)
+
+    # generate()'s own redo: step 2's shifts pushed 500 above the truth on its first try; generate
+    # reads the flags, runs the step again with packed, and the tokens are transformers' still
+    calls = []
+    decode_step = model.decode_step
+
+    def corrupting(ids, cache, strategy="auto", stats=None, shift=None):
+        calls.append(strategy)
+        if len(calls) == 3 and shift is not None:
+            shift.shifts = {key: r + 500.0 for key, r in shift.shifts.items()}
+        return decode_step(ids, cache, strategy=strategy, stats=stats, shift=shift)
+
+    model.decode_step = corrupting
+    stats = mt.CommStats()
+    res = generate(model, prompts, NEW_TOKENS, strategy="shifted", stats=stats, progress=False)
+    del model.decode_step
+    result["generate_redo"] = {"tokens": res.tokens, "fallbacks": stats.fallbacks, "decode_calls": len(calls)}
     return result
 
 
@@ -265,6 +290,10 @@ def test_shifted_exact_one_collective_and_generate(ckpt):
         plain_logits, plain_redos, plain_lengths = rep["plain"]
         assert redos == [0, 0, layers, 0] and plain_redos == [0, 0, 0, 0], redos
         assert lengths == plain_lengths  # the redo did not advance the cache a second time
+        gen = rep["generate_redo"]
+        assert gen["tokens"] == expected, f"rank {rank}: generate's redo changed the tokens"
+        assert gen["fallbacks"] == layers and gen["decode_calls"] == NEW_TOKENS, gen  # one step run twice
+        assert results[rank]["2"]["extra"][2] is True  # a NaN denominator raises the deferred flag
         for i, (a, b) in enumerate(zip(logits, plain_logits)):
             err = float((torch.tensor(a) - torch.tensor(b)).abs().max())
             assert err <= 1e-5, f"rank {rank} step {i}: shifted/redo logits differ from packed by {err:.2e}"
