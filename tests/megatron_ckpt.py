@@ -35,17 +35,11 @@ def training_args(**changes) -> argparse.Namespace:
     return argparse.Namespace(**args)
 
 
-class _IdTokenizer:
+def _IdTokenizer():
     """Token ids as text: all Megatron's controller needs from a tokenizer."""
+    from megatron_tree.integrations.megatron_model import IdTokenizer
 
-    eod = -1
-    bos = None
-
-    def tokenize(self, text):
-        return [int(t) for t in text.split()]
-
-    def detokenize(self, tokens):
-        return " ".join(str(int(t)) for t in tokens)
+    return IdTokenizer(eod=-1)
 
 
 def engine_generate(model, prompts, new_tokens: int, max_len: int) -> list[list[int]]:

@@ -97,17 +97,11 @@ def greedy_decode(model, wrapper_cls, context):
     return inputs["tokens"][:, PROMPT_LEN:end].tolist(), min(margins), logits.tolist()
 
 
-class _IdTokenizer:
+def _IdTokenizer():
     """Token ids as text ("5 17 3"): all the controller needs from a tokenizer."""
+    from megatron_tree.integrations.megatron_model import IdTokenizer
 
-    eod = VOCAB - 1
-    bos = None
-
-    def tokenize(self, text):
-        return [int(t) for t in text.split()]
-
-    def detokenize(self, tokens):
-        return " ".join(str(int(t)) for t in tokens)
+    return IdTokenizer(eod=VOCAB - 1)
 
 
 def engine_generate(model, wrapper_cls, context, prompts=None):

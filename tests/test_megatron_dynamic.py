@@ -74,17 +74,11 @@ def _build_model(cp, hier, tree: bool, strategy="auto"):
     return model.eval()
 
 
-class _IdTokenizer:
+def _IdTokenizer():
     """Token ids as text: all the engine needs from a tokenizer."""
+    from megatron_tree.integrations.megatron_model import IdTokenizer
 
-    eod = VOCAB - 1
-    bos = None
-
-    def tokenize(self, text):
-        return [int(t) for t in text.split()]
-
-    def detokenize(self, tokens):
-        return " ".join(str(int(t)) for t in tokens)
+    return IdTokenizer(eod=VOCAB - 1)
 
 
 def _prompts(lengths=PROMPT_LENS, seed=11):

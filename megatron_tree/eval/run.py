@@ -279,21 +279,6 @@ def warm_up(em, ev: EvalConfig, seed: int, device) -> None:
 # --------------------------------------------------------------------------- Megatron's dynamic engine
 
 
-class _IdTokenizer:
-    """Token ids as text: all Megatron's engine asks of a tokenizer when prompts are ids."""
-
-    bos = None
-
-    def __init__(self, vocab: int):
-        self.eod = vocab - 1  # never used to stop: requests run with termination_id -1
-
-    def tokenize(self, text):
-        return [int(t) for t in text.split()]
-
-    def detokenize(self, tokens):
-        return " ".join(str(int(t)) for t in tokens)
-
-
 class DynamicStepTimer:
     """``generate_dynamic``'s hook: each engine step timed between a CP barrier and a device sync;
     the core attentions record traffic into ``stats`` on steps ``>= timed_from`` only."""
@@ -347,6 +332,7 @@ def decode_dynamic(em, prompts, n_steps: int, ev: EvalConfig, device, strategy: 
 
     from ..comm import CommStats
     from ..integrations.megatron_dynamic import build_dynamic_engine, generate_dynamic
+    from ..integrations.megatron_model import IdTokenizer
 
     lm = em.lm
     model = lm.model
@@ -362,7 +348,7 @@ def decode_dynamic(em, prompts, n_steps: int, ev: EvalConfig, device, strategy: 
     itemsize = torch.empty((), dtype=next(model.parameters()).dtype).element_size()
     token_bytes = 2 * shape.num_hidden_layers * shape.num_key_value_heads * shape.kv_channels * itemsize
     engine = build_dynamic_engine(
-        model, _IdTokenizer(em.vocab_size), max_sequence_length=max_len,
+        model, IdTokenizer(eod=em.vocab_size - 1), max_sequence_length=max_len,  # eod never stops: termination_id -1
         buffer_size_gb=(blocks + 0.5) * block * token_bytes / 2**30, block_size_tokens=block,
         max_tokens=_round_up_tokens(sum(len(p) for p in prompts)), max_requests=batch)
     stats = CommStats()

@@ -39,8 +39,27 @@ from ..models.llama import CheckpointError
 __all__ = [
     "GPTShape", "CheckpointInfo", "resolve_checkpoint", "check_checkpoint", "expected_tensor_shapes",
     "transformer_config", "build_gpt", "single_rank_groups", "global_tensors", "fill_from_global",
-    "read_global_tensors", "load_checkpoint", "MegatronLM", "MegatronReference", "CheckpointError",
+    "read_global_tensors", "load_checkpoint", "MegatronLM", "MegatronReference", "CheckpointError", "IdTokenizer",
 ]
+
+
+class IdTokenizer:
+    """Token ids as whitespace-separated text ("5 17 3"): all Megatron's controllers and engines
+    ask of a tokenizer when prompts are already ids.
+
+    eod: the end-of-document id (Megatron stops a row on it; -1 for none)
+    """
+
+    bos = None
+
+    def __init__(self, eod: int = -1):
+        self.eod = eod
+
+    def tokenize(self, text: str) -> list[int]:
+        return [int(t) for t in text.split()]
+
+    def detokenize(self, tokens) -> str:
+        return " ".join(str(int(t)) for t in tokens)
 
 
 @dataclass(frozen=True)
