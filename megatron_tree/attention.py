@@ -83,18 +83,20 @@ def tree_decode(
         out, lse = _decode_overlapped(q, k, v, groups, cache_seqlens, softmax_scale, strategy, q_positions,
                                       k_positions, stats, backend)
         out = out.to(q.dtype)
-        return (out, lse) if return_lse else out
-    # fp32 partials (DESIGN.md section 1): a bf16/fp16 result is rounded once, below.
+        return (out, lse.to(acc_dtype(q.dtype))) if return_lse else out
+    # fp32 partials (DESIGN.md section 1): a bf16/fp16 result is rounded once, below. The
+    # partial lse is float64 so the merge is exact at any score magnitude (comm's docstring).
     out, lse = ops.flash_decode(
         q, k, v, cache_seqlens=cache_seqlens, softmax_scale=softmax_scale,
         q_positions=q_positions, k_positions=k_positions, out_dtype=acc_dtype(q.dtype), backend=backend,
+        lse_dtype=torch.float64,
     )
     comm.check_shift(shift, tuple(lse.shape))
     if groups is not None:
         out, lse = comm.merge(out, lse, groups, strategy, stats, dtype=q.dtype,
                               backend=ops.resolve_backend(q.device, backend), shift=shift, deferred=deferred)
     out = out.to(q.dtype)
-    return (out, lse) if return_lse else out
+    return (out, lse.to(acc_dtype(q.dtype))) if return_lse else out
 
 
 def _decode_overlapped(q, k, v, groups, cache_seqlens, softmax_scale, strategy, q_positions, k_positions, stats,
@@ -115,7 +117,7 @@ def _decode_overlapped(q, k, v, groups, cache_seqlens, softmax_scale, strategy, 
         return ops.flash_decode(
             q[rows], k[rows], v[rows], cache_seqlens=pick(cache_seqlens), softmax_scale=softmax_scale,
             q_positions=pick(q_positions), k_positions=k_positions if shared_kpos else pick(k_positions),
-            out_dtype=acc_dtype(q.dtype), backend=backend,
+            out_dtype=acc_dtype(q.dtype), backend=backend, lse_dtype=torch.float64,
         )
 
     return comm.merge_overlapped(local, halves, tuple(q.shape), groups, strategy, stats, dtype=q.dtype,

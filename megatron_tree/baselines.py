@@ -134,7 +134,7 @@ def _signature(q, k, backend, lengths) -> tuple:
 def _finish(outs, lses, q_dtype, return_lse):
     out, lse = ops.merge_states(torch.stack(outs), torch.stack(lses))
     out = out.to(q_dtype)
-    return (out, lse) if return_lse else out
+    return (out, lse.to(reference.acc_dtype(q_dtype))) if return_lse else out
 
 
 def ring_decode(
@@ -185,7 +185,8 @@ def ring_decode(
                 pending = collectives.p2p([(t, nxt) for t in cur], [(t, prv) for t in (bk, bv, bs)], groups.cp_group,
                                           stats=stats, what=f"ring decode, hop {hop}")
             outs[src], lses[src] = ops.flash_decode(
-                q, cur[0], cur[1], cache_seqlens=cur[2], softmax_scale=softmax_scale, backend=backend
+                q, cur[0], cur[1], cache_seqlens=cur[2], softmax_scale=softmax_scale, backend=backend,
+                lse_dtype=torch.float64,
             )
             if pending is not None:
                 pending.wait()
@@ -210,19 +211,22 @@ def passq_ring_decode(
 ):
     """Partial-state ring: local kernel once, then the partial states travel P-1 hops.
 
-    Shapes as :func:`ring_decode`. Each rank packs its state as cat[o, lse] (fp32,
-    batch*seqlen_q*nheads_q*(headdim+1) values) into a (P, state) workspace; hop h sends
+    Shapes as :func:`ring_decode`. Each rank packs its state as cat[o, lse] (o in fp32, the
+    lse's float64 bytes as two fp32 words: batch*seqlen_q*nheads_q*(headdim+2) values) into a
+    (P, state) workspace; hop h sends
     the state that arrived at hop h-1 (its own at hop 0) to r+1 and receives the next one
     from r-1. After P-1 hops every rank holds all P states and merges them in shard order.
     """
     p, r = groups.size, groups.rank
-    out, lse = ops.flash_decode(q, k, v, cache_seqlens=cache_seqlens, softmax_scale=softmax_scale, backend=backend)
+    out, lse = ops.flash_decode(q, k, v, cache_seqlens=cache_seqlens, softmax_scale=softmax_scale, backend=backend,
+                                lse_dtype=torch.float64)
     acc = reference.acc_dtype(out.dtype)
-    no, nl = out.numel(), lse.numel()
+    lse_words = lse.reshape(-1).view(acc)  # the float64 lse's bytes, travelling whole
+    no, nl = out.numel(), lse_words.numel()
     plan = plan if plan is not None else ShardPlan(tuple([k.shape[1]] * p), r)
     states = plan.buffer("passq_states", p * (no + nl), acc, q.device)[: p * (no + nl)].view(p, no + nl)
     states[r, :no] = out.reshape(-1)
-    states[r, no:] = lse.reshape(-1)
+    states[r, no:] = lse_words
     nxt, prv = groups.cp_ranks[(r + 1) % p], groups.cp_ranks[(r - 1) % p]
     with groups.agreement.call("pass-Q ring decode", BASELINE_SIGNATURE, _signature(q, k, backend, None)):
         for hop in range(p - 1):
@@ -232,10 +236,10 @@ def passq_ring_decode(
     if stats is not None:
         stats.calls += 1
     outs = states[:, :no].reshape(p, *out.shape)
-    lses = states[:, no:].reshape(p, *lse.shape)
+    lses = states[:, no:].contiguous().view(lse.dtype).reshape(p, *lse.shape)
     res, res_lse = ops.merge_states(outs, lses)
     res = res.to(q.dtype)
-    return (res, res_lse) if return_lse else res
+    return (res, res_lse.to(acc)) if return_lse else res
 
 
 def allgather_kv_decode(
@@ -277,7 +281,7 @@ def allgather_kv_decode(
     outs, lses = [], []
     for u in range(p):
         o, l = ops.flash_decode(q, gathered[0][u], gathered[1][u], cache_seqlens=seqs[u],
-                                softmax_scale=softmax_scale, backend=backend)
+                                softmax_scale=softmax_scale, backend=backend, lse_dtype=torch.float64)
         outs.append(o)
         lses.append(l)
     if stats is not None:

@@ -2,8 +2,14 @@
 
 Invariant: every strategy computes DESIGN.md section 1 with the two halves of the one
 merge formula in ``reference.py`` (``lse_weights`` and ``normalize``), with collectives in
-between; partials travel in float32 (float64 for float64 input) and are cast once, by
-the caller. Every collective issued is recorded in a :class:`CommStats` when one is given,
+between; partial outputs and weights travel in float32 (float64 for float64 input) and are
+cast once, by the caller. A partial lse arrives in float64 from ``tree_decode`` and stays
+float64 through every level (issue 12 item 6: a float32 lse of magnitude 1e4 is known only
+to ~5e-4, which a merge would turn into a 1e-4 error in the output); on the wire it costs
+nothing extra except in ``allgather`` (8 bytes per row instead of 4): the MAX of
+``packed``/``two_level``/``allreduce3`` only needs a shared shift near the maximum, so it
+runs on the lse rounded to float32, and the weights ``exp(lse_u - m)`` are formed from the
+whole lse. Every collective issued is recorded in a :class:`CommStats` when one is given,
 so tests and benchmarks read counts and bytes instead of assuming them.
 
 Strategies (DESIGN.md section 4):
@@ -112,46 +118,56 @@ def _all_reduce(buf: torch.Tensor, op: str, group, level: str, stats) -> None:
     collectives.all_reduce(buf, group, op=op, level=level, stats=stats, what=_WHAT)
 
 
-def _merge_packed(o, lse, group, size, level, stats):
-    """MAX(lse), then one SUM over cat([w*o, w]). o: (B, Sq, Hq, D) fp32; lse: (B, Hq, Sq)."""
-    m = lse.clone()
+def _shared_max(lse, o, group, level, stats):
+    """MAX over the group of lse rounded to o's dtype: the shift m of ``packed`` and ``allreduce3``.
+
+    Any m that every rank holds and that is within a rounding of the largest lse works (the
+    weights ``exp(lse_u - m)`` are formed from the whole lse and stay <= 1 + 2^-24 |m|), so a
+    float64 lse crosses the wire in 4 bytes. Rounding is monotonic: this is the rounded maximum.
+    """
+    m = lse.to(o.dtype, copy=True)
     _all_reduce(m, "max", group, level, stats)
-    w = lse_weights(lse, m)
+    return m
+
+
+def _merge_packed(o, lse, group, size, level, stats):
+    """MAX(lse), then one SUM over cat([w*o, w]). o: (B, Sq, Hq, D) fp32; lse: (B, Hq, Sq) fp64 or fp32."""
+    m = _shared_max(lse, o, group, level, stats)
+    w = lse_weights(lse, m, o.dtype)
     buf = torch.cat([weighted(o, w).reshape(-1), w.reshape(-1)])
     _all_reduce(buf, "sum", group, level, stats)
     num, den = buf[: o.numel()].view(o.shape), buf[o.numel():].view(lse.shape)
-    return normalize(num, den, m)
+    return normalize(num, den, m, lse.dtype)
 
 
 def _merge_allreduce3(o, lse, group, size, level, stats):
     """The paper's Algorithm 3: MAX(lse), SUM(den), SUM(num) as three collectives."""
-    m = lse.clone()
-    _all_reduce(m, "max", group, level, stats)
-    den = lse_weights(lse, m)
+    m = _shared_max(lse, o, group, level, stats)
+    den = lse_weights(lse, m, o.dtype)
     num = weighted(o, den)
     _all_reduce(den, "sum", group, level, stats)
     _all_reduce(num, "sum", group, level, stats)
-    return normalize(num, den, m)
+    return normalize(num, den, m, lse.dtype)
 
 
 def _merge_shifted(o, lse, group, size, level, stats, shift):
     """One SUM over cat([w*o, w, nonempty]) with w = exp(lse - shift).
 
-    o: (B, Sq, Hq, D) fp32; lse, shift: (B, Hq, Sq). Returns (out, lse, bad) where bad:
-    (B, Hq, Sq) bool, identical on every rank, marks rows whose weights overflowed or all
-    underflowed (their out/lse are not usable; the caller redoes the merge with ``packed``).
+    o: (B, Sq, Hq, D) fp32; lse: (B, Hq, Sq) fp64 or fp32; shift: (B, Hq, Sq). Returns (out,
+    lse, bad) where bad: (B, Hq, Sq) bool, identical on every rank, marks rows whose weights
+    overflowed or all underflowed (their out/lse are not usable; the caller redoes the merge
+    with ``packed``).
     """
-    r = shift.to(lse.dtype)
-    r = torch.where(torch.isfinite(r), r, torch.zeros_like(r))  # an all-empty row's -inf shift: any r works
-    w = lse_weights(lse, r)
-    nonempty = torch.isfinite(lse).to(lse.dtype)
+    r = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))  # an all-empty row's -inf: any r works
+    w = lse_weights(lse, r, o.dtype)
+    nonempty = torch.isfinite(lse).to(o.dtype)
     buf = torch.cat([weighted(o, w).reshape(-1), w.reshape(-1), nonempty.reshape(-1)])
     _all_reduce(buf, "sum", group, level, stats)
     n, k = o.numel(), lse.numel()
     num, den, count = buf[:n].view(o.shape), buf[n: n + k].view(lse.shape), buf[n + k:].view(lse.shape)
     # NaN fails both comparisons: it is flagged too. A row with no key anywhere (count 0) is fine.
     bad = (count > 0) & ~((den >= SHIFT_MIN_DEN) & (den <= SHIFT_MAX_DEN))
-    out, lse = normalize(num, den, r)
+    out, lse = normalize(num, den, r, lse.dtype)
     return out, lse, bad
 
 
@@ -167,13 +183,22 @@ def check_shift(shift, lse_shape: tuple) -> None:
                          f"got {tuple(shift.shape)}")
 
 
+def _gather_buffer(o, lse) -> torch.Tensor:
+    """cat([o, lse]) in o's dtype; a float64 lse travels as its raw bytes (two fp32 words each)."""
+    return torch.cat([o.reshape(-1), lse.reshape(-1).view(o.dtype)])
+
+
+def _gathered_states(parts, o, lse, size):
+    """The P states of an all-gathered :func:`_gather_buffer`: outs (P, *o.shape), lses (P, *lse.shape)."""
+    outs = parts[:, : o.numel()].reshape(size, *o.shape)
+    lses = parts[:, o.numel():].contiguous().view(lse.dtype).reshape(size, *lse.shape)
+    return outs, lses
+
+
 def _merge_allgather(o, lse, group, size, level, stats):
     """One all-gather of cat([o, lse]) and a local merge of the P states."""
-    buf = torch.cat([o.reshape(-1), lse.reshape(-1)])
-    parts = collectives.all_gather(buf, group, level=level, stats=stats, what=_WHAT)
-    outs = parts[:, : o.numel()].reshape(size, *o.shape)
-    lses = parts[:, o.numel():].reshape(size, *lse.shape)
-    return ops.merge_states(outs, lses)
+    parts = collectives.all_gather(_gather_buffer(o, lse), group, level=level, stats=stats, what=_WHAT)
+    return ops.merge_states(*_gathered_states(parts, o, lse, size))
 
 
 def merge(
@@ -191,7 +216,8 @@ def merge(
     """Merge this rank's partial state with every other rank's of ``groups``; result on all ranks.
 
     out: (batch, seqlen_q, nheads_q, headdim), any float dtype (this rank's normalised partial)
-    lse: (batch, nheads_q, seqlen_q) natural log, -inf for an empty shard
+    lse: (batch, nheads_q, seqlen_q) natural log, -inf for an empty shard; float64 (what
+        ``tree_decode`` passes) keeps the merge exact at any score magnitude
     dtype, backend: the caller's input dtype and kernel backend (default: out's dtype, none),
         part of what every rank must agree on (:data:`MERGE_SIGNATURE`)
     shift: (batch, nheads_q, seqlen_q) float, bit-identical on every rank (``shifted``; ``None``
@@ -199,7 +225,8 @@ def merge(
     deferred: ``shifted`` only: a list that receives this call's device flag (a 0-d bool tensor,
         True when the result must be redone) instead of a host check and an immediate redo
     returns out: (batch, seqlen_q, nheads_q, headdim) float32 (float64 for float64 input),
-            lse: (batch, nheads_q, seqlen_q) same dtype; every rank of the CP group gets the same.
+            lse: (batch, nheads_q, seqlen_q) in the wider of lse's dtype and out's; every rank of
+            the CP group gets the same.
 
     Ranks that disagree on the signature raise :class:`DisagreementError` on every rank
     (checked when this rank's signature differs from its previous merge on ``groups``: no
@@ -214,7 +241,7 @@ def merge(
         )
     acc = acc_dtype(out.dtype)
     o = out.to(acc)
-    lse = lse.to(acc)
+    lse = lse.to(torch.promote_types(lse.dtype, acc))
     check_shift(shift, tuple(lse.shape))
     if stats is not None:
         stats.calls += 1
@@ -268,33 +295,31 @@ def _start_all_reduce(buf: torch.Tensor, op: str, group, level: str, stats) -> c
 
 def _packed_stages(o, lse, group, level, stats):
     """:func:`_merge_packed` in stages: MAX(lse) | SUM(cat[w*o, w]) | normalise."""
-    m = lse.clone()
+    m = lse.to(o.dtype, copy=True)  # as in _shared_max
     yield _start_all_reduce(m, "max", group, level, stats)
-    w = lse_weights(lse, m)
+    w = lse_weights(lse, m, o.dtype)
     buf = torch.cat([weighted(o, w).reshape(-1), w.reshape(-1)])
     yield _start_all_reduce(buf, "sum", group, level, stats)
     num, den = buf[: o.numel()].view(o.shape), buf[o.numel():].view(lse.shape)
-    return normalize(num, den, m)
+    return normalize(num, den, m, lse.dtype)
 
 
 def _allreduce3_stages(o, lse, group, level, stats):
     """:func:`_merge_allreduce3` in stages; its two SUMs do not depend on each other and travel together."""
-    m = lse.clone()
+    m = lse.to(o.dtype, copy=True)  # as in _shared_max
     yield _start_all_reduce(m, "max", group, level, stats)
-    den = lse_weights(lse, m)
+    den = lse_weights(lse, m, o.dtype)
     num = weighted(o, den)
     yield _start_all_reduce(den, "sum", group, level, stats), _start_all_reduce(num, "sum", group, level, stats)
-    return normalize(num, den, m)
+    return normalize(num, den, m, lse.dtype)
 
 
 def _allgather_stages(o, lse, group, size, level, stats):
     """:func:`_merge_allgather` in stages: ALL_GATHER(cat[o, lse]) | local merge."""
-    buf = torch.cat([o.reshape(-1), lse.reshape(-1)])
+    buf = _gather_buffer(o, lse)
     parts = buf.new_empty((size, buf.numel()))
     yield collectives.all_gather_async(buf, group, out=parts, level=level, stats=stats, what=_WHAT)
-    outs = parts[:, : o.numel()].reshape(size, *o.shape)
-    lses = parts[:, o.numel():].reshape(size, *lse.shape)
-    return ops.merge_states(outs, lses)
+    return ops.merge_states(*_gathered_states(parts, o, lse, size))
 
 
 def _two_level_stages(o, lse, groups, stats):
@@ -397,7 +422,8 @@ def merge_overlapped(
         stats.calls += 1
     if groups.size == 1:
         states = [local(p) for p in parts]
-        return torch.cat([o.to(acc) for o, _ in states]), torch.cat([l.to(acc) for _, l in states])
+        return (torch.cat([o.to(acc) for o, _ in states]),
+                torch.cat([l.to(torch.promote_types(l.dtype, acc)) for _, l in states]))
     if strategy == "auto":  # every part is priced as the largest one, so all parts run one strategy
         strategy = choose_strategy(groups, (max(sizes), sq, hq, d), torch.tensor([], dtype=acc).element_size())
     signature = (b, sq, hq, d, dtype, strategy, backend, sizes)
@@ -406,7 +432,8 @@ def merge_overlapped(
         flights = []
         for p in parts:
             o, lse = local(p)
-            flight = _InFlight(_stages(strategy, o.to(acc), lse.to(acc), groups, stats))
+            flight = _InFlight(_stages(strategy, o.to(acc), lse.to(torch.promote_types(lse.dtype, acc)), groups,
+                                       stats))
             while flight.started < n:
                 flight.advance()
             flights.append(flight)

@@ -188,6 +188,13 @@ class Dims:
     def lse_bytes(self) -> int:
         return self.batch * self.heads_q * self.seqlen_q * self.acc_bytes
 
+    @property
+    def lse_wire_bytes(self) -> int:
+        """Bytes of partial lse that travel whole (all-gathers, the pass-Q ring): float64, so a
+        merge is exact at any score magnitude (``comm``'s docstring). All-reduces carry the
+        weights instead, in ``acc_bytes``."""
+        return self.batch * self.heads_q * self.seqlen_q * 8
+
     def kernel_bytes(self, tokens: int, score_passes: int = 0) -> int:
         """Memory traffic of the local kernel over ``tokens`` keys: KV once, plus
         ``score_passes`` passes over an fp32 score matrix when the kernel materialises one."""
@@ -285,7 +292,7 @@ def merge_cost(strategy: str, preset: Preset, dims: Dims, p: int, intra_size: in
     if strategy == "allreduce3":
         return ar(l) + ar(l) + ar(o) + local_merge_time(preset, dims, 2, p)
     if strategy == "allgather":
-        return allgather_time(preset, p, nodes, o + l, p) + local_merge_time(preset, dims, p, p)
+        return allgather_time(preset, p, nodes, o + dims.lse_wire_bytes, p) + local_merge_time(preset, dims, p, p)
     if strategy == "shifted":
         redo = ar(l) + ar(o + l) + local_merge_time(preset, dims, 2, p)
         return ar(o + 2 * l) + local_merge_time(preset, dims, 2, p) + fallback * redo  # cat[w*o, w, count]
@@ -426,7 +433,7 @@ def merge_stages(strategy: str, preset: Preset, dims: Dims, p: int,
     if strategy == "allreduce3":
         return [[("cp", ar(l))], [("cp", ar(l)), ("cp", ar(o))]], local
     if strategy == "allgather":
-        return [[("cp", allgather_time(preset, p, nodes, o + l, p))]], local_merge_time(preset, dims, p, p)
+        return [[("cp", allgather_time(preset, p, nodes, o + dims.lse_wire_bytes, p))]], local_merge_time(preset, dims, p, p)
     return ([[("intra", ar(l, k, 1))], [("intra", ar(o + l, k, 1))],
              [("inter", ar(l, nodes, nodes))], [("inter", ar(o + l, nodes, nodes))]], 2 * local)
 

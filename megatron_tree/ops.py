@@ -49,13 +49,13 @@ def resolve_backend(device: torch.device, backend: str | None = None) -> str:
     return choice
 
 
-def _check(q, k, v, cache_seqlens, q_positions, k_positions, block_table, out_dtype) -> None:
+def _check(q, k, v, cache_seqlens, q_positions, k_positions, block_table, out_dtype, lse_dtype) -> None:
     # Shapes, dtypes and devices only: nothing here reads a tensor's values, so a decode step
     # stays free of host syncs (issue 13 item 5). The value checks (cache_seqlens within [0, N],
     # block ids within the cache) run inside the op on CPU tensors, where the torch path reads
     # cache_seqlens anyway; on CUDA the kernel clamps instead.
     reference.check_decode_inputs(q, k, v, cache_seqlens, q_positions, k_positions, block_table, out_dtype,
-                                  by_value=False)
+                                  by_value=False, lse_dtype=lse_dtype)
 
 
 def _check_values(q, k, cache_seqlens, block_table) -> None:
@@ -80,11 +80,12 @@ def _flash_decode_op(
     backend: str,
     block_table: Optional[torch.Tensor] = None,
     out_dtype: Optional[torch.dtype] = None,
+    lse_dtype: Optional[torch.dtype] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if q.device.type == "cpu":
         _check_values(q, k, cache_seqlens, block_table)
     kwargs = dict(block_table=block_table, cache_seqlens=cache_seqlens, softmax_scale=softmax_scale,
-                  q_positions=q_positions, k_positions=k_positions, out_dtype=out_dtype)
+                  q_positions=q_positions, k_positions=k_positions, out_dtype=out_dtype, lse_dtype=lse_dtype)
     if backend == "triton":
         from .kernels import flash_decode as kernel  # imported lazily: needs triton
 
@@ -94,10 +95,10 @@ def _flash_decode_op(
 
 @_flash_decode_op.register_fake
 def _flash_decode_fake(q, k, v, cache_seqlens, softmax_scale, q_positions, k_positions, backend, block_table=None,
-                       out_dtype=None):
+                       out_dtype=None, lse_dtype=None):
     b, sq, hq, d = q.shape
     out = q.new_empty((b, sq, hq, d), dtype=q.dtype if out_dtype is None else out_dtype)
-    return out, q.new_empty((b, hq, sq), dtype=reference.acc_dtype(q.dtype))
+    return out, q.new_empty((b, hq, sq), dtype=reference.lse_acc_dtype(lse_dtype, q.dtype))
 
 
 @torch.library.custom_op("megatron_tree::merge_states", mutates_args=())
@@ -117,7 +118,8 @@ def _merge_states_op(outs: torch.Tensor, lses: torch.Tensor, backend: str) -> tu
 @_merge_states_op.register_fake
 def _merge_states_fake(outs, lses, backend):
     _, b, sq, hq, d = outs.shape
-    return outs.new_empty((b, sq, hq, d)), lses.new_empty((b, hq, sq), dtype=reference.acc_dtype(outs.dtype))
+    lse_dtype = torch.promote_types(lses.dtype, reference.acc_dtype(outs.dtype))
+    return outs.new_empty((b, sq, hq, d)), lses.new_empty((b, hq, sq), dtype=lse_dtype)
 
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -145,6 +147,7 @@ def flash_decode(
     k_positions: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     backend: str | None = None,
+    lse_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Local attention of q over one KV shard; see :func:`reference.partial_attention` for details.
 
@@ -155,20 +158,24 @@ def flash_decode(
     cache_seqlens: (batch,) int32 keys per row in [0, N] (N = seqlen_k, or max_blocks * block_size)
     q_positions: (batch, seqlen_q), k_positions: (batch, N) or (N,): causal by global position
     out_dtype: dtype of out (default q.dtype); float32 leaves a bf16/fp16 partial unrounded
+    lse_dtype: dtype of lse (default float32, float64 for float64 input); float64 carries a
+        partial that will be merged again whole, so the merge is exact at any score magnitude
+        (``reference``'s module docstring)
     returns out: (batch, seqlen_q, nheads_q, headdim) in out_dtype,
-            lse: (batch, nheads_q, seqlen_q) float32, natural log, -inf where no key is visible
+            lse: (batch, nheads_q, seqlen_q) in lse_dtype, natural log, -inf where no key is visible
     """
-    _check(q, k, v, cache_seqlens, q_positions, k_positions, block_table, out_dtype)
+    _check(q, k, v, cache_seqlens, q_positions, k_positions, block_table, out_dtype, lse_dtype)
     forced = backend is not None or bool(os.environ.get(ENV_BACKEND))
     name = _kernel_backend(resolve_backend(q.device, backend), q.dtype, forced, q.shape[-1], out_dtype)
     return _flash_decode_op(q, k, v, cache_seqlens, softmax_scale, q_positions, k_positions, name, block_table,
-                            out_dtype)
+                            out_dtype, lse_dtype)
 
 
 def merge_states(outs: torch.Tensor, lses: torch.Tensor, *, backend: str | None = None):
     """Merge P partial states: outs (P, B, Sq, Hq, D), lses (P, B, Hq, Sq) -> (out, lse).
 
-    out: (B, Sq, Hq, D) in outs.dtype; lse: (B, Hq, Sq) float32 (float64 for float64 input).
+    out: (B, Sq, Hq, D) in outs.dtype; lse: (B, Hq, Sq) float32, or float64 for float64 outs
+    or lses (float64 lses are used whole: the merge is then exact at any score magnitude).
     """
     reference.check_merge_inputs(outs, lses)
     forced = backend is not None or bool(os.environ.get(ENV_BACKEND))

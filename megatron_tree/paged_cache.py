@@ -394,7 +394,8 @@ def paged_tree_decode(
         raise ValueError(f"unknown merge strategy {strategy!r}; expected one of {comm.STRATEGIES}")
     # fp32 partials (DESIGN.md section 1): a bf16/fp16 result is rounded once, after the merge.
     out, lse = ops.flash_decode(q, k_cache, v_cache, block_table=block_table, cache_seqlens=cache_seqlens,
-                                softmax_scale=softmax_scale, out_dtype=acc_dtype(q.dtype), backend=backend)
+                                softmax_scale=softmax_scale, out_dtype=acc_dtype(q.dtype), backend=backend,
+                                lse_dtype=torch.float64)  # merged again: kept whole (comm's docstring)
     if groups is not None:
         out, lse = comm.merge(out, lse, groups, strategy, stats)
     return out.to(q.dtype)

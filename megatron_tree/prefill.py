@@ -98,13 +98,15 @@ def _name(code: int, table) -> str:
 
 
 def _local(q, k, v, q_pos, k_pos, softmax_scale, backend):
-    """Partial state of q over one KV block: out (B, Sq, Hq, D), lse (B, Hq, Sq), both float32
-    (float64 for float64 input), so that partials accumulate in full precision."""
+    """Partial state of q over one KV block: out (B, Sq, Hq, D) float32 (float64 for float64
+    input) and lse (B, Hq, Sq) float64, so that partials accumulate in full precision (a ring
+    merges them again: ``reference``'s docstring)."""
     acc = reference.acc_dtype(q.dtype)
     out, lse = ops.flash_decode(
         q, k, v, softmax_scale=softmax_scale, q_positions=q_pos, k_positions=k_pos, backend=backend,
+        out_dtype=acc, lse_dtype=torch.float64,
     )
-    return out.to(acc), lse.to(acc)
+    return out, lse
 
 
 def ring_prefill(

@@ -17,6 +17,14 @@ softmax, ring-flash-attention's ``_update_out_and_lse`` and flashinfer's ``merge
 
 Everything here accumulates in float32 (or float64 when given float64) and uses natural
 logarithms.
+
+Log-sum-exps that are merged again are carried in float64 (``lse_dtype=torch.float64``;
+issue 12 item 6). A float32 lse of magnitude 1e4 is only known to ~5e-4 (half a unit in the
+last place), and a partial's weight ``exp(lse_u - m)`` inherits that as a relative error:
+merging shards of a sequence whose scores are ~1e4 would be off by ~1e-4 where one call
+over all keys is off by 1e-7. In float64 ``m + log(l)`` keeps both the score-sized ``m``
+(an exact float32 value) and the small ``log(l)`` to full precision, so the weights are
+right to one float32 rounding at any magnitude.
 """
 
 from __future__ import annotations
@@ -28,13 +36,27 @@ import torch
 __all__ = [
     "partial_attention", "merge_states", "lse_weights", "normalize", "weighted", "acc_dtype",
     "check_decode_inputs", "check_cache_seqlens", "check_block_table", "check_merge_inputs", "gather_pages",
-    "kv_length",
+    "kv_length", "lse_acc_dtype", "LSE_DTYPES",
 ]
+
+LSE_DTYPES = (torch.float32, torch.float64)
+"""Dtypes a partial state's lse may be asked in (``lse_dtype=``)."""
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """Dtype partial states accumulate and travel in: float64 for float64 input, else float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def lse_acc_dtype(lse_dtype: torch.dtype | None, dtype: torch.dtype) -> torch.dtype:
+    """The lse dtype of a partial state: ``lse_dtype`` when given, else :func:`acc_dtype` of ``dtype``;
+    never narrower than the accumulation dtype (float64 input keeps a float64 lse)."""
+    acc = acc_dtype(dtype)
+    if lse_dtype is None:
+        return acc
+    if lse_dtype not in LSE_DTYPES:
+        raise TypeError(f"lse_dtype must be one of {LSE_DTYPES} or None, got {lse_dtype!r}")
+    return torch.promote_types(lse_dtype, acc)
 
 
 def _rowwise_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -51,14 +73,14 @@ def kv_length(k: torch.Tensor, block_table: torch.Tensor | None = None) -> int:
 
 
 def check_decode_inputs(q, k, v, cache_seqlens=None, q_positions=None, k_positions=None, block_table=None,
-                        out_dtype=None, *, by_value: bool = True) -> None:
+                        out_dtype=None, *, by_value: bool = True, lse_dtype=None) -> None:
     """Validate the flash-decode contract and raise ``ValueError``/``TypeError`` naming the problem.
 
     q: (batch, seqlen_q, nheads_q, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim), or with
     ``block_table`` (batch, max_blocks) int32 a paged cache (num_blocks, block_size, nheads_kv,
     headdim); cache_seqlens: (batch,) int32 in [0, N]; q_positions: (batch, seqlen_q) integer;
     k_positions: (batch, N) or (N,) integer, where N = :func:`kv_length`; out_dtype: a
-    floating-point dtype or None. ``by_value=False`` skips the checks that read tensor values
+    floating-point dtype or None; lse_dtype: float32, float64 or None. ``by_value=False`` skips the checks that read tensor values
     (on CUDA or while tracing they would synchronise with the host every step).
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -90,6 +112,7 @@ def check_decode_inputs(q, k, v, cache_seqlens=None, q_positions=None, k_positio
         )
     if out_dtype is not None and not (isinstance(out_dtype, torch.dtype) and out_dtype.is_floating_point):
         raise TypeError(f"out_dtype must be a floating-point torch.dtype or None, got {out_dtype!r}")
+    lse_acc_dtype(lse_dtype, q.dtype)  # raises for anything but float32 / float64 / None
     n = kv_length(k, block_table)
     if cache_seqlens is not None:
         check_cache_seqlens(cache_seqlens, b, n, q.device, by_value=by_value)
@@ -220,6 +243,7 @@ def partial_attention(
     q_positions: torch.Tensor | None = None,
     k_positions: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    lse_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q`` over one shard of keys/values, returning the partial state.
 
@@ -234,11 +258,13 @@ def partial_attention(
         token positions (with a block table: of each row's keys in that logical order); when
         given, key j is visible to query i iff k_pos[j] <= q_pos[i]
     out_dtype: dtype of ``out`` (default q.dtype)
+    lse_dtype: float64 forms ``lse = m + log(l)`` in float64 (for merging again; module docstring)
     returns out: (batch, seqlen_q, nheads_q, headdim) in out_dtype, zero where no key is visible
-            lse: (batch, nheads_q, seqlen_q) float32 (float64 for float64 input), natural log,
-                 -inf where no key is visible
+            lse: (batch, nheads_q, seqlen_q) in lse_dtype (default float32; float64 for float64
+                 input), natural log, -inf where no key is visible
     """
-    check_decode_inputs(q, k, v, cache_seqlens, q_positions, k_positions, block_table, out_dtype)
+    check_decode_inputs(q, k, v, cache_seqlens, q_positions, k_positions, block_table, out_dtype,
+                        lse_dtype=lse_dtype)
     if block_table is not None:
         k, v = gather_pages(k, block_table, cache_seqlens), gather_pages(v, block_table, cache_seqlens)
     b, sq, hq, d = q.shape
@@ -267,44 +293,58 @@ def partial_attention(
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
 
-    lse = torch.logsumexp(scores, dim=-1)  # (b, hkv, g*sq); -inf where nothing is visible
-    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    probs = torch.exp(scores - safe[..., None])  # exp(-inf) = 0 on masked keys
-    out = _rowwise_matmul(probs, vt)  # (b, hkv, g*sq, d)
+    m = scores.amax(dim=-1)  # (b, hkv, g*sq); -inf where nothing is visible
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    probs = torch.exp(scores - m[..., None])  # exp(-inf) = 0 on masked keys
+    den = probs.sum(dim=-1)
+    has = den > 0
+    out = _rowwise_matmul(probs / torch.where(has, den, torch.ones_like(den))[..., None], vt)  # (b, hkv, g*sq, d)
+    # m is a score (exact in acc); m + log(den) formed in the lse dtype (float64 keeps it whole)
+    ld = lse_acc_dtype(lse_dtype, q.dtype)
+    lse = torch.where(has, m.to(ld) + torch.log(torch.where(has, den, torch.ones_like(den)).to(ld)),
+                      torch.full_like(den, float("-inf"), dtype=ld))
 
     out = out.reshape(b, hkv, g, sq, d).permute(0, 3, 1, 2, 4).reshape(b, sq, hq, d)
     lse = lse.reshape(b, hkv, g, sq).reshape(b, hq, sq)
     return out.to(q.dtype if out_dtype is None else out_dtype), lse
 
 
-def lse_weights(lse: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+def lse_weights(lse: torch.Tensor, m: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``w = exp(lse - m)``: weight of a partial state relative to the running maximum ``m``.
 
-    lse, m: broadcastable float tensors (natural log). An empty shard (``lse = -inf``) gets
-    weight 0, also when every shard is empty (``m = -inf``), so no NaN is ever produced.
-    ``m`` need not be the maximum (``comm``'s ``shifted`` passes a shared shift).
+    lse, m: broadcastable float tensors (natural log; float32 or float64, each). An empty
+    shard (``lse = -inf``) gets weight 0, also when every shard is empty (``m = -inf``), so no
+    NaN is ever produced. ``m`` need not be the maximum (``comm``'s ``shifted`` passes a
+    shared shift, ``packed`` the maximum of the lse rounded to float32).
+    dtype: the weights' dtype (default lse's).
 
     The difference is formed in float64, where ``lse - m`` of two float32 values is exact,
-    and ``exp`` rounded once to lse's dtype: the weight's relative error is one rounding
+    and ``exp`` rounded once to ``dtype``: the weight's relative error is one rounding
     whatever ``|lse - m|`` is (in float32, ``lse - m = 40`` alone would be off by 2e-6).
     """
+    dtype = lse.dtype if dtype is None else dtype
     m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    if lse.dtype == torch.float64:
-        return torch.exp(lse - m_safe)
-    return torch.exp(lse.double() - m_safe.double()).to(lse.dtype)
+    return torch.exp(lse.double() - m_safe.double()).to(dtype)
 
 
-def normalize(num: torch.Tensor, den: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def normalize(num: torch.Tensor, den: torch.Tensor, m: torch.Tensor,
+              lse_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Finish a merge: ``o = num / den`` and ``lse = m + log(den)``.
 
     num: (batch, seqlen_q, nheads_q, headdim) = sum_u w_u * o_u
-    den: (batch, nheads_q, seqlen_q) = sum_u w_u; m: (batch, nheads_q, seqlen_q) = max_u lse_u
+    den: (batch, nheads_q, seqlen_q) = sum_u w_u; m: (batch, nheads_q, seqlen_q), the shift
+        the weights were taken against (the maximum of the lse, or any shared value)
+    lse_dtype: dtype the lse is formed and returned in (default: the wider of m's and den's);
+        float64 keeps a score-sized lse to full precision for a merge that follows
     returns (out, lse) with out = 0 and lse = -inf where den == 0 (no key anywhere).
     """
+    ld = torch.promote_types(m.dtype, den.dtype) if lse_dtype is None else lse_dtype
     den_o = den.transpose(1, 2).unsqueeze(-1)  # (b, sq, hq, 1)
     out = torch.where(den_o > 0, num / torch.where(den_o > 0, den_o, torch.ones_like(den_o)), torch.zeros_like(num))
-    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    lse = torch.where(den > 0, m_safe + torch.log(den), torch.full_like(den, float("-inf")))
+    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m)).to(ld)
+    has = den > 0
+    lse = torch.where(has, m_safe + torch.log(torch.where(has, den, torch.ones_like(den)).to(ld)),
+                      torch.full_like(den, float("-inf"), dtype=ld))
     return out, lse
 
 
@@ -316,18 +356,20 @@ def weighted(out: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def merge_states(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge P partial states exactly.
 
-    outs: (P, batch, seqlen_q, nheads_q, headdim); lses: (P, batch, nheads_q, seqlen_q) natural log
+    outs: (P, batch, seqlen_q, nheads_q, headdim); lses: (P, batch, nheads_q, seqlen_q) natural log,
+        float32 or float64 (a float64 lse is used whole: the weights are exact at any magnitude)
     returns out: (batch, seqlen_q, nheads_q, headdim) in outs.dtype, lse: (batch, nheads_q, seqlen_q)
-    in float32 (float64 for float64 input).
+    in float32, or float64 for float64 outs or lses.
     """
     check_merge_inputs(outs, lses)
     p = outs.shape[0]
     acc = acc_dtype(outs.dtype)
+    ld = torch.promote_types(lses.dtype, acc)
     if p == 1:
-        return outs[0], lses[0].to(acc)
-    lses = lses.to(acc)
+        return outs[0], lses[0].to(ld)
+    lses = lses.to(ld)
     m = lses.max(dim=0).values
-    w = lse_weights(lses, m)
+    w = lse_weights(lses, m, acc)
     num = weighted(outs.to(acc), w).sum(dim=0)
-    out, lse = normalize(num, w.sum(dim=0), m)
+    out, lse = normalize(num, w.sum(dim=0), m, ld)
     return out.to(outs.dtype), lse

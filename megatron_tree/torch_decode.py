@@ -43,6 +43,7 @@ def flash_decode(
     q_positions: torch.Tensor | None = None,
     k_positions: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    lse_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q over one KV shard (inputs already validated by ``ops``).
 
@@ -54,9 +55,10 @@ def flash_decode(
     q_positions: (batch, seqlen_q), k_positions: (batch, N) or (N,) integers (N = seqlen_k or
         max_blocks * block_size); key j is visible to query i iff k_pos[j] <= q_pos[i]
     out_dtype: dtype of out (default q.dtype)
+    lse_dtype: float64 forms ``lse = m + log(l)`` in float64 (see ``reference``)
     returns out: (batch, seqlen_q, nheads_q, headdim) in out_dtype, zero where no key is visible
-            lse: (batch, nheads_q, seqlen_q) float32 (float64 for float64 input), natural log,
-                 -inf where no key is visible
+            lse: (batch, nheads_q, seqlen_q) in lse_dtype (default float32; float64 for float64
+                 input), natural log, -inf where no key is visible
     """
     b, sq, hq, d = q.shape
     hkv = k.shape[2]
@@ -66,7 +68,8 @@ def flash_decode(
     acc = reference.acc_dtype(q.dtype)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     out = torch.empty((b, sq, hq, d), dtype=q.dtype if out_dtype is None else out_dtype, device=q.device)
-    lse = torch.empty((b, hq, sq), dtype=acc, device=q.device)
+    ld = reference.lse_acc_dtype(lse_dtype, q.dtype)
+    lse = torch.empty((b, hq, sq), dtype=ld, device=q.device)
     lens = cache_seqlens.tolist() if cache_seqlens is not None else [n] * b
     if k_positions is not None and k_positions.dim() == 1:
         k_positions = k_positions[None, :].expand(b, n)
@@ -99,8 +102,9 @@ def flash_decode(
         den = s.sum(dim=-1, keepdim=True)
         has = den > 0
         o = torch.bmm(s, vt) / torch.where(has, den, torch.ones_like(den))  # (hkv, g*sq, d)
-        row_lse = torch.where(has, m + torch.log(torch.where(has, den, torch.ones_like(den))),
-                              torch.full_like(den, float("-inf")))
+        # m is one of the scores (exact); m + log(den) is formed in the lse's dtype
+        row_lse = torch.where(has, m.to(ld) + torch.log(torch.where(has, den, torch.ones_like(den)).to(ld)),
+                              torch.full_like(den, float("-inf"), dtype=ld))
         out[i] = o.reshape(hkv, g, sq, d).permute(2, 0, 1, 3).reshape(sq, hq, d)
         lse[i] = row_lse.reshape(hkv, g, sq).reshape(hq, sq)
     return out, lse

@@ -243,7 +243,7 @@ def test_merge_kernel_reads_partials_with_vector_loads(rows):
 ALLOWED_TL = {
     "constexpr", "program_id", "arange", "load", "store", "zeros", "full", "dot", "trans",
     "where", "maximum", "minimum", "max", "sum", "exp", "exp2", "log", "log2",
-    "float32", "float16", "bfloat16", "int64", "int32", "uint32",
+    "float32", "float64", "float16", "bfloat16", "int64", "int32", "uint32",
 }
 BANNED = ("make_block_ptr", "advance", "make_tensor_descriptor", "_experimental_descriptor",
           "experimental_device_tensormap", "tensormap", "warp_specialize")

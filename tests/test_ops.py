@@ -159,12 +159,39 @@ def _one_rounding_body(rank, world):
     groups = mt.TreeGroups.build()
     shard = slice(rank * 200, (rank + 1) * 200)
     ours = mt.tree_decode(q, k[:, shard], v[:, shard], groups, strategy="allgather")
-    parts = [ops.flash_decode(q, k[:, s], v[:, s], out_dtype=torch.float32) for s in (slice(0, 200), slice(200, 400))]
+    parts = [ops.flash_decode(q, k[:, s], v[:, s], out_dtype=torch.float32, lse_dtype=torch.float64)
+             for s in (slice(0, 200), slice(200, 400))]
     once = reference.merge_states(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]))[0]
     twice = reference.merge_states(torch.stack([p[0].bfloat16() for p in parts]),
                                    torch.stack([p[1] for p in parts]))[0]
     return {"ours_vs_once": float((ours.float() - once.bfloat16().float()).abs().max()),
             "twice_vs_once": float((twice.float() - once.bfloat16().float()).abs().max())}
+
+
+def test_float64_partial_lse_keeps_a_merge_exact_at_large_scores():
+    """Issue 12 item 6: shards of rows whose scores are ~1e2, 1e4, 1e5 and -1e5 (exact in fp32),
+    merged from partials with a float64 lse, stay within 1e-5 of float64; the same partials
+    with a float32 lse are off by more wherever |s| >= 1e4 (what the float64 lse removes)."""
+    from megatron_tree.bench import precision
+
+    q, k, v, lens = precision.large_score_inputs([1e2, 1e4, 1e5, -1e5], [90, 77, 64, 90])
+    want, want_lse = reference.partial_attention(q, k, v, cache_seqlens=lens)
+    one, _ = ops.flash_decode(q.float(), k.float(), v.float(), cache_seqlens=lens)
+    assert (one.double() - want).abs().max() <= 1e-6  # one call over all keys: the inputs are exact
+    cuts = [0, 13, 13, 50, 90]  # uneven, one empty shard, shards past some rows' ends
+    errs = {}
+    for lse_dtype in (torch.float32, torch.float64):
+        parts = [ops.flash_decode(q.float(), k[:, a:b].float(), v[:, a:b].float(), lse_dtype=lse_dtype,
+                                  cache_seqlens=(lens - a).clamp(0, b - a).to(torch.int32))
+                 for a, b in zip(cuts, cuts[1:])]
+        assert all(p[1].dtype == lse_dtype for p in parts)
+        out, lse = ops.merge_states(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]))
+        assert lse.dtype == lse_dtype
+        errs[lse_dtype] = (out.double() - want).abs().amax(dim=(1, 2, 3))  # per row
+        if lse_dtype == torch.float64:
+            assert ((lse - want_lse).abs() <= 1e-6).all(), (lse - want_lse).abs().max()
+    assert (errs[torch.float64] <= 1e-5).all(), errs[torch.float64]
+    assert (errs[torch.float32][1:] > 1e-5).all(), errs[torch.float32]
 
 
 def test_ops_validates_inputs_on_cpu():
@@ -177,6 +204,8 @@ def test_ops_validates_inputs_on_cpu():
         ops.flash_decode(q[:, :, :7], k, v)
     with pytest.raises(ValueError, match=r"merge_states expects outs \(P, B, Sq, Hq, D\)"):
         ops.merge_states(torch.zeros(2, 3), torch.zeros(2))
+    with pytest.raises(TypeError, match=r"lse_dtype must be one of .*float32.*float64.* or None, got torch.float16"):
+        ops.flash_decode(q, k, v, lse_dtype=torch.float16)
 
 
 def test_custom_ops_pass_opcheck():

@@ -3,8 +3,8 @@
 One 8-process launch runs every check, on CP groups of 2, 3, 2 x 2 and 2 x 4 built side
 by side (every rank is in one group of each layout; a layout's leftover ranks form a smaller
 group that runs the same checks): shifts equal to, 30 above/below and 200 above/below the true lse, with uneven shards (rank 1
-holds no keys), a batch row with no key on any rank, a dominant shard, GQA and a causal
-multi-token query; collectives are counted with torch's ``CommDebugMode`` (independently of
+holds no keys), a batch row with no key on any rank, a dominant shard, GQA, a causal
+multi-token query and rows whose scores are ~1e5 and -1e5 (issue 12 item 6); collectives are counted with torch's ``CommDebugMode`` (independently of
 ``CommStats``). The 2 x 2 groups also generate with a 2-layer Llama and checks the tokens
 against transformers' and the merge collectives of every decode step, and drives a decode
 step whose deferred flag is raised (the redo path). The parent asserts on what ranks return.
@@ -15,6 +15,7 @@ import torch
 
 import megatron_tree as mt
 from megatron_tree import comm, reference
+from megatron_tree.bench import precision
 from distributed import run_ranks
 
 HEAD_DIM = 16
@@ -24,6 +25,8 @@ IN_RANGE = (0.0, 30.0, -30.0)
 CASES = {
     "gqa_empty_row": ([37, 0, 20], 1, 4, 2, False, None),
     "causal_sq2_dominant": ([29, 13], 2, 4, 1, True, 0),
+    # issue 12 item 6: scores ~1e5, -1e5 (exact in fp32; bench.precision.large_score_inputs)
+    "large_scores": ([33, 24], 1, 4, 2, False, None),
 }
 
 
@@ -43,6 +46,8 @@ def _case(name, world):
     q = torch.randn(b, sq, hq, HEAD_DIM, generator=g, dtype=torch.float64)
     k = torch.randn(b, n, hkv, HEAD_DIM, generator=g, dtype=torch.float64)
     v = torch.randn(b, n, hkv, HEAD_DIM, generator=g, dtype=torch.float64)
+    if name == "large_scores":
+        q, k, v, _ = precision.large_score_inputs([1e5, -1e5], lengths, sq, hq, hkv, seed=3)
     cuts = _bounds(n, world)
     if dominant is not None:  # one shard's scores ~6x larger: the others' weights are ~e^-40 of it
         k[:, cuts[dominant]:cuts[dominant + 1]] *= 6
@@ -85,7 +90,9 @@ def exactness_body(groups):
             assert torch.equal(torch.isfinite(lse), finite) and not torch.isnan(out).any()
             rep[(name, delta)] = {
                 "err_out": float((out.double() - want_out).abs().max()),
-                "err_lse": float((lse.double()[finite] - want_lse[finite]).abs().max()),
+                # beyond the float32 rounding of the returned lse itself (4e-3 at 1e5)
+                "err_lse": float(((lse.double()[finite] - want_lse[finite]).abs()
+                                  - precision.lse_tolerance(want_lse[finite]) + 1e-5).max()),
                 "count": count, "stats_collectives": stats.collectives, "fallbacks": stats.fallbacks,
                 "bits": (out.tolist(), lse.tolist()),  # compared across ranks: bitwise identical
             }

@@ -14,6 +14,7 @@ import torch
 
 import megatron_tree as mt
 from megatron_tree import reference
+from megatron_tree.bench import precision
 from distributed import run_ranks
 
 TREE_STRATEGIES = ("allreduce3", "packed", "two_level", "allgather", "auto")
@@ -117,7 +118,7 @@ def launch(fn, world, *args):
 
 def exactness_body(rank, world, intra_size):
     groups = mt.TreeGroups.build(intra_size=intra_size)
-    report = {"levels": [(l.name, l.size) for l in groups.levels], "fp32": {}, "agree": {}, "lowp": {}}
+    report = {"levels": [(l.name, l.size) for l in groups.levels], "fp32": {}, "agree": {}, "lowp": {}, "large": {}}
     for name in CASES:
         q, k, v, lens, q_pos = make_case(name)
         want_out, want_lse = oracle(q, k, v, lens, q_pos)
@@ -147,6 +148,22 @@ def exactness_body(rank, world, intra_size):
                 float((ours.double() - want).abs().max()),
                 float((yard.double() - want).abs().max()),
             )
+    # Issue 12 item 6: rows with scores ~1e5, -1e5 and 1e4 (exact in fp32, near ties on every
+    # shard) and an empty row; the partial lse must travel whole through every level.
+    q, k, v, lens = precision.large_score_inputs([1e5, -1e5, 1e4, 0.0], [41, 29, 37, 0], hq=4, hkv=2)
+    want_out, want_lse = oracle(q, k, v, lens, None)
+    kl, vl, kw = local_view(q, k, v, lens, None, rank, world)
+    finite = torch.isfinite(want_lse)
+    for strategy in TREE_STRATEGIES:
+        for overlap in (False, True):
+            out, lse = mt.tree_decode(q.float(), kl.float(), vl.float(), groups, strategy=strategy, overlap=overlap,
+                                      return_lse=True, **kw)
+            lse_err = (lse.double()[finite] - want_lse[finite]).abs()
+            report["large"][(strategy, overlap)] = (
+                float((out.double() - want_out).abs().max()),
+                bool((lse_err <= precision.lse_tolerance(want_lse[finite])).all()),
+                torch.equal(torch.isfinite(lse), finite),
+            )
     return report
 
 
@@ -163,6 +180,10 @@ def test_tree_decode_exact(world, intra):
             assert diff <= 1e-6, f"rank {rank} {name}: strategies disagree by {diff:.2e}"
         for key, (ours, yard) in rep["lowp"].items():
             assert ours <= 2 * yard, f"rank {rank} {key}: error {ours:.2e} > 2x same-dtype torch {yard:.2e}"
+        assert len(rep["large"]) == 2 * len(TREE_STRATEGIES)
+        for key, (err_out, lse_ok, empty_ok) in rep["large"].items():
+            assert err_out <= 1e-5, f"rank {rank} {key} at |scores| ~1e5: output error {err_out:.2e} > 1e-5"
+            assert lse_ok and empty_ok, f"rank {rank} {key} at |scores| ~1e5: lse beyond one fp32 rounding"
     # every rank returns the same answer: compare rank 0's errors with the others'
     for rep in reports[1:]:
         assert rep["fp32"] == reports[0]["fp32"]
@@ -217,7 +238,8 @@ def test_accounting_matches_formulas(world, intra):
                     assert levels["cp"]["sent_bytes"] == 2 * ring(world, lse_bytes) + ring(world, o_bytes)
                 elif strategy == "allgather":
                     assert levels["cp"]["collectives"] == 1
-                    assert levels["cp"]["sent_bytes"] == (world - 1) * (o_bytes + lse_bytes)
+                    # the partial lse travels whole: float64, twice an fp32 lse's bytes
+                    assert levels["cp"]["sent_bytes"] == (world - 1) * (o_bytes + 2 * lse_bytes)
                 elif strategy == "two_level":
                     assert set(levels) == {"intra", "inter"}
                     assert levels["intra"]["collectives"] == levels["inter"]["collectives"] == 2

@@ -75,8 +75,8 @@ def sent_bytes(strategy: str, dims: Dims, p: int, intra_size: int | None = None,
         return {"cp": _ar(p, l) + _ar(p, o + l)}
     if strategy == "allreduce3":
         return {"cp": _ar(p, l) + _ar(p, l) + _ar(p, o)}
-    if strategy == "allgather":
-        return {"cp": (p - 1) * (o + l)}
+    if strategy == "allgather":  # the partial lse travels in float64
+        return {"cp": (p - 1) * (o + dims.lse_wire_bytes)}
     if strategy == "shifted":  # cat[w*o, w, nonempty count]
         return {"cp": _ar(p, o + 2 * l)}
     if strategy == "two_level":
@@ -90,7 +90,7 @@ def sent_bytes(strategy: str, dims: Dims, p: int, intra_size: int | None = None,
     if strategy == "paper_ring":
         return {"cp": p * (dims.kv_shard(shard_tokens) + 4)}
     if strategy == "passq_ring":
-        return {"cp": (p - 1) * (o + l)}
+        return {"cp": (p - 1) * (o + dims.lse_wire_bytes)}
     if strategy == "single":
         return {}
     raise ValueError(f"unknown strategy {strategy!r}; expected one of {ALL_STRATEGIES}")
@@ -167,7 +167,7 @@ def predict(strategy: str, preset: Preset, dims: Dims, p: int, context: int,
         move = 3 * (preset.launch * s + link.alpha) + (dims.kv_shard(shard) + 4) / link.beta
         return first + p * (c + local_merge_time(preset, dims, 2, p) + move)
     if strategy == "passq_ring":
-        m = link.alpha + (dims.out_bytes + dims.lse_bytes) / link.beta
+        m = link.alpha + (dims.out_bytes + dims.lse_wire_bytes) / link.beta
         return first + c + (p - 1) * m + local_merge_time(preset, dims, p, p)
     if strategy == "allgather_kv":
         kv = dims.kv_shard(shard)

@@ -3,10 +3,13 @@
 Invariant: one program owns one (batch row, KV head, block of query rows, KV split). Its
 query rows are *all* the query heads of that KV head's GQA group times the ``Sq`` query
 tokens, so every K/V tile is read from memory exactly once per split, whatever Hq/Hkv is
-(MQA included); KV is never expanded. Each split keeps flash-attention's online softmax in
-base 2 (``exp2`` of scores pre-multiplied by ``log2 e``) and converts to the natural log at
-its boundary. Splits are partial states exactly like a CP rank's shard, combined by the one
-merge kernel in ``merge.py``; with a single split the kernel writes the result itself.
+(MQA included); KV is never expanded. Each split keeps flash-attention's online softmax with
+scores in natural-log units, exponentiating differences in base 2 (``exp2((s - m) log2 e)``:
+``s - m`` is exact for nearby scores, so probabilities keep one rounding at any ``|s|``), and
+writes ``lse = m + ln l``, in float64 where the state is merged again (the splits' partials,
+and ``lse_dtype=torch.float64``). Splits are partial states exactly like a CP rank's shard,
+combined by the one merge kernel in ``merge.py``; with a single split the kernel writes the
+result itself.
 
 What makes it fast on a GPU (each fact is asserted from the SASS by ``tests/test_aot.py``):
 
@@ -63,7 +66,6 @@ MIN_TILES_PER_SPLIT = 2
 """A split reads at least this many KV tiles, so the merge stays small next to the reads."""
 INTERPRETER_WAVE = 4
 """Stand-in programs per wave on CPU (interpreter), so tests exercise the multi-split path."""
-LOG2E = 1.4426950408889634
 
 
 # Integer arguments that vary between calls and are sometimes 1 (Sq, G, Hkv, ...) are not
@@ -79,7 +81,7 @@ _DECODE_GENERIC = [
 @triton.jit(do_not_specialize=_DECODE_GENERIC)
 def _split_kv_kernel(
     Q, K, V, SEQLENS, BLOCK_TABLE, QPOS, KPOS, O, LSE,
-    scale_log2,
+    scale,
     N, SQ, G, HKV, chunk, num_m_blocks,
     s_qb, s_qs, s_qh, s_qd,
     s_kb, s_kn, s_kh, s_kd,
@@ -173,7 +175,7 @@ def _split_kv_kernel(
         k = tl.load(k_base + k_rows[:, None] + offs_d[None, :] * s_kd, mask=kv_mask, other=0.0)
         if EXACT_INPUTS:
             k = k.to(tl.float32)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
         if CAUSAL:
             kpos = tl.load(KPOS + b64 * s_kpb + offs_n.to(tl.int64) * s_kpn, mask=n_ok, other=0).to(tl.int32)
             visible = n_ok[None, :] & (kpos[None, :] <= qpos[:, None])
@@ -183,8 +185,10 @@ def _split_kv_kernel(
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         # A row with no visible key so far keeps m = -inf; rescale against 0 to avoid inf - inf.
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(scores - m_safe[:, None])
+        # Differences first, then base 2: s - m is exact for nearby scores, so p keeps one
+        # rounding at any |s| (s * log2 e rounded first would be off by 0.5 % at |s| = 1e5).
+        alpha = tl.exp2((m_i - m_safe) * 1.4426950408889634)  # log2 e
+        p = tl.exp2((scores - m_safe[:, None]) * 1.4426950408889634)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_base + v_rows[:, None] + offs_d[None, :] * s_vd, mask=kv_mask, other=0.0)
         if EXACT_INPUTS:
@@ -197,9 +201,13 @@ def _split_kv_kernel(
 
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
-    # Base 2 inside, natural log at the boundary: lse = ln 2 * (m + log2 l).
-    lse = tl.where(has, (tl.where(has, m_i, 0.0) + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453,
-                   float("-inf"))
+    # lse = m + ln l. m is a score (natural log units); a float64 LSE (split partials, and
+    # partials that a CP merge combines again) keeps the sum whole (reference's docstring).
+    if LSE.dtype.element_ty == tl.float64:
+        lse = tl.where(has, tl.where(has, m_i, 0.0).to(tl.float64) + tl.log(tl.where(has, l_i, 1.0).to(tl.float64)),
+                       float("-inf"))
+    else:
+        lse = tl.where(has, tl.where(has, m_i, 0.0) + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
     split64 = split.to(tl.int64)
     if HEAD_DIM == BLOCK_D:
         o_mask = row_ok[:, None]
@@ -364,6 +372,7 @@ def flash_decode(
     q_positions: torch.Tensor | None = None,
     k_positions: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    lse_dtype: torch.dtype | None = None,
     num_splits: int | None = None,
     block_n: int | None = None,
     config: dict | None = None,
@@ -379,15 +388,16 @@ def flash_decode(
     q_positions: (batch, seqlen_q), k_positions: (batch, seqlen_k) or (seqlen_k,) integers
         below 2^31 (compared as int32); key j is visible to query i iff k_pos[j] <= q_pos[i]
     out_dtype: dtype of ``out`` (default q.dtype); float32 keeps partials unrounded
+    lse_dtype: float32 (default) or float64 (``m + ln l`` kept whole, for a merge that follows)
     num_splits, block_n, config: overrides of the heuristics (tests, benchmarks); config may
         set BLOCK_N, num_warps, num_stages
     returns out: (batch, seqlen_q, nheads_q, headdim) in out_dtype, zero where no key is visible
-            lse: (batch, nheads_q, seqlen_q) float32, natural log, -inf where no key is visible
+            lse: (batch, nheads_q, seqlen_q) in lse_dtype, natural log, -inf where no key is visible
     """
     out, lse, launches = decode_launches(
         q, k, v, block_table=block_table, cache_seqlens=cache_seqlens, softmax_scale=softmax_scale,
-        q_positions=q_positions, k_positions=k_positions, out_dtype=out_dtype, num_splits=num_splits,
-        block_n=block_n, config=config,
+        q_positions=q_positions, k_positions=k_positions, out_dtype=out_dtype, lse_dtype=lse_dtype,
+        num_splits=num_splits, block_n=block_n, config=config,
     )
     for launch in launches:
         launch.run()
@@ -395,7 +405,7 @@ def flash_decode(
 
 
 def decode_launches(q, k, v, *, block_table=None, cache_seqlens=None, softmax_scale=None, q_positions=None,
-                    k_positions=None, out_dtype=None, num_splits=None, block_n=None, config=None):
+                    k_positions=None, out_dtype=None, lse_dtype=None, num_splits=None, block_n=None, config=None):
     """Allocate the outputs and build (without running) the kernel launches of one decode call.
 
     Same arguments and shapes as :func:`flash_decode`; returns ``(out, lse, launches)``: one
@@ -415,7 +425,7 @@ def decode_launches(q, k, v, *, block_table=None, cache_seqlens=None, softmax_sc
     dev = q.device
     out_dtype = q.dtype if out_dtype is None else out_dtype
     out = torch.empty((b, sq, hq, d), dtype=out_dtype, device=dev)
-    lse = torch.empty((b, hq, sq), dtype=torch.float32, device=dev)
+    lse = torch.empty((b, hq, sq), dtype=torch.float32 if lse_dtype is None else lse_dtype, device=dev)
     if b * sq * hq == 0:
         return out, lse, []
     causal = q_positions is not None
@@ -445,7 +455,7 @@ def decode_launches(q, k, v, *, block_table=None, cache_seqlens=None, softmax_sc
         return Launch(
             _split_kv_kernel, grid,
             (q, k, v, seqlens, table, qpos, kpos, o, l,
-             scale * LOG2E,
+             scale,
              n, sq, g, hkv, chunk, m_blocks,
              *q.stride(), *k.stride(), *v.stride(), s_bt, *s_qp, *s_kp,
              s_op, *o.stride()[-4:], s_lp, *l.stride()[-3:]),
@@ -463,12 +473,12 @@ def decode_launches(q, k, v, *, block_table=None, cache_seqlens=None, softmax_sc
     if num_splits == 1:  # the split kernel writes the result itself, rounded once
         return out, lse, [split_launch((programs, 1), out, lse, chunk)]
 
-    # Partials are fp32 in one reused workspace: o (P, B, Sq, Hq, D), then lse (P, B, Hq, Sq)
-    # starting 64-byte aligned.
+    # Partials in one reused workspace: o (P, B, Sq, Hq, D) fp32, then lse (P, B, Hq, Sq) fp64
+    # (merged again: kept whole) starting 64-byte aligned.
     o_numel = num_splits * b * sq * hq * d
     o_pad = -(-o_numel // 16) * 16
-    work = _workspace(o_pad + num_splits * b * hq * sq, dev)
+    work = _workspace(o_pad + 2 * num_splits * b * hq * sq, dev)
     o_part = work[:o_numel].view(num_splits, b, sq, hq, d)
-    lse_part = work[o_pad:].view(num_splits, b, hq, sq)
+    lse_part = work[o_pad:].view(torch.float64).view(num_splits, b, hq, sq)
     split = split_launch((programs, num_splits), o_part, lse_part, chunk)
     return out, lse, [split, merge_launch(o_part, lse_part, out, lse)]

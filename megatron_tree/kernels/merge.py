@@ -3,7 +3,8 @@
 Invariant: this is the only Triton implementation of the merge formula, and it follows
 ``reference.merge_states`` exactly -- ``m = max_u lse_u``, ``w_u = exp(lse_u - m)`` (0 for an
 empty shard, and no NaN when every shard is empty), ``o = sum_u w_u o_u / sum_u w_u``,
-``lse = m + log sum_u w_u``. The lse of up to 128 partials are read at once for ``m``, then
+``lse = m + log sum_u w_u``, with ``lse_u - m`` and ``m + log`` formed in float64 so that a
+float64 partial lse (flash_decode's splits; ``lse_dtype=torch.float64``) keeps its precision. The lse of up to 128 partials are read at once for ``m``, then
 the partial outputs once each, with 128-bit loads; every offset is int64. It serves two
 callers: ``ops.merge_states`` (the local merge after ``comm``'s all-gather on GPU) and
 ``flash_decode.py`` (its KV splits are partial states too), so the split-KV kernel and the
@@ -82,11 +83,13 @@ def _merge_kernel(
     out_base = OUTS + b * s_ob + s * s_os + h * s_oh
 
     # Pass 1: m = max_u lse_u, all lse of the row at once when P <= BLOCK_P (= up to 128).
-    m = tl.max(tl.full([BLOCK_P], float("-inf"), tl.float32), 0)
+    # The lse are read in float64 (float32 lse widen exactly): lse - m and m + log(den) are
+    # formed there, so a float64 lse's precision reaches the weights (reference.lse_weights).
+    m = tl.max(tl.full([BLOCK_P], float("-inf"), tl.float64), 0)
     for p0 in range(0, P, BLOCK_P):
         offs_p = p0 + tl.arange(0, BLOCK_P)
         lse = tl.load(lse_base + offs_p.to(tl.int64) * s_lp, mask=offs_p < P, other=float("-inf"))
-        m = tl.maximum(m, tl.max(lse.to(tl.float32), 0))
+        m = tl.maximum(m, tl.max(lse.to(tl.float64), 0))
     # All shards empty: m = -inf; weigh against 0 so every weight is 0 (no inf - inf).
     m_safe = tl.where(m == float("-inf"), 0.0, m)
 
@@ -97,8 +100,8 @@ def _merge_kernel(
         offs_p = p0 + tl.arange(0, CHUNK_P)
         p_ok = offs_p < P
         p64 = offs_p.to(tl.int64)
-        lse = tl.load(lse_base + p64 * s_lp, mask=p_ok, other=float("-inf")).to(tl.float32)
-        w = tl.exp(lse - m_safe)
+        lse = tl.load(lse_base + p64 * s_lp, mask=p_ok, other=float("-inf")).to(tl.float64)
+        w = tl.exp((lse - m_safe).to(tl.float32))
         if HEAD_DIM == BLOCK_D:
             o_mask = p_ok[:, None]
         else:
@@ -110,12 +113,12 @@ def _merge_kernel(
 
     has = den > 0
     out = tl.where(has, num / tl.where(has, den, 1.0), 0.0)
-    lse_out = tl.where(has, m_safe + tl.log(tl.where(has, den, 1.0)), float("-inf"))
+    lse_out = tl.where(has, m_safe + tl.log(tl.where(has, den, 1.0).to(tl.float64)), float("-inf"))
     if EXACT_ROUNDING:  # the interpreter: round to nearest even first, so its cast is exact
         out = round_like_gpu(out, O.dtype.element_ty)
     tl.store(O + b * s_Ob + s * s_Os + h * s_Oh + offs_d * s_Od, out.to(O.dtype.element_ty),
              mask=offs_d < HEAD_DIM)
-    tl.store(LSE + b * s_Lb + h * s_Lh + s * s_Ls, lse_out)
+    tl.store(LSE + b * s_Lb + h * s_Lh + s * s_Ls, lse_out.to(LSE.dtype.element_ty))
 
 
 def merge_config(headdim: int, p: int) -> dict:
@@ -159,9 +162,9 @@ def merge_launch(outs: torch.Tensor, lses: torch.Tensor, out: torch.Tensor, lse:
     """The launch that writes the merge of P partial states into ``out`` and ``lse`` (any strides).
 
     outs: (P, batch, seqlen_q, nheads_q, headdim) fp16/bf16/fp32
-    lses: (P, batch, nheads_q, seqlen_q) float32, natural log, -inf for an empty state
+    lses: (P, batch, nheads_q, seqlen_q) float32 or float64, natural log, -inf for an empty state
     out: (batch, seqlen_q, nheads_q, headdim) fp16/bf16/fp32 (written)
-    lse: (batch, nheads_q, seqlen_q) float32 (written)
+    lse: (batch, nheads_q, seqlen_q) float32 or float64 (written)
     """
     p, b, sq, hq, d = outs.shape
     cfg = merge_config(d, p)
@@ -177,9 +180,11 @@ def merge_states(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, 
     """Merge P partial states exactly, like ``reference.merge_states``.
 
     outs: (P, batch, seqlen_q, nheads_q, headdim) fp16/bf16/fp32, any strides
-    lses: (P, batch, nheads_q, seqlen_q) natural log, -inf for an empty state (read as float32)
+    lses: (P, batch, nheads_q, seqlen_q) natural log, -inf for an empty state; float64 lses are
+        used whole (fp16/bf16 ones are widened to float32)
     returns out: (batch, seqlen_q, nheads_q, headdim) in outs.dtype (0 where every state is
-            empty), lse: (batch, nheads_q, seqlen_q) float32 (-inf where every state is empty)
+            empty), lse: (batch, nheads_q, seqlen_q) float32, float64 for float64 lses (-inf where
+            every state is empty)
     """
     if outs.dim() != 5 or lses.dim() != 4:
         raise ValueError(
@@ -200,10 +205,11 @@ def merge_states(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, 
         raise ValueError(f"outs is on {outs.device} but lses is on {lses.device}")
     if p == 0:
         raise ValueError("merge_states needs at least one partial state (P >= 1), got P = 0")
+    lse_dtype = torch.float64 if lses.dtype == torch.float64 else torch.float32
     if p == 1:
-        return outs[0], lses[0].to(torch.float32)
+        return outs[0], lses[0].to(lse_dtype)
     out = torch.empty((b, sq, hq, d), dtype=outs.dtype, device=outs.device)
-    lse = torch.empty((b, hq, sq), dtype=torch.float32, device=outs.device)
+    lse = torch.empty((b, hq, sq), dtype=lse_dtype, device=outs.device)
     if b * sq * hq:
-        merge_launch(outs, lses.to(torch.float32), out, lse).run()
+        merge_launch(outs, lses.to(lse_dtype), out, lse).run()
     return out, lse
