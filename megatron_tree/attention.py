@@ -57,8 +57,8 @@ def tree_decode(
         every valid key
     strategy: one of ``comm.STRATEGIES``; stats: a :class:`CommStats` to record traffic into
     overlap: split the batch in halves of ceil(B/2) and floor(B/2) rows and merge the first
-        while the second's local attention computes (same result; strategies in
-        ``comm.SPLIT_STRATEGIES``); B = 1 or no CP group runs unsplit
+        while the second's local attention computes (same result; every strategy, ``shifted``
+        with its one SUM per half included); B = 1 or no CP group runs unsplit
     shift: (batch, nheads_q, seqlen_q) float32, the same on every CP rank, for
         ``strategy="shifted"`` (one all-reduce SUM; exact whatever it holds, redone with
         MAX + SUM when the weights overflow or underflow); ``None`` runs ``packed``. The
@@ -76,12 +76,10 @@ def tree_decode(
     """
     if strategy not in comm.STRATEGIES:
         raise ValueError(f"unknown merge strategy {strategy!r}; expected one of {comm.STRATEGIES}")
-    if overlap and strategy not in comm.SPLIT_STRATEGIES:
-        raise ValueError(f"overlap=True supports the strategies {comm.SPLIT_STRATEGIES}, got {strategy!r}; "
-                         "pass overlap=False for it")
     if overlap and groups is not None and groups.size > 1 and q.shape[0] >= 2:
+        comm.check_shift(shift, (q.shape[0], q.shape[2], q.shape[1]))
         out, lse = _decode_overlapped(q, k, v, groups, cache_seqlens, softmax_scale, strategy, q_positions,
-                                      k_positions, stats, backend)
+                                      k_positions, stats, backend, shift, deferred)
         out = out.to(q.dtype)
         return (out, lse.to(acc_dtype(q.dtype))) if return_lse else out
     # fp32 partials (DESIGN.md section 1): a bf16/fp16 result is rounded once, below. The
@@ -100,7 +98,7 @@ def tree_decode(
 
 
 def _decode_overlapped(q, k, v, groups, cache_seqlens, softmax_scale, strategy, q_positions, k_positions, stats,
-                       backend):
+                       backend, shift=None, deferred=None):
     """``tree_decode`` with the batch in two halves, each half's merge overlapping the next half's local attention.
 
     Shapes as in :func:`tree_decode`. The whole batch is checked before the first collective
@@ -121,7 +119,7 @@ def _decode_overlapped(q, k, v, groups, cache_seqlens, softmax_scale, strategy, 
         )
 
     return comm.merge_overlapped(local, halves, tuple(q.shape), groups, strategy, stats, dtype=q.dtype,
-                                 backend=ops.resolve_backend(q.device, backend))
+                                 backend=ops.resolve_backend(q.device, backend), shift=shift, deferred=deferred)
 
 
 class ShiftState:

@@ -158,11 +158,21 @@ def _merge_shifted(o, lse, group, size, level, stats, shift):
     overflowed or all underflowed (their out/lse are not usable; the caller redoes the merge
     with ``packed``).
     """
+    buf, r = _shifted_buffer(o, lse, shift)
+    _all_reduce(buf, "sum", group, level, stats)
+    return _shifted_finish(buf, r, o, lse)
+
+
+def _shifted_buffer(o, lse, shift):
+    """cat([w*o, w, nonempty]) with w = exp(lse - r), and the shift r used (-inf -> 0)."""
     r = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))  # an all-empty row's -inf: any r works
     w = lse_weights(lse, r, o.dtype)
     nonempty = torch.isfinite(lse).to(o.dtype)
-    buf = torch.cat([weighted(o, w).reshape(-1), w.reshape(-1), nonempty.reshape(-1)])
-    _all_reduce(buf, "sum", group, level, stats)
+    return torch.cat([weighted(o, w).reshape(-1), w.reshape(-1), nonempty.reshape(-1)]), r
+
+
+def _shifted_finish(buf, r, o, lse):
+    """(out, lse, bad) from the all-reduced :func:`_shifted_buffer` (see :func:`_merge_shifted`)."""
     n, k = o.numel(), lse.numel()
     num, den, count = buf[:n].view(o.shape), buf[n: n + k].view(lse.shape), buf[n + k:].view(lse.shape)
     # NaN fails both comparisons: it is flagged too. A row with no key anywhere (count 0) is fine.
@@ -256,15 +266,8 @@ def merge(
                  shift is not None and strategy == "shifted")
     with groups.agreement.call("merge", MERGE_SIGNATURE, signature):
         if strategy == "shifted":
-            res_o, res_lse, bad = _merge_shifted(o, lse, groups.cp_group, groups.size, "cp", stats, shift)
-            if deferred is not None:
-                deferred.append(bad.any())
-                return res_o, res_lse
-            if not bool(bad.any()):  # identical on every rank: all redo or none does
-                return res_o, res_lse
-            if stats is not None:
-                stats.fallbacks += 1
-            return _merge_packed(o, lse, groups.cp_group, groups.size, "cp", stats)
+            result = _merge_shifted(o, lse, groups.cp_group, groups.size, "cp", stats, shift)
+            return _settle_shifted(result, o, lse, groups, stats, deferred)
         if strategy == "two_level":
             for lvl in groups.levels:  # innermost first
                 o, lse = _merge_packed(o, lse, lvl.group, lvl.size, lvl.name, stats)
@@ -273,18 +276,37 @@ def merge(
         return fn(o, lse, groups.cp_group, groups.size, "cp", stats)
 
 
+def _settle_shifted(result, o, lse, groups: TreeGroups, stats, deferred):
+    """A ``shifted`` merge's (out, lse), or ``packed``'s when its check failed.
+
+    result: (out, lse, bad) of :func:`_shifted_finish`; o, lse: the partial state it merged.
+    With ``deferred`` (a list) the call's flag is appended to it on the device and the result
+    returned as it is (the caller redoes the step); else the flag is read on the host -- the
+    same bits on every rank, so all ranks redo with MAX + SUM or none does.
+    """
+    res_o, res_lse, bad = result
+    if deferred is not None:
+        deferred.append(bad.any())
+        return res_o, res_lse
+    if not bool(bad.any()):
+        return res_o, res_lse
+    if stats is not None:
+        stats.fallbacks += 1
+    return _merge_packed(o, lse, groups.cp_group, groups.size, "cp", stats)
+
+
 # --------------------------------------------------------------------------- overlapped merge
 #
 # The merges above as stage generators: each yields the handle(s) of the collective(s) it has
 # just started and resumes, once they are waited for, with the local work up to the next one.
 # Row for row these are the same operations as the synchronous merges.
 
-SPLIT_STRATEGIES = ("allreduce3", "packed", "two_level", "allgather", "auto")
+SPLIT_STRATEGIES = ("allreduce3", "packed", "two_level", "allgather", "shifted", "auto")
 """Strategies :func:`merge_overlapped` runs in stages (every collective asynchronous)."""
 
-SPLIT_SIGNATURE = ("batch", "seqlen_q", "heads_q", "headdim", "dtype", "strategy", "backend", "split")
-"""An overlapped merge's signature at the ``merge`` site: :data:`MERGE_SIGNATURE`'s shape, dtype, strategy and
-backend plus the parts' batch sizes, so a rank that splits and one that does not (or splits differently) get a
+SPLIT_SIGNATURE = ("batch", "seqlen_q", "heads_q", "headdim", "dtype", "strategy", "backend", "shift", "split")
+"""An overlapped merge's signature at the ``merge`` site: :data:`MERGE_SIGNATURE`'s names plus the parts'
+batch sizes, so a rank that splits and one that does not (or splits differently) get a
 :class:`DisagreementError`. Spelled out rather than derived, so a name added to ``MERGE_SIGNATURE`` for
 another strategy cannot shift the labels of these values."""
 
@@ -322,6 +344,13 @@ def _allgather_stages(o, lse, group, size, level, stats):
     return ops.merge_states(*_gathered_states(parts, o, lse, size))
 
 
+def _shifted_stages(o, lse, shift, group, level, stats):
+    """:func:`_merge_shifted` in stages: SUM(cat[w*o, w, nonempty]) | normalise; returns (out, lse, bad)."""
+    buf, r = _shifted_buffer(o, lse, shift)
+    yield _start_all_reduce(buf, "sum", group, level, stats)
+    return _shifted_finish(buf, r, o, lse)
+
+
 def _two_level_stages(o, lse, groups, stats):
     """``two_level`` in stages: each level's packed merge needs the previous level's result, so the
     levels chain inside one part (4 dependent collectives) while the other part's stages interleave."""
@@ -332,10 +361,12 @@ def _two_level_stages(o, lse, groups, stats):
 
 def _stage_count(strategy: str, groups: TreeGroups) -> int:
     """Dependent collective stages of one merge (:func:`_stages`)."""
-    return {"packed": 2, "allreduce3": 2, "allgather": 1}.get(strategy, 2 * len(groups.levels))
+    return {"packed": 2, "allreduce3": 2, "allgather": 1, "shifted": 1}.get(strategy, 2 * len(groups.levels))
 
 
-def _stages(strategy: str, o, lse, groups: TreeGroups, stats):
+def _stages(strategy: str, o, lse, groups: TreeGroups, stats, shift=None):
+    if strategy == "shifted":
+        return _shifted_stages(o, lse, shift, groups.cp_group, "cp", stats)
     if strategy == "two_level":
         return _two_level_stages(o, lse, groups, stats)
     if strategy == "allgather":
@@ -378,6 +409,8 @@ def merge_overlapped(
     *,
     dtype: torch.dtype | None = None,
     backend: str | None = None,
+    shift: torch.Tensor | None = None,
+    deferred: list | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Local attention and merge of a batch in parts, each part's merge in flight while the next part's local runs.
 
@@ -388,6 +421,9 @@ def merge_overlapped(
     out_shape: (batch, seqlen_q, nheads_q, headdim) of the whole batch
     strategy: one of :data:`SPLIT_STRATEGIES`; dtype: the caller's input dtype (default float32);
         backend: the kernel backend (both part of what every rank must agree on)
+    shift, deferred: as for :func:`merge` (``shifted``): shift (batch, nheads_q, seqlen_q) for the
+        whole batch, each part weighted by its rows; when any part's check fails the whole
+        call is redone with ``packed`` (at once, or by the caller with ``deferred``)
     returns out: (batch, seqlen_q, nheads_q, headdim) float32 (float64 for float64 input),
             lse: (batch, nheads_q, seqlen_q) same dtype -- what :func:`merge` returns for the
             whole batch: every row goes through the same operations (the sums' rounding can
@@ -412,6 +448,7 @@ def merge_overlapped(
     if strategy not in SPLIT_STRATEGIES:
         raise ValueError(f"an overlapped merge supports the strategies {SPLIT_STRATEGIES}, got {strategy!r}")
     b, sq, hq, d = (int(x) for x in out_shape)
+    check_shift(shift, (b, hq, sq))
     rows = [range(b)[p] for p in parts]
     if [i for r in rows for i in r] != list(range(b)) or any(len(r) == 0 for r in rows):
         raise ValueError(f"parts must tile range({b}) in order with no empty part, got {parts}")
@@ -425,18 +462,28 @@ def merge_overlapped(
         return (torch.cat([o.to(acc) for o, _ in states]),
                 torch.cat([l.to(torch.promote_types(l.dtype, acc)) for _, l in states]))
     if strategy == "auto":  # every part is priced as the largest one, so all parts run one strategy
-        strategy = choose_strategy(groups, (max(sizes), sq, hq, d), torch.tensor([], dtype=acc).element_size())
-    signature = (b, sq, hq, d, dtype, strategy, backend, sizes)
+        strategy = choose_strategy(groups, (max(sizes), sq, hq, d), torch.tensor([], dtype=acc).element_size(),
+                                   shifted=shift is not None)
+    if strategy == "shifted" and shift is None:
+        strategy = "packed"  # a first call: nothing to shift by yet
+    signature = (b, sq, hq, d, dtype, strategy, backend, shift is not None and strategy == "shifted", sizes)
     with groups.agreement.call("merge", SPLIT_SIGNATURE, signature):
         n = _stage_count(strategy, groups)
-        flights = []
+        flights, states = [], []
         for p in parts:
             o, lse = local(p)
-            flight = _InFlight(_stages(strategy, o.to(acc), lse.to(torch.promote_types(lse.dtype, acc)), groups,
-                                       stats))
+            o, lse = o.to(acc), lse.to(torch.promote_types(lse.dtype, acc))
+            states.append((o, lse))
+            flight = _InFlight(_stages(strategy, o, lse, groups, stats, None if shift is None else shift[p]))
             while flight.started < n:
                 flight.advance()
             flights.append(flight)
         for flight in flights:
             flight.advance()
-    return torch.cat([f.result[0] for f in flights]), torch.cat([f.result[1] for f in flights])
+        out, lse = torch.cat([f.result[0] for f in flights]), torch.cat([f.result[1] for f in flights])
+        if strategy != "shifted":
+            return out, lse
+        bad = torch.cat([f.result[2] for f in flights])
+        # the redo, when one is needed, merges the whole batch at once (not overlapped: it is rare)
+        whole = torch.cat([o for o, _ in states]), torch.cat([l for _, l in states])
+        return _settle_shifted((out, lse, bad), *whole, groups, stats, deferred)

@@ -415,10 +415,11 @@ def merge_stages(strategy: str, preset: Preset, dims: Dims, p: int,
 
     A stage's collectives start together and the next stage needs their results; lanes are
     level names (``cp``, ``intra``, ``inter``). The stages' seconds plus the local work add
-    up to :func:`merge_cost`. ``shifted`` is not staged (``overlap=True`` does not run it).
+    up to :func:`merge_cost` -- for ``shifted`` its common case, one SUM (the rare MAX + SUM redo
+    runs unsplit after the step and is left out here).
     """
-    if strategy not in ("packed", "allreduce3", "allgather", "two_level"):
-        raise ValueError(f"merge_stages prices packed, allreduce3, allgather and two_level, got {strategy!r}")
+    if strategy not in ("packed", "allreduce3", "allgather", "two_level", "shifted"):
+        raise ValueError(f"merge_stages prices packed, allreduce3, allgather, two_level and shifted, got {strategy!r}")
     if p <= 1:
         return [], 0.0
     k, nodes = node_layout(preset, p, intra_size)
@@ -432,6 +433,8 @@ def merge_stages(strategy: str, preset: Preset, dims: Dims, p: int,
         return [[("cp", ar(l))], [("cp", ar(o + l))]], local
     if strategy == "allreduce3":
         return [[("cp", ar(l))], [("cp", ar(l)), ("cp", ar(o))]], local
+    if strategy == "shifted":  # cat[w*o, w, nonempty count]
+        return [[("cp", ar(o + 2 * l))]], local
     if strategy == "allgather":
         return [[("cp", allgather_time(preset, p, nodes, o + dims.lse_wire_bytes, p))]], local_merge_time(preset, dims, p, p)
     return ([[("intra", ar(l, k, 1))], [("intra", ar(o + l, k, 1))],
