@@ -9,7 +9,7 @@
 # each): environment -> kernel benchmark (eager, CUDA-graph replay, split vs merge device
 # time, GB/s vs the 4.8 TB/s peak and a measured copy, torch SDPA and its backend) ->
 # BLOCK_N x warps x stages sweep -> merge micro-benchmark -> a small model's decode step
-# captured in a CUDA graph. Then the CUDA tests. Each part has its own time limit and a
+# captured in a CUDA graph. Then bench/precision.py on the GPU kernels, then the CUDA tests. Each part has its own time limit and a
 # failing part does not stop the others. Needs python3 with torch + triton + pytest only
 # (no deepspeed, megatron-core, wandb or flash-attn). Ahead-of-time compilation checks stay
 # on the CPU (tests/test_aot.py, bench/aot_triton36.sh).
@@ -35,11 +35,16 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 timeout 300 "$PY" -m megatron_tree.bench.gpu_check --out "$OUT" --budget-s 280 > "$OUT/gpu_check.log" 2>&1
 check_rc=$?
 
+# Exactness at large logits (issue 12 item 6): fp32 vs fp64 partial lse through the kernels.
+timeout 30 "$PY" -m megatron_tree.bench.precision --backend triton --device cuda --tokens 4096 --out "$OUT" \
+  > "$OUT/precision.md" 2>&1
+prec_rc=$?
+
 timeout 120 "$PY" -m pytest tests/test_kernels.py -k cuda -q -rA -p no:cacheprovider \
   --junitxml="$OUT/cuda_tests.xml" > "$OUT/cuda_tests.log" 2>&1
 cuda_rc=$?
 
-echo "gpu_check=$check_rc cuda_tests=$cuda_rc (0 = ok, 124 = timed out)" | tee "$OUT/status.txt"
+echo "gpu_check=$check_rc precision=$prec_rc cuda_tests=$cuda_rc (0 = ok, 124 = timed out)" | tee "$OUT/status.txt"
 tail -n 40 "$OUT/gpu_check.log"
 tail -n 15 "$OUT/cuda_tests.log"
-[ "$check_rc" -eq 0 ] && [ "$cuda_rc" -eq 0 ]
+[ "$check_rc" -eq 0 ] && [ "$prec_rc" -eq 0 ] && [ "$cuda_rc" -eq 0 ]
