@@ -260,3 +260,13 @@ def test_overlap_cost_model():
     assert split > 1.1 * unsplit, (unsplit, split)
     assert cost.overlap_step_times("packed", gpu, cost.Dims(1, 8, 8, 128), 8, None, 4096)[1] == \
         cost.overlap_step_times("packed", gpu, cost.Dims(1, 8, 8, 128), 8, None, 4096)[0]
+    # The replayed order, by hand (not only the sum): packed halves A, B of 64 rows, separate lanes.
+    # compute: kA | kB (after A's MAX is back) | A's local | B's local; cp lane: MAX_A, SUM_A, MAX_B, SUM_B.
+    half = cost.Dims(64, 64, 8, 128)
+    (max_stage, sum_stage), local = cost.merge_stages("packed", gpu, half, 16, None)
+    k, m, s = cost.kernel_time(gpu, half, 4096, 16), max_stage[0][1], sum_stage[0][1]
+    max_b_done = max(2 * k + m, k + m + s) + m  # B's MAX waits for B's kernel and for A's SUM on the lane
+    a_local_done = max(k + m + s, max_b_done) + local
+    want = max(max_b_done + s, a_local_done) + local
+    got = cost.overlap_step_times("packed", gpu, cost.Dims(128, 64, 8, 128), 16, None, 4096)[1]
+    assert abs(got - want) < 1e-12, (got, want)
