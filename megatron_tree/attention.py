@@ -20,7 +20,7 @@ import torch
 
 from . import comm, ops
 from .comm import CommStats
-from .reference import acc_dtype, check_decode_inputs
+from .reference import acc_dtype, check_decode_inputs, lse_acc_dtype
 from .topology import TreeGroups
 
 __all__ = ["tree_decode", "ShiftState"]
@@ -43,6 +43,7 @@ def tree_decode(
     overlap: bool = False,
     shift: torch.Tensor | None = None,
     deferred: list | None = None,
+    lse_dtype: torch.dtype | None = None,
 ):
     """Exact attention of ``q`` over the union of every CP rank's ``(k, v)`` shard.
 
@@ -66,8 +67,12 @@ def tree_decode(
     deferred: with ``shifted``, a list that receives the call's device flag instead of a host
         check: when it is True the result is unusable and the caller redoes the call with
         ``packed`` (a decode loop reads all its layers' flags once per step; :class:`ShiftState`)
+    lse_dtype: dtype of the returned lse: float32 by default (float64 for float64 input);
+        ``torch.float64`` returns it whole, for merging the result again (e.g. with a chunk of
+        keys held elsewhere) exactly at large score magnitudes -- partials and every merge level
+        carry float64 either way
     returns out: (batch, seqlen_q, nheads_q, headdim) in q.dtype, identical on every CP rank,
-            and with ``return_lse`` also lse: (batch, nheads_q, seqlen_q) float32, natural log
+            and with ``return_lse`` also lse: (batch, nheads_q, seqlen_q) in lse_dtype, natural log
 
     Every CP rank must pass the same batch, seqlen_q, nheads_q, headdim, dtype, strategy and
     backend; ranks that do not raise :class:`~megatron_tree.comm.DisagreementError` on every
@@ -76,14 +81,16 @@ def tree_decode(
     """
     if strategy not in comm.STRATEGIES:
         raise ValueError(f"unknown merge strategy {strategy!r}; expected one of {comm.STRATEGIES}")
+    # a bad lse_dtype fails here, before any collective (a q that is no tensor: in the checks below)
+    ld = lse_acc_dtype(lse_dtype, q.dtype if isinstance(q, torch.Tensor) else torch.float32)
     if overlap and groups is not None and groups.size > 1 and q.shape[0] >= 2:
         comm.check_shift(shift, (q.shape[0], q.shape[2], q.shape[1]))
         out, lse = _decode_overlapped(q, k, v, groups, cache_seqlens, softmax_scale, strategy, q_positions,
                                       k_positions, stats, backend, shift, deferred)
         out = out.to(q.dtype)
-        return (out, lse.to(acc_dtype(q.dtype))) if return_lse else out
+        return (out, lse.to(ld)) if return_lse else out
     # fp32 partials (DESIGN.md section 1): a bf16/fp16 result is rounded once, below. The
-    # partial lse is float64 so the merge is exact at any score magnitude (comm's docstring).
+    # partial lse is float64 so the merge is exact at large score magnitudes (comm's docstring).
     out, lse = ops.flash_decode(
         q, k, v, cache_seqlens=cache_seqlens, softmax_scale=softmax_scale,
         q_positions=q_positions, k_positions=k_positions, out_dtype=acc_dtype(q.dtype), backend=backend,
@@ -94,7 +101,7 @@ def tree_decode(
         out, lse = comm.merge(out, lse, groups, strategy, stats, dtype=q.dtype,
                               backend=ops.resolve_backend(q.device, backend), shift=shift, deferred=deferred)
     out = out.to(q.dtype)
-    return (out, lse.to(acc_dtype(q.dtype))) if return_lse else out
+    return (out, lse.to(ld)) if return_lse else out
 
 
 def _decode_overlapped(q, k, v, groups, cache_seqlens, softmax_scale, strategy, q_positions, k_positions, stats,

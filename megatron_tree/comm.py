@@ -5,7 +5,7 @@ merge formula in ``reference.py`` (``lse_weights`` and ``normalize``), with coll
 between; partial outputs and weights travel in float32 (float64 for float64 input) and are
 cast once, by the caller. A partial lse arrives in float64 from ``tree_decode`` and stays
 float64 through every level (issue 12 item 6: a float32 lse of magnitude 1e4 is known only
-to ~5e-4, which a merge would turn into a 1e-4 error in the output); on the wire it costs
+to ~5e-4, which a merge turns into output errors of 3e-5 to 3e-4); on the wire it costs
 nothing extra except in ``allgather`` (8 bytes per row instead of 4): the MAX of
 ``packed``/``two_level``/``allreduce3`` only needs a shared shift near the maximum, so it
 runs on the lse rounded to float32, and the weights ``exp(lse_u - m)`` are formed from the
@@ -227,7 +227,7 @@ def merge(
 
     out: (batch, seqlen_q, nheads_q, headdim), any float dtype (this rank's normalised partial)
     lse: (batch, nheads_q, seqlen_q) natural log, -inf for an empty shard; float64 (what
-        ``tree_decode`` passes) keeps the merge exact at any score magnitude
+        ``tree_decode`` passes) keeps the merge exact at large score magnitudes
     dtype, backend: the caller's input dtype and kernel backend (default: out's dtype, none),
         part of what every rank must agree on (:data:`MERGE_SIGNATURE`)
     shift: (batch, nheads_q, seqlen_q) float, bit-identical on every rank (``shifted``; ``None``

@@ -191,7 +191,7 @@ class Dims:
     @property
     def lse_wire_bytes(self) -> int:
         """Bytes of partial lse that travel whole (all-gathers, the pass-Q ring): float64, so a
-        merge is exact at any score magnitude (``comm``'s docstring). All-reduces carry the
+        merge is exact at large score magnitudes (``comm``'s docstring). All-reduces carry the
         weights instead, in ``acc_bytes``."""
         return self.batch * self.heads_q * self.seqlen_q * 8
 

@@ -317,6 +317,11 @@ def _large_scores_check(kernel, merge, device):
     assert lse.dtype == torch.float64 and (out.cpu().double() - want).abs().max() <= 1e-5
     assert (lse.cpu()[fin] - want_lse[fin]).abs().max() <= 1e-6
     assert torch.isneginf(lse.cpu()[2]).all() and (out.cpu()[2] == 0).all()  # the empty row
+    # A NaN partial lse comes out NaN (as reference.normalize), never as a row with no keys.
+    nan_lses = torch.stack([p[1] for p in parts]).clone()
+    nan_lses[0, 0] = float("nan")
+    out, lse = merge.merge_states(torch.stack([p[0] for p in parts]), nan_lses)
+    assert torch.isnan(out[0]).all() and torch.isnan(lse[0]).all() and not torch.isnan(out[1]).any()
 
 
 @needs_interpreter

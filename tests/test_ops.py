@@ -16,6 +16,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from distributed import run_ranks
+import megatron_tree as mt
 from megatron_tree import ops, reference, torch_decode
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -192,6 +193,17 @@ def test_float64_partial_lse_keeps_a_merge_exact_at_large_scores():
             assert ((lse - want_lse).abs() <= 1e-6).all(), (lse - want_lse).abs().max()
     assert (errs[torch.float64] <= 1e-5).all(), errs[torch.float64]
     assert (errs[torch.float32][1:] > 1e-5).all(), errs[torch.float32]
+    # tree_decode's result merged again (a cascade: keys held elsewhere): exact with lse_dtype=float64;
+    # the default float32 lse is rounded once for the caller, and merging that again is not exact.
+    tail = [ops.flash_decode(q.float(), k[:, 50:].float(), v[:, 50:].float(), lse_dtype=torch.float64,
+                             cache_seqlens=(lens - 50).clamp(min=0).to(torch.int32))]
+    for lse_dtype, ok in ((torch.float64, True), (None, False)):
+        head = mt.tree_decode(q.float(), k[:, :50].float(), v[:, :50].float(), None, return_lse=True,
+                              cache_seqlens=lens.clamp(max=50), lse_dtype=lse_dtype)
+        assert head[1].dtype == (lse_dtype or torch.float32)
+        out, _ = ops.merge_states(torch.stack([head[0], tail[0][0]]), torch.stack([head[1].double(), tail[0][1]]))
+        err = (out.double() - want).abs().amax(dim=(1, 2, 3))
+        assert bool((err[1:] <= 1e-5).all()) == ok and bool((err[1:] > 1e-5).all()) != ok, (lse_dtype, err)
 
 
 def test_ops_validates_inputs_on_cpu():

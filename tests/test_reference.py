@@ -88,6 +88,19 @@ def test_merge_all_empty_gives_zero_not_nan():
     assert torch.all(out == 0) and torch.all(lse == float("-inf"))
 
 
+def test_empty_shard_and_nan_lse_in_the_reference_and_torch_path():
+    # A shard with no keys at all (N = 0): zeros and -inf, from the oracle and the torch path.
+    q, k = torch.randn(2, 1, 4, 16), torch.randn(2, 0, 2, 16)
+    for out, lse in (reference.partial_attention(q, k, k), mt.flash_decode(q, k, k, lse_dtype=torch.float64)):
+        assert torch.all(out == 0) and torch.all(torch.isneginf(lse)) and out.shape == (2, 1, 4, 16)
+    # A NaN partial lse is garbage in: it comes out NaN, never as a row with "no keys" (0, -inf).
+    outs = torch.randn(2, 1, 1, 1, 4)
+    out, lse = mt.merge_states(outs, torch.tensor([float("nan"), 0.0]).view(2, 1, 1, 1))
+    assert torch.isnan(out).all() and torch.isnan(lse).all()
+    with pytest.raises(TypeError, match="lses must be float32 or float64, got torch.float16"):
+        mt.merge_states(outs, torch.tensor([7e4, 6.9e4]).half().view(2, 1, 1, 1))
+
+
 def test_merge_states_shape_errors():
     with pytest.raises(ValueError, match="lses must have shape"):
         mt.merge_states(torch.zeros(2, 1, 1, 2, 4), torch.zeros(2, 1, 1, 2))

@@ -41,10 +41,15 @@ def large_score_inputs(magnitudes, lengths, sq: int = 1, hq: int = 8, hkv: int =
 
     q's first coordinate is ``4 * magnitude`` and every key's is 1; the other coordinates are
     integers in [-1, 1]; v is random (rounded to float32). Scores within a few units of each
-    other sit on every shard (near ties), so the weights of the partial states matter.
+    other sit on every shard (near ties), so the weights of the partial states matter. Exact
+    while ``4 * |magnitude| + 15 <= 2^24`` (|magnitude| up to ~4.19e6); larger ones are refused.
     """
     if len(magnitudes) != len(lengths):
         raise ValueError(f"one magnitude per row: {len(magnitudes)} magnitudes for {len(lengths)} rows")
+    too_big = [m for m in magnitudes if 4 * abs(m) + 15 > 2 ** 24]
+    if too_big:
+        raise ValueError(f"magnitudes {too_big} are too large: scores are exact in float32 only while "
+                         f"4 * |magnitude| + 15 <= 2^24 (|magnitude| <= {(2 ** 24 - 15) / 4:.0f})")
     g = torch.Generator().manual_seed(seed)
     b, n = len(lengths), max(lengths)
     q = torch.randint(-1, 2, (b, sq, hq, HEAD_DIM), generator=g).double()
@@ -109,11 +114,20 @@ def markdown(rows: list[dict]) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--backend", choices=ops.BACKENDS, default="torch")
+    parser.add_argument("--backend", choices=ops.BACKENDS, default="torch",
+                        help="torch, or triton (on a GPU; on CPU only with TRITON_INTERPRET=1 set)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--tokens", type=int, default=512, help="keys per row (default 512)")
+    parser.add_argument("--tokens", type=int, default=512, help="keys per row, at least 8 (default 512)")
     parser.add_argument("--out", type=Path, default=None, help="directory for precision.json")
     args = parser.parse_args(argv)
+    if args.tokens < 8:
+        parser.error(f"--tokens must be at least 8 (one key per shard of the largest P), got {args.tokens}")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: this torch sees no CUDA device; use --device cpu")
+    try:
+        ops.resolve_backend(torch.device(args.device), args.backend)
+    except (RuntimeError, ValueError) as e:
+        parser.error(str(e))
     rows = measure(n=args.tokens, backend=args.backend, device=args.device)
     print(markdown(rows))
     if args.out is not None:

@@ -111,9 +111,10 @@ def _merge_kernel(
         num += tl.sum(tl.where(w[:, None] > 0, w[:, None] * o.to(tl.float32), 0.0), 0)
         den += tl.sum(w, 0)
 
-    has = den > 0
-    out = tl.where(has, num / tl.where(has, den, 1.0), 0.0)
-    lse_out = tl.where(has, m_safe + tl.log(tl.where(has, den, 1.0).to(tl.float64)), float("-inf"))
+    # Only den == 0 is "no key": a NaN den (a NaN partial lse) stays NaN, as in reference.normalize.
+    empty = den == 0
+    out = tl.where(empty, 0.0, num / tl.where(empty, 1.0, den))
+    lse_out = tl.where(empty, float("-inf"), m_safe + tl.log(tl.where(empty, 1.0, den).to(tl.float64)))
     if EXACT_ROUNDING:  # the interpreter: round to nearest even first, so its cast is exact
         out = round_like_gpu(out, O.dtype.element_ty)
     tl.store(O + b * s_Ob + s * s_Os + h * s_Oh + offs_d * s_Od, out.to(O.dtype.element_ty),
@@ -180,8 +181,8 @@ def merge_states(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, 
     """Merge P partial states exactly, like ``reference.merge_states``.
 
     outs: (P, batch, seqlen_q, nheads_q, headdim) fp16/bf16/fp32, any strides
-    lses: (P, batch, nheads_q, seqlen_q) natural log, -inf for an empty state; float64 lses are
-        used whole (fp16/bf16 ones are widened to float32)
+    lses: (P, batch, nheads_q, seqlen_q) float32 or float64, natural log, -inf for an empty
+        state; float64 lses are used whole
     returns out: (batch, seqlen_q, nheads_q, headdim) in outs.dtype (0 where every state is
             empty), lse: (batch, nheads_q, seqlen_q) float32, float64 for float64 lses (-inf where
             every state is empty)
@@ -199,8 +200,8 @@ def merge_states(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, 
     if outs.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"Triton merge_states supports {SUPPORTED_DTYPES} outputs, got {outs.dtype}; "
                         "use backend='torch' for other dtypes")
-    if not lses.is_floating_point():
-        raise TypeError(f"lses must be a float tensor (natural log), got {lses.dtype}")
+    if lses.dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"lses must be float32 or float64 (natural log), got {lses.dtype}")
     if outs.device != lses.device:
         raise ValueError(f"outs is on {outs.device} but lses is on {lses.device}")
     if p == 0:
