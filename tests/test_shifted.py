@@ -31,12 +31,7 @@ CASES = {
 
 
 def _bounds(n, world):
-    weights = [0 if (r == 1 and world > 1) else r + 1 for r in range(world)]
-    cuts, acc = [0], 0
-    for w in weights:
-        acc += w
-        cuts.append(round(n * acc / sum(weights)))
-    return cuts
+    return precision.uneven_cuts(n, world, empty=1 if world > 1 else None)  # rank 1 holds no keys
 
 
 def _case(name, world):

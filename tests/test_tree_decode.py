@@ -30,13 +30,7 @@ HEAD_DIM = 16
 
 def shard_bounds(n: int, world: int) -> list[int]:
     """Uneven contiguous cuts of [0, n): rank r gets a share ~ (r + 1), rank 1 gets nothing."""
-    weights = [0 if (r == 1 and world > 1) else r + 1 for r in range(world)]
-    total = sum(weights)
-    cuts, acc = [0], 0
-    for w in weights:
-        acc += w
-        cuts.append(round(n * acc / total))
-    return cuts
+    return precision.uneven_cuts(n, world, empty=1 if world > 1 else None)
 
 
 def make_case(name: str, seed: int = 0):

@@ -29,7 +29,7 @@ import torch
 
 from .. import ops, reference
 
-__all__ = ["large_score_inputs", "lse_tolerance", "HEAD_DIM", "measure", "markdown", "main"]
+__all__ = ["large_score_inputs", "lse_tolerance", "uneven_cuts", "HEAD_DIM", "measure", "markdown", "main"]
 
 HEAD_DIM = 16
 """Head dim of :func:`large_score_inputs`: its default softmax scale, 1/4, is exact."""
@@ -65,9 +65,10 @@ def lse_tolerance(lse: torch.Tensor) -> torch.Tensor:
     return lse.abs() * 2.0 ** -24 + 1e-5
 
 
-def _cuts(n: int, p: int) -> list[int]:
-    """Uneven cuts of [0, n): shard r gets a share ~ (r + 1), shard 1 none when p > 2."""
-    weights = [0 if (r == 1 and p > 2) else r + 1 for r in range(p)]
+def uneven_cuts(n: int, p: int, empty: int | None = None) -> list[int]:
+    """Cuts of [0, n) into p uneven shards (p + 1 bounds): shard r gets a share ~ (r + 1),
+    shard ``empty`` (when given) none."""
+    weights = [0 if r == empty else r + 1 for r in range(p)]
     cuts, acc = [0], 0
     for w in weights:
         acc += w
@@ -88,7 +89,7 @@ def measure(magnitudes=(1.0, 1e2, 1e3, 1e4, 1e5, -1e5), worlds=(2, 4, 8), n: int
     one = err(ops.flash_decode(qf, kf, vf, backend=backend)[0])
     rows = []
     for p in worlds:
-        cuts = _cuts(n, p)
+        cuts = uneven_cuts(n, p, empty=1 if p > 2 else None)
         merged = {}
         for name, lse_dtype in (("merge_lse32", torch.float32), ("merge_lse64", torch.float64)):
             parts = [ops.flash_decode(qf, kf[:, a:b], vf[:, a:b], out_dtype=torch.float32, lse_dtype=lse_dtype,
