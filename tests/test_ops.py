@@ -194,6 +194,23 @@ def test_float64_partial_lse_keeps_a_merge_exact_at_large_scores():
     assert (errs[torch.float32][1:] > 1e-5).all(), errs[torch.float32]
 
 
+def test_lse_dtype_reaches_the_ops_and_their_fakes():
+    """lse_dtype (issue 12 item 6) as the ops and their fake kernels (what torch.compile traces
+    with) report it: float64 when asked for, or for float64 lses in merge_states; float64 input
+    never gets an lse narrower than its own accumulation dtype."""
+    q, k, v = _inputs(sq=2, n=9)
+    sl = torch.tensor([5, 9, 0], dtype=torch.int32)
+    torch.library.opcheck(torch.ops.megatron_tree.flash_decode.default,
+                          (q, k, v, sl, None, None, None, "torch", None, torch.float32, torch.float64))
+    outs, lses = torch.randn(3, 3, 2, 8, 32), torch.randn(3, 3, 8, 2, dtype=torch.float64)
+    torch.library.opcheck(torch.ops.megatron_tree.merge_states.default, (outs, lses, "torch"))
+    assert ops.flash_decode(q, k, v, cache_seqlens=sl, lse_dtype=torch.float64)[1].dtype == torch.float64
+    assert ops.merge_states(outs, lses)[1].dtype == torch.float64
+    q64, k64, v64 = (t.double() for t in (q, k, v))
+    assert ops.flash_decode(q64, k64, v64, lse_dtype=torch.float32)[1].dtype == torch.float64
+    assert reference.partial_attention(q64, k64, v64, lse_dtype=torch.float32)[1].dtype == torch.float64
+
+
 def test_ops_validates_inputs_on_cpu():
     q, k, v = _inputs()
     with pytest.raises(ValueError, match=r"cache_seqlens must lie in \[0, 57\]"):
