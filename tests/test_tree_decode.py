@@ -171,6 +171,11 @@ def exactness_body(rank, world, intra_size):
         _, lse = comm.merge(o, l, groups, strategy, shift=shift)
         report["merge_lse"][strategy] = (lse.dtype, float((lse[finite] - want_lse[finite]).abs().max()),
                                          torch.equal(torch.isfinite(lse), finite))
+        if strategy != "shifted":  # and in halves, overlapped (what tree_decode(overlap=True) runs)
+            _, lse = comm.merge_overlapped(lambda rows: (o[rows], l[rows]), [slice(0, 2), slice(2, 4)],
+                                           tuple(o.shape), groups, strategy)
+            report["merge_lse"][(strategy, "overlapped")] = (
+                lse.dtype, float((lse[finite] - want_lse[finite]).abs().max()), torch.equal(torch.isfinite(lse), finite))
     return report
 
 
@@ -191,7 +196,7 @@ def test_tree_decode_exact(world, intra):
         for key, (err_out, lse_ok, empty_ok) in rep["large"].items():
             assert err_out <= 1e-5, f"rank {rank} {key} at |scores| ~1e5: output error {err_out:.2e} > 1e-5"
             assert lse_ok and empty_ok, f"rank {rank} {key} at |scores| ~1e5: lse beyond one fp32 rounding"
-        assert len(rep["merge_lse"]) == len(TREE_STRATEGIES) + 1
+        assert len(rep["merge_lse"]) == 2 * len(TREE_STRATEGIES) + 1
         for strategy, (dtype, lse_err, empty_ok) in rep["merge_lse"].items():
             assert dtype == torch.float64 and lse_err <= 1e-6 and empty_ok, (
                 f"rank {rank} comm.merge {strategy} at |scores| ~1e5: lse {dtype}, error {lse_err:.2e} > 1e-6")
