@@ -178,6 +178,8 @@ def test_float64_partial_lse_keeps_a_merge_exact_at_large_scores():
     want, want_lse = reference.partial_attention(q, k, v, cache_seqlens=lens)
     one, _ = ops.flash_decode(q.float(), k.float(), v.float(), cache_seqlens=lens)
     assert (one.double() - want).abs().max() <= 1e-6  # one call over all keys: the inputs are exact
+    ref = reference.partial_attention(q.float(), k.float(), v.float(), cache_seqlens=lens, lse_dtype=torch.float64)[1]
+    assert ref.dtype == torch.float64 and (ref - want_lse).abs().max() <= 1e-6  # the reference keeps m + log l whole
     cuts = [0, 13, 13, 50, 90]  # uneven, one empty shard, shards past some rows' ends
     errs = {}
     for lse_dtype in (torch.float32, torch.float64):
