@@ -165,13 +165,14 @@ def exactness_body(rank, world, intra_size):
                 torch.equal(torch.isfinite(lse), finite),
             )
     # comm.merge itself returns the merged lse whole (float64) from float64 partials, shifted included
+    # (worlds 2, 3 and 2 x 2 cover one and two levels; at 8 ranks on CI's CPUs it would cost seconds)
     o, l = mt.flash_decode(q.float(), kl.float(), vl.float(), out_dtype=torch.float32, lse_dtype=torch.float64, **kw)
-    for strategy in (*TREE_STRATEGIES, "shifted"):
+    for strategy in (*TREE_STRATEGIES, "shifted") if world <= 4 else ():
         shift = want_lse.float() if strategy == "shifted" else None
         _, lse = comm.merge(o, l, groups, strategy, shift=shift)
         report["merge_lse"][strategy] = (lse.dtype, float((lse[finite] - want_lse[finite]).abs().max()),
                                          torch.equal(torch.isfinite(lse), finite))
-        if strategy != "shifted":  # and in halves, overlapped (what tree_decode(overlap=True) runs)
+        if strategy in ("packed", "allreduce3"):  # the stages that normalise (two_level runs packed's), overlapped
             _, lse = comm.merge_overlapped(lambda rows: (o[rows], l[rows]), [slice(0, 2), slice(2, 4)],
                                            tuple(o.shape), groups, strategy)
             report["merge_lse"][(strategy, "overlapped")] = (
@@ -196,7 +197,7 @@ def test_tree_decode_exact(world, intra):
         for key, (err_out, lse_ok, empty_ok) in rep["large"].items():
             assert err_out <= 1e-5, f"rank {rank} {key} at |scores| ~1e5: output error {err_out:.2e} > 1e-5"
             assert lse_ok and empty_ok, f"rank {rank} {key} at |scores| ~1e5: lse beyond one fp32 rounding"
-        assert len(rep["merge_lse"]) == 2 * len(TREE_STRATEGIES) + 1
+        assert len(rep["merge_lse"]) == (len(TREE_STRATEGIES) + 1 + 2 if world <= 4 else 0)
         for strategy, (dtype, lse_err, empty_ok) in rep["merge_lse"].items():
             assert dtype == torch.float64 and lse_err <= 1e-6 and empty_ok, (
                 f"rank {rank} comm.merge {strategy} at |scores| ~1e5: lse {dtype}, error {lse_err:.2e} > 1e-6")
