@@ -77,9 +77,10 @@ def _cases_on_rank(rank, world):
     kl, vl = kg[:, lo:hi].float(), vg[:, lo:hi].float()
     seq = (lens - lo).clamp(0, hi - lo).to(torch.int32)
     plan = ShardPlan.build(kl, groups)
+    baselines = (("ring", ring_decode), ("passq_ring", passq_ring_decode), ("allgather_kv", allgather_kv_decode))
     results["large"] = {
         name: float((fn(qg.float(), kl, vl, groups, plan=plan, cache_seqlens=seq).double() - want).abs().max())
-        for name, fn in (("ring", ring_decode), ("passq_ring", passq_ring_decode), ("allgather_kv", allgather_kv_decode))
+        for name, fn in baselines
     }
     # A stale plan is refused with a message naming the fix.
     try:
