@@ -75,3 +75,17 @@ def test_cold_start_bench_measures_first_and_warm_calls(tmp_path):
     assert s["modes"]["cold"]["ratio_first_call"] == med["ring"]["first_s"] / med["tree:allreduce3"]["first_s"]
     assert s["ratio_warm"] == med["ring"]["warm_median_s"] / med["tree:allreduce3"]["warm_median_s"]
     assert s["predicted_warm_s"]["ring"] > 0
+
+
+def test_precision_bench_side_by_side(tmp_path, capsys):
+    """bench.precision (issue 12 item 6): at |s| = 1e5 a merge with an fp32 lse is off by more
+    than 1e-5 and one with an fp64 lse is not; main writes precision.json and a markdown table."""
+    from megatron_tree.bench import precision
+
+    rows = precision.measure(magnitudes=(1e5,), worlds=(3,), n=48)
+    assert [(r["magnitude"], r["P"]) for r in rows] == [(1e5, 3)]
+    assert rows[0]["one_call"] <= 1e-6 and rows[0]["merge_lse64"] <= 1e-5 < rows[0]["merge_lse32"], rows
+    assert precision.main(["--tokens", "32", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "precision.json").read_text())
+    assert data["meta"]["tokens"] == 32 and len(data["rows"]) == 6 * 3
+    assert "| 100000 | 4 |" in capsys.readouterr().out

@@ -179,6 +179,8 @@ def test_float64_partial_lse_keeps_a_merge_exact_at_large_scores():
     want, want_lse = reference.partial_attention(q, k, v, cache_seqlens=lens)
     one, _ = ops.flash_decode(q.float(), k.float(), v.float(), cache_seqlens=lens)
     assert (one.double() - want).abs().max() <= 1e-6  # one call over all keys: the inputs are exact
+    ref = reference.partial_attention(q.float(), k.float(), v.float(), cache_seqlens=lens, lse_dtype=torch.float64)[1]
+    assert ref.dtype == torch.float64 and (ref - want_lse).abs().max() <= 1e-6  # the reference keeps m + log l whole
     cuts = [0, 13, 13, 50, 90]  # uneven, one empty shard, shards past some rows' ends
     errs = {}
     for lse_dtype in (torch.float32, torch.float64):
@@ -204,6 +206,23 @@ def test_float64_partial_lse_keeps_a_merge_exact_at_large_scores():
         out, _ = ops.merge_states(torch.stack([head[0], tail[0][0]]), torch.stack([head[1].double(), tail[0][1]]))
         err = (out.double() - want).abs().amax(dim=(1, 2, 3))
         assert bool((err[1:] <= 1e-5).all()) == ok and bool((err[1:] > 1e-5).all()) != ok, (lse_dtype, err)
+
+
+def test_lse_dtype_reaches_the_ops_and_their_fakes():
+    """lse_dtype (issue 12 item 6) as the ops and their fake kernels (what torch.compile traces
+    with) report it: float64 when asked for, or for float64 lses in merge_states; float64 input
+    never gets an lse narrower than its own accumulation dtype."""
+    q, k, v = _inputs(sq=2, n=9)
+    sl = torch.tensor([5, 9, 0], dtype=torch.int32)
+    torch.library.opcheck(torch.ops.megatron_tree.flash_decode.default,
+                          (q, k, v, sl, None, None, None, "torch", None, torch.float32, torch.float64))
+    outs, lses = torch.randn(3, 3, 2, 8, 32), torch.randn(3, 3, 8, 2, dtype=torch.float64)
+    torch.library.opcheck(torch.ops.megatron_tree.merge_states.default, (outs, lses, "torch"))
+    assert ops.flash_decode(q, k, v, cache_seqlens=sl, lse_dtype=torch.float64)[1].dtype == torch.float64
+    assert ops.merge_states(outs, lses)[1].dtype == torch.float64
+    q64, k64, v64 = (t.double() for t in (q, k, v))
+    assert ops.flash_decode(q64, k64, v64, lse_dtype=torch.float32)[1].dtype == torch.float64
+    assert reference.partial_attention(q64, k64, v64, lse_dtype=torch.float32)[1].dtype == torch.float64
 
 
 def test_ops_validates_inputs_on_cpu():

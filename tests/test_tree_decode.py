@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import megatron_tree as mt
-from megatron_tree import reference
+from megatron_tree import comm, reference
 from megatron_tree.bench import precision
 from distributed import run_ranks
 
@@ -112,7 +112,8 @@ def launch(fn, world, *args):
 
 def exactness_body(rank, world, intra_size):
     groups = mt.TreeGroups.build(intra_size=intra_size)
-    report = {"levels": [(l.name, l.size) for l in groups.levels], "fp32": {}, "agree": {}, "lowp": {}, "large": {}}
+    report = {"levels": [(l.name, l.size) for l in groups.levels], "fp32": {}, "agree": {}, "lowp": {}, "large": {},
+              "merge_lse": {}}
     for name in CASES:
         q, k, v, lens, q_pos = make_case(name)
         want_out, want_lse = oracle(q, k, v, lens, q_pos)
@@ -164,6 +165,19 @@ def exactness_body(rank, world, intra_size):
         report["large"][(strategy, "lse64")] = (
             float((lse[finite] - want_lse[finite]).abs().max()) if lse.dtype == torch.float64 else float("inf"),
             True, torch.equal(torch.isfinite(lse), finite))
+    # comm.merge itself returns the merged lse whole (float64) from float64 partials, shifted included
+    # (worlds 2, 3 and 2 x 2 cover one and two levels; at 8 ranks on CI's CPUs it would cost seconds)
+    o, l = mt.flash_decode(q.float(), kl.float(), vl.float(), out_dtype=torch.float32, lse_dtype=torch.float64, **kw)
+    for strategy in (*TREE_STRATEGIES, "shifted") if world <= 4 else ():
+        shift = want_lse.float() if strategy == "shifted" else None
+        _, lse = comm.merge(o, l, groups, strategy, shift=shift)
+        report["merge_lse"][strategy] = (lse.dtype, float((lse[finite] - want_lse[finite]).abs().max()),
+                                         torch.equal(torch.isfinite(lse), finite))
+        if strategy in ("packed", "allreduce3"):  # the stages that normalise (two_level runs packed's), overlapped
+            _, lse = comm.merge_overlapped(lambda rows: (o[rows], l[rows]), [slice(0, 2), slice(2, 4)],
+                                           tuple(o.shape), groups, strategy)
+            err = float((lse[finite] - want_lse[finite]).abs().max())
+            report["merge_lse"][(strategy, "overlapped")] = (lse.dtype, err, torch.equal(torch.isfinite(lse), finite))
     return report
 
 
@@ -184,6 +198,10 @@ def test_tree_decode_exact(world, intra):
         for key, (err_out, lse_ok, empty_ok) in rep["large"].items():
             assert err_out <= 1e-5, f"rank {rank} {key} at |scores| ~1e5: output error {err_out:.2e} > 1e-5"
             assert lse_ok and empty_ok, f"rank {rank} {key} at |scores| ~1e5: lse beyond one fp32 rounding"
+        assert len(rep["merge_lse"]) == (len(TREE_STRATEGIES) + 1 + 2 if world <= 4 else 0)
+        for strategy, (dtype, lse_err, empty_ok) in rep["merge_lse"].items():
+            assert dtype == torch.float64 and lse_err <= 1e-6 and empty_ok, (
+                f"rank {rank} comm.merge {strategy} at |scores| ~1e5: lse {dtype}, error {lse_err:.2e} > 1e-6")
     # every rank returns the same answer: compare rank 0's errors with the others'
     for rep in reports[1:]:
         assert rep["fp32"] == reports[0]["fp32"]
