@@ -122,8 +122,9 @@ def _shared_max(lse, o, group, level, stats):
     """MAX over the group of lse rounded to o's dtype: the shift m of ``packed`` and ``allreduce3``.
 
     Any m that every rank holds and that is within a rounding of the largest lse works (the
-    weights ``exp(lse_u - m)`` are formed from the whole lse and stay <= 1 + 2^-24 |m|), so a
-    float64 lse crosses the wire in 4 bytes. Rounding is monotonic: this is the rounded maximum.
+    weights ``exp(lse_u - m)`` are formed from the whole lse and stay <= exp(2^-24 |m|): 1.006
+    at |m| = 1e5; they could overflow fp32 only past |m| ~ 2^31), so a float64 lse crosses the
+    wire in 4 bytes. Rounding is monotonic: this is the rounded maximum.
     """
     m = lse.to(o.dtype, copy=True)
     _all_reduce(m, "max", group, level, stats)
@@ -425,8 +426,8 @@ def merge_overlapped(
         whole batch, each part weighted by its rows; when any part's check fails the whole
         call is redone with ``packed`` (at once, or by the caller with ``deferred``)
     returns out: (batch, seqlen_q, nheads_q, headdim) float32 (float64 for float64 input),
-            lse: (batch, nheads_q, seqlen_q) same dtype -- what :func:`merge` returns for the
-            whole batch: every row goes through the same operations (the sums' rounding can
+            lse: (batch, nheads_q, seqlen_q) in the wider of the partial lse's dtype and out's
+            (float64 from ``tree_decode``) -- what :func:`merge` returns for the whole batch: every row goes through the same operations (the sums' rounding can
             differ where the backend's reduction order depends on the buffer's length).
 
     Schedule (the same on every rank, so each group sees its collectives in one order)::

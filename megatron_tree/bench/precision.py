@@ -1,6 +1,6 @@
 """How exact a merge stays when attention scores are huge (issue 12 item 6), side by side.
 
-    python -m megatron_tree.bench.precision [--backend torch|triton] [--out DIR]
+    python -m megatron_tree.bench.precision [--backend torch|triton] [--device cpu|cuda] [--tokens N] [--out DIR]
 
 For rows whose scores are ``magnitude + small integer`` (exact in float32, so one attention
 call over all keys is as accurate at 1e5 as at 1), the sequence is cut into P uneven

@@ -425,6 +425,8 @@ def decode_launches(q, k, v, *, block_table=None, cache_seqlens=None, softmax_sc
     dev = q.device
     out_dtype = q.dtype if out_dtype is None else out_dtype
     out = torch.empty((b, sq, hq, d), dtype=out_dtype, device=dev)
+    if lse_dtype not in (None, torch.float32, torch.float64):
+        raise TypeError(f"lse_dtype must be torch.float32, torch.float64 or None, got {lse_dtype!r}")
     lse = torch.empty((b, hq, sq), dtype=torch.float32 if lse_dtype is None else lse_dtype, device=dev)
     if b * sq * hq == 0:
         return out, lse, []
