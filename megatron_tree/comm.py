@@ -114,54 +114,127 @@ A new argument that changes the collectives (e.g. a shift) is one more name here
 _WHAT = "tree merge"
 
 
-def _all_reduce(buf: torch.Tensor, op: str, group, level: str, stats) -> None:
-    collectives.all_reduce(buf, group, op=op, level=level, stats=stats, what=_WHAT)
+class _Done:
+    """The handle of a collective that completed when it was issued."""
+
+    def wait(self) -> None:
+        pass
 
 
-def _shared_max(lse, o, group, level, stats):
-    """MAX over the group of lse rounded to o's dtype: the shift m of ``packed`` and ``allreduce3``.
+class _Start:
+    """How a merge's collectives are issued: at once (``sync``: each has completed when its
+    handle is yielded) or asynchronously (:class:`collectives.Pending`, waited for by whoever
+    drives the stages -- :func:`merge_overlapped`). Every merge below is written once, as stages,
+    and runs either way."""
 
-    Any m that every rank holds and that is within a rounding of the largest lse works (the
-    weights ``exp(lse_u - m)`` are formed from the whole lse and stay <= exp(2^-24 |m|): 1.006
-    at |m| = 1e5; they could overflow fp32 only past |m| ~ 2^31), so a float64 lse crosses the
-    wire in 4 bytes. Rounding is monotonic: this is the rounded maximum.
+    def __init__(self, sync: bool):
+        self.sync = sync
+
+    def all_reduce(self, buf: torch.Tensor, op: str, group, level: str, stats):
+        if self.sync:
+            collectives.all_reduce(buf, group, op=op, level=level, stats=stats, what=_WHAT)
+            return _Done()
+        return collectives.all_reduce_async(buf, group, op=op, level=level, stats=stats, what=_WHAT)
+
+    def all_gather(self, buf: torch.Tensor, group, out: torch.Tensor, level: str, stats):
+        if self.sync:
+            collectives.all_gather(buf, group, out=out, level=level, stats=stats, what=_WHAT)
+            return _Done()
+        return collectives.all_gather_async(buf, group, out=out, level=level, stats=stats, what=_WHAT)
+
+
+_SYNC, _ASYNC = _Start(True), _Start(False)
+
+
+def _run(stages):
+    """The result of a stage generator started with :data:`_SYNC` (its collectives are complete)."""
+    while True:
+        try:
+            next(stages)
+        except StopIteration as stop:
+            return stop.value
+
+
+# --------------------------------------------------------------------------- the merges, as stages
+#
+# Each merge is a generator: it yields the handle(s) of the collective(s) it has just started
+# and resumes, once they are complete, with the local work up to the next one; its return value
+# is the merged (out, lse) -- (out, lse, bad) for shifted. ``merge`` runs them with _SYNC,
+# ``merge_overlapped`` with _ASYNC.
+
+
+def _packed_stages(start, o, lse, group, level, stats):
+    """MAX(lse) | SUM(cat[w*o, w]) | normalise. o: (B, Sq, Hq, D) fp32; lse: (B, Hq, Sq) fp64 or fp32.
+
+    The MAX runs over the lse rounded to o's dtype: any m that every rank holds and that is
+    within a rounding of the largest lse works (the weights ``exp(lse_u - m)`` are formed from
+    the whole lse and stay <= exp(2^-24 |m|): 1.006 at |m| = 1e5; they could overflow fp32 only
+    past |m| ~ 2^31), so a float64 lse crosses the wire in 4 bytes. Rounding is monotonic: m is
+    the rounded maximum.
     """
     m = lse.to(o.dtype, copy=True)
-    _all_reduce(m, "max", group, level, stats)
-    return m
-
-
-def _merge_packed(o, lse, group, size, level, stats):
-    """MAX(lse), then one SUM over cat([w*o, w]). o: (B, Sq, Hq, D) fp32; lse: (B, Hq, Sq) fp64 or fp32."""
-    m = _shared_max(lse, o, group, level, stats)
+    yield start.all_reduce(m, "max", group, level, stats)
     w = lse_weights(lse, m, o.dtype)
     buf = torch.cat([weighted(o, w).reshape(-1), w.reshape(-1)])
-    _all_reduce(buf, "sum", group, level, stats)
+    yield start.all_reduce(buf, "sum", group, level, stats)
     num, den = buf[: o.numel()].view(o.shape), buf[o.numel():].view(lse.shape)
     return normalize(num, den, m, lse.dtype)
 
 
-def _merge_allreduce3(o, lse, group, size, level, stats):
-    """The paper's Algorithm 3: MAX(lse), SUM(den), SUM(num) as three collectives."""
-    m = _shared_max(lse, o, group, level, stats)
+def _allreduce3_stages(start, o, lse, group, level, stats):
+    """The paper's Algorithm 3: MAX(lse) | SUM(den), SUM(num) | normalise (the two SUMs do not
+    depend on each other and are started together). The MAX as in :func:`_packed_stages`."""
+    m = lse.to(o.dtype, copy=True)
+    yield start.all_reduce(m, "max", group, level, stats)
     den = lse_weights(lse, m, o.dtype)
     num = weighted(o, den)
-    _all_reduce(den, "sum", group, level, stats)
-    _all_reduce(num, "sum", group, level, stats)
+    yield start.all_reduce(den, "sum", group, level, stats), start.all_reduce(num, "sum", group, level, stats)
     return normalize(num, den, m, lse.dtype)
 
 
-def _merge_shifted(o, lse, group, size, level, stats, shift):
-    """One SUM over cat([w*o, w, nonempty]) with w = exp(lse - shift).
+def _allgather_stages(start, o, lse, group, size, level, stats):
+    """ALL_GATHER(cat[o, lse]) | local merge of the P states."""
+    buf = _gather_buffer(o, lse)
+    parts = buf.new_empty((size, buf.numel()))
+    yield start.all_gather(buf, group, parts, level, stats)
+    return ops.merge_states(*_gathered_states(parts, o, lse, size))
+
+
+def _shifted_stages(start, o, lse, shift, group, level, stats):
+    """One SUM over cat([w*o, w, nonempty]) with w = exp(lse - shift) | normalise.
 
     o: (B, Sq, Hq, D) fp32; lse: (B, Hq, Sq) fp64 or fp32; shift: (B, Hq, Sq). Returns (out,
     lse, bad) where bad: (B, Hq, Sq) bool, identical on every rank, marks rows whose weights
-    overflowed or all underflowed (their out/lse are not usable; the caller redoes the merge
-    with ``packed``).
+    overflowed or all underflowed (their out/lse are not usable; :func:`_settle_shifted` redoes
+    the merge with ``packed`` or leaves the flag to the caller).
     """
     buf, r = _shifted_buffer(o, lse, shift)
-    _all_reduce(buf, "sum", group, level, stats)
+    yield start.all_reduce(buf, "sum", group, level, stats)
     return _shifted_finish(buf, r, o, lse)
+
+
+def _two_level_stages(start, o, lse, groups, stats):
+    """``two_level``: ``packed`` inside each node, then across nodes; each level needs the previous
+    level's result (4 dependent collectives; split, the other part's stages interleave)."""
+    for lvl in groups.levels:  # innermost first
+        o, lse = yield from _packed_stages(start, o, lse, lvl.group, lvl.name, stats)
+    return o, lse
+
+
+def _stage_count(strategy: str, groups: TreeGroups) -> int:
+    """Dependent collective stages of one merge (:func:`_stages`)."""
+    return {"packed": 2, "allreduce3": 2, "allgather": 1, "shifted": 1}.get(strategy, 2 * len(groups.levels))
+
+
+def _stages(start, strategy: str, o, lse, groups: TreeGroups, stats, shift=None):
+    if strategy == "shifted":
+        return _shifted_stages(start, o, lse, shift, groups.cp_group, "cp", stats)
+    if strategy == "two_level":
+        return _two_level_stages(start, o, lse, groups, stats)
+    if strategy == "allgather":
+        return _allgather_stages(start, o, lse, groups.cp_group, groups.size, "cp", stats)
+    fn = {"packed": _packed_stages, "allreduce3": _allreduce3_stages}[strategy]
+    return fn(start, o, lse, groups.cp_group, "cp", stats)
 
 
 def _shifted_buffer(o, lse, shift):
@@ -173,25 +246,13 @@ def _shifted_buffer(o, lse, shift):
 
 
 def _shifted_finish(buf, r, o, lse):
-    """(out, lse, bad) from the all-reduced :func:`_shifted_buffer` (see :func:`_merge_shifted`)."""
+    """(out, lse, bad) from the all-reduced :func:`_shifted_buffer` (see :func:`_shifted_stages`)."""
     n, k = o.numel(), lse.numel()
     num, den, count = buf[:n].view(o.shape), buf[n: n + k].view(lse.shape), buf[n + k:].view(lse.shape)
     # NaN fails both comparisons: it is flagged too. A row with no key anywhere (count 0) is fine.
     bad = (count > 0) & ~((den >= SHIFT_MIN_DEN) & (den <= SHIFT_MAX_DEN))
     out, lse = normalize(num, den, r, lse.dtype)
     return out, lse, bad
-
-
-def check_shift(shift, lse_shape: tuple) -> None:
-    """shift: a floating tensor of shape ``lse_shape`` (batch, nheads_q, seqlen_q), or None."""
-    if shift is None:
-        return
-    if not isinstance(shift, torch.Tensor) or not shift.is_floating_point():
-        raise TypeError(f"shift must be a float32 tensor of shape {tuple(lse_shape)} (batch, heads_q, seqlen_q) "
-                        f"or None, got {shift.dtype if isinstance(shift, torch.Tensor) else type(shift).__name__}")
-    if tuple(shift.shape) != tuple(lse_shape):
-        raise ValueError(f"shift must have the lse's shape {tuple(lse_shape)} (batch, heads_q, seqlen_q), "
-                         f"got {tuple(shift.shape)}")
 
 
 def _gather_buffer(o, lse) -> torch.Tensor:
@@ -206,10 +267,16 @@ def _gathered_states(parts, o, lse, size):
     return outs, lses
 
 
-def _merge_allgather(o, lse, group, size, level, stats):
-    """One all-gather of cat([o, lse]) and a local merge of the P states."""
-    parts = collectives.all_gather(_gather_buffer(o, lse), group, level=level, stats=stats, what=_WHAT)
-    return ops.merge_states(*_gathered_states(parts, o, lse, size))
+def check_shift(shift, lse_shape: tuple) -> None:
+    """shift: a floating tensor of shape ``lse_shape`` (batch, nheads_q, seqlen_q), or None."""
+    if shift is None:
+        return
+    if not isinstance(shift, torch.Tensor) or not shift.is_floating_point():
+        raise TypeError(f"shift must be a float32 tensor of shape {tuple(lse_shape)} (batch, heads_q, seqlen_q) "
+                        f"or None, got {shift.dtype if isinstance(shift, torch.Tensor) else type(shift).__name__}")
+    if tuple(shift.shape) != tuple(lse_shape):
+        raise ValueError(f"shift must have the lse's shape {tuple(lse_shape)} (batch, heads_q, seqlen_q), "
+                         f"got {tuple(shift.shape)}")
 
 
 def merge(
@@ -266,15 +333,10 @@ def merge(
     signature = (b, sq, hq, d, out.dtype if dtype is None else dtype, strategy, backend,
                  shift is not None and strategy == "shifted")
     with groups.agreement.call("merge", MERGE_SIGNATURE, signature):
+        result = _run(_stages(_SYNC, strategy, o, lse, groups, stats, shift))
         if strategy == "shifted":
-            result = _merge_shifted(o, lse, groups.cp_group, groups.size, "cp", stats, shift)
             return _settle_shifted(result, o, lse, groups, stats, deferred)
-        if strategy == "two_level":
-            for lvl in groups.levels:  # innermost first
-                o, lse = _merge_packed(o, lse, lvl.group, lvl.size, lvl.name, stats)
-            return o, lse
-        fn = {"packed": _merge_packed, "allreduce3": _merge_allreduce3, "allgather": _merge_allgather}[strategy]
-        return fn(o, lse, groups.cp_group, groups.size, "cp", stats)
+        return result
 
 
 def _settle_shifted(result, o, lse, groups: TreeGroups, stats, deferred):
@@ -293,14 +355,10 @@ def _settle_shifted(result, o, lse, groups: TreeGroups, stats, deferred):
         return res_o, res_lse
     if stats is not None:
         stats.fallbacks += 1
-    return _merge_packed(o, lse, groups.cp_group, groups.size, "cp", stats)
+    return _run(_packed_stages(_SYNC, o, lse, groups.cp_group, "cp", stats))
 
 
 # --------------------------------------------------------------------------- overlapped merge
-#
-# The merges above as stage generators: each yields the handle(s) of the collective(s) it has
-# just started and resumes, once they are waited for, with the local work up to the next one.
-# Row for row these are the same operations as the synchronous merges.
 
 SPLIT_STRATEGIES = ("allreduce3", "packed", "two_level", "allgather", "shifted", "auto")
 """Strategies :func:`merge_overlapped` runs in stages (every collective asynchronous)."""
@@ -310,69 +368,6 @@ SPLIT_SIGNATURE = ("batch", "seqlen_q", "heads_q", "headdim", "dtype", "strategy
 batch sizes, so a rank that splits and one that does not (or splits differently) get a
 :class:`DisagreementError`. Spelled out rather than derived, so a name added to ``MERGE_SIGNATURE`` for
 another strategy cannot shift the labels of these values."""
-
-
-def _start_all_reduce(buf: torch.Tensor, op: str, group, level: str, stats) -> collectives.Pending:
-    return collectives.all_reduce_async(buf, group, op=op, level=level, stats=stats, what=_WHAT)
-
-
-def _packed_stages(o, lse, group, level, stats):
-    """:func:`_merge_packed` in stages: MAX(lse) | SUM(cat[w*o, w]) | normalise."""
-    m = lse.to(o.dtype, copy=True)  # as in _shared_max
-    yield _start_all_reduce(m, "max", group, level, stats)
-    w = lse_weights(lse, m, o.dtype)
-    buf = torch.cat([weighted(o, w).reshape(-1), w.reshape(-1)])
-    yield _start_all_reduce(buf, "sum", group, level, stats)
-    num, den = buf[: o.numel()].view(o.shape), buf[o.numel():].view(lse.shape)
-    return normalize(num, den, m, lse.dtype)
-
-
-def _allreduce3_stages(o, lse, group, level, stats):
-    """:func:`_merge_allreduce3` in stages; its two SUMs do not depend on each other and travel together."""
-    m = lse.to(o.dtype, copy=True)  # as in _shared_max
-    yield _start_all_reduce(m, "max", group, level, stats)
-    den = lse_weights(lse, m, o.dtype)
-    num = weighted(o, den)
-    yield _start_all_reduce(den, "sum", group, level, stats), _start_all_reduce(num, "sum", group, level, stats)
-    return normalize(num, den, m, lse.dtype)
-
-
-def _allgather_stages(o, lse, group, size, level, stats):
-    """:func:`_merge_allgather` in stages: ALL_GATHER(cat[o, lse]) | local merge."""
-    buf = _gather_buffer(o, lse)
-    parts = buf.new_empty((size, buf.numel()))
-    yield collectives.all_gather_async(buf, group, out=parts, level=level, stats=stats, what=_WHAT)
-    return ops.merge_states(*_gathered_states(parts, o, lse, size))
-
-
-def _shifted_stages(o, lse, shift, group, level, stats):
-    """:func:`_merge_shifted` in stages: SUM(cat[w*o, w, nonempty]) | normalise; returns (out, lse, bad)."""
-    buf, r = _shifted_buffer(o, lse, shift)
-    yield _start_all_reduce(buf, "sum", group, level, stats)
-    return _shifted_finish(buf, r, o, lse)
-
-
-def _two_level_stages(o, lse, groups, stats):
-    """``two_level`` in stages: each level's packed merge needs the previous level's result, so the
-    levels chain inside one part (4 dependent collectives) while the other part's stages interleave."""
-    for lvl in groups.levels:  # innermost first
-        o, lse = yield from _packed_stages(o, lse, lvl.group, lvl.name, stats)
-    return o, lse
-
-
-def _stage_count(strategy: str, groups: TreeGroups) -> int:
-    """Dependent collective stages of one merge (:func:`_stages`)."""
-    return {"packed": 2, "allreduce3": 2, "allgather": 1, "shifted": 1}.get(strategy, 2 * len(groups.levels))
-
-
-def _stages(strategy: str, o, lse, groups: TreeGroups, stats, shift=None):
-    if strategy == "shifted":
-        return _shifted_stages(o, lse, shift, groups.cp_group, "cp", stats)
-    if strategy == "two_level":
-        return _two_level_stages(o, lse, groups, stats)
-    if strategy == "allgather":
-        return _allgather_stages(o, lse, groups.cp_group, groups.size, "cp", stats)
-    return {"packed": _packed_stages, "allreduce3": _allreduce3_stages}[strategy](o, lse, groups.cp_group, "cp", stats)
 
 
 class _InFlight:
@@ -475,7 +470,7 @@ def merge_overlapped(
             o, lse = local(p)
             o, lse = o.to(acc), lse.to(torch.promote_types(lse.dtype, acc))
             states.append((o, lse))
-            flight = _InFlight(_stages(strategy, o, lse, groups, stats, None if shift is None else shift[p]))
+            flight = _InFlight(_stages(_ASYNC, strategy, o, lse, groups, stats, None if shift is None else shift[p]))
             while flight.started < n:
                 flight.advance()
             flights.append(flight)
