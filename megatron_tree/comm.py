@@ -34,10 +34,11 @@ Collectives go through ``collectives.py`` (a failure is a :class:`CommError`), i
 group's :class:`collectives.Agreement` on :data:`MERGE_SIGNATURE`, so ranks that disagree on
 a call get a :class:`DisagreementError` instead of a backend abort or a wrong answer.
 
-:func:`merge_overlapped` runs the same merges in stages on asynchronous collectives for a
-batch split in parts, so that one part's collectives travel while the next part's local
-attention computes (``tree_decode(..., overlap=True)``); :data:`SPLIT_STRATEGIES` lists the
-strategies it stages.
+Each strategy is written once, as a generator of stages (its collectives, with the local work
+between them); :func:`merge` runs it on synchronous collectives and :func:`merge_overlapped` on
+asynchronous ones for a batch split in parts, so that one part's collectives travel while the
+next part's local attention computes (``tree_decode(..., overlap=True)``; every strategy,
+:data:`SPLIT_STRATEGIES`).
 
 ``shifted`` (issue 12): one SUM suffices when every rank weights its partial by
 ``w_u = exp(lse_u - r)`` for a shift ``r`` that every rank holds bit-identically without
