@@ -150,7 +150,7 @@ def exactness_body(rank, world, intra_size):
     kl, vl, kw = local_view(q, k, v, lens, None, rank, world)
     finite = torch.isfinite(want_lse)
     for strategy in TREE_STRATEGIES:
-        for overlap in (False, True) if world <= 4 else (False,):  # 8 ranks: the unsplit merges (CI time)
+        for overlap in (False, True) if world <= 4 else (False,):
             out, lse = mt.tree_decode(q.float(), kl.float(), vl.float(), groups, strategy=strategy, overlap=overlap,
                                       return_lse=True, **kw)
             lse_err = (lse.double()[finite] - want_lse[finite]).abs()
@@ -159,6 +159,8 @@ def exactness_body(rank, world, intra_size):
                 bool((lse_err <= precision.lse_tolerance(want_lse[finite])).all()),
                 torch.equal(torch.isfinite(lse), finite),
             )
+        if world > 4:  # 8 ranks on CI's two cores: the plain merges only (the rest is covered at 1-4 ranks)
+            continue
         # the lse kept whole for the caller (lse_dtype=float64): as exact as the output
         _, lse = mt.tree_decode(q.float(), kl.float(), vl.float(), groups, strategy=strategy, return_lse=True,
                                 lse_dtype=torch.float64, **kw)
@@ -194,7 +196,7 @@ def test_tree_decode_exact(world, intra):
             assert diff <= 1e-6, f"rank {rank} {name}: strategies disagree by {diff:.2e}"
         for key, (ours, yard) in rep["lowp"].items():
             assert ours <= 2 * yard, f"rank {rank} {key}: error {ours:.2e} > 2x same-dtype torch {yard:.2e}"
-        assert len(rep["large"]) == (3 if world <= 4 else 2) * len(TREE_STRATEGIES)
+        assert len(rep["large"]) == (3 if world <= 4 else 1) * len(TREE_STRATEGIES)
         for key, (err_out, lse_ok, empty_ok) in rep["large"].items():
             assert err_out <= 1e-5, f"rank {rank} {key} at |scores| ~1e5: output error {err_out:.2e} > 1e-5"
             assert lse_ok and empty_ok, f"rank {rank} {key} at |scores| ~1e5: lse beyond one fp32 rounding"
