@@ -131,10 +131,10 @@ def _signature(q, k, backend, lengths) -> tuple:
     return (b, sq, hq, k.shape[2], d, q.dtype, name, lengths)
 
 
-def _finish(outs, lses, q_dtype, return_lse):
+def _finish(outs, lses, q_dtype, return_lse, lse_dtype=None):
     out, lse = ops.merge_states(torch.stack(outs), torch.stack(lses))
     out = out.to(q_dtype)
-    return (out, lse.to(reference.acc_dtype(q_dtype))) if return_lse else out
+    return (out, lse.to(reference.lse_acc_dtype(lse_dtype, q_dtype))) if return_lse else out
 
 
 def ring_decode(
@@ -149,6 +149,7 @@ def ring_decode(
     return_lse: bool = False,
     stats: CommStats | None = None,
     backend: str | None = None,
+    lse_dtype: torch.dtype | None = None,
 ):
     """Ring Attention decode: KV shards rotate P-1 hops; each rank attends to every shard.
 
@@ -157,12 +158,14 @@ def ring_decode(
     (batch,) int32 valid keys per row of this shard. plan: from :meth:`ShardPlan.build`
     (built here, with one extra all-gather, when omitted).
     returns out: (batch, seqlen_q, nheads_q, headdim) in q.dtype, identical on every rank,
-    and with ``return_lse`` lse: (batch, nheads_q, seqlen_q) float32.
+    and with ``return_lse`` lse: (batch, nheads_q, seqlen_q) float32 (``lse_dtype=torch.float64``:
+    returned whole, as :func:`~megatron_tree.tree_decode` does; partials are merged in float64 either way).
 
     Hop h sends the shard in hand (k, v, seqlens: three messages) to CP rank r+1 and
     receives CP rank r-h-1's shard from r-1 while the kernel runs on the shard in hand.
     Receive buffers are two flat workspaces of the largest shard (double buffering).
     """
+    reference.lse_acc_dtype(lse_dtype, q.dtype)  # a bad lse_dtype fails before any message
     p, r = groups.size, groups.rank
     plan = plan if plan is not None else ShardPlan.build(k, groups)
     plan.check(k, groups)
@@ -193,7 +196,7 @@ def ring_decode(
                 cur = (bk, bv, bs)
     if stats is not None:
         stats.calls += 1
-    return _finish(outs, lses, q.dtype, return_lse)
+    return _finish(outs, lses, q.dtype, return_lse, lse_dtype)
 
 
 def passq_ring_decode(
@@ -208,6 +211,7 @@ def passq_ring_decode(
     return_lse: bool = False,
     stats: CommStats | None = None,
     backend: str | None = None,
+    lse_dtype: torch.dtype | None = None,
 ):
     """Partial-state ring: local kernel once, then the partial states travel P-1 hops.
 
@@ -217,6 +221,7 @@ def passq_ring_decode(
     the state that arrived at hop h-1 (its own at hop 0) to r+1 and receives the next one
     from r-1. After P-1 hops every rank holds all P states and merges them in shard order.
     """
+    reference.lse_acc_dtype(lse_dtype, q.dtype)  # a bad lse_dtype fails before any message
     p, r = groups.size, groups.rank
     out, lse = ops.flash_decode(q, k, v, cache_seqlens=cache_seqlens, softmax_scale=softmax_scale, backend=backend,
                                 lse_dtype=torch.float64)
@@ -239,7 +244,7 @@ def passq_ring_decode(
     lses = states[:, no:].contiguous().view(lse.dtype).reshape(p, *lse.shape)
     res, res_lse = ops.merge_states(outs, lses)
     res = res.to(q.dtype)
-    return (res, res_lse.to(acc)) if return_lse else res
+    return (res, res_lse.to(reference.lse_acc_dtype(lse_dtype, q.dtype))) if return_lse else res
 
 
 def allgather_kv_decode(
@@ -254,6 +259,7 @@ def allgather_kv_decode(
     return_lse: bool = False,
     stats: CommStats | None = None,
     backend: str | None = None,
+    lse_dtype: torch.dtype | None = None,
 ):
     """All-gather the whole KV cache (k, v, seqlens: three all-gathers), then decode locally.
 
@@ -262,6 +268,7 @@ def allgather_kv_decode(
     gathered cache, (P, batch, max_len, nheads_kv, headdim) for k and for v, lives in
     reusable workspaces of the plan: P times a shard on every rank.
     """
+    reference.lse_acc_dtype(lse_dtype, q.dtype)  # a bad lse_dtype fails before any message
     p = groups.size
     plan = plan if plan is not None else ShardPlan.build(k, groups)
     plan.check(k, groups)
@@ -286,7 +293,7 @@ def allgather_kv_decode(
         lses.append(l)
     if stats is not None:
         stats.calls += 1
-    return _finish(outs, lses, q.dtype, return_lse)
+    return _finish(outs, lses, q.dtype, return_lse, lse_dtype)
 
 
 def _gather_into(out_buf: torch.Tensor, t: torch.Tensor, groups: TreeGroups, stats) -> torch.Tensor:

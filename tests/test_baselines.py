@@ -72,16 +72,20 @@ def _cases_on_rank(rank, world):
     from megatron_tree.bench import precision
 
     qg, kg, vg, lens = precision.large_score_inputs([1e5, -1e5, 1e4], [30, 30, 26], hq=4, hkv=2)
-    want, _ = reference.partial_attention(qg, kg, vg, cache_seqlens=lens)
     lo, hi = (0, 13, 13, 30)[rank: rank + 2]
     kl, vl = kg[:, lo:hi].float(), vg[:, lo:hi].float()
     seq = (lens - lo).clamp(0, hi - lo).to(torch.int32)
     plan = ShardPlan.build(kl, groups)
     baselines = (("ring", ring_decode), ("passq_ring", passq_ring_decode), ("allgather_kv", allgather_kv_decode))
-    results["large"] = {
-        name: float((fn(qg.float(), kl, vl, groups, plan=plan, cache_seqlens=seq).double() - want).abs().max())
-        for name, fn in baselines
-    }
+    want, want_lse = reference.partial_attention(qg, kg, vg, cache_seqlens=lens)
+    results["large"] = {}
+    for name, fn in baselines:  # the merged lse returned whole on request, as tree_decode does
+        out, lse = fn(qg.float(), kl, vl, groups, plan=plan, cache_seqlens=seq, return_lse=True,
+                      lse_dtype=torch.float64)
+        fin = torch.isfinite(want_lse)
+        assert lse.dtype == torch.float64 and torch.equal(torch.isfinite(lse), fin), name
+        results["large"][name] = max(float((out.double() - want).abs().max()),
+                                     float((lse[fin] - want_lse[fin]).abs().max()))
     # A stale plan is refused with a message naming the fix.
     try:
         ring_decode(q, k[:, :0], v[:, :0], groups, plan=ShardPlan((1, 1, 1), rank))
