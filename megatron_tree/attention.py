@@ -84,7 +84,6 @@ def tree_decode(
     # a bad lse_dtype fails here, before any collective (a q that is no tensor: in the checks below)
     ld = lse_acc_dtype(lse_dtype, q.dtype if isinstance(q, torch.Tensor) else torch.float32)
     if overlap and groups is not None and groups.size > 1 and q.shape[0] >= 2:
-        comm.check_shift(shift, (q.shape[0], q.shape[2], q.shape[1]))
         out, lse = _decode_overlapped(q, k, v, groups, cache_seqlens, softmax_scale, strategy, q_positions,
                                       k_positions, stats, backend, shift, deferred)
         out = out.to(q.dtype)
@@ -142,7 +141,8 @@ class ShiftState:
       (keys/values are written to the same slots again, which is idempotent).
 
     A decode loop (``generate``) makes one per generation, passes it to ``model.decode_step``
-    and calls :meth:`needs_redo` once per step, where it reads the logits anyway.
+    and runs each step through :meth:`run_step` (one host read of the flags per step, where it
+    reads the logits anyway).
     """
 
     def __init__(self):
@@ -187,3 +187,13 @@ class ShiftState:
         """End of a step (after a redo): the next step tries ``shifted`` again."""
         self.redo = False
         self.flags = []
+
+    def run_step(self, step, stats: CommStats | None = None):
+        """One decode step: ``step()`` (a model's ``decode_step`` given this state), run again with
+        ``packed`` merges when a merge's check failed; returns ``(its result, redone)``."""
+        out = step()
+        redone = self.needs_redo(stats)
+        if redone:
+            out = step()
+        self.step_done()
+        return out, redone

@@ -274,11 +274,9 @@ def generate(
             st = stats if step_stats is None else step_stats
             if shift is None:
                 logits = model.decode_step(ids, cache, strategy=strategy, stats=st)
-            else:
-                logits = model.decode_step(ids, cache, strategy=strategy, stats=st, shift=shift)
-                if shift.needs_redo(st):  # the step's one read of the merges' flags
-                    logits = model.decode_step(ids, cache, strategy=strategy, stats=st, shift=shift)
-                shift.step_done()
+            else:  # the step's one read of the merges' flags, and its redo when one is raised
+                logits, _ = shift.run_step(
+                    lambda: model.decode_step(ids, cache, strategy=strategy, stats=st, shift=shift), st)
             hook.after_step(step, logits)
             ids = choose(logits, step + 1)
             step_times.append(time.perf_counter() - t0)

@@ -154,11 +154,7 @@ def _rank_fn(rank, world, paths):
     for i in range(3):
         if i == 1:
             state.shifts = {key: r + 500.0 for key, r in state.shifts.items()}  # all weights underflow
-        logits = model.decode_step(nxt, cache, strategy="shifted", shift=state)
-        redone = state.needs_redo()
-        if redone:
-            logits = model.decode_step(nxt, cache, strategy="shifted", shift=state)
-        state.step_done()
+        logits, redone = state.run_step(lambda: model.decode_step(nxt, cache, strategy="shifted", shift=state))
         nxt = logits.argmax(-1)
         steps.append((nxt.tolist(), redone))
     seen["shifted_redo"] = (steps, cache.lengths, cache.get_seq_length())

@@ -357,11 +357,7 @@ def mixed_length_batch(rank) -> dict:
     for i in range(MIXED_NEW - 1):
         if i == 1:
             state.shifts = {key: r - 500.0 for key, r in state.shifts.items()}  # weights overflow
-        logits = lm.decode_step(ids, cache, strategy="shifted", shift=state)
-        redone = state.needs_redo()
-        if redone:
-            logits = lm.decode_step(ids, cache, strategy="shifted", shift=state)
-        state.step_done()
+        logits, redone = state.run_step(lambda: lm.decode_step(ids, cache, strategy="shifted", shift=state))
         ids = logits.argmax(-1)
         redo_tokens.append((ids.tolist(), redone))
     out["shifted_redo"] = (redo_tokens, [cache.shard_lens(b) for b in range(2)])

@@ -217,10 +217,8 @@ def generate_body(groups, path):
             if corrupt and i == 2:
                 state.shifts = {key: r + 500.0 for key, r in state.shifts.items()}
             stats = mt.CommStats()
-            out = model.decode_step(ids, cache, strategy="shifted" if corrupt else "packed", stats=stats, shift=state)
-            if state.needs_redo(stats):
-                out = model.decode_step(ids, cache, strategy="shifted", stats=stats, shift=state)
-            state.step_done()
+            out, _ = state.run_step(lambda: model.decode_step(
+                ids, cache, strategy="shifted" if corrupt else "packed", stats=stats, shift=state), stats)
             redos.append(stats.fallbacks)
             logits.append(out.tolist())
             ids = out.argmax(-1)
