@@ -318,18 +318,13 @@ def merge(
             f"merge expects out (batch, seqlen_q, heads_q, headdim) and lse (batch, heads_q, seqlen_q), "
             f"got {tuple(out.shape)} and {tuple(lse.shape)}"
         )
-    acc = acc_dtype(out.dtype)
-    o = out.to(acc)
-    lse = lse.to(torch.promote_types(lse.dtype, acc))
+    o, lse = _widened(out, lse, acc_dtype(out.dtype))
     check_shift(shift, tuple(lse.shape))
     if stats is not None:
         stats.calls += 1
     if groups.size == 1:
         return o, lse
-    if strategy == "auto":
-        strategy = choose_strategy(groups, tuple(out.shape), o.element_size(), shifted=shift is not None)
-    if strategy == "shifted" and shift is None:
-        strategy = "packed"  # a first call: nothing to shift by yet
+    strategy = _resolve(strategy, groups, tuple(out.shape), o.element_size(), shift)
     b, sq, hq, d = out.shape
     signature = (b, sq, hq, d, out.dtype if dtype is None else dtype, strategy, backend,
                  shift is not None and strategy == "shifted")
@@ -338,6 +333,20 @@ def merge(
         if strategy == "shifted":
             return _settle_shifted(result, o, lse, groups, stats, deferred)
         return result
+
+
+def _widened(o, lse, acc: torch.dtype):
+    """A partial state as the merges take it: o in ``acc``, lse in the wider of its dtype and ``acc``."""
+    return o.to(acc), lse.to(torch.promote_types(lse.dtype, acc))
+
+
+def _resolve(strategy: str, groups: TreeGroups, out_shape: tuple, element_size: int, shift) -> str:
+    """The strategy a merge runs: ``auto`` priced by :func:`cost.choose_strategy` (``shifted`` a
+    candidate only with a shift), and ``shifted`` without a shift -- a first call, nothing to
+    shift by yet -- as ``packed``."""
+    if strategy == "auto":
+        strategy = choose_strategy(groups, out_shape, element_size, shifted=shift is not None)
+    return "packed" if strategy == "shifted" and shift is None else strategy
 
 
 def _settle_shifted(result, o, lse, groups: TreeGroups, stats, deferred):
@@ -455,21 +464,16 @@ def merge_overlapped(
     if stats is not None:
         stats.calls += 1
     if groups.size == 1:
-        states = [local(p) for p in parts]
-        return (torch.cat([o.to(acc) for o, _ in states]),
-                torch.cat([l.to(torch.promote_types(l.dtype, acc)) for _, l in states]))
-    if strategy == "auto":  # every part is priced as the largest one, so all parts run one strategy
-        strategy = choose_strategy(groups, (max(sizes), sq, hq, d), torch.tensor([], dtype=acc).element_size(),
-                                   shifted=shift is not None)
-    if strategy == "shifted" and shift is None:
-        strategy = "packed"  # a first call: nothing to shift by yet
+        states = [_widened(*local(p), acc) for p in parts]
+        return torch.cat([o for o, _ in states]), torch.cat([l for _, l in states])
+    # auto prices every part as the largest one, so all parts run one strategy
+    strategy = _resolve(strategy, groups, (max(sizes), sq, hq, d), acc.itemsize, shift)
     signature = (b, sq, hq, d, dtype, strategy, backend, shift is not None and strategy == "shifted", sizes)
     with groups.agreement.call("merge", SPLIT_SIGNATURE, signature):
         n = _stage_count(strategy, groups)
         flights, states = [], []
         for p in parts:
-            o, lse = local(p)
-            o, lse = o.to(acc), lse.to(torch.promote_types(lse.dtype, acc))
+            o, lse = _widened(*local(p), acc)
             states.append((o, lse))
             flight = _InFlight(_stages(_ASYNC, strategy, o, lse, groups, stats, None if shift is None else shift[p]))
             while flight.started < n:
