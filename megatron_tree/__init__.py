@@ -5,12 +5,12 @@ Public API (DESIGN.md section 3): ``flash_decode``, ``merge_states``, ``TreeGrou
 Importing the package has no side effects.
 """
 
-from .attention import tree_decode
+from .decode.attention import tree_decode
 from .comm import STRATEGIES, CommError, CommStats, DisagreementError
 from .ops import flash_decode, merge_states
 from .topology import Level, TopologyError, TreeGroups
-from .cache import CacheConfig, CacheOverflowError, ShardedKVCache
-from .generate import GenerationResult, generate
+from .decode.cache import CacheConfig, CacheOverflowError, ShardedKVCache
+from .decode.generate import GenerationResult, generate
 from .models.llama import Llama, LlamaConfig
 
 __version__ = "0.1.0"

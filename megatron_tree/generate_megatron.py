@@ -124,7 +124,7 @@ def generate_main(cfg: RunConfig, args, env) -> list[dict] | None:
     import torch.distributed as dist
 
     from .eval import models
-    from .generate import generate
+    from .decode.generate import generate
 
     backend, device = init_distributed(cfg, env)
     stack = contextlib.ExitStack()

@@ -26,10 +26,10 @@ import torch
 from torch import nn
 
 from . import ops
-from .attention import tree_decode
-from .cache import ShardedKVCache
+from .decode.attention import tree_decode
+from .decode.cache import ShardedKVCache
 from .comm import CommStats
-from .prefill import cp_prefill
+from .decode.prefill import cp_prefill
 from .topology import TreeGroups
 
 __all__ = ["rope_inv_freq", "RotaryEmbedding", "apply_rotary", "TreeAttention", "ROPE_TYPES"]

@@ -37,7 +37,7 @@ def training_args(**changes) -> argparse.Namespace:
 
 def _IdTokenizer():
     """Token ids as text: all Megatron's controller needs from a tokenizer."""
-    from megatron_tree.integrations.megatron_model import IdTokenizer
+    from megatron_tree.integrations.megatron.model import IdTokenizer
 
     return IdTokenizer(eod=-1)
 
@@ -72,8 +72,8 @@ def train_and_save(out_dir: str, prompts: list[list[int]], new_tokens: int) -> d
     from megatron.core import dist_checkpointing
 
     from megatron_tree.integrations import megatron as mtm
-    from megatron_tree.integrations import megatron_model as mm
-    from megatron_tree.integrations._cpu import megatron_on_cpu
+    from megatron_tree.integrations.megatron import model as mm
+    from megatron_tree.integrations.megatron.cpu import megatron_on_cpu
 
     shape = mm.GPTShape(**SHAPE)
     losses = []

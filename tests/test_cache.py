@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from megatron_tree.cache import CacheConfig, CacheOverflowError, ShardedKVCache, prefill_ranges
+from megatron_tree.decode.cache import CacheConfig, CacheOverflowError, ShardedKVCache, prefill_ranges
 
 
 def _caches(p, max_len, batch=2, layout="load_balanced", block=4, heads=2, dim=4):

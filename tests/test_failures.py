@@ -53,9 +53,9 @@ def failures_body(rank, world, outdir):
     import megatron_tree as mt
     from megatron_tree import collectives, reference
     from megatron_tree.baselines import ShardPlan
-    from megatron_tree.generate import generate
+    from megatron_tree.decode.generate import generate
     from megatron_tree.models.llama import Llama, LlamaConfig
-    from megatron_tree.prefill import allgather_prefill, ring_prefill
+    from megatron_tree.decode.prefill import allgather_prefill, ring_prefill
 
     from megatron_tree import kernels  # noqa: F401 -- import Triton now, not inside a timed case
 

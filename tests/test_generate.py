@@ -32,7 +32,7 @@ GEN_PROMPTS = PROMPTS + [[77]]
 
 def _rank_fn(rank, world, path):
     from megatron_tree.comm import CommStats
-    from megatron_tree.generate import generate
+    from megatron_tree.decode.generate import generate
     from megatron_tree.models.llama import Llama
     from megatron_tree.topology import TreeGroups
 

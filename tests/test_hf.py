@@ -101,7 +101,7 @@ def _rank_fn(rank, world, paths):
     for topo, (_, _, kw) in TOPOLOGIES.items():
         groups = built[topo]
         # What one layer's CP prefill of this method issues on its own, to count the model's against.
-        from megatron_tree.prefill import cp_prefill
+        from megatron_tree.decode.prefill import cp_prefill
 
         alone = CommStats()
         q, kv = torch.zeros(1, 2, 4, 16), torch.zeros(1, 2, 2, 16)
@@ -141,8 +141,8 @@ def _rank_fn(rank, world, paths):
             seen[(topo, "wrong_group")] = str(e)
     # HFTreeModel under the library's generate with strategy="shifted" (2 x 2): one SUM per layer
     # per step after the first; a step whose shifts are far off is redone at the same positions.
-    from megatron_tree.attention import ShiftState
-    from megatron_tree.generate import generate
+    from megatron_tree.decode.attention import ShiftState
+    from megatron_tree.decode.generate import generate
 
     model = load_hf_model(paths["llama"], built["cp2x2"], **TOPOLOGIES["cp2x2"][2])
     prompts = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
@@ -212,7 +212,7 @@ def ranks(references):
 
 
 def _max_share(lengths, cp, layout, rank=None):
-    from megatron_tree.cache import prefill_ranges
+    from megatron_tree.decode.cache import prefill_ranges
 
     shares = [[sum(e - s for s, e in r) for r in prefill_ranges(n, cp, layout)] for n in lengths]
     if rank is None:
@@ -349,7 +349,7 @@ def test_cp1_forward_generate_and_disable():
 
 def test_eval_protocol_cp1(tmp_path):
     """load_hf_model's HFTreeModel drives the library's own generation loop; unsharded() is the plain model."""
-    from megatron_tree.generate import generate
+    from megatron_tree.decode.generate import generate
     from megatron_tree.integrations.hf import load_hf_model
 
     ref = hf_model("mistral", seed=2)
@@ -403,7 +403,7 @@ def test_cache_grows_when_unsized(monkeypatch):
     with torch.no_grad():
         model(ids, cache=small)
         model(ids[:, :1], cache=small)
-        from megatron_tree.cache import CacheOverflowError
+        from megatron_tree.decode.cache import CacheOverflowError
 
         with pytest.raises(CacheOverflowError, match="max_seq_len"):
             model(ids[:, :1], cache=small)

@@ -46,7 +46,7 @@ def _tensors(obj, seen=None, prefix="") -> dict:
 
 def _llama_rank(rank, world):
     from megatron_tree import TreeGroups
-    from megatron_tree.attention import ShiftState
+    from megatron_tree.decode.attention import ShiftState
     from megatron_tree.collectives import CommStats
     from megatron_tree.models.llama import Llama, LlamaConfig
     from megatron_tree.sync_guard import HostSyncError, no_host_sync

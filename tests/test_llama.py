@@ -12,8 +12,8 @@ import os
 import pytest
 import torch
 
-from megatron_tree.cache import CacheOverflowError
-from megatron_tree.generate import generate
+from megatron_tree.decode.cache import CacheOverflowError
+from megatron_tree.decode.generate import generate
 from megatron_tree.layer import rope_inv_freq
 from megatron_tree.models.llama import CheckpointError, Llama, LlamaConfig
 
@@ -252,7 +252,7 @@ def test_sampling_seeded_and_filtered(ckpt):
 
 
 def test_sample_next_filters():
-    from megatron_tree.generate import sample_next
+    from megatron_tree.decode.generate import sample_next
 
     logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(0))
     g = torch.Generator().manual_seed(0)

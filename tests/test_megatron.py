@@ -99,7 +99,7 @@ def greedy_decode(model, wrapper_cls, context):
 
 def _IdTokenizer():
     """Token ids as text ("5 17 3"): all the controller needs from a tokenizer."""
-    from megatron_tree.integrations.megatron_model import IdTokenizer
+    from megatron_tree.integrations.megatron.model import IdTokenizer
 
     return IdTokenizer(eod=VOCAB - 1)
 
@@ -186,8 +186,8 @@ def megatron_rank(rank, world):
 
     from megatron_tree.comm import CommStats
     from megatron_tree.integrations import megatron as mt
-    from megatron_tree.integrations import patches
-    from megatron_tree.integrations._cpu import megatron_on_cpu
+    from megatron_tree.integrations.megatron import patches
+    from megatron_tree.integrations.megatron.cpu import megatron_on_cpu
 
     results = {}
     with megatron_on_cpu():
@@ -273,7 +273,7 @@ def decode_without_host_sync() -> dict:
     from megatron.core import parallel_state
 
     from megatron_tree.integrations import megatron as mt
-    from megatron_tree.integrations import megatron_model as mm
+    from megatron_tree.integrations.megatron import model as mm
     from megatron_tree.sync_guard import HostSyncError, no_host_sync
 
     mt.initialize_model_parallel(4, [2, 2])
@@ -317,9 +317,9 @@ def mixed_length_batch(rank) -> dict:
     controller's way: prefill the shortest prompt, then the rest one token per step."""
     from megatron.core import parallel_state
 
-    from megatron_tree.generate import generate
+    from megatron_tree.decode.generate import generate
     from megatron_tree.integrations import megatron as mt
-    from megatron_tree.integrations import megatron_model as mm
+    from megatron_tree.integrations.megatron import model as mm
     from megatron_ckpt import engine_generate
 
     mt.initialize_model_parallel(4, [2, 2])
@@ -347,7 +347,7 @@ def mixed_length_batch(rank) -> dict:
     out = {"tokens": res.tokens, "calls": list(seen), "shards": [cache.shard_lens(b) for b in range(2)]}
     # strategy="shifted" through the same path: one SUM per layer per step after the first, and a
     # step whose shifts are far off raises the deferred flag and is redone on the same plan.
-    from megatron_tree.attention import ShiftState
+    from megatron_tree.decode.attention import ShiftState
     from megatron_tree.comm import CommStats
 
     st = CommStats()
@@ -560,7 +560,7 @@ def test_spec_swap_idempotent_reversible_version_gated(monkeypatch, caplog):
     spec = get_gpt_layer_local_spec()
     subs = spec.submodules.self_attention.submodules
     assert subs.core_attention is DotProductAttention
-    from megatron_tree.integrations import patches
+    from megatron_tree.integrations.megatron import patches
 
     patches.revert_runtime()
     with caplog.at_level(logging.INFO, logger="megatron_tree.integrations"):
@@ -613,7 +613,7 @@ def test_check_checkpoint_refuses_tensors_the_config_would_drop(tmp_path):
 
     import torch.distributed.checkpoint as dcp
 
-    from megatron_tree.integrations.megatron_model import CheckpointError, GPTShape, check_checkpoint, expected_tensor_shapes
+    from megatron_tree.integrations.megatron.model import CheckpointError, GPTShape, check_checkpoint, expected_tensor_shapes
 
     dims = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                 num_key_value_heads=1, max_position_embeddings=128)

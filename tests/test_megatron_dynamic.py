@@ -76,7 +76,7 @@ def _build_model(cp, hier, tree: bool, strategy="auto"):
 
 def _IdTokenizer():
     """Token ids as text: all the engine needs from a tokenizer."""
-    from megatron_tree.integrations.megatron_model import IdTokenizer
+    from megatron_tree.integrations.megatron.model import IdTokenizer
 
     return IdTokenizer(eod=VOCAB - 1)
 
@@ -87,7 +87,7 @@ def _prompts(lengths=PROMPT_LENS, seed=11):
 
 
 def _run(engine, prompts=None, counts=None, arrivals=None):
-    from megatron_tree.integrations.megatron_dynamic import generate_dynamic
+    from megatron_tree.integrations.megatron.dynamic import generate_dynamic
 
     r = generate_dynamic(engine, prompts or _prompts(), num_tokens_to_generate=counts or NEW_TOKENS,
                          arrivals=arrivals or ARRIVALS)
@@ -129,9 +129,9 @@ def dynamic_rank(rank, world):
 
     from megatron_tree.comm import CommStats
     from megatron_tree.integrations import megatron as mt
-    from megatron_tree.integrations import megatron_dynamic as md
-    from megatron_tree.integrations import patches
-    from megatron_tree.integrations._cpu import megatron_on_cpu
+    from megatron_tree.integrations.megatron import dynamic as md
+    from megatron_tree.integrations.megatron import patches
+    from megatron_tree.integrations.megatron.cpu import megatron_on_cpu
 
     tok = _IdTokenizer()
     res = {"patched_before": patches.check_runtime()}
@@ -225,7 +225,7 @@ def megatron_engine_at(model, tok):
 def wrap_megatron_model_in_tree_wrapper(model):
     from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import InferenceWrapperConfig
 
-    from megatron_tree.integrations import megatron_dynamic as md
+    from megatron_tree.integrations.megatron import dynamic as md
 
     ctx = md.TreeDynamicInferenceContext(
         pg_collection=model.pg_collection, params_dtype=torch.float32, num_layers=2, kv_channels=HIDDEN // HEADS,
@@ -362,7 +362,7 @@ def test_cpu_shim_standins_are_flash_attention_and_everything_is_restored():
     from megatron.core.transformer import attention
 
     from megatron_tree import reference
-    from megatron_tree.integrations import _cpu
+    from megatron_tree.integrations.megatron import cpu as _cpu
 
     watched = [(torch, "empty_like"), (torch.cuda, "current_device"), (dynamic_engine, "range_push"),
                (dynamic_context, "triton_append_key_value_cache"), (attention, "flash_attn_varlen_func"),

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from distributed import run_ranks
 from megatron_tree import reference
-from megatron_tree.paged_cache import CacheOverflowError, PagedKVCache, PoolExhaustedError
+from megatron_tree.decode.paged import CacheOverflowError, PagedKVCache, PoolExhaustedError
 
 
 def _cache(cp=3, rank=0, blocks=6, bs=4, max_len=40, dtype=torch.float32, layers=1, hkv=2, d=4):
@@ -175,7 +175,7 @@ LENGTHS = {"long": 29, "mid": 11, "one": 1, "two": 2, "empty": 0}
 
 def _decode_errors(groups, dtype, strategy):
     """Paged tree decode over ``groups`` vs single-process fp64 attention; max |error| of each phase."""
-    from megatron_tree.paged_cache import paged_tree_decode
+    from megatron_tree.decode.paged import paged_tree_decode
 
     c = PagedKVCache(num_layers=2, num_kv_heads=HKV, head_dim=D, block_size=BS, blocks_per_rank=12,
                      max_seq_len=64, cp_size=groups.size, cp_rank=groups.rank, dtype=dtype)
@@ -231,7 +231,7 @@ def _large_scores_error(groups, strategy):
     """Issue 12 item 6 over pages: fp32 rows whose scores are ~1e5 and -1e5 (exact in fp32, near
     ties on every rank), sharded contiguously in blocks of 2; max |error| against fp64."""
     from megatron_tree.bench import precision
-    from megatron_tree.paged_cache import paged_tree_decode
+    from megatron_tree.decode.paged import paged_tree_decode
 
     q, k, v, lens = precision.large_score_inputs([1e5, -1e5], [24, 24], hq=HQ, hkv=HKV)
     want, _ = reference.partial_attention(q, k, v, cache_seqlens=lens)

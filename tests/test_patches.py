@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_tree.integrations import patches
+from megatron_tree.integrations.megatron import patches
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -145,7 +145,7 @@ def test_files_refuse_other_version_and_modified_file(tree_copy):
 def test_cli(tree_copy, capsys):
     def run(*args):
         return subprocess.run(
-            [sys.executable, "-m", "megatron_tree.integrations.patches", *args, "--root", str(tree_copy)],
+            [sys.executable, "-m", "megatron_tree.integrations.megatron.patches", *args, "--root", str(tree_copy)],
             cwd=ROOT, capture_output=True, text=True, timeout=120,
         )
 

@@ -9,7 +9,7 @@ import itertools
 
 import pytest
 
-from megatron_tree.placement import PlacementError, RowPlacement, prefill_ranges
+from megatron_tree.decode.placement import PlacementError, RowPlacement, prefill_ranges
 
 
 def _check_consistent(row: RowPlacement):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from distributed import run_ranks
-from megatron_tree.cache import prefill_ranges
+from megatron_tree.decode.cache import prefill_ranges
 from megatron_tree.reference import partial_attention
 
 LENGTHS = [11, 2, 7]  # uneven shares; row 1 leaves some ranks of CP >= 3 empty
@@ -47,7 +47,7 @@ def _local(t, positions):
 
 def _rank_fn(rank, world):
     from megatron_tree.comm import CommStats
-    from megatron_tree.prefill import allgather_prefill, ring_prefill
+    from megatron_tree.decode.prefill import allgather_prefill, ring_prefill
     from megatron_tree.topology import TreeGroups
 
     layouts = {
@@ -131,7 +131,7 @@ def test_ring_and_allgather_prefill_equal_single_process():
 
 
 def test_single_process_prefill_is_plain_causal_attention():
-    from megatron_tree.prefill import allgather_prefill, cp_prefill, ring_prefill
+    from megatron_tree.decode.prefill import allgather_prefill, cp_prefill, ring_prefill
 
     q, k, v = _global_inputs()
     ref = _reference(q, k, v)

@@ -167,8 +167,8 @@ def run_all(rank, world, path):
 def generate_body(groups, path):
     import torch.distributed as dist
 
-    from megatron_tree.attention import ShiftState
-    from megatron_tree.generate import GenerationHook, generate
+    from megatron_tree.decode.attention import ShiftState
+    from megatron_tree.decode.generate import GenerationHook, generate
     from megatron_tree.models.llama import Llama
     from test_llama import NEW_TOKENS, PROMPTS
 

@@ -41,7 +41,7 @@ def _rank_main(rank: int, world: int, store_path: str, opts: dict, out_path: str
     import torch
     import torch.distributed as dist
 
-    from ..attention import tree_decode
+    from ..decode.attention import tree_decode
     from ..baselines import ShardPlan, ring_decode
     from ..topology import TreeGroups
     from .decode import Config, _make_shard, _shard_lengths

@@ -217,7 +217,7 @@ def _run_config(cfg: Config, groups, opts: dict) -> list:
     import torch.distributed as dist
 
     from .. import comm
-    from ..attention import tree_decode
+    from ..decode.attention import tree_decode
     from ..baselines import ShardPlan, allgather_kv_decode, passq_ring_decode, ring_decode
     from ..comm import CommStats
     from ..ops import flash_decode

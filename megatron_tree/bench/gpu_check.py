@@ -192,7 +192,7 @@ def _composed_step(model, cache, next_ids, positions, slots):
     """A decode step from the model's own modules with the host-side bookkeeping
     (``cache.begin_decode_step``) done before it, so it can be captured: the KV write is an
     index_put at fixed slots and attention is ``tree_decode`` over the cache (no CP group)."""
-    from ..attention import tree_decode
+    from ..decode.attention import tree_decode
 
     rows = torch.arange(next_ids.shape[0], device=next_ids.device)
     n = cache.local_max

@@ -35,7 +35,7 @@ def _rank_main(rank: int, world: int, store_path: str, cfgs: list, opts: dict, o
     import torch
     import torch.distributed as dist
 
-    from ..attention import tree_decode
+    from ..decode.attention import tree_decode
     from ..topology import TreeGroups
     from .decode import Config, _make_shard, _shard_lengths
 

@@ -253,7 +253,7 @@ def check_model(m: ModelConfig):
             for f in files:
                 check_safetensors(str(f))
     elif m.source == "megatron" and m.path is not None:
-        from ..integrations.megatron_model import check_checkpoint
+        from ..integrations.megatron.model import check_checkpoint
         from .models import gpt_shape
 
         checkpoint = check_checkpoint(m.path, gpt_shape(m))

@@ -58,7 +58,7 @@ class EvalModel:
 
 def gpt_shape(m: ModelConfig):
     """The Megatron GPT shape of ``model:`` (Hugging Face field names map one to one)."""
-    from ..integrations.megatron_model import GPTShape
+    from ..integrations.megatron.model import GPTShape
 
     names = {f.name for f in dataclasses.fields(GPTShape)}
     return GPTShape(**{k: v for k, v in to_dict(m).items() if k in names})
@@ -202,11 +202,11 @@ def _build_megatron(m: ModelConfig, topo: TopologyConfig, *, cp_size, rank, devi
     import torch.distributed as dist
 
     from ..integrations import megatron as mtm
-    from ..integrations import megatron_model as mm
+    from ..integrations.megatron import model as mm
     from ..topology import launcher_local_size
 
     if device.type == "cpu":
-        from ..integrations._cpu import megatron_on_cpu
+        from ..integrations.megatron.cpu import megatron_on_cpu
 
         stack.enter_context(megatron_on_cpu())
     from megatron.core import parallel_state

@@ -24,7 +24,7 @@ import random
 import time
 
 from ..config import ConfigError, EvalConfig
-from ..generate import GenerationHook, generate
+from ..decode.generate import GenerationHook, generate
 
 __all__ = ["percentile", "peak_memory", "random_prompts", "StepTimer", "decode", "run_one", "warm_up",
            "compare_with_reference", "DynamicStepTimer", "decode_dynamic", "compare_dynamic_with_reference",
@@ -331,8 +331,8 @@ def decode_dynamic(em, prompts, n_steps: int, ev: EvalConfig, device, strategy: 
     from megatron.core.utils import unwrap_model
 
     from ..comm import CommStats
-    from ..integrations.megatron_dynamic import build_dynamic_engine, generate_dynamic
-    from ..integrations.megatron_model import IdTokenizer
+    from ..integrations.megatron.dynamic import build_dynamic_engine, generate_dynamic
+    from ..integrations.megatron.model import IdTokenizer
 
     lm = em.lm
     model = lm.model

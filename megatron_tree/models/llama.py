@@ -24,10 +24,10 @@ from torch import nn
 from torch.nn import functional as F
 
 from .. import collectives
-from ..cache import CacheConfig, ShardedKVCache
+from ..decode.cache import CacheConfig, ShardedKVCache
 from ..comm import CommStats
 from ..layer import ROPE_TYPES, RotaryEmbedding, TreeAttention
-from ..prefill import PREFILL_METHODS
+from ..decode.prefill import PREFILL_METHODS
 from ..sync_guard import CHECK_VALUES_ENV
 from ..topology import TreeGroups
 

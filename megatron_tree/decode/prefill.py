@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import torch
 
-from . import collectives, ops, reference
-from .comm import CommStats
-from .topology import TreeGroups
+from .. import collectives, ops, reference
+from ..comm import CommStats
+from ..topology import TreeGroups
 
 __all__ = ["ring_prefill", "allgather_prefill", "cp_prefill", "PREFILL_METHODS"]
 

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import torch
 
-from . import comm, ops
-from .comm import CommStats
-from .reference import acc_dtype, check_decode_inputs, lse_acc_dtype
-from .topology import TreeGroups
+from .. import comm, ops
+from ..comm import CommStats
+from ..reference import acc_dtype, check_decode_inputs, lse_acc_dtype
+from ..topology import TreeGroups
 
 __all__ = ["tree_decode", "ShiftState"]
 

@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import collectives
+from .. import collectives
 from .attention import ShiftState
 from .cache import CacheOverflowError, ShardedKVCache
-from .comm import CommStats
+from ..comm import CommStats
 
 __all__ = ["generate", "GenerationResult", "GenerationHook", "sample_next"]
 

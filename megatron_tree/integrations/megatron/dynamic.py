@@ -42,9 +42,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..paged_cache import PagedKVCache, TokenSlots, paged_tree_decode
-from ..topology import TreeGroups
-from .megatron import check_megatron_version, tree_groups_from_megatron, unsharded_rope_table
+from ...decode.paged import PagedKVCache, TokenSlots, paged_tree_decode
+from ...topology import TreeGroups
+from .static import check_megatron_version, tree_groups_from_megatron, unsharded_rope_table
 
 __all__ = [
     "TreeDynamicInferenceContext", "TreeDynamicGPTInferenceWrapper", "adjust_key_value_dynamic",

@@ -61,13 +61,13 @@ except ImportError as e:  # pragma: no cover -- exercised only where transformer
         f"importing it failed: {e}"
     ) from e
 
-from .. import collectives
-from ..attention import tree_decode
-from ..cache import LAYOUTS, CacheConfig, CacheOverflowError, ShardedKVCache
-from ..collectives import CommStats
-from ..comm import STRATEGIES
-from ..prefill import PREFILL_METHODS, cp_prefill
-from ..topology import TreeGroups
+from ... import collectives
+from ...decode.attention import tree_decode
+from ...decode.cache import LAYOUTS, CacheConfig, CacheOverflowError, ShardedKVCache
+from ...collectives import CommStats
+from ...comm import STRATEGIES
+from ...decode.prefill import PREFILL_METHODS, cp_prefill
+from ...topology import TreeGroups
 
 __all__ = [
     "ATTN_IMPLEMENTATION", "MIN_TRANSFORMERS", "UnsupportedModelError", "TreeCache", "tree_attention_forward",

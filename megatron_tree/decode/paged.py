@@ -36,12 +36,12 @@ from typing import Hashable, Sequence
 
 import torch
 
-from . import comm, ops
+from .. import comm, ops
 from .cache import CacheOverflowError
-from .comm import CommStats
+from ..comm import CommStats
 from .placement import RowPlacement
-from .reference import acc_dtype
-from .topology import TreeGroups
+from ..reference import acc_dtype
+from ..topology import TreeGroups
 
 __all__ = ["PagedKVCache", "PoolExhaustedError", "CacheOverflowError", "BlockPool", "TokenSlots",
            "paged_tree_decode"]

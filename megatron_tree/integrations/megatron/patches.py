@@ -79,7 +79,7 @@ class PatchSpec:
 def patch_root() -> Path:
     """The ``patches/`` directory: ``$MEGATRON_TREE_PATCHES`` or the one beside the package source."""
     env = os.environ.get(ENV_PATCH_ROOT)
-    root = Path(env) if env else Path(__file__).resolve().parents[2] / "patches"
+    root = Path(env) if env else Path(__file__).resolve().parents[3] / "patches"
     if not (root / PACKAGE).is_dir():
         raise PatchError(
             f"no {PACKAGE} patches under {root}; set ${ENV_PATCH_ROOT} to the repository's patches/ directory"
@@ -201,7 +201,7 @@ def _resolve(target: str):
 
 
 def _installed_version() -> str:
-    from .megatron import megatron_version
+    from .static import megatron_version
 
     return megatron_version()
 

@@ -38,11 +38,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .. import collectives, ops
-from ..attention import tree_decode
-from ..comm import STRATEGIES
-from ..placement import RowPlacement
-from ..topology import TopologyError, TreeGroups
+from ... import collectives, ops
+from ...decode.attention import tree_decode
+from ...comm import STRATEGIES
+from ...decode.placement import RowPlacement
+from ...topology import TopologyError, TreeGroups
 
 __all__ = [
     "SUPPORTED_VERSIONS", "megatron_version", "check_megatron_version", "tree_groups_from_megatron",
@@ -341,7 +341,7 @@ class TreeDotProductAttention(_megatron_module_base()):
         """
         ctx = inference_context
         if ctx is not None and ctx.is_dynamic_batching():  # paged, continuous batching: megatron_dynamic.py
-            from .megatron_dynamic import adjust_key_value_dynamic
+            from .dynamic import adjust_key_value_dynamic
 
             return adjust_key_value_dynamic(self, attention, ctx, query, key, value, rotary_pos_emb)
         if not isinstance(ctx, TreeInferenceContext):
@@ -389,7 +389,7 @@ class TreeDotProductAttention(_megatron_module_base()):
 
     def dynamic_attention(self, attention, q, k, v, *megatron_args):
         """Attention of a dynamic (packed, paged) batch, called by patch 0002; see ``megatron_dynamic``."""
-        from .megatron_dynamic import dynamic_attention
+        from .dynamic import dynamic_attention
 
         return dynamic_attention(self, attention, q, k, v, *megatron_args)
 

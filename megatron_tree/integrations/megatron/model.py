@@ -33,8 +33,8 @@ from dataclasses import dataclass, fields
 import torch
 import torch.distributed as dist
 
-from .. import collectives
-from ..models.llama import CheckpointError
+from ... import collectives
+from ...models.llama import CheckpointError
 
 __all__ = [
     "GPTShape", "CheckpointInfo", "resolve_checkpoint", "check_checkpoint", "expected_tensor_shapes",
@@ -318,7 +318,7 @@ def build_gpt(shape: GPTShape, *, tree: bool, dtype=torch.float32, tp: int = 1, 
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from .megatron import get_gpt_layer_tree_spec
+    from .static import get_gpt_layer_tree_spec
 
     if seed is not None:
         torch.manual_seed(seed)
@@ -434,7 +434,7 @@ class MegatronLM:
     def new_cache(self, batch_size: int, max_seq_len: int, layout: str = "load_balanced", block_size: int = 16):
         from megatron.core.utils import unwrap_model
 
-        from .megatron import TreeInferenceContext
+        from .static import TreeInferenceContext
 
         ctx = TreeInferenceContext(batch_size, max_seq_len, groups=self.groups, layout=layout, block_size=block_size)
         ctx.bind_rope(unwrap_model(self.model))
