@@ -379,7 +379,7 @@ def test_eval_protocol_cp1(tmp_path):
 
 def test_cache_grows_when_unsized(monkeypatch):
     """Without a size (no generate, no max_seq_len) the cache doubles and replays its placement."""
-    from megatron_tree.integrations import hf as hf_mod
+    from megatron_tree.integrations.hf import core as hf_mod
     from megatron_tree.integrations.hf import TreeCache, enable_tree_attention
 
     monkeypatch.setattr(hf_mod, "_HEADROOM", 1)  # room for one decoded token: it grows at the second

@@ -581,7 +581,9 @@ def test_spec_swap_idempotent_reversible_version_gated(monkeypatch, caplog):
     assert subs.core_attention is DotProductAttention
     with pytest.raises(ValueError, match="unknown merge strategy 'ring'"):
         mt.use_tree_attention(spec, strategy="ring")
-    monkeypatch.setattr(mt, "megatron_version", lambda: "0.19.0")
+    from megatron_tree.integrations.megatron import static
+
+    monkeypatch.setattr(static, "megatron_version", lambda: "0.19.0")
     with pytest.raises(RuntimeError, match="supports megatron-core 0.16.1, but 0.19.0 is imported"):
         mt.use_tree_attention(spec)
     assert subs.core_attention is DotProductAttention
