@@ -126,7 +126,7 @@ def _imports(module_file):
 
 def test_layers_import_one_way():
     """placement is pure (no torch, no torch.distributed); topology never reaches up to integrations."""
-    import megatron_tree.placement as placement
+    import megatron_tree.decode.placement as placement
     import megatron_tree.topology as topology
 
     assert not {m for m in _imports(placement.__file__) if m.startswith(("torch", "."))}
