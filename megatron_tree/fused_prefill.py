@@ -217,25 +217,40 @@ def _flash_attn(q, k, v, scale, causal, mask):
     return out, lse
 
 
-def _cuda_efficient(q, k, v, scale, causal, mask):
+def _efficient_bias(mask, dtype, hkv, g):
+    """(1 or Hq, L, W) additive mask -> the (g, Hkv, L, W) bias of the folded heads, in q's dtype,
+    last dim contiguous and rows 16-aligned (the kernel's requirements; torch's SDPA pads the same
+    way), shared across heads with stride 0 when the mask is."""
+    h, length, w = mask.shape
+    buf = torch.empty((h, length, -(-w // 16) * 16), dtype=dtype, device=mask.device)
+    buf[..., :w] = mask
+    bias = buf[..., :w]
+    if h == 1:
+        return bias.expand(g, hkv, length, w)
+    return bias.view(hkv, g, length, w).permute(1, 0, 2, 3)
+
+
+def _efficient_op(q, k, v, bias, causal, scale):
+    """torch's memory-efficient kernel: q, k, v (B, S, H, D) with equal heads, last dim contiguous;
+    bias (B, H, L, W) in q's dtype or None; causal from the top left (custom_mask_type 1).
+    Returns out (B, L, H, D) and lse (B, H, L rounded up to a multiple of 32) float32."""
+    return torch.ops.aten._efficient_attention_forward(
+        q, k, v, bias, None, None, None, None, 0.0, 1 if causal else 0, True, scale=scale)[:2]
+
+
+def _cuda_efficient(q, k, v, scale, causal, mask, op=_efficient_op):
     # Equal heads only: fold the g query heads of each KV head into the batch axis, one batch
-    # row at a time, over KV expanded with stride 0 (no copy). custom_mask_type 1 = causal from
-    # the top left. The lse comes padded to a multiple of 32 queries.
+    # row at a time, over KV expanded with stride 0 (no copy); the lse comes padded.
     b, length, hq, d = q.shape
     hkv = k.shape[2]
     g = hq // hkv
     outs, lses = [], []
     for i in range(b):
-        qi = q[i].view(length, hkv, g, d).permute(2, 0, 1, 3)  # (g, L, Hkv, D)
+        qi = q[i].view(length, hkv, g, d).permute(2, 0, 1, 3)  # (g, L, Hkv, D): query head h*g + j at [j, :, h]
         ki = k[i].unsqueeze(0).expand(g, -1, -1, -1)
         vi = v[i].unsqueeze(0).expand(g, -1, -1, -1)
-        bias = None
-        if mask is not None:  # (1 or B, 1 or Hq, L, W) -> (g, Hkv, L, W), last dim contiguous
-            mi = mask[min(i, mask.shape[0] - 1)].to(q.dtype)
-            mi = mi.expand(hq, -1, -1).reshape(hkv, g, length, -1).permute(1, 0, 2, 3)
-            bias = mi.contiguous() if mi.stride(-1) != 1 else mi
-        out, lse = torch.ops.aten._efficient_attention_forward(
-            qi, ki, vi, bias, None, None, None, None, 0.0, 1 if causal else 0, True, scale=scale)[:2]
+        bias = None if mask is None else _efficient_bias(mask[min(i, mask.shape[0] - 1)], q.dtype, hkv, g)
+        out, lse = op(qi, ki, vi, bias, causal, scale)
         outs.append(out.permute(1, 2, 0, 3).reshape(length, hq, d))
         lses.append(lse[..., :length].permute(1, 0, 2).reshape(hq, length))
     return torch.stack(outs), torch.stack(lses)
