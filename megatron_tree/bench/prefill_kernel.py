@@ -23,6 +23,13 @@ Methods:
 For scale, each chunk also gets ``sdpa_prompt``: causal SDPA over the whole prompt that CP
 ``--cp`` ranks would hold (``cp * chunk`` tokens) in one process, at the same thread count.
 
+Precision (:func:`precision_rows`, printed and stored as ``precision``): a causal prompt whose
+scores are ``magnitude + small integer`` (exact in float32; ``bench.precision.large_score_inputs``)
+cut into P uneven KV blocks (one empty), each block's partial formed by one path and the P
+partials merged by ``ops.merge_states``; the largest output error against float64 attention on
+the whole prompt, for ``new`` (fused, with its shifted pass), ``new_no_shift`` (fused, float32
+lse used as it is), ``old`` (decode path, float64 lse) and ``old_lse32`` (decode path, float32 lse).
+
 Output: a table on stdout and, with ``--out``, a JSON file (meta with the command, torch
 version and CPU; one row per configuration), rewritten after every row.
 """
@@ -42,7 +49,7 @@ import torch.nn.functional as F
 
 from .. import fused_prefill, ops
 
-__all__ = ["SHAPE", "inputs", "methods", "time_interleaved", "run", "main"]
+__all__ = ["SHAPE", "inputs", "methods", "time_interleaved", "run", "precision_rows", "main"]
 
 SHAPE = {"heads_q": 9, "heads_kv": 3, "head_dim": 64}
 """SmolLM2-135M's attention: hidden 576 = 9 heads x 64, 3 KV heads."""
@@ -141,6 +148,38 @@ def run(sizes=(2048, 4096, 8192), threads=(1, 2), cases=("diagonal", "full"), re
     return rows
 
 
+def precision_rows(magnitudes=(1.0, 30.0, 100.0, 1e3, 1e4, 1e5, -1e5), tokens: int = 96, p: int = 4) -> list[dict]:
+    """One row per magnitude: the merged output's largest error against fp64 for each path (module docstring)."""
+    from .. import reference
+    from . import precision
+
+    rows = []
+    pos = torch.arange(tokens)[None]
+    cuts = precision.uneven_cuts(tokens, p, empty=1)
+    for mag in magnitudes:
+        q, k, v, _ = precision.large_score_inputs([mag], [tokens], sq=tokens, hq=4, hkv=2)
+        want, _ = reference.partial_attention(q, k, v, q_positions=pos, k_positions=pos)
+        qf, kf, vf = q.float(), k.float(), v.float()
+        paths = {
+            "new": lambda a, b: ops.prefill_attention(qf, kf[:, a:b], vf[:, a:b], q_positions=pos,
+                                                      k_positions=pos[0, a:b]),
+            "new_no_shift": lambda a, b: fused_prefill.prefill_attention(
+                qf, kf[:, a:b], vf[:, a:b], q_positions=pos, k_positions=pos[0, a:b], lse_bound=float("inf")),
+            "old": lambda a, b: ops.flash_decode(qf, kf[:, a:b], vf[:, a:b], q_positions=pos, k_positions=pos[:, a:b],
+                                                 out_dtype=torch.float32, lse_dtype=torch.float64, backend="torch"),
+            "old_lse32": lambda a, b: ops.flash_decode(qf, kf[:, a:b], vf[:, a:b], q_positions=pos,
+                                                       k_positions=pos[:, a:b], out_dtype=torch.float32,
+                                                       lse_dtype=torch.float32, backend="torch"),
+        }
+        row = {"magnitude": mag, "P": p, "tokens": tokens}
+        for name, part in paths.items():
+            parts = [part(a, b) for a, b in zip(cuts, cuts[1:])]
+            out, _ = ops.merge_states(torch.stack([o for o, _ in parts]), torch.stack([l for _, l in parts]))
+            row[name] = float((out.double() - want).abs().max())
+        rows.append(row)
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -166,6 +205,12 @@ def main(argv=None) -> int:
             with open(a.out, "w") as f:
                 json.dump({"meta": meta, "rows": rows}, f, indent=1)
 
+    prec = precision_rows()
+    meta["precision"] = prec
+    print("| scores ~ | P | new | new, no shift | old (fp64 lse) | old, fp32 lse |\n|---|---|---|---|---|---|")
+    for r in prec:
+        print(f"| {r['magnitude']:g} | {r['P']} | {r['new']:.1e} | {r['new_no_shift']:.1e} | {r['old']:.1e} "
+              f"| {r['old_lse32']:.1e} |", flush=True)
     rows = run(tuple(a.sizes), tuple(a.threads), tuple(a.cases), a.repeats, a.cp,
                log=lambda s: print(s, flush=True), on_row=save)
     save(rows)
