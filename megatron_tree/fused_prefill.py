@@ -29,8 +29,8 @@ unmasked call (or a skip) on every other block.
 Precision (DESIGN.md section 1; docs/kernels.md "Precision at large logits"): the kernels form
 ``lse = m + log l`` in float32, and a merge weighs a partial by ``exp(lse_u - M)``, so the
 lse's rounding ``|lse| * 2^-24`` becomes a relative error of the weights. While every row of
-a piece has ``|lse| <= lse_bound`` (default :data:`LSE_BOUND`, 2^-19 absolute at 64 for float32
-input) the float32 lse is used as it is. A piece with larger rows is computed again with each
+a piece has ``|lse| < lse_bound`` (default :data:`LSE_BOUND` = 64 for float32: a rounding of at
+most 2^-19) the float32 lse is used as it is. A piece with larger rows is computed again with each
 row's scores shifted by ``c`` = its first-pass lse (an additive per-row mask on CPU), so the
 kernel forms only ``lse - c`` (|.| ~ one rounding of c) in float32 and ``c + (lse - c)`` is
 added in float64: exact at any magnitude, at twice the cost for such pieces only. Kernels
@@ -40,6 +40,7 @@ The returned lse is float64 either way.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -59,11 +60,12 @@ memory-efficient attention (aten ops), flash-attn's ``flash_attn_func`` when imp
 exact decode path (``ops.flash_decode`` with positions, float64 lse) as the fallback."""
 
 LSE_BOUND = 64.0
-"""Largest |lse| of a float32 piece used without the shifted second pass: its rounding is at
-most 2^-19 (1.9e-6), a few times the fused kernel's own lse error (~4e-7 measured)."""
+"""A float32 piece whose rows all have |lse| below this is used without the shifted second pass:
+its lse's rounding is then at most 2^-19 (1.9e-6), a few times the fused kernel's own lse error
+(~4e-7 measured)."""
 
 LSE_BOUND_16BIT = 4096.0
-"""The same for fp16/bf16 input: rounding at most 2^-13, far below one rounding of the 16-bit output."""
+"""The same for fp16/bf16 kernels: rounding at most 2^-13, far below one rounding of the 16-bit output."""
 
 MIN_RUN = 8
 """Shortest flat or diagonal run of rows given its own kernel calls; shorter ones join a ragged tile."""
@@ -99,6 +101,7 @@ def select_kernel(device: torch.device | str, dtype: torch.dtype, head_dim: int,
     return "cuda_efficient"
 
 
+@functools.lru_cache(maxsize=None)
 def _flash_attn_func():
     try:
         from flash_attn import flash_attn_func  # optional: the package may be absent
@@ -309,7 +312,7 @@ class _Runner:
         has = None if visible is None else visible.any(dim=1)  # rows with a visible key in this piece
         if lse.dtype != torch.float64:
             finite = lse if has is None else torch.where(has, lse, torch.zeros_like(lse))
-            if bool((finite.abs() > self.bound).any()):
+            if bool((finite.abs() >= self.bound).any()):
                 if self.kernel != "cpu_flash":  # no per-row bias on CUDA: the exact path
                     return self.exact(q, k, v, qpos, kpos)
                 shift = finite.to(mdtype)  # (B, Hq, L): per-row scores shifted by c = first-pass lse
@@ -380,7 +383,7 @@ def prefill_attention(
         never visible, a padded query sees nothing)
     kernel: one of :data:`KERNELS` (default :func:`select_kernel`); backend: the decode backend
         the exact path uses (``ops.flash_decode``'s ``backend``)
-    lse_bound: |lse| above which a piece takes the shifted second pass (default
+    lse_bound: a piece with a row of |lse| >= lse_bound takes the shifted second pass (default
         :data:`LSE_BOUND`, :data:`LSE_BOUND_16BIT` for 16-bit input; float64 input never needs it)
     min_run, tile: the planner's knobs (:func:`plan`)
     returns out: (batch, seqlen_q, nheads_q, headdim) float32 (float64 for float64 input), 0 where

@@ -196,7 +196,7 @@ def test_plan_segments():
     # a diagonal that starts before the keys: its first row sees none
     assert [(s.kind, s.start, s.stop) for s in plan(torch.arange(0, 12))] == [("empty", 0, 1), ("unit", 1, 12)]
     # an offset diagonal followed by rows that see everything
-    assert [(s.kind, s.start, s.stop, s.full) for s in plan(torch.tensor([5] * 0 + list(range(6, 16)) + [15] * 9))] \
+    assert [(s.kind, s.start, s.stop, s.full) for s in plan(torch.tensor(list(range(6, 16)) + [15] * 9))] \
         == [("unit", 0, 10, 5), ("flat", 10, 19, 15)]
     # short runs become ragged tiles covering [full, last)
     segs = plan(torch.tensor([0, 2, 2, 5, 9, 9, 9, 9, 9, 9, 9, 9, 9]), min_run=8)
@@ -239,15 +239,18 @@ def test_bench_runs_and_writes_json(tmp_path):
     from megatron_tree.bench import prefill_kernel
 
     out = tmp_path / "pk.json"
-    assert prefill_kernel.main(["--sizes", "64", "--threads", "1", "--repeats", "1", "--out", str(out)]) == 0
+    assert prefill_kernel.main(["--sizes", "64", "--threads", "1", "--repeats", "1", "--shifted", "--no-precision",
+                                "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     cases = {r["case"]: r for r in rows}
     assert {"diagonal", "full"} <= set(cases)
     for case in ("diagonal", "full"):
         r = cases[case]
-        assert set(r["seconds"]) == {"old", "new", "sdpa"} and all(t > 0 for t in r["seconds"].values())
+        assert set(r["seconds"]) == {"old", "new", "sdpa", "new_shifted"} and all(t > 0 for t in r["seconds"].values())
         assert r["max_abs_diff_vs_new"]["old"] < 1e-5 and r["kernel"] == "cpu_flash"
     assert any("whole prompt" in r["case"] and r["tokens"] == 128 for r in rows)
+    (row,) = prefill_kernel.precision_rows(magnitudes=(1e5,), tokens=32)
+    assert row["new"] <= 1e-5 and row["old"] <= 1e-5 < row["new_no_shift"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the CUDA kernels' numerics)")

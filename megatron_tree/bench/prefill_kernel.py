@@ -18,7 +18,9 @@ Methods:
   what ``decode.prefill._local`` runs today;
 * ``new``: ``ops.prefill_attention`` (the fused kernel with lse; ``fused_prefill``);
 * ``sdpa``: ``F.scaled_dot_product_attention`` with the same mask (``is_causal`` or none,
-  ``enable_gqa``), which returns no lse: the floor a fused kernel reaches here.
+  ``enable_gqa``), which returns no lse: the floor a fused kernel reaches here;
+* ``new_shifted`` (with ``--shifted``): ``new`` forced through its shifted second pass
+  (``lse_bound=0``), what a block costs whose |lse| exceeds ``fused_prefill.LSE_BOUND``.
 
 For scale, each chunk also gets ``sdpa_prompt``: causal SDPA over the whole prompt that CP
 ``--cp`` ranks would hold (``cp * chunk`` tokens) in one process, at the same thread count.
@@ -74,11 +76,15 @@ def inputs(chunk: int, block: int, case: str, seed: int = 0):
     return q, k, v, qp, kp
 
 
-def methods(q, k, v, qp, kp, case: str) -> dict:
+def methods(q, k, v, qp, kp, case: str, shifted: bool = False) -> dict:
     """name -> call() -> out (B, Sq, Hq, D)."""
     causal = case == "diagonal"
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    return {
+    extra = {}
+    if shifted:
+        extra["new_shifted"] = lambda: fused_prefill.prefill_attention(q, k, v, q_positions=qp, k_positions=kp,
+                                                                       lse_bound=0.0)[0]
+    return extra | {
         "old": lambda: ops.flash_decode(q, k, v, q_positions=qp, k_positions=kp, out_dtype=torch.float32,
                                         lse_dtype=torch.float64, backend="torch")[0],
         "new": lambda: ops.prefill_attention(q, k, v, q_positions=qp, k_positions=kp)[0],
@@ -100,7 +106,7 @@ def time_interleaved(calls: dict, repeats: int) -> dict:
 
 
 def run(sizes=(2048, 4096, 8192), threads=(1, 2), cases=("diagonal", "full"), repeats: int = 5, cp: int = 2,
-        log=print, on_row=None) -> list[dict]:
+        log=print, on_row=None, shifted: bool = False) -> list[dict]:
     """One row per (chunk, case, threads), plus the ``sdpa_prompt`` reference per (chunk, threads)."""
     rows = []
     before = torch.get_num_threads()
@@ -110,7 +116,7 @@ def run(sizes=(2048, 4096, 8192), threads=(1, 2), cases=("diagonal", "full"), re
                 torch.set_num_threads(t)
                 for case in cases:
                     q, k, v, qp, kp = inputs(n, n, case)
-                    calls = methods(q, k, v, qp, kp, case)
+                    calls = methods(q, k, v, qp, kp, case, shifted)
                     want = calls["new"]()
                     errs = {}
                     for name, call in calls.items():  # checked before timing (and warmed up)
@@ -125,7 +131,8 @@ def run(sizes=(2048, 4096, 8192), threads=(1, 2), cases=("diagonal", "full"), re
                     rows.append(row)
                     log(f"chunk {n:6d} {case:8s} threads {t}: old {sec['old']:.4f}s  new {sec['new']:.4f}s  "
                         f"sdpa {sec['sdpa']:.4f}s  old/new {row['old_over_new']:.2f}x  "
-                        f"new/sdpa {row['new_over_sdpa']:.2f}x")
+                        f"new/sdpa {row['new_over_sdpa']:.2f}x"
+                        + (f"  new_shifted {sec['new_shifted']:.4f}s" if shifted else ""))
                     if on_row:
                         on_row(rows)
                 total = cp * n
@@ -189,6 +196,8 @@ def main(argv=None) -> int:
     p.add_argument("--cases", nargs="+", default=["diagonal", "full"], choices=("diagonal", "full"))
     p.add_argument("--repeats", type=int, default=5, help="timed interleaved rounds per configuration (default 5)")
     p.add_argument("--cp", type=int, default=2, help="ranks of the whole-prompt reference (cp * chunk tokens)")
+    p.add_argument("--shifted", action="store_true", help="also time new forced through its shifted second pass")
+    p.add_argument("--no-precision", action="store_true", help="skip the precision table")
     p.add_argument("--out", default=None, help="JSON file to write")
     a = p.parse_args(argv)
     if min(a.sizes) < 1 or min(a.threads) < 1 or a.repeats < 1 or a.cp < 1:
@@ -205,14 +214,15 @@ def main(argv=None) -> int:
             with open(a.out, "w") as f:
                 json.dump({"meta": meta, "rows": rows}, f, indent=1)
 
-    prec = precision_rows()
+    prec = [] if a.no_precision else precision_rows()
     meta["precision"] = prec
-    print("| scores ~ | P | new | new, no shift | old (fp64 lse) | old, fp32 lse |\n|---|---|---|---|---|---|")
+    if prec:
+        print("| scores ~ | P | new | new, no shift | old (fp64 lse) | old, fp32 lse |\n|---|---|---|---|---|---|")
     for r in prec:
         print(f"| {r['magnitude']:g} | {r['P']} | {r['new']:.1e} | {r['new_no_shift']:.1e} | {r['old']:.1e} "
               f"| {r['old_lse32']:.1e} |", flush=True)
     rows = run(tuple(a.sizes), tuple(a.threads), tuple(a.cases), a.repeats, a.cp,
-               log=lambda s: print(s, flush=True), on_row=save)
+               log=lambda s: print(s, flush=True), on_row=save, shifted=a.shifted)
     save(rows)
     if a.out:
         print(f"# wrote {a.out}")
