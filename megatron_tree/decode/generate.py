@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import collectives
+from .. import agreement, collectives
 from .attention import ShiftState
 from .cache import CacheOverflowError, ShardedKVCache
 from ..comm import CommStats
@@ -143,23 +143,45 @@ def _digest(row) -> str:
     return hashlib.blake2b(data, digest_size=6).hexdigest()
 
 
+def _check_call(model, prompts, max_new_tokens, do_sample, temperature, top_k, top_p, forced_tokens, cache) -> None:
+    """This rank's own checks of a :func:`generate` call (they ride on the call's agreement)."""
+    _check_args(prompts, max_new_tokens, do_sample, temperature, top_k, top_p, model.config.vocab_size)
+    if forced_tokens is not None and tuple(forced_tokens.shape) != (len(prompts), max_new_tokens):
+        raise ValueError(
+            f"forced_tokens has shape {tuple(forced_tokens.shape)}, expected (batch, max_new_tokens) = "
+            f"({len(prompts)}, {max_new_tokens})"
+        )
+    if cache is not None:
+        if cache.batch_size != len(prompts):
+            raise ValueError(f"cache has batch size {cache.batch_size} but {len(prompts)} prompts were given")
+        for i, p in enumerate(prompts):
+            if len(p) + max_new_tokens > cache.max_seq_len:
+                raise CacheOverflowError(
+                    f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it needs "
+                    f"{len(p) + max_new_tokens} slots, beyond the cache's max_seq_len {cache.max_seq_len}"
+                )
+
+
 def _agree_on_call(model, prompts, max_new_tokens, stop_token_ids, do_sample, temperature, top_k, top_p, seed,
-                   strategy, prefill_method, broadcast, forced_tokens) -> None:
-    """Every CP rank must make this call alike, else all raise the same DisagreementError.
+                   strategy, prefill_method, broadcast, forced_tokens, cache) -> None:
+    """This rank's checks, then every CP rank must make this call alike; else all raise the same error.
 
     Ranks handed different prompts (contents or lengths), budgets or sampling would each run a
     consistent-looking but different generation: the collectives' sizes can still match, so
-    nothing else would notice. One fixed-size all-gather per call (``collectives.agree_values``).
+    nothing else would notice; a rank whose own arguments are bad would leave the others
+    waiting in the prefill. One fixed-size all-gather per call (``agreement.agree``).
     """
+
+    def values():
+        _check_call(model, prompts, max_new_tokens, do_sample, temperature, top_k, top_p, forced_tokens, cache)
+        forced = None if forced_tokens is None else tuple(_digest(r) for r in forced_tokens.detach().cpu().tolist())
+        return (len(prompts), tuple(len(p) for p in prompts), tuple(_digest(p) for p in prompts), max_new_tokens,
+                tuple(sorted(set(stop_token_ids or ()))), bool(do_sample), float(temperature), top_k,
+                None if top_p is None else float(top_p), seed, strategy, prefill_method, bool(broadcast), forced)
+
     groups = model.groups
-    if groups is None or groups.size == 1:
-        return
-    forced = None if forced_tokens is None else tuple(_digest(r) for r in forced_tokens.detach().cpu().tolist())
-    values = (len(prompts), tuple(len(p) for p in prompts), tuple(_digest(p) for p in prompts), max_new_tokens,
-              tuple(sorted(set(stop_token_ids or ()))), bool(do_sample), float(temperature), top_k,
-              None if top_p is None else float(top_p), seed, strategy, prefill_method, bool(broadcast), forced)
-    collectives.agree_values("generate", GENERATE_SIGNATURE, values, groups.cp_group, groups.cp_ranks,
-                             device=model.device)
+    group, ranks = (None, ()) if groups is None else (groups.cp_group, groups.cp_ranks)
+    agreement.agree("generate", GENERATE_SIGNATURE, values, group, ranks, device=model.device)
 
 
 def generate(
@@ -189,7 +211,8 @@ def generate(
         ``prefill``, ``decode_step``, ``new_cache``, ``groups``, ``device`` and ``config.vocab_size``
     prompts: token-id lists of any (non-zero) lengths; every CP rank passes the same (checked:
         every CP rank must pass equal prompts and arguments, else every rank raises the same
-        ``DisagreementError`` naming each rank's value; one small all-gather per call)
+        ``DisagreementError`` naming each rank's value; a rank whose own arguments are bad makes
+        every rank raise its error, naming it; one small all-gather per call)
     stop_token_ids: a row stops after producing one of these ids
     seed: seeds the sampling generator (identical results for identical seeds)
     cache: reuse a cache from ``model.new_cache``; by default one sized
@@ -207,28 +230,11 @@ def generate(
     broadcast: CP rank 0's choice is broadcast each step (default). ``False`` keeps every
         rank's own choice, so that a check across ranks can see a divergence (the eval).
     """
-    vocab = model.config.vocab_size
-    _check_args(prompts, max_new_tokens, do_sample, temperature, top_k, top_p, vocab)
-    prompts = [list(p) for p in prompts]
-    if forced_tokens is not None and tuple(forced_tokens.shape) != (len(prompts), max_new_tokens):
-        raise ValueError(
-            f"forced_tokens has shape {tuple(forced_tokens.shape)}, expected (batch, max_new_tokens) = "
-            f"({len(prompts)}, {max_new_tokens})"
-        )
     _agree_on_call(model, prompts, max_new_tokens, stop_token_ids, do_sample, temperature, top_k, top_p, seed,
-                   strategy, prefill_method, broadcast, forced_tokens)
-    need = max(len(p) for p in prompts) + max_new_tokens
+                   strategy, prefill_method, broadcast, forced_tokens, cache)
+    prompts = [list(p) for p in prompts]
     if cache is None:
-        cache = model.new_cache(len(prompts), need)
-    else:
-        if cache.batch_size != len(prompts):
-            raise ValueError(f"cache has batch size {cache.batch_size} but {len(prompts)} prompts were given")
-        for i, p in enumerate(prompts):
-            if len(p) + max_new_tokens > cache.max_seq_len:
-                raise CacheOverflowError(
-                    f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it needs "
-                    f"{len(p) + max_new_tokens} slots, beyond the cache's max_seq_len {cache.max_seq_len}"
-                )
+        cache = model.new_cache(len(prompts), max(len(p) for p in prompts) + max_new_tokens)
     stops = set(stop_token_ids or ())
     hook = hook if hook is not None else GenerationHook()
     groups = model.groups

@@ -15,17 +15,19 @@ Padding convention: a query or key whose position is negative is padding. Padded
 never visible; padded queries see nothing and get output 0. Ranks may hold different
 numbers of tokens: the key length is padded to the CP-wide maximum internally.
 
-Agreement: both variants start with one all-gather of a fixed-size record per rank (its key
-length plus everything that must not differ: batch, heads, head dim, dtype, method, kernel
-backend), so ranks that disagree raise the same :class:`DisagreementError` on every rank,
-naming each rank's value, before any KV moves -- never a gloo abort on mismatched buffers.
+Agreement: both variants start with one all-gather of a fixed-size record per rank
+(``agreement.agree``: whether its own inputs passed their checks, its key length, and
+everything that must not differ: batch, heads, head dim, dtype, method, kernel backend), so
+a malformed input on one rank, or ranks that disagree, raise the same error on every rank,
+naming the rank or each rank's value, before any KV moves -- never a gloo abort on
+mismatched buffers, never a wait for the timeout.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .. import collectives, ops, reference
+from .. import agreement, collectives, ops, reference
 from ..comm import CommStats
 from ..topology import TreeGroups
 
@@ -58,43 +60,30 @@ def _pad_keys(k, v, k_pos, length: int):
     return k.contiguous(), v.contiguous(), k_pos.contiguous()
 
 
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 PREFILL_SIGNATURE = ("batch", "heads_q", "heads_kv", "headdim", "dtype", "method", "backend")
 """What every CP rank of a prefill must agree on (the local lengths may differ)."""
 
 
-def _code(value, table) -> int:
-    return table.index(value) if value in table else -1
+def _agree_and_length(q, k, v, q_pos, k_pos, method: str, backend, groups: TreeGroups, stats) -> int:
+    """This rank's checks, then one all-gather of (status, seqlen_k, *PREFILL_SIGNATURE): the CP-wide key length.
 
-
-def _agree_and_length(q, k, method: str, backend, groups: TreeGroups, stats) -> int:
-    """One all-gather of (seqlen_k, *PREFILL_SIGNATURE) per rank: the CP-wide key length, or an error.
-
-    Every rank sees every rank's record, so a disagreement is the same
-    :class:`DisagreementError` on every rank.
+    Every rank sees every rank's record (``agreement.agree``), so a rank whose own inputs are
+    malformed, or ranks that disagree, make the same error on every rank before any KV moves.
     """
-    b, _, hq, d = q.shape
-    try:
-        name = ops.resolve_backend(q.device, backend)
-    except (ValueError, RuntimeError):  # unusable here: agree first, then the kernel call says why
-        name = None
-    record = [k.shape[1], b, hq, k.shape[2], d, _code(q.dtype, _DTYPES), _code(method, PREFILL_METHODS),
-              _code(name, ops.BACKENDS)]
-    mine = torch.tensor(record, dtype=torch.int64, device=q.device)  # NCCL needs device tensors
-    rows = collectives.all_gather(mine, groups.cp_group, level="cp", stats=stats,
-                                  what=f"CP prefill ({method}): exchanging shapes and key lengths").tolist()
-    decode = (lambda v: v, lambda v: v, lambda v: v, lambda v: v, lambda v: _name(v, _DTYPES),
-              lambda v: _name(v, PREFILL_METHODS), lambda v: _name(v, ops.BACKENDS))
-    table = {rank: {n: f(v) for n, f, v in zip(PREFILL_SIGNATURE, decode, row[1:])}
-             for rank, row in zip(groups.cp_ranks, rows)}
-    err = collectives.disagreement("CP prefill", table)
-    if err is not None:
-        raise err
+
+    def signature():
+        _check(q, k, v, q_pos, k_pos)
+        try:
+            name = ops.resolve_backend(q.device, backend)
+        except (ValueError, RuntimeError):  # unusable here: agree first, then the kernel call says why
+            name = None
+        b, _, hq, d = q.shape
+        return (b, hq, k.shape[2], d, q.dtype, method, name)
+
+    length = k.shape[1] if isinstance(k, torch.Tensor) and k.dim() == 4 else 0
+    rows = agreement.agree("CP prefill", PREFILL_SIGNATURE, signature, groups.cp_group, groups.cp_ranks,
+                           local=(length,), device=q.device if isinstance(q, torch.Tensor) else None, stats=stats)
     return max(row[0] for row in rows)
-
-
-def _name(code: int, table) -> str:
-    return str(table[code]).replace("torch.", "") if 0 <= code < len(table) else f"other ({code})"
 
 
 def _local(q, k, v, q_pos, k_pos, softmax_scale, backend):
@@ -136,13 +125,13 @@ def ring_prefill(
     the next/from the previous CP rank; recorded in ``stats`` (level ``"cp"``, ops
     ``all_gather`` and ``send``, one per message) when one is given.
     """
-    _check(q, k, v, q_pos, k_pos)
-    q_pos = q_pos.to(torch.int64)
     if groups is None or groups.size == 1:
+        _check(q, k, v, q_pos, k_pos)
         k, v, kp = _pad_keys(k, v, k_pos, k.shape[1])
-        return _local(q, k, v, q_pos, kp, softmax_scale, backend)[0].to(q.dtype)
+        return _local(q, k, v, q_pos.to(torch.int64), kp, softmax_scale, backend)[0].to(q.dtype)
     p, me = groups.size, groups.rank
-    length = _agree_and_length(q, k, "ring", backend, groups, stats)
+    length = _agree_and_length(q, k, v, q_pos, k_pos, "ring", backend, groups, stats)
+    q_pos = q_pos.to(torch.int64)
     k, v, kp = _pad_keys(k, v, k_pos, length)
     nxt, prv = groups.cp_ranks[(me + 1) % p], groups.cp_ranks[(me - 1) % p]
     q_last = int(q_pos.max()) if q_pos.numel() else -1
@@ -189,12 +178,12 @@ def allgather_prefill(
     (seqlen_k and the signature), three all-gathers (k, v, k_pos), recorded in ``stats``
     when one is given. Holds every rank's keys at once: P times ring's KV memory.
     """
-    _check(q, k, v, q_pos, k_pos)
-    q_pos = q_pos.to(torch.int64)
     if groups is None or groups.size == 1:
+        _check(q, k, v, q_pos, k_pos)
         k, v, kp = _pad_keys(k, v, k_pos, k.shape[1])
-        return _local(q, k, v, q_pos, kp, softmax_scale, backend)[0].to(q.dtype)
-    length = _agree_and_length(q, k, "allgather", backend, groups, stats)
+        return _local(q, k, v, q_pos.to(torch.int64), kp, softmax_scale, backend)[0].to(q.dtype)
+    length = _agree_and_length(q, k, v, q_pos, k_pos, "allgather", backend, groups, stats)
+    q_pos = q_pos.to(torch.int64)
     k, v, kp = _pad_keys(k, v, k_pos, length)
     gathered = []
     for t in (k, v, kp):

@@ -43,8 +43,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import struct
-import zlib
 from dataclasses import dataclass, field
 
 import torch
@@ -61,7 +59,7 @@ except ImportError as e:  # pragma: no cover -- exercised only where transformer
         f"importing it failed: {e}"
     ) from e
 
-from ... import collectives
+from ... import agreement, collectives
 from ...decode.attention import tree_decode
 from ...decode.cache import LAYOUTS, CacheConfig, CacheOverflowError, ShardedKVCache
 from ...collectives import CommStats
@@ -333,8 +331,8 @@ class TreeCache(Cache):
             config=self.cache_config, dtype=self.dtype, device=self.device,
         )
 
-    def _begin_prefill(self, lengths: list[int], padded: int) -> torch.Tensor:
-        """Place the prompts; returns (batch, W) global (unpadded) positions of this rank's tokens, -1 = filler."""
+    def _check_prefill(self, lengths: list[int]) -> int:
+        """Raise unless prompts of ``lengths`` fit this cache (nothing changes); returns the tokens per row to size for."""
         if self._batch is not None and len(lengths) != self._batch:
             raise ValueError(f"got {len(lengths)} prompts for a TreeCache made for batch_size={self._batch}")
         if self.max_seq_len is not None:
@@ -348,6 +346,11 @@ class TreeCache(Cache):
                 f"a prompt has {max(lengths)} tokens but this TreeCache was made for {need} per row; "
                 "create it with a larger max_seq_len"
             )
+        return need
+
+    def _begin_prefill(self, lengths: list[int], padded: int) -> torch.Tensor:
+        """Place the prompts; returns (batch, W) global (unpadded) positions of this rank's tokens, -1 = filler."""
+        need = self._check_prefill(lengths)
         self.storage = self._allocate(len(lengths), need)
         self._nominal = need
         local = self.storage.start_prefill(lengths)
@@ -609,39 +612,6 @@ def _checksum(t: torch.Tensor | None):
     return int(((flat.long() + 1) * w).sum())
 
 
-def _as_int64(value) -> int:
-    """A signature value as one int64 (ints wrap, floats by their bits, strings by CRC-32, None as -1)."""
-    if value is None:
-        return -1
-    if isinstance(value, bool):
-        return int(value)
-    if isinstance(value, int):
-        return (value + 2 ** 63) % 2 ** 64 - 2 ** 63
-    if isinstance(value, float):
-        return struct.unpack("<q", struct.pack("<d", value))[0]
-    return zlib.crc32(str(value).encode())
-
-
-def _agree(binding: _Binding, site: str, names: tuple, values: tuple) -> None:
-    """Every CP rank must make this call with the same ``values``; else all raise the same DisagreementError.
-
-    One all-gather of ``len(names)`` int64 on the CP group itself (a fixed size whatever the
-    values, so ranks that disagree never enter a collective with different buffer sizes).
-    ``collectives.Agreement`` is not used: its clone group is created lazily with local
-    synchronisation, which hangs torch 2.13 once side-by-side CP groups have created different
-    numbers of groups (the hashed group name counts them).
-    """
-    if binding.cp_size == 1:
-        return
-    g = binding.groups
-    mine = torch.tensor([_as_int64(v) for v in values], dtype=torch.int64)
-    rows = collectives.all_gather(mine.to(_comm_device(g, mine.device)), g.cp_group, stats=binding.stats,
-                                  what=f"{site}: comparing the ranks' arguments").cpu()
-    if bool((rows != rows[0]).any()):
-        table = {rank: dict(zip(names, row.tolist())) for rank, row in zip(g.cp_ranks, rows)}
-        raise collectives.disagreement(site, table)
-
-
 def _prefill(model, orig, binding: _Binding, cache: TreeCache, call: dict, batch: int, seq: int):
     """The forward that starts a sequence, each CP rank on its chunk.
 
@@ -653,21 +623,50 @@ def _prefill(model, orig, binding: _Binding, cache: TreeCache, call: dict, batch
     returns the model's output with logits: (batch, K, vocab) for the K positions asked for
         (``logits_to_keep``), identical on every rank; 0 at pad positions
 
-    Collectives (CP > 1): an all-gather of the call's arguments, the prefill method's per layer
+    Collectives (CP > 1): an all-gather of the call's arguments and of whether this rank's checks of
+    them passed (``agreement.agree``), the prefill method's per layer
     (``prefill.cp_prefill``), one all-reduce SUM of (batch, K, vocab) float32.
     """
     ids, embeds = call.get("input_ids"), call.get("inputs_embeds")
     device = (ids if ids is not None else embeds).device
     mask = call.pop("attention_mask", None)
-    lengths = [seq] * batch if mask is None else _mask_lengths(mask, batch, seq)
     pos_ids = call.pop("position_ids", None)
-    if pos_ids is None:  # what transformers uses without position_ids: 0..seq-1 on the padded row
-        pos_ids = torch.arange(seq, device=device)[None, :]
-    if pos_ids.dim() != 2 or pos_ids.shape[-1] != seq or pos_ids.shape[0] not in (1, batch):
-        raise NotImplementedError(
-            f"position_ids of shape {tuple(pos_ids.shape)} are not supported; expected (batch, seq) or (1, seq)"
-        )
-    pos_ids = pos_ids.expand(batch, seq)
+    ltk = call.pop("logits_to_keep", 0) if binding.accepts_logits_to_keep else 0
+    checked = {}
+
+    def signature():
+        """This rank's checks of the call; the values every CP rank must pass alike.
+
+        Ranks handed different prompts would each compute their chunk of another prompt.
+        max_new_tokens: generate's budget (None outside generate); ranks with different budgets
+        would run in step until the first stops, then the others would wait in a collective for it.
+        """
+        lengths = [seq] * batch if mask is None else _mask_lengths(mask, batch, seq)
+        pos = pos_ids
+        if pos is None:  # what transformers uses without position_ids: 0..seq-1 on the padded row
+            pos = torch.arange(seq, device=device)[None, :]
+        if pos.dim() != 2 or pos.shape[-1] != seq or pos.shape[0] not in (1, batch):
+            raise NotImplementedError(
+                f"position_ids of shape {tuple(pos.shape)} are not supported; expected (batch, seq) or (1, seq)"
+            )
+        cache._check_prefill(lengths)
+        # Which padded positions' logits to return.
+        if isinstance(ltk, int):
+            wanted = torch.arange(seq - ltk if 0 < ltk <= seq else 0, seq, device=device)
+        else:
+            wanted = torch.as_tensor(ltk, device=device).reshape(-1) % seq
+        checked.update(lengths=lengths, pos_ids=pos.expand(batch, seq), wanted=wanted)
+        return (batch, seq, _checksum(ids), _checksum(embeds), _checksum(mask), _checksum(pos.expand(batch, seq)),
+                _checksum(wanted),
+                binding.strategy, binding.prefill, binding.layout, binding.block_size, binding.new_tokens_hint)
+
+    names = ("batch", "seq", "input_ids", "inputs_embeds", "attention_mask", "position_ids", "logits_wanted",
+             "strategy", "prefill", "layout", "block_size", "max_new_tokens")
+    g = binding.groups
+    group, ranks = (None, ()) if g is None else (g.cp_group, g.cp_ranks)
+    agreement.agree("hf.prefill", names, signature, group, ranks, stats=binding.stats,
+                    device=None if g is None else _comm_device(g, device))
+    lengths, pos_ids, wanted = checked["lengths"], checked["pos_ids"], checked["wanted"]
     local = cache._begin_prefill(lengths, seq).to(device)  # (B, W) unpadded positions, -1 = filler
     pad = seq - torch.as_tensor(lengths, device=device)
     idx = pad[:, None] + local.clamp(min=0)  # index into the padded row
@@ -678,12 +677,7 @@ def _prefill(model, orig, binding: _Binding, cache: TreeCache, call: dict, batch
     call["position_ids"] = pos_ids.gather(1, idx)
     call["attention_mask"] = None
 
-    # Which padded positions' logits to return, and which of them this rank holds.
-    ltk = call.pop("logits_to_keep", 0) if binding.accepts_logits_to_keep else 0
-    if isinstance(ltk, int):
-        wanted = torch.arange(seq - ltk if 0 < ltk <= seq else 0, seq, device=device)
-    else:
-        wanted = torch.as_tensor(ltk, device=device).reshape(-1) % seq
+    # Which of the wanted positions this rank holds.
     compact = wanted[None, :] - pad[:, None]  # (B, K) unpadded position, < 0 for a pad
     hit = (local[:, :, None] == compact[:, None, :]) & (compact[:, None, :] >= 0)  # (B, W, K)
     owned = hit.any(dim=1)  # (B, K)
@@ -694,14 +688,6 @@ def _prefill(model, orig, binding: _Binding, cache: TreeCache, call: dict, batch
         slot_of[rows_local] = torch.arange(rows_local.numel(), device=device)
     else:
         slot_of = torch.arange(local.shape[1], device=device)
-    # Ranks handed different prompts would each compute their chunk of another prompt: compare first.
-    # max_new_tokens: generate's budget (None outside generate); ranks with different budgets would
-    # run in step until the first stops, then the others would wait in a collective for it.
-    names = ("batch", "seq", "input_ids", "inputs_embeds", "attention_mask", "position_ids", "logits_wanted",
-             "strategy", "prefill", "layout", "block_size", "max_new_tokens")
-    values = (batch, seq, _checksum(ids), _checksum(embeds), _checksum(mask), _checksum(pos_ids), _checksum(wanted),
-              binding.strategy, binding.prefill, binding.layout, binding.block_size, binding.new_tokens_hint)
-    _agree(binding, "hf.prefill", names, values)
     out = _run(orig, binding, cache, call)
     logits = out.logits  # (B, |rows_local| or W, V)
     vocab = logits.shape[-1]
