@@ -92,14 +92,14 @@ from . import collectives, ops
 from .collectives import CommError, CommStats, DisagreementError, LevelStats
 from .cost import choose_strategy  # the policy of auto, resolved once per (groups, shape, dtype)
 from .reference import acc_dtype, lse_weights, normalize, weighted
+from .strategies import STRATEGIES
 from .topology import TreeGroups
 
 __all__ = ["CommStats", "LevelStats", "STRATEGIES", "merge", "choose_strategy", "CommError",
            "DisagreementError", "MERGE_SIGNATURE", "SHIFT_MIN_DEN", "SHIFT_MAX_DEN", "check_shift",
            "SPLIT_STRATEGIES", "SPLIT_SIGNATURE", "merge_overlapped"]
 
-Strategy = Literal["allreduce3", "packed", "two_level", "allgather", "shifted", "auto"]
-STRATEGIES = ("allreduce3", "packed", "two_level", "allgather", "shifted", "auto")
+Strategy = Literal[STRATEGIES]  # the names are listed once, in strategies.py
 
 SHIFT_MIN_DEN = 2.0 ** -64
 """Smallest all-reduced ``sum exp(lse_u - r)`` that ``shifted`` accepts (see the module docstring)."""
@@ -370,7 +370,7 @@ def _settle_shifted(result, o, lse, groups: TreeGroups, stats, deferred):
 
 # --------------------------------------------------------------------------- overlapped merge
 
-SPLIT_STRATEGIES = ("allreduce3", "packed", "two_level", "allgather", "shifted", "auto")
+SPLIT_STRATEGIES = STRATEGIES
 """Strategies :func:`merge_overlapped` runs in stages (every collective asynchronous)."""
 
 SPLIT_SIGNATURE = ("batch", "seqlen_q", "heads_q", "headdim", "dtype", "strategy", "backend", "shift", "split")
