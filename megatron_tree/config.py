@@ -278,7 +278,8 @@ class WandbConfig:
     mode: Literal["offline", "online"] = "offline"
     """``offline`` writes the run under ``<output_dir>/wandb`` and needs no account."""
     project: str | None = None
-    """wandb project; ``None`` = the ds_config's, else ``megatron-tree``."""
+    """wandb project; ``None`` = the ds_config's (DeepSpeed's default ``deepspeed`` when its section
+    names none), else ``megatron-tree``."""
     entity: str | None = None
     """wandb entity (team); ``None`` = the ds_config's ``team``, else wandb's default."""
     group: str | None = None
@@ -288,8 +289,9 @@ class WandbConfig:
     tags: tuple[str, ...] = ()
     """wandb tags."""
     ds_config: str | None = None
-    """A DeepSpeed config JSON whose ``wandb`` section (project, team, group, enabled)
-    fills the fields above that are left ``None``."""
+    """A DeepSpeed config JSON whose ``wandb`` section (project, team, group, enabled) fills the
+    fields above that are left ``None``, read as DeepSpeed reads it: wandb is off unless the
+    section says ``enabled: true``."""
 
 
 @dataclass(frozen=True)
