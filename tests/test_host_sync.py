@@ -23,14 +23,16 @@ STEPS = 5  # with blocks of 2, new tokens move across ranks during the run
 
 
 def _tensors(obj, seen=None, prefix="") -> dict:
-    """name -> (data_ptr, shape) of every tensor reachable from obj's attributes (modules, dicts, lists)."""
+    """name -> (storage data_ptr, storage bytes) of every tensor reachable from obj's attributes (modules,
+    dicts, lists): a view of a buffer that existed before (a step's plan in the planner's buffer) is
+    not a new buffer."""
     seen = set() if seen is None else seen
     out = {}
     if id(obj) in seen:
         return out
     seen.add(id(obj))
     if isinstance(obj, torch.Tensor):
-        return {prefix: (obj.data_ptr(), tuple(obj.shape))}
+        return {prefix: (obj.untyped_storage().data_ptr(), obj.untyped_storage().nbytes())}
     if isinstance(obj, dict):
         items = obj.items()
     elif isinstance(obj, (list, tuple)):
@@ -79,7 +81,7 @@ def _llama_rank(rank, world):
                 shift.step_done()
             got.append(logits)
         after = _tensors(cache, prefix="cache") | _tensors(model, prefix="model") | _tensors(groups, prefix="groups")
-        new = sorted(set(after) - set(before)) + sorted(k for k in before if k in after and after[k] != before[k])
+        new = sorted(k for k, storage in after.items() if storage not in set(before.values()))
         # Reference: one process, the whole sequence, no cache.
         ref = [[] for _ in range(STEPS)]
         for b, s in enumerate(seqs):

@@ -33,6 +33,7 @@ def tree_decode(
     groups: TreeGroups | None,
     *,
     cache_seqlens: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
     softmax_scale: float | None = None,
     strategy: str = "auto",
     return_lse: bool = False,
@@ -51,8 +52,12 @@ def tree_decode(
 
     q: (batch, seqlen_q, nheads_q, headdim) -- replicated on every CP rank
     k, v: (batch, shard_len, nheads_kv, headdim) -- this rank's keys/values; shard_len may
-        differ between ranks and may be 0
+        differ between ranks and may be 0; or, with ``block_table``, this rank's paged pool
+        (num_blocks, block_size, nheads_kv, headdim) of one layer
     cache_seqlens: (batch,) int32 -- valid keys of this shard per batch row (rows may differ)
+    block_table: (batch, width) int32 -- this rank's blocks of each row, in slot order (a paged
+        shard: row b's key j is in block ``block_table[b, j // block_size]``); every strategy,
+        ``overlap`` and ``shifted`` included, runs on paged shards alike
     q_positions: (batch, seqlen_q), k_positions: (batch, shard_len) or (shard_len,) -- global
         token positions for causal masking when seqlen_q > 1; without them every query sees
         every valid key
@@ -85,13 +90,13 @@ def tree_decode(
     ld = lse_acc_dtype(lse_dtype, q.dtype if isinstance(q, torch.Tensor) else torch.float32)
     if overlap and groups is not None and groups.size > 1 and q.shape[0] >= 2:
         out, lse = _decode_overlapped(q, k, v, groups, cache_seqlens, softmax_scale, strategy, q_positions,
-                                      k_positions, stats, backend, shift, deferred)
+                                      k_positions, stats, backend, shift, deferred, block_table)
         out = out.to(q.dtype)
         return (out, lse.to(ld)) if return_lse else out
     # fp32 partials (DESIGN.md section 1): a bf16/fp16 result is rounded once, below. The
     # partial lse is float64 so the merge is exact at large score magnitudes (comm's docstring).
     out, lse = ops.flash_decode(
-        q, k, v, cache_seqlens=cache_seqlens, softmax_scale=softmax_scale,
+        q, k, v, cache_seqlens=cache_seqlens, block_table=block_table, softmax_scale=softmax_scale,
         q_positions=q_positions, k_positions=k_positions, out_dtype=acc_dtype(q.dtype), backend=backend,
         lse_dtype=torch.float64,
     )
@@ -104,22 +109,26 @@ def tree_decode(
 
 
 def _decode_overlapped(q, k, v, groups, cache_seqlens, softmax_scale, strategy, q_positions, k_positions, stats,
-                       backend, shift=None, deferred=None):
+                       backend, shift=None, deferred=None, block_table=None):
     """``tree_decode`` with the batch in two halves, each half's merge overlapping the next half's local attention.
 
-    Shapes as in :func:`tree_decode`. The whole batch is checked before the first collective
-    starts, so bad input fails on every rank before any rank waits in one.
+    Shapes as in :func:`tree_decode` (a paged pool is shared by both halves; each takes its
+    rows of the block table). The whole batch is checked before the first collective starts,
+    so bad input fails on every rank before any rank waits in one.
     """
-    check_decode_inputs(q, k, v, cache_seqlens, q_positions, k_positions,
+    check_decode_inputs(q, k, v, cache_seqlens, q_positions, k_positions, block_table,
                         by_value=q.device.type == "cpu" and not torch.compiler.is_compiling())
     b = q.shape[0]
     halves = [slice(0, (b + 1) // 2), slice((b + 1) // 2, b)]
     shared_kpos = k_positions is not None and k_positions.dim() == 1  # (N,): the same for every row
 
+    paged = block_table is not None
+
     def local(rows):
         pick = lambda t: None if t is None else t[rows]  # noqa: E731
         return ops.flash_decode(
-            q[rows], k[rows], v[rows], cache_seqlens=pick(cache_seqlens), softmax_scale=softmax_scale,
+            q[rows], k if paged else k[rows], v if paged else v[rows], cache_seqlens=pick(cache_seqlens),
+            block_table=pick(block_table), softmax_scale=softmax_scale,
             q_positions=pick(q_positions), k_positions=k_positions if shared_kpos else pick(k_positions),
             out_dtype=acc_dtype(q.dtype), backend=backend, lse_dtype=torch.float64,
         )

@@ -184,6 +184,22 @@ class RowPlacement:
             owners.append(blk.rank)
         return owners
 
+    def undo_append(self, n: int) -> None:
+        """Take back the last ``n`` appended tokens: the row is as it was before they were appended,
+        so appending ``n`` again places them on the same ranks and slots (a step run again)."""
+        appended = sum(b.length for b in self.blocks)
+        if not isinstance(n, int) or not 0 <= n <= appended:
+            raise PlacementError(f"undo_append needs 0 <= n <= {appended} (the appended tokens), got {n!r}")
+        for _ in range(n):
+            blk = self.blocks[-1]
+            self.counts[blk.rank] -= 1
+            self.total -= 1
+            if blk.length == 1:
+                self.blocks.pop()
+                self._starts.pop()
+            else:
+                self.blocks[-1] = Block(blk.rank, blk.start, blk.length - 1, blk.slot)
+
     def copy(self) -> "RowPlacement":
         """An independent copy (plan ahead without committing)."""
         other = RowPlacement(self.cp_size, layout=self.layout, block_size=self.block_size, capacity=self.capacity)

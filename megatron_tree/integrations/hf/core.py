@@ -190,6 +190,7 @@ class TreeCache(Cache):
     Storage (through :class:`~megatron_tree.cache.ShardedKVCache`, ``C`` slots per row):
 
     k, v: (num_layers, batch, C, num_kv_heads, head_dim), ``C = ceil(max_seq_len / cp) + block_size + 2``
+    (and the storage's one spare slot per row, where other ranks' tokens are written)
 
     ``get_seq_length()`` is the global length transformers counts (the padded prompt plus the
     tokens appended since), the same on every rank; :attr:`lengths` are the real tokens of
@@ -303,8 +304,8 @@ class TreeCache(Cache):
 
     @property
     def kv_nbytes(self) -> int:
-        """Bytes of keys and values this rank allocated."""
-        return 0 if self.storage is None else self.storage.k.nbytes + self.storage.v.nbytes
+        """Bytes of keys and values this rank allocated (with the storage's spare slot per row)."""
+        return 0 if self.storage is None else self.storage.kv_nbytes
 
     @property
     def local_tokens(self) -> int:

@@ -42,7 +42,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ...decode.paged import PagedKVCache, TokenSlots, paged_tree_decode
+from ...decode.attention import tree_decode
+from ...decode.paged import PagedKVCache, TokenSlots
 from ...topology import TreeGroups
 from .static import check_megatron_version, tree_groups_from_megatron, unsharded_rope_table
 
@@ -67,9 +68,11 @@ class DynamicStep:
     padded_tokens: int
     """Rows of the forward (``padded_active_token_count``); rows past ``num_tokens`` are padding."""
     positions: torch.Tensor
-    """(padded_tokens,) int64 global position of each row's token in its request (0 for padding)."""
+    """(padded_tokens,) int64 global position of each row's token in its request (0 for padding),
+    on the cache's device."""
     placed: TokenSlots
-    """Owner rank and storage slot of each real token (rows ``0 .. num_tokens - 1``)."""
+    """Owner rank and storage slot of each real token (rows ``0 .. num_tokens - 1``), and where this
+    rank writes it (the spare slot for other ranks' tokens)."""
     block_table: torch.Tensor
     """(padded_tokens, width) int32 this rank's blocks of each row's request."""
     cache_seqlens: torch.Tensor
@@ -185,20 +188,24 @@ class TreeDynamicInferenceContext(_dynamic_context_base()):
                 raise RuntimeError(
                     f"request {rid}: Megatron's context has {offset} cached tokens but the paged cache holds {have}"
                 )
-            placed[rid] = self.kv_cache.extend(rid, q_len)
+            placed[rid] = [torch.as_tensor(x, dtype=torch.int64) for x in self.kv_cache.extend_host(rid, q_len)]
         req_of_token = self.request_ids[self.token_to_request_idx[:n]].tolist()
         positions = torch.zeros(padded, dtype=torch.int64)
         positions[:n] = self.token_to_pos_ids[:n].cpu()
         owners = torch.empty(n, dtype=torch.int64)
         slots = torch.empty(n, dtype=torch.int64)
-        for rid, p in placed.items():
+        for rid, (p_pos, p_owners, p_slots) in placed.items():
             rows = torch.tensor([i for i, r in enumerate(req_of_token) if r == rid], dtype=torch.int64)
-            if rows.numel() != p.positions.numel():
-                raise RuntimeError(f"request {rid}: {rows.numel()} tokens in the step, {p.positions.numel()} placed")
-            index = positions[rows] - p.positions[0]
-            owners[rows], slots[rows] = p.owners[index], p.slots[index]
-        table, seqlens = self.kv_cache.rows(req_of_token + [None] * (padded - n), positions)
-        self.step = DynamicStep(n, padded, positions, TokenSlots(positions[:n], owners, slots), table, seqlens)
+            if rows.numel() != p_pos.numel():
+                raise RuntimeError(f"request {rid}: {rows.numel()} tokens in the step, {p_pos.numel()} placed")
+            index = positions[rows] - p_pos[0]
+            owners[rows], slots[rows] = p_owners[index], p_slots[index]
+        table, seqlens = self.kv_cache.rows_host(req_of_token + [None] * (padded - n), positions)
+        # The step's write indices, block table, visible key counts and positions: one copy to the device.
+        step_slots, (table, seqlens, device_positions) = self.kv_cache.token_slots(
+            positions[:n], owners, slots, extra=[table, seqlens, positions])
+        self.step = DynamicStep(n, padded, device_positions, step_slots, table.to(torch.int32),
+                                seqlens.to(torch.int32))
 
     # -- RoPE at global positions ------------------------------------------------------------
 
@@ -247,8 +254,7 @@ def adjust_key_value_dynamic(core, attention, ctx, query, key, value, rotary_pos
             f"query has [s, b] = {tuple(query.shape[:2])}, but the step has {step.padded_tokens} packed tokens"
         )
     if rotary_pos_emb is not None:
-        query, key = ctx.apply_rope(query, key, step.positions.to(query.device), attention.config,
-                                    core.pg_collection.cp)
+        query, key = ctx.apply_rope(query, key, step.positions, attention.config, core.pg_collection.cp)
     layer = ctx.layer_map[attention.layer_number - 1]
     n = step.num_tokens
     ctx.kv_cache.write(layer, key[:n, 0], value[:n, 0], step.placed)
@@ -267,7 +273,7 @@ def dynamic_attention(core, attention, q, k, v, *megatron_args):
         return None
     ctx, layer = pending
     step = ctx.step
-    return paged_tree_decode(
+    return tree_decode(
         q, ctx.kv_cache.k[layer], ctx.kv_cache.v[layer], ctx.groups, block_table=step.block_table,
         cache_seqlens=step.cache_seqlens, softmax_scale=core.softmax_scale, strategy=core.strategy,
         stats=core.comm_stats, backend=core.backend,

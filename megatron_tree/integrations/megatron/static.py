@@ -42,6 +42,7 @@ from ... import collectives, ops
 from ...decode.attention import tree_decode
 from ...comm import STRATEGIES
 from ...decode.placement import RowPlacement
+from ...decode.plan import StepPlanner
 from ...topology import TopologyError, TreeGroups
 
 __all__ = [
@@ -368,10 +369,9 @@ class TreeDotProductAttention(_megatron_module_base()):
             query, key = ctx.apply_rope(query, key, plan.positions, self.config, self.pg_collection.cp,
                                         same_positions=plan.same_positions)
         k_buf, v_buf = ctx.buffers(self.layer_number, key, value)
-        # Tokens another rank keeps go to the buffers' spare slot (never read): one scatter, and
-        # no host read of which tokens are this rank's (a decode step stays free of host syncs).
-        slot = plan.slots.to(key.device)
-        slot = torch.where(slot >= 0, slot, torch.full_like(slot, ctx.capacity)).t()  # [width, rows]
+        # Tokens another rank keeps go to the buffers' spare slot (never read; the step planner's
+        # one trick): one scatter, no host read of which tokens are this rank's.
+        slot = plan.store.to(key.device).t()  # [width, rows]
         rows = torch.arange(b0, b1, device=key.device)[None, :].expand_as(slot)
         k_buf[slot, rows] = key.to(k_buf.dtype)
         v_buf[slot, rows] = value.to(v_buf.dtype)
@@ -552,6 +552,8 @@ class StepPlan:
     """(batch, width) int64 global positions of those tokens; -1 marks padding."""
     slots: torch.Tensor
     """(batch, width) int64 slot of each token in this rank's shard; -1 where it is not stored here."""
+    store: torch.Tensor
+    """(batch, width) int64 where this rank writes each token: its slot, or the spare slot ``capacity``."""
     gathered_positions: torch.Tensor | None
     """prefill: (batch, width * cp) positions of the all-gathered window, in gather order (-1 = padding)."""
     k_lengths: torch.Tensor | None = None
@@ -563,11 +565,6 @@ class StepPlan:
     def width(self) -> int:
         """Tokens per row this rank feeds to the forward (the same on every CP rank)."""
         return int(self.index.numel())
-
-    @property
-    def store(self) -> torch.Tensor:
-        """(batch, width) bool: this rank keeps the token's key/value."""
-        return self.slots >= 0
 
 
 def _static_context_base():
@@ -625,11 +622,15 @@ class TreeInferenceContext(_static_context_base()):
         self.rows: list[RowPlacement] = []
         self.step: StepPlan | None = None
         self.rope_table: torch.Tensor | None = None
+        self._planner = StepPlanner([], self.cp_rank, spare=self.capacity, device="cpu")
+        self._decode: tuple | None = None  # (the planner's plan, the StepPlan made from it)
         self._new_rows()
 
     def _new_rows(self) -> None:
         self.rows = [RowPlacement(self.cp_size, layout=self.layout, block_size=self.block_size,
                                   capacity=self.capacity) for _ in range(self.max_batch_size)]
+        self._planner.reset(self.rows)
+        self._decode = None
 
     def reset(self):
         super().reset()
@@ -667,12 +668,6 @@ class TreeInferenceContext(_static_context_base()):
     def device(self) -> torch.device:
         """Where the KV buffers live (CPU until the first layer stored keys)."""
         return self.local_positions.device
-
-    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
-        """Host bookkeeping onto the cache's device: on CUDA one non-blocking copy from pinned memory."""
-        if self.device.type != "cuda":
-            return host.to(self.device)
-        return host.pin_memory().to(self.device, non_blocking=True)
 
     def bind_rope(self, model) -> None:
         """Keep the model's un-sharded RoPE table so layers can rotate at global positions."""
@@ -738,17 +733,22 @@ class TreeInferenceContext(_static_context_base()):
         mine = padded[self.cp_rank]
         n_mine = len(per_rank[self.cp_rank])
         slots = torch.where(mine >= 0, torch.arange(width), torch.full_like(mine, -1))
+        store = torch.where(slots >= 0, slots, torch.full_like(slots, self.capacity))  # padding: the spare slot
         rows = end - start
         self.local_positions[start:end, :n_mine] = mine[:n_mine]
         plan = StepPlan("prefill", (start, end), mine.clamp(min=0), mine[None].expand(rows, -1),
-                        slots[None].expand(rows, -1), padded.reshape(1, -1).expand(rows, -1), same_positions=True)
+                        slots[None].expand(rows, -1), store[None].expand(rows, -1),
+                        padded.reshape(1, -1).expand(rows, -1), same_positions=True)
         self.step = plan
         return plan
 
     def plan_decode(self, start: int, end: int, num_tokens: int = 1) -> StepPlan:
-        """Plan ``num_tokens`` new tokens at the end of every row in ``[start, end)`` (rows may differ in length)."""
+        """Plan ``num_tokens`` new tokens at the end of every row in ``[start, end)`` (rows may differ in length).
+
+        The step planner (``decode.plan``) places them and sends the plan to the device in one
+        copy; after :meth:`rewind_step` the same call gets the same plan back.
+        """
         self._check_rows(start, end)
-        positions, slots = [], []
         for b in range(start, end):
             row = self.rows[b]
             if row.total == 0:
@@ -757,26 +757,25 @@ class TreeInferenceContext(_static_context_base()):
                 raise ValueError(
                     f"row {b}: {row.total + num_tokens} tokens exceed max_sequence_length={self.max_sequence_length}"
                 )
-            first = row.total
-            owners = row.append(num_tokens)
-            pos = list(range(first, first + num_tokens))
-            slot = [row.locate(t)[1] if o == self.cp_rank else -1 for t, o in zip(pos, owners)]
-            positions.append(pos)
-            slots.append(slot)
-        # One host tensor, one copy to the device (non-blocking from pinned memory on CUDA).
-        rows = end - start
-        counts = [[row.counts[self.cp_rank]] * num_tokens for row in self.rows[start:end]]
-        plan_dev = self._to_device(torch.tensor([positions, slots, counts], dtype=torch.long))  # [3, rows, width]
-        pos_d, slot_d, count_d = plan_dev.unbind(0)
-        # local_positions[b, slot] = position where this rank keeps the token; the others go to
-        # the spare column ``capacity`` (never read), so no host read of which tokens are ours.
-        at = torch.where(slot_d >= 0, slot_d, torch.full_like(slot_d, self.capacity))
-        index = torch.arange(start, end, device=self.device)[:, None].expand(rows, num_tokens)
-        self.local_positions[index, at] = pos_d
-        plan = StepPlan("decode", (start, end), torch.arange(num_tokens, device=self.device), pos_d, slot_d, None,
-                        k_lengths=count_d[:, 0].to(torch.int32), same_positions=len({p[0] for p in positions}) == 1)
-        self.step = plan
-        return plan
+        self._planner.device = self.device
+        step = self._planner.step(start, end, num_tokens)
+        if self._decode is None or self._decode[0] is not step:
+            # local_positions[b, slot] = position where this rank keeps the token; the others go to
+            # the spare column ``capacity`` (never read), so no host read of which tokens are ours.
+            index = torch.arange(start, end, device=self.device)[:, None].expand(end - start, num_tokens)
+            self.local_positions[index, step.store] = step.positions
+            plan = StepPlan("decode", (start, end), torch.arange(num_tokens, device=self.device), step.positions,
+                            step.slots, step.store, None, k_lengths=step.counts.to(torch.int32),
+                            same_positions=step.host.same_positions)
+            self._decode = (step, plan)
+        self.step = self._decode[1]
+        return self.step
+
+    def rewind_step(self) -> None:
+        """Take the last decode step back so that it runs again on the same slots (``generate``'s redo
+        of a ``shifted`` step): row lengths are as before it, the next :meth:`plan_decode` of the same
+        rows returns its plan again; the stored keys stay (rewriting them is idempotent)."""
+        self._planner.rewind()
 
     def plan_step(self, start: int, num_tokens: int, batch_size: int | None = None) -> StepPlan:
         """Plan the forward of tokens at global positions ``[start, start + num_tokens)`` of every row.
