@@ -1,4 +1,4 @@
-"""Exact context-parallel prefill attention: each CP rank holds a chunk of the prompt.
+"""Exact context-parallel prefill: attention over every rank's chunk of the prompt, and its logits.
 
 Invariant: both variants compute causal attention of this rank's queries over the keys of
 *every* rank, masked by global positions, and return exactly what single-process attention
@@ -10,6 +10,10 @@ over the whole prompt returns for these queries (up to float rounding):
   formula (``ops.merge_states`` -> ``reference.lse_weights``/``normalize``, DESIGN.md section 1).
 * :func:`allgather_prefill` -- one all-gather of every rank's keys/values/positions, then
   one local attention: P times the memory, the simplest baseline.
+
+* :func:`assemble_logits` -- the one assembly of prefill logits (last token, every token or
+  any set of positions) from each rank's logits of its own chunk: one all-reduce SUM to
+  which only the rank holding a position contributes, exact and identical on every rank.
 
 Padding convention: a query or key whose position is negative is padding. Padded keys are
 never visible; padded queries see nothing and get output 0. Ranks may hold different
@@ -31,7 +35,7 @@ from .. import agreement, collectives, ops, reference
 from ..comm import CommStats
 from ..topology import TreeGroups
 
-__all__ = ["ring_prefill", "allgather_prefill", "cp_prefill", "PREFILL_METHODS"]
+__all__ = ["ring_prefill", "allgather_prefill", "cp_prefill", "assemble_logits", "PREFILL_METHODS"]
 
 PREFILL_METHODS = ("ring", "allgather")
 _HIDDEN = torch.iinfo(torch.int64).max  # the position of a padded key: after every query
@@ -203,3 +207,58 @@ def cp_prefill(q, k, v, q_pos, k_pos, groups, *, method: str = "ring", softmax_s
     else:
         raise ValueError(f"unknown prefill method {method!r}; expected one of {PREFILL_METHODS}")
     return fn(q, k, v, q_pos, k_pos, groups, softmax_scale=softmax_scale, backend=backend, stats=stats)
+
+
+# --------------------------------------------------------------------------- prefill logits
+
+
+def assemble_logits(
+    local_logits: torch.Tensor,
+    local_positions: torch.Tensor,
+    wanted: torch.Tensor,
+    groups: TreeGroups | None,
+    *,
+    stats: CommStats | None = None,
+    device: torch.device | None = None,
+    signature: tuple | None = None,
+) -> torch.Tensor:
+    """The logits of the prompt positions ``wanted``, from each CP rank's logits of its own chunk.
+
+    Per rank (every rank passes its own chunk's logits, the same ``wanted``):
+
+    local_logits: (batch, W, vocab) -- this rank's logits at its W local tokens, any float dtype
+    local_positions: (batch, W) int -- global position of each of them; negative: padding
+    wanted: (batch, K) or (K,) int -- the global positions to return (last token: ``[[L - 1]]``;
+        every token: ``arange(L)``); a negative entry is a pad and returns 0
+    device: where the all-reduce runs (NCCL: a CUDA device; default local_logits' device)
+    signature: ``(site, names, values)`` the CP group's agreement checks before the all-reduce
+        (default ``("prefill logits", ("batch", "positions", "vocab"), (B, K, vocab))``)
+    returns (batch, K, vocab) float32 on local_logits' device, identical on every CP rank
+
+    Collectives (CP > 1): one all-reduce SUM of (batch, K, vocab) float32 inside the CP group's
+    :class:`~megatron_tree.agreement.Agreement` on ``signature``. The rank holding a position
+    contributes its logits, every other rank zeros, so the sum is exact (x + 0 = x) and
+    bitwise identical on every rank; each position is held by exactly one rank (the placement
+    rule's prompt chunks), so no rank's logits are added twice. This is the one assembly of
+    prefill logits: the transformers, Megatron static and ``MegatronLM`` prefills all use it.
+    """
+    b, w, vocab = local_logits.shape
+    wanted = wanted.to(device=local_logits.device, dtype=torch.int64)
+    if wanted.dim() == 1:
+        wanted = wanted[None, :].expand(b, -1)
+    positions = local_positions.to(device=local_logits.device, dtype=torch.int64)
+    hit = (positions[:, :, None] == wanted[:, None, :]) & (wanted[:, None, :] >= 0)  # (B, W, K)
+    if w:
+        pick = hit.to(torch.int64).argmax(dim=1)  # (B, K): the local token that holds it, if any
+        mine = local_logits.gather(1, pick[..., None].expand(-1, -1, vocab)).float()
+        mine = torch.where(hit.any(dim=1)[..., None], mine, torch.zeros((), device=mine.device))
+    else:  # this rank holds no token of the prompt
+        mine = torch.zeros(b, wanted.shape[1], vocab, device=local_logits.device)
+    if groups is None or groups.size == 1:
+        return mine
+    site, names, values = signature or ("prefill logits", ("batch", "positions", "vocab"), tuple(mine.shape))
+    buf = mine if device is None else mine.to(device)
+    with groups.agreement.call(site, names, values):
+        collectives.all_reduce(buf, groups.cp_group, op="sum", stats=stats,
+                               what=f"{site}: summing each position's logits from the rank that holds it")
+    return buf.to(mine.device)

@@ -23,11 +23,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .. import collectives
 from ..decode.cache import CacheConfig, ShardedKVCache
 from ..comm import CommStats
 from ..layer import ROPE_TYPES, RotaryEmbedding, TreeAttention
-from ..decode.prefill import PREFILL_METHODS
+from ..decode.prefill import PREFILL_METHODS, assemble_logits
 from ..sync_guard import CHECK_VALUES_ENV
 from ..topology import TreeGroups
 
@@ -370,20 +369,17 @@ class Llama(nn.Module):
             x = layer._finish(x, attn)
         x = self.model.norm(x)
 
-        # The rank holding a row's last prompt token contributes its hidden state, the
-        # others zeros; one all-reduce SUM gives every rank the same (exact: x + 0 = x).
+        # Each row's last prompt token's logits, from the rank that holds it, on every rank (exact).
         last = torch.as_tensor(lengths, device=dev)[:, None] - 1
         hit = local_pos == last  # (B, S), at most one True per row
-        h = (x * hit[..., None].to(x.dtype)).sum(dim=1)  # (B, hidden)
-        if self.cp_size > 1:
-            h32 = h.float()
-            # lengths: ranks handed rows of other lengths would place their chunks wrongly (a silent wrong answer)
-            with self.groups.agreement.call("Llama.prefill", ("batch", "hidden", "dtype", "prompt_lengths"),
-                                            (*h.shape, h.dtype, tuple(lengths))):
-                collectives.all_reduce(h32, self.groups.cp_group, op="sum", stats=stats,
-                                       what="Llama.prefill: sum of the last prompt tokens' hidden states")
-            h = h32.to(h.dtype)
-        return self._logits(h)
+        pick = hit.to(torch.int64).argmax(dim=1, keepdim=True)  # (B, 1)
+        h = x.gather(1, pick[..., None].expand(-1, -1, x.shape[-1]))  # (B, 1, hidden)
+        held = torch.where(hit.any(dim=1, keepdim=True), last, torch.full_like(last, -1))
+        logits = self._logits(h)
+        # lengths: ranks handed rows of other lengths would place their chunks wrongly (a silent wrong answer)
+        signature = ("Llama.prefill", ("batch", "hidden", "dtype", "prompt_lengths"),
+                     (h.shape[0], h.shape[-1], h.dtype, tuple(lengths)))
+        return assemble_logits(logits, held, last, self.groups, stats=stats, signature=signature)[:, 0].to(logits.dtype)
 
     @torch.no_grad()
     def decode_step(self, next_ids: torch.Tensor, cache: ShardedKVCache, strategy: str = "auto",

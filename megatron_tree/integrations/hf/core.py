@@ -64,7 +64,7 @@ from ...decode.attention import tree_decode
 from ...decode.cache import LAYOUTS, CacheConfig, CacheOverflowError, ShardedKVCache
 from ...collectives import CommStats
 from ...comm import STRATEGIES
-from ...decode.prefill import PREFILL_METHODS, cp_prefill
+from ...decode.prefill import PREFILL_METHODS, assemble_logits, cp_prefill
 from ...topology import TreeGroups
 
 __all__ = [
@@ -678,33 +678,18 @@ def _prefill(model, orig, binding: _Binding, cache: TreeCache, call: dict, batch
     call["position_ids"] = pos_ids.gather(1, idx)
     call["attention_mask"] = None
 
-    # Which of the wanted positions this rank holds.
+    # Which of the wanted positions this rank holds: the model computes logits only there.
     compact = wanted[None, :] - pad[:, None]  # (B, K) unpadded position, < 0 for a pad
-    hit = (local[:, :, None] == compact[:, None, :]) & (compact[:, None, :] >= 0)  # (B, W, K)
-    owned = hit.any(dim=1)  # (B, K)
-    rows_local = hit.any(dim=2).any(dim=0).nonzero().flatten()  # local slots some row needs
+    needed = ((local[:, :, None] == compact[:, None, :]) & (compact[:, None, :] >= 0)).any(dim=2).any(dim=0)
+    local_pos = local
     if binding.accepts_logits_to_keep:
+        rows_local = needed.nonzero().flatten()  # local slots some row needs
         call["logits_to_keep"] = rows_local
-        slot_of = torch.full((local.shape[1],), -1, dtype=torch.long, device=device)
-        slot_of[rows_local] = torch.arange(rows_local.numel(), device=device)
-    else:
-        slot_of = torch.arange(local.shape[1], device=device)
+        local_pos = local[:, rows_local]
     out = _run(orig, binding, cache, call)
     logits = out.logits  # (B, |rows_local| or W, V)
-    vocab = logits.shape[-1]
-    if logits.shape[1]:
-        pick = slot_of[hit.to(torch.int64).argmax(dim=1)].clamp(min=0)  # (B, K)
-        mine = logits.gather(1, pick[..., None].expand(-1, -1, vocab))
-        mine = torch.where(owned[..., None], mine.float(), torch.zeros((), device=device))
-    else:  # this rank holds none of the requested tokens
-        mine = torch.zeros(batch, wanted.numel(), vocab, device=device)
-    if binding.cp_size > 1:
-        # The rank holding each requested token contributes its logits, the others zeros: a SUM is exact.
-        buf = mine.to(_comm_device(binding.groups, device))
-        collectives.all_reduce(buf, binding.groups.cp_group, op="sum", stats=binding.stats,
-                               what="tree attention prefill: gathering the requested logits")
-        mine = buf.to(device)
-    out.logits = mine.to(logits.dtype)
+    out.logits = assemble_logits(logits, local_pos, compact, g, stats=binding.stats,
+                                 device=None if g is None else _comm_device(g, device)).to(logits.dtype)
     return out
 
 

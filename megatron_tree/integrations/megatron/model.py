@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ... import collectives
+from ...decode.prefill import assemble_logits
 from ...models.llama import CheckpointError
 
 __all__ = [
@@ -478,14 +479,11 @@ class MegatronLM:
                 self._last = None
                 cache.batch_size_offset = 0
                 cache.step = None
-            # The rank holding the last prompt token contributes its logits, the others zeros:
-            # one all-reduce SUM gives every rank the same (exact: x + 0 = x).
-            logits = logits.float() * (1.0 if last else 0.0)
-            if self.groups.size > 1:
-                with self.groups.agreement.call("MegatronLM.prefill", ("batch", "vocab", "prompt_length"),
-                                                (*logits.shape, lengths[b0])):
-                    collectives.all_reduce(logits, self.groups.cp_group, op="sum", stats=stats,
-                                           what="MegatronLM.prefill: sum of the last prompt tokens' logits")
+            # The kept token's logits (rows, 1, vocab) -> the last prompt token's on every rank (exact).
+            held = plan.positions[:, last[0]:last[0] + 1] if last else torch.full((b1 - b0, 1), -1)
+            logits = assemble_logits(logits[:, None], held, torch.tensor([lengths[b0] - 1]), self.groups,
+                                     stats=stats, signature=("MegatronLM.prefill", ("batch", "vocab", "prompt_length"),
+                                                             (b1 - b0, logits.shape[-1], lengths[b0])))[:, 0]
             if out is None:
                 out = torch.empty(len(prompts), logits.shape[-1], dtype=torch.float32, device=logits.device)
             out[b0:b1] = logits

@@ -19,7 +19,8 @@ Pieces, and how they meet inside Megatron's own inference path (megatron-core 0.
   cache shares): the prompt in the training CP layout (``get_batch_on_this_cp_rank``'s
   2·CP load-balanced chunks), decoded tokens in blocks, round-robin over the ranks.
 * :class:`TreeGPTInferenceWrapper` is a ``GPTInferenceWrapper`` that hands each CP rank its
-  chunks of the prompt and gathers the logits back, so ``TextGenerationController`` and
+  chunks of the prompt and assembles the logits the controller asks for on every rank
+  (``decode.prefill.assemble_logits``), so ``TextGenerationController`` and
   ``StaticInferenceEngine`` run unchanged.
 * Megatron has no slot for the KV-cache update (``Attention._adjust_key_value_for_inference``
   allocates and fills the full sequence on every rank); patch ``0001`` in ``patches/``
@@ -40,6 +41,7 @@ import torch.distributed as dist
 
 from ... import collectives, ops
 from ...decode.attention import tree_decode
+from ...decode.prefill import assemble_logits
 from ...comm import STRATEGIES
 from ...decode.placement import RowPlacement
 from ...decode.plan import StepPlanner
@@ -867,12 +869,8 @@ class TreeGPTInferenceWrapper(_gpt_wrapper_base()):
             )
         finally:
             ctx.materialize_only_last_token_logits = only_last
-        if plan.mode == "prefill":
-            gathered = _gather_seq(logits.transpose(0, 1), ctx.groups, "prefill logits").transpose(0, 1)
-            order_key = plan.gathered_positions[0].masked_fill(plan.gathered_positions[0] < 0, _NEVER)
-            order = torch.argsort(order_key).to(gathered.device)
-            logits = gathered.index_select(1, order)[:, :s]
-            if only_last:
-                logits = logits[:, -1:]
+        if plan.mode == "prefill":  # this rank's chunk's logits -> the window's, on every rank (exact)
+            wanted = torch.arange(s - 1 if only_last else 0, s, device=logits.device)
+            logits = assemble_logits(logits, plan.positions, wanted, ctx.groups).to(logits.dtype)
         ctx.commit_step()
         return logits
