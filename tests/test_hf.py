@@ -141,8 +141,7 @@ def _rank_fn(rank, world, paths):
             seen[(topo, "wrong_group")] = str(e)
     # HFTreeModel under the library's generate with strategy="shifted" (2 x 2): one SUM per layer
     # per step after the first; a step whose shifts are far off is redone at the same positions.
-    from megatron_tree.decode.attention import ShiftState
-    from megatron_tree.decode.generate import generate
+    from megatron_tree.decode.generate import StepRunner, generate
 
     model = load_hf_model(paths["llama"], built["cp2x2"], **TOPOLOGIES["cp2x2"][2])
     prompts = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
@@ -150,11 +149,11 @@ def _rank_fn(rank, world, paths):
     res = generate(model, prompts, NEW, strategy="shifted", stats=stats, progress=False)
     seen["shifted"] = (res.tokens, stats.fallbacks, dict(stats.levels["cp"].ops))
     cache = model.new_cache(len(prompts), max(LENGTHS) + 8)
-    state, steps, nxt = ShiftState(), [], model.prefill(prompts, cache).argmax(-1)
+    runner, steps, nxt = StepRunner("shifted", model.groups), [], model.prefill(prompts, cache).argmax(-1)
     for i in range(3):
         if i == 1:
-            state.shifts = {key: r + 500.0 for key, r in state.shifts.items()}  # all weights underflow
-        logits, redone = state.run_step(lambda: model.decode_step(nxt, cache, strategy="shifted", shift=state))
+            runner.shifts = {key: r + 500.0 for key, r in runner.shifts.items()}  # all weights underflow
+        logits, redone = runner.run(model, nxt, cache)
         nxt = logits.argmax(-1)
         steps.append((nxt.tolist(), redone))
     seen["shifted_redo"] = (steps, cache.lengths, cache.get_seq_length())

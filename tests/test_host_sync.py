@@ -48,7 +48,7 @@ def _tensors(obj, seen=None, prefix="") -> dict:
 
 def _llama_rank(rank, world):
     from megatron_tree import TreeGroups
-    from megatron_tree.decode.attention import ShiftState
+    from megatron_tree.decode.generate import StepRunner
     from megatron_tree.collectives import CommStats
     from megatron_tree.models.llama import Llama, LlamaConfig
     from megatron_tree.sync_guard import HostSyncError, no_host_sync
@@ -65,20 +65,20 @@ def _llama_rank(rank, world):
         before = _tensors(cache, prefix="cache") | _tensors(model, prefix="model") | _tensors(groups, prefix="groups")
         seqs = [list(p) for p in PROMPTS]
         got, stats = [], CommStats()
-        # shifted: the merges leave device flags in the ShiftState; generate() reads them once
-        # per step, outside the step (as here), and redoes the step only when one is raised
-        shift = ShiftState() if strategy == "shifted" else None
+        # shifted: the merges leave device flags with the runner; generate() reads them once
+        # per step, outside the step (as here: StepRunner.finish), and redoes the step only when one is raised
+        runner = StepRunner(strategy, groups)
         redos = 0
         ids = logits.argmax(-1)
         for _ in range(STEPS):
             for s, t in zip(seqs, ids.tolist()):
                 s.append(t)
+            step = runner.step(stats)
             with no_host_sync("Llama.decode_step"):
-                logits = model.decode_step(ids, cache, strategy=strategy, stats=stats, shift=shift)
-                ids = logits.argmax(-1)
-            if shift is not None:
-                redos += shift.needs_redo(stats)
-                shift.step_done()
+                logits = model.decode_step(ids, cache, step)
+            logits, redone = runner.finish(model, ids, cache, step, logits)
+            ids = logits.argmax(-1)
+            redos += redone
             got.append(logits)
         after = _tensors(cache, prefix="cache") | _tensors(model, prefix="model") | _tensors(groups, prefix="groups")
         new = sorted(k for k, storage in after.items() if storage not in set(before.values()))

@@ -23,7 +23,7 @@ from ..comm import CommStats
 from ..reference import acc_dtype, check_decode_inputs, lse_acc_dtype
 from ..topology import TreeGroups
 
-__all__ = ["tree_decode", "ShiftState"]
+__all__ = ["tree_decode"]
 
 
 def tree_decode(
@@ -71,7 +71,8 @@ def tree_decode(
         returned lse (``return_lse=True``) is the next decode step's shift.
     deferred: with ``shifted``, a list that receives the call's device flag instead of a host
         check: when it is True the result is unusable and the caller redoes the call with
-        ``packed`` (a decode loop reads all its layers' flags once per step; :class:`ShiftState`)
+        ``packed`` (a decode loop reads all its layers' flags once per step:
+        ``decode.generate.StepRunner``)
     lse_dtype: dtype of the returned lse: float32 by default (float64 for float64 input);
         ``torch.float64`` returns it whole, for merging the result again (e.g. with a chunk of
         keys held elsewhere) exactly at large score magnitudes -- partials and every merge level
@@ -135,74 +136,3 @@ def _decode_overlapped(q, k, v, groups, cache_seqlens, softmax_scale, strategy, 
 
     return comm.merge_overlapped(local, halves, tuple(q.shape), groups, strategy, stats, dtype=q.dtype,
                                  backend=ops.resolve_backend(q.device, backend), shift=shift, deferred=deferred)
-
-
-class ShiftState:
-    """What ``strategy="shifted"`` carries from one decode step to the next, for one decode loop.
-
-    * ``shifts``: each layer's merged lse of the previous step (layer key -> (B, Hq, Sq)),
-      the next step's shift; bit-identical on every CP rank (``comm``'s module docstring).
-    * ``flags``: this step's device flags, one per layer's merge (``tree_decode(deferred=)``);
-      no host read while the step runs.
-    * ``redo`` / ``placement``: after :meth:`needs_redo` says so, the loop runs the step again
-      with ``packed`` merges (:meth:`decode` switches by itself) and the model reuses the
-      placement it stored in ``placement`` on the first try, so the cache does not advance twice
-      (keys/values are written to the same slots again, which is idempotent).
-
-    A decode loop (``generate``) makes one per generation, passes it to ``model.decode_step``
-    and runs each step through :meth:`run_step` (one host read of the flags per step, where it
-    reads the logits anyway).
-    """
-
-    def __init__(self):
-        self.shifts: dict = {}
-        self.flags: list = []
-        self.redo = False
-        self.placement = None
-
-    def decode(self, key, q, k, v, groups, *, strategy: str = "shifted", **kwargs) -> torch.Tensor:
-        """``tree_decode`` of one layer (``key``) with its previous lse as the shift; returns out.
-
-        q, k, v and kwargs as for :func:`tree_decode` (not ``return_lse``/``shift``/``deferred``).
-        """
-        r = self.shifts.get(key)
-        if r is not None and tuple(r.shape) != (q.shape[0], q.shape[2], q.shape[1]):
-            r = None  # another batch shape: start again from packed (every rank sees the same shapes)
-        if self.redo or strategy != "shifted":
-            out, lse = tree_decode(q, k, v, groups, strategy="packed" if self.redo else strategy,
-                                   return_lse=True, **kwargs)
-        else:
-            out, lse = tree_decode(q, k, v, groups, strategy="shifted", shift=r, return_lse=True,
-                                   deferred=self.flags, **kwargs)
-        self.shifts[key] = lse
-        return out
-
-    def needs_redo(self, stats: CommStats | None = None) -> bool:
-        """Whether a merge of the step just run needs the MAX + SUM redo (one host read).
-
-        Clears the flags; when True, sets ``redo`` (the caller runs the step again and then
-        calls :meth:`step_done`) and adds the number of failed merges to ``stats.fallbacks``.
-        """
-        flags, self.flags = self.flags, []
-        if not flags:
-            return False
-        failed = int(torch.stack(flags).sum())  # identical on every rank: from all-reduced values
-        if failed and stats is not None:
-            stats.fallbacks += failed
-        self.redo = failed > 0
-        return self.redo
-
-    def step_done(self) -> None:
-        """End of a step (after a redo): the next step tries ``shifted`` again."""
-        self.redo = False
-        self.flags = []
-
-    def run_step(self, step, stats: CommStats | None = None):
-        """One decode step: ``step()`` (a model's ``decode_step`` given this state), run again with
-        ``packed`` merges when a merge's check failed; returns ``(its result, redone)``."""
-        out = step()
-        redone = self.needs_redo(stats)
-        if redone:
-            out = step()
-        self.step_done()
-        return out, redone

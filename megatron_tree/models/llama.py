@@ -250,6 +250,10 @@ class Llama(nn.Module):
         return 0 if self.groups is None else self.groups.rank
 
     @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
     def device(self) -> torch.device:
         return self.model.embed_tokens.weight.device
 
@@ -382,14 +386,14 @@ class Llama(nn.Module):
         return assemble_logits(logits, held, last, self.groups, stats=stats, signature=signature)[:, 0].to(logits.dtype)
 
     @torch.no_grad()
-    def decode_step(self, next_ids: torch.Tensor, cache: ShardedKVCache, strategy: str = "auto",
-                    stats: CommStats | None = None, shift=None) -> torch.Tensor:
+    def decode_step(self, next_ids: torch.Tensor, cache: ShardedKVCache, step=None, *, strategy: str = "auto",
+                    stats: CommStats | None = None) -> torch.Tensor:
         """Append one token per row and return the logits of the next one.
 
         next_ids: (batch,) int64 -- the same on every CP rank
-        shift: an ``attention.ShiftState`` (``strategy="shifted"`` in a decode loop): each layer
-            takes its shift from it and leaves its flag there; with ``shift.redo`` the step is
-            run again on the placement of its first try (the cache does not advance)
+        step: the loop's ``decode.generate.DecodeStep`` (every layer's attention is its ``attend``;
+            ``generate``'s ``shifted`` redo rewinds the cache and calls this again); without one, a
+            plain step of ``strategy``/``stats``
         returns logits: (batch, vocab), identical on every CP rank
 
         No host-device synchronisation (issue 13 item 5; ``megatron_tree.sync_guard``): token
@@ -404,16 +408,11 @@ class Llama(nn.Module):
         next_ids = torch.as_tensor(next_ids, dtype=torch.int64, device=self.device).reshape(-1)
         if next_ids.numel() != cache.batch_size:
             raise ValueError(f"next_ids has {next_ids.numel()} tokens, the cache's batch size is {cache.batch_size}")
-        if shift is not None and shift.redo:
-            positions, slots = shift.placement
-        else:
-            positions, slots = cache.begin_decode_step()
-            if shift is not None:
-                shift.placement = (positions, slots)
+        positions, slots = cache.begin_decode_step()
         x = self.model.embed_tokens(next_ids)[:, None]  # (B, 1, hidden)
         for layer in self.model.layers:
             attn = layer.self_attn.decode(layer.input_layernorm(x), positions, slots, cache,
-                                          strategy=strategy, stats=stats, shift=shift)
+                                          strategy=strategy, stats=stats, step=step)
             x = layer._finish(x, attn)
         return self._logits(self.model.norm(x))[:, 0]
 

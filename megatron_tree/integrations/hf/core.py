@@ -60,7 +60,7 @@ except ImportError as e:  # pragma: no cover -- exercised only where transformer
     ) from e
 
 from ... import agreement, collectives
-from ...decode.attention import tree_decode
+from ...decode.generate import DecodeStep
 from ...decode.cache import LAYOUTS, CacheConfig, CacheOverflowError, ShardedKVCache
 from ...collectives import CommStats
 from ...comm import STRATEGIES
@@ -125,8 +125,9 @@ class _Binding:
     """The cache of the forward in progress (set by the forward wrapper, read by the attention function)."""
     new_tokens_hint: int | None = None
     """Tokens ``generate`` may append (sizes a cache it creates); set only while ``generate`` runs."""
-    shift: object = None
-    """The ``attention.ShiftState`` of a ``strategy="shifted"`` decode step driven by ``HFTreeModel`` (else None)."""
+    step: object = None
+    """The decode loop's ``decode.generate.DecodeStep`` while ``HFTreeModel.decode_step`` runs (its
+    ``attend`` is every layer's decode attention); ``None``: a plain step of ``strategy``/``stats``."""
 
     @property
     def cp_size(self) -> int:
@@ -243,7 +244,6 @@ class TreeCache(Cache):
         self._local_positions: torch.Tensor | None = None
         self._slots: torch.Tensor | None = None
         self._written: set[int] = set()
-        self._redo = False  # the next decode forward repeats the last one's step (HFTreeModel, shifted)
 
     # ------------------------------------------------------------------ what transformers asks
 
@@ -386,13 +386,6 @@ class TreeCache(Cache):
             raise ValueError("TreeCache is empty: run a forward over the prompt before decoding")
         if batch != self.storage.batch_size:
             raise ValueError(f"decode step has batch {batch}, the cache holds {self.storage.batch_size} rows")
-        if self._redo:  # the same token again, on the same slots: nothing is placed twice
-            self._redo = False
-            self._padded -= 1
-            self._padded_next = self._padded + 1
-            self._phase = "decode"
-            self._written = set()
-            return
         while max(self.storage.lengths) + 1 > self._nominal:
             if not self.growable:
                 raise CacheOverflowError(
@@ -406,6 +399,16 @@ class TreeCache(Cache):
         self._padded_next = self._padded + 1
         self._phase = "decode"
         self._written = set()
+
+    def rewind_step(self) -> None:
+        """Take the last decode step back so that it runs again on the same slots (``generate``'s redo of
+        a ``shifted`` step): the global length and the rows' lengths are as before it; the next decode
+        forward places the same token on the same slots (the step planner's redo)."""
+        if self.storage is None or self._steps == 0:
+            raise RuntimeError("TreeCache.rewind_step() without a decode step to take back")
+        self.storage.rewind_step()
+        self._steps -= 1
+        self._padded -= 1
 
     def _finish(self) -> None:
         missing = sorted(set(range(self.num_layers)) - self._written)
@@ -493,12 +496,10 @@ def tree_attention_forward(module, query, key, value, attention_mask, scaling=No
         pos = cache._local_positions.to(q.device)
         out = cp_prefill(q, k, v, pos, pos, binding.groups, method=binding.prefill, softmax_scale=scaling,
                          stats=binding.stats)
-    elif binding.shift is not None:  # strategy="shifted" under HFTreeModel: shift and flag per layer
-        out = binding.shift.decode(module.layer_idx, q, k, v, binding.groups, cache_seqlens=cache.storage.seqlens,
-                                   softmax_scale=scaling, strategy=binding.strategy, stats=binding.stats)
-    else:
-        out = tree_decode(q, k, v, binding.groups, cache_seqlens=cache.storage.seqlens, softmax_scale=scaling,
-                          strategy=binding.strategy, stats=binding.stats)
+    else:  # the one attention call of every integration: the decode loop's step (or a plain one)
+        step = binding.step if binding.step is not None else DecodeStep(binding.strategy, binding.stats)
+        out = step.attend(module.layer_idx, q, k, v, binding.groups, cache_seqlens=cache.storage.seqlens,
+                          softmax_scale=scaling)
     return out, None
 
 
@@ -1033,29 +1034,29 @@ class HFTreeModel:
         return out.logits[:, -1]
 
     @torch.no_grad()
-    def decode_step(self, next_ids, cache: TreeCache, strategy: str | None = None,
-                    stats: CommStats | None = None, shift=None) -> torch.Tensor:
+    def decode_step(self, next_ids, cache: TreeCache, step: DecodeStep | None = None, *, strategy: str | None = None,
+                    stats: CommStats | None = None) -> torch.Tensor:
         """Append one token per row (the same on every rank); returns (batch, vocab) logits.
 
-        shift: an ``attention.ShiftState`` (``strategy="shifted"``, driven by ``generate``); with
-        ``shift.redo`` the step is run again at the same positions and slots.
+        step: the loop's ``decode.generate.DecodeStep``: every layer's attention runs its ``attend``
+        (``generate``'s ``shifted`` redo rewinds the cache and calls this again); without one, a
+        plain step of ``strategy``/``stats`` (default: the model's own).
         """
+        b = self._binding
+        if step is None:
+            step = DecodeStep(strategy or b.strategy, stats if stats is not None else b.stats)
         ids = torch.as_tensor(next_ids, dtype=torch.long, device=self.device).reshape(-1, 1)
-        if shift is not None and shift.redo:
-            pos, cache._redo = shift.placement, True
-        else:
-            pos = torch.as_tensor([n for n in cache.lengths], dtype=torch.long, device=self.device)[:, None]
-            if shift is not None:
-                shift.placement = pos
-        saved = self._with(strategy=strategy, stats=stats)
-        self._binding.shift = shift
+        pos = torch.as_tensor([n for n in cache.lengths], dtype=torch.long, device=self.device)[:, None]
+        b.step = step
         try:
-            out = self.hf(input_ids=ids, position_ids=pos, **{self._binding.cache_kwarg: cache})
+            out = self.hf(input_ids=ids, position_ids=pos, **{b.cache_kwarg: cache})
         finally:
-            self._with(**saved)
-            self._binding.shift = None
-            cache._redo = False
+            b.step = None
         return out.logits[:, -1]
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config.vocab_size)
 
 
 def load_hf_model(path, groups: TreeGroups | None, dtype: torch.dtype = torch.float32,

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ...decode.attention import tree_decode
+from ...decode.generate import DecodeStep
 from ...decode.paged import PagedKVCache, TokenSlots
 from ...topology import TreeGroups
 from .static import check_megatron_version, tree_groups_from_megatron, unsharded_rope_table
@@ -273,10 +273,11 @@ def dynamic_attention(core, attention, q, k, v, *megatron_args):
         return None
     ctx, layer = pending
     step = ctx.step
-    return tree_decode(
-        q, ctx.kv_cache.k[layer], ctx.kv_cache.v[layer], ctx.groups, block_table=step.block_table,
-        cache_seqlens=step.cache_seqlens, softmax_scale=core.softmax_scale, strategy=core.strategy,
-        stats=core.comm_stats, backend=core.backend,
+    # The one attention call of every integration (``tree_decode`` over this rank's pages). Megatron's
+    # engine has no place to run a step again, so ``shifted`` runs as ``packed`` here.
+    return DecodeStep(core.strategy, core.comm_stats).attend(
+        layer, q, ctx.kv_cache.k[layer], ctx.kv_cache.v[layer], ctx.groups, block_table=step.block_table,
+        cache_seqlens=step.cache_seqlens, softmax_scale=core.softmax_scale, backend=core.backend,
     )
 
 

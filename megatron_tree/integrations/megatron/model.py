@@ -432,6 +432,10 @@ class MegatronLM:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
     def new_cache(self, batch_size: int, max_seq_len: int, layout: str = "load_balanced", block_size: int = 16):
         from megatron.core.utils import unwrap_model
 
@@ -492,30 +496,26 @@ class MegatronLM:
         return out
 
     @torch.no_grad()
-    def decode_step(self, next_ids, cache, strategy: str = "auto", stats=None, shift=None) -> torch.Tensor:
+    def decode_step(self, next_ids, cache, step=None, *, strategy: str = "auto", stats=None) -> torch.Tensor:
         """One new token per row (rows may hold different lengths) -> next-token logits (batch, vocab).
 
-        shift: an ``attention.ShiftState`` (``strategy="shifted"``, see ``generate``); with
-        ``shift.redo`` the step runs again on its first try's plan (the cache does not advance).
+        step: the loop's ``decode.generate.DecodeStep``: every layer's core attention runs its
+        ``attend`` (``generate``'s ``shifted`` redo rewinds the cache and calls this again); without
+        one, a plain step of ``strategy``/``stats``.
         """
+        from ...decode.generate import DecodeStep
+
+        step = step if step is not None else DecodeStep(strategy, stats)
         ids = torch.as_tensor(next_ids, dtype=torch.long, device=self.device).reshape(-1, 1)
         for attn in self._attention:
-            attn.strategy = strategy
-            attn.comm_stats = stats
-            attn.shift_state = shift
-        if shift is not None and shift.redo:
-            plan = cache.step = shift.placement
-        else:
-            plan = cache.plan_decode(0, ids.shape[0], 1)
-            if shift is not None:
-                shift.placement = plan
+            attn.current_step = step
+        plan = cache.plan_decode(0, ids.shape[0], 1)
         try:
             logits = self._run(ids, plan.positions.to(self.device), cache)[:, -1]
         finally:
             cache.step = None
             for attn in self._attention:
-                attn.comm_stats = None
-                attn.shift_state = None
+                attn.current_step = None
         return logits.float()
 
 

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from ... import collectives, ops
-from ...decode.attention import tree_decode
+from ...decode.generate import DecodeStep
 from ...decode.prefill import assemble_logits
 from ...comm import STRATEGIES
 from ...decode.placement import RowPlacement
@@ -318,8 +318,9 @@ class TreeDotProductAttention(_megatron_module_base()):
         self._pending: _Pending | None = None
         self.comm_stats = None
         """A :class:`~megatron_tree.comm.CommStats` to record decode merges into (``None``: not recorded)."""
-        self.shift_state = None
-        """An :class:`~megatron_tree.attention.ShiftState` for ``strategy="shifted"`` decode (set per step)."""
+        self.current_step = None
+        """The decode loop's ``decode.generate.DecodeStep`` while ``MegatronLM.decode_step`` runs (its
+        ``attend`` is the decode attention; ``None``: a plain step of ``strategy``/``comm_stats``)."""
 
     @property
     def groups(self) -> TreeGroups:
@@ -412,13 +413,10 @@ class TreeDotProductAttention(_megatron_module_base()):
         v = value.transpose(0, 1)
         b, sq = q.shape[0], q.shape[1]
         if pending is not None and pending.mode == "decode":
-            kw = dict(cache_seqlens=pending.k_lengths.to(q.device), softmax_scale=self.softmax_scale,
-                      strategy=self.strategy, q_positions=pending.q_positions.to(q.device),
-                      k_positions=pending.k_positions.to(q.device), backend=self.backend, stats=self.comm_stats)
-            if self.shift_state is not None:  # its shift from the previous step, its flag left on the device
-                out = self.shift_state.decode(self.layer_number, q, k, v, self.groups, **kw)
-            else:
-                out = tree_decode(q, k, v, self.groups, **kw)
+            step = self.current_step if self.current_step is not None else DecodeStep(self.strategy, self.comm_stats)
+            out = step.attend(self.layer_number, q, k, v, self.groups, cache_seqlens=pending.k_lengths.to(q.device),
+                              softmax_scale=self.softmax_scale, q_positions=pending.q_positions.to(q.device),
+                              k_positions=pending.k_positions.to(q.device), backend=self.backend)
         else:
             if pending is not None:  # prefill: local queries over the gathered prompt
                 qpos, kpos = pending.q_positions, pending.k_positions
