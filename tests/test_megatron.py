@@ -585,9 +585,9 @@ def test_spec_swap_idempotent_reversible_version_gated(monkeypatch, caplog):
     assert subs.core_attention is DotProductAttention
     with pytest.raises(ValueError, match="unknown merge strategy 'ring'"):
         mt.use_tree_attention(spec, strategy="ring")
-    from megatron_tree.integrations.megatron import static
+    from megatron_tree.integrations.megatron import version
 
-    monkeypatch.setattr(static, "megatron_version", lambda: "0.19.0")
+    monkeypatch.setattr(version, "megatron_version", lambda: "0.19.0")
     with pytest.raises(RuntimeError, match="supports megatron-core 0.16.1, but 0.19.0 is imported"):
         mt.use_tree_attention(spec)
     assert subs.core_attention is DotProductAttention

@@ -24,11 +24,12 @@ core-attention slot we fill); this module adds the dynamic pieces beside it:
   rank's pool has room: no rank runs out while Megatron believes there is space.
 * :class:`TreeDynamicGPTInferenceWrapper` -- a ``GPTInferenceWrapper`` that applies the
   patches and binds the model's unsharded RoPE table.
-* :func:`adjust_key_value_dynamic` and :func:`dynamic_attention` -- what
-  ``TreeDotProductAttention`` does for a dynamic context, reached through patch 0001
-  (``Attention._adjust_key_value_for_inference``) and patch 0002
-  (``Attention.flash_decode_and_prefill``): RoPE at global positions, store this rank's
-  tokens, then paged partial attention and the tree merge.
+* :meth:`TreeDynamicInferenceContext.store_key_value` and :meth:`~TreeDynamicInferenceContext.attend`
+  -- what ``TreeDotProductAttention`` asks a dynamic context to do (it never imports this
+  module), reached through patch 0001 (``Attention._adjust_key_value_for_inference``) and
+  patch 0002 (``Attention.flash_decode_and_prefill``): RoPE at global positions, store this
+  rank's tokens, then ``tree_decode`` over this rank's pages (the tree merge).
+  :func:`adjust_key_value_dynamic` and :func:`dynamic_attention` are the same as functions.
 * :func:`build_dynamic_engine` / :func:`generate_dynamic` -- the engine for a model built
   with either Megatron's or our layer spec, and a greedy run with requests arriving at
   given steps (what the eval and the tests call).
@@ -207,6 +208,23 @@ class TreeDynamicInferenceContext(_dynamic_context_base()):
         self.step = DynamicStep(n, padded, device_positions, step_slots, table.to(torch.int32),
                                 seqlens.to(torch.int32))
 
+    # -- what the core attention asks of the context -----------------------------------------
+
+    def store_key_value(self, core, attention, query, key, value, rotary_pos_emb):
+        """Patch 0001's hook, asked by ``TreeDotProductAttention``: see :func:`adjust_key_value_dynamic`."""
+        return adjust_key_value_dynamic(core, attention, self, query, key, value, rotary_pos_emb)
+
+    def attend(self, core, q, layer: int):
+        """Patch 0002's hook, asked by ``TreeDotProductAttention`` for ``layer`` (whose keys it stored):
+        q [T, 1, hq, d] -> out [T, 1, hq, d], exact over the CP group (``tree_decode`` over the pages)."""
+        step = self.step
+        # The one attention call of every integration (``tree_decode`` over this rank's pages). Megatron's
+        # engine has no place to run a step again, so ``shifted`` runs as ``packed`` here.
+        return DecodeStep(core.strategy, core.comm_stats).attend(
+            layer, q, self.kv_cache.k[layer], self.kv_cache.v[layer], self.groups, block_table=step.block_table,
+            cache_seqlens=step.cache_seqlens, softmax_scale=core.softmax_scale, backend=core.backend,
+        )
+
     # -- RoPE at global positions ------------------------------------------------------------
 
     def bind_rope(self, model) -> None:
@@ -268,17 +286,7 @@ def dynamic_attention(core, attention, q, k, v, *megatron_args):
     q: [T, 1, hq, d] -> out [T, 1, hq, d] (Megatron's ``s b h d``). ``None`` when the preceding
     cache hook did not take over (Megatron's own context at CP = 1).
     """
-    pending, core._dynamic_pending = getattr(core, "_dynamic_pending", None), None
-    if pending is None:
-        return None
-    ctx, layer = pending
-    step = ctx.step
-    # The one attention call of every integration (``tree_decode`` over this rank's pages). Megatron's
-    # engine has no place to run a step again, so ``shifted`` runs as ``packed`` here.
-    return DecodeStep(core.strategy, core.comm_stats).attend(
-        layer, q, ctx.kv_cache.k[layer], ctx.kv_cache.v[layer], ctx.groups, block_table=step.block_table,
-        cache_seqlens=step.cache_seqlens, softmax_scale=core.softmax_scale, backend=core.backend,
-    )
+    return core.dynamic_attention(attention, q, k, v, *megatron_args)
 
 
 # --------------------------------------------------------------------------- wrapper

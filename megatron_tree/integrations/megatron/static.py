@@ -46,6 +46,7 @@ from ...comm import STRATEGIES
 from ...decode.placement import RowPlacement
 from ...decode.plan import StepPlanner
 from ...topology import TopologyError, TreeGroups
+from .version import SUPPORTED_VERSIONS, check_megatron_version, megatron_version
 
 __all__ = [
     "SUPPORTED_VERSIONS", "megatron_version", "check_megatron_version", "tree_groups_from_megatron",
@@ -56,28 +57,7 @@ __all__ = [
 
 log = logging.getLogger("megatron_tree.integrations")
 
-SUPPORTED_VERSIONS = ("0.16.1",)
-"""megatron-core releases whose inference internals this module and ``patches/`` were written against."""
 MARKER = "megatron_tree.TreeDotProductAttention"
-
-
-def megatron_version() -> str:
-    """Version of the megatron-core that is imported (``megatron.core.package_info``)."""
-    from megatron.core import package_info
-
-    return package_info.__shortversion__
-
-
-def check_megatron_version(what: str) -> str:
-    """Raise ``RuntimeError`` naming ``what`` unless the imported megatron-core is supported."""
-    version = megatron_version()
-    if version not in SUPPORTED_VERSIONS:
-        raise RuntimeError(
-            f"{what} supports megatron-core {', '.join(SUPPORTED_VERSIONS)}, but {version} is imported; "
-            "its inference internals differ (0.19 rejects CP != 1 at inference), so refusing rather than "
-            "guessing. Pin megatron-core==0.16.1 or port patches/ to the new release."
-        )
-    return version
 
 
 # --------------------------------------------------------------------------- groups
@@ -344,10 +324,17 @@ class TreeDotProductAttention(_megatron_module_base()):
         Megatron do it) only for a plain ``StaticInferenceContext`` at CP = 1.
         """
         ctx = inference_context
-        if ctx is not None and ctx.is_dynamic_batching():  # paged, continuous batching: megatron_dynamic.py
-            from .dynamic import adjust_key_value_dynamic
-
-            return adjust_key_value_dynamic(self, attention, ctx, query, key, value, rotary_pos_emb)
+        if ctx is not None and ctx.is_dynamic_batching():  # paged, continuous batching: the context stores the keys
+            store = getattr(ctx, "store_key_value", None)  # TreeDynamicInferenceContext's (dynamic.py)
+            if store is not None:
+                return store(self, attention, query, key, value, rotary_pos_emb)
+            if self.cp_size == 1:
+                return None  # Megatron's own DynamicInferenceContext at CP = 1: Megatron does it
+            raise RuntimeError(
+                f"TreeDotProductAttention at context_parallel_size={self.cp_size} needs a TreeDynamicInferenceContext "
+                f"for dynamic batching (got {type(ctx).__name__}); Megatron's DynamicInferenceContext keeps every "
+                "request's whole KV cache on every rank"
+            )
         if not isinstance(ctx, TreeInferenceContext):
             if self.cp_size == 1 and ctx is not None and ctx.is_static_batching():
                 return None
@@ -391,10 +378,14 @@ class TreeDotProductAttention(_megatron_module_base()):
         return query, keys, values, None, self.attn_mask_type, None
 
     def dynamic_attention(self, attention, q, k, v, *megatron_args):
-        """Attention of a dynamic (packed, paged) batch, called by patch 0002; see ``megatron_dynamic``."""
-        from .dynamic import dynamic_attention
-
-        return dynamic_attention(self, attention, q, k, v, *megatron_args)
+        """Attention of a dynamic (packed, paged) batch, called by patch 0002: the context that stored
+        this layer's keys (``TreeDynamicInferenceContext.store_key_value``) attends over them; ``None``
+        when no tree context did (Megatron's own context at CP = 1)."""
+        pending, self._dynamic_pending = getattr(self, "_dynamic_pending", None), None
+        if pending is None:
+            return None
+        ctx, layer = pending
+        return ctx.attend(self, q, layer)
 
     # -- forward --------------------------------------------------------------------------
 
