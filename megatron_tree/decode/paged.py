@@ -6,8 +6,9 @@ rank knows every other rank's pool without communicating; a rank stores only the
 values of its own blocks. This module never communicates: attention over the pages is
 ``tree_decode(..., block_table=...)``.
 
-Where a token goes is decided by the library's one planner,
-:class:`~megatron_tree.placement.RowPlacement`, with *every* token of a request appended
+Where a token goes is decided by the library's one placement rule,
+:class:`~megatron_tree.decode.placement.RowPlacement`, and planned by its one step planner
+(:func:`~megatron_tree.decode.plan.place`), with *every* token of a request appended
 block by block (a block fills on one rank, the next opens on the least-loaded rank, ties
 round-robin), so each rank holds about 1/CP of every long request and any prefix of a
 request is balanced to within one block. The training CP layout (2·CP prompt chunks) is

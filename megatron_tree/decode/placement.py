@@ -3,10 +3,11 @@
 Invariant: where a token lives is a pure function of the row's prompt length, the CP size,
 the prompt layout, the block size, the per-rank capacity and how many tokens were appended
 since -- so every CP rank computes the same answer without communicating. This module
-imports neither torch nor torch.distributed; the caches that store tokens (``cache.py``,
-Megatron's static context in ``integrations/megatron.py``, the transformers ``Cache``, the
-paged cache) turn its answers into tensors. Having one planner is what keeps them in
-agreement (DESIGN.md section 6).
+imports neither torch nor torch.distributed; the one step planner (``plan.py``) turns its
+answers into a step's device tensors for every cache that stores tokens (``cache.py`` and
+through it the transformers ``Cache``, Megatron's static context in
+``integrations/megatron/static.py``, ``paged.py`` and through it Megatron's dynamic context).
+Having one rule and one planner is what keeps them in agreement (DESIGN.md section 6).
 
 The rule:
 

@@ -3,7 +3,7 @@
 Invariant: Megatron's scheduler runs unchanged and identically on every CP rank (same
 requests, same steps, same sampled tokens), every rank computes every token of a step
 (embeddings, projections, MLP), and only the KV cache and the attention over it are split:
-each rank stores the keys/values of its own blocks (:class:`~megatron_tree.paged_cache.PagedKVCache`)
+each rank stores the keys/values of its own blocks (:class:`~megatron_tree.decode.paged.PagedKVCache`)
 and attends every query of the step to them; ``comm.merge`` (the tree merge) makes the
 result exact and identical on every rank. Prefill chunks and decode tokens take the same
 path: each token is one query row whose causal window on a rank is a prefix of that
@@ -11,7 +11,7 @@ rank's slots (``cache_seqlens``), so a chunk's attention is split over the ranks
 rank stores only its blocks of the chunk.
 
 Why it lives here: Megatron's dynamic context, engine and attention are private
-territory (``integrations/megatron.py`` holds the static-batching integration and the
+territory (``integrations/megatron/static.py`` holds the static-batching integration and the
 core-attention slot we fill); this module adds the dynamic pieces beside it:
 
 * :class:`TreeDynamicInferenceContext` -- a ``DynamicInferenceContext`` whose scheduling

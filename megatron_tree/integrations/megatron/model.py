@@ -9,7 +9,7 @@ out its own shards through its own ``sharded_state_dict`` (the metadata Megatron
 ``dist_checkpointing`` reshards with). A checkpoint is loaded at the run's layout with
 ``dist_checkpointing.load``, whatever layout it was saved with.
 
-Why a module of its own: ``integrations/megatron.py`` holds the slots (core attention,
+Why a module of its own: ``integrations/megatron/static.py`` holds the slots (core attention,
 inference context, wrapper); this one holds what a *job* needs around them -- a Llama-style
 ``TransformerConfig`` from plain shape fields, checkpoint discovery and checks that run
 before any process group exists (so a bad path fails on every rank alike), and

@@ -15,7 +15,7 @@ Pieces, and how they meet inside Megatron's own inference path (megatron-core 0.
 * :class:`TreeDotProductAttention` fills ``SelfAttentionSubmodules.core_attention``
   (:func:`use_tree_attention` swaps the slot, :func:`get_gpt_layer_tree_spec` builds a spec).
 * :class:`TreeInferenceContext` is a ``StaticInferenceContext`` whose KV cache is sharded
-  over the CP group, each row placed by :mod:`megatron_tree.placement` (the planner every
+  over the CP group, each row placed by :mod:`megatron_tree.decode.placement` (the rule every
   cache shares): the prompt in the training CP layout (``get_batch_on_this_cp_rank``'s
   2·CP load-balanced chunks), decoded tokens in blocks, round-robin over the ranks.
 * :class:`TreeGPTInferenceWrapper` is a ``GPTInferenceWrapper`` that hands each CP rank its
@@ -586,13 +586,15 @@ class TreeInferenceContext(_static_context_base()):
     position of every stored token in ``local_positions: [max_batch, capacity]`` (-1 where
     free; one spare slot past ``capacity`` in both takes the tokens other ranks keep, so a
     step stores without reading which tokens are this rank's). Each row has its own
-    :class:`~megatron_tree.placement.RowPlacement` (``rows``), the planner every sequence-sharded cache shares: the prompt in the training CP layout (rank r
-    keeps chunks r and 2·CP-1-r of 2·CP, ``layout="load_balanced"``), decoded tokens in blocks
-    of ``block_size`` that move round-robin over the ranks. Rows may hold different lengths.
+    :class:`~megatron_tree.decode.placement.RowPlacement` (``rows``), the rule every
+    sequence-sharded cache shares, and decode steps are planned by ``decode.plan`` (the one step
+    planner): the prompt in the training CP layout (rank r keeps chunks r and 2·CP-1-r of 2·CP,
+    ``layout="load_balanced"``), decoded tokens in blocks of ``block_size`` that move
+    round-robin over the ranks. Rows may hold different lengths.
 
     Two ways to drive it: Megatron's controller through :class:`TreeGPTInferenceWrapper`
     (:meth:`plan_step`, every row the same length), or per-row prefill then batched decode
-    (:meth:`plan_prefill`, :meth:`plan_decode`; ``megatron_tree.integrations.megatron_model``).
+    (:meth:`plan_prefill`, :meth:`plan_decode`; ``megatron_tree.integrations.megatron.model``).
 
     ``max_sequence_length`` is rounded up to an even number: Megatron slices its RoPE table
     of ``max_sequence_length * cp`` rows into 2·CP chunks on every forward.
