@@ -290,8 +290,9 @@ def _take(t: torch.Tensor, index) -> torch.Tensor:
 class _Runner:
     """Runs the pieces of one plan on one kernel, with the precision refinement of the module docstring."""
 
-    def __init__(self, kernel, scale, bound, backend, acc):
+    def __init__(self, kernel, scale, bound, backend, acc, exact_attention):
         self.kernel, self.scale, self.bound, self.backend, self.acc = kernel, scale, bound, backend, acc
+        self.exact_attention = exact_attention
 
     def piece(self, q, k, v, qpos, kpos, causal=False, visible=None):
         """Partial state of q (B, L, Hq, D) over k, v (B, W, Hkv, D): out acc dtype, lse float64.
@@ -327,13 +328,11 @@ class _Runner:
         return out, lse
 
     def exact(self, q, k, v, qpos, kpos):
-        from . import ops  # lazily: ops imports this module
-
         b = q.shape[0]
         qp = qpos[None, :].expand(b, -1)
         kp = kpos[None, :].expand(b, -1)
-        return ops.flash_decode(q, k, v, softmax_scale=self.scale, q_positions=qp, k_positions=kp,
-                                out_dtype=self.acc, lse_dtype=torch.float64, backend=self.backend)
+        return self.exact_attention(q, k, v, softmax_scale=self.scale, q_positions=qp, k_positions=kp,
+                                    out_dtype=self.acc, lse_dtype=torch.float64, backend=self.backend)
 
 
 def _run_plan(runner: _Runner, q, k, v, qs, ks, segments):
@@ -374,6 +373,7 @@ def prefill_attention(
     lse_bound: float | None = None,
     min_run: int = MIN_RUN,
     tile: int = TILE,
+    exact_attention=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of a query chunk over one KV block, as a partial state (inputs validated by ``ops``).
 
@@ -386,6 +386,8 @@ def prefill_attention(
     lse_bound: a piece with a row of |lse| >= lse_bound takes the shifted second pass (default
         :data:`LSE_BOUND`, :data:`LSE_BOUND_16BIT` for 16-bit input; float64 input never needs it)
     min_run, tile: the planner's knobs (:func:`plan`)
+    exact_attention: the exact decode path (``ops.flash_decode``'s signature), for the pieces the
+        fused kernels cannot form exactly; ``ops`` passes it in (this module sits below ``ops``)
     returns out: (batch, seqlen_q, nheads_q, headdim) float32 (float64 for float64 input), 0 where
             no key is visible; lse: (batch, nheads_q, seqlen_q) float64, natural log, -inf there
     """
@@ -406,7 +408,10 @@ def prefill_attention(
     kpos = (k_positions if k_positions.dim() == 2 else k_positions[None, :].expand(b, n)).to(torch.int64)
     shared = b == 1 or (bool((qpos == qpos[:1]).all()) and bool((kpos == kpos[:1]).all()))
     groups = [slice(0, b)] if shared else [slice(i, i + 1) for i in range(b)]
-    runner = _Runner(name, scale, lse_bound, backend, acc)
+    if exact_attention is None:
+        raise TypeError("fused_prefill.prefill_attention needs exact_attention (ops.prefill_attention passes "
+                        "ops.flash_decode); call ops.prefill_attention")
+    runner = _Runner(name, scale, lse_bound, backend, acc, exact_attention)
     out = lse = None
     if sq and n:  # (the CPU kernel dies on an empty axis: never call it so)
         for rows in groups:

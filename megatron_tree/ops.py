@@ -223,4 +223,5 @@ def prefill_attention(
     if kernel is not None and kernel not in fused_prefill.KERNELS:
         raise ValueError(f"unknown prefill kernel {kernel!r}; expected one of {fused_prefill.KERNELS}")
     return fused_prefill.prefill_attention(q, k, v, q_positions=q_positions, k_positions=k_positions,
-                                           softmax_scale=softmax_scale, kernel=kernel, backend=backend)
+                                           softmax_scale=softmax_scale, kernel=kernel, backend=backend,
+                                           exact_attention=flash_decode)

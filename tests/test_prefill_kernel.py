@@ -35,7 +35,8 @@ def _want(q, k, v, qpos, kpos, softmax_scale=None):
 
 
 def _check(q, k, v, qpos, kpos, tol=1e-5, **kw):
-    out, lse = fused_prefill.prefill_attention(q, k, v, q_positions=qpos, k_positions=kpos, **kw)
+    out, lse = fused_prefill.prefill_attention(q, k, v, q_positions=qpos, k_positions=kpos,
+                                               exact_attention=ops.flash_decode, **kw)
     want_o, want_l = _want(q, k, v, qpos, kpos, kw.get("softmax_scale"))
     assert out.shape == q.shape and out.dtype == reference.acc_dtype(q.dtype)
     assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == torch.float64
@@ -165,7 +166,7 @@ def test_softmax_scale_and_the_decode_kernel_agree():
 
 def _merged(q, k, v, pos, cuts, **kw):
     parts = [fused_prefill.prefill_attention(q, k[:, a:b], v[:, a:b], q_positions=pos, k_positions=pos[0, a:b],
-                                             **kw) for a, b in zip(cuts, cuts[1:])]
+                                             exact_attention=ops.flash_decode, **kw) for a, b in zip(cuts, cuts[1:])]
     return ops.merge_states(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]))
 
 

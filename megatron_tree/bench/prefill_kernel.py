@@ -83,7 +83,7 @@ def methods(q, k, v, qp, kp, case: str, shifted: bool = False) -> dict:
     extra = {}
     if shifted:
         extra["new_shifted"] = lambda: fused_prefill.prefill_attention(q, k, v, q_positions=qp, k_positions=kp,
-                                                                       lse_bound=0.0)[0]
+                                                                       lse_bound=0.0, exact_attention=ops.flash_decode)[0]
     return extra | {
         "old": lambda: ops.flash_decode(q, k, v, q_positions=qp, k_positions=kp, out_dtype=torch.float32,
                                         lse_dtype=torch.float64, backend="torch")[0],
@@ -171,7 +171,8 @@ def precision_rows(magnitudes=(1.0, 30.0, 100.0, 1e3, 1e4, 1e5, -1e5), tokens: i
             "new": lambda a, b: ops.prefill_attention(qf, kf[:, a:b], vf[:, a:b], q_positions=pos,
                                                       k_positions=pos[0, a:b]),
             "new_no_shift": lambda a, b: fused_prefill.prefill_attention(
-                qf, kf[:, a:b], vf[:, a:b], q_positions=pos, k_positions=pos[0, a:b], lse_bound=float("inf")),
+                qf, kf[:, a:b], vf[:, a:b], q_positions=pos, k_positions=pos[0, a:b], lse_bound=float("inf"),
+                exact_attention=ops.flash_decode),
             "old": lambda a, b: ops.flash_decode(qf, kf[:, a:b], vf[:, a:b], q_positions=pos, k_positions=pos[:, a:b],
                                                  out_dtype=torch.float32, lse_dtype=torch.float64, backend="torch"),
             "old_lse32": lambda a, b: ops.flash_decode(qf, kf[:, a:b], vf[:, a:b], q_positions=pos,
