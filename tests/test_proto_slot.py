@@ -257,3 +257,109 @@ def test_version_gate_and_refused_features(monkeypatch):
                 pytest.fail(f"InferenceConfig({kw}) rejected: {err}")
             with pytest.raises(NotImplementedError, match=needle):
                 compat.refuse_unsupported_features(_config(1), cfg)
+
+
+# --------------------------------------------------------------------------- dynamic engine
+
+DYN_PROMPTS = (5, 40, 150, 1)  # chunked prefill: 64 tokens a step, so the 150-token prompt arrives in 3 chunks
+DYN_NEW = [8, 6, 7, 4]
+DYN_ARRIVALS = [0, 0, 3, 4]  # requests join after the first steps and finish at different steps
+DYN_MAX_LEN = 256
+LOGICAL_BLOCK = 64  # Megatron's block: CP x the per-rank block, the same at every CP size
+NUM_BLOCKS = 12  # Megatron's block count, one of them its dummy block
+BYTES_PER_TOKEN = 2 * 2 * KV_HEADS * (HIDDEN // HEADS) * 4  # k+v, layers, kv heads, head dim, fp32
+
+
+def _gb(blocks: int, block_tokens: int) -> float:
+    """A buffer size that Megatron turns into exactly ``blocks`` blocks of ``block_tokens`` tokens."""
+    return (blocks + 0.5) * block_tokens * BYTES_PER_TOKEN / 2**30
+
+
+def _dyn_prompts():
+    gen = torch.Generator().manual_seed(11)
+    return [torch.randint(0, VOCAB - 1, (n,), generator=gen).tolist() for n in DYN_PROMPTS]
+
+
+def _dyn_run(model, cp, chunked, groups=None):
+    from megatron_tree.integrations.megatron._proto_slot import build_dynamic_engine_any, dynamic_kv_bytes
+    from megatron_tree.integrations.megatron.dynamic import generate_dynamic
+    from megatron_tree.integrations.megatron.model import IdTokenizer
+
+    engine = build_dynamic_engine_any(
+        model, IdTokenizer(eod=VOCAB - 1), max_sequence_length=DYN_MAX_LEN,
+        buffer_size_gb=_gb(NUM_BLOCKS, LOGICAL_BLOCK // cp), block_size_tokens=LOGICAL_BLOCK // cp, max_tokens=64 if chunked else 192,
+        max_requests=8, enable_chunked_prefill=chunked, groups=groups,
+    )
+    r = generate_dynamic(engine, _dyn_prompts(), num_tokens_to_generate=DYN_NEW, arrivals=DYN_ARRIVALS)
+    return {"tokens": r.tokens, "log_probs": r.log_probs, "status": r.status, "steps": r.steps,
+            "finished": r.finished_step, "kv": dynamic_kv_bytes(engine.context), "blocks": r.blocks_per_rank,
+            "ctx": type(engine.context).__name__}
+
+
+def dynamic_rank(rank, world):
+    from megatron.core import parallel_state
+
+    from megatron_tree.integrations import megatron as mt
+    from megatron_tree.integrations.megatron import _proto_compat as compat
+    from megatron_tree.integrations.megatron._proto_cpu import megatron_on_cpu_any
+    from megatron_tree.integrations.megatron._proto_slot import megatron_attention_fingerprint
+
+    out = {}
+    with megatron_on_cpu_any(), compat.inference_mode_off():
+        before = megatron_attention_fingerprint()
+        mt.initialize_model_parallel(1)
+        ref = _build(1, slot=False)
+        for chunked in (True, False):
+            out[f"ref_{chunked}"] = _dyn_run(ref, 1, chunked)
+        parallel_state.destroy_model_parallel()
+        groups = mt.initialize_model_parallel(world)
+        model = _build(world, slot=True)
+        for chunked in (True, False):
+            out[f"tree_{chunked}"] = _dyn_run(model, world, chunked, groups)
+        parallel_state.destroy_model_parallel()
+        out["fingerprint"] = (before, megatron_attention_fingerprint())
+    if compat.megatron_api().inference_mode:
+        from megatron.core.inference.utils import InferenceMode
+
+        out["inference_mode_after"] = InferenceMode.is_active()
+    return out
+
+
+@pytest.fixture(scope="module")
+def dynamic_results():
+    return run_ranks(dynamic_rank, 2, timeout=900)
+
+
+@pytest.mark.parametrize("chunked", [True, False], ids=["chunked_prefill", "whole_prefill"])
+def test_slot_dynamic_cp2_equals_megatron_cp1(dynamic_results, chunked):
+    ref = dynamic_results[0][f"ref_{chunked}"]
+    assert set(ref["status"].values()) == {"COMPLETED"} and len(ref["tokens"]) == len(DYN_PROMPTS)
+    assert [len(ref["tokens"][i]) for i in range(len(DYN_PROMPTS))] == DYN_NEW
+    assert len(set(ref["finished"].values())) > 1, "requests should finish at different steps"
+    for r, out in enumerate(dynamic_results):
+        tree = out[f"tree_{chunked}"]
+        assert tree["ctx"] in ("SlotDynamicInferenceContext", "TreeDynamicInferenceContext")
+        assert tree["tokens"] == ref["tokens"], (r, chunked, tree["tokens"], ref["tokens"])
+        assert tree["steps"] == ref["steps"] and tree["finished"] == ref["finished"]
+        for rid, lp in ref["log_probs"].items():
+            torch.testing.assert_close(torch.tensor(tree["log_probs"][rid]), torch.tensor(lp), rtol=1e-4, atol=1e-4)
+
+
+def test_slot_dynamic_kv_memory_is_one_cp_th(dynamic_results):
+    """Counted bytes: Megatron's buffer on a tree rank is empty and the paged shard holds exactly
+    (blocks - dummy) x logical block / CP tokens of KV; the reference holds every block in full."""
+    for out in dynamic_results:
+        ref, tree = out["ref_True"]["kv"], out["tree_True"]["kv"]
+        assert ref["megatron_memory_buffer"] == NUM_BLOCKS * LOGICAL_BLOCK * BYTES_PER_TOKEN
+        assert tree["megatron_memory_buffer"] == 0
+        assert tree["tree_kv_cache"] == (NUM_BLOCKS - 1) * LOGICAL_BLOCK * BYTES_PER_TOKEN // 2
+        used = out["tree_True"]["blocks"]
+        assert max(max(b) - min(b) for b in used) <= 1, used  # blocks per rank within one of even
+
+
+def test_slot_dynamic_leaves_megatron_and_inference_mode_untouched(dynamic_results):
+    for out in dynamic_results:
+        before, after = out["fingerprint"]
+        assert before == after and after["patched"] == []
+        if "inference_mode_after" in out:
+            assert out["inference_mode_after"] is False

@@ -193,7 +193,10 @@ def kv_block_allocator(ctx):
 
 @contextlib.contextmanager
 def inference_mode_off():
-    """Within the block, 0.19's process-wide ``InferenceMode`` flag is off (restored after); a no-op on 0.16.1.
+    """0.19's process-wide ``InferenceMode`` flag is off on entry and back to its entry state on exit.
+
+    A no-op on 0.16.1. Engines built inside the block set the flag (that is how 0.19 tells its
+    modules they serve an engine); the exit clears it again.
 
     ``StaticInferenceEngine.__init__`` and ``DynamicInferenceEngine`` set the flag and the static engine
     never clears it; a later plain forward (training, a reference model) then takes inference-only
@@ -208,9 +211,8 @@ def inference_mode_off():
     InferenceMode.unset_active()
     try:
         yield
-    finally:
-        if was:
-            InferenceMode.set_active()
+    finally:  # an engine built inside the block set it: leave it as it was before the block
+        (InferenceMode.set_active if was else InferenceMode.unset_active)()
 
 
 _REFUSED_CONFIG = (  # (InferenceConfig field, value that is fine, what it is)

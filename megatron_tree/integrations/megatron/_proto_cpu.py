@@ -69,6 +69,32 @@ class _Nvtx:
         yield
 
 
+def _full_window(window_size) -> bool:
+    return window_size is None or tuple(window_size) == (-1, -1)
+
+
+def flash_attn_varlen_func_019(q, k, v, *args, window_size=(-1, -1), return_attn_probs=False, **kwargs):
+    """:func:`.cpu.flash_attn_varlen_func` taking the keywords 0.19 adds (full window, no lse only)."""
+    if not _full_window(window_size) or return_attn_probs:
+        raise NotImplementedError(
+            f"CPU flash_attn_varlen_func stand-in: window_size={window_size}, return_attn_probs={return_attn_probs} "
+            "(sliding windows and sink-softmax lse are not implemented)"
+        )
+    return flash_attn_varlen_func(q, k, v, *args, **kwargs)
+
+
+def flash_attn_with_kvcache_019(q, k_cache, v_cache, *args, window_size=(-1, -1), return_softmax_lse=False,
+                                **kwargs):
+    """:func:`.cpu.flash_attn_with_kvcache` taking the keywords 0.19 adds (full window, no lse only)."""
+    if not _full_window(window_size) or return_softmax_lse:
+        raise NotImplementedError(
+            f"CPU flash_attn_with_kvcache stand-in: window_size={window_size}, "
+            f"return_softmax_lse={return_softmax_lse} (not implemented)"
+        )
+    kwargs.pop("num_splits", None)
+    return flash_attn_with_kvcache(q, k_cache, v_cache, *args, **kwargs)
+
+
 def _unpinned(fn):
     def call(*args, pin_memory=False, **kwargs):
         return fn(*args, **kwargs)
@@ -88,8 +114,8 @@ _MEGATRON = (
     ("megatron.core.inference.engines.dynamic_engine", "range_push", lambda old: (lambda *a, **k: None)),  # 0.16
     ("megatron.core.inference.engines.dynamic_engine", "range_pop", lambda old: (lambda *a, **k: None)),  # 0.16
     ("megatron.core.inference.contexts.dynamic_context", "triton_append_key_value_cache", lambda old: None),
-    ("megatron.core.transformer.attention", "flash_attn_varlen_func", lambda old: flash_attn_varlen_func),
-    ("megatron.core.transformer.attention", "flash_attn_with_kvcache", lambda old: flash_attn_with_kvcache),
+    ("megatron.core.transformer.attention", "flash_attn_varlen_func", lambda old: flash_attn_varlen_func_019),
+    ("megatron.core.transformer.attention", "flash_attn_with_kvcache", lambda old: flash_attn_with_kvcache_019),
     ("megatron.core.transformer.attention", "is_fa_min_version", lambda old: _standin_version_check),
 )
 

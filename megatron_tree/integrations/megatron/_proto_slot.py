@@ -38,7 +38,7 @@ from .static import MARKER, TreeDotProductAttention, TreeGPTInferenceWrapper, Tr
 __all__ = [
     "TreeSelfAttention", "SlotCoreAttention", "get_gpt_layer_slot_spec", "SlotInferenceContext",
     "SlotGPTInferenceWrapper", "SlotDynamicInferenceContext", "SlotDynamicGPTInferenceWrapper",
-    "megatron_attention_fingerprint",
+    "megatron_attention_fingerprint", "build_dynamic_engine_any", "dynamic_kv_bytes",
 ]
 
 SLOT_MARKER = "megatron_tree.TreeSelfAttention"
@@ -307,14 +307,6 @@ class SlotDynamicInferenceContext(TreeDynamicInferenceContext, _DynamicKeywords)
         finally:
             self.block_size_tokens = logical
 
-    def kv_bytes(self) -> dict:
-        """KV bytes this rank holds: Megatron's ``memory_buffer`` and the paged shard (``kv_cache``)."""
-        mb = getattr(self, "memory_buffer", None)
-        return {
-            "megatron_memory_buffer": 0 if mb is None else mb.numel() * mb.element_size(),
-            "tree_kv_cache": sum(t.numel() * t.element_size() for t in (self.kv_cache.k, self.kv_cache.v)),
-        }
-
     def reset(self, *args, **kwargs) -> None:
         self._stashed = kwargs
         try:
@@ -341,12 +333,13 @@ class SlotDynamicGPTInferenceWrapper(SlotGPTInferenceWrapper):
         import torch.distributed as dist
         from megatron.core.utils import unwrap_model
 
-        if not isinstance(inference_context, SlotDynamicInferenceContext):
+        if not isinstance(inference_context, TreeDynamicInferenceContext):
             raise TypeError(
-                f"SlotDynamicGPTInferenceWrapper needs a SlotDynamicInferenceContext, got {type(inference_context).__name__}")
+                "SlotDynamicGPTInferenceWrapper needs a TreeDynamicInferenceContext (0.16.1) or a "
+                f"SlotDynamicInferenceContext (0.19), got {type(inference_context).__name__}")
         inner = unwrap_model(model)
         _check_slots(inner)
-        refuse_unsupported_features(inner.config, inference_context.config)
+        refuse_unsupported_features(inner.config, getattr(inference_context, "config", None))
         init_gpt_wrapper(self, model, inference_context, hidden_size=inner.config.hidden_size,
                          params_dtype=inner.config.params_dtype, padded_vocab_size=inner.vocab_size,
                          pg_collection=pg_collection)
@@ -365,3 +358,77 @@ class SlotDynamicGPTInferenceWrapper(SlotGPTInferenceWrapper):
         from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
 
         return GPTInferenceWrapper._build_attention_mask_and_position_ids(self, prompts_tokens)
+
+
+def dynamic_kv_bytes(ctx) -> dict:
+    """KV bytes this rank holds in a dynamic context: Megatron's ``memory_buffer`` and, for ours, ``kv_cache``."""
+    mb = getattr(ctx, "memory_buffer", None)
+    out = {"megatron_memory_buffer": 0 if mb is None else mb.numel() * mb.element_size()}
+    if isinstance(ctx, TreeDynamicInferenceContext):
+        out["tree_kv_cache"] = sum(t.numel() * t.element_size() for t in (ctx.kv_cache.k, ctx.kv_cache.v))
+    return out
+
+
+def build_dynamic_engine_any(model, tokenizer, *, max_sequence_length: int, buffer_size_gb: float,
+                             block_size_tokens: int, max_tokens: int, max_requests: int,
+                             enable_chunked_prefill: bool, groups=None):
+    """Megatron's ``DynamicInferenceEngine`` for ``model`` on 0.16.1 or 0.19, applying no patch.
+
+    A model whose layers hold :class:`TreeSelfAttention` gets the CP-sharded context
+    (``buffer_size_gb`` and ``block_size_tokens`` per rank; :class:`SlotDynamicInferenceContext`
+    on 0.19, :class:`~.dynamic.TreeDynamicInferenceContext` on 0.16.1) and
+    :class:`SlotDynamicGPTInferenceWrapper`; any other model Megatron's own context and
+    ``GPTInferenceWrapper`` (CP must be 1). Where the release puts each knob (0.19: one
+    ``InferenceConfig``; 0.16.1: context keywords and engine keywords) is this function's business.
+    """
+    from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
+    from megatron.core.inference.engines import DynamicInferenceEngine
+    from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
+    from megatron.core.inference.text_generation_controllers.text_generation_controller import (
+        TextGenerationController,
+    )
+    from megatron.core.utils import unwrap_model
+
+    api = check_supported("build_dynamic_engine_any")
+    inner = unwrap_model(model)
+    config = inner.config
+    tree = isinstance(inner.decoder.layers[0].self_attention, TreeSelfAttention)
+    if not tree and config.context_parallel_size != 1:
+        raise ValueError(
+            f"Megatron's own attention at context_parallel_size={config.context_parallel_size}: build the model "
+            "with get_gpt_layer_slot_spec()"
+        )
+    if api.inference_config:
+        from megatron.core.inference.config import InferenceConfig
+
+        icfg = InferenceConfig(
+            max_sequence_length=max_sequence_length, buffer_size_gb=buffer_size_gb,
+            block_size_tokens=block_size_tokens, max_tokens=max_tokens, max_requests=max_requests,
+            enable_chunked_prefill=enable_chunked_prefill, use_flashinfer_fused_rope=False,
+        )
+        if tree:
+            context = SlotDynamicInferenceContext(config, icfg, groups=groups, pg_collection=inner.pg_collection)
+            wrapper = SlotDynamicGPTInferenceWrapper(model, context)
+        else:
+            context = DynamicInferenceContext(config, icfg)
+            wrapper = GPTInferenceWrapper(model, context)
+        engine_kwargs = {}
+    else:
+        dims = dict(
+            params_dtype=config.params_dtype, num_layers=config.num_layers, kv_channels=config.kv_channels,
+            num_attention_heads=config.num_query_groups or config.num_attention_heads,
+            tensor_model_parallel_size=config.tensor_model_parallel_size, max_sequence_length=max_sequence_length,
+            buffer_size_gb=buffer_size_gb, block_size_tokens=block_size_tokens, max_requests=max_requests,
+            max_tokens=max_tokens,
+        )
+        if tree:
+            context = TreeDynamicInferenceContext(groups=groups, pg_collection=inner.pg_collection, **dims)
+            wrapper = SlotDynamicGPTInferenceWrapper(model, context)
+        else:
+            context = DynamicInferenceContext(**dims)
+            wrapper = GPTInferenceWrapper.__new__(GPTInferenceWrapper)
+            init_gpt_wrapper(wrapper, model, context, hidden_size=config.hidden_size, params_dtype=config.params_dtype,
+                             padded_vocab_size=inner.vocab_size)
+        engine_kwargs = dict(random_seed=0, enable_chunked_prefill=enable_chunked_prefill)
+    controller = TextGenerationController(wrapper, tokenizer)
+    return DynamicInferenceEngine(controller, context, **engine_kwargs)
