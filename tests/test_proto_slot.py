@@ -1,10 +1,10 @@
 """Prototype check: tree attention through module slots only, on the megatron-core that is installed.
 
-Runs unchanged on 0.16.1 (Python 3.11) and 0.19.x (Python 3.12). One 2-rank gloo run builds
+Runs unchanged on 0.16.1 (Python 3.11) and 0.19.x (Python 3.12). A 2-rank and a 4-rank gloo run build
 the same tiny GPTModel (local spec, RoPE, GQA, fp32) twice: with Megatron's own
 ``SelfAttention`` + ``DotProductAttention`` at CP = 1 (the reference: every rank the whole
 model and cache), and with ``TreeSelfAttention`` in ``self_attention.module`` and
-``TreeDotProductAttention`` in ``core_attention`` at CP = 2, with no runtime or source patch of
+``TreeDotProductAttention`` in ``core_attention`` at CP 2 and CP 4 = 2 x 2, with no runtime or source patch of
 Megatron. Each decodes greedily through Megatron's controller loop (logits read back) and
 through ``StaticInferenceEngine``; tokens must be equal and logits within 1e-4. Megatron's
 attention module (file bytes, method identity and source) is fingerprinted before and after.
@@ -28,19 +28,19 @@ MAX_LEN = 24
 UNEVEN = [[5, 17, 3], [40, 2, 9, 77, 31, 8, 60, 12, 1]]  # the controller's catch-up path
 
 
-def _config(cp):
+def _config(cp, hier=None):
     from megatron.core.transformer.enums import AttnBackend
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
         attention_backend=AttnBackend.local, num_layers=2, hidden_size=HIDDEN, num_attention_heads=HEADS,
         num_query_groups=KV_HEADS, ffn_hidden_size=4 * HIDDEN, use_cpu_initialization=True,
-        context_parallel_size=cp, params_dtype=torch.float32, attention_dropout=0.0, hidden_dropout=0.0,
+        context_parallel_size=cp, hierarchical_context_parallel_sizes=hier, params_dtype=torch.float32, attention_dropout=0.0, hidden_dropout=0.0,
         add_bias_linear=False,
     )
 
 
-def _build(cp, slot: bool):
+def _build(cp, slot: bool, hier=None):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -48,8 +48,8 @@ def _build(cp, slot: bool):
     from megatron_tree.integrations.megatron._proto_slot import get_gpt_layer_slot_spec
 
     model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True)
-    spec = get_gpt_layer_slot_spec(strategy="packed") if slot else get_gpt_layer_local_spec()
-    model = GPTModel(_config(cp), spec, vocab_size=VOCAB, max_sequence_length=MAX_LEN,
+    spec = get_gpt_layer_slot_spec(strategy="two_level" if hier else "packed") if slot else get_gpt_layer_local_spec()
+    model = GPTModel(_config(cp, hier), spec, vocab_size=VOCAB, max_sequence_length=MAX_LEN,
                      position_embedding_type="rope", share_embeddings_and_output_weights=False)
     gen = torch.Generator().manual_seed(7)  # the same weights at every layout, clear greedy margins
     with torch.no_grad():
@@ -133,7 +133,7 @@ def _error(fn, *a, **k) -> str:
     return "no error"
 
 
-def slot_rank(rank, world):
+def slot_rank(rank, world, hier=None):
     from megatron.core import parallel_state
     from megatron.core.inference.contexts import StaticInferenceContext
 
@@ -157,8 +157,9 @@ def slot_rank(rank, world):
         out["slot_cp1_megatron_ctx"] = greedy(_build(1, slot=True), StaticInferenceContext(2, MAX_LEN), slot=False)
         parallel_state.destroy_model_parallel()
 
-        groups = mt.initialize_model_parallel(world)
-        model = _build(world, slot=True)
+        groups = mt.initialize_model_parallel(world, hier)
+        model = _build(world, slot=True, hier=hier)
+        out["levels"] = [lvl.size for lvl in groups.levels]
         out["types"] = (type(model.decoder.layers[0].self_attention).__name__,
                         type(model.decoder.layers[0].self_attention.core_attention).__name__)
         ctx = SlotInferenceContext(2, MAX_LEN, groups=groups, block_size=4)
@@ -170,7 +171,7 @@ def slot_rank(rank, world):
         out["tree_uneven"] = engine_generate(model, SlotInferenceContext(2, MAX_LEN, groups=groups, block_size=4),
                                              True, UNEVEN)
         # Megatron's own context at CP = 2 with the slot model: refused on every rank, not silently replicated.
-        out["megatron_ctx_cp2"] = _error(greedy, model, StaticInferenceContext(2, MAX_LEN), False)
+        out["megatron_ctx_cp"] = _error(greedy, model, StaticInferenceContext(2, MAX_LEN), False)
         out["after"] = megatron_attention_fingerprint()
         out["before"] = before
         parallel_state.destroy_model_parallel()
@@ -181,20 +182,26 @@ def slot_rank(rank, world):
     return out
 
 
-@pytest.fixture(scope="module")
-def slot_results():
-    return run_ranks(slot_rank, 2, timeout=600)
+LAYOUTS = {"cp2": (2, None), "cp2x2": (4, [2, 2])}
+"""CP 2 (flat) and CP 4 as 2 simulated nodes x 2 (the two-level merge)."""
 
 
-def test_slot_static_cp2_equals_megatron_cp1(slot_results):
+@pytest.fixture(scope="module", params=sorted(LAYOUTS))
+def slot_results(request):
+    world, hier = LAYOUTS[request.param]
+    return run_ranks(slot_rank, world, hier, timeout=900)
+
+
+def test_slot_static_cp_equals_megatron_cp1(slot_results):
     base_tokens, margin, base_logits = slot_results[0]["ref"]
     assert margin > 1e-3, f"the reference's greedy choices are too close to call ({margin})"
     assert slot_results[0]["ref_types"] == ("SelfAttention", "DotProductAttention")
     for r, out in enumerate(slot_results):
+        assert out["levels"] == ([2, 2] if len(slot_results) == 4 else [2])
         assert out["types"] == ("TreeSelfAttention", "SlotCoreAttention")
         assert out["ref"][0] == base_tokens and out["ref_engine"] == base_tokens, r
         tokens, _, logits = out["tree"]
-        assert tokens == base_tokens, f"rank {r}: CP=2 slot decode {tokens} differs from Megatron CP=1 {base_tokens}"
+        assert tokens == base_tokens, f"rank {r}: slot decode {tokens} differs from Megatron CP=1 {base_tokens}"
         torch.testing.assert_close(torch.tensor(logits), torch.tensor(base_logits), rtol=1e-4, atol=1e-4)
         assert out["tree_engine"] == base_tokens, r
         assert len(out["ref_uneven"][0]) == NEW_TOKENS and out["tree_uneven"] == out["ref_uneven"], r
@@ -204,12 +211,13 @@ def test_slot_static_cp2_equals_megatron_cp1(slot_results):
 
 
 def test_slot_kv_cache_is_sharded(slot_results):
-    """11 prompt tokens + 11 decoded at CP 2: each rank stores about half, the buffers hold ceil(24/2) + 1 rows."""
+    """11 prompt tokens + 11 decoded: each of the P ranks stores about 1/P, its buffers hold 24/P + 1 rows."""
+    world = len(slot_results)
     for r, out in enumerate(slot_results):
         row0, local, capacity = out["shards"]
-        assert sum(row0) == PROMPT_LEN + NEW_TOKENS - 1
+        assert sum(row0) == PROMPT_LEN + NEW_TOKENS - 1 and max(row0) - min(row0) <= 4  # one decode block
         assert local == [row0[r], row0[r]]
-        assert capacity == MAX_LEN // 2 and out["kv_rows"] == capacity + 1
+        assert capacity == MAX_LEN // world and out["kv_rows"] == capacity + 1
 
 
 def test_megatron_source_and_functions_untouched(slot_results):
@@ -221,10 +229,11 @@ def test_megatron_source_and_functions_untouched(slot_results):
                                               "0002-dynamic-attention-hook": False}
 
 
-def test_megatron_context_at_cp2_refused(slot_results):
+def test_megatron_context_at_cp_refused(slot_results):
     for out in slot_results:
-        msg = out["megatron_ctx_cp2"]
-        assert msg.startswith("RuntimeError") and "context_parallel_size=2 needs a TreeInferenceContext" in msg, msg
+        msg = out["megatron_ctx_cp"]
+        want = f"context_parallel_size={len(slot_results)} needs a TreeInferenceContext"
+        assert msg.startswith("RuntimeError") and want in msg, msg
 
 
 def test_version_gate_and_refused_features(monkeypatch):
@@ -293,10 +302,11 @@ def _dyn_run(model, cp, chunked, groups=None):
     r = generate_dynamic(engine, _dyn_prompts(), num_tokens_to_generate=DYN_NEW, arrivals=DYN_ARRIVALS)
     return {"tokens": r.tokens, "log_probs": r.log_probs, "status": r.status, "steps": r.steps,
             "finished": r.finished_step, "kv": dynamic_kv_bytes(engine.context), "blocks": r.blocks_per_rank,
+            "spread": r.max_blocks_per_rank, "live": r.live_requests,
             "ctx": type(engine.context).__name__}
 
 
-def dynamic_rank(rank, world):
+def dynamic_rank(rank, world, hier=None):
     from megatron.core import parallel_state
 
     from megatron_tree.integrations import megatron as mt
@@ -312,8 +322,8 @@ def dynamic_rank(rank, world):
         for chunked in (True, False):
             out[f"ref_{chunked}"] = _dyn_run(ref, 1, chunked)
         parallel_state.destroy_model_parallel()
-        groups = mt.initialize_model_parallel(world)
-        model = _build(world, slot=True)
+        groups = mt.initialize_model_parallel(world, hier)
+        model = _build(world, slot=True, hier=hier)
         for chunked in (True, False):
             out[f"tree_{chunked}"] = _dyn_run(model, world, chunked, groups)
         parallel_state.destroy_model_parallel()
@@ -325,13 +335,14 @@ def dynamic_rank(rank, world):
     return out
 
 
-@pytest.fixture(scope="module")
-def dynamic_results():
-    return run_ranks(dynamic_rank, 2, timeout=900)
+@pytest.fixture(scope="module", params=sorted(LAYOUTS))
+def dynamic_results(request):
+    world, hier = LAYOUTS[request.param]
+    return run_ranks(dynamic_rank, world, hier, timeout=900)
 
 
 @pytest.mark.parametrize("chunked", [True, False], ids=["chunked_prefill", "whole_prefill"])
-def test_slot_dynamic_cp2_equals_megatron_cp1(dynamic_results, chunked):
+def test_slot_dynamic_cp_equals_megatron_cp1(dynamic_results, chunked):
     ref = dynamic_results[0][f"ref_{chunked}"]
     assert set(ref["status"].values()) == {"COMPLETED"} and len(ref["tokens"]) == len(DYN_PROMPTS)
     assert [len(ref["tokens"][i]) for i in range(len(DYN_PROMPTS))] == DYN_NEW
@@ -352,9 +363,12 @@ def test_slot_dynamic_kv_memory_is_one_cp_th(dynamic_results):
         ref, tree = out["ref_True"]["kv"], out["tree_True"]["kv"]
         assert ref["megatron_memory_buffer"] == NUM_BLOCKS * LOGICAL_BLOCK * BYTES_PER_TOKEN
         assert tree["megatron_memory_buffer"] == 0
-        assert tree["tree_kv_cache"] == (NUM_BLOCKS - 1) * LOGICAL_BLOCK * BYTES_PER_TOKEN // 2
-        used = out["tree_True"]["blocks"]
-        assert max(max(b) - min(b) for b in used) <= 1, used  # blocks per rank within one of even
+        assert tree["tree_kv_cache"] == (NUM_BLOCKS - 1) * LOGICAL_BLOCK * BYTES_PER_TOKEN // len(dynamic_results)
+        run = out["tree_True"]
+        # every request round-robin by block: within one block of even on every rank, every step
+        assert max(run["spread"]) <= 1 and run["blocks"][-1] == [0] * len(dynamic_results)  # all freed at the end
+        for used, live in zip(run["blocks"], run["live"]):
+            assert max(used) - min(used) <= max(1, live), run["blocks"]
 
 
 def test_slot_dynamic_leaves_megatron_and_inference_mode_untouched(dynamic_results):
