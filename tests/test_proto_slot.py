@@ -377,3 +377,70 @@ def test_slot_dynamic_leaves_megatron_and_inference_mode_untouched(dynamic_resul
         assert before == after and after["patched"] == []
         if "inference_mode_after" in out:
             assert out["inference_mode_after"] is False
+
+
+# --------------------------------------------------------------------------- MegatronLLM (0.19)
+
+
+def llm_rank(rank, world, hier=None):
+    from megatron.core import parallel_state
+    from megatron.core.inference.apis import MegatronLLM
+    from megatron.core.inference.config import InferenceConfig
+    from megatron.core.inference.sampling_params import SamplingParams
+
+    from megatron_tree.integrations import megatron as mt
+    from megatron_tree.integrations.megatron import _proto_compat as compat
+    from megatron_tree.integrations.megatron._proto_cpu import megatron_on_cpu_any
+    from megatron_tree.integrations.megatron._proto_slot import TreeMegatronLLM, megatron_attention_fingerprint
+    from megatron_tree.integrations.megatron.model import IdTokenizer
+
+    def icfg(cp):
+        return InferenceConfig(max_sequence_length=DYN_MAX_LEN, buffer_size_gb=_gb(NUM_BLOCKS, LOGICAL_BLOCK // cp),
+                               block_size_tokens=LOGICAL_BLOCK // cp, max_tokens=64, max_requests=8,
+                               enable_chunked_prefill=True, use_flashinfer_fused_rope=False)
+
+    params = SamplingParams(top_k=1, num_tokens_to_generate=6, termination_id=-1, return_log_probs=True,
+                            skip_prompt_log_probs=True)
+    out = {}
+    with megatron_on_cpu_any(), compat.inference_mode_off():
+        before = megatron_attention_fingerprint()
+        mt.initialize_model_parallel(1)
+        llm = MegatronLLM(model=_build(1, slot=False), tokenizer=IdTokenizer(eod=VOCAB - 1),
+                          inference_config=icfg(1), use_coordinator=False)
+        out["ref"] = [(list(map(int, r.generated_tokens)), list(r.generated_log_probs)) for r in
+                      llm.generate(_dyn_prompts(), params)]
+        parallel_state.destroy_model_parallel()
+        groups = mt.initialize_model_parallel(world, hier)
+        model = _build(world, slot=True, hier=hier)
+        out["coordinator"] = _error(TreeMegatronLLM, model=model, tokenizer=IdTokenizer(eod=VOCAB - 1),
+                                    inference_config=icfg(world), use_coordinator=True)
+        with TreeMegatronLLM(model=model, tokenizer=IdTokenizer(eod=VOCAB - 1), inference_config=icfg(world),
+                             groups=groups) as tllm:
+            out["tree"] = [(list(map(int, r.generated_tokens)), list(r.generated_log_probs)) for r in
+                           tllm.generate(_dyn_prompts(), params)]
+            out["tree_ctx"] = type(tllm.context).__name__
+        parallel_state.destroy_model_parallel()
+        out["fingerprint"] = (before, megatron_attention_fingerprint())
+    return out
+
+
+@pytest.fixture(scope="module")
+def llm_results():
+    from megatron_tree.integrations.megatron import _proto_compat as compat
+
+    if not compat.megatron_api().llm_api:
+        pytest.skip(f"megatron-core {compat.megatron_api().version} has no MegatronLLM (added in 0.18)")
+    return run_ranks(llm_rank, 2, timeout=900)
+
+
+def test_tree_megatron_llm_cp2_equals_megatron_llm_cp1(llm_results):
+    ref = llm_results[0]["ref"]
+    assert len(ref) == len(DYN_PROMPTS) and all(len(t) == 6 for t, _ in ref)
+    for r, out in enumerate(llm_results):
+        assert out["tree_ctx"] == "SlotDynamicInferenceContext"
+        assert [t for t, _ in out["tree"]] == [t for t, _ in ref], r
+        for (_, lp), (_, ref_lp) in zip(out["tree"], ref):
+            torch.testing.assert_close(torch.tensor(lp), torch.tensor(ref_lp), rtol=1e-4, atol=1e-4)
+        assert "use_coordinator=False only" in out["coordinator"], out["coordinator"]
+        before, after = out["fingerprint"]
+        assert before == after

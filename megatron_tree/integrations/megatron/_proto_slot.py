@@ -38,7 +38,7 @@ from .static import MARKER, TreeDotProductAttention, TreeGPTInferenceWrapper, Tr
 __all__ = [
     "TreeSelfAttention", "SlotCoreAttention", "get_gpt_layer_slot_spec", "SlotInferenceContext",
     "SlotGPTInferenceWrapper", "SlotDynamicInferenceContext", "SlotDynamicGPTInferenceWrapper",
-    "megatron_attention_fingerprint", "build_dynamic_engine_any", "dynamic_kv_bytes",
+    "megatron_attention_fingerprint", "build_dynamic_engine_any", "dynamic_kv_bytes", "TreeMegatronLLM",
 ]
 
 SLOT_MARKER = "megatron_tree.TreeSelfAttention"
@@ -432,3 +432,56 @@ def build_dynamic_engine_any(model, tokenizer, *, max_sequence_length: int, buff
         engine_kwargs = dict(random_seed=0, enable_chunked_prefill=enable_chunked_prefill)
     controller = TextGenerationController(wrapper, tokenizer)
     return DynamicInferenceEngine(controller, context, **engine_kwargs)
+
+
+# --------------------------------------------------------------------------- MegatronLLM (0.18+)
+
+
+def _megatron_llm_base():
+    try:
+        from megatron.core.inference.apis import MegatronLLM
+    except ImportError:  # 0.16.1, 0.17: no high-level API; the class below is then never constructed
+        return object
+    return MegatronLLM
+
+
+class TreeMegatronLLM(_megatron_llm_base()):
+    """0.19's ``MegatronLLM`` (direct mode) over the CP-sharded dynamic engine of a slot-spec model.
+
+    ``MegatronLLM.__init__`` builds ``DynamicInferenceContext(model.config, inference_config)``,
+    ``GPTInferenceWrapper`` and ``DynamicInferenceEngine`` inline, with no argument that takes a
+    context or engine; this subclass builds the tree pipeline instead and sets the attributes the
+    base's methods read (``generate``, ``engine``, ``context``, ``controller``, ``shutdown``).
+    Every CP rank must call :meth:`generate` with the same prompts (each runs the same scheduler).
+
+    Coordinator mode is refused at CP > 1: Megatron's coordinator hands requests to model-parallel
+    rank 0 of each data-parallel replica and broadcasts them over the ``mp`` group (TP x PP), which
+    does not hold a replica's CP peers.
+    """
+
+    def __init__(self, *, model, tokenizer, inference_config=None, use_coordinator: bool = False, groups=None):
+        from megatron.core.inference.config import InferenceConfig
+        from megatron.core.inference.engines import DynamicInferenceEngine
+        from megatron.core.inference.text_generation_controllers.text_generation_controller import (
+            TextGenerationController,
+        )
+        from megatron.core.utils import unwrap_model
+
+        api = check_supported("TreeMegatronLLM")
+        if not api.llm_api:
+            raise RuntimeError(f"megatron-core {api.version} has no MegatronLLM (megatron.core.inference.apis, 0.18+)")
+        inner = unwrap_model(model)
+        if use_coordinator:
+            raise NotImplementedError(
+                "TreeMegatronLLM supports use_coordinator=False only: Megatron's coordinator broadcasts requests "
+                "over the TP x PP group, which does not include the CP peers of a replica"
+            )
+        context = SlotDynamicInferenceContext(inner.config, inference_config or InferenceConfig(), groups=groups,
+                                              pg_collection=inner.pg_collection)
+        controller = TextGenerationController(inference_wrapped_model=SlotDynamicGPTInferenceWrapper(model, context),
+                                              tokenizer=tokenizer)
+        self._engine = DynamicInferenceEngine(controller=controller, context=context)
+        self._context, self._controller = context, controller
+        self._use_coordinator, self._is_primary_rank = False, True
+        self._loop_manager = self._coord_runtime = None
+        self._shutdown_called = False
