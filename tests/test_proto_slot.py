@@ -1,10 +1,10 @@
 """Prototype check: tree attention through module slots only, on the megatron-core that is installed.
 
-Runs unchanged on 0.16.1 (Python 3.11) and 0.19.x (Python 3.12). A 2-rank and a 4-rank gloo run build
+Runs unchanged on 0.16.1 (Python 3.11) and 0.19.x (Python 3.12). Gloo runs of 2, 3 and 4 ranks build
 the same tiny GPTModel (local spec, RoPE, GQA, fp32) twice: with Megatron's own
 ``SelfAttention`` + ``DotProductAttention`` at CP = 1 (the reference: every rank the whole
 model and cache), and with ``TreeSelfAttention`` in ``self_attention.module`` and
-``TreeDotProductAttention`` in ``core_attention`` at CP 2 and CP 4 = 2 x 2, with no runtime or source patch of
+``TreeDotProductAttention`` in ``core_attention`` at CP 2, CP 3 and CP 4 = 2 x 2, with no runtime or source patch of
 Megatron. Each decodes greedily through Megatron's controller loop (logits read back) and
 through ``StaticInferenceEngine``; tokens must be equal and logits within 1e-4. Megatron's
 attention module (file bytes, method identity and source) is fingerprinted before and after.
@@ -182,14 +182,39 @@ def slot_rank(rank, world, hier=None):
     return out
 
 
-LAYOUTS = {"cp2": (2, None), "cp2x2": (4, [2, 2])}
-"""CP 2 (flat) and CP 4 as 2 simulated nodes x 2 (the two-level merge)."""
+LAYOUTS = {"cp2": (2, None), "cp3": (3, None), "cp2x2": (4, [2, 2])}
+"""CP 2 and CP 3 (flat; 3 is not a power of two) and CP 4 as 2 simulated nodes x 2 (the two-level merge)."""
+
+
+def layout_rank(rank, world, hier=None):
+    """One spawn per layout (imports cost ~15 s a rank): the static, dynamic and (CP 2, 0.19) LLM runs."""
+    from megatron_tree.integrations.megatron import _proto_compat as compat
+
+    out = {"static": slot_rank(rank, world, hier), "dynamic": dynamic_rank(rank, world, hier)}
+    if world == 2 and compat.megatron_api().llm_api:
+        out["llm"] = llm_rank(rank, world, hier)
+    return out
+
+
+_RUNS: dict = {}
+"""Layout name -> per-rank results of its one spawn (shared by the fixtures below)."""
+
+
+def _layout_run(name):
+    if name not in _RUNS:
+        world, hier = LAYOUTS[name]
+        _RUNS[name] = run_ranks(layout_rank, world, hier, timeout=1200)
+    return _RUNS[name]
 
 
 @pytest.fixture(scope="module", params=sorted(LAYOUTS))
-def slot_results(request):
-    world, hier = LAYOUTS[request.param]
-    return run_ranks(slot_rank, world, hier, timeout=900)
+def layout_results(request):
+    return _layout_run(request.param)
+
+
+@pytest.fixture(scope="module")
+def slot_results(layout_results):
+    return [r["static"] for r in layout_results]
 
 
 def test_slot_static_cp_equals_megatron_cp1(slot_results):
@@ -197,7 +222,7 @@ def test_slot_static_cp_equals_megatron_cp1(slot_results):
     assert margin > 1e-3, f"the reference's greedy choices are too close to call ({margin})"
     assert slot_results[0]["ref_types"] == ("SelfAttention", "DotProductAttention")
     for r, out in enumerate(slot_results):
-        assert out["levels"] == ([2, 2] if len(slot_results) == 4 else [2])
+        assert out["levels"] == ([2, 2] if len(slot_results) == 4 else [len(slot_results)])
         assert out["types"] == ("TreeSelfAttention", "SlotCoreAttention")
         assert out["ref"][0] == base_tokens and out["ref_engine"] == base_tokens, r
         tokens, _, logits = out["tree"]
@@ -274,7 +299,7 @@ DYN_PROMPTS = (5, 40, 150, 1)  # chunked prefill: 64 tokens a step, so the 150-t
 DYN_NEW = [8, 6, 7, 4]
 DYN_ARRIVALS = [0, 0, 3, 4]  # requests join after the first steps and finish at different steps
 DYN_MAX_LEN = 256
-LOGICAL_BLOCK = 64  # Megatron's block: CP x the per-rank block, the same at every CP size
+LOGICAL_BLOCK = 48  # Megatron's block: CP x the per-rank block, the same at CP 1, 2, 3, 4
 NUM_BLOCKS = 12  # Megatron's block count, one of them its dummy block
 BYTES_PER_TOKEN = 2 * 2 * KV_HEADS * (HIDDEN // HEADS) * 4  # k+v, layers, kv heads, head dim, fp32
 
@@ -335,10 +360,9 @@ def dynamic_rank(rank, world, hier=None):
     return out
 
 
-@pytest.fixture(scope="module", params=sorted(LAYOUTS))
-def dynamic_results(request):
-    world, hier = LAYOUTS[request.param]
-    return run_ranks(dynamic_rank, world, hier, timeout=900)
+@pytest.fixture(scope="module")
+def dynamic_results(layout_results):
+    return [r["dynamic"] for r in layout_results]
 
 
 @pytest.mark.parametrize("chunked", [True, False], ids=["chunked_prefill", "whole_prefill"])
@@ -430,7 +454,7 @@ def llm_results():
 
     if not compat.megatron_api().llm_api:
         pytest.skip(f"megatron-core {compat.megatron_api().version} has no MegatronLLM (added in 0.18)")
-    return run_ranks(llm_rank, 2, timeout=900)
+    return [r["llm"] for r in _layout_run("cp2")]
 
 
 def test_tree_megatron_llm_cp2_equals_megatron_llm_cp1(llm_results):
