@@ -1,13 +1,15 @@
 """Prototype check: tree attention through module slots only, on the megatron-core that is installed.
 
-Runs unchanged on 0.16.1 (Python 3.11) and 0.19.x (Python 3.12). Gloo runs of 2, 3 and 4 ranks build
-the same tiny GPTModel (local spec, RoPE, GQA, fp32) twice: with Megatron's own
-``SelfAttention`` + ``DotProductAttention`` at CP = 1 (the reference: every rank the whole
-model and cache), and with ``TreeSelfAttention`` in ``self_attention.module`` and
-``TreeDotProductAttention`` in ``core_attention`` at CP 2, CP 3 and CP 4 = 2 x 2, with no runtime or source patch of
-Megatron. Each decodes greedily through Megatron's controller loop (logits read back) and
-through ``StaticInferenceEngine``; tokens must be equal and logits within 1e-4. Megatron's
-attention module (file bytes, method identity and source) is fingerprinted before and after.
+Runs unchanged on 0.16.1 (Python 3.11) and 0.19.x (Python 3.12). Gloo runs of 2, 3 and 4 ranks
+build the same tiny GPTModel (local spec, RoPE, GQA, fp32) twice: with Megatron's own
+``SelfAttention`` + ``DotProductAttention`` at CP = 1 (the reference: every rank the whole model
+and cache), and with ``TreeSelfAttention`` in ``self_attention.module`` and
+``TreeDotProductAttention`` in ``core_attention`` at CP 2, CP 3 and CP 4 = 2 x 2, with no runtime
+or source patch of Megatron. Each decodes greedily through Megatron's controller loop (logits read
+back), ``StaticInferenceEngine`` and ``DynamicInferenceEngine`` (requests arriving and finishing at
+different steps, chunked prefill on and off), and on 0.19 ``MegatronLLM``; tokens must be equal and
+logits / log-probs within 1e-4. Megatron's attention module (file bytes, method identity and
+source) is fingerprinted before and after, and each rank's KV bytes are counted.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ def _config(cp, hier=None):
     return TransformerConfig(
         attention_backend=AttnBackend.local, num_layers=2, hidden_size=HIDDEN, num_attention_heads=HEADS,
         num_query_groups=KV_HEADS, ffn_hidden_size=4 * HIDDEN, use_cpu_initialization=True,
-        context_parallel_size=cp, hierarchical_context_parallel_sizes=hier, params_dtype=torch.float32, attention_dropout=0.0, hidden_dropout=0.0,
+        context_parallel_size=cp, hierarchical_context_parallel_sizes=hier, params_dtype=torch.float32,
+        attention_dropout=0.0, hidden_dropout=0.0,
         add_bias_linear=False,
     )
 
@@ -321,7 +324,8 @@ def _dyn_run(model, cp, chunked, groups=None):
 
     engine = build_dynamic_engine_any(
         model, IdTokenizer(eod=VOCAB - 1), max_sequence_length=DYN_MAX_LEN,
-        buffer_size_gb=_gb(NUM_BLOCKS, LOGICAL_BLOCK // cp), block_size_tokens=LOGICAL_BLOCK // cp, max_tokens=64 if chunked else 192,
+        buffer_size_gb=_gb(NUM_BLOCKS, LOGICAL_BLOCK // cp), block_size_tokens=LOGICAL_BLOCK // cp,
+        max_tokens=64 if chunked else 192,
         max_requests=8, enable_chunked_prefill=chunked, groups=groups,
     )
     r = generate_dynamic(engine, _dyn_prompts(), num_tokens_to_generate=DYN_NEW, arrivals=DYN_ARRIVALS)

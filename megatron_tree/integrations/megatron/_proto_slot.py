@@ -83,6 +83,8 @@ class TreeSelfAttention(_self_attention_base()):
     core attention that has no hooks, run Megatron's code unchanged.
     """
 
+    _megatron_tree = SLOT_MARKER
+
     def _adjust_key_value_for_inference(self, inference_context, query, key, value, rotary_pos_emb,
                                         rotary_pos_cos=None, rotary_pos_sin=None, rotary_pos_cos_sin=None,
                                         sequence_len_offset=None, *, inference_params=None):
@@ -172,7 +174,8 @@ class SlotGPTInferenceWrapper(TreeGPTInferenceWrapper):
         from megatron.core.utils import unwrap_model
 
         if not isinstance(inference_context, SlotInferenceContext):
-            raise TypeError(f"SlotGPTInferenceWrapper needs a SlotInferenceContext, got {type(inference_context).__name__}")
+            raise TypeError(
+                f"SlotGPTInferenceWrapper needs a SlotInferenceContext, got {type(inference_context).__name__}")
         inner = unwrap_model(model)
         _check_slots(inner)
         init_gpt_wrapper(self, model, inference_context, hidden_size=inner.config.hidden_size,
@@ -268,7 +271,8 @@ class SlotDynamicInferenceContext(TreeDynamicInferenceContext, _DynamicKeywords)
 
         api = check_supported("SlotDynamicInferenceContext")
         if not api.inference_config:
-            raise RuntimeError("SlotDynamicInferenceContext is 0.19's constructor; on 0.16.1 use TreeDynamicInferenceContext")
+            raise RuntimeError(
+                "SlotDynamicInferenceContext is 0.19's constructor; on 0.16.1 use TreeDynamicInferenceContext")
         refuse_unsupported_features(model_config, inference_config)
         self.groups = groups if groups is not None else tree_groups_from_megatron(pg_collection)
         self.cp_size, self.cp_rank = self.groups.size, self.groups.rank
