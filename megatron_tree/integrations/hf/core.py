@@ -19,8 +19,9 @@ extension points are filled:
   sequence gives each rank its own chunk of the prompt, with the global positions
   transformers would use, so every layer (attention, MLP, norms) processes ~1/CP of the
   tokens; the logits transformers asked for are assembled on every rank with one all-reduce.
-  Before it, the ranks compare the call's arguments (one small all-gather): a rank handed
-  another prompt fails with the others instead of computing a chunk of the wrong one. The
+  Before it, the ranks compare the call's arguments and the model's widths (one small
+  all-gather): a rank handed another prompt, or another model, fails with the others instead
+  of computing a chunk of the wrong one. The
   empty cache ``generate`` makes is swapped for a ``TreeCache`` (sized for the request while
   ``generate`` runs), which ``generate`` then carries from step to step. ``generate`` is
   wrapped to add a logits processor that hands every rank CP rank 0's random state before
@@ -697,10 +698,15 @@ def _prefill(model, orig, binding: _Binding, cache: TreeCache, call: dict, batch
     # Ranks handed different prompts would each compute their chunk of another prompt: compare first.
     # max_new_tokens: generate's budget (None outside generate); ranks with different budgets would
     # run in step until the first stops, then the others would wait in a collective for it.
+    # The model's shape too: replicas whose attention shapes agree but whose widths do not would pass every
+    # collective of the forward (chunks' keys, the logits' SUM) and return a mixture of two models.
+    cfg = _text_config(model.config)
     names = ("batch", "seq", "input_ids", "inputs_embeds", "attention_mask", "position_ids", "logits_wanted",
-             "strategy", "prefill", "layout", "block_size", "max_new_tokens")
+             "strategy", "prefill", "layout", "block_size", "max_new_tokens", "hidden_size", "intermediate_size",
+             "num_hidden_layers", "vocab_size")
     values = (batch, seq, _checksum(ids), _checksum(embeds), _checksum(mask), _checksum(pos_ids), _checksum(wanted),
-              binding.strategy, binding.prefill, binding.layout, binding.block_size, binding.new_tokens_hint)
+              binding.strategy, binding.prefill, binding.layout, binding.block_size, binding.new_tokens_hint,
+              *(getattr(cfg, n, None) for n in names[-4:]))
     _agree(binding, "hf.prefill", names, values)
     out = _run(orig, binding, cache, call)
     logits = out.logits  # (B, |rows_local| or W, V)
@@ -1072,7 +1078,11 @@ class HFTreeModel:
         if shift is not None and shift.redo:
             pos, cache._redo = shift.placement, True
         else:
-            pos = torch.as_tensor([n for n in cache.lengths], dtype=torch.long, device=self.device)[:, None]
+            # The new tokens' positions are the rows' lengths, host bookkeeping; on CUDA they reach the
+            # device in a non-blocking copy from pinned memory (a pageable copy would make the host wait).
+            cuda = self.device.type == "cuda"
+            host = torch.tensor(cache.lengths, dtype=torch.long, pin_memory=cuda)
+            pos = host.to(self.device, non_blocking=cuda)[:, None]
             if shift is not None:
                 shift.placement = pos
         saved = self._with(strategy=strategy, stats=stats)
