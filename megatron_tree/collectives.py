@@ -454,7 +454,7 @@ def agree_values(site: str, names: tuple, values: tuple, group, ranks: Sequence[
 class Agreement:
     """Cross-rank check that every rank of one group makes each call with the same signature.
 
-    A *site* is a named call (``"merge"``, ``"Llama.prefill"``, ...) whose collectives need
+    A *site* is a named call (``"merge"``, ``"MegatronLM.prefill"``, ...) whose collectives need
     every rank to agree on a few host-side values, its *signature* (shapes, dtype, strategy,
     backend, ...): :meth:`call` wraps the call's collectives::
 

@@ -12,8 +12,8 @@ Rows of different lengths share one batch: each row has its own length in the ca
 This is the one decode loop of the package: the eval drives it too, through a
 :class:`GenerationHook` that times each step and keeps logits (no second loop beside this
 one). Any model with ``prefill``, ``decode_step``, ``new_cache``, ``groups``, ``device`` and
-``config.vocab_size`` runs in it: the library's Llama and Megatron-Core's ``GPTModel``
-(``integrations.megatron_model.MegatronLM``).
+``config.vocab_size`` runs in it: transformers models (``integrations.hf.HFTreeModel``) and
+Megatron-Core's ``GPTModel`` (``integrations.megatron.model.MegatronLM``).
 """
 
 from __future__ import annotations
@@ -184,8 +184,8 @@ def generate(
 ) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens after each prompt, on every rank of ``model.groups``.
 
-    model: a :class:`megatron_tree.models.llama.Llama`, an
-        :class:`~megatron_tree.integrations.megatron_model.MegatronLM`, or anything with
+    model: an :class:`~megatron_tree.integrations.hf.HFTreeModel`, an
+        :class:`~megatron_tree.integrations.megatron.model.MegatronLM`, or anything with
         ``prefill``, ``decode_step``, ``new_cache``, ``groups``, ``device`` and ``config.vocab_size``
     prompts: token-id lists of any (non-zero) lengths; every CP rank passes the same (checked:
         every CP rank must pass equal prompts and arguments, else every rank raises the same
