@@ -71,6 +71,7 @@ def failures_body(rank, world, outdir):
     from megatron_tree.decode.prefill import allgather_prefill, ring_prefill
 
     from megatron_tree import kernels  # noqa: F401 -- import Triton now, not inside a timed case
+    from megatron_tree.integrations import hf  # noqa: F401 -- and transformers (the models of the cases below)
 
     out: dict = {}
     sync = dist.barrier  # the default group (PG_TIMEOUT): lines the ranks up between cases
@@ -155,8 +156,8 @@ def failures_body(rank, world, outdir):
     out["prefill_method"] = _outcome(lambda: fn(pq, pk, pv, pos, pos, g))
     out["shard_plan"] = _outcome(lambda: ShardPlan.build(_qkv(2, 1, 4, 2, 16 if rank == 3 else 8, 3)[1], g))
     # models whose attention shapes agree but whose hidden size does not: the transformers prefill's check
-    out["model_hidden"] = _outcome(lambda: generate(
-        _tiny_lm(g, hidden_size=32 if rank == 0 else 16, head_dim=8), [[1, 2, 3]], 2, progress=False))
+    odd = _tiny_lm(g, hidden_size=32 if rank == 0 else 16, head_dim=8)  # built outside the timed call
+    out["model_hidden"] = _outcome(lambda: generate(odd, [[1, 2, 3]], 2, progress=False))
     # generate's one check per call: prompts (lengths, contents), budget, sampling; then the prefill's own
     lm = _tiny_lm(g)
     rows = [[1, 2, 3, 4, 5], [6, 7]]
