@@ -3,7 +3,7 @@
 # Megatron-Core GPTModel at CP 4 = 2 simulated nodes x 2, wandb offline. Extra arguments are
 # key=value config overrides, e.g.
 #   bash launch/local.sh eval.context_lengths=[512,2048] output_dir=outputs/mine
-#   CONFIG=configs/cpu_tiny_llama.yaml bash launch/local.sh          # the library's Llama instead
+#   CONFIG=configs/cpu_tiny_llama.yaml bash launch/local.sh          # a random transformers Llama instead
 #   MODULE=megatron_tree.generate_megatron bash launch/local.sh --prompt "5 17 3"   # generation
 set -euo pipefail
 cd "$(dirname "$0")/.."

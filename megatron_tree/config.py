@@ -9,7 +9,8 @@ place is what lets the launch scripts stay thin (STYLE.md rules 6 and 8).
 
 The defaults of :class:`RunConfig` are the tiny CPU eval (4 processes as 2 simulated
 nodes x 2, a random-weight Megatron-Core GPTModel, wandb offline); ``configs/cpu_tiny.yaml``
-spells the same values out (``configs/cpu_tiny_llama.yaml``: the same with the library's Llama).
+spells the same values out (``configs/cpu_tiny_llama.yaml``: the same with a random transformers
+``LlamaForCausalLM``, ``model.source: random``).
 
 Only PyYAML, the standard library and the strategy names (``strategies.py``, which
 imports nothing) are imported here, so a bad config is reported quickly, before torch is
@@ -42,6 +43,16 @@ class ConfigError(ValueError):
     """A configuration key, value or combination that cannot run; the message names the key."""
 
 
+_RETIRED = {
+    ("ModelConfig", "source", "llama"): (
+        "(the library's own Llama) was retired; use model.source=hf with the same model.path: transformers' "
+        "LlamaForCausalLM reads that Hugging Face directory and runs it with tree attention "
+        "(megatron_tree.integrations.hf)"
+    ),
+}
+"""``(dataclass, field, value) -> what to use instead``: values that once ran, refused with a pointer."""
+
+
 def _positive(obj, *names: str) -> None:
     for n in names:
         v = getattr(obj, n)
@@ -52,18 +63,19 @@ def _positive(obj, *names: str) -> None:
 @dataclass(frozen=True)
 class ModelConfig:
     """Which model to evaluate. The shape fields describe ``source: megatron`` and ``source: random``
-    (an ``hf`` or ``llama`` checkpoint brings its own ``config.json``)."""
+    (an ``hf`` checkpoint brings its own ``config.json``)."""
 
-    source: Literal["megatron", "random", "hf", "llama"] = "megatron"
+    source: Literal["megatron", "random", "hf"] = "megatron"
     """``megatron``: a Megatron-Core ``GPTModel`` (Llama-style: RMSNorm, SwiGLU, no biases,
     RoPE, GQA) of the shape below, from the distributed checkpoint at ``path`` or with random
     weights when ``path`` is null; ``hf``: transformers' own model class for the checkpoint
     at ``path`` (``save_pretrained`` directory: Llama, Qwen2, Qwen3, Mistral, ...) with tree
-    attention as its attention backend (``integrations.hf``); ``llama``: the library's own
-    Llama from a Hugging Face Llama checkpoint at ``path``; ``random``: the library's Llama
-    with random weights of the shape below."""
+    attention as its attention backend (``integrations.hf``); ``random``: transformers'
+    ``LlamaForCausalLM`` with random weights of the shape below (seeded by ``seed``: the same
+    weights on every rank), through the same backend. (``llama``, the library's own Llama, was
+    retired: ``hf`` reads the same checkpoint directory.)"""
     path: str | None = None
-    """``hf``, ``llama``: a checkpoint directory (``config.json`` + ``*.safetensors``); ``megatron``: a
+    """``hf``: a checkpoint directory (``config.json`` + ``*.safetensors``); ``megatron``: a
     ``dist_checkpointing`` directory or a Megatron-LM ``--save`` directory (latest iteration
     from ``latest_checkpointed_iteration.txt``), loaded at the run's TP x CP layout."""
     tokenizer: str | None = None
@@ -104,7 +116,7 @@ class ModelConfig:
     def __post_init__(self):
         _positive(self, "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                   "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings")
-        if self.source in ("hf", "llama") and not self.path:
+        if self.source == "hf" and not self.path:
             raise ConfigError(f"path: source {self.source!r} needs a checkpoint directory, got none")
         if self.source == "megatron" and self.rope_scaling is not None:
             raise ConfigError("rope_scaling: not supported for source 'megatron' (plain RoPE); set it to null")
@@ -232,7 +244,7 @@ class EvalConfig:
     """Allow context lengths past the model's ``max_position_embeddings`` (speed and
     exactness runs; RoPE extrapolates, answer quality is not meaningful there)."""
     prefill_method: Literal["ring", "allgather"] | None = None
-    """Context-parallel prefill; ``None`` = the model's own (``ring`` for the Llama, ``allgather``
+    """Context-parallel prefill; ``None`` = the model's own (``ring`` for transformers models, ``allgather``
     for Megatron models, whose core attention all-gathers the prompt's keys/values)."""
     engine: Literal["static", "dynamic"] = "static"
     """How a Megatron model (``model.source: megatron``) generates: ``static`` -- the library's
@@ -437,6 +449,10 @@ def from_dict(cls, data, path: str = ""):
     for key in data:
         if key not in names:
             raise ConfigError(f"unknown key {_join(path, key)!r}; expected one of {names}")
+    for key, value in data.items():
+        hint = _RETIRED.get((cls.__name__, key, value)) if isinstance(value, str) else None
+        if hint is not None:
+            raise ConfigError(f"{_join(path, key)}: {value!r} {hint}")
     kwargs = {k: _coerce(hints[k], v, _join(path, k)) for k, v in data.items()}
     try:
         return cls(**kwargs)

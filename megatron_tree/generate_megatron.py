@@ -32,8 +32,8 @@ __all__ = ["main", "parse_args", "read_prompts"]
 def parse_args(argv):
     p = argparse.ArgumentParser(
         prog="megatron-tree-generate",
-        description="Generate text with a Megatron-Core GPTModel (or the library's Llama) at TP x CP; the model, "
-                    "topology and launch come from the YAML config, as for the eval.",
+        description="Generate text with a Megatron-Core GPTModel at TP x CP (or a transformers model at CP); "
+                    "the model, topology and launch come from the YAML config, as for the eval.",
     )
     p.add_argument("--config", default=None, help="YAML config (default: the built-in tiny CPU model)")
     src = p.add_mutually_exclusive_group(required=True)

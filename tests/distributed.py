@@ -1,10 +1,17 @@
 """Multi-process test harness: run a function on N ranks of a real gloo process group.
 
-Each call spawns ``world_size`` fresh processes that rendezvous through their own
+Each call starts ``world_size`` fresh processes that rendezvous through their own
 ``FileStore`` (no ports to collide between tests), runs ``fn(rank, world_size, *args)``
 in each, and returns the per-rank results in rank order. Any rank that raises, exits
 without a result, or outlives ``timeout`` fails the call with that rank's traceback;
 the remaining ranks are killed, so a broken collective can never hang the suite.
+
+The processes are forked by multiprocessing's fork server, which imports torch and
+transformers once per test session (``PRELOAD``): importing them costs seconds of CPU per
+process, more than most multi-rank tests compute, and a 4-rank launch paid it four times
+over on two cores. Nothing of megatron_tree is preloaded (some of it reads the environment
+when imported, e.g. ``TRITON_INTERPRET``), and each rank takes the test process's current
+environment and ``sys.path``, as a spawned process would.
 """
 
 from __future__ import annotations
@@ -14,18 +21,26 @@ import multiprocessing as mp
 import os
 import queue as queue_mod
 import shutil
+import sys
 import tempfile
 import time
 import traceback
+
+
+PRELOAD = ("torch", "torch.distributed", "transformers", "transformers.modeling_utils",
+           "transformers.generation", "transformers.models.llama.modeling_llama")
+"""Imported once by the fork server; none of them depends on what a test sets in the environment."""
 
 
 class RankFailure(AssertionError):
     """A rank raised, died or timed out; the message holds its traceback."""
 
 
-def _worker(rank, world_size, store_path, fn, args, kwargs, env, pg_timeout, results):
+def _worker(rank, world_size, store_path, fn, args, kwargs, env, path, pg_timeout, results):
     try:
+        os.environ.clear()
         os.environ.update(env)
+        sys.path[:] = path
         os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size)})
         import torch
         import torch.distributed as dist
@@ -66,13 +81,15 @@ def run_ranks(
     expect_dead: ranks allowed to exit without a result (tests of a rank dying mid-run);
         their slot in the returned list is ``None``.
     """
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))  # read when the server starts: the first call of the session
     tmp = tempfile.mkdtemp(prefix="mt_store_")
     results = ctx.Queue()
     procs = [
         ctx.Process(
             target=_worker,
-            args=(r, world_size, os.path.join(tmp, "store"), fn, args, kwargs, dict(env or {}), pg_timeout, results),
+            args=(r, world_size, os.path.join(tmp, "store"), fn, args, kwargs, {**os.environ, **(env or {})},
+                  list(sys.path), pg_timeout, results),
             daemon=True,
         )
         for r in range(world_size)

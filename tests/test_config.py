@@ -36,7 +36,7 @@ def test_cpu_tiny_yaml_is_exactly_the_defaults():
     d = RunConfig()
     assert d.topology.intra_size == 2 and d.model.source == "megatron" and d.wandb.mode == "offline"
     assert d.model.path is None and d.topology.tp_size == 1 and d.eval.prefill_method is None
-    # The Llama source is one CONFIG= away and otherwise the same run.
+    # A random transformers Llama is one CONFIG= away and otherwise the same run.
     llama = load_config(os.path.join(CONFIGS, "cpu_tiny_llama.yaml"))
     assert llama.model.source == "random" and llama.eval.prefill_method == "ring"
     assert llama.model.__class__(**{**vars(llama.model), "source": "megatron"}) == d.model
@@ -50,7 +50,7 @@ def test_shipped_configs_load_with_the_intended_topology():
     qwen = load_config(os.path.join(CONFIGS, "qwen3_8b_hf_1node.yaml"))
     assert qwen.model.source == "hf" and qwen.eval.engine == "static"  # transformers' own Qwen3 class
     for cfg in (one, many, qwen):
-        assert cfg.model.source in ("llama", "hf") and cfg.model.dtype == "bfloat16"
+        assert cfg.model.source == "hf" and cfg.model.dtype == "bfloat16"  # transformers' own classes
         assert cfg.topology.intra_size is None  # tiers come from the launcher
         assert cfg.eval.exactness.max_context is not None
     assert max(many.eval.context_lengths) > max(one.eval.context_lengths)
@@ -105,7 +105,7 @@ def test_values_are_read_not_guessed(tmp_path):
     (["eval.context_lengths=[]"], "eval.context_lengths: must not be empty"),
     (["eval.batch_sizes=[0]"], "eval.batch_sizes: must be positive"),
     (["model.source=hf"], "model.path: source 'hf' needs a checkpoint directory"),
-    (["model.source=llama"], "model.path: source 'llama' needs a checkpoint directory"),
+    (["model.source=llama"], "model.source: 'llama' (the library's own Llama) was retired; use model.source=hf"),
     (["model.source=random", "eval.engine=dynamic"], "eval.engine: 'dynamic' is Megatron-Core's DynamicInferenceEngine"),
     (["model.rope_scaling={rope_type: linear, factor: 2.0}"], "model.rope_scaling: not supported for source 'megatron'"),
     (["topology.tp_size=0"], "topology.tp_size: must be a positive integer"),

@@ -1,5 +1,5 @@
 """The eval entry point in one process: results.json schema, exactness against the reference
-(the unsharded Llama; Megatron's own GPTModel at CP = 1), wandb offline run inside the output
+(unmodified transformers in one process; Megatron's own GPTModel at CP = 1), wandb offline run inside the output
 dir, passkey/perplexity with a real (tiny) checkpoint and tokenizer for both sources, and
 every bad-config path failing fast with a clear message.
 
@@ -26,6 +26,20 @@ TINY = ["eval.context_lengths=[24, 40]", "eval.batch_sizes=[2]", "eval.strategie
         "eval.decode_steps=3", "eval.warmup_steps=1", "eval.progress=false", "topology.intra_size=null"]
 
 
+@pytest.fixture(autouse=True)
+def _quiet_transformers():
+    """transformers' warnings (a load report) off while the eval runs here: its log handler keeps the
+    stream it first wrote to, which under pytest's capture can be a stream closed since, and the
+    resulting "Logging error" traceback would read as the eval's own."""
+    import logging
+
+    logger = logging.getLogger("transformers")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    yield
+    logger.setLevel(level)
+
+
 @pytest.fixture
 def clean_env(monkeypatch):
     """No launcher variables: the eval runs as a single process."""
@@ -41,7 +55,8 @@ def test_single_process_run_writes_results_plot_and_wandb(tmp_path, clean_env, c
     printed = capsys.readouterr().out
     res = json.loads((out / "results.json").read_text())
     assert res["schema_version"] == 3 and res["engine"] == "static"
-    assert res["model"]["source"] == "random" and res["exactness_reference"].startswith("unsharded Llama")
+    assert res["model"]["source"] == "random" and res["model"]["class"] == "transformers.LlamaForCausalLM"
+    assert res["exactness_reference"].startswith("unmodified transformers LlamaForCausalLM in one process")
     assert res["launch"]["world_size"] == 1 and res["launch"]["cp_size"] == 1
     assert res["launch"]["level_sizes"] == {"intra": 1}
     assert [(r["context_length"], r["strategy"]) for r in res["runs"]] == [
@@ -86,8 +101,8 @@ def test_exactness_catches_a_wrong_model(tmp_path, clean_env, capsys):
 
     def perturbed(*args, **kwargs):
         em = real(*args, **kwargs)
-        ref = em.reference  # shares the model's tensors: replace, do not modify
-        ref.model.norm.weight = torch.nn.Parameter(ref.model.norm.weight.detach() * 1.5)
+        ref = em.reference.model.model  # shares the model's tensors: replace, do not modify
+        ref.norm.weight = torch.nn.Parameter(ref.norm.weight.detach() * 1.5)
         return em
 
     clean_env.setattr(M, "build", perturbed)
@@ -112,12 +127,12 @@ def test_exactness_catches_a_wrong_model(tmp_path, clean_env, capsys):
     (["topology.cp_size=3", "topology.intra_size=null"], {"WORLD_SIZE": "4", "RANK": "0"},
      "topology.cp_size: 3 does not divide the launched world of 4"),
     (["model.source=hf", "model.path=/nonexistent/ckpt"], {}, "model.path: checkpoint directory '/nonexistent/ckpt' does not exist"),
-    (["model.source=llama", "model.path=/nonexistent/ckpt"], {}, "model.path: checkpoint directory '/nonexistent/ckpt' does not exist"),
-    (["model.source=bogus"], {}, "model.source: expected one of 'megatron', 'random', 'hf', 'llama', got 'bogus'"),
+    (["model.source=llama", "model.path=/x"], {},
+     "model.source: 'llama' (the library's own Llama) was retired; use model.source=hf with the same model.path"),
+    (["model.source=bogus"], {}, "model.source: expected one of 'megatron', 'random', 'hf', got 'bogus'"),
     (["model.source=hf", "model.path=/x", "eval.engine=dynamic"], {},
      "eval.engine: 'dynamic' is Megatron-Core's DynamicInferenceEngine and needs model.source megatron, got 'hf'"),
     (["model.source=random", "eval.engine=dynamic"], {}, "needs model.source megatron, got 'random'"),
-    (["model.source=llama", "model.path=/x", "eval.engine=dynamic"], {}, "needs model.source megatron, got 'llama'"),
     (["eval.engine=dynamic", "eval.prefill_method=allgather"], {}, "eval.prefill_method: 'allgather' does not apply to eval.engine dynamic"),
     (["eval.engine=dynamic", "eval.cache_layout=contiguous"], {}, "eval.cache_layout: 'contiguous' does not apply to eval.engine dynamic"),
     (["eval.engine=dynamic", "topology.tp_size=2"], {"WORLD_SIZE": "4", "RANK": "0"}, "eval.engine: 'dynamic' runs at topology.tp_size 1"),
@@ -190,11 +205,9 @@ HF_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "voca
 
 
 def _tiny_checkpoint(path):
-    """A random Llama saved as a Hugging Face directory, with a byte-level BPE tokenizer.json."""
-    from safetensors.torch import save_file
+    """A random transformers Llama saved with ``save_pretrained``, with a byte-level BPE tokenizer.json."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    from megatron_tree.models.llama import Llama, LlamaConfig
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -203,10 +216,11 @@ def _tiny_checkpoint(path):
               "What is the pass key? The pass key is 12345. Remember it."] * 20
     tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     tok.save(str(path / "tokenizer.json"))
-    (path / "config.json").write_text(json.dumps(HF_CONFIG))
     torch.manual_seed(0)
-    model = Llama(LlamaConfig.from_hf(HF_CONFIG))
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path / "model.safetensors"))
+    shape = {k: v for k, v in HF_CONFIG.items() if k not in ("architectures", "model_type")}
+    model = LlamaForCausalLM(LlamaConfig(**shape)).eval()
+    model.save_pretrained(str(path))
+    assert json.loads((path / "config.json").read_text())["architectures"] == HF_CONFIG["architectures"]
     return model, tok
 
 
@@ -226,7 +240,7 @@ def test_passkey_and_perplexity_with_a_checkpoint(tmp_path, clean_env):
         return got
 
     clean_env.setattr(R, "greedy_n", spy)
-    rc = E.main(["model.source=llama", f"model.path={ckpt}", f"output_dir={out}", *TINY, "eval.context_lengths=[64]",
+    rc = E.main(["model.source=hf", f"model.path={ckpt}", f"output_dir={out}", *TINY, "eval.context_lengths=[64]",
                  "eval.strategies=[packed]", "eval.passkey.enabled=true", "eval.passkey.trials=2",
                  "eval.passkey.new_tokens=4", f"eval.perplexity.text_file={text}", "eval.perplexity.prefix_tokens=40",
                  "eval.perplexity.eval_tokens=6", "wandb.enabled=false"])
@@ -249,14 +263,14 @@ def test_passkey_and_perplexity_with_a_checkpoint(tmp_path, clean_env):
         ids = list(prompt)
         with torch.no_grad():
             for _ in range(4):
-                ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
         assert gen == ids[64:] and answer == tok.decode(gen)
     assert len(depths) == 2 and depths[0] < depths[1], depths
     # Perplexity through CP prefill + decode steps equals the unsharded forward's.
     ppl = res["perplexity"]
     ids = [1] + tok.encode(text.read_text(), add_special_tokens=False).ids
     with torch.no_grad():
-        logp = torch.log_softmax(model(torch.tensor([ids[:46]])).float()[0], -1)
+        logp = torch.log_softmax(model(torch.tensor([ids[:46]])).logits.float()[0], -1)
     nll = -torch.stack([logp[39 + i, ids[40 + i]] for i in range(6)]).mean().item()
     assert ppl["eval_tokens"] == 6
     assert ppl["nll"] == pytest.approx(nll, abs=1e-4)
@@ -264,7 +278,7 @@ def test_passkey_and_perplexity_with_a_checkpoint(tmp_path, clean_env):
 
 
 def test_broken_checkpoints_are_clear_errors(tmp_path, clean_env, capsys):
-    args = ["model.source=llama", f"model.path={tmp_path}", "topology.intra_size=null", "wandb.enabled=false"]
+    args = ["model.source=hf", f"model.path={tmp_path}", "topology.intra_size=null", "wandb.enabled=false"]
     (tmp_path / "config.json").write_text("{}")
     assert E.main(args) == 2
     assert "has no *.safetensors weights" in capsys.readouterr().err
@@ -273,7 +287,7 @@ def test_broken_checkpoints_are_clear_errors(tmp_path, clean_env, capsys):
     assert E.main(args) == 2
     assert "config.json is not valid JSON" in capsys.readouterr().err
     # Unreadable or truncated weights: named, before any process group (a complete config, so
-    # that a fuller pre-flight -- issue 10's check_checkpoint -- also gets as far as the weights).
+    # that a check of the config could not be what refuses it).
     (tmp_path / "config.json").write_text(json.dumps(HF_CONFIG))
     assert E.main(args) == 2
     err = capsys.readouterr().err
@@ -287,13 +301,16 @@ def test_broken_checkpoints_are_clear_errors(tmp_path, clean_env, capsys):
     err = capsys.readouterr().err
     assert f"{tmp_path / 'model.safetensors'} is truncated" in err, err
     assert not torch.distributed.is_initialized()
-    # A readable checkpoint of another architecture: refused by the loader, after the
-    # process group exists, as one line (no traceback) and exit status 2.
+    # A readable checkpoint of an architecture tree attention cannot run exactly (Mistral's
+    # default 4096-token sliding window): refused before any process group, as one line (no
+    # traceback) and exit status 2. (What the loader refuses after the group exists -- weights
+    # that are not the class's -- is test_transformers_checkpoints_that_cannot_run_are_clear_errors.)
     save_file({"w": torch.zeros(64, 64)}, str(tmp_path / "model.safetensors"))
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["MistralForCausalLM"], "model_type": "mistral"}))
     assert E.main(args) == 2
     err = capsys.readouterr().err
-    assert "error:" in err and "unsupported architecture" in err and "Traceback" not in err
+    assert "error:" in err and "unsupported architecture" in err and "sliding_window=4096" in err, err
+    assert "Traceback" not in err
     assert not torch.distributed.is_initialized()
 
 

@@ -6,7 +6,8 @@ assertions check, on every rank: the exception type, that the message names the 
 values, that every rank raised the same text, that no rank returned a result, and that the
 wait stayed within the timeout that bounds it. A rank killed by a signal fails the launch.
 
-Single-process cases: strict cache writes, merge of zero states, broken checkpoints.
+Single-process cases: strict cache writes, merge of zero states, broken checkpoints (the
+eval's checks of a transformers checkpoint directory before launch).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import shutil
 import time
 
 import pytest
@@ -42,6 +44,18 @@ def _qkv(b, sq, hq, hkv, d, n, dtype=torch.float32, seed=0):
     return q, k, k.clone()
 
 
+def _tiny_lm(groups, **shape):
+    """A 1-layer random transformers Llama (the same weights on every rank) behind ``HFTreeModel``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from megatron_tree.integrations.hf import HFTreeModel
+
+    kw = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+              num_key_value_heads=1)
+    torch.manual_seed(0)
+    return HFTreeModel(LlamaForCausalLM(LlamaConfig(**{**kw, **shape})).eval(), groups)
+
+
 def failures_body(rank, world, outdir):
     """Every multi-rank case on 4 ranks; returns {case: outcome} (and a few facts).
 
@@ -54,10 +68,10 @@ def failures_body(rank, world, outdir):
     from megatron_tree import collectives, reference
     from megatron_tree.baselines import ShardPlan
     from megatron_tree.decode.generate import generate
-    from megatron_tree.models.llama import Llama, LlamaConfig
     from megatron_tree.decode.prefill import allgather_prefill, ring_prefill
 
     from megatron_tree import kernels  # noqa: F401 -- import Triton now, not inside a timed case
+    from megatron_tree.integrations import hf  # noqa: F401 -- and transformers (the models of the cases below)
 
     out: dict = {}
     sync = dist.barrier  # the default group (PG_TIMEOUT): lines the ranks up between cases
@@ -141,13 +155,11 @@ def failures_body(rank, world, outdir):
     fn = allgather_prefill if rank == 0 else ring_prefill
     out["prefill_method"] = _outcome(lambda: fn(pq, pk, pv, pos, pos, g))
     out["shard_plan"] = _outcome(lambda: ShardPlan.build(_qkv(2, 1, 4, 2, 16 if rank == 3 else 8, 3)[1], g))
-    # models whose attention shapes agree but whose hidden size does not: Llama.prefill's all-reduce
-    odd = LlamaConfig(vocab_size=32, hidden_size=32 if rank == 0 else 16, intermediate_size=32, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=8)
-    out["llama_hidden"] = _outcome(lambda: generate(Llama(odd, g), [[1, 2, 3]], 2, progress=False))
-    # generate's one check per call: prompts (lengths, contents), budget, sampling; then Llama.prefill's own
-    lm = Llama(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                           num_attention_heads=2, num_key_value_heads=1), g)
+    # models whose attention shapes agree but whose hidden size does not: the transformers prefill's check
+    odd = _tiny_lm(g, hidden_size=32 if rank == 0 else 16, head_dim=8)  # built outside the timed call
+    out["model_hidden"] = _outcome(lambda: generate(odd, [[1, 2, 3]], 2, progress=False))
+    # generate's one check per call: prompts (lengths, contents), budget, sampling; then the prefill's own
+    lm = _tiny_lm(g)
     rows = [[1, 2, 3, 4, 5], [6, 7]]
     gen_cases = {
         "gen_lengths": (rows if rank != 2 else [[1, 2, 3, 4, 5], [6, 7, 8]], 2, {}),
@@ -170,10 +182,7 @@ def failures_body(rank, world, outdir):
     # -- a dead peer: every helper, prefill and generation raise CommError on the survivors --
     sync()
     g = mt.TreeGroups.build(timeout=T)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1)
-    model = Llama(cfg, g)
+    model = _tiny_lm(g)
     out["generate_ok"] = generate(model, [[1, 2, 3]], 2, progress=False).tokens
     mt.tree_decode(q, k, v, g, strategy="packed")  # agreed: the same call after the death is unchanged
     with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as f:
@@ -291,12 +300,12 @@ def test_stuck_peer_is_a_comm_error_within_twice_the_timeout(failures):
     ("prefill_heads", ["heads_kv: 2 on ranks [0, 2, 3]; 1 on rank 1"]),
     ("prefill_method", ["method: 'allgather' on rank 0; 'ring' on ranks [1, 2, 3]"]),
     ("shard_plan", ["headdim: 8 on ranks [0, 1, 2]; 16 on rank 3"]),
-    ("llama_hidden", ["ranks disagree on Llama.prefill: hidden: 32 on rank 0; 16 on ranks [1, 2, 3]"]),
+    ("model_hidden", ["ranks disagree on hf.prefill: hidden_size: 32 on rank 0; 16 on ranks [1, 2, 3]"]),
     ("gen_lengths", ["ranks disagree on generate: prompt_lengths: (5, 2) on ranks [0, 1, 3]; (5, 3) on rank 2"]),
     ("gen_contents", ["ranks disagree on generate: prompt_ids: "]),
     ("gen_max_new", ["max_new_tokens: 2 on ranks [0, 1, 2]; 3 on rank 3"]),
     ("gen_top_p", ["top_p: 0.5 on rank 0; None on ranks [1, 2, 3]"]),
-    ("prefill_lengths", ["ranks disagree on Llama.prefill: prompt_lengths: (5, 2) on ranks [0, 1, 3]; (4, 2) on rank 2"]),
+    ("prefill_lengths", ["ranks disagree on hf.prefill: seq: 5 on ranks [0, 1, 3]; 4 on rank 2"]),
 ])
 def test_prefill_baseline_and_model_disagreement_is_immediate_on_every_rank(failures, case, needles):
     kind, message, seconds = _same_everywhere(failures, case)
@@ -404,50 +413,43 @@ def test_merge_states_of_zero_states_is_a_clear_error():
 
 
 def _write_checkpoint(path, *, sharded=False):
-    """A tiny Llama saved as a Hugging Face directory (config.json + safetensors) by our own model."""
-    from safetensors.torch import save_file
+    """A tiny random transformers Llama saved with ``save_pretrained`` (one file, or an index and several)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    from megatron_tree.models.llama import Llama, LlamaConfig
-
-    cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=32, hidden_size=16,
-               intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(cfg, f)
     torch.manual_seed(0)
-    state = {k: v.contiguous() for k, v in Llama(LlamaConfig.from_hf(cfg)).state_dict().items()}
-    if not sharded:
-        save_file(state, os.path.join(path, "model.safetensors"))
-        return state
-    names = sorted(state)
-    halves = {"a.safetensors": names[: len(names) // 2], "b.safetensors": names[len(names) // 2 :]}
-    for fname, part in halves.items():
-        save_file({n: state[n] for n in part}, os.path.join(path, fname))
-    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-        json.dump({"weight_map": {n: fname for fname, part in halves.items() for n in part}}, f)
-    return state
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    model.save_pretrained(str(path), **({"max_shard_size": "4KB"} if sharded else {}))
+    return model.state_dict()
 
 
 def test_checkpoint_errors_name_the_file_and_the_problem(tmp_path, monkeypatch):
-    from megatron_tree.models.llama import CheckpointError, Llama, check_checkpoint
+    """The eval's checks of a transformers checkpoint before launch (``model.source: hf``): every broken
+    file is a ConfigError naming it and what is wrong, from headers and config alone."""
+    from megatron_tree.config import ConfigError, ModelConfig
+    from megatron_tree.eval.launch import check_model
+    from megatron_tree.eval.models import load_hf
+
+    def check(path):
+        return check_model(ModelConfig(source="hf", path=str(path)))
 
     good = tmp_path / "good"
     state = _write_checkpoint(good)
-    loaded = Llama.from_pretrained(good)
-    assert all(torch.equal(loaded.state_dict()[n], t) for n, t in state.items())
+    loaded = load_hf(ModelConfig(source="hf", path=str(good))).state_dict()
+    assert all(torch.equal(loaded[n], t) for n, t in state.items())
     st = good / "model.safetensors"
     blob = st.read_bytes()
 
     def variant(name, **files):
         d = tmp_path / name
-        _write_checkpoint(d)
+        shutil.copytree(good, d)
         for fname, content in files.items():
             (d / fname).write_bytes(content)
         return d
 
     cases = [
         (variant("truncated", **{"model.safetensors": blob[: len(blob) - 100]}),
-         ["model.safetensors is truncated", f"the file has {len(blob) - 100} bytes"]),
+         ["model.safetensors is truncated", f"the file has {len(blob) - 100}"]),
         (variant("garbage", **{"model.safetensors": b"\x89PNG not a checkpoint at all" * 10}),
          ["model.safetensors announces a", "not a safetensors file"]),
         (variant("tiny", **{"model.safetensors": b"abc"}), ["model.safetensors is 3 bytes, too short"]),
@@ -457,30 +459,31 @@ def test_checkpoint_errors_name_the_file_and_the_problem(tmp_path, monkeypatch):
         (variant("badfield", **{"config.json": json.dumps(dict(model_type="llama", vocab_size="many", hidden_size=16,
                                                              intermediate_size=32, num_hidden_layers=1,
                                                              num_attention_heads=2)).encode()}),
-         ["config.json: LlamaConfig.vocab_size must be a positive integer, got 'many'"]),
+         ["transformers cannot read", "config.json", "vocab_size", "'many'"]),
     ]
     for path, needles in cases:
-        for fn in (check_checkpoint, Llama.from_pretrained):
-            with pytest.raises(CheckpointError) as e:
-                fn(path)
-            for needle in needles:
-                assert needle in str(e.value), (path.name, str(e.value))
-            assert str(path) in str(e.value)
+        with pytest.raises(ConfigError) as e:
+            check(path)
+        for needle in needles:
+            assert needle in str(e.value), (path.name, str(e.value))
+        assert str(path) in str(e.value)
 
     sharded = tmp_path / "sharded"
     _write_checkpoint(sharded, sharded=True)
-    assert check_checkpoint(sharded).vocab_size == 32
-    os.remove(sharded / "b.safetensors")
-    with pytest.raises(CheckpointError, match=r"index.json names b.safetensors, which is not in"):
-        check_checkpoint(sharded)
-    with pytest.raises(CheckpointError, match="does not exist"):
-        check_checkpoint(tmp_path / "nowhere")
+    assert check(sharded) == (None, 2048)  # (no Megatron checkpoint, the config's max_position_embeddings)
+    names = sorted(set(json.loads((sharded / "model.safetensors.index.json").read_text())["weight_map"].values()))
+    assert len(names) > 1
+    os.remove(sharded / names[-1])
+    with pytest.raises(ConfigError, match=rf"index.json names {names[-1]}, which is not in"):
+        check(sharded)
+    with pytest.raises(ConfigError, match="does not exist"):
+        check(tmp_path / "nowhere")
 
-    # check_checkpoint reads headers only: it works with tensor loading made impossible
+    # the checks read headers and config only: they pass with tensor loading made impossible
     import safetensors
 
     def no_loading(*a, **k):
-        raise AssertionError("check_checkpoint must not load tensors")
+        raise AssertionError("the checks before launch must not load tensors")
 
     monkeypatch.setattr(safetensors, "safe_open", no_loading)
-    assert check_checkpoint(good).hidden_size == 16
+    assert check(good)[1] == 2048

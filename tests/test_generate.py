@@ -1,9 +1,11 @@
-"""Generation on a sequence-sharded cache equals transformers, on real gloo ranks.
+"""The library's generation loop on a sequence-sharded cache equals transformers, on real gloo ranks.
 
-One 4-rank run covers CP = 1, 2, 3, 4 and 2 simulated nodes x 2 (each TreeGroups.build is
-called by all four ranks; ranks outside a CP group of interest run their own smaller
-group), with different cache layouts, prefill methods and merge strategies per case.
-Every rank returns what it saw; the assertions run here.
+``generate`` drives transformers' own ``LlamaForCausalLM`` through ``HFTreeModel``
+(``integrations.hf``), loaded on every rank from one ``save_pretrained`` directory. One 4-rank
+run covers CP = 1, 2, 3, 4 and 2 simulated nodes x 2 (each TreeGroups.build is called by all
+four ranks; ranks outside a CP group of interest run their own smaller group), with different
+cache layouts, prefill methods and merge strategies per case. Every rank returns what it saw;
+the assertions run here, against the unmodified transformers model in one process.
 """
 
 import contextlib
@@ -13,7 +15,7 @@ import pytest
 import torch
 
 from distributed import run_ranks
-from test_llama import NEW_TOKENS, PROMPTS, hf_greedy, make_checkpoint
+from test_generate_cp1 import NEW_TOKENS, PROMPTS, hf_greedy, make_checkpoint
 
 # name -> (CP rank lists for TreeGroups.build, intra_size, cache layout, prefill, merge strategy)
 CASES = {
@@ -25,7 +27,7 @@ CASES = {
 }
 BLOCK = 4
 MAX_LEN = 40
-# The two prompts of test_llama plus a 1-token one: at CP >= 2 some ranks start decoding
+# The two prompts of test_generate_cp1 plus a 1-token one: at CP >= 2 some ranks start decoding
 # with an empty shard of that row.
 GEN_PROMPTS = PROMPTS + [[77]]
 
@@ -33,13 +35,13 @@ GEN_PROMPTS = PROMPTS + [[77]]
 def _rank_fn(rank, world, path):
     from megatron_tree.comm import CommStats
     from megatron_tree.decode.generate import generate
-    from megatron_tree.models.llama import Llama
+    from megatron_tree.integrations.hf import load_hf_model
     from megatron_tree.topology import TreeGroups
 
     seen = {}
     for name, (ranks, intra, layout, method, strategy) in CASES.items():
         groups = TreeGroups.build(ranks, intra)
-        model = Llama.from_pretrained(path, groups=groups)
+        model = load_hf_model(path, groups)
         cache = model.new_cache(len(GEN_PROMPTS), MAX_LEN, layout=layout, block_size=BLOCK)
         stats = CommStats()
         bar = io.StringIO()
@@ -50,7 +52,7 @@ def _rank_fn(rank, world, path):
             "cp": groups.size, "cp_rank": groups.rank, "group": groups.cp_ranks,
             "tokens": res.tokens, "steps": len(res.step_times),
             "shards": cache.shard_lengths, "lengths": cache.lengths,
-            "kv_bytes": cache.k.nbytes + cache.v.nbytes, "full_kv_bytes": cache.unsharded_kv_nbytes(),
+            "kv_bytes": cache.kv_nbytes, "full_kv_bytes": cache.storage.unsharded_kv_nbytes(),
             "stats": stats.as_dict(), "bar": bar.getvalue(),
         }
         # logits themselves (not only the chosen tokens) are identical on every CP rank

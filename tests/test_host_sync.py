@@ -1,14 +1,16 @@
-"""A decode step makes no host-device synchronisation (issue 13 item 5), checked on CPU.
+"""A decode step makes no host-device synchronisation, checked on CPU.
 
 ``megatron_tree.sync_guard.no_host_sync`` raises on any call that would make the host wait
 for the device on CUDA (``.item()``, ``.tolist()``, ``.cpu()``, ``bool(t)``, ``nonzero``,
 boolean-mask indexing, ...), whatever the device. One 4-rank gloo run (CP 4 = 2 nodes x 2)
-decodes under the guard with our Llama (``Llama.decode_step``: cache append, tree_decode,
-the two-level, packed and all-gather merges) and checks the guarded logits against a
-single-process forward over the whole sequence (exact), and that a decode step creates no
-persistent buffer (everything a step reuses exists after prefill). The Megatron decode path
-(``MegatronLM.decode_step``) is checked under the same guard inside ``test_megatron.py``'s
-4-rank run, which has paid for Megatron's imports already.
+decodes under the guard with transformers' own ``LlamaForCausalLM`` behind ``HFTreeModel``:
+the guard spans ``HFTreeModel.decode_step`` whole -- transformers' forward of one token
+(embedding, RoPE, layers, norms, logits), our attention function, the ``TreeCache`` append and
+``tree_decode`` with the two-level, packed, all-gather and shifted merges. It checks the
+guarded logits against unmodified transformers in one process over the whole sequence
+(exact), and that a decode step creates no persistent buffer (everything a step reuses exists
+after prefill). The Megatron decode path (``MegatronLM.decode_step``) is checked under the same
+guard inside ``test_megatron.py``'s 4-rank run, which has paid for Megatron's imports already.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from distributed import run_ranks
 
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2], [6, 5], [3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4]]  # uneven rows, 2 < CP tokens
 STEPS = 5  # with blocks of 2, new tokens move across ranks during the run
+OWN = ("megatron_tree", "torch.nn", "transformers")
+"""Modules whose objects ``_tensors`` looks into: ours, torch's modules, transformers' models and configs."""
 
 
 def _tensors(obj, seen=None, prefix="") -> dict:
@@ -37,7 +41,7 @@ def _tensors(obj, seen=None, prefix="") -> dict:
         items = obj.items()
     elif isinstance(obj, (list, tuple)):
         items = enumerate(obj)
-    elif hasattr(obj, "__dict__") and type(obj).__module__.startswith(("megatron_tree", "torch.nn")):
+    elif hasattr(obj, "__dict__") and type(obj).__module__.startswith(OWN):
         items = vars(obj).items()
     else:
         return out
@@ -46,18 +50,21 @@ def _tensors(obj, seen=None, prefix="") -> dict:
     return out
 
 
-def _llama_rank(rank, world):
+def _hf_rank(rank, world):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     from megatron_tree import TreeGroups
     from megatron_tree.decode.generate import StepRunner
     from megatron_tree.collectives import CommStats
-    from megatron_tree.models.llama import Llama, LlamaConfig
+    from megatron_tree.integrations.hf import HFTreeModel
     from megatron_tree.sync_guard import HostSyncError, no_host_sync
 
     groups = TreeGroups.build(intra_size=2)  # CP 4 = 2 simulated nodes x 2
     cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8)
-    torch.manual_seed(0)
-    model = Llama(cfg, groups)
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, initializer_range=0.2)
+    torch.manual_seed(0)  # the same weights on every rank
+    model = HFTreeModel(LlamaForCausalLM(cfg).eval(), groups)
+    plain = model.unsharded()  # transformers' own attention, one process, the same weight tensors
     out = {}
     for strategy in ("two_level", "packed", "allgather", "shifted"):
         cache = model.new_cache(len(PROMPTS), 32, block_size=2)
@@ -74,7 +81,7 @@ def _llama_rank(rank, world):
             for s, t in zip(seqs, ids.tolist()):
                 s.append(t)
             step = runner.step(stats)
-            with no_host_sync("Llama.decode_step"):
+            with no_host_sync("HFTreeModel.decode_step"):
                 logits = model.decode_step(ids, cache, step)
             logits, redone = runner.finish(model, ids, cache, step, logits)
             ids = logits.argmax(-1)
@@ -82,12 +89,13 @@ def _llama_rank(rank, world):
             got.append(logits)
         after = _tensors(cache, prefix="cache") | _tensors(model, prefix="model") | _tensors(groups, prefix="groups")
         new = sorted(k for k, storage in after.items() if storage not in set(before.values()))
-        # Reference: one process, the whole sequence, no cache.
+        # Reference: unmodified transformers, one process, the whole sequence, no cache.
         ref = [[] for _ in range(STEPS)]
-        for b, s in enumerate(seqs):
-            full = model.forward(torch.tensor([s]))[0]
-            for i in range(STEPS):
-                ref[i].append(full[len(PROMPTS[b]) + i])
+        with torch.no_grad():
+            for b, s in enumerate(seqs):
+                full = plain(torch.tensor([s])).logits[0]
+                for i in range(STEPS):
+                    ref[i].append(full[len(PROMPTS[b]) + i])
         err = max(float((g - torch.stack(r)).abs().max()) for g, r in zip(got, ref))
         out[strategy] = {"err": err, "new_buffers": new, "shards": cache.shard_lengths,
                          "collectives": stats.collectives, "redos": redos}
@@ -95,9 +103,9 @@ def _llama_rank(rank, world):
     cache = model.new_cache(len(PROMPTS), 32, block_size=2)
     model.prefill(PROMPTS, cache)
     try:
-        with no_host_sync("Llama.decode_step"):
+        with no_host_sync("HFTreeModel.decode_step"):
             model.decode_step(torch.tensor([1, 2, 3]), cache, strategy="packed")
-            cache.seqlens.max().item()
+            cache.storage.seqlens.max().item()
         out["injected"] = "not caught"
     except HostSyncError as e:
         out["injected"] = str(e)
@@ -105,7 +113,7 @@ def _llama_rank(rank, world):
 
 
 def _rank(rank, world):
-    return {"llama": _llama_rank(rank, world)}
+    return {"hf": _hf_rank(rank, world)}
 
 
 @pytest.fixture(scope="module")
@@ -113,9 +121,9 @@ def results():
     return run_ranks(_rank, 4, timeout=240)
 
 
-def test_llama_decode_step_cp4_two_level_has_no_host_sync_and_is_exact(results):
+def test_transformers_decode_step_cp4_two_level_has_no_host_sync_and_is_exact(results):
     for r in results:
-        for strategy, res in r["llama"].items():
+        for strategy, res in r["hf"].items():
             if strategy == "injected":
                 continue
             assert res["err"] < 1e-5, (strategy, res["err"])
@@ -123,9 +131,9 @@ def test_llama_decode_step_cp4_two_level_has_no_host_sync_and_is_exact(results):
             assert res["collectives"] > 0
             assert res["redos"] == 0, (strategy, res["redos"])  # shifted: every step's shift was in range
         # every rank of 2 x 2 took part in the steps: the new tokens moved across ranks
-        shards = r["llama"]["two_level"]["shards"]
+        shards = r["hf"]["two_level"]["shards"]
         assert all(min(row) > 0 for row in shards), shards
-    assert "host sync inside Llama.decode_step: Tensor.item()" in results[0]["llama"]["injected"]
+    assert "host sync inside HFTreeModel.decode_step: Tensor.item()" in results[0]["hf"]["injected"]
 
 
 SYNCS = {

@@ -6,10 +6,10 @@ The default main job is a Megatron-Core GPTModel: local.sh runs it with random w
 CP 4 = 2 simulated nodes x 2; deepspeed.sh at CP 4 (2 x 2) and torchrun.sh at TP 2 x CP 2
 run a checkpoint written by a short Megatron training loop at CP = 1 (the ``trained``
 fixture, Megatron-LM's ``--save`` layout) and must generate the tokens Megatron's own
-StaticInferenceEngine generated at CP = 1. One Slurm script runs the library's Llama.
+StaticInferenceEngine generated at CP = 1. One Slurm script runs a transformers Qwen2.
 
 Each run's results.json must show the launched topology, exactness against the reference
-(Megatron's own model at CP = 1 with its DotProductAttention, or the unsharded Llama), the
+(Megatron's own model at CP = 1 with its DotProductAttention, or unmodified transformers), the
 generated token ids, collectives per level per step as the strategies promise, and an
 offline wandb run directory holding the run. Bad launches fail on every rank, quickly.
 """
@@ -195,8 +195,9 @@ def test_slurm_sbatch_runs_a_transformers_qwen2_with_tiers_from_slurm(tmp_path):
     """model.source hf: transformers' own Qwen2ForCausalLM (QKV biases, randomised) from a
     save_pretrained directory, tree attention as its attention backend, CP 4 = 2 x 2 with the
     tiers from SLURM_NTASKS_PER_NODE (intra_size null), held to single-process transformers.
-    (The library's Llama source shares this run's group building, models._cp_groups; its
-    own CP exactness is test_llama's.)"""
+    (model.source random builds its transformers Llama the same way, through the same
+    HFTreeModel and models._cp_groups; test_bad_launches and test_ranks_that_decode_different_tokens
+    run it.)"""
     from test_hf import hf_model
 
     ckpt = tmp_path / "qwen2"
@@ -228,7 +229,7 @@ def test_slurm_torchrun_sbatch_runs_megatrons_dynamic_engine(tmp_path):
 
 
 _BAD_RUNS = """
-import sys
+import os, sys
 from megatron_tree.eval import main
 out, ckpt, plain, stripped = sys.argv[1:]
 cases = [
@@ -238,8 +239,8 @@ cases = [
     ["topology.tp_size=2", "topology.cp_size=3", "topology.intra_size=null"],
 ]
 for case in cases:
-    print("exit", main(["--config", "configs/cpu_tiny.yaml", f"output_dir={out}", "topology.timeout_s=30", *case]),
-          flush=True)
+    rc = main(["--config", "configs/cpu_tiny.yaml", f"output_dir={out}", "topology.timeout_s=30", *case])
+    os.write(1, f"exit {rc}\\n".encode())  # one write: four ranks share the pipe, print() can interleave them
 """
 
 
@@ -297,7 +298,7 @@ def test_bad_launches_fail_on_every_rank(tmp_path):
                 _env(NPROC="4"), timeout=120)
     assert p.returncode != 0
     assert "error: topology.cp_size: 3 does not divide the launched world of 4" in p.stderr, p.stderr[-3000:]
-    # The Llama source: an intra-node level wider than the real nodes (2 tasks per node), found
+    # A random transformers Llama: an intra-node level wider than the real nodes (2 tasks per node), found
     # after the process group exists: without --kill-on-bad-exit every rank must still exit on
     # its own, none hangs.
     env = _slurm_env(MASTER_ADDR="127.0.0.1")

@@ -363,5 +363,5 @@ def test_gpu_check_needs_no_deepspeed_megatron_or_wandb(tmp_path):
     assert methods == {"ours", "sdpa_gqa", "sdpa_gqa_bhnd"}
     assert all(v["max_abs_diff"] < 1e-5 for v in steps["sweep"].values()) and len(steps["sweep"]) == 2
     assert all(v["max_abs_diff"] < 1e-5 for v in steps["merge"].values()) and len(steps["merge"]) == 3
-    # The capturable step composed from the model's modules equals Llama.decode_step.
-    assert steps["model_step"]["composed_decode_step_captured"]["max_abs_diff_vs_decode_step"] == 0.0
+    # The transformers decode step (HFTreeModel) the GPU captures equals transformers' own forward here.
+    assert steps["model_step"]["hf_decode_step_captured"]["max_abs_diff_vs_unsharded"] < 1e-5

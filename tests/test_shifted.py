@@ -5,9 +5,10 @@ by side (every rank is in one group of each layout; a layout's leftover ranks fo
 group that runs the same checks): shifts equal to, 30 above/below and 200 above/below the true lse, with uneven shards (rank 1
 holds no keys), a batch row with no key on any rank, a dominant shard, GQA, a causal
 multi-token query and rows whose scores are ~1e5 and -1e5 (issue 12 item 6); collectives are counted with torch's ``CommDebugMode`` (independently of
-``CommStats``). The 2 x 2 groups also generate with a 2-layer Llama and checks the tokens
-against transformers' and the merge collectives of every decode step, and drives a decode
-step whose deferred flag is raised (the redo path). The parent asserts on what ranks return.
+``CommStats``). The 2 x 2 groups also generate with a 2-layer transformers Llama (``HFTreeModel``)
+and check the tokens against unmodified transformers' and the merge collectives of every decode
+step, and drive a decode step whose deferred flag is raised (the redo path). The parent asserts
+on what ranks return.
 """
 
 import pytest
@@ -168,14 +169,14 @@ def generate_body(groups, path):
     import torch.distributed as dist
 
     from megatron_tree.decode.generate import GenerationHook, StepRunner, generate
-    from megatron_tree.models.llama import Llama
-    from test_llama import NEW_TOKENS, PROMPTS
+    from megatron_tree.integrations.hf import load_hf_model
+    from test_generate_cp1 import NEW_TOKENS, PROMPTS
 
-    model = Llama.from_pretrained(path, groups=groups)
+    model = load_hf_model(path, groups)
 
     class Count(GenerationHook):
         """Collectives of each decode forward, counted by wrapping torch.distributed's functions
-        (independent of CommStats; CommDebugMode's module tracker does not follow Llama's
+        (independent of CommStats; CommDebugMode's module tracker does not follow the model's
         decode path). The token broadcast comes after ``after_step``."""
 
         NAMES = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce_scatter")
@@ -246,7 +247,7 @@ def generate_body(groups, path):
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    from test_llama import NEW_TOKENS, PROMPTS, hf_greedy, make_checkpoint
+    from test_generate_cp1 import NEW_TOKENS, PROMPTS, hf_greedy, make_checkpoint
 
     path = tmp_path_factory.mktemp("llama_shifted")
     hf = make_checkpoint(path)
@@ -257,7 +258,7 @@ def test_shifted_exact_one_collective_and_generate(ckpt):
     """Worlds 2, 3, 2 x 2, 2 x 4: exact within 1e-5 of fp64 for every shift, one SUM when the
     shift is in range; at 2 x 2 generate's tokens equal transformers', one SUM per layer per
     step after the first, and a raised deferred flag redoes the step exactly."""
-    from test_llama import NEW_TOKENS
+    from test_generate_cp1 import NEW_TOKENS
 
     path, expected = ckpt
     results = run_ranks(run_all, 8, path, timeout=600)

@@ -10,8 +10,8 @@
 # time, GB/s vs the 4.8 TB/s peak and a measured copy, torch SDPA and its backend) ->
 # BLOCK_N x warps x stages sweep -> merge micro-benchmark -> a small model's decode step
 # captured in a CUDA graph. Then bench/precision.py on the GPU kernels, then the CUDA tests. Each part has its own time limit and a
-# failing part does not stop the others. Needs python3 with torch + triton + pytest only
-# (no deepspeed, megatron-core, wandb or flash-attn). Ahead-of-time compilation checks stay
+# failing part does not stop the others. Needs python3 with torch + triton + pytest, and
+# transformers for the model step (no deepspeed, megatron-core, wandb or flash-attn). Ahead-of-time compilation checks stay
 # on the CPU (tests/test_aot.py, bench/aot_triton36.sh).
 set -uo pipefail
 

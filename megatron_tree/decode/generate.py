@@ -13,7 +13,7 @@ This is the one decode loop of the package: the eval drives it too, through a
 :class:`GenerationHook` that times each step and keeps logits (no second loop beside this
 one). Any adapter that provides :class:`DecodeModel` runs in it -- Megatron-Core's
 ``GPTModel`` (``integrations.megatron.model.MegatronLM``), a transformers model
-(``integrations.hf.HFTreeModel``), the library's Llama -- and its cache
+(``integrations.hf.HFTreeModel``) -- and its cache
 :class:`DecodeCache`. The ``shifted`` redo lives here and only here (:class:`StepRunner`):
 the loop hands each ``decode_step`` a :class:`DecodeStep` whose :meth:`~DecodeStep.attend`
 is the one attention call every integration's layers make, reads the step's merge flags once,
@@ -414,7 +414,7 @@ def generate(
 ) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens after each prompt, on every rank of ``model.groups``.
 
-    model: a :class:`DecodeModel` adapter (``MegatronLM``, ``HFTreeModel``, the library's ``Llama``)
+    model: a :class:`DecodeModel` adapter (``MegatronLM``, ``HFTreeModel``)
     prompts: token-id lists of any (non-zero) lengths; every CP rank passes the same (checked:
         every CP rank must pass equal prompts and arguments, else every rank raises the same
         ``DisagreementError`` naming each rank's value; a rank whose own arguments are bad makes

@@ -15,7 +15,7 @@ The package is split the way a run goes:
 * :mod:`.launch` -- command line, launcher environment, checks before launch, process
   group, and :func:`run_eval`, which strings the parts together;
 * :mod:`.models` -- the model per ``model.source`` (Megatron-Core ``GPTModel`` at TP x CP,
-  the library's Llama) and the reference the run is held to;
+  transformers models) and the reference the run is held to;
 * :mod:`.run` -- the sweep over (context length, batch size, merge strategy), each a
   CP prefill and timed decode steps through :func:`megatron_tree.generate.generate` (the
   one decode loop) with a timing hook; exactness; passkey; perplexity;

@@ -92,7 +92,8 @@ def check_launch(cfg: RunConfig, world: int, env=None) -> int:
     topo, m = cfg.topology, cfg.model
     tp = topo.tp_size
     if tp > 1 and m.source != "megatron":
-        raise ConfigError(f"topology.tp_size: {tp} needs model.source megatron (the Llama and transformers sources are CP only)")
+        raise ConfigError(f"topology.tp_size: {tp} needs model.source megatron (the transformers sources hf and random "
+                          "are CP only)")
     if world % tp:
         raise ConfigError(
             f"topology.tp_size: {tp} does not divide the launched world of {world} rank(s); expected a divisor of {world}"
@@ -125,18 +126,38 @@ def check_launch(cfg: RunConfig, world: int, env=None) -> int:
     return cp
 
 
-def _hf_config(path: str) -> dict:
-    file = os.path.join(path, "config.json")
+def _json_object(file: str, what: str) -> dict:
+    """The JSON object in ``file``; anything else is a ConfigError naming the file."""
     try:
         with open(file, encoding="utf-8") as f:
             data = json.load(f)
     except json.JSONDecodeError as e:
         raise ConfigError(f"model.path: {file} is not valid JSON: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"model.path: {file} is not UTF-8 text ({e.reason} at byte {e.start}); expected "
+                          f"{what} (JSON)") from None
     except OSError as e:
         raise ConfigError(f"model.path: {file} cannot be read: {e}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"model.path: {file} must hold a JSON object, got {type(data).__name__}")
     return data
+
+
+def _hf_config(path: str) -> dict:
+    return _json_object(os.path.join(path, "config.json"), "a Hugging Face config.json")
+
+
+def _check_index(path: str) -> None:
+    """A sharded checkpoint's ``model.safetensors.index.json``: a weight map whose every file is in ``path``."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if not os.path.isfile(index):
+        return
+    weight_map = _json_object(index, "a safetensors index").get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ConfigError(f"model.path: {index} has no 'weight_map' object of tensor name -> file name")
+    for fname in sorted(set(weight_map.values())):
+        if not os.path.isfile(os.path.join(path, fname)):
+            raise ConfigError(f"model.path: {index} names {fname}, which is not in {path}")
 
 
 def check_safetensors(file: str) -> None:
@@ -201,7 +222,7 @@ def check_transformers_checkpoint(path: str) -> int:
     file = os.path.join(path, "config.json")
     try:
         cfg = AutoConfig.from_pretrained(path)
-    except (ValueError, KeyError, OSError) as e:
+    except Exception as e:  # noqa: BLE001 -- transformers' config errors (validation, unknown type) vary by release
         raise ConfigError(f"model.path: transformers cannot read {file}: {e}") from None
     try:
         cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg)]
@@ -211,8 +232,12 @@ def check_transformers_checkpoint(path: str) -> int:
             "causal-LM class in transformers (AutoModelForCausalLM); model.source hf runs decoder-only causal LMs "
             "such as Llama, Qwen2, Qwen3, Mistral"
         ) from None
-    with torch.device("meta"):
-        model = cls(cfg)
+    try:
+        with torch.device("meta"):
+            model = cls(cfg)
+    except Exception as e:  # noqa: BLE001 -- a config transformers parsed but cannot build a model of
+        raise ConfigError(f"model.path: transformers cannot build {cls.__name__} from {file}: "
+                          f"{type(e).__name__}: {e}") from None
     try:
         hf.check_model(model)
     except hf.UnsupportedModelError as e:
@@ -231,27 +256,11 @@ def check_model(m: ModelConfig):
     checkpoint = None
     if m.source == "hf":
         _check_files(m.path)
+        _hf_config(m.path)  # the config first: a broken one is named before any weight file
+        _check_index(m.path)
         for f in sorted(Path(m.path).glob("*.safetensors")):
             check_safetensors(str(f))
         max_pos = check_transformers_checkpoint(m.path)
-    elif m.source == "llama":
-        p = Path(m.path)
-        if not p.is_dir():
-            raise ConfigError(f"model.path: checkpoint directory {m.path!r} does not exist")
-        if not (p / "config.json").is_file():
-            raise ConfigError(f"model.path: {m.path!r} has no config.json (expected a Hugging Face checkpoint)")
-        files = sorted(p.glob("*.safetensors"))
-        if not files:
-            raise ConfigError(f"model.path: {m.path!r} has no *.safetensors weights")
-        max_pos = _hf_config(m.path).get("max_position_embeddings", max_pos)
-        from ..models import llama
-
-        full_check = getattr(llama, "check_checkpoint", None)  # issue 10's pre-flight, where it exists
-        if full_check is not None:
-            full_check(m.path)  # headers, tensor names and shapes; CheckpointError naming the file
-        else:
-            for f in files:
-                check_safetensors(str(f))
     elif m.source == "megatron" and m.path is not None:
         from ..integrations.megatron.model import check_checkpoint
         from .models import gpt_shape
@@ -484,12 +493,14 @@ def parse_args(argv):
 
 def is_user_error(e: BaseException) -> bool:
     """Config, topology and checkpoint errors: reported as one line, not a traceback."""
-    from ..models.llama import CheckpointError
     from ..topology import TopologyError
 
-    hf = sys.modules.get("megatron_tree.integrations.hf")  # loaded only by model.source hf
-    unsupported = (hf.UnsupportedModelError,) if hf is not None else ()
-    return isinstance(e, (ConfigError, TopologyError, CheckpointError, *unsupported))
+    # Loaded only by the sources that raise them: model.source hf / random, megatron.
+    hf = sys.modules.get("megatron_tree.integrations.hf")
+    megatron = sys.modules.get("megatron_tree.integrations.megatron.model")
+    extra = ((hf.UnsupportedModelError,) if hf is not None else ()) + \
+        ((megatron.CheckpointError,) if megatron is not None else ())
+    return isinstance(e, (ConfigError, TopologyError, *extra))
 
 
 def remove_stale_results(output_dir: str, rank: str) -> None:

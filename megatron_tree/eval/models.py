@@ -15,8 +15,9 @@ Invariant: whatever the source, the sweep sees one interface -- :class:`EvalMode
   tree attention as its attention backend (``integrations.hf``), weights replicated on every
   CP rank; the reference is the same transformers class in one process with the attention
   implementation it had before (``HFTreeModel.unsharded``), sharing the weight tensors;
-* ``random`` / ``llama`` -- the library's Llama, weights replicated on every CP rank; the
-  reference is an unsharded replica (``groups=None``) sharing the weight tensors.
+* ``random`` -- transformers' ``LlamaForCausalLM`` built from the ``model:`` shape fields,
+  its random weights drawn after seeding with ``model.seed`` (the same on every rank), run and
+  held to its reference exactly as ``hf`` is.
 
 Only this module and :mod:`.launch` know about ``model.source``; each function here takes
 the sub-configs it needs, not the whole run.
@@ -32,7 +33,7 @@ from dataclasses import dataclass, field
 
 from ..config import ConfigError, ModelConfig, TopologyConfig, to_dict
 
-__all__ = ["EvalModel", "gpt_shape", "megatron_layout", "build"]
+__all__ = ["EvalModel", "HFReference", "gpt_shape", "megatron_layout", "build", "load_hf", "random_llama"]
 
 
 @dataclass
@@ -93,9 +94,7 @@ def build(m: ModelConfig, topo: TopologyConfig, *, cp_size: int, rank: int, devi
     if m.source == "megatron":
         return _build_megatron(m, topo, cp_size=cp_size, rank=rank, device=device, env=env,
                                want_reference=want_reference, checkpoint=checkpoint, stack=stack)
-    if m.source == "hf":
-        return _build_hf(m, topo, cp_size=cp_size, rank=rank, device=device, env=env, want_reference=want_reference)
-    return _build_llama(m, topo, cp_size=cp_size, rank=rank, device=device, env=env, want_reference=want_reference)
+    return _build_hf(m, topo, cp_size=cp_size, rank=rank, device=device, env=env, want_reference=want_reference)
 
 
 def _cp_groups(topo: TopologyConfig, cp_size: int, env):
@@ -120,77 +119,87 @@ def _bos(path: str) -> list:
 # --------------------------------------------------------------------------- transformers
 
 
-def _build_hf(m: ModelConfig, topo: TopologyConfig, *, cp_size, rank, device, env, want_reference) -> EvalModel:
+class HFReference:
+    """The exactness reference of a transformers source: ``model`` (the unmodified class in one
+    process, sharing the run's weight tensors) as ``ids (batch, seqlen) -> logits (batch, seqlen, vocab)``."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, ids):
+        return self.model(input_ids=ids).logits
+
+
+def load_hf(m: ModelConfig):
+    """transformers' model for the checkpoint at ``m.path``, every tensor read from its files.
+
+    A class whose weights are not all in the ``*.safetensors`` (missing, or of other shapes) is a
+    ConfigError naming the directory and the tensors: transformers would run them with random
+    initial values. Called on every rank before any collective, so every rank fails alike.
+    """
     import torch
     from transformers import AutoModelForCausalLM
 
-    from ..integrations.hf import HFTreeModel
-    from ..models.llama import CheckpointError
-
-    if rank != 0:  # one loading bar per job, not one per rank
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-    # Loaded before any group exists: every rank reads the same files and fails alike.
+    # ignore_mismatched_sizes: transformers then lists tensors of other shapes instead of raising, and
+    # the check below names them with the missing ones.
     model, info = AutoModelForCausalLM.from_pretrained(m.path, dtype=getattr(torch, m.dtype),
-                                                       output_loading_info=True)
+                                                       output_loading_info=True, ignore_mismatched_sizes=True)
     missing, mismatched = list(info.get("missing_keys") or []), list(info.get("mismatched_keys") or [])
-    if missing or mismatched:  # transformers would run them with random initial values
+    if missing or mismatched:
         what = [f"missing {sorted(missing)[:6]}"] if missing else []
         what += [f"of other shapes {[k for k, *_ in mismatched][:6]}"] if mismatched else []
-        raise CheckpointError(
+        raise ConfigError(
             f"model.path: the *.safetensors in {m.path!r} do not hold {type(model).__name__}'s weights: "
             f"{len(missing) + len(mismatched)} tensors {'; '.join(what)}"
         )
+    return model
+
+
+def random_llama(m: ModelConfig):
+    """transformers' ``LlamaForCausalLM`` of the ``model:`` shape fields, random weights seeded by ``m.seed``.
+
+    Built on the CPU in float32 after ``torch.manual_seed(m.seed)`` and only then cast and moved,
+    so every rank (and every device) holds the same weights.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    fields = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling",
+              "max_position_embeddings", "tie_word_embeddings", "initializer_range")
+    shape = {k: getattr(m, k) for k in fields}
+    if shape["head_dim"] is None:
+        shape["head_dim"] = m.hidden_size // m.num_attention_heads
+    if shape["rope_scaling"] is not None:
+        shape["rope_scaling"] = dict(shape["rope_scaling"])
+    torch.manual_seed(m.seed)
+    return LlamaForCausalLM(LlamaConfig(**shape)).to(getattr(torch, m.dtype))
+
+
+def _build_hf(m: ModelConfig, topo: TopologyConfig, *, cp_size, rank, device, env, want_reference) -> EvalModel:
+    from ..integrations.hf import HFTreeModel
+
+    if m.source == "random":
+        model, bos = random_llama(m), []
+    else:
+        if rank != 0:  # one loading bar per job, not one per rank
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()
+        # Loaded before any group exists: every rank reads the same files and fails alike.
+        model, bos = load_hf(m), _bos(m.path)
     groups = _cp_groups(topo, cp_size, env)
     lm = HFTreeModel(model.to(device).eval(), groups)
     ref, attn = None, "its own"
     if want_reference and rank == 0:
-        plain = lm.unsharded()  # same weight tensors, the attention the model had before (sdpa/eager)
-        attn = repr(plain.config._attn_implementation)
-
-        def ref(ids):
-            return plain(input_ids=ids).logits
-
+        ref = HFReference(lm.unsharded())  # same weight tensors, the attention the model had before (sdpa/eager)
+        attn = repr(ref.model.config._attn_implementation)
     cfg = lm.config
     return EvalModel(lm, groups, cfg.vocab_size, cfg.num_attention_heads, cfg.head_dim, ref,
                      f"unmodified transformers {type(lm.hf).__name__} in one process (attn_implementation "
-                     f"{attn}), same weight tensors", _bos(m.path),
-                     {"source": "hf", "class": f"transformers.{type(lm.hf).__name__}", "tp_size": 1,
+                     f"{attn}), same weight tensors", bos,
+                     {"source": m.source, "class": f"transformers.{type(lm.hf).__name__}", "tp_size": 1,
                       "model_type": getattr(lm.hf.config, "model_type", None)})
-
-
-# --------------------------------------------------------------------------- Llama
-
-
-def _build_llama(m: ModelConfig, topo: TopologyConfig, *, cp_size, rank, device, env, want_reference) -> EvalModel:
-    import torch
-
-    from ..models.llama import Llama, LlamaConfig
-
-    groups = _cp_groups(topo, cp_size, env)
-    dtype = getattr(torch, m.dtype)
-    bos = []
-    if m.source == "llama":
-        model = Llama.from_pretrained(m.path, groups=groups, dtype=dtype, device=device)
-        lcfg = model.config
-        bos = _bos(m.path)
-    else:
-        wanted = {f.name for f in dataclasses.fields(LlamaConfig)}
-        lcfg = LlamaConfig(**{k: v for k, v in to_dict(m).items() if k in wanted})
-        torch.manual_seed(m.seed)  # identical random weights on every rank
-        model = Llama(lcfg, groups=groups, dtype=dtype)
-    model = model.to(device).eval()
-    ref = None
-    if want_reference and rank == 0:
-        # Built on the meta device and pointed at the model's tensors: no second copy of the weights.
-        with torch.device("meta"):
-            replica = Llama(lcfg, groups=None, dtype=dtype)
-        replica.load_state_dict(model.state_dict(), assign=True)
-        ref = replica.to(device).eval()
-    return EvalModel(model, groups, lcfg.vocab_size, lcfg.num_attention_heads, lcfg.head_dim, ref,
-                     "unsharded Llama (groups=None), same weight tensors", bos,
-                     {"source": m.source, "class": "megatron_tree.Llama", "tp_size": 1})
 
 
 # --------------------------------------------------------------------------- Megatron-Core

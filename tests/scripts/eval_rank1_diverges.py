@@ -3,7 +3,7 @@
 Rank 1's greedy choices then differ from rank 0's (argmin instead of argmax), so the run
 must record ``tokens_agree_across_ranks: false`` and exit non-zero on every rank: the
 cross-rank agreement check is shown able to fail. Run under torchrun with 2 processes,
-with the Llama source (configs/cpu_tiny_llama.yaml).
+with a random transformers Llama (configs/cpu_tiny_llama.yaml, ``model.source: random``).
 """
 
 import os
@@ -20,7 +20,7 @@ def _build(*args, **kwargs):
     em = _real_build(*args, **kwargs)
     if int(os.environ["RANK"]) == 1:
         with torch.no_grad():
-            em.lm.lm_head.weight.neg_()
+            em.lm.hf.lm_head.weight.neg_()
     return em
 
 

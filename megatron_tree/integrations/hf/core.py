@@ -19,8 +19,9 @@ extension points are filled:
   sequence gives each rank its own chunk of the prompt, with the global positions
   transformers would use, so every layer (attention, MLP, norms) processes ~1/CP of the
   tokens; the logits transformers asked for are assembled on every rank with one all-reduce.
-  Before it, the ranks compare the call's arguments (one small all-gather): a rank handed
-  another prompt fails with the others instead of computing a chunk of the wrong one. The
+  Before it, the ranks compare the call's arguments and the model's widths (one small
+  all-gather): a rank handed another prompt, or another model, fails with the others instead
+  of computing a chunk of the wrong one. The
   empty cache ``generate`` makes is swapped for a ``TreeCache`` (sized for the request while
   ``generate`` runs), which ``generate`` then carries from step to step. ``generate`` is
   wrapped to add a logits processor that hands every rank CP rank 0's random state before
@@ -614,6 +615,10 @@ def _checksum(t: torch.Tensor | None):
     return int(((flat.long() + 1) * w).sum())
 
 
+_WIDTHS = ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size")
+"""Model widths every CP rank's replica must share (compared at prefill)."""
+
+
 def _prefill(model, orig, binding: _Binding, cache: TreeCache, call: dict, batch: int, seq: int):
     """The forward that starts a sequence, each CP rank on its chunk.
 
@@ -660,10 +665,14 @@ def _prefill(model, orig, binding: _Binding, cache: TreeCache, call: dict, batch
         checked.update(lengths=lengths, pos_ids=pos.expand(batch, seq), wanted=wanted)
         return (batch, seq, _checksum(ids), _checksum(embeds), _checksum(mask), _checksum(pos.expand(batch, seq)),
                 _checksum(wanted),
-                binding.strategy, binding.prefill, binding.layout, binding.block_size, binding.new_tokens_hint)
+                binding.strategy, binding.prefill, binding.layout, binding.block_size, binding.new_tokens_hint,
+                *(getattr(cfg, n, None) for n in _WIDTHS))
 
+    # The model's shape too: replicas whose attention shapes agree but whose widths do not would pass every
+    # collective of the forward (chunks' keys, the logits' SUM) and return a mixture of two models.
+    cfg = _text_config(model.config)
     names = ("batch", "seq", "input_ids", "inputs_embeds", "attention_mask", "position_ids", "logits_wanted",
-             "strategy", "prefill", "layout", "block_size", "max_new_tokens")
+             "strategy", "prefill", "layout", "block_size", "max_new_tokens", *_WIDTHS)
     g = binding.groups
     group, ranks = (None, ()) if g is None else (g.cp_group, g.cp_ranks)
     agreement.agree("hf.prefill", names, signature, group, ranks, stats=binding.stats,
@@ -1046,7 +1055,11 @@ class HFTreeModel:
         if step is None:
             step = DecodeStep(strategy or b.strategy, stats if stats is not None else b.stats)
         ids = torch.as_tensor(next_ids, dtype=torch.long, device=self.device).reshape(-1, 1)
-        pos = torch.as_tensor([n for n in cache.lengths], dtype=torch.long, device=self.device)[:, None]
+        # The new tokens' positions are the rows' lengths, host bookkeeping; on CUDA they reach the
+        # device in a non-blocking copy from pinned memory (a pageable copy would make the host wait).
+        cuda = self.device.type == "cuda"
+        host = torch.tensor(cache.lengths, dtype=torch.long, pin_memory=cuda)
+        pos = host.to(self.device, non_blocking=cuda)[:, None]
         b.step = step
         try:
             out = self.hf(input_ids=ids, position_ids=pos, **{b.cache_kwarg: cache})

@@ -35,13 +35,16 @@ import torch.distributed as dist
 
 from ... import collectives
 from ...decode.prefill import assemble_logits
-from ...models.llama import CheckpointError
 
 __all__ = [
     "GPTShape", "CheckpointInfo", "resolve_checkpoint", "check_checkpoint", "expected_tensor_shapes",
     "transformer_config", "build_gpt", "single_rank_groups", "global_tensors", "fill_from_global",
     "read_global_tensors", "load_checkpoint", "MegatronLM", "MegatronReference", "CheckpointError", "IdTokenizer",
 ]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint path that does not describe the model the config asks for (the message names the file)."""
 
 
 class IdTokenizer:

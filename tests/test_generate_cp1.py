@@ -1,12 +1,13 @@
-"""Llama on the sharded cache against Hugging Face transformers, single process (CP = 1).
+"""The library's decode loop on a transformers model in one process (CP = 1), against transformers.
 
-The reference is a tiny random ``LlamaForCausalLM`` (GQA, Llama-3 rope scaling, init std
-0.2 so greedy choices are never near-ties) saved with safetensors. transformers is a
-test-only dependency: the model under test reads the files itself.
+``HFTreeModel`` (``integrations.hf``) puts transformers' own ``LlamaForCausalLM`` behind the
+protocol :func:`megatron_tree.decode.generate.generate` drives (``new_cache``, ``prefill``,
+``decode_step``). The model is a tiny random Llama (GQA, Llama-3 rope scaling, init std 0.2 so
+greedy choices are never near-ties) saved with safetensors; the reference is the unmodified
+transformers model in this process. The multi-rank runs of the same loop are
+``test_generate.py``; the eval's ``model.source: random`` model is built here too.
 """
 
-import json
-import math
 import os
 
 import pytest
@@ -14,8 +15,6 @@ import torch
 
 from megatron_tree.decode.cache import CacheOverflowError
 from megatron_tree.decode.generate import generate
-from megatron_tree.layer import rope_inv_freq
-from megatron_tree.models.llama import CheckpointError, Llama, LlamaConfig
 
 ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 64}
@@ -24,13 +23,13 @@ NEW_TOKENS = 16
 
 
 def hf_config(tie=False, **over):
-    from transformers import LlamaConfig as HFConfig
+    from transformers import LlamaConfig
 
     kw = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, max_position_embeddings=256, initializer_range=0.2,
               rope_scaling=dict(ROPE), rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=tie)
     kw.update(over)
-    return HFConfig(**kw)
+    return LlamaConfig(**kw)
 
 
 def make_checkpoint(path, *, tie=False, max_shard_size=None, seed=0):
@@ -62,7 +61,16 @@ def ckpt(tmp_path_factory):
     return path, hf
 
 
-def test_logits_match_transformers_single_and_sharded(ckpt, tmp_path):
+@pytest.fixture(scope="module")
+def model(ckpt):
+    from megatron_tree.integrations.hf import load_hf_model
+
+    return load_hf_model(ckpt[0], None)
+
+
+def test_loaded_logits_match_transformers_single_and_sharded(ckpt, tmp_path):
+    from megatron_tree.integrations.hf import load_hf_model
+
     path, hf = ckpt
     sharded = tmp_path / "sharded"
     hf.save_pretrained(str(sharded), safe_serialization=True, max_shard_size="40KB")
@@ -73,15 +81,14 @@ def test_logits_match_transformers_single_and_sharded(ckpt, tmp_path):
     # leaves 10x room; rtol=atol=1e-4 allowed ~7e-4 and let a 1.00002-scaled cached key through.
     with torch.no_grad():
         ref = hf(ids).logits
-    for where in (path, sharded):
-        ours = Llama.from_pretrained(where)(ids)
-        assert ours.shape == (2, 70, 128)
-        torch.testing.assert_close(ours, ref, rtol=0, atol=5e-5)
+        for where in (path, sharded):
+            ours = load_hf_model(where, None).hf(ids, use_cache=False).logits  # tree attention, every position
+            assert ours.shape == (2, 70, 128)
+            torch.testing.assert_close(ours, ref, rtol=0, atol=5e-5)
 
 
-def test_prefill_and_decode_logits_match_full_forward(ckpt):
-    path, hf = ckpt
-    model = Llama.from_pretrained(path)
+def test_prefill_and_decode_logits_match_full_forward(ckpt, model):
+    _, hf = ckpt
     seqs = [p + [7, 8, 9] for p in PROMPTS]
     cache = model.new_cache(2, 32, block_size=2)
     first = model.prefill(PROMPTS, cache)
@@ -95,60 +102,55 @@ def test_prefill_and_decode_logits_match_full_forward(ckpt):
                 torch.testing.assert_close(lg[b], ref[n + i], rtol=0, atol=5e-5)
 
 
+@pytest.fixture(scope="module")
+def expected(ckpt):
+    return hf_greedy(ckpt[1], PROMPTS, NEW_TOKENS)
+
+
 @pytest.mark.parametrize("layout", ["load_balanced", "contiguous"])
-def test_greedy_generate_matches_transformers_cp1(ckpt, layout):
-    path, hf = ckpt
-    model = Llama.from_pretrained(path)
+def test_greedy_generate_matches_transformers_cp1(model, expected, layout):
     cache = model.new_cache(2, 40, layout=layout, block_size=4)
     res = generate(model, PROMPTS, NEW_TOKENS, cache=cache, progress=False)
-    assert res.tokens == hf_greedy(hf, PROMPTS, NEW_TOKENS)
+    assert res.tokens == expected
     assert len(res.step_times) == NEW_TOKENS - 1 and all(t > 0 for t in res.step_times)
     assert res.prefill_time > 0
     assert cache.lengths == [len(p) + NEW_TOKENS - 1 for p in PROMPTS]
 
 
 def test_tied_embeddings(tmp_path):
-    hf = make_checkpoint(tmp_path, tie=True, seed=3)
     from safetensors import safe_open
 
+    from megatron_tree.integrations.hf import load_hf_model
+
+    hf = make_checkpoint(tmp_path, tie=True, seed=3)
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
         assert "lm_head.weight" not in f.keys()
-    model = Llama.from_pretrained(tmp_path)
-    assert model.lm_head is None
-    ids = torch.tensor([PROMPTS[1]])
+    model = load_hf_model(tmp_path, None)
+    assert model.hf.lm_head.weight.data_ptr() == model.hf.model.embed_tokens.weight.data_ptr()
+    cache = model.new_cache(1, 16)
+    first = model.prefill([PROMPTS[1]], cache)
     with torch.no_grad():
-        torch.testing.assert_close(model(ids), hf(ids).logits, rtol=0, atol=5e-5)
+        torch.testing.assert_close(first[0], hf(torch.tensor([PROMPTS[1]])).logits[0, -1], rtol=0, atol=5e-5)
 
 
-def test_config_layouts_and_rope_scaling():
-    v5 = json.loads(hf_config().to_json_string())
-    assert "rope_parameters" in v5  # transformers 5 layout
-    v4 = {k: v for k, v in v5.items() if k != "rope_parameters"}
-    v4["rope_theta"] = 10000.0
-    v4["rope_scaling"] = dict(ROPE)
-    a, b = LlamaConfig.from_hf(v5), LlamaConfig.from_hf(v4)
-    assert a == b
-    assert (a.num_key_value_heads, a.head_dim, a.rope_scaling["rope_type"]) == (2, 16, "llama3")
-    plain = rope_inv_freq(16, 10000.0)
-    scaled = rope_inv_freq(16, 10000.0, a.rope_scaling)
-    wavelen = 2 * math.pi / plain
-    # short wavelengths kept, long ones divided by the factor, the band between interpolated
-    assert torch.equal(scaled[wavelen < 16], plain[wavelen < 16])
-    torch.testing.assert_close(scaled[wavelen > 64], plain[wavelen > 64] / 8)
-    mid = (wavelen > 16) & (wavelen < 64)
-    assert mid.any() and ((scaled[mid] < plain[mid]) & (scaled[mid] > plain[mid] / 8)).all()
-    with pytest.raises(ValueError, match="unsupported rope_type 'yarn'"):
-        rope_inv_freq(16, 10000.0, {"rope_type": "yarn", "factor": 2.0})
+def test_random_source_is_seeded_and_an_ordinary_single_process_model():
+    """``model.source: random``: transformers' Llama of the config's shape, the same weights for
+    the same seed (every rank builds its own), exact through prefill and decode at CP 1."""
+    from megatron_tree.config import ModelConfig
+    from megatron_tree.eval.models import random_llama
+    from megatron_tree.integrations.hf import HFTreeModel
 
-
-def test_random_init_is_ordinary_single_process_model():
-    cfg = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=64)
-    torch.manual_seed(0)
-    model = Llama(cfg)
-    assert cfg.head_dim == 8 and model.cp_size == 1
-    ids = torch.randint(0, 50, (1, 9))
-    full = model(ids)[0]
+    m = ModelConfig(source="random", vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=64, seed=5)
+    a, b, c = random_llama(m), random_llama(m), random_llama(ModelConfig(**{**vars(m), "seed": 6}))
+    assert type(a).__name__ == "LlamaForCausalLM"
+    assert a.config.head_dim == 8 and a.config.num_key_value_heads == 1 and a.config.initializer_range == 0.2
+    sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
+    assert all(torch.equal(sa[n], sb[n]) for n in sa) and not torch.equal(sa["lm_head.weight"], sc["lm_head.weight"])
+    model = HFTreeModel(a.eval(), None)
+    ids = torch.randint(0, 50, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full = model.unsharded()(ids).logits[0]
     cache = model.new_cache(1, 16)
     first = model.prefill([ids[0, :5].tolist()], cache, method="allgather")
     torch.testing.assert_close(first[0], full[4], rtol=1e-5, atol=1e-5)
@@ -161,20 +163,23 @@ def test_random_init_is_ordinary_single_process_model():
 
 
 def _rewrite(src, dst, edit):
+    import shutil
+
     from safetensors.torch import load_file, save_file
 
-    os.makedirs(dst, exist_ok=True)
+    shutil.copytree(src, dst)
     tensors = load_file(os.path.join(src, "model.safetensors"))
     edit(tensors)
-    save_file(tensors, os.path.join(dst, "model.safetensors"))
-    with open(os.path.join(src, "config.json")) as f:
-        cfg = json.load(f)
-    with open(os.path.join(dst, "config.json"), "w") as f:
-        json.dump(cfg, f)
-    return cfg
+    save_file(tensors, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
 
 
-def test_missing_unexpected_and_misshapen_tensors_are_listed(ckpt, tmp_path):
+def test_missing_and_misshapen_tensors_are_listed(ckpt, tmp_path):
+    """The eval's loader refuses a class whose weights are not all in the files (transformers would
+    fill them randomly), naming the tensors; tensors the class has no place for are transformers'
+    to ignore (it warns), as its own from_pretrained does."""
+    from megatron_tree.config import ConfigError, ModelConfig
+    from megatron_tree.eval.models import load_hf
+
     path, _ = ckpt
 
     def drop_and_add(t):
@@ -183,47 +188,24 @@ def test_missing_unexpected_and_misshapen_tensors_are_listed(ckpt, tmp_path):
         t["model.layers.0.self_attn.q_norm.weight"] = torch.ones(16)
 
     _rewrite(path, tmp_path / "a", drop_and_add)
-    with pytest.raises(CheckpointError) as e:
-        Llama.from_pretrained(tmp_path / "a")
+    with pytest.raises(ConfigError) as e:
+        load_hf(ModelConfig(source="hf", path=str(tmp_path / "a")))
     msg = str(e.value)
-    assert "missing tensors ['model.layers.1.mlp.up_proj.weight', 'model.norm.weight']" in msg
-    assert "unexpected tensors ['model.layers.0.self_attn.q_norm.weight']" in msg
+    assert f"the *.safetensors in '{tmp_path / 'a'}' do not hold LlamaForCausalLM's weights: 2 tensors" in msg, msg
+    assert "missing ['model.layers.1.mlp.up_proj.weight', 'model.norm.weight']" in msg, msg
 
     def misshape(t):
         t["model.embed_tokens.weight"] = torch.zeros(100, 64)
 
     _rewrite(path, tmp_path / "b", misshape)
-    with pytest.raises(CheckpointError, match=r"model.embed_tokens.weight: \(100, 64\) \(expected \(128, 64\)\)"):
-        Llama.from_pretrained(tmp_path / "b")
-    with pytest.raises(CheckpointError, match="no model.safetensors"):
-        os.makedirs(tmp_path / "c")
-        with open(tmp_path / "c" / "config.json", "w") as f:
-            json.dump(json.loads(hf_config().to_json_string()), f)
-        Llama.from_pretrained(tmp_path / "c")
+    with pytest.raises(ConfigError, match=r"1 tensors of other shapes \['model.embed_tokens.weight'\]"):
+        load_hf(ModelConfig(source="hf", path=str(tmp_path / "b")))
 
 
-def test_unsupported_architecture_and_config(ckpt):
-    path, _ = ckpt
-    with open(path / "config.json") as f:
-        base = json.load(f)
-    with pytest.raises(CheckpointError, match=r"unsupported architecture \['MixtralForCausalLM'\]"):
-        LlamaConfig.from_hf({**base, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral"})
-    with pytest.raises(CheckpointError, match="unsupported model_type 'qwen2'"):
-        LlamaConfig.from_hf({**base, "architectures": None, "model_type": "qwen2"})
-    with pytest.raises(CheckpointError, match="attention_bias"):
-        LlamaConfig.from_hf({**base, "attention_bias": True})
-    with pytest.raises(CheckpointError, match="hidden_act 'gelu'"):
-        LlamaConfig.from_hf({**base, "hidden_act": "gelu"})
-    with pytest.raises(ValueError, match="multiple of num_key_value_heads"):
-        LlamaConfig.from_hf({**base, "num_key_value_heads": 3})
-
-
-def test_bad_generation_input(ckpt):
-    path, _ = ckpt
-    model = Llama.from_pretrained(path)
+def test_bad_generation_input(model):
     with pytest.raises(ValueError, match="prompt 1 is empty"):
         generate(model, [[1, 2], []], 4, progress=False)
-    with pytest.raises(ValueError, match="prompt 0 is empty"):
+    with pytest.raises(ValueError, match="non-empty token-id lists"):
         model.prefill([[]], model.new_cache(1, 8))
     with pytest.raises(ValueError, match=r"outside \[0, 128\): \[128\]"):
         generate(model, [[1, 128]], 4, progress=False)
@@ -236,11 +218,14 @@ def test_bad_generation_input(ckpt):
         generate(model, PROMPTS, 2, do_sample=True, temperature=0.0, progress=False)
     with pytest.raises(ValueError, match="unknown prefill method 'zigzag'"):
         model.prefill(PROMPTS, cache, method="zigzag")
+    # a cache that is full: the next decode step is refused, naming the size
+    full = model.new_cache(2, 13)
+    model.prefill(PROMPTS, full)
+    with pytest.raises(CacheOverflowError, match="a row already holds 13 tokens"):
+        model.decode_step(torch.tensor([1, 2]), full)
 
 
-def test_sampling_seeded_and_filtered(ckpt):
-    path, _ = ckpt
-    model = Llama.from_pretrained(path)
+def test_sampling_seeded_and_filtered(model):
     kw = dict(do_sample=True, temperature=1.5, top_k=20, top_p=0.9, progress=False)
     a = generate(model, PROMPTS, 8, seed=7, **kw).tokens
     b = generate(model, PROMPTS, 8, seed=7, **kw).tokens
