@@ -95,7 +95,9 @@ def sass_facts(text: str) -> dict:
     ldg_u16: 16-bit scalar global loads; ldg_128: 128-bit synchronous loads;
     ldgsts_128: 128-bit asynchronous global->shared copies (cp.async); ldgsts_narrow: narrower
     ones; ldg_64 / ldg_32: other loads; stl / ldl: spill traffic; mma: each MMA opcode with its
-    count (``HMMA.16816.F32.BF16``, ``HGMMA.64x64x16.F32.BF16``, ``HMMA.1688.F32.TF32`` ...).
+    count (``HMMA.16816.F32.BF16``, ``HGMMA.64x64x16.F32.BF16``, ``HMMA.1688.F32.TF32`` ...);
+    mufu_ex2: special-function exp2s; instructions: every instruction but ``NOP`` (the padding
+    after the kernel's end), so two builds of a kernel can be told apart.
     """
     lines = [ln.split("*/", 1)[1] if "*/" in ln else ln for ln in text.splitlines() if "/*" in ln]
     ops = [ln.strip().split(";")[0] for ln in lines]
@@ -108,6 +110,8 @@ def sass_facts(text: str) -> dict:
         "ldg_32": sum(bool(re.search(r"\bLDG\.E(\.(EL|EF|LU|CONSTANT|STRONG\.\w+))?\s", op + " ")) for op in ops),
         "stl": sum(bool(re.search(r"\bSTL\b", op)) for op in ops),
         "ldl": sum(bool(re.search(r"\bLDL\b", op)) for op in ops),
+        "mufu_ex2": sum(bool(re.search(r"\bMUFU\.EX2\b", op)) for op in ops),
+        "instructions": sum(bool(op) and not re.fullmatch(r"(@!?U?P\w+\s+)?NOP", op) for op in ops),
         "mma": {},
     }
     for op in ops:
