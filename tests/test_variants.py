@@ -81,10 +81,12 @@ def to_paged(t: torch.Tensor, page: int, seed: int = 1):
 
 
 def paged_kwargs(kw: dict, table: torch.Tensor, page: int) -> dict:
-    """The kwargs of a contiguous call for its paged twin: k_positions over max_blocks * page slots."""
+    """The kwargs of a contiguous call for its paged twin: k_positions padded to max_blocks * page
+    slots (the padding lies past every row's length: never visible)."""
     out = {**kw, "block_table": table}
     if "k_positions" in kw:
-        out["k_positions"] = torch.arange(table.shape[1] * page)
+        kpos = kw["k_positions"]
+        out["k_positions"] = torch.cat([kpos, kpos.new_zeros(table.shape[1] * page - kpos.shape[0])])
     return out
 
 
@@ -402,19 +404,22 @@ def test_nan_in_q_propagates_through_the_local_kernels_and_the_reference():
 
 
 def test_nan_in_a_hidden_key_is_never_read_and_in_a_visible_key_is_nan():
+    """K and V before a row's cache_starts (in its first tile) may hold anything, NaN included, and
+    change nothing; a NaN key that one query sees makes that query's rows NaN, and only those."""
     q, k, v, kw = make_case("everything_sq2")
     want_o, want_l = oracle(q, k, v, **kw)
-    hidden = k.clone()
-    hidden[0, 2] = NAN  # before row 0's cache_starts (4)
-    hidden[0, 34, 1] = NAN  # row 0's last key: visible to its last query only (causal)
-    vis_o, vis_l = oracle(q, hidden, v, **kw)
+    hidden_k, hidden_v = k.clone(), v.clone()
+    hidden_k[0, 2] = hidden_v[0, 2] = NAN  # before row 0's cache_starts (4)
+    for backend, extra in _backends():
+        out, lse = _local(backend, q.float(), hidden_k.float(), hidden_v.float(), kw, extra)
+        assert err(out, want_o) < 1e-5 and err(lse, want_l) < 1e-5, (backend, extra)
+    hidden_k[0, 34, 1] = NAN  # row 0's last key: visible to its last query only (causal)
+    vis_o, vis_l = oracle(q, hidden_k, hidden_v, **kw)
     assert torch.isnan(vis_l[0, 2:, 1]).all() and not torch.isnan(vis_l[0, :, 0]).any()
     assert not torch.isnan(vis_l[1]).any()
     for backend, extra in _backends():
-        out, lse = _local(backend, q.float(), hidden.float(), v.float(), kw, extra)
-        assert torch.equal(torch.isnan(lse), torch.isnan(vis_l)), (backend, extra)
-        fin = ~torch.isnan(vis_l)
-        assert (lse.double()[fin] - want_l[fin]).abs().max() < 1e-5
+        out, lse = _local(backend, q.float(), hidden_k.float(), hidden_v.float(), kw, extra)
+        _check_nan_rows(out, lse, vis_o, vis_l, 1e-5)
 
 
 @needs_interpreter
@@ -477,6 +482,14 @@ def variants_body(rank, world, intra):
                 out, lse = mt.tree_decode(q.float(), kl.float(), vl.float(), groups, strategy="packed",
                                           backend="triton", return_lse=True, **lkw)
                 report["exact"][(name, False, "triton", "packed", False)] = (err(out, want_o), err(lse, want_l))
+            # each rank's shard as a paged pool (8-slot blocks): the local kernel and the merge
+            (kp, table), (vp, _) = to_paged(kl.float(), 8, seed=rank), to_paged(vl.float(), 8, seed=rank)
+            o, l = mt.flash_decode(q.float(), kp, vp, out_dtype=torch.float32, lse_dtype=torch.float64,
+                                   **paged_kwargs(lkw, table, 8))
+            out, lse = comm.merge(o, l, groups, "two_level")
+            if with_sinks:
+                out, lse = reference.add_sink(out, lse, sinks)
+            report["exact"][(name, with_sinks, "torch", "paged two_level", False)] = (err(out, want_o), err(lse, want_l))
         if name == "window_gqa_sq1":  # which ranks the window left without a key (an empty shard)
             kl, vl, lkw = shard(k, v, kw, rank, world)
             _, lse = mt.flash_decode(q.float(), kl.float(), vl.float(), **lkw)
@@ -518,7 +531,7 @@ def variants_body(rank, world, intra):
 def test_tree_decode_variants_and_nan_at_cp3_and_2x2(world, intra):
     reports = run_ranks(variants_body, world, intra, timeout=540)
     for rank, rep in enumerate(reports):
-        assert len(rep["exact"]) == len(CASES) * (2 * (len(STRATEGIES) + 2) + 1)
+        assert len(rep["exact"]) == len(CASES) * (2 * (len(STRATEGIES) + 3) + 1)
         for key, (e_out, e_lse) in rep["exact"].items():
             assert e_out <= 1e-5 and e_lse <= 1e-5, f"rank {rank} {key}: errors {e_out:.2e}, {e_lse:.2e}"
         # the window (9 keys before position 36 of row 0) lies on the last rank: the others are empty

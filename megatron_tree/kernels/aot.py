@@ -96,8 +96,8 @@ def sass_facts(text: str) -> dict:
     ldgsts_128: 128-bit asynchronous global->shared copies (cp.async); ldgsts_narrow: narrower
     ones; ldg_64 / ldg_32: other loads; stl / ldl: spill traffic; mma: each MMA opcode with its
     count (``HMMA.16816.F32.BF16``, ``HGMMA.64x64x16.F32.BF16``, ``HMMA.1688.F32.TF32`` ...);
-    mufu_ex2: special-function exp2s; instructions: every instruction but ``NOP`` (the padding
-    after the kernel's end), so two builds of a kernel can be told apart.
+    mufu_ex2: special-function exp2s; isetp: integer compares (masks by position or slot);
+    instructions: every instruction but ``NOP`` (the padding after the kernel's end).
     """
     lines = [ln.split("*/", 1)[1] if "*/" in ln else ln for ln in text.splitlines() if "/*" in ln]
     ops = [ln.strip().split(";")[0] for ln in lines]
@@ -111,7 +111,8 @@ def sass_facts(text: str) -> dict:
         "stl": sum(bool(re.search(r"\bSTL\b", op)) for op in ops),
         "ldl": sum(bool(re.search(r"\bLDL\b", op)) for op in ops),
         "mufu_ex2": sum(bool(re.search(r"\bMUFU\.EX2\b", op)) for op in ops),
-        "instructions": sum(bool(op) and not re.fullmatch(r"(@!?U?P\w+\s+)?NOP", op) for op in ops),
+        "isetp": sum(bool(re.search(r"\bU?ISETP\b", op)) for op in ops),
+        "instructions": sum(bool(op.strip()) and not re.fullmatch(r"(@!?U?P\w+\s+)?NOP", op.strip()) for op in ops),
         "mma": {},
     }
     for op in ops:

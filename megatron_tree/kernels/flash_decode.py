@@ -156,6 +156,8 @@ def _split_kv_kernel(
         # tile stays inside one block) and masks the keys of its first tile below ``first``.
         first = tl.minimum(tl.maximum(tl.load(STARTS + b), 0), N)
         loop_start = tl.maximum(start, first // BLOCK_N * BLOCK_N)
+        # first <= key < end as one unsigned compare: key - first wraps past span below first
+        span = (tl.maximum(end, first) - first).to(tl.uint32)
     else:
         loop_start = start
 
@@ -194,10 +196,15 @@ def _split_kv_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
     for n0 in range(loop_start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
+        # n_ok: keys below end, which K and positions are read for (memory of this row);
+        # in_range: the valid ones, which V is read for and the scores kept of. They differ
+        # only in the first tile of a row with cache_starts: a K row below the start may hold
+        # anything (a masked score), a V row may not (0 * NaN in the second product).
+        n_ok = offs_n < end
         if HAS_STARTS:
-            n_ok = (offs_n < end) & (offs_n >= first)
+            in_range = (offs_n - first).to(tl.uint32) < span
         else:
-            n_ok = offs_n < end
+            in_range = n_ok
         if PAGE == 0:
             k_rows = offs_n.to(tl.int64) * s_kn
             v_rows = offs_n.to(tl.int64) * s_vn
@@ -208,7 +215,9 @@ def _split_kv_kernel(
             k_rows = blk * s_kb + slot * s_kn
             v_rows = blk * s_vb + slot * s_vn
         else:
-            blk = tl.load(bt_row + offs_n // PAGE, mask=n_ok, other=0).to(tl.int64)
+            # keys before a row's start read block 0 (any block: their scores are masked), so
+            # the table entries of blocks a sliding window has freed are never used
+            blk = tl.load(bt_row + offs_n // PAGE, mask=in_range, other=0).to(tl.int64)
             slot = (offs_n % PAGE).to(tl.int64)
             k_rows = blk * s_kb + slot * s_kn
             v_rows = blk * s_vb + slot * s_vn
@@ -217,9 +226,9 @@ def _split_kv_kernel(
         else:
             kv_mask = n_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
         if HEAD_DIM_V == BLOCK_DV:
-            v_mask = n_ok[:, None]
+            v_mask = in_range[:, None]
         else:
-            v_mask = n_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V)
+            v_mask = in_range[:, None] & (offs_dv[None, :] < HEAD_DIM_V)
         k = tl.load(k_base + k_rows[:, None] + offs_d[None, :] * s_kd, mask=kv_mask, other=0.0)
         if EXACT_INPUTS:
             k = k.to(tl.float32)
@@ -228,11 +237,11 @@ def _split_kv_kernel(
             scores = soft_cap(scores, softcap)
         if CAUSAL:
             kpos = tl.load(KPOS + b64 * s_kpb + offs_n.to(tl.int64) * s_kpn, mask=n_ok, other=0).to(tl.int32)
-            visible = n_ok[None, :] & (kpos[None, :] <= qpos[:, None])
+            visible = in_range[None, :] & (kpos[None, :] <= qpos[:, None])
             if WINDOW:
                 visible = visible & (kpos[None, :] > qlo[:, None])
         else:
-            visible = n_ok[None, :]
+            visible = in_range[None, :]
         scores = tl.where(visible, scores, float("-inf"))
         # A NaN score: tl.max / tl.maximum drop NaN on the GPU (PTX max.f32) and the interpreter
         # keeps it (numpy), so m may be finite or NaN; p and l are NaN either way, and stay so.
