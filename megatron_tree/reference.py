@@ -359,7 +359,8 @@ def partial_attention(
     cache_seqlens: (batch,) int32 -- keys ``[0, cache_seqlens[b])`` of row b are valid
     cache_starts: (batch,) int32 -- keys before ``cache_starts[b]`` of row b are not (left
         padding, or the slots a sliding window has passed); valid keys are
-        ``[cache_starts[b], cache_seqlens[b])``
+        ``[cache_starts[b], cache_seqlens[b])``, and what other slots hold never counts (NaN
+        included; keys hidden by position are keys of weight 0, as in the kernels)
     q_positions: (batch, seqlen_q), k_positions: (batch, seqlen_k) or (seqlen_k,) -- global
         token positions (with a block table: of each row's keys in that logical order); when
         given, key j is visible to query i iff k_pos[j] <= q_pos[i]
@@ -398,6 +399,8 @@ def partial_attention(
     if cache_starts is not None:
         after = (slot >= cache_starts[:, None].to(torch.int64))[:, None, None, :]
         mask = after if mask is None else mask & after
+    if mask is not None:  # slots outside [start, length) are no keys: whatever they hold never counts
+        vt = torch.where(mask[:, 0, 0, :, None].unsqueeze(1), vt, torch.zeros((), dtype=vt.dtype))
     if q_positions is not None:
         kp = (k_positions if k_positions.dim() == 2 else k_positions[None, :].expand(b, n)).to(torch.int64)
         qp = q_positions.to(torch.int64)
