@@ -279,9 +279,10 @@ _WITHOUT = {"window": "causal", "softcap": "gqa", "starts": "gqa", "paged16_star
 
 
 def test_variants_are_compiled_out_when_off(rows):
-    """Each variant is a compile-time switch: its build of a shape has more of the instructions
-    it needs than the build without it -- integer compares for a window's or a start's bound,
-    MUFU.EX2 for soft-capping's tanh -- so a call without it runs none of its code."""
+    """Each variant is a compile-time switch: its build of a shape runs other instructions than the
+    build without it, and more of those it needs -- integer compares for a start's bound,
+    MUFU.EX2 for soft-capping's tanh (a window replaces the causal compare by one unsigned
+    compare: the same count) -- so a call without it runs none of its code."""
     decode = [r for r in rows if r["kernel"] == "decode"]
     key = lambda r, variant: (variant, r["dtype"], r["d"], r["heads"], r["sq"], r["arch"])  # noqa: E731
     by_key = {key(r, r["variant"]): r for r in decode}
@@ -289,8 +290,10 @@ def test_variants_are_compiled_out_when_off(rows):
     assert {r["variant"] for r, _ in pairs} == set(_WITHOUT), sorted({r["variant"] for r in decode})
     for with_, without in pairs:
         assert without is not None, f"no build without {with_['variant']} to compare:\n{_show([with_])}"
-        fact = "mufu_ex2" if with_["variant"] == "softcap" else "isetp"
-        assert with_[fact] > without[fact], (fact, _show([with_, without]))
+        assert with_["opcodes"] != without["opcodes"], _show([with_, without])
+        fact = {"softcap": "mufu_ex2", "starts": "isetp"}.get(with_["variant"])
+        if fact:
+            assert with_[fact] > without[fact], (fact, _show([with_, without]))
 
 
 def test_merge_kernel_reads_partials_with_vector_loads(rows):
@@ -358,6 +361,10 @@ def test_sass_facts_read_the_instructions_that_matter():
         "HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], R24", "MUFU.EX2 R3, R2", "ISETP.GE.AND P0, PT, R2, R3, PT",
         "NOP"]))
     facts = sass_facts(sass)
+    digest = facts.pop("opcodes")
+    assert re.fullmatch(r"[0-9a-f]{16}", digest)
+    assert sass_facts(sass.replace("HMMA.1688.F32.TF32 R0", "HMMA.1688.F32.TF32 R8"))["opcodes"] == digest
+    assert sass_facts(sass.replace("STL [R1], R6", "STL.64 [R1], R6"))["opcodes"] != digest
     assert facts == {"ldg_u16": 1, "ldg_128": 1, "ldgsts_128": 2, "ldgsts_narrow": 1, "ldg_64": 1, "ldg_32": 1,
                      "stl": 1, "ldl": 0, "mufu_ex2": 1, "isetp": 1, "instructions": 14,
                      "mma": {"HMMA.16816.F32.BF16": 2, "HMMA.1688.F32.TF32": 1, "HGMMA.64x64x16.F32.BF16": 1}}

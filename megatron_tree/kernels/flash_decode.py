@@ -179,8 +179,8 @@ def _split_kv_kernel(
     if CAUSAL:
         # Positions are compared as int32 (token positions stay below 2^31): half the registers.
         qpos = tl.load(QPOS + b64 * s_qpb + s.to(tl.int64) * s_qps, mask=row_ok, other=0).to(tl.int32)
-        if WINDOW:  # key visible iff kpos > qlo = qpos - window (formed in int64, clamped to int32)
-            qlo = tl.maximum(qpos.to(tl.int64) - window, -2147483648).to(tl.int32)
+        if WINDOW:
+            wnd = window.to(tl.uint32)
 
     hkv64 = hkv.to(tl.int64)
     if PAGE == 0:
@@ -237,9 +237,10 @@ def _split_kv_kernel(
             scores = soft_cap(scores, softcap)
         if CAUSAL:
             kpos = tl.load(KPOS + b64 * s_kpb + offs_n.to(tl.int64) * s_kpn, mask=n_ok, other=0).to(tl.int32)
-            visible = in_range[None, :] & (kpos[None, :] <= qpos[:, None])
-            if WINDOW:
-                visible = visible & (kpos[None, :] > qlo[:, None])
+            if WINDOW:  # q - window < k <= q, i.e. 0 <= q - k < window: one unsigned compare
+                visible = in_range[None, :] & ((qpos[:, None] - kpos[None, :]).to(tl.uint32) < wnd)
+            else:
+                visible = in_range[None, :] & (kpos[None, :] <= qpos[:, None])
         else:
             visible = in_range[None, :]
         scores = tl.where(visible, scores, float("-inf"))
@@ -288,11 +289,15 @@ def _split_kv_kernel(
 
 
 def decode_config(headdim: int, rows: int, dtype: torch.dtype, paged: bool = False,
-                  headdim_v: int | None = None) -> dict:
+                  headdim_v: int | None = None, page: int = 0, starts: bool = False) -> dict:
     """Launch constants for one call: tile sizes, warps, stages and the dot precision.
 
-    headdim: D of q and k; headdim_v: V's (default D; MLA's may be smaller), the tiles are sized
-    for the wider of the two; rows: query rows per KV head (GQA group size x Sq). Head dims that are not a
+    headdim: D of q and k; headdim_v: V's (default D; MLA's may be smaller): tiles are sized for
+    the wider of the two, warps for V's (the accumulator's) width -- MLA's 192/128 takes 4, as
+    D 128 does (8 spill 8 bytes on sm_90 under Triton 3.6); page, starts: a paged cache whose
+    blocks are smaller than a 64-key tile (one block id per key) with ``cache_starts`` takes
+    32-key tiles (64 need 200 registers under Triton 3.6);
+    rows: query rows per KV head (GQA group size x Sq). Head dims that are not a
     power of two (80, 96) are padded to the next one with a compile-time mask. Query rows
     come in tiles of 16 (decode with GQA groups up to 16) or, for larger groups and several
     query tokens in fp16/bf16, of up to 64 / 32 / 16 rows for head dims 64 / 128 / 256
@@ -312,14 +317,17 @@ def decode_config(headdim: int, rows: int, dtype: torch.dtype, paged: bool = Fal
         raise TypeError(f"flash_decode kernel supports {SUPPORTED_DTYPES}, got {dtype}")
     block_dv = max(16, triton.next_power_of_2(headdim_v))
     block_d = max(16, triton.next_power_of_2(headdim), block_dv)  # tile sizes follow the wider
-    cfg = _tiles(block_d, rows, dtype, paged)
+    cfg = _tiles(block_d, block_dv, rows, dtype, paged)
     cfg["BLOCK_D"] = max(16, triton.next_power_of_2(headdim))
     cfg["BLOCK_DV"] = block_dv
+    if starts and page and page % cfg["BLOCK_N"]:
+        cfg["BLOCK_N"] = min(cfg["BLOCK_N"], 32)
     return cfg
 
 
-def _tiles(block_d: int, rows: int, dtype: torch.dtype, paged: bool) -> dict:
-    """:func:`decode_config`'s tiles, warps and stages for head-dim tiles of ``block_d``."""
+def _tiles(block_d: int, block_dv: int, rows: int, dtype: torch.dtype, paged: bool) -> dict:
+    """:func:`decode_config`'s tiles, warps and stages for head-dim tiles of ``block_d`` (the
+    wider of K's and V's) and an accumulator ``block_dv`` wide (= block_d unless MLA)."""
     if dtype == torch.float32:
         # Not the performance path: fp32 K/V tiles are staged twice as large and split
         # three ways for tf32x3, so tiles stay small (a 64 x 256 query tile overflows A100's
@@ -336,7 +344,7 @@ def _tiles(block_d: int, rows: int, dtype: torch.dtype, paged: bool) -> dict:
         "BLOCK_D": block_d,
         "DOT_PRECISION": "tf32",  # unused for fp16/bf16 inputs (they multiply as they are)
         # Wider tiles take 8 warps: with 4, sm_80 needs up to 200 registers.
-        "num_warps": 4 if block_m == 16 and block_d <= 128 else 8,
+        "num_warps": 4 if block_m == 16 and block_dv <= 128 else 8,
         "num_stages": 5 if paged else 3,
     }
 
@@ -508,7 +516,8 @@ def decode_launches(q, k, v, *, block_table=None, cache_seqlens=None, softmax_sc
     page = 0 if block_table is None else k.shape[1]
     n = k.shape[1] if block_table is None else block_table.shape[1] * page
     g = hq // hkv
-    cfg = decode_config(d, g * sq, q.dtype, paged=block_table is not None, headdim_v=dv)
+    cfg = decode_config(d, g * sq, q.dtype, paged=block_table is not None, headdim_v=dv, page=page,
+                        starts=cache_starts is not None)
     cfg.update(config or {})
     if block_n is not None:
         cfg["BLOCK_N"] = block_n
