@@ -106,8 +106,7 @@ def _feature_cases(dtype, d, hq, hkv, sq, only=FEATURES + VARIANTS):
     if "softcap" in only:
         yield {"variant": "softcap", **label}, q, kv, kv, {"softcap": 50.0}
     if "starts" in only:
-        yield {"variant": "starts", **label}, q, kv, kv, {"cache_starts": torch.tensor([3, 100], dtype=torch.int32),
-                                                          "cache_seqlens": torch.tensor([N, N], dtype=torch.int32)}
+        yield {"variant": "starts", **label}, q, kv, kv, {"cache_starts": torch.tensor([3, 100], dtype=torch.int32)}
     for page in (16, 256):
         for starts in ("", "_starts"):
             if f"paged{page}{starts}" in only:
@@ -268,13 +267,16 @@ def test_non_causal_decode_loads_no_positions(rows):
     decode = [r for r in rows if r["kernel"] == "decode"]
     for r in decode:
         narrow = r["ldg_64"] + r["ldg_32"] + r["ldgsts_narrow"] + r["ldg_u16"]
-        if r["variant"] in ("causal", "window", "gemma2", "starts"):
+        if r["variant"] in ("causal", "window", "gemma2"):
             assert narrow >= 2, _show([r])
+        elif r["variant"] == "starts":
+            assert narrow >= 1, _show([r])
         elif r["variant"] in ("gqa", "mqa", "mqa_sq2", "softcap"):
             assert narrow == 0, _show([r])
 
 
-# variant -> the build of the same shape without it
+# variant -> the build of the same shape without it (the plain GQA shape's; the full matrix also
+# has variants of shapes whose plain build differs in more, e.g. MQA's split count: not compared)
 _WITHOUT = {"window": "causal", "softcap": "gqa", "starts": "gqa", "paged16_starts": "paged16"}
 
 
@@ -287,9 +289,10 @@ def test_variants_are_compiled_out_when_off(rows):
     key = lambda r, variant: (variant, r["dtype"], r["d"], r["heads"], r["sq"], r["arch"])  # noqa: E731
     by_key = {key(r, r["variant"]): r for r in decode}
     pairs = [(r, by_key.get(key(r, _WITHOUT[r["variant"]]))) for r in decode if r["variant"] in _WITHOUT]
+    pairs = [(with_, without) for with_, without in pairs if without is not None
+             and with_["out"] == without["out"] and with_["splits"] == without["splits"]]
     assert {r["variant"] for r, _ in pairs} == set(_WITHOUT), sorted({r["variant"] for r in decode})
     for with_, without in pairs:
-        assert without is not None, f"no build without {with_['variant']} to compare:\n{_show([with_])}"
         assert with_["opcodes"] != without["opcodes"], _show([with_, without])
         fact = {"softcap": "mufu_ex2", "starts": "isetp"}.get(with_["variant"])
         if fact:
