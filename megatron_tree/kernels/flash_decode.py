@@ -152,12 +152,17 @@ def _split_kv_kernel(
     start = split * chunk
     end = tl.minimum(start + chunk, seqlen)
     if HAS_STARTS:
-        # Keys [first, seqlen) are valid. The loop starts at a multiple of BLOCK_N (a paged
-        # tile stays inside one block) and masks the keys of its first tile below ``first``.
+        # Keys [first, seqlen) are valid. A contiguous cache, or a paged one with a block id per
+        # key, starts its loop at ``first`` itself: no key below it is ever in a tile. Tiles
+        # that lie inside one block (PAGE % BLOCK_N == 0) start at a multiple of BLOCK_N and
+        # mask the keys of their first tile below ``first``.
         first = tl.minimum(tl.maximum(tl.load(STARTS + b), 0), N)
-        loop_start = tl.maximum(start, first // BLOCK_N * BLOCK_N)
-        # first <= key < end as one unsigned compare: key - first wraps past span below first
-        span = (tl.maximum(end, first) - first).to(tl.uint32)
+        if PAGE != 0 and PAGE % BLOCK_N == 0:
+            loop_start = tl.maximum(start, first // BLOCK_N * BLOCK_N)
+            # first <= key < end as one unsigned compare: key - first wraps past span below first
+            span = (tl.maximum(end, first) - first).to(tl.uint32)
+        else:
+            loop_start = tl.maximum(start, first)
     else:
         loop_start = start
 
@@ -198,10 +203,10 @@ def _split_kv_kernel(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         # n_ok: keys below end, which K and positions are read for (memory of this row);
         # in_range: the valid ones, which V is read for and the scores kept of. They differ
-        # only in the first tile of a row with cache_starts: a K row below the start may hold
-        # anything (a masked score), a V row may not (0 * NaN in the second product).
+        # only in the first tile of a row with cache_starts in whole-tile blocks: a K row below
+        # the start may hold anything (a masked score), a V row may not (0 * NaN in the PV product).
         n_ok = offs_n < end
-        if HAS_STARTS:
+        if HAS_STARTS and PAGE != 0 and PAGE % BLOCK_N == 0:
             in_range = (offs_n - first).to(tl.uint32) < span
         else:
             in_range = n_ok
@@ -215,9 +220,7 @@ def _split_kv_kernel(
             k_rows = blk * s_kb + slot * s_kn
             v_rows = blk * s_vb + slot * s_vn
         else:
-            # keys before a row's start read block 0 (any block: their scores are masked), so
-            # the table entries of blocks a sliding window has freed are never used
-            blk = tl.load(bt_row + offs_n // PAGE, mask=in_range, other=0).to(tl.int64)
+            blk = tl.load(bt_row + offs_n // PAGE, mask=n_ok, other=0).to(tl.int64)
             slot = (offs_n % PAGE).to(tl.int64)
             k_rows = blk * s_kb + slot * s_kn
             v_rows = blk * s_vb + slot * s_vn
@@ -289,14 +292,12 @@ def _split_kv_kernel(
 
 
 def decode_config(headdim: int, rows: int, dtype: torch.dtype, paged: bool = False,
-                  headdim_v: int | None = None, page: int = 0, starts: bool = False) -> dict:
+                  headdim_v: int | None = None) -> dict:
     """Launch constants for one call: tile sizes, warps, stages and the dot precision.
 
     headdim: D of q and k; headdim_v: V's (default D; MLA's may be smaller): tiles are sized for
     the wider of the two, warps for V's (the accumulator's) width -- MLA's 192/128 takes 4, as
-    D 128 does (8 spill 8 bytes on sm_90 under Triton 3.6); page, starts: a paged cache whose
-    blocks are smaller than a 64-key tile (one block id per key) with ``cache_starts`` takes
-    32-key tiles (64 need 200 registers under Triton 3.6);
+    D 128 does (8 spill 8 bytes on sm_90 under Triton 3.6);
     rows: query rows per KV head (GQA group size x Sq). Head dims that are not a
     power of two (80, 96) are padded to the next one with a compile-time mask. Query rows
     come in tiles of 16 (decode with GQA groups up to 16) or, for larger groups and several
@@ -320,8 +321,6 @@ def decode_config(headdim: int, rows: int, dtype: torch.dtype, paged: bool = Fal
     cfg = _tiles(block_d, block_dv, rows, dtype, paged)
     cfg["BLOCK_D"] = max(16, triton.next_power_of_2(headdim))
     cfg["BLOCK_DV"] = block_dv
-    if starts and page and page % cfg["BLOCK_N"]:
-        cfg["BLOCK_N"] = min(cfg["BLOCK_N"], 32)
     return cfg
 
 
@@ -516,8 +515,7 @@ def decode_launches(q, k, v, *, block_table=None, cache_seqlens=None, softmax_sc
     page = 0 if block_table is None else k.shape[1]
     n = k.shape[1] if block_table is None else block_table.shape[1] * page
     g = hq // hkv
-    cfg = decode_config(d, g * sq, q.dtype, paged=block_table is not None, headdim_v=dv, page=page,
-                        starts=cache_starts is not None)
+    cfg = decode_config(d, g * sq, q.dtype, paged=block_table is not None, headdim_v=dv)
     cfg.update(config or {})
     if block_n is not None:
         cfg["BLOCK_N"] = block_n
