@@ -176,7 +176,10 @@ def flash_decode(
     window: sliding window, with positions only: query at position p sees keys j with
         ``p - window < j <= p`` (transformers' ``sliding_window``, its
         ``sliding_window_causal_mask_function``; flash-attn's and Megatron's
-        ``window_size=(window - 1, 0)``); a shard with no key inside is an empty partial
+        ``window_size=(window - 1, 0)``); a shard with no key inside is an empty partial.
+        The kernel still reads every key up to cache_seqlens and masks by position; a caller
+        that knows the first slot inside the window may pass it as cache_starts too (same
+        result), and the tiles before it are skipped
     softcap: scores -> ``softcap * tanh(scores / softcap)`` before the softmax (Gemma 2's
         ``attn_logit_softcapping``); the lse is over the capped scores
     sinks: (nheads_q,) float, one logit per query head joining the softmax with a zero value
