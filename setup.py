@@ -18,8 +18,10 @@ setup(
         "triton>=3.6,<3.10",  # 3.6 on the GPU machine, 3.7.1 pinned by launch/setup.sh
         "numpy",
         "deepspeed>=0.19,<0.20",  # the CPU shm-op switch in integrations/deepspeed.py is 0.19's
-        # patches/ are pinned to 0.16.1, the newest release for Python 3.11.
-        "megatron-core>=0.16.1,<0.17",
+        # 0.16.1 is the newest release for Python 3.11 (patches/ are pinned to it); 0.17+ need
+        # Python >= 3.12, where 0.19.x is the release the module-slot integration is written for.
+        "megatron-core>=0.16.1,<0.17; python_version < '3.12'",
+        "megatron-core>=0.19,<0.20; python_version >= '3.12'",
         "wandb>=0.20",
         "pyyaml",
         "safetensors",

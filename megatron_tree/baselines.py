@@ -22,7 +22,7 @@ bit-identical outputs -- a requirement when every rank samples the next token it
 Traffic is recorded in a :class:`comm.CommStats` under level ``"cp"``: a point-to-point
 message counts its bytes once as payload and once as sent; an all-gather counts
 ``(P-1) * payload`` sent, the same model ``comm.py`` uses. Collectives go through
-``collectives.py`` inside the CP group's :class:`~megatron_tree.collectives.Agreement` on
+``collectives.py`` inside the CP group's :class:`~megatron_tree.agreement.Agreement` on
 :data:`BASELINE_SIGNATURE` (ranks that disagree get a :class:`DisagreementError`, not a gloo
 abort); :meth:`ShardPlan.build` exchanges the KV shapes with the lengths.
 """
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import collectives, ops, reference
+from . import agreement, collectives, ops, reference
 from .comm import CommStats
 from .topology import TreeGroups
 
@@ -43,7 +43,6 @@ __all__ = ["ShardPlan", "ring_decode", "passq_ring_decode", "allgather_kv_decode
 BASELINES = ("ring", "passq_ring", "allgather_kv")
 BASELINE_SIGNATURE = ("batch", "seqlen_q", "heads_q", "heads_kv", "headdim", "dtype", "backend", "shard_lengths")
 """What every CP rank of a baseline decode must agree on."""
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 @dataclass
@@ -69,21 +68,13 @@ class ShardPlan:
     def build(cls, k: torch.Tensor, groups: TreeGroups) -> "ShardPlan":
         """Exchange shard lengths; every CP rank calls this with its own k: (batch, shard_len, nheads_kv, headdim).
 
-        One all-gather of (shard_len, batch, nheads_kv, headdim, dtype) per rank: ranks whose
-        KV shapes differ raise :class:`DisagreementError` here, naming each rank's value.
+        One all-gather of (status, shard_len, batch, nheads_kv, headdim, dtype) per rank
+        (``agreement.agree``): ranks whose KV shapes differ raise :class:`DisagreementError`
+        here, naming each rank's value.
         """
         b, n, hkv, d = k.shape
-        code = _DTYPES.index(k.dtype) if k.dtype in _DTYPES else -1
-        mine = torch.tensor([n, b, hkv, d, code], dtype=torch.int64, device=k.device)  # NCCL needs device tensors
-        rows = [mine.tolist()]
-        if groups.size > 1:
-            rows = collectives.all_gather(mine, groups.cp_group, what="ShardPlan.build: exchanging KV shapes").tolist()
-        name = lambda c: str(_DTYPES[c]).replace("torch.", "") if c >= 0 else "other"  # noqa: E731
-        table = {r: {"batch": row[1], "heads_kv": row[2], "headdim": row[3], "dtype": name(row[4])}
-                 for r, row in zip(groups.cp_ranks, rows)}
-        err = collectives.disagreement("ShardPlan.build", table)
-        if err is not None:
-            raise err
+        rows = agreement.agree("ShardPlan.build", ("batch", "heads_kv", "headdim", "dtype"), (b, hkv, d, k.dtype),
+                               groups.cp_group, groups.cp_ranks, local=(n,), device=k.device)  # NCCL: device tensors
         return cls(tuple(row[0] for row in rows), groups.rank, (b, hkv, d, k.dtype))
 
     @property

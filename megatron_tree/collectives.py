@@ -1,4 +1,4 @@
-"""One set of collective helpers, and the cross-rank agreement check that guards them.
+"""One set of collective helpers: every collective the library issues, its failures and its traffic.
 
 Invariant: every collective the library issues goes through a helper here. A helper that
 fails -- a peer died, is stuck past the group's timeout, or is waiting in a different call
@@ -9,11 +9,10 @@ assumed.
 
 Why it lives here, below ``topology``: building ``TreeGroups`` exchanges topology facts
 (host names, launcher variables) before any CP group exists, and ``comm``'s merges need the
-same helpers. So this module imports nothing from the package and takes every process group
-as an argument (no module global ever *supplies* a group; STYLE.md rule 4). The one module
-state is :func:`agreement_for`'s cache, keyed by the CP group the caller passes: every
-``TreeGroups`` that wraps one CP group (Megatron builds one per layer) shares one
-:class:`Agreement`.
+same helpers. So this module imports nothing from the package, takes every process group
+as an argument (no module global ever *supplies* a group; STYLE.md rule 4) and keeps no
+state. The cross-rank agreement check that guards the calls built on these helpers is
+:mod:`megatron_tree.agreement`, one step above.
 
 Helpers (``group`` is a process group, ranks are global ranks, ``level`` names the level in
 stats and messages, ``what`` says what the caller was doing)::
@@ -25,7 +24,6 @@ stats and messages, ``what`` says what the caller was doing)::
     all_reduce_async(t, group, op=...).wait()       # all_reduce started now, finished (and recorded) at wait
     all_gather_async(t, group, out=...).wait()      # all_gather likewise
     exchange_objects(obj, group)                    # every rank's picklable obj, in rank order
-    agree_values(site, names, values, group, ranks) # equal values on every rank, or a DisagreementError
 
 Traffic model (the one the paper's formula uses, from this rank's point of view): an
 all-reduce of n bytes over P ranks sends 2(P-1)/P * n, an all-gather of n bytes per rank
@@ -36,9 +34,6 @@ root (0 elsewhere). Object exchanges are bookkeeping and are not recorded.
 from __future__ import annotations
 
 import datetime
-import hashlib
-import pickle
-import weakref
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -49,7 +44,7 @@ __all__ = [
     "CommError", "DisagreementError", "CommStats", "LevelStats", "DEFAULT_TIMEOUT", "group_timeout",
     "as_timedelta", "new_group", "all_reduce", "all_gather", "broadcast", "p2p", "Pending",
     "all_reduce_async", "all_gather_async",
-    "exchange_objects", "Agreement", "agreement_for", "disagreement", "agree_values",
+    "exchange_objects",
 ]
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
@@ -67,6 +62,9 @@ class CommError(RuntimeError):
 
 class DisagreementError(CommError):
     """Ranks of one group made the same call with different arguments (shapes, dtype, strategy, ...).
+
+    Raised by :mod:`megatron_tree.agreement` (defined here, beside :class:`CommError`, so that the
+    helpers' callers see one family of errors).
 
     ``site`` names the call, ``table`` maps each global rank to its ``{field: value}``. The
     message lists every rank's value of every field that differs and is the same on every rank.
@@ -375,246 +373,3 @@ def exchange_objects(obj, group=None, *, what: str = "exchange") -> list:
     except RuntimeError as e:
         raise _failure(what, "all_gather_object", "world" if group is None else "group", group, e) from e
     return out
-
-
-# --------------------------------------------------------------------------- cross-rank agreement
-
-
-def _plain(value):
-    """A value as it travels and prints: torch dtypes as their names, tuples kept."""
-    if isinstance(value, torch.dtype):
-        return str(value).replace("torch.", "")
-    if isinstance(value, (tuple, list)):
-        return tuple(_plain(v) for v in value)
-    return value
-
-
-def _ranks_text(ranks: list[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
-
-
-def disagreement(site: str, table: dict[int, dict], waiting: Sequence[int] = ()) -> DisagreementError | None:
-    """The :class:`DisagreementError` for per-rank fields ``table`` (rank -> {field: value}), or ``None``.
-
-    The message names, for every field that differs, each value and the ranks that hold it;
-    it depends only on ``table`` (and ``waiting``), so every rank that sees the same table
-    raises the same text. waiting: ranks that were still in the call's collectives with
-    their previous arguments (they kept them; the others changed).
-    """
-    ranks = sorted(table)
-    names: list[str] = []
-    for r in ranks:
-        names += [n for n in table[r] if n not in names]
-    parts = []
-    for name in names:
-        groups: dict = {}
-        for r in ranks:
-            groups.setdefault(repr(table[r].get(name, "<absent>")), []).append(r)
-        if len(groups) > 1:
-            values = "; ".join(f"{v} on {_ranks_text(rs)}" for v, rs in groups.items())
-            parts.append(f"{name}: {values}")
-    if not parts:
-        return None
-    msg = f"ranks disagree on {site}: " + " | ".join(parts)
-    if waiting:
-        msg += (f" ({_ranks_text(sorted(waiting))} kept the previous call's arguments and waited in its "
-                "collectives until their timeout; the others changed them)")
-    msg += ". Every rank of the group must make this call with the same " + ", ".join(n for n in names if n != "call")
-    return DisagreementError(msg, site, {r: dict(table[r]) for r in ranks})
-
-
-def _as_int64(value) -> int:
-    """A value as one int64 for a fixed-size comparison: ints as themselves (wrapped), anything else
-    by an 8-byte BLAKE2b digest of its type and repr (floats' repr round-trips exactly)."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return (value + 2 ** 63) % 2 ** 64 - 2 ** 63
-    digest = hashlib.blake2b(f"{type(value).__name__}:{value!r}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little", signed=True)
-
-
-def agree_values(site: str, names: tuple, values: tuple, group, ranks: Sequence[int], *, device=None,
-                 stats: CommStats | None = None) -> None:
-    """Every rank of ``group`` passes equal ``values`` (one per name), else all raise the same DisagreementError.
-
-    One all-gather of ``len(names)`` int64 (a fixed size whatever the values -- lists, strings,
-    floats travel as digests -- so ranks that disagree never enter a collective with different
-    buffer sizes), then a host read of the result: a per-call check (``generate``), not a
-    per-step one. Only when the rows differ, one object exchange of the readable values, so the
-    error names each rank's value of every differing field. ranks: the group's global ranks;
-    device: where the exchanged tensor lives (NCCL needs the GPU).
-    """
-    mine = torch.tensor([_as_int64(v) for v in values], dtype=torch.int64, device=device)
-    rows = all_gather(mine, group, stats=stats, what=f"{site}: comparing the ranks' arguments").cpu()
-    if bool((rows == rows[0]).all()):
-        return
-    readable = exchange_objects(tuple(_plain(v) for v in values), group, what=f"{site}: explaining a disagreement")
-    raise disagreement(site, {r: dict(zip(names, row)) for r, row in zip(ranks, readable)})
-
-
-class Agreement:
-    """Cross-rank check that every rank of one group makes each call with the same signature.
-
-    A *site* is a named call (``"merge"``, ``"Llama.prefill"``, ...) whose collectives need
-    every rank to agree on a few host-side values, its *signature* (shapes, dtype, strategy,
-    backend, ...): :meth:`call` wraps the call's collectives::
-
-        with groups.agreement.call("merge", ("batch", "heads_q", ...), (b, hq, ...)):
-            ...collectives...
-
-    Guarantee (ranks of the group run the same sequence of guarded calls, i.e. the same
-    program; each rank compares a site's signature with the one it last agreed on there):
-
-    * If at some call the ranks' signatures are not all equal, no rank returns from that
-      call: every rank raises :class:`DisagreementError` listing each rank's value of every
-      differing field (the same text on every rank) -- at once when every rank's signature
-      changed at that call; when only some changed, after the group's timeout ``T`` (the
-      unchanged ranks first wait it out in the call's collectives, then compare notes).
-    * The check never runs on the call's own process groups: records travel through
-      torch.distributed's rendezvous store (the key-value store every process group was
-      built from; a rank waits at most ``2T`` for the others'), so ranks that disagree never
-      enter one collective with different buffer sizes (the SIGABRT that gloo gives for
-      "Received data size doesn't match") and never combine garbage.
-    * Steady state (a rank's signature equals its previous one at that site): no extra
-      collective, no store access and no host-device synchronisation -- the signature is
-      host metadata (shapes, dtypes, strings) compared as a tuple (about 1 us). A change
-      costs one store write of a < 1 KiB record and P reads per rank; :attr:`checks`
-      counts the exchanges.
-    * A dead or stuck peer (not a disagreement): the survivors raise :class:`CommError`
-      within ``2T`` (``T`` in the collective, at most ``T`` more comparing notes); a survivor
-      that sees the dead peer's connection close raises at once, without comparing.
-
-    On NCCL the call's collectives are asynchronous: a rank that kept its signature does not
-    block in them, so when only some ranks change, those ranks raise :class:`CommError`
-    after ``2T`` saying what changed, and the others are stopped by NCCL's watchdog at
-    ``T``; telling them too would need a host read every call. The store is reached through
-    ``torch.distributed.distributed_c10d._get_default_store()`` (what DeviceMesh and torch's
-    own helpers use); a torch without it makes the first check a :class:`CommError` saying so.
-
-    After any of these errors the group's collectives are out of step: build new groups.
-    """
-
-    def __init__(self, ranks: Sequence[int], timeout: datetime.timedelta, key: str):
-        self.ranks = tuple(ranks)
-        self.timeout = timeout
-        """``T``: the timeout of the guarded collectives (a check waits at most 2T)."""
-        self.checks = 0
-        """Exchanges made (signature changes seen plus failures diagnosed)."""
-        self._prefix = f"megatron_tree/agreement/{key}"
-        self._epoch = 0
-        self._last: dict = {}
-
-    # -- the guarded call ----------------------------------------------------------------
-
-    def call(self, site: str, names: tuple, values: tuple) -> "_Call":
-        """Context manager: check ``values`` (one per name) if they changed; explain a failure inside."""
-        return _Call(self, site, names, values)
-
-    def agree(self, site: str, names: tuple, values: tuple) -> None:
-        """Check ``values`` against every rank's if they differ from this rank's last agreed ones at ``site``."""
-        last = self._last.get(site)
-        if last is not None and last == values:
-            return
-        table, status = self._exchange("check", site, names, values, self.timeout * 2, last)
-        err = disagreement(site, table, [r for r, s in status.items() if s == "failed"])
-        if err is not None:
-            raise err
-        if any(s != "check" for s in status.values()):
-            # Everyone agrees, yet a rank came from a failed collective: not a disagreement.
-            raise CommError(f"{site}: a collective failed on {_ranks_text(sorted(r for r, s in status.items() if s != 'check'))} "
-                            "although every rank passed the same arguments; see that rank's error")
-        self._last[site] = values
-
-    def explain(self, site: str, names: tuple, values: tuple, error: CommError) -> None:
-        """After ``error`` inside ``site``: raise :class:`DisagreementError` if ranks disagree, else return."""
-        if self._epoch == 0:
-            return  # no check was ever made here: the peers are not in step with this record
-        try:
-            table, status = self._exchange("failed", site, names, values, self.timeout, self._last.get(site))
-        except CommError:
-            return  # peers did not answer either: the original error stands
-        err = disagreement(site, table, [r for r, s in status.items() if s == "failed"])
-        if err is not None:
-            raise err from error
-
-    # -- the exchange ----------------------------------------------------------------------
-
-    def _exchange(self, status: str, site: str, names: tuple, values: tuple, wait: datetime.timedelta, last):
-        """Every member's (site, {name: value}, status) through the rendezvous store, in rank order.
-
-        Exchange k (counted on every member: checks and explanations happen at the same points
-        on every rank) writes this rank's record under ``<prefix>/<k>/<rank>`` and waits at most
-        ``wait`` for the others'. Records of exchange k-2 are deleted: every member has read them.
-        """
-        me = dist.get_rank()
-        record = {"site": site, "fields": dict(zip(names, (_plain(v) for v in values))), "status": status}
-        store = self._store()
-        k, self._epoch = self._epoch, self._epoch + 1
-        self.checks += 1
-        keys = [f"{self._prefix}/{k}/{r}" for r in self.ranks]
-        try:
-            store.set(f"{self._prefix}/{k}/{me}", pickle.dumps(record))
-            if k >= 2:
-                store.delete_key(f"{self._prefix}/{k - 2}/{me}")
-            store.wait(keys, wait)
-            blobs = [store.get(key) for key in keys]
-        except RuntimeError as e:  # DistStoreError: "Wait timeout", or the store's server is gone
-            mine = ", ".join(f"{n}={_plain(v)!r}" for n, v in zip(names, values))
-            before = ("this is its first call there" if last is None else
-                      "previous call: " + ", ".join(f"{n}={_plain(v)!r}" for n, v in zip(names, last)))
-            raise CommError(
-                f"{site}: rank {me} called it with {mine} ({before}); comparing arguments with the other "
-                f"{len(self.ranks) - 1} rank(s) got no answer within {_seconds(wait)}: they most likely are "
-                "still in the call's collectives with other (e.g. the previous) arguments, or died. "
-                f"Store error: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}"
-            ) from e
-        table, status_of = {}, {}
-        for rank, blob in zip(self.ranks, blobs):
-            rec = pickle.loads(blob)
-            table[rank] = {"call": rec["site"], **rec["fields"]}  # ranks in different calls differ here
-            status_of[rank] = rec["status"]
-        return table, status_of
-
-    @staticmethod
-    def _store():
-        try:
-            return dist.distributed_c10d._get_default_store()
-        except Exception as e:  # noqa: BLE001 -- an unusual torch or backend: say so, do not guess
-            raise CommError(f"the cross-rank agreement check needs torch.distributed's rendezvous store: {e}") from e
-
-
-class _Call:
-    __slots__ = ("agreement", "site", "names", "values")
-
-    def __init__(self, agreement: Agreement, site: str, names: tuple, values: tuple):
-        self.agreement, self.site, self.names, self.values = agreement, site, names, values
-
-    def __enter__(self):
-        self.agreement.agree(self.site, self.names, self.values)
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        # A peer whose connection closed is dead: nobody would answer, so no comparison.
-        if (exc_type is not None and issubclass(exc_type, CommError) and not issubclass(exc_type, DisagreementError)
-                and getattr(exc, "cause", "other") != "closed"):
-            self.agreement.explain(self.site, self.names, self.values, exc)
-        return False
-
-
-_AGREEMENTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def agreement_for(group, ranks: Sequence[int], timeout) -> Agreement:
-    """The :class:`Agreement` of ``group`` (one per process group and process; created on first use).
-
-    ranks: the group's global ranks; timeout: its collective timeout ``T`` (seconds or a
-    ``timedelta``). Records are keyed by the group's name, which every member knows alike.
-    """
-    ag = _AGREEMENTS.get(group)
-    if ag is None:
-        try:
-            name = group.group_name
-        except Exception:  # noqa: BLE001 -- older torch: the registry's name
-            name = dist.distributed_c10d._get_process_group_name(group)
-        ag = Agreement(ranks, as_timedelta(timeout) or group_timeout(group), str(name))
-        _AGREEMENTS[group] = ag
-    return ag

@@ -31,7 +31,7 @@ n bytes over p ranks sends 2(p-1)/p * n; an all-gather of n bytes per rank sends
 (p-1) * n), the model the paper's traffic formula uses.
 
 Collectives go through ``collectives.py`` (a failure is a :class:`CommError`), inside the CP
-group's :class:`collectives.Agreement` on :data:`MERGE_SIGNATURE`, so ranks that disagree on
+group's :class:`agreement.Agreement` on :data:`MERGE_SIGNATURE`, so ranks that disagree on
 a call get a :class:`DisagreementError` instead of a backend abort or a wrong answer.
 
 Each strategy is written once, as a generator of stages (its collectives, with the local work
@@ -95,14 +95,14 @@ from . import collectives, ops
 from .collectives import CommError, CommStats, DisagreementError, LevelStats
 from .cost import choose_strategy  # the policy of auto, resolved once per (groups, shape, dtype)
 from .reference import acc_dtype, lse_weights, normalize, weighted
+from .strategies import STRATEGIES
 from .topology import TreeGroups
 
 __all__ = ["CommStats", "LevelStats", "STRATEGIES", "merge", "choose_strategy", "CommError",
            "DisagreementError", "MERGE_SIGNATURE", "SHIFT_MIN_DEN", "SHIFT_MAX_DEN", "check_shift",
            "SPLIT_STRATEGIES", "SPLIT_SIGNATURE", "merge_overlapped"]
 
-Strategy = Literal["allreduce3", "packed", "two_level", "allgather", "shifted", "auto"]
-STRATEGIES = ("allreduce3", "packed", "two_level", "allgather", "shifted", "auto")
+Strategy = Literal[STRATEGIES]  # the names are listed once, in strategies.py
 
 SHIFT_MIN_DEN = 2.0 ** -64
 """Smallest all-reduced ``sum exp(lse_u - r)`` that ``shifted`` accepts (see the module docstring)."""
@@ -111,7 +111,7 @@ SHIFT_MAX_DEN = 2.0 ** 64
 
 
 MERGE_SIGNATURE = ("batch", "seqlen_q", "heads_q", "headdim_v", "dtype", "strategy", "backend", "shift")
-"""What every rank of a merge must agree on (:class:`collectives.Agreement` checks it when it changes).
+"""What every rank of a merge must agree on (:class:`agreement.Agreement` checks it when it changes).
 ``headdim_v`` is the merged outputs' head dim, V's (q and k may have another, as in MLA: the merge
 never sees it). A new argument that changes the collectives (e.g. a shift) is one more name here and
 one more value in :func:`merge`."""
@@ -317,7 +317,7 @@ def merge(
 
     Ranks that disagree on the signature raise :class:`DisagreementError` on every rank
     (checked when this rank's signature differs from its previous merge on ``groups``: no
-    extra collective or host sync in steady state; see :class:`collectives.Agreement`).
+    extra collective or host sync in steady state; see :class:`agreement.Agreement`).
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown merge strategy {strategy!r}; expected one of {STRATEGIES}")
@@ -378,7 +378,7 @@ def _settle_shifted(result, o, lse, groups: TreeGroups, stats, deferred):
 
 # --------------------------------------------------------------------------- overlapped merge
 
-SPLIT_STRATEGIES = ("allreduce3", "packed", "two_level", "allgather", "shifted", "auto")
+SPLIT_STRATEGIES = STRATEGIES
 """Strategies :func:`merge_overlapped` runs in stages (every collective asynchronous)."""
 
 SPLIT_SIGNATURE = ("batch", "seqlen_q", "heads_q", "headdim_v", "dtype", "strategy", "backend", "shift", "split")

@@ -11,8 +11,9 @@ The defaults of :class:`RunConfig` are the tiny CPU eval (4 processes as 2 simul
 nodes x 2, a random-weight Megatron-Core GPTModel, wandb offline); ``configs/cpu_tiny.yaml``
 spells the same values out (``configs/cpu_tiny_llama.yaml``: the same with the library's Llama).
 
-Only PyYAML and the standard library are imported here, so a bad config is reported
-quickly, before torch is even needed.
+Only PyYAML, the standard library and the strategy names (``strategies.py``, which
+imports nothing) are imported here, so a bad config is reported quickly, before torch is
+even needed.
 """
 
 from __future__ import annotations
@@ -26,13 +27,15 @@ from typing import Any, Literal
 
 import yaml
 
+from .strategies import STRATEGIES
+
 __all__ = [
     "ConfigError", "ModelConfig", "TopologyConfig", "DistConfig", "ExactnessConfig",
     "PasskeyConfig", "PerplexityConfig", "EvalConfig", "WandbConfig", "RunConfig",
     "load_config", "from_dict", "to_dict", "apply_overrides", "parse_overrides",
 ]
 
-StrategyName = Literal["allreduce3", "packed", "two_level", "allgather", "auto"]
+StrategyName = Literal[STRATEGIES]  # the names are listed once, in strategies.py
 
 
 class ConfigError(ValueError):
@@ -217,8 +220,10 @@ class EvalConfig:
     """Prompt lengths in tokens (random ids for random weights)."""
     batch_sizes: tuple[int, ...] = (1, 2)
     """Sequences decoded together."""
-    strategies: tuple[StrategyName, ...] = ("auto", "two_level", "packed", "allreduce3", "allgather")
-    """Merge strategies (DESIGN.md section 4); ``auto`` is the cost model's pick, recorded per run."""
+    strategies: tuple[StrategyName, ...] = STRATEGIES
+    """Merge strategies (DESIGN.md section 4), by default every one; ``auto`` is the cost model's
+    pick, recorded per run; ``shifted`` runs one SUM per layer per step after the first, a step
+    whose check fails is run again with ``packed`` (the dynamic engine runs it as ``packed``)."""
     decode_steps: int = 16
     """Greedy decode steps timed per run."""
     warmup_steps: int = 2
@@ -273,7 +278,8 @@ class WandbConfig:
     mode: Literal["offline", "online"] = "offline"
     """``offline`` writes the run under ``<output_dir>/wandb`` and needs no account."""
     project: str | None = None
-    """wandb project; ``None`` = the ds_config's, else ``megatron-tree``."""
+    """wandb project; ``None`` = the ds_config's (DeepSpeed's default ``deepspeed`` when its section
+    names none), else ``megatron-tree``."""
     entity: str | None = None
     """wandb entity (team); ``None`` = the ds_config's ``team``, else wandb's default."""
     group: str | None = None
@@ -283,8 +289,9 @@ class WandbConfig:
     tags: tuple[str, ...] = ()
     """wandb tags."""
     ds_config: str | None = None
-    """A DeepSpeed config JSON whose ``wandb`` section (project, team, group, enabled)
-    fills the fields above that are left ``None``."""
+    """A DeepSpeed config JSON whose ``wandb`` section (project, team, group, enabled) fills the
+    fields above that are left ``None``, read as DeepSpeed reads it: wandb is off unless the
+    section says ``enabled: true``."""
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Literal
 
+from .strategies import MERGES
+
 __all__ = [
     "Link", "Preset", "Dims", "PRESET_DIR", "ENV_PRESET", "MERGE_STRATEGIES", "AUTO_CANDIDATES", "UNSHIFTED_CANDIDATES",
     "SHIFTED_FALLBACK", "load_preset", "preset_names", "default_preset", "node_layout", "allreduce_time",
@@ -50,9 +52,9 @@ __all__ = [
 PRESET_DIR = Path(__file__).with_name("presets")
 ENV_PRESET = "MEGATRON_TREE_COST_PRESET"
 
-MERGE_STRATEGIES = ("allreduce3", "packed", "two_level", "allgather", "shifted")
+MERGE_STRATEGIES = MERGES
 """Every merge this module prices (DESIGN.md section 4)."""
-AUTO_CANDIDATES = ("allreduce3", "packed", "two_level", "allgather", "shifted")
+AUTO_CANDIDATES = MERGES
 """What ``auto`` may pick (``shifted`` only for a call that passes a shift: without one it is ``packed``)."""
 UNSHIFTED_CANDIDATES = tuple(c for c in AUTO_CANDIDATES if c != "shifted")
 """What ``auto`` may pick for a call without a shift (a first decode step, a single call)."""
@@ -418,8 +420,8 @@ def merge_stages(strategy: str, preset: Preset, dims: Dims, p: int,
     up to :func:`merge_cost` -- for ``shifted`` its common case, one SUM (the rare MAX + SUM redo
     runs unsplit after the step and is left out here).
     """
-    if strategy not in ("packed", "allreduce3", "allgather", "two_level", "shifted"):
-        raise ValueError(f"merge_stages prices packed, allreduce3, allgather, two_level and shifted, got {strategy!r}")
+    if strategy not in MERGES:
+        raise ValueError(f"merge_stages prices the merges {MERGES}, got {strategy!r}")
     if p <= 1:
         return [], 0.0
     k, nodes = node_layout(preset, p, intra_size)

@@ -172,22 +172,22 @@ class TreeAttention(nn.Module):
         *,
         strategy: str = "auto",
         stats: CommStats | None = None,
-        shift=None,
+        step=None,
     ) -> torch.Tensor:
         """One new token per row: append its key/value to the owning rank, then tree attention.
 
         x: (batch, 1, hidden) -- replicated on every CP rank; positions: (batch,) int64 global;
         slots: (batch,) int64 storage index on this rank or -1 (``cache.begin_decode_step``)
-        shift: an ``attention.ShiftState`` carrying this layer's shift across steps, or None
+        step: the loop's ``decode.generate.DecodeStep`` (its ``attend`` is the attention); without
+            one, a plain step of ``strategy``/``stats``
         returns (batch, 1, hidden), identical on every CP rank
         """
+        from .decode.generate import DecodeStep
+
+        step = step if step is not None else DecodeStep(strategy, stats)
         q, k, v = self._qkv(x, positions[:, None])
         cache.append(self.layer_idx, k, v, slots)
         k_all, v_all = cache.layer_kv(self.layer_idx)
-        kw = dict(cache_seqlens=cache.seqlens, softmax_scale=self.scale, strategy=strategy, stats=stats,
-                  backend=self.backend)
-        if shift is not None:
-            o = shift.decode(self.layer_idx, q, k_all, v_all, self.groups, **kw)
-        else:
-            o = tree_decode(q, k_all, v_all, self.groups, **kw)
+        o = step.attend(self.layer_idx, q, k_all, v_all, self.groups, cache_seqlens=cache.seqlens,
+                        softmax_scale=self.scale, backend=self.backend)
         return self._out(o)

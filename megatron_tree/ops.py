@@ -24,9 +24,9 @@ from typing import Literal, Optional
 
 import torch
 
-from . import reference, torch_decode
+from . import fused_prefill, reference, torch_decode
 
-__all__ = ["flash_decode", "merge_states", "resolve_backend", "BACKENDS", "ENV_BACKEND"]
+__all__ = ["flash_decode", "merge_states", "prefill_attention", "resolve_backend", "BACKENDS", "ENV_BACKEND"]
 
 Backend = Literal["torch", "triton"]
 BACKENDS = ("torch", "triton")
@@ -223,3 +223,46 @@ def merge_states(outs: torch.Tensor, lses: torch.Tensor, *, backend: str | None 
     forced = backend is not None or bool(os.environ.get(ENV_BACKEND))
     name = _kernel_backend(resolve_backend(outs.device, backend), outs.dtype, forced, outs.shape[-1])
     return _merge_states_op(outs, lses, name)
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    q_positions: torch.Tensor,
+    k_positions: torch.Tensor,
+    softmax_scale: float | None = None,
+    kernel: str | None = None,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Local causal attention of a prefill query chunk over one KV block, on fused kernels that return the lse.
+
+    q: (batch, seqlen_q, nheads_q, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim), GQA/MQA
+        without repeating KV (Hq % Hkv == 0)
+    q_positions: (batch, seqlen_q), k_positions: (batch, seqlen_k) or (seqlen_k,), integer global
+        positions: key j is visible to query i iff k_pos[j] <= q_pos[i]; a negative position is
+        padding (a padded key is never visible, a padded query gets out 0 / lse -inf)
+    kernel: force one of ``fused_prefill.KERNELS`` (default: ``fused_prefill.select_kernel`` for the
+        device, dtype and head dim); backend: the decode backend (``torch``/``triton``) of the exact
+        fallback (``flash_decode`` with positions)
+    returns out: (batch, seqlen_q, nheads_q, headdim) float32 (float64 for float64 input): a partial
+            that will be merged again stays unrounded (bf16 is rounded once, after the last merge);
+            lse: (batch, nheads_q, seqlen_q) float64, natural log, -inf where no key is visible:
+            exact for the merge at any score magnitude (``fused_prefill``'s module docstring)
+
+    Memory: one kernel tile of scores at a time (an explicit mask of at most
+    ``fused_prefill.TILE`` x seqlen_k only for irregular position sets), never seqlen_q x seqlen_k.
+    Reads the positions on the host to plan the kernel calls (one sync per call on CUDA).
+    """
+    if not isinstance(q_positions, torch.Tensor) or not isinstance(k_positions, torch.Tensor):
+        raise TypeError("prefill_attention needs q_positions and k_positions as integer tensors, got "
+                        f"{type(q_positions).__name__} and {type(k_positions).__name__}")
+    if q_positions.dtype == torch.bool or k_positions.dtype == torch.bool:
+        raise TypeError("q_positions and k_positions must be integer positions, not bool masks")
+    reference.check_decode_inputs(q, k, v, None, q_positions, k_positions, by_value=False)
+    if kernel is not None and kernel not in fused_prefill.KERNELS:
+        raise ValueError(f"unknown prefill kernel {kernel!r}; expected one of {fused_prefill.KERNELS}")
+    return fused_prefill.prefill_attention(q, k, v, q_positions=q_positions, k_positions=k_positions,
+                                           softmax_scale=softmax_scale, kernel=kernel, backend=backend,
+                                           exact_attention=flash_decode)

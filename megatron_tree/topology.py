@@ -34,6 +34,7 @@ from typing import Sequence
 import torch.distributed as dist
 
 from . import collectives
+from .agreement import Agreement, agreement_for
 
 __all__ = ["Level", "TreeGroups", "TopologyError", "launcher_local_size", "LAUNCHER_VARIABLES"]
 
@@ -80,11 +81,11 @@ class TreeGroups:
     """Collective timeout of these groups in seconds (``None``: read from the CP group)."""
 
     @property
-    def agreement(self) -> collectives.Agreement:
+    def agreement(self) -> Agreement:
         """The CP group's cross-rank signature check (shared by every ``TreeGroups`` of that group)."""
         ag = self.__dict__.get("_agreement")
         if ag is None:
-            ag = collectives.agreement_for(self.cp_group, self.cp_ranks, self.timeout)
+            ag = agreement_for(self.cp_group, self.cp_ranks, self.timeout)
             object.__setattr__(self, "_agreement", ag)
         return ag
 

@@ -7,7 +7,8 @@ Callers do not branch on the rank: they call the same methods on whatever
 :func:`make_tracker` returns (STYLE.md rule 10, nanochat's ``DummyWandb``).
 
 wandb is imported lazily inside :class:`WandbTracker`, so importing this module is cheap
-and has no side effects.
+and has no side effects. A ds_config's ``wandb`` section is read by the one reader,
+:func:`megatron_tree.integrations.deepspeed.wandb_settings`, with DeepSpeed's own defaults.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import os
 from pathlib import Path
 
 from .config import ConfigError, WandbConfig
+from .integrations.deepspeed import wandb_settings
 
 __all__ = ["NullTracker", "WandbTracker", "make_tracker", "resolve_wandb_settings"]
 
@@ -44,33 +46,32 @@ class NullTracker:
         pass
 
 
-def _ds_wandb_section(path: str) -> dict:
+def _ds_wandb(path: str):
+    """The ds_config's ``wandb`` section (``WandbSettings``), or a ConfigError naming ``wandb.ds_config``."""
     try:
-        with open(path, encoding="utf-8") as f:
-            ds = json.load(f)
+        return wandb_settings(path)
     except FileNotFoundError:
         raise ConfigError(f"wandb.ds_config: file {path!r} does not exist") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"wandb.ds_config: {path!r} is not valid JSON: {e}") from None
-    section = ds.get("wandb", {}) if isinstance(ds, dict) else {}
-    if not isinstance(section, dict):
-        raise ConfigError(f"wandb.ds_config: the 'wandb' section of {path!r} must be a mapping, got {section!r}")
-    return section
+    except ValueError as e:
+        raise ConfigError(f"wandb.ds_config: {path!r}: {e}") from None
 
 
 def resolve_wandb_settings(cfg: WandbConfig, default_name: str) -> dict:
     """Project/entity/group/tags/name/enabled: YAML first, then the ds_config's ``wandb`` section.
 
-    DeepSpeed's section uses ``team`` for the entity and may say ``enabled: false``; a field
-    set in the YAML always wins over it.
+    The section means what it means to DeepSpeed (``integrations.deepspeed.wandb_settings``,
+    DeepSpeed's ``WandbConfig`` defaults): wandb is on only where it says ``enabled: true``,
+    its project defaults to ``deepspeed``, ``team`` is the entity. A field set in the YAML
+    always wins over it; without a ds_config the YAML alone decides.
     """
-    ds = _ds_wandb_section(cfg.ds_config) if cfg.ds_config else {}
-    enabled = cfg.enabled and bool(ds.get("enabled", True))
+    ds = _ds_wandb(cfg.ds_config) if cfg.ds_config else None
     return {
-        "enabled": enabled,
-        "project": cfg.project or ds.get("project") or DEFAULT_PROJECT,
-        "entity": cfg.entity or ds.get("team") or ds.get("entity"),
-        "group": cfg.group or ds.get("group"),
+        "enabled": cfg.enabled and (ds is None or ds.enabled),
+        "project": cfg.project or (ds.project if ds is not None else DEFAULT_PROJECT),
+        "entity": cfg.entity or (ds.entity if ds is not None else None),
+        "group": cfg.group or (ds.group if ds is not None else None),
         "tags": list(cfg.tags),
         "name": cfg.name or default_name,
     }

@@ -187,6 +187,25 @@ def test_ds_config_fills_only_what_yaml_leaves_open(tmp_path):
     ds.write_text("{not json")
     with pytest.raises(ConfigError, match="wandb.ds_config"):
         resolve_wandb_settings(cfg, "run")
+    ds.write_text(json.dumps({"wandb": {"entity": "x"}}))  # DeepSpeed's name is team
+    with pytest.raises(ConfigError, match=r"wandb.ds_config: .*unknown key.*'entity'"):
+        resolve_wandb_settings(cfg, "run")
+
+
+@pytest.mark.parametrize("ds", [{}, {"wandb": {}}, {"wandb": {"project": "p"}}, {"wandb": {"enabled": True}},
+                                {"wandb": {"enabled": False, "team": "t"}}])
+def test_the_eval_reads_a_ds_config_wandb_section_as_deepspeed_does(tmp_path, ds):
+    """One reader of the section (integrations.deepspeed.wandb_settings): a section without
+    ``enabled`` is off for the eval as it is for DeepSpeed, and its project default is DeepSpeed's."""
+    from megatron_tree.integrations.deepspeed import wandb_settings
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(ds))
+    got = resolve_wandb_settings(load_config(None, [f"wandb.ds_config={path}"]).wandb, "run")
+    theirs = wandb_settings(ds)
+    assert (got["enabled"], got["project"], got["entity"], got["group"]) == \
+        (theirs.enabled, theirs.project, theirs.entity, theirs.group)
+    assert got["enabled"] == (ds.get("wandb", {}).get("enabled") is True)
 
 
 def test_ranks_other_than_zero_get_a_silent_tracker(tmp_path):

@@ -87,6 +87,18 @@ def test_wandb_settings_defaults_and_errors(tmp_path):
         wandb_settings(tmp_path / "missing.json")
 
 
+def test_wandb_settings_defaults_are_deepspeeds_own():
+    """The one reader of a ds_config's wandb section takes DeepSpeed's WandbConfig defaults."""
+    from deepspeed.monitor.config import WandbConfig
+
+    from megatron_tree.integrations.deepspeed import wandb_settings
+
+    ds = WandbConfig()
+    assert wandb_settings({"wandb": {}}) == wandb_settings({})
+    got = wandb_settings({})
+    assert (got.enabled, got.project, got.entity, got.group) == (ds.enabled, ds.project, ds.team, ds.group)
+
+
 def test_init_distributed_without_launcher_fails_loudly():
     from megatron_tree.integrations.deepspeed import init_distributed
 

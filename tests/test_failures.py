@@ -159,6 +159,13 @@ def failures_body(rank, world, outdir):
         out[name] = _outcome(lambda: generate(lm, prompts, new, progress=False, **kw))
     uneven = rows if rank != 2 else [[1, 2, 3, 4], [6, 7]]
     out["prefill_lengths"] = _outcome(lambda: lm.prefill(uneven, lm.new_cache(2, 8)))
+    # one rank's own arguments fail its checks: every rank raises that error at once, naming the rank
+    bad_rows = rows if rank != 2 else [[1, 2, 99], [6, 7]]
+    out["local_bad_prompt"] = _outcome(lambda: generate(lm, bad_rows, 2, progress=False))
+    short = pos[:, :2] if rank == 1 else pos
+    out["local_bad_k_pos"] = _outcome(lambda: ring_prefill(pq, pk, pv, pos, short, g))
+    out["local_bad_everywhere"] = _outcome(lambda: generate(lm, rows, 0, progress=False))
+    out["local_after_errors"] = generate(lm, rows, 2, progress=False).tokens  # the group is still in step
 
     # -- a dead peer: every helper, prefill and generation raise CommError on the survivors --
     sync()
@@ -300,6 +307,23 @@ def test_prefill_baseline_and_model_disagreement_is_immediate_on_every_rank(fail
     if case == "gen_contents":  # only what differs is named: the second prompt, on rank 1
         differing = message.split(". Every rank")[0]
         assert "prompt_lengths" not in differing and differing.count(" on rank 1") == 1, message
+
+
+@pytest.mark.parametrize("case,kind,needles", [
+    ("local_bad_prompt", "ValueError", ["rank 2: prompt 0 has token ids outside [0, 32): [99]"]),
+    ("local_bad_k_pos", "ValueError", ["rank 1: k_pos must have shape (2, 3) (batch, seqlen_k), got (2, 2)"]),
+    ("local_bad_everywhere", "ValueError", ["ranks [0, 1, 2, 3]: max_new_tokens must be a positive integer, got 0"]),
+])
+def test_one_ranks_bad_arguments_are_its_error_on_every_rank_at_once(failures, case, kind, needles):
+    """A rank whose own arguments fail its checks does not leave the others waiting in the call's
+    collectives: its status rides on the call's agreement all-gather and every rank raises its error."""
+    got, message, seconds = _same_everywhere(failures, case)
+    assert got == kind, message
+    for needle in needles:
+        assert needle in message, message
+    assert seconds < T, "the others learn of the failure from the first exchange, not from a timeout"
+    for res in failures:
+        assert len(res["local_after_errors"]) == 2 and len(res["local_after_errors"][0]) == 2
 
 
 @pytest.mark.parametrize("case,op", [

@@ -23,14 +23,16 @@ STEPS = 5  # with blocks of 2, new tokens move across ranks during the run
 
 
 def _tensors(obj, seen=None, prefix="") -> dict:
-    """name -> (data_ptr, shape) of every tensor reachable from obj's attributes (modules, dicts, lists)."""
+    """name -> (storage data_ptr, storage bytes) of every tensor reachable from obj's attributes (modules,
+    dicts, lists): a view of a buffer that existed before (a step's plan in the planner's buffer) is
+    not a new buffer."""
     seen = set() if seen is None else seen
     out = {}
     if id(obj) in seen:
         return out
     seen.add(id(obj))
     if isinstance(obj, torch.Tensor):
-        return {prefix: (obj.data_ptr(), tuple(obj.shape))}
+        return {prefix: (obj.untyped_storage().data_ptr(), obj.untyped_storage().nbytes())}
     if isinstance(obj, dict):
         items = obj.items()
     elif isinstance(obj, (list, tuple)):
@@ -46,7 +48,7 @@ def _tensors(obj, seen=None, prefix="") -> dict:
 
 def _llama_rank(rank, world):
     from megatron_tree import TreeGroups
-    from megatron_tree.decode.attention import ShiftState
+    from megatron_tree.decode.generate import StepRunner
     from megatron_tree.collectives import CommStats
     from megatron_tree.models.llama import Llama, LlamaConfig
     from megatron_tree.sync_guard import HostSyncError, no_host_sync
@@ -63,23 +65,23 @@ def _llama_rank(rank, world):
         before = _tensors(cache, prefix="cache") | _tensors(model, prefix="model") | _tensors(groups, prefix="groups")
         seqs = [list(p) for p in PROMPTS]
         got, stats = [], CommStats()
-        # shifted: the merges leave device flags in the ShiftState; generate() reads them once
-        # per step, outside the step (as here), and redoes the step only when one is raised
-        shift = ShiftState() if strategy == "shifted" else None
+        # shifted: the merges leave device flags with the runner; generate() reads them once
+        # per step, outside the step (as here: StepRunner.finish), and redoes the step only when one is raised
+        runner = StepRunner(strategy, groups)
         redos = 0
         ids = logits.argmax(-1)
         for _ in range(STEPS):
             for s, t in zip(seqs, ids.tolist()):
                 s.append(t)
+            step = runner.step(stats)
             with no_host_sync("Llama.decode_step"):
-                logits = model.decode_step(ids, cache, strategy=strategy, stats=stats, shift=shift)
-                ids = logits.argmax(-1)
-            if shift is not None:
-                redos += shift.needs_redo(stats)
-                shift.step_done()
+                logits = model.decode_step(ids, cache, step)
+            logits, redone = runner.finish(model, ids, cache, step, logits)
+            ids = logits.argmax(-1)
+            redos += redone
             got.append(logits)
         after = _tensors(cache, prefix="cache") | _tensors(model, prefix="model") | _tensors(groups, prefix="groups")
-        new = sorted(set(after) - set(before)) + sorted(k for k in before if k in after and after[k] != before[k])
+        new = sorted(k for k, storage in after.items() if storage not in set(before.values()))
         # Reference: one process, the whole sequence, no cache.
         ref = [[] for _ in range(STEPS)]
         for b, s in enumerate(seqs):

@@ -347,20 +347,23 @@ def mixed_length_batch(rank) -> dict:
     out = {"tokens": res.tokens, "calls": list(seen), "shards": [cache.shard_lens(b) for b in range(2)]}
     # strategy="shifted" through the same path: one SUM per layer per step after the first, and a
     # step whose shifts are far off raises the deferred flag and is redone on the same plan.
-    from megatron_tree.decode.attention import ShiftState
     from megatron_tree.comm import CommStats
+    from megatron_tree.decode.generate import StepRunner
 
     st = CommStats()
     shifted = generate(lm, prompts, MIXED_NEW, cache=cache, strategy="shifted", stats=st, progress=False)
     out["shifted"] = (shifted.tokens, st.fallbacks, dict(st.levels["cp"].ops))
-    ids, state, redo_tokens = lm.prefill(prompts, cache).argmax(-1), ShiftState(), []
+    ids, runner, redo_tokens = lm.prefill(prompts, cache).argmax(-1), StepRunner("shifted", lm.groups), []
     for i in range(MIXED_NEW - 1):
         if i == 1:
-            state.shifts = {key: r - 500.0 for key, r in state.shifts.items()}  # weights overflow
-        logits, redone = state.run_step(lambda: lm.decode_step(ids, cache, strategy="shifted", shift=state))
+            runner.shifts = {key: r - 500.0 for key, r in runner.shifts.items()}  # weights overflow
+        logits, redone = runner.run(lm, ids, cache)
         ids = logits.argmax(-1)
         redo_tokens.append((ids.tolist(), redone))
     out["shifted_redo"] = (redo_tokens, [cache.shard_lens(b) for b in range(2)])
+    from megatron_tree.decode.generate import DecodeCache, DecodeModel
+
+    out["protocol"] = (isinstance(lm, DecodeModel), isinstance(cache, DecodeCache))  # generate's written protocol
     if rank == 0:
         baseline_calls = []
         src.decoder.layers[0].self_attention.core_attention.register_forward_pre_hook(
@@ -494,6 +497,7 @@ def test_mixed_length_batch_is_prefilled_cp_sharded_then_decoded(megatron_result
         assert tokens == base and fallbacks == 0, (r, tokens, fallbacks)
         assert ops == {"all_reduce_max": 2, "all_reduce_sum": 2 * (MIXED_NEW - 1)}, ops
         # the redone step gives the same tokens and the cache advanced once per step
+        assert mixed["protocol"] == (True, True)  # MegatronLM and its context provide the loop's protocol
         steps, shards = mixed["shifted_redo"]
         assert [redone for _, redone in steps] == [False, True, False]
         assert [t for t, _ in steps] == [[row[i + 1] for row in base] for i in range(MIXED_NEW - 1)]
@@ -581,9 +585,9 @@ def test_spec_swap_idempotent_reversible_version_gated(monkeypatch, caplog):
     assert subs.core_attention is DotProductAttention
     with pytest.raises(ValueError, match="unknown merge strategy 'ring'"):
         mt.use_tree_attention(spec, strategy="ring")
-    from megatron_tree.integrations.megatron import static
+    from megatron_tree.integrations.megatron import version
 
-    monkeypatch.setattr(static, "megatron_version", lambda: "0.19.0")
+    monkeypatch.setattr(version, "megatron_version", lambda: "0.19.0")
     with pytest.raises(RuntimeError, match="supports megatron-core 0.16.1, but 0.19.0 is imported"):
         mt.use_tree_attention(spec)
     assert subs.core_attention is DotProductAttention

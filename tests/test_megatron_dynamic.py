@@ -293,9 +293,10 @@ def test_kv_memory_per_rank_is_one_cp_th(dyn):
             nbytes, megatron_buffer, blocks, block_size, logical_blocks, logical_size = dyn[rank][name + "_memory"]
             assert megatron_buffer == 0  # no full-size buffer hides behind the paged cache
             assert (logical_blocks, logical_size, block_size) == (NUM_BLOCKS, LOGICAL_BLOCK, LOGICAL_BLOCK // cp)
-            # Same token capacity as the reference (less its dummy block), 1/CP of the bytes on each rank.
+            # Same token capacity as the reference (less its dummy block), 1/CP of the bytes on each rank
+            # (and the one spare token slot per layer that takes the tokens other ranks keep).
             assert blocks * block_size * cp == (ref_blocks - 1) * LOGICAL_BLOCK
-            assert nbytes == (ref_blocks - 1) * LOGICAL_BLOCK * BYTES_PER_TOKEN // cp
+            assert nbytes == (ref_blocks - 1) * LOGICAL_BLOCK * BYTES_PER_TOKEN // cp + BYTES_PER_TOKEN
             run = dyn[rank][name]
             assert len(run["blocks"]) == len(run["live"]) == run["steps"]
             # Every request is spread round-robin: within one block of even on every rank, every step.

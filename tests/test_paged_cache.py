@@ -173,9 +173,12 @@ HQ, HKV, D, BS = 4, 2, 8, 3
 LENGTHS = {"long": 29, "mid": 11, "one": 1, "two": 2, "empty": 0}
 
 
-def _decode_errors(groups, dtype, strategy):
-    """Paged tree decode over ``groups`` vs single-process fp64 attention; max |error| of each phase."""
-    from megatron_tree.decode.paged import paged_tree_decode
+def _decode_errors(groups, dtype, strategy, overlap=False):
+    """Paged tree decode over ``groups`` vs single-process fp64 attention; max |error| of each phase.
+
+    ``tree_decode(..., block_table=...)`` over this rank's pool; ``shifted`` takes as its shift
+    the lse of a first ``packed`` call (what a decode loop carries); ``overlap`` splits the batch."""
+    import megatron_tree as mt
 
     c = PagedKVCache(num_layers=2, num_kv_heads=HKV, head_dim=D, block_size=BS, blocks_per_rank=12,
                      max_seq_len=64, cp_size=groups.size, cp_rank=groups.rank, dtype=dtype)
@@ -200,8 +203,12 @@ def _decode_errors(groups, dtype, strategy):
         table, seqlens = c.rows(reqs, pos)
         err = 0.0
         for layer in range(2):
-            out = paged_tree_decode(q.to(dtype), c.k[layer], c.v[layer], groups, block_table=table,
-                                    cache_seqlens=seqlens, strategy=strategy)
+            kw = dict(block_table=table, cache_seqlens=seqlens, overlap=overlap)
+            if strategy == "shifted":
+                _, lse = mt.tree_decode(q.to(dtype), c.k[layer], c.v[layer], groups, strategy="packed",
+                                        return_lse=True, **kw)
+                kw["shift"] = (lse + 0.5).float()  # a shift near, not at, the merged lse: still exact
+            out = mt.tree_decode(q.to(dtype), c.k[layer], c.v[layer], groups, strategy=strategy, **kw)
             for i, (rid, p) in enumerate(rows):
                 k, v = full[rid]
                 want = torch.zeros(1, 1, HQ, D, dtype=torch.float64)
@@ -230,8 +237,8 @@ def _decode_errors(groups, dtype, strategy):
 def _large_scores_error(groups, strategy):
     """Issue 12 item 6 over pages: fp32 rows whose scores are ~1e5 and -1e5 (exact in fp32, near
     ties on every rank), sharded contiguously in blocks of 2; max |error| against fp64."""
+    import megatron_tree as mt
     from megatron_tree.bench import precision
-    from megatron_tree.decode.paged import paged_tree_decode
 
     q, k, v, lens = precision.large_score_inputs([1e5, -1e5], [24, 24], hq=HQ, hkv=HKV)
     want, _ = reference.partial_attention(q, k, v, cache_seqlens=lens)
@@ -239,8 +246,8 @@ def _large_scores_error(groups, strategy):
     lo, hi = 24 * r // p, 24 * (r + 1) // p
     pool = lambda t: t[:, lo:hi].float().reshape(-1, 2, hkv, d)  # noqa: E731 -- row-major blocks of 2
     table = torch.arange(hi - lo, dtype=torch.int32).reshape(2, -1)
-    out = paged_tree_decode(q.float(), pool(k), pool(v), groups, block_table=table,
-                            cache_seqlens=torch.full((2,), hi - lo, dtype=torch.int32), strategy=strategy)
+    out = mt.tree_decode(q.float(), pool(k), pool(v), groups, block_table=table,
+                         cache_seqlens=torch.full((2,), hi - lo, dtype=torch.int32), strategy=strategy)
     return float((out.double() - want).abs().max())
 
 
@@ -251,13 +258,16 @@ def paged_rank(rank, world):
     pairs = TreeGroups.build([[0, 1], [2, 3]])
     triple = TreeGroups.build([[0, 1, 2], [3]])
     two_by_two = TreeGroups.build(intra_size=2)
-    for name, groups, strategies in (("p2", pairs, ("packed", "allgather")),
-                                     ("p3", triple, ("allreduce3", "auto")),
-                                     ("p2x2", two_by_two, ("two_level", "packed"))):
+    for name, groups, strategies in (("p2", pairs, ("packed", "allgather", "shifted")),
+                                     ("p3", triple, ("allreduce3", "auto", "shifted")),
+                                     ("p2x2", two_by_two, ("two_level", "packed", "shifted"))):
         if groups.size < 2:
             continue
         for strategy in strategies:
             out[(name, strategy, "fp64")] = _decode_errors(groups, torch.float64, strategy)
+        # every strategy on paged shards with the batch split in halves, shifted included
+        for strategy in (strategies[0], "shifted"):
+            out[(name, strategy, "overlap", "fp64")] = _decode_errors(groups, torch.float64, strategy, overlap=True)
         out[(name, "fp32")] = _decode_errors(groups, torch.float32, strategies[0])
         out.setdefault("large", {})[name] = _large_scores_error(groups, strategies[0])
     return out
@@ -283,4 +293,6 @@ def test_paged_tree_decode_exact_at_world_sizes_2_3_and_2x2(paged_results):
             # Balanced: a rank never holds more than one block above another for a request.
             assert all(max(s) - min(s) <= 1 for s in errors["spread"]), (rank, key, errors["spread"])
     assert seen == {"p2", "p3", "p2x2"}
+    for name in ("p2", "p3", "p2x2"):  # shifted, and the overlapped split, ran on paged shards at every size
+        assert (name, "shifted", "fp64") in paged_results[0] and (name, "shifted", "overlap", "fp64") in paged_results[0]
     assert ("p3", "auto", "fp64") not in paged_results[3]  # rank 3 is alone in the 3+1 split

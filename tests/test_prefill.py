@@ -47,7 +47,7 @@ def _local(t, positions):
 
 def _rank_fn(rank, world):
     from megatron_tree.comm import CommStats
-    from megatron_tree.decode.prefill import allgather_prefill, ring_prefill
+    from megatron_tree.decode.prefill import allgather_prefill, assemble_logits, ring_prefill
     from megatron_tree.topology import TreeGroups
 
     layouts = {
@@ -55,7 +55,7 @@ def _rank_fn(rank, world):
         "cp3+cp1": [[0, 1, 2], [3]],
         "cp2x2": [[0, 1], [2, 3]],
     }
-    worst, ops = {}, {}
+    worst, ops, assembled = {}, {}, {}
     for name, ranks in layouts.items():
         groups = TreeGroups.build(ranks)
         p, me = groups.size, groups.rank
@@ -86,9 +86,25 @@ def _rank_fn(rank, world):
                     err = max(err, float((got - want).abs().max()) if got.numel() else 0.0)
                     assert torch.all(out[b, ~valid] == 0)  # padded queries see nothing
                 worst[case] = err
+            # the one assembly of prefill logits: last token, every token (pads -> 0), a chosen set
+            logits = torch.randn(len(lengths), width, 5, generator=torch.Generator().manual_seed(3))
+            full = torch.randn(len(lengths), max(lengths), 5, generator=torch.Generator().manual_seed(4))
+            local = torch.where(pos[..., None] >= 0, full.gather(1, pos.clamp(min=0)[..., None].expand(-1, -1, 5)),
+                                logits)  # padding slots hold garbage: it must not leak in
+            n = max(lengths)
+            every = torch.stack([torch.where(torch.arange(n) < m, torch.arange(n), -1) for m in lengths])
+            for what, wanted in (("last", torch.tensor(lengths)[:, None] - 1), ("all", every),
+                                 ("set", torch.tensor([0, n - 1]))):
+                stats = CommStats()
+                got = assemble_logits(local, pos, wanted, groups, stats=stats)
+                w = wanted if wanted.dim() == 2 else wanted[None].expand(len(lengths), -1)
+                want = torch.where(w[..., None] >= 0, full.gather(1, w.clamp(min=0)[..., None].expand(-1, -1, 5)), 0.0)
+                for b, m in enumerate(lengths):  # a position beyond a row's prompt is held by no rank: 0
+                    want[b][w[b] >= m] = 0.0
+                assembled[f"{name}/{layout}/{lengths}/{what}"] = (torch.equal(got, want), p, stats.as_dict()["levels"])
         if name == "cp4":
             large = _large_and_bf16(groups, ring_prefill)
-    return worst, ops, large
+    return worst, ops, large, assembled
 
 
 def _large_and_bf16(groups, ring_prefill):
@@ -113,7 +129,14 @@ def _large_and_bf16(groups, ring_prefill):
 
 def test_ring_and_allgather_prefill_equal_single_process():
     results = run_ranks(_rank_fn, 4, timeout=240)
-    for rank, (worst, ops, (large_err, bf16_once)) in enumerate(results):
+    for rank, (worst, ops, (large_err, bf16_once), assembled) in enumerate(results):
+        assert len(assembled) == 3 * 2 * 2 * 3
+        for case, (exact, p, levels) in assembled.items():
+            assert exact, f"rank {rank} {case}: assembled prefill logits are not bitwise the unsharded ones"
+            # one all-reduce SUM (the owner's logits, zeros elsewhere), none without a CP group
+            assert levels == ({} if p == 1 else {"cp": levels["cp"]}), case
+            if p > 1:
+                assert levels["cp"]["ops"] == {"all_reduce_sum": 1}, case
         assert large_err <= 1e-5, f"rank {rank}: ring prefill at |scores| ~1e5 off by {large_err:.2e} > 1e-5"
         assert bf16_once, f"rank {rank}: bf16 ring prefill rounded its partials before the merge"
         assert len(worst) == 3 * 2 * 2 * 2

@@ -170,8 +170,7 @@ def run_all(rank, world, path):
 def generate_body(groups, path):
     import torch.distributed as dist
 
-    from megatron_tree.decode.attention import ShiftState
-    from megatron_tree.decode.generate import GenerationHook, generate
+    from megatron_tree.decode.generate import GenerationHook, StepRunner, generate
     from megatron_tree.models.llama import Llama
     from test_llama import NEW_TOKENS, PROMPTS
 
@@ -215,13 +214,12 @@ def generate_body(groups, path):
     def steps(corrupt):
         cache = model.new_cache(len(prompts), 32, block_size=4)
         ids = model.prefill(prompts, cache).argmax(-1)
-        state, logits, redos = ShiftState(), [], []
+        runner, logits, redos = StepRunner("shifted" if corrupt else "packed", groups), [], []
         for i in range(4):
             if corrupt and i == 2:
-                state.shifts = {key: r + 500.0 for key, r in state.shifts.items()}
+                runner.shifts = {key: r + 500.0 for key, r in runner.shifts.items()}
             stats = mt.CommStats()
-            out, _ = state.run_step(lambda: model.decode_step(
-                ids, cache, strategy="shifted" if corrupt else "packed", stats=stats, shift=state), stats)
+            out, _ = runner.run(model, ids, cache, stats)
             redos.append(stats.fallbacks)
             logits.append(out.tolist())
             ids = out.argmax(-1)
@@ -235,11 +233,11 @@ def generate_body(groups, path):
     calls = []
     decode_step = model.decode_step
 
-    def corrupting(ids, cache, strategy="auto", stats=None, shift=None):
-        calls.append(strategy)
-        if len(calls) == 3 and shift is not None:
-            shift.shifts = {key: r + 500.0 for key, r in shift.shifts.items()}
-        return decode_step(ids, cache, strategy=strategy, stats=stats, shift=shift)
+    def corrupting(ids, cache, step):
+        calls.append(step.strategy)
+        if len(calls) == 3 and step.shifts is not None:
+            step.shifts = {key: r + 500.0 for key, r in step.shifts.items()}
+        return decode_step(ids, cache, step)
 
     model.decode_step = corrupting
     stats = mt.CommStats()

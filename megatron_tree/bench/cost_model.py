@@ -113,7 +113,7 @@ def peak_memory_bytes(strategy: str, dims: Dims, p: int, context: int) -> int:
         return 2 * dims.batch * dims.heads_q * dims.seqlen_q * tokens * 4 + state
 
     base = q + dims.kv_shard(shard)
-    if strategy in ("packed", "allreduce3", "two_level", "shifted"):
+    if strategy in MERGE_STRATEGIES and strategy != "allgather":  # the merges that reduce in place
         return base + kernel_ws(shard) + 2 * state
     if strategy == "allgather":
         return base + kernel_ws(shard) + (p + 1) * state

@@ -36,7 +36,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 
-TREE = ("allreduce3", "packed", "two_level", "allgather", "shifted", "auto")
+from ..strategies import STRATEGIES as TREE
 BASE = ("ring", "passq_ring", "allgather_kv", "single")
 ALL = tuple(f"tree:{s}" for s in TREE) + BASE
 

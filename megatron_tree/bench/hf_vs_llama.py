@@ -23,6 +23,8 @@ import sys
 import tempfile
 import time
 
+from ..strategies import STRATEGIES
+
 MODELS = ("llama", "hf")
 
 
@@ -175,7 +177,7 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-heads", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--prefill", default="ring", choices=("ring", "allgather"))
-    ap.add_argument("--strategy", default="packed")
+    ap.add_argument("--strategy", default="packed", choices=STRATEGIES)
     ap.add_argument("--layout", default="load_balanced", choices=("load_balanced", "contiguous"))
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--seed", type=int, default=0)

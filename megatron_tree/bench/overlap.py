@@ -28,6 +28,8 @@ import sys
 import tempfile
 import time
 
+from ..strategies import STRATEGIES
+
 VARIANTS = ("unsplit", "split")
 
 
@@ -161,6 +163,9 @@ def main(argv=None) -> int:
     ap.add_argument("--gpu-preset", default="dgx_h100", help="cost-model preset for the GPU prediction column")
     ap.add_argument("--json", default=None, help="write the rows (with predictions) here")
     args = ap.parse_args(argv)
+    unknown = [s for s in args.strategies.split(",") if s not in STRATEGIES]
+    if unknown:
+        ap.error(f"--strategies: unknown merge strategies {unknown}; expected some of {','.join(STRATEGIES)}")
 
     intra = dict(tuple(int(x) for x in s.split(":")) for s in args.intra.split(",") if s)
     cfgs = []

@@ -1,19 +1,24 @@
 """The decode tier: everything between the merge (``comm``) and the frameworks' integrations.
 
-``tree_decode`` over a contiguous or paged shard, the one placement rule and step planner,
-the sharded caches (contiguous and paged), CP prefill and the one generation loop. Every
-integration (Megatron-Core, transformers, the lm-eval backend) is a thin adapter over it.
+``tree_decode`` over a contiguous or paged shard (``attention``), the one placement rule
+(``placement``) and step planner (``plan``), the sharded caches (``cache``: contiguous,
+``paged``), CP prefill and the one assembly of its logits (``prefill``), and the one
+generation loop with its written model protocol and the ``shifted`` redo (``generate``).
+Every integration (Megatron-Core, transformers, the lm-eval backend) is a thin adapter over it.
 """
 
-from .attention import ShiftState, tree_decode
+from .attention import tree_decode
 from .cache import CacheConfig, CacheOverflowError, ShardedKVCache
-from .generate import GenerationHook, GenerationResult, generate
+from .generate import (DecodeCache, DecodeModel, DecodeStep, GenerationHook, GenerationResult, StepRunner,
+                       generate)
 from .paged import PagedKVCache, PoolExhaustedError
 from .placement import LAYOUTS, PlacementError, RowPlacement, prefill_ranges
-from .prefill import PREFILL_METHODS, allgather_prefill, cp_prefill, ring_prefill
+from .plan import StepPlan, StepPlanner
+from .prefill import PREFILL_METHODS, allgather_prefill, assemble_logits, cp_prefill, ring_prefill
 
 __all__ = [
-    "tree_decode", "ShiftState", "CacheConfig", "CacheOverflowError", "ShardedKVCache", "GenerationHook",
-    "GenerationResult", "generate", "PagedKVCache", "PoolExhaustedError", "LAYOUTS", "PlacementError",
-    "RowPlacement", "prefill_ranges", "PREFILL_METHODS", "allgather_prefill", "cp_prefill", "ring_prefill",
+    "tree_decode", "CacheConfig", "CacheOverflowError", "ShardedKVCache", "GenerationHook",
+    "GenerationResult", "generate", "DecodeModel", "DecodeCache", "DecodeStep", "StepRunner", "PagedKVCache",
+    "PoolExhaustedError", "LAYOUTS", "PlacementError", "RowPlacement", "prefill_ranges", "StepPlan",
+    "StepPlanner", "PREFILL_METHODS", "allgather_prefill", "assemble_logits", "cp_prefill", "ring_prefill",
 ]

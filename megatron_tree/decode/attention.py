@@ -23,7 +23,7 @@ from ..comm import CommStats
 from ..reference import acc_dtype, add_sink, check_decode_inputs, check_variants, lse_acc_dtype
 from ..topology import TreeGroups
 
-__all__ = ["tree_decode", "ShiftState"]
+__all__ = ["tree_decode"]
 
 
 def tree_decode(
@@ -33,6 +33,7 @@ def tree_decode(
     groups: TreeGroups | None,
     *,
     cache_seqlens: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
     softmax_scale: float | None = None,
     strategy: str = "auto",
     return_lse: bool = False,
@@ -56,9 +57,14 @@ def tree_decode(
     q: (batch, seqlen_q, nheads_q, headdim) -- replicated on every CP rank
     k: (batch, shard_len, nheads_kv, headdim), v: (batch, shard_len, nheads_kv, headdim_v) --
         this rank's keys/values; shard_len may differ between ranks and may be 0; headdim_v
-        may differ from headdim (MLA)
+        may differ from headdim (MLA); or, with ``block_table``, this rank's paged pools
+        (num_blocks, block_size, nheads_kv, headdim[_v]) of one layer
     cache_seqlens: (batch,) int32 -- valid keys of this shard per batch row (rows may differ)
-    cache_starts: (batch,) int32 -- this shard's first valid key per row (``ops.flash_decode``)
+    cache_starts: (batch,) int32 -- this shard's first valid key per row (``ops.flash_decode``;
+        on a paged shard, the first slot a sliding window still shows)
+    block_table: (batch, width) int32 -- this rank's blocks of each row, in slot order (a paged
+        shard: row b's key j is in block ``block_table[b, j // block_size]``); every strategy,
+        ``overlap`` and ``shifted`` included, runs on paged shards alike
     q_positions: (batch, seqlen_q), k_positions: (batch, shard_len) or (shard_len,) -- global
         token positions for causal masking when seqlen_q > 1; without them every query sees
         every valid key
@@ -72,7 +78,8 @@ def tree_decode(
         returned lse (``return_lse=True``) is the next decode step's shift.
     deferred: with ``shifted``, a list that receives the call's device flag instead of a host
         check: when it is True the result is unusable and the caller redoes the call with
-        ``packed`` (a decode loop reads all its layers' flags once per step; :class:`ShiftState`)
+        ``packed`` (a decode loop reads all its layers' flags once per step:
+        ``decode.generate.StepRunner``)
     lse_dtype: dtype of the returned lse: float32 by default (float64 for float64 input);
         ``torch.float64`` returns it whole, for merging the result again (e.g. with a chunk of
         keys held elsewhere) exactly at large score magnitudes -- partials and every merge level
@@ -101,12 +108,12 @@ def tree_decode(
         check_variants(q, sinks=sinks)  # before any collective: the sink joins after the merge
     if overlap and groups is not None and groups.size > 1 and q.shape[0] >= 2:
         out, lse = _decode_overlapped(q, k, v, groups, cache_seqlens, softmax_scale, strategy, q_positions,
-                                      k_positions, stats, backend, shift, deferred, variants)
+                                      k_positions, stats, backend, shift, deferred, block_table, variants)
     else:
         # fp32 partials (DESIGN.md section 1): a bf16/fp16 result is rounded once, below. The
         # partial lse is float64 so the merge is exact at large score magnitudes (comm's docstring).
         out, lse = ops.flash_decode(
-            q, k, v, cache_seqlens=cache_seqlens, softmax_scale=softmax_scale,
+            q, k, v, cache_seqlens=cache_seqlens, block_table=block_table, softmax_scale=softmax_scale,
             q_positions=q_positions, k_positions=k_positions, out_dtype=acc_dtype(q.dtype), backend=backend,
             lse_dtype=torch.float64, **variants,
         )
@@ -121,23 +128,27 @@ def tree_decode(
 
 
 def _decode_overlapped(q, k, v, groups, cache_seqlens, softmax_scale, strategy, q_positions, k_positions, stats,
-                       backend, shift=None, deferred=None, variants=None):
+                       backend, shift=None, deferred=None, block_table=None, variants=None):
     """``tree_decode`` with the batch in two halves, each half's merge overlapping the next half's local attention.
 
-    Shapes as in :func:`tree_decode`. The whole batch is checked before the first collective
-    starts, so bad input fails on every rank before any rank waits in one.
+    Shapes as in :func:`tree_decode` (a paged pool is shared by both halves; each takes its
+    rows of the block table). The whole batch is checked before the first collective starts,
+    so bad input fails on every rank before any rank waits in one.
     """
     variants = variants or {}
-    check_decode_inputs(q, k, v, cache_seqlens, q_positions, k_positions,
+    check_decode_inputs(q, k, v, cache_seqlens, q_positions, k_positions, block_table,
                         by_value=q.device.type == "cpu" and not torch.compiler.is_compiling(), **variants)
     b = q.shape[0]
     halves = [slice(0, (b + 1) // 2), slice((b + 1) // 2, b)]
     shared_kpos = k_positions is not None and k_positions.dim() == 1  # (N,): the same for every row
 
+    paged = block_table is not None
+
     def local(rows):
         pick = lambda t: None if t is None else t[rows]  # noqa: E731
         return ops.flash_decode(
-            q[rows], k[rows], v[rows], cache_seqlens=pick(cache_seqlens), softmax_scale=softmax_scale,
+            q[rows], k if paged else k[rows], v if paged else v[rows], cache_seqlens=pick(cache_seqlens),
+            block_table=pick(block_table), softmax_scale=softmax_scale,
             q_positions=pick(q_positions), k_positions=k_positions if shared_kpos else pick(k_positions),
             out_dtype=acc_dtype(q.dtype), backend=backend, lse_dtype=torch.float64,
             window=variants.get("window"), softcap=variants.get("softcap"),
@@ -147,74 +158,3 @@ def _decode_overlapped(q, k, v, groups, cache_seqlens, softmax_scale, strategy, 
     out_shape = (*q.shape[:3], v.shape[3])  # the merged outputs have V's head dim
     return comm.merge_overlapped(local, halves, out_shape, groups, strategy, stats, dtype=q.dtype,
                                  backend=ops.resolve_backend(q.device, backend), shift=shift, deferred=deferred)
-
-
-class ShiftState:
-    """What ``strategy="shifted"`` carries from one decode step to the next, for one decode loop.
-
-    * ``shifts``: each layer's merged lse of the previous step (layer key -> (B, Hq, Sq)),
-      the next step's shift; bit-identical on every CP rank (``comm``'s module docstring).
-    * ``flags``: this step's device flags, one per layer's merge (``tree_decode(deferred=)``);
-      no host read while the step runs.
-    * ``redo`` / ``placement``: after :meth:`needs_redo` says so, the loop runs the step again
-      with ``packed`` merges (:meth:`decode` switches by itself) and the model reuses the
-      placement it stored in ``placement`` on the first try, so the cache does not advance twice
-      (keys/values are written to the same slots again, which is idempotent).
-
-    A decode loop (``generate``) makes one per generation, passes it to ``model.decode_step``
-    and runs each step through :meth:`run_step` (one host read of the flags per step, where it
-    reads the logits anyway).
-    """
-
-    def __init__(self):
-        self.shifts: dict = {}
-        self.flags: list = []
-        self.redo = False
-        self.placement = None
-
-    def decode(self, key, q, k, v, groups, *, strategy: str = "shifted", **kwargs) -> torch.Tensor:
-        """``tree_decode`` of one layer (``key``) with its previous lse as the shift; returns out.
-
-        q, k, v and kwargs as for :func:`tree_decode` (not ``return_lse``/``shift``/``deferred``).
-        """
-        r = self.shifts.get(key)
-        if r is not None and tuple(r.shape) != (q.shape[0], q.shape[2], q.shape[1]):
-            r = None  # another batch shape: start again from packed (every rank sees the same shapes)
-        if self.redo or strategy != "shifted":
-            out, lse = tree_decode(q, k, v, groups, strategy="packed" if self.redo else strategy,
-                                   return_lse=True, **kwargs)
-        else:
-            out, lse = tree_decode(q, k, v, groups, strategy="shifted", shift=r, return_lse=True,
-                                   deferred=self.flags, **kwargs)
-        self.shifts[key] = lse
-        return out
-
-    def needs_redo(self, stats: CommStats | None = None) -> bool:
-        """Whether a merge of the step just run needs the MAX + SUM redo (one host read).
-
-        Clears the flags; when True, sets ``redo`` (the caller runs the step again and then
-        calls :meth:`step_done`) and adds the number of failed merges to ``stats.fallbacks``.
-        """
-        flags, self.flags = self.flags, []
-        if not flags:
-            return False
-        failed = int(torch.stack(flags).sum())  # identical on every rank: from all-reduced values
-        if failed and stats is not None:
-            stats.fallbacks += failed
-        self.redo = failed > 0
-        return self.redo
-
-    def step_done(self) -> None:
-        """End of a step (after a redo): the next step tries ``shifted`` again."""
-        self.redo = False
-        self.flags = []
-
-    def run_step(self, step, stats: CommStats | None = None):
-        """One decode step: ``step()`` (a model's ``decode_step`` given this state), run again with
-        ``packed`` merges when a merge's check failed; returns ``(its result, redone)``."""
-        out = step()
-        redone = self.needs_redo(stats)
-        if redone:
-            out = step()
-        self.step_done()
-        return out, redone

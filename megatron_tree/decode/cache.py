@@ -3,13 +3,16 @@
 Invariant: where every token of every row lives is a pure function of the prompt lengths,
 the CP size, the layout and the block size, so every CP rank computes the same placement
 without communicating, and this module never communicates. A rank stores only its own
-tokens, in a buffer of ``ceil(max_seq_len / cp_size)`` slots per row: memory per rank is
-1/CP of an unsharded cache (rounded up to a whole token).
+tokens, in a buffer of ``ceil(max_seq_len / cp_size)`` slots per row (plus the one spare slot
+that takes the tokens other ranks keep): memory per rank is 1/CP of an unsharded cache
+(rounded up to a whole token, plus one).
 
-Placement (DESIGN.md section 6) is decided by :mod:`megatron_tree.placement`, the planner
-every sequence-sharded cache shares: the prompt in Megatron-Core's load-balanced 2·CP chunks
-(or contiguous chunks), decoded tokens in blocks of ``block_size`` that open on the
-least-loaded rank, round-robin on ties. This module stores what it decides.
+Placement (DESIGN.md section 6) is decided by :mod:`.placement`, the rule every
+sequence-sharded cache shares: the prompt in Megatron-Core's load-balanced 2·CP chunks (or
+contiguous chunks), decoded tokens in blocks of ``block_size`` that open on the least-loaded
+rank, round-robin on ties; a decode step is planned and written by :mod:`.plan`, the one step
+planner (one copy to the device, no host read, the spare slot). This module stores what they
+decide.
 
 Within a rank a row's tokens are stored in the order they arrived; their global positions
 are kept beside them (``positions``) for RoPE and causal masking.
@@ -25,6 +28,7 @@ from typing import Literal
 import torch
 
 from .placement import LAYOUTS, RowPlacement, prefill_ranges
+from .plan import StepPlanner
 
 __all__ = ["CacheConfig", "CacheOverflowError", "ShardedKVCache", "prefill_ranges", "LAYOUTS"]
 
@@ -60,6 +64,9 @@ class ShardedKVCache:
     positions: (batch, C) int64 -- global position of every stored token, -1 in free slots
     seqlens: (batch,) int32 -- tokens of each row held by this rank (``cache_seqlens`` of
         ``tree_decode``)
+
+    ``k``, ``v`` and ``positions`` are views of buffers with one more slot per row, the spare
+    slot ``C``, where a step writes the tokens another rank keeps (never read; :mod:`.plan`).
     """
 
     def __init__(
@@ -89,27 +96,27 @@ class ShardedKVCache:
         self.cp_rank = cp_rank
         self.config = config
         self.capacity = math.ceil(max_seq_len / cp_size)
-        shape = (num_layers, batch_size, self.capacity, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.positions = torch.full((batch_size, self.capacity), -1, dtype=torch.int64, device=device)
+        shape = (num_layers, batch_size, self.capacity + 1, num_kv_heads, head_dim)  # + the spare slot
+        self._k = torch.zeros(shape, dtype=dtype, device=device)
+        self._v = torch.zeros(shape, dtype=dtype, device=device)
+        self._positions = torch.full((batch_size, self.capacity + 1), -1, dtype=torch.int64, device=device)
+        self.k, self.v = self._k[:, :, : self.capacity], self._v[:, :, : self.capacity]
+        self.positions = self._positions[:, : self.capacity]
         self.seqlens = torch.zeros(batch_size, dtype=torch.int32, device=device)
-        # A decode step's per-row plan, rewritten in place every step (static addresses, no
-        # per-step device allocation): [0] global position of the new token, [1] its slot on
-        # this rank or -1, [2] this rank's count of the row's tokens after the step.
-        self._step = torch.zeros((3, batch_size), dtype=torch.int64, device=device)
         self._batch_index = torch.arange(batch_size, device=device)
         self._rows: list[RowPlacement] = []
+        self._planner = StepPlanner([], cp_rank, spare=self.capacity, device=self.k.device, reserve=4 * batch_size)
         self.reset()
 
     # ------------------------------------------------------------------ bookkeeping
 
     def reset(self) -> None:
         """Forget every token (storage is kept)."""
-        self.positions.fill_(-1)
+        self._positions.fill_(-1)
         self.seqlens.zero_()
         self._rows = [RowPlacement(self.cp_size, layout=self.config.layout, block_size=self.config.block_size,
                                    capacity=self.capacity) for _ in range(self.batch_size)]
+        self._planner.reset(self._rows)
 
     @property
     def lengths(self) -> list[int]:
@@ -128,8 +135,13 @@ class ShardedKVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes this rank allocated for keys, values and positions."""
-        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.positions, self.seqlens))
+        """Bytes this rank allocated for keys, values and positions (the spare slot included)."""
+        return sum(t.numel() * t.element_size() for t in (self._k, self._v, self._positions, self.seqlens))
+
+    @property
+    def kv_nbytes(self) -> int:
+        """Bytes this rank allocated for keys and values (the spare slot included)."""
+        return sum(t.numel() * t.element_size() for t in (self._k, self._v))
 
     def unsharded_kv_nbytes(self) -> int:
         """Bytes keys and values of the whole cache would take on one device."""
@@ -219,10 +231,11 @@ class ShardedKVCache:
                 slots: (batch,) int64 -- storage index on this rank, -1 where another rank
                 holds the row's new token. ``seqlens`` already counts the new tokens.
 
-        Host-side: the plan comes from the rows' placement bookkeeping (no device tensor is
-        read) and reaches the device in one copy into buffers made with the cache (on CUDA
-        a non-blocking copy from pinned memory). The returned tensors are views of those
-        buffers, overwritten by the next step.
+        The step planner (:mod:`.plan`): the plan comes from the rows' placement bookkeeping
+        (no device tensor is read) and reaches the device in one copy (on CUDA non-blocking,
+        from pinned memory) into a buffer the planner keeps. The returned tensors are views of
+        it, overwritten by the next step. After :meth:`rewind_step` this places the same tokens
+        on the same slots again and returns the same plan.
         """
         for b, row in enumerate(self._rows):
             if row.total == 0:
@@ -232,34 +245,25 @@ class ShardedKVCache:
                     f"row {b} already holds {row.total} tokens, the cache's max_seq_len; "
                     "cannot append another (create the cache with a larger max_seq_len)"
                 )
-        positions, slots = [], []
-        for row in self._rows:
-            pos = row.total
-            (owner,) = row.append(1)
-            slots.append(row.locate(pos)[1] if owner == self.cp_rank else -1)
-            positions.append(pos)
-        counts = [row.counts[self.cp_rank] for row in self._rows]
-        device = self._step.device
-        # A fresh (cached) pinned buffer per step: the caching host allocator keeps it alive until
-        # the asynchronous copy has read it, so the host never waits for the device here.
-        host = torch.tensor([positions, slots, counts], dtype=torch.int64, pin_memory=device.type == "cuda")
-        self._step.copy_(host, non_blocking=device.type == "cuda")
-        pos, slot, count = self._step.unbind(0)
-        self.seqlens.copy_(count)  # int64 -> int32 on the device
-        # positions[b, slot] = pos where this rank keeps the token; other rows rewrite their own
-        # slot 0 with its old value (device-side select, no host read of which rows are ours).
-        mine = slot >= 0
-        at = slot.clamp(min=0)
-        old = self.positions[self._batch_index, at]
-        self.positions[self._batch_index, at] = torch.where(mine, pos, old)
+        plan = self._planner.step(0, self.batch_size, 1)
+        pos, slot = plan.positions[:, 0], plan.slots[:, 0]
+        self.seqlens.copy_(plan.counts)  # int64 -> int32 on the device
+        # positions[b, slot] = pos where this rank keeps the token, the spare slot elsewhere
+        self._positions[self._batch_index, plan.store[:, 0]] = pos
         return pos, slot
+
+    def rewind_step(self) -> None:
+        """Take the last decode step back so that it can run again on the same slots (``generate``'s
+        redo of a ``shifted`` step): lengths are as before it; the next :meth:`begin_decode_step`
+        returns its plan again. The stored keys are left as they are (rewriting them is idempotent)."""
+        self._planner.rewind()
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """Store the new token's key/value of one layer in the rows this rank holds.
 
         k, v: (batch, 1, num_kv_heads, head_dim); slots: (batch,) from :meth:`begin_decode_step`.
-        Rows another rank holds (slot -1) rewrite their slot 0 with its own value: the write is
-        a device-side select and scatter, so no host read of which rows are this rank's.
+        Rows another rank holds (slot -1) write the spare slot (never read), so the write is one
+        scatter per tensor and no host read of which rows are this rank's.
         """
         layer = self._layer(layer, "append")
         self._check_kv("append", k, v, 1)
@@ -267,13 +271,11 @@ class ShardedKVCache:
             raise ValueError(f"append: slots must be the integer ({self.batch_size},) tensor begin_decode_step returned, "
                              f"got {slots.dtype if isinstance(slots, torch.Tensor) else type(slots).__name__} "
                              f"{tuple(getattr(slots, 'shape', ()))}")
-        mine = (slots >= 0)[:, None, None]
-        at = slots.clamp(min=0)
+        at = torch.where(slots >= 0, slots, self.capacity)  # the spare slot takes other ranks' tokens
         rows = self._batch_index
         try:  # the values are not read here (no host sync): a slot beyond the storage is torch's IndexError
-            for buf, new in ((self.k, k), (self.v, v)):
-                dest = buf[layer]
-                dest[rows, at] = torch.where(mine, new[:, 0].to(buf.dtype), dest[rows, at])
+            for buf, new in ((self._k, k), (self._v, v)):
+                buf[layer][rows, at] = new[:, 0].to(buf.dtype)
         except IndexError as e:
             raise IndexError(f"append: a slot is beyond this rank's {self.capacity} storage slots per row; slots "
                              f"must be the tensor begin_decode_step returned (each in [-1, {self.capacity})): "

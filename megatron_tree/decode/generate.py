@@ -11,9 +11,14 @@ Rows of different lengths share one batch: each row has its own length in the ca
 
 This is the one decode loop of the package: the eval drives it too, through a
 :class:`GenerationHook` that times each step and keeps logits (no second loop beside this
-one). Any model with ``prefill``, ``decode_step``, ``new_cache``, ``groups``, ``device`` and
-``config.vocab_size`` runs in it: the library's Llama and Megatron-Core's ``GPTModel``
-(``integrations.megatron_model.MegatronLM``).
+one). Any adapter that provides :class:`DecodeModel` runs in it -- Megatron-Core's
+``GPTModel`` (``integrations.megatron.model.MegatronLM``), a transformers model
+(``integrations.hf.HFTreeModel``), the library's Llama -- and its cache
+:class:`DecodeCache`. The ``shifted`` redo lives here and only here (:class:`StepRunner`):
+the loop hands each ``decode_step`` a :class:`DecodeStep` whose :meth:`~DecodeStep.attend`
+is the one attention call every integration's layers make, reads the step's merge flags once,
+and when one is raised rewinds the cache (``cache.rewind_step()``) and runs the step again
+with ``packed``; adapters never see the shift or the flags.
 """
 
 from __future__ import annotations
@@ -21,15 +26,218 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import torch
 
-from .. import collectives
-from .attention import ShiftState
-from .cache import CacheOverflowError, ShardedKVCache
+from .. import agreement, collectives
+from .attention import tree_decode
+from .cache import CacheOverflowError
 from ..comm import CommStats
+from ..topology import TreeGroups
 
-__all__ = ["generate", "GenerationResult", "GenerationHook", "sample_next"]
+__all__ = ["generate", "GenerationResult", "GenerationHook", "sample_next", "DecodeModel", "DecodeCache",
+           "DecodeStep", "StepRunner"]
+
+
+# --------------------------------------------------------------------------- the model protocol
+
+
+@runtime_checkable
+class DecodeCache(Protocol):
+    """The cache a :class:`DecodeModel` makes: this CP rank's share of a batch's KV cache.
+
+    The adapter may assume the loop passes the cache only to the model that made it, one
+    prefill before any decode step, and decode steps in order. The loop assumes every CP rank's
+    cache places each token on the same rank (``decode.placement``/``decode.plan``: the
+    contiguous ``ShardedKVCache``, Megatron's ``TreeInferenceContext``, transformers' ``TreeCache``).
+    """
+
+    @property
+    def batch_size(self) -> int:
+        """Rows of the cache."""
+
+    @property
+    def max_seq_len(self) -> int:
+        """Most tokens (prompt and generated) one row may hold."""
+
+    def rewind_step(self) -> None:
+        """Take the last decode step back: the rows' lengths are as before it, and the next decode
+        step places the same tokens on the same slots again (the step planner's redo; rewriting
+        the same keys there is idempotent). The loop calls it only to run a ``shifted`` step again."""
+
+
+@runtime_checkable
+class DecodeModel(Protocol):
+    """What a model adapter provides to :func:`generate` (and to the eval, which drives ``generate``).
+
+    Every CP rank of ``groups`` holds its own replica (the same weights) and makes the same
+    calls with the same arguments; ``generate`` checks the call's arguments across ranks once
+    (``agreement.agree``), so an adapter may assume they agree. Logits must be identical on every
+    CP rank (they are: the tree merge and the prefill's logits assembly hand every rank the
+    same result).
+    """
+
+    @property
+    def groups(self) -> TreeGroups | None:
+        """The CP group and its levels (``None``: one process)."""
+
+    @property
+    def device(self) -> torch.device:
+        """Where token ids and logits live."""
+
+    @property
+    def vocab_size(self) -> int:
+        """Logits per token; token ids lie in ``[0, vocab_size)`` (``generate`` checks prompts against it)."""
+
+    def new_cache(self, batch_size: int, max_seq_len: int) -> DecodeCache:
+        """An empty cache for ``batch_size`` rows of up to ``max_seq_len`` tokens (each rank holds ~1/CP)."""
+
+    def prefill(self, prompts: list[list[int]], cache: DecodeCache, **kwargs) -> torch.Tensor:
+        """Run the prompts (token-id lists, lengths may differ, each >= 1) CP-sharded and fill ``cache``
+        (reset first); returns (batch, vocab) logits of each prompt's last token. ``generate`` passes
+        ``method=`` only when its caller chose a prefill method."""
+
+    def decode_step(self, next_ids: torch.Tensor, cache: DecodeCache, step: "DecodeStep") -> torch.Tensor:
+        """Append one token per row (``next_ids``: (batch,) int64, the same on every rank) and return
+        (batch, vocab) logits of the next token. Every layer's attention over the cache is
+        ``step.attend(layer_key, q, k, v, groups, **tree_decode_kwargs)``, with a key unique to
+        the layer; the adapter may assume nothing else about the step (it may be run again after
+        ``cache.rewind_step()``, with the same ids)."""
+
+
+# --------------------------------------------------------------------------- one decode step
+
+
+class DecodeStep:
+    """One decode step as the loop hands it to ``model.decode_step``: the attention every layer calls.
+
+    strategy, stats: the merge of every layer (``tree_decode``'s) and where its traffic is
+    recorded. Made by :class:`StepRunner`; a ``DecodeStep()`` of one's own (``strategy="auto"``)
+    is a plain step for a direct ``decode_step`` call.
+    """
+
+    def __init__(self, strategy: str = "auto", stats: CommStats | None = None, *, _state=None):
+        self.strategy = strategy
+        self.stats = stats
+        self._state = _state
+
+    def attend(self, layer_key, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: TreeGroups | None,
+               **kwargs) -> torch.Tensor:
+        """Exact attention of one layer's ``q`` over every rank's ``(k, v)`` shard: ``tree_decode``.
+
+        layer_key: a hashable naming the layer (its shift under ``shifted`` is kept per key);
+        q, k, v, groups and kwargs (``cache_seqlens``, ``block_table``, ``softmax_scale``,
+        ``q_positions``, ``k_positions``, ``backend``, ...) as for :func:`tree_decode`, without
+        ``strategy``/``stats``/``shift``/``deferred``/``return_lse`` (the step's own).
+        returns out: (batch, seqlen_q, nheads_q, headdim), identical on every CP rank.
+
+        Under ``shifted`` (in :class:`StepRunner`) the merge takes the layer's lse of the previous
+        step as its shift and leaves its device flag with the runner; on the step's second try it
+        runs ``packed``.
+        """
+        if self._state is None:
+            return tree_decode(q, k, v, groups, strategy=self.strategy, stats=self.stats, **kwargs)
+        return self._state.decode(layer_key, q, k, v, groups, stats=self.stats, **kwargs)
+
+    @property
+    def shifts(self) -> dict | None:
+        """Each layer's shift under ``shifted`` (layer key -> (batch, heads_q, seqlen_q)), else ``None``."""
+        return None if self._state is None else self._state.shifts
+
+    @shifts.setter
+    def shifts(self, value: dict) -> None:
+        if self._state is None:
+            raise ValueError("this step does not run strategy='shifted': it carries no shifts")
+        self._state.shifts = value
+
+
+class _ShiftState:
+    """What ``shifted`` carries from one step to the next: each layer's merged lse of the previous
+    step (its next shift, bit-identical on every CP rank: ``comm``'s module docstring) and this
+    step's device flags (``tree_decode(deferred=)``), read once per step by :class:`StepRunner`."""
+
+    def __init__(self):
+        self.shifts: dict = {}
+        self.flags: list = []
+        self.redo = False
+
+    def decode(self, key, q, k, v, groups, **kwargs) -> torch.Tensor:
+        r = self.shifts.get(key)
+        if r is not None and tuple(r.shape) != (q.shape[0], q.shape[2], q.shape[1]):
+            r = None  # another batch shape: start again from packed (every rank sees the same shapes)
+        if self.redo:
+            out, lse = tree_decode(q, k, v, groups, strategy="packed", return_lse=True, **kwargs)
+        else:
+            out, lse = tree_decode(q, k, v, groups, strategy="shifted", shift=r, return_lse=True,
+                                   deferred=self.flags, **kwargs)
+        self.shifts[key] = lse
+        return out
+
+
+class StepRunner:
+    """Runs the decode steps of one generation: the one place a ``shifted`` step is checked and redone.
+
+    strategy: the merge of every step; groups: the CP group (``shifted`` needs one of > 1 rank,
+    else it is ``packed``). :meth:`run` makes the step's :class:`DecodeStep` and calls
+    ``model.decode_step``; under ``shifted`` it then reads the step's merge flags once (one host
+    read per step, where the loop reads the logits anyway), and when a merge's weights
+    overflowed or all underflowed, rewinds the cache and runs the step again with ``packed``
+    (counted in ``stats.fallbacks``) -- on the same slots, so the cache advances once.
+    """
+
+    def __init__(self, strategy: str = "auto", groups: TreeGroups | None = None):
+        self.strategy = strategy
+        shifted = strategy == "shifted" and groups is not None and groups.size > 1
+        self._state = _ShiftState() if shifted else None
+
+    @property
+    def shifts(self) -> dict | None:
+        """Each layer's current shift under ``shifted`` (settable, e.g. to test the redo), else ``None``."""
+        return None if self._state is None else self._state.shifts
+
+    @shifts.setter
+    def shifts(self, value: dict) -> None:
+        if self._state is None:
+            raise ValueError("this runner does not run strategy='shifted': it carries no shifts")
+        self._state.shifts = value
+
+    def run(self, model: DecodeModel, next_ids: torch.Tensor, cache: DecodeCache,
+            stats: CommStats | None = None) -> tuple[torch.Tensor, bool]:
+        """One decode step of ``model``; returns ``(logits (batch, vocab), whether it was run twice)``.
+
+        The same as ``step = self.step(stats)``, ``logits = model.decode_step(next_ids, cache, step)``,
+        ``self.finish(model, next_ids, cache, step, logits)`` (a loop that guards the step itself,
+        e.g. with ``sync_guard.no_host_sync``, calls the three)."""
+        step = self.step(stats)
+        return self.finish(model, next_ids, cache, step, model.decode_step(next_ids, cache, step))
+
+    def step(self, stats: CommStats | None = None) -> DecodeStep:
+        """The :class:`DecodeStep` of the next step (what ``model.decode_step`` is handed)."""
+        return DecodeStep(self.strategy, stats, _state=self._state)
+
+    def finish(self, model: DecodeModel, next_ids: torch.Tensor, cache: DecodeCache, step: DecodeStep,
+               logits: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """After ``model.decode_step(next_ids, cache, step)`` returned ``logits``: under ``shifted``,
+        the step's one read of its merges' flags, and its redo with ``packed`` when one is raised
+        (``cache.rewind_step()``, then ``decode_step`` again); returns ``(logits, redone)``."""
+        stats = step.stats
+        state = self._state
+        if state is None:
+            return logits, False
+        flags, state.flags = state.flags, []
+        failed = int(torch.stack(flags).sum()) if flags else 0  # identical on every rank: all-reduced values
+        if failed:
+            if stats is not None:
+                stats.fallbacks += failed
+            cache.rewind_step()
+            state.redo = True
+            try:
+                logits = model.decode_step(next_ids, cache, step)
+            finally:
+                state.redo = False
+                state.flags = []
+        return logits, bool(failed)
 
 
 @dataclass
@@ -143,23 +351,45 @@ def _digest(row) -> str:
     return hashlib.blake2b(data, digest_size=6).hexdigest()
 
 
+def _check_call(model, prompts, max_new_tokens, do_sample, temperature, top_k, top_p, forced_tokens, cache) -> None:
+    """This rank's own checks of a :func:`generate` call (they ride on the call's agreement)."""
+    _check_args(prompts, max_new_tokens, do_sample, temperature, top_k, top_p, model.vocab_size)
+    if forced_tokens is not None and tuple(forced_tokens.shape) != (len(prompts), max_new_tokens):
+        raise ValueError(
+            f"forced_tokens has shape {tuple(forced_tokens.shape)}, expected (batch, max_new_tokens) = "
+            f"({len(prompts)}, {max_new_tokens})"
+        )
+    if cache is not None:
+        if cache.batch_size != len(prompts):
+            raise ValueError(f"cache has batch size {cache.batch_size} but {len(prompts)} prompts were given")
+        for i, p in enumerate(prompts):
+            if len(p) + max_new_tokens > cache.max_seq_len:
+                raise CacheOverflowError(
+                    f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it needs "
+                    f"{len(p) + max_new_tokens} slots, beyond the cache's max_seq_len {cache.max_seq_len}"
+                )
+
+
 def _agree_on_call(model, prompts, max_new_tokens, stop_token_ids, do_sample, temperature, top_k, top_p, seed,
-                   strategy, prefill_method, broadcast, forced_tokens) -> None:
-    """Every CP rank must make this call alike, else all raise the same DisagreementError.
+                   strategy, prefill_method, broadcast, forced_tokens, cache) -> None:
+    """This rank's checks, then every CP rank must make this call alike; else all raise the same error.
 
     Ranks handed different prompts (contents or lengths), budgets or sampling would each run a
     consistent-looking but different generation: the collectives' sizes can still match, so
-    nothing else would notice. One fixed-size all-gather per call (``collectives.agree_values``).
+    nothing else would notice; a rank whose own arguments are bad would leave the others
+    waiting in the prefill. One fixed-size all-gather per call (``agreement.agree``).
     """
+
+    def values():
+        _check_call(model, prompts, max_new_tokens, do_sample, temperature, top_k, top_p, forced_tokens, cache)
+        forced = None if forced_tokens is None else tuple(_digest(r) for r in forced_tokens.detach().cpu().tolist())
+        return (len(prompts), tuple(len(p) for p in prompts), tuple(_digest(p) for p in prompts), max_new_tokens,
+                tuple(sorted(set(stop_token_ids or ()))), bool(do_sample), float(temperature), top_k,
+                None if top_p is None else float(top_p), seed, strategy, prefill_method, bool(broadcast), forced)
+
     groups = model.groups
-    if groups is None or groups.size == 1:
-        return
-    forced = None if forced_tokens is None else tuple(_digest(r) for r in forced_tokens.detach().cpu().tolist())
-    values = (len(prompts), tuple(len(p) for p in prompts), tuple(_digest(p) for p in prompts), max_new_tokens,
-              tuple(sorted(set(stop_token_ids or ()))), bool(do_sample), float(temperature), top_k,
-              None if top_p is None else float(top_p), seed, strategy, prefill_method, bool(broadcast), forced)
-    collectives.agree_values("generate", GENERATE_SIGNATURE, values, groups.cp_group, groups.cp_ranks,
-                             device=model.device)
+    group, ranks = (None, ()) if groups is None else (groups.cp_group, groups.cp_ranks)
+    agreement.agree("generate", GENERATE_SIGNATURE, values, group, ranks, device=model.device)
 
 
 def generate(
@@ -184,21 +414,21 @@ def generate(
 ) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens after each prompt, on every rank of ``model.groups``.
 
-    model: a :class:`megatron_tree.models.llama.Llama`, an
-        :class:`~megatron_tree.integrations.megatron_model.MegatronLM`, or anything with
-        ``prefill``, ``decode_step``, ``new_cache``, ``groups``, ``device`` and ``config.vocab_size``
+    model: a :class:`DecodeModel` adapter (``MegatronLM``, ``HFTreeModel``, the library's ``Llama``)
     prompts: token-id lists of any (non-zero) lengths; every CP rank passes the same (checked:
         every CP rank must pass equal prompts and arguments, else every rank raises the same
-        ``DisagreementError`` naming each rank's value; one small all-gather per call)
+        ``DisagreementError`` naming each rank's value; a rank whose own arguments are bad makes
+        every rank raise its error, naming it; one small all-gather per call)
     stop_token_ids: a row stops after producing one of these ids
     seed: seeds the sampling generator (identical results for identical seeds)
     cache: reuse a cache from ``model.new_cache``; by default one sized
         ``max(len(prompt)) + max_new_tokens`` is made. Every prompt plus ``max_new_tokens``
         must fit in it.
-    strategy, stats: passed to ``tree_decode`` at every decode step. ``"shifted"``: one SUM per
-        layer per step after the first; each layer's merge leaves a device flag, read once per
-        step here (next to the logits' own host read), and a step whose flag is raised is run
-        again with ``packed`` (counted in ``stats.fallbacks``)
+    strategy, stats: passed to ``tree_decode`` at every decode step (:class:`DecodeStep`).
+        ``"shifted"``: one SUM per layer per step after the first; each layer's merge leaves a
+        device flag, read once per step here (next to the logits' own host read), and a step
+        whose flag is raised is run again with ``packed`` on the same cache slots
+        (:class:`StepRunner`; counted in ``stats.fallbacks``)
     progress: show a tqdm bar on CP rank 0
     prefill_method: the model's CP prefill (``None``: the model's default)
     hook: a :class:`GenerationHook` called around the prefill and each decode step
@@ -207,28 +437,11 @@ def generate(
     broadcast: CP rank 0's choice is broadcast each step (default). ``False`` keeps every
         rank's own choice, so that a check across ranks can see a divergence (the eval).
     """
-    vocab = model.config.vocab_size
-    _check_args(prompts, max_new_tokens, do_sample, temperature, top_k, top_p, vocab)
-    prompts = [list(p) for p in prompts]
-    if forced_tokens is not None and tuple(forced_tokens.shape) != (len(prompts), max_new_tokens):
-        raise ValueError(
-            f"forced_tokens has shape {tuple(forced_tokens.shape)}, expected (batch, max_new_tokens) = "
-            f"({len(prompts)}, {max_new_tokens})"
-        )
     _agree_on_call(model, prompts, max_new_tokens, stop_token_ids, do_sample, temperature, top_k, top_p, seed,
-                   strategy, prefill_method, broadcast, forced_tokens)
-    need = max(len(p) for p in prompts) + max_new_tokens
+                   strategy, prefill_method, broadcast, forced_tokens, cache)
+    prompts = [list(p) for p in prompts]
     if cache is None:
-        cache = model.new_cache(len(prompts), need)
-    else:
-        if cache.batch_size != len(prompts):
-            raise ValueError(f"cache has batch size {cache.batch_size} but {len(prompts)} prompts were given")
-        for i, p in enumerate(prompts):
-            if len(p) + max_new_tokens > cache.max_seq_len:
-                raise CacheOverflowError(
-                    f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it needs "
-                    f"{len(p) + max_new_tokens} slots, beyond the cache's max_seq_len {cache.max_seq_len}"
-                )
+        cache = model.new_cache(len(prompts), max(len(p) for p in prompts) + max_new_tokens)
     stops = set(stop_token_ids or ())
     hook = hook if hook is not None else GenerationHook()
     groups = model.groups
@@ -253,7 +466,7 @@ def generate(
     from tqdm.auto import tqdm
 
     prefill_kw = {} if prefill_method is None else {"method": prefill_method}
-    shift = ShiftState() if strategy == "shifted" and groups is not None and groups.size > 1 else None
+    runner = StepRunner(strategy, groups)
     bar = tqdm(total=max_new_tokens, desc="generate", unit="tok", disable=not (progress and rank0))
     try:
         hook.before_prefill()
@@ -272,11 +485,7 @@ def generate(
             step_stats = hook.before_step(step)
             t0 = time.perf_counter()
             st = stats if step_stats is None else step_stats
-            if shift is None:
-                logits = model.decode_step(ids, cache, strategy=strategy, stats=st)
-            else:  # the step's one read of the merges' flags, and its redo when one is raised
-                logits, _ = shift.run_step(
-                    lambda: model.decode_step(ids, cache, strategy=strategy, stats=st, shift=shift), st)
+            logits, _ = runner.run(model, ids, cache, st)  # under shifted: its one flag read and redo
             hook.after_step(step, logits)
             ids = choose(logits, step + 1)
             step_times.append(time.perf_counter() - t0)

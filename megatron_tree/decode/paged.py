@@ -3,11 +3,12 @@
 Invariant: every CP rank holds an identical copy of the bookkeeping (which request owns
 which blocks on which rank) and changes it with the same calls in the same order, so every
 rank knows every other rank's pool without communicating; a rank stores only the keys and
-values of its own blocks. This module never communicates except in
-:func:`paged_tree_decode`, which is ``tree_decode`` over pages.
+values of its own blocks. This module never communicates: attention over the pages is
+``tree_decode(..., block_table=...)``.
 
-Where a token goes is decided by the library's one planner,
-:class:`~megatron_tree.placement.RowPlacement`, with *every* token of a request appended
+Where a token goes is decided by the library's one placement rule,
+:class:`~megatron_tree.decode.placement.RowPlacement`, and planned by its one step planner
+(:func:`~megatron_tree.decode.plan.place`), with *every* token of a request appended
 block by block (a block fills on one rank, the next opens on the least-loaded rank, ties
 round-robin), so each rank holds about 1/CP of every long request and any prefix of a
 request is balanced to within one block. The training CP layout (2·CP prompt chunks) is
@@ -26,6 +27,11 @@ just ``cache_seqlens`` per query row (see :meth:`PagedKVCache.rows`).
 Storage on this rank (one block = one page):
 
     k, v: (num_layers, blocks_per_rank, block_size, num_kv_heads, head_dim)
+
+``k`` and ``v`` are views of per-layer buffers of ``blocks_per_rank * block_size + 1`` token
+slots: the last is the spare slot where a write puts the tokens other ranks keep (never read,
+never in a block table), so a write is one scatter and needs no host read of which tokens are
+this rank's (:mod:`.plan`'s one trick). A step's write indices reach the device in one copy.
 """
 
 from __future__ import annotations
@@ -36,15 +42,11 @@ from typing import Hashable, Sequence
 
 import torch
 
-from .. import comm, ops
 from .cache import CacheOverflowError
-from ..comm import CommStats
 from .placement import RowPlacement
-from ..reference import acc_dtype
-from ..topology import TreeGroups
+from .plan import place, to_device
 
-__all__ = ["PagedKVCache", "PoolExhaustedError", "CacheOverflowError", "BlockPool", "TokenSlots",
-           "paged_tree_decode"]
+__all__ = ["PagedKVCache", "PoolExhaustedError", "CacheOverflowError", "BlockPool", "TokenSlots"]
 
 
 class PoolExhaustedError(RuntimeError):
@@ -101,14 +103,17 @@ class _Request:
 
 @dataclass(frozen=True)
 class TokenSlots:
-    """Where the tokens added by one :meth:`PagedKVCache.extend` live."""
+    """Where the tokens added by one :meth:`PagedKVCache.extend` (or one engine step) live."""
 
     positions: torch.Tensor
-    """(n,) int64 global positions of the new tokens."""
+    """(n,) int64 global positions of the new tokens (host)."""
     owners: torch.Tensor
-    """(n,) int64 CP rank holding each token."""
+    """(n,) int64 CP rank holding each token (host)."""
     slots: torch.Tensor
-    """(n,) int64 index into the owner's flattened ``[blocks_per_rank * block_size]`` storage."""
+    """(n,) int64 index into the owner's flattened ``[blocks_per_rank * block_size]`` storage (host)."""
+    store: torch.Tensor
+    """(n,) int64 on the cache's device: where this rank writes each token -- its slot where this
+    rank holds it, else the spare slot ``blocks_per_rank * block_size``."""
 
 
 class PagedKVCache:
@@ -152,9 +157,14 @@ class PagedKVCache:
         self.max_seq_len = max_seq_len
         self.cp_size = cp_size
         self.cp_rank = cp_rank
+        self.spare = blocks_per_rank * block_size
+        """The spare slot of the flattened storage (takes the tokens other ranks keep; never read)."""
+        flat = (num_layers, self.spare + 1, num_kv_heads, head_dim)
+        self._k = torch.zeros(flat, dtype=dtype, device=device)
+        self._v = torch.zeros(flat, dtype=dtype, device=device)
         shape = (num_layers, blocks_per_rank, block_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = self._k[:, : self.spare].view(shape)
+        self.v = self._v[:, : self.spare].view(shape)
         self.pools = [BlockPool(blocks_per_rank) for _ in range(cp_size)]
         self._requests: dict[Hashable, _Request] = {}
 
@@ -202,8 +212,8 @@ class PagedKVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of key/value storage this rank allocated."""
-        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+        """Bytes of key/value storage this rank allocated (the spare slot included)."""
+        return self._k.numel() * self._k.element_size() + self._v.numel() * self._v.element_size()
 
     def reset(self) -> None:
         """Forget every request; every block is free again (storage is kept)."""
@@ -233,8 +243,14 @@ class PagedKVCache:
         The new tokens get positions ``length .. length + num_tokens - 1`` (a prompt chunk
         or decoded tokens: the rule is the same). All or nothing: raises
         :class:`CacheOverflowError` past ``max_seq_len`` and :class:`PoolExhaustedError`
-        when some rank lacks blocks, in both cases changing nothing.
+        when some rank lacks blocks, in both cases changing nothing. The write indices reach
+        the device in one copy (:meth:`extend_host` places without that copy).
         """
+        return self.token_slots(*self.extend_host(request, num_tokens))[0]
+
+    def extend_host(self, request, num_tokens: int) -> tuple[list, list, list]:
+        """:meth:`extend` on the host: the new tokens' positions, owner ranks and slots on their owners
+        (an engine step places several requests, then sends their write indices in one copy)."""
         if not isinstance(num_tokens, int) or num_tokens < 0:
             raise ValueError(f"num_tokens must be a non-negative integer, got {num_tokens!r}")
         created = request not in self._requests
@@ -247,7 +263,7 @@ class PagedKVCache:
                 del self._requests[request]
             raise
 
-    def _extend(self, request, req: _Request, num_tokens: int) -> TokenSlots:
+    def _extend(self, request, req: _Request, num_tokens: int) -> tuple[list, list, list]:
         start = req.row.total
         if start + num_tokens > self.max_seq_len:
             raise CacheOverflowError(
@@ -258,8 +274,8 @@ class PagedKVCache:
         shift = req.shift
         if shift is None:  # first blocks: start on the rank with the most free blocks
             shift = max(range(self.cp_size), key=lambda r: (self.pools[r].free, -r))
-        plan = req.row.copy()
-        virtual_owners = plan.append(num_tokens)
+        plan = req.row.copy()  # a trial placement: nothing changes unless every rank has the blocks
+        plan.append(num_tokens)
         need = []
         for rank in range(self.cp_size):
             have = len(req.blocks[rank])
@@ -276,19 +292,25 @@ class PagedKVCache:
                     f"only {pool.free} of {pool.num_blocks} blocks are free ({pool.used} held by {others} other "
                     "request(s)); nothing was allocated. Finish or free requests, or give each rank a larger pool",
                 )
-        req.row = plan
         if plan.total:
             req.shift = shift
         for rank, n in enumerate(need):
             req.blocks[rank].extend(self.pools[rank].take(n))
-        positions = torch.arange(start, start + num_tokens, dtype=torch.int64)
-        owners, slots = [], []
-        for t, v in zip(range(start, start + num_tokens), virtual_owners):
-            rank = (v + shift) % self.cp_size
-            _, slot = plan.locate(t)
-            owners.append(rank)
-            slots.append(req.blocks[rank][slot // self.block_size] * self.block_size + slot % self.block_size)
-        return TokenSlots(positions, torch.tensor(owners, dtype=torch.int64), torch.tensor(slots, dtype=torch.int64))
+        host = place([req.row], num_tokens, (self.cp_rank - shift) % self.cp_size)  # the step planner's rule
+        owners = [(v + shift) % self.cp_size for v in host.owners[0]]
+        slots = [req.blocks[o][s // self.block_size] * self.block_size + s % self.block_size
+                 for o, s in zip(owners, host.owner_slots[0])]
+        return host.positions[0], owners, slots
+
+    def token_slots(self, positions, owners, slots, extra=()) -> tuple[TokenSlots, list[torch.Tensor]]:
+        """A :class:`TokenSlots` for tokens at ``positions`` held by ``owners`` in their ``slots``
+        (host lists or int64 tensors, one entry per token), with this rank's write index of each
+        (its slot, or the spare) on the cache's device; ``extra`` host int64 tensors travel in the
+        same one copy and come back as device views (e.g. an engine step's block table)."""
+        positions, owners, slots = (torch.as_tensor(x, dtype=torch.int64) for x in (positions, owners, slots))
+        store = torch.where(owners == self.cp_rank, slots, torch.full_like(slots, self.spare))
+        views, _ = to_device([store, *extra], self.k.device)
+        return TokenSlots(positions, owners, slots, views[0]), views[1:]
 
     def free(self, request) -> None:
         """Return the request's blocks to every rank's pool and forget it."""
@@ -304,17 +326,10 @@ class PagedKVCache:
         """Store this rank's share of new tokens' keys/values of one layer.
 
         k, v: (n, num_kv_heads, head_dim), one row per token of ``placed`` (from :meth:`extend`);
-        rows owned by other ranks are skipped.
+        rows owned by other ranks go to the spare slot. One scatter per tensor, no host read.
         """
-        mine = (placed.owners == self.cp_rank).nonzero().flatten()
-        if not mine.numel():
-            return
-        slots = placed.slots[mine].to(self.k.device)
-        mine = mine.to(k.device)
-        flat_k = self.k[layer].view(-1, *self.k.shape[-2:])
-        flat_v = self.v[layer].view(-1, *self.v.shape[-2:])
-        flat_k[slots] = k.index_select(0, mine).to(self.k.dtype)
-        flat_v[slots] = v.index_select(0, mine).to(self.v.dtype)
+        self._k[layer][placed.store] = k.to(self._k.dtype)
+        self._v[layer][placed.store] = v.to(self._v.dtype)
 
     def rows(self, requests: Sequence, positions: torch.Tensor, *, rank: int | None = None):
         """Block table and visible key count of this rank for query rows ``(request, position)``.
@@ -324,8 +339,14 @@ class PagedKVCache:
                     (default this rank) in slot order, padded with block 0;
                 cache_seqlens: (rows,) int32 -- keys of that request on ``rank`` at positions
                     <= the query's position (causal), 0 for an empty shard.
-        A row whose request is ``None`` (padding) sees nothing.
+        A row whose request is ``None`` (padding) sees nothing. Both reach the device in one copy.
         """
+        table, seqlens = self.rows_host(requests, positions, rank=rank)
+        (table, seqlens), _ = to_device([table, seqlens], self.k.device)
+        return table.to(torch.int32), seqlens.to(torch.int32)
+
+    def rows_host(self, requests: Sequence, positions: torch.Tensor, *, rank: int | None = None):
+        """:meth:`rows` on the host: ``(block_table, cache_seqlens)`` int32 CPU tensors."""
         rank = self.cp_rank if rank is None else rank
         positions = positions.to(torch.int64).cpu()
         n = len(requests)
@@ -358,44 +379,4 @@ class PagedKVCache:
             jc = j.clamp(min=0)
             count = slot0[jc] + torch.minimum(lens[jc], pos - starts[jc] + 1)
             seqlens[index] = torch.where(j >= 0, count, torch.zeros_like(count)).to(torch.int32)
-        device = self.k.device
-        return table.to(device), seqlens.to(device)
-
-
-# --------------------------------------------------------------------------- decode over pages
-
-
-def paged_tree_decode(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    groups: TreeGroups | None,
-    *,
-    block_table: torch.Tensor,
-    cache_seqlens: torch.Tensor,
-    softmax_scale: float | None = None,
-    strategy: str = "auto",
-    stats: CommStats | None = None,
-    backend: str | None = None,
-) -> torch.Tensor:
-    """Exact attention of ``q`` over the union of every CP rank's paged shard (``tree_decode`` over pages).
-
-    Per rank (every rank passes the same q, its own pages):
-
-    q: (batch, seqlen_q, nheads_q, headdim) -- replicated on every CP rank
-    k_cache, v_cache: (num_blocks, block_size, nheads_kv, headdim) -- this rank's pool, one layer
-    block_table: (batch, width) int32 -- this rank's blocks of each row, in slot order
-    cache_seqlens: (batch,) int32 -- valid keys of each row on this rank (0: empty shard)
-    returns out: (batch, seqlen_q, nheads_q, headdim) in q.dtype, identical on every CP rank
-
-    Collectives: those of ``comm.merge`` for ``strategy`` (recorded in ``stats``).
-    """
-    if strategy not in comm.STRATEGIES:
-        raise ValueError(f"unknown merge strategy {strategy!r}; expected one of {comm.STRATEGIES}")
-    # fp32 partials (DESIGN.md section 1): a bf16/fp16 result is rounded once, after the merge.
-    out, lse = ops.flash_decode(q, k_cache, v_cache, block_table=block_table, cache_seqlens=cache_seqlens,
-                                softmax_scale=softmax_scale, out_dtype=acc_dtype(q.dtype), backend=backend,
-                                lse_dtype=torch.float64)  # merged again: kept whole (comm's docstring)
-    if groups is not None:
-        out, lse = comm.merge(out, lse, groups, strategy, stats)
-    return out.to(q.dtype)
+        return table, seqlens

@@ -3,10 +3,11 @@
 Invariant: where a token lives is a pure function of the row's prompt length, the CP size,
 the prompt layout, the block size, the per-rank capacity and how many tokens were appended
 since -- so every CP rank computes the same answer without communicating. This module
-imports neither torch nor torch.distributed; the caches that store tokens (``cache.py``,
-Megatron's static context in ``integrations/megatron.py``, the transformers ``Cache``, the
-paged cache) turn its answers into tensors. Having one planner is what keeps them in
-agreement (DESIGN.md section 6).
+imports neither torch nor torch.distributed; the one step planner (``plan.py``) turns its
+answers into a step's device tensors for every cache that stores tokens (``cache.py`` and
+through it the transformers ``Cache``, Megatron's static context in
+``integrations/megatron/static.py``, ``paged.py`` and through it Megatron's dynamic context).
+Having one rule and one planner is what keeps them in agreement (DESIGN.md section 6).
 
 The rule:
 
@@ -183,6 +184,22 @@ class RowPlacement:
             self.total += 1
             owners.append(blk.rank)
         return owners
+
+    def undo_append(self, n: int) -> None:
+        """Take back the last ``n`` appended tokens: the row is as it was before they were appended,
+        so appending ``n`` again places them on the same ranks and slots (a step run again)."""
+        appended = sum(b.length for b in self.blocks)
+        if not isinstance(n, int) or not 0 <= n <= appended:
+            raise PlacementError(f"undo_append needs 0 <= n <= {appended} (the appended tokens), got {n!r}")
+        for _ in range(n):
+            blk = self.blocks[-1]
+            self.counts[blk.rank] -= 1
+            self.total -= 1
+            if blk.length == 1:
+                self.blocks.pop()
+                self._starts.pop()
+            else:
+                self.blocks[-1] = Block(blk.rank, blk.start, blk.length - 1, blk.slot)
 
     def copy(self) -> "RowPlacement":
         """An independent copy (plan ahead without committing)."""

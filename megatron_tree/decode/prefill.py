@@ -1,4 +1,4 @@
-"""Exact context-parallel prefill attention: each CP rank holds a chunk of the prompt.
+"""Exact context-parallel prefill: attention over every rank's chunk of the prompt, and its logits.
 
 Invariant: both variants compute causal attention of this rank's queries over the keys of
 *every* rank, masked by global positions, and return exactly what single-process attention
@@ -11,25 +11,31 @@ over the whole prompt returns for these queries (up to float rounding):
 * :func:`allgather_prefill` -- one all-gather of every rank's keys/values/positions, then
   one local attention: P times the memory, the simplest baseline.
 
+* :func:`assemble_logits` -- the one assembly of prefill logits (last token, every token or
+  any set of positions) from each rank's logits of its own chunk: one all-reduce SUM to
+  which only the rank holding a position contributes, exact and identical on every rank.
+
 Padding convention: a query or key whose position is negative is padding. Padded keys are
 never visible; padded queries see nothing and get output 0. Ranks may hold different
 numbers of tokens: the key length is padded to the CP-wide maximum internally.
 
-Agreement: both variants start with one all-gather of a fixed-size record per rank (its key
-length plus everything that must not differ: batch, heads, head dim, dtype, method, kernel
-backend), so ranks that disagree raise the same :class:`DisagreementError` on every rank,
-naming each rank's value, before any KV moves -- never a gloo abort on mismatched buffers.
+Agreement: both variants start with one all-gather of a fixed-size record per rank
+(``agreement.agree``: whether its own inputs passed their checks, its key length, and
+everything that must not differ: batch, heads, head dim, dtype, method, kernel backend), so
+a malformed input on one rank, or ranks that disagree, raise the same error on every rank,
+naming the rank or each rank's value, before any KV moves -- never a gloo abort on
+mismatched buffers, never a wait for the timeout.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .. import collectives, ops, reference
+from .. import agreement, collectives, ops, reference
 from ..comm import CommStats
 from ..topology import TreeGroups
 
-__all__ = ["ring_prefill", "allgather_prefill", "cp_prefill", "PREFILL_METHODS"]
+__all__ = ["ring_prefill", "allgather_prefill", "cp_prefill", "assemble_logits", "PREFILL_METHODS"]
 
 PREFILL_METHODS = ("ring", "allgather")
 _HIDDEN = torch.iinfo(torch.int64).max  # the position of a padded key: after every query
@@ -58,43 +64,30 @@ def _pad_keys(k, v, k_pos, length: int):
     return k.contiguous(), v.contiguous(), k_pos.contiguous()
 
 
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 PREFILL_SIGNATURE = ("batch", "heads_q", "heads_kv", "headdim", "dtype", "method", "backend")
 """What every CP rank of a prefill must agree on (the local lengths may differ)."""
 
 
-def _code(value, table) -> int:
-    return table.index(value) if value in table else -1
+def _agree_and_length(q, k, v, q_pos, k_pos, method: str, backend, groups: TreeGroups, stats) -> int:
+    """This rank's checks, then one all-gather of (status, seqlen_k, *PREFILL_SIGNATURE): the CP-wide key length.
 
-
-def _agree_and_length(q, k, method: str, backend, groups: TreeGroups, stats) -> int:
-    """One all-gather of (seqlen_k, *PREFILL_SIGNATURE) per rank: the CP-wide key length, or an error.
-
-    Every rank sees every rank's record, so a disagreement is the same
-    :class:`DisagreementError` on every rank.
+    Every rank sees every rank's record (``agreement.agree``), so a rank whose own inputs are
+    malformed, or ranks that disagree, make the same error on every rank before any KV moves.
     """
-    b, _, hq, d = q.shape
-    try:
-        name = ops.resolve_backend(q.device, backend)
-    except (ValueError, RuntimeError):  # unusable here: agree first, then the kernel call says why
-        name = None
-    record = [k.shape[1], b, hq, k.shape[2], d, _code(q.dtype, _DTYPES), _code(method, PREFILL_METHODS),
-              _code(name, ops.BACKENDS)]
-    mine = torch.tensor(record, dtype=torch.int64, device=q.device)  # NCCL needs device tensors
-    rows = collectives.all_gather(mine, groups.cp_group, level="cp", stats=stats,
-                                  what=f"CP prefill ({method}): exchanging shapes and key lengths").tolist()
-    decode = (lambda v: v, lambda v: v, lambda v: v, lambda v: v, lambda v: _name(v, _DTYPES),
-              lambda v: _name(v, PREFILL_METHODS), lambda v: _name(v, ops.BACKENDS))
-    table = {rank: {n: f(v) for n, f, v in zip(PREFILL_SIGNATURE, decode, row[1:])}
-             for rank, row in zip(groups.cp_ranks, rows)}
-    err = collectives.disagreement("CP prefill", table)
-    if err is not None:
-        raise err
+
+    def signature():
+        _check(q, k, v, q_pos, k_pos)
+        try:
+            name = ops.resolve_backend(q.device, backend)
+        except (ValueError, RuntimeError):  # unusable here: agree first, then the kernel call says why
+            name = None
+        b, _, hq, d = q.shape
+        return (b, hq, k.shape[2], d, q.dtype, method, name)
+
+    length = k.shape[1] if isinstance(k, torch.Tensor) and k.dim() == 4 else 0
+    rows = agreement.agree("CP prefill", PREFILL_SIGNATURE, signature, groups.cp_group, groups.cp_ranks,
+                           local=(length,), device=q.device if isinstance(q, torch.Tensor) else None, stats=stats)
     return max(row[0] for row in rows)
-
-
-def _name(code: int, table) -> str:
-    return str(table[code]).replace("torch.", "") if 0 <= code < len(table) else f"other ({code})"
 
 
 def _local(q, k, v, q_pos, k_pos, softmax_scale, backend):
@@ -136,13 +129,13 @@ def ring_prefill(
     the next/from the previous CP rank; recorded in ``stats`` (level ``"cp"``, ops
     ``all_gather`` and ``send``, one per message) when one is given.
     """
-    _check(q, k, v, q_pos, k_pos)
-    q_pos = q_pos.to(torch.int64)
     if groups is None or groups.size == 1:
+        _check(q, k, v, q_pos, k_pos)
         k, v, kp = _pad_keys(k, v, k_pos, k.shape[1])
-        return _local(q, k, v, q_pos, kp, softmax_scale, backend)[0].to(q.dtype)
+        return _local(q, k, v, q_pos.to(torch.int64), kp, softmax_scale, backend)[0].to(q.dtype)
     p, me = groups.size, groups.rank
-    length = _agree_and_length(q, k, "ring", backend, groups, stats)
+    length = _agree_and_length(q, k, v, q_pos, k_pos, "ring", backend, groups, stats)
+    q_pos = q_pos.to(torch.int64)
     k, v, kp = _pad_keys(k, v, k_pos, length)
     nxt, prv = groups.cp_ranks[(me + 1) % p], groups.cp_ranks[(me - 1) % p]
     q_last = int(q_pos.max()) if q_pos.numel() else -1
@@ -189,12 +182,12 @@ def allgather_prefill(
     (seqlen_k and the signature), three all-gathers (k, v, k_pos), recorded in ``stats``
     when one is given. Holds every rank's keys at once: P times ring's KV memory.
     """
-    _check(q, k, v, q_pos, k_pos)
-    q_pos = q_pos.to(torch.int64)
     if groups is None or groups.size == 1:
+        _check(q, k, v, q_pos, k_pos)
         k, v, kp = _pad_keys(k, v, k_pos, k.shape[1])
-        return _local(q, k, v, q_pos, kp, softmax_scale, backend)[0].to(q.dtype)
-    length = _agree_and_length(q, k, "allgather", backend, groups, stats)
+        return _local(q, k, v, q_pos.to(torch.int64), kp, softmax_scale, backend)[0].to(q.dtype)
+    length = _agree_and_length(q, k, v, q_pos, k_pos, "allgather", backend, groups, stats)
+    q_pos = q_pos.to(torch.int64)
     k, v, kp = _pad_keys(k, v, k_pos, length)
     gathered = []
     for t in (k, v, kp):
@@ -214,3 +207,58 @@ def cp_prefill(q, k, v, q_pos, k_pos, groups, *, method: str = "ring", softmax_s
     else:
         raise ValueError(f"unknown prefill method {method!r}; expected one of {PREFILL_METHODS}")
     return fn(q, k, v, q_pos, k_pos, groups, softmax_scale=softmax_scale, backend=backend, stats=stats)
+
+
+# --------------------------------------------------------------------------- prefill logits
+
+
+def assemble_logits(
+    local_logits: torch.Tensor,
+    local_positions: torch.Tensor,
+    wanted: torch.Tensor,
+    groups: TreeGroups | None,
+    *,
+    stats: CommStats | None = None,
+    device: torch.device | None = None,
+    signature: tuple | None = None,
+) -> torch.Tensor:
+    """The logits of the prompt positions ``wanted``, from each CP rank's logits of its own chunk.
+
+    Per rank (every rank passes its own chunk's logits, the same ``wanted``):
+
+    local_logits: (batch, W, vocab) -- this rank's logits at its W local tokens, any float dtype
+    local_positions: (batch, W) int -- global position of each of them; negative: padding
+    wanted: (batch, K) or (K,) int -- the global positions to return (last token: ``[[L - 1]]``;
+        every token: ``arange(L)``); a negative entry is a pad and returns 0
+    device: where the all-reduce runs (NCCL: a CUDA device; default local_logits' device)
+    signature: ``(site, names, values)`` the CP group's agreement checks before the all-reduce
+        (default ``("prefill logits", ("batch", "positions", "vocab"), (B, K, vocab))``)
+    returns (batch, K, vocab) float32 on local_logits' device, identical on every CP rank
+
+    Collectives (CP > 1): one all-reduce SUM of (batch, K, vocab) float32 inside the CP group's
+    :class:`~megatron_tree.agreement.Agreement` on ``signature``. The rank holding a position
+    contributes its logits, every other rank zeros, so the sum is exact (x + 0 = x) and
+    bitwise identical on every rank; each position is held by exactly one rank (the placement
+    rule's prompt chunks), so no rank's logits are added twice. This is the one assembly of
+    prefill logits: the transformers, Megatron static and ``MegatronLM`` prefills all use it.
+    """
+    b, w, vocab = local_logits.shape
+    wanted = wanted.to(device=local_logits.device, dtype=torch.int64)
+    if wanted.dim() == 1:
+        wanted = wanted[None, :].expand(b, -1)
+    positions = local_positions.to(device=local_logits.device, dtype=torch.int64)
+    hit = (positions[:, :, None] == wanted[:, None, :]) & (wanted[:, None, :] >= 0)  # (B, W, K)
+    if w:
+        pick = hit.to(torch.int64).argmax(dim=1)  # (B, K): the local token that holds it, if any
+        mine = local_logits.gather(1, pick[..., None].expand(-1, -1, vocab)).float()
+        mine = torch.where(hit.any(dim=1)[..., None], mine, torch.zeros((), device=mine.device))
+    else:  # this rank holds no token of the prompt
+        mine = torch.zeros(b, wanted.shape[1], vocab, device=local_logits.device)
+    if groups is None or groups.size == 1:
+        return mine
+    site, names, values = signature or ("prefill logits", ("batch", "positions", "vocab"), tuple(mine.shape))
+    buf = mine if device is None else mine.to(device)
+    with groups.agreement.call(site, names, values):
+        collectives.all_reduce(buf, groups.cp_group, op="sum", stats=stats,
+                               what=f"{site}: summing each position's logits from the rank that holds it")
+    return buf.to(mine.device)

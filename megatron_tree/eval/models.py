@@ -40,7 +40,7 @@ class EvalModel:
     """What the sweep needs from a model, whatever its source."""
 
     lm: object
-    """Driven by ``generate``: ``prefill``, ``decode_step``, ``new_cache``, ``groups``, ``config.vocab_size``."""
+    """Driven by ``generate``: a ``decode.generate.DecodeModel`` (``MegatronLM``, ``HFTreeModel``, the Llama)."""
     groups: object
     """This rank's CP group and levels (``TreeGroups``)."""
     vocab_size: int

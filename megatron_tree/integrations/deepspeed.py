@@ -8,7 +8,9 @@ sees exactly Megatron's layout: its *sequence-parallel* group is Megatron's CP g
 its *data-parallel* group is Megatron's DP group (without CP) and its
 *sequence-data-parallel* group (where gradients are reduced) is Megatron's DP x CP group.
 
-Why it lives here: DeepSpeed is optional; nothing else in the package imports it.
+Why it lives here: DeepSpeed is optional; nothing else in the package imports it (the
+run config's tracking reads a ds_config's ``wandb`` section through :func:`wandb_settings`,
+the one reader of it, which needs no DeepSpeed).
 
 On CPU, ``deepspeed.init_distributed`` would compile DeepSpeed's shared-memory collective
 op with g++ on first use (80-100 s per machine). :func:`init_distributed` skips that op by
@@ -221,8 +223,11 @@ def load_ds_config(ds_config) -> dict:
 def wandb_settings(ds_config) -> WandbSettings:
     """Read the ``wandb`` section of a ds_config (dict or path) with DeepSpeed's defaults.
 
-    An unknown key in the section is an error naming it (DeepSpeed's own config would
-    reject it too); a missing section means wandb disabled.
+    DeepSpeed's ``WandbConfig`` (deepspeed 0.19, ``deepspeed/monitor/config.py``): ``enabled``
+    false, ``project`` ``"deepspeed"``, ``team`` and ``group`` unset -- so a section without
+    ``enabled``, or no section, means wandb disabled. An unknown key in the section is an
+    error naming it (DeepSpeed's own config would reject it too). The one reader of the
+    section: the eval's tracking (``tracking.resolve_wandb_settings``) uses it too.
     """
     cfg = load_ds_config(ds_config)
     section = cfg.get("wandb") or {}

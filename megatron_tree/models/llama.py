@@ -23,11 +23,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .. import collectives
 from ..decode.cache import CacheConfig, ShardedKVCache
 from ..comm import CommStats
 from ..layer import ROPE_TYPES, RotaryEmbedding, TreeAttention
-from ..decode.prefill import PREFILL_METHODS
+from ..decode.prefill import PREFILL_METHODS, assemble_logits
 from ..sync_guard import CHECK_VALUES_ENV
 from ..topology import TreeGroups
 
@@ -251,6 +250,10 @@ class Llama(nn.Module):
         return 0 if self.groups is None else self.groups.rank
 
     @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
     def device(self) -> torch.device:
         return self.model.embed_tokens.weight.device
 
@@ -370,30 +373,27 @@ class Llama(nn.Module):
             x = layer._finish(x, attn)
         x = self.model.norm(x)
 
-        # The rank holding a row's last prompt token contributes its hidden state, the
-        # others zeros; one all-reduce SUM gives every rank the same (exact: x + 0 = x).
+        # Each row's last prompt token's logits, from the rank that holds it, on every rank (exact).
         last = torch.as_tensor(lengths, device=dev)[:, None] - 1
         hit = local_pos == last  # (B, S), at most one True per row
-        h = (x * hit[..., None].to(x.dtype)).sum(dim=1)  # (B, hidden)
-        if self.cp_size > 1:
-            h32 = h.float()
-            # lengths: ranks handed rows of other lengths would place their chunks wrongly (a silent wrong answer)
-            with self.groups.agreement.call("Llama.prefill", ("batch", "hidden", "dtype", "prompt_lengths"),
-                                            (*h.shape, h.dtype, tuple(lengths))):
-                collectives.all_reduce(h32, self.groups.cp_group, op="sum", stats=stats,
-                                       what="Llama.prefill: sum of the last prompt tokens' hidden states")
-            h = h32.to(h.dtype)
-        return self._logits(h)
+        pick = hit.to(torch.int64).argmax(dim=1, keepdim=True)  # (B, 1)
+        h = x.gather(1, pick[..., None].expand(-1, -1, x.shape[-1]))  # (B, 1, hidden)
+        held = torch.where(hit.any(dim=1, keepdim=True), last, torch.full_like(last, -1))
+        logits = self._logits(h)
+        # lengths: ranks handed rows of other lengths would place their chunks wrongly (a silent wrong answer)
+        signature = ("Llama.prefill", ("batch", "hidden", "dtype", "prompt_lengths"),
+                     (h.shape[0], h.shape[-1], h.dtype, tuple(lengths)))
+        return assemble_logits(logits, held, last, self.groups, stats=stats, signature=signature)[:, 0].to(logits.dtype)
 
     @torch.no_grad()
-    def decode_step(self, next_ids: torch.Tensor, cache: ShardedKVCache, strategy: str = "auto",
-                    stats: CommStats | None = None, shift=None) -> torch.Tensor:
+    def decode_step(self, next_ids: torch.Tensor, cache: ShardedKVCache, step=None, *, strategy: str = "auto",
+                    stats: CommStats | None = None) -> torch.Tensor:
         """Append one token per row and return the logits of the next one.
 
         next_ids: (batch,) int64 -- the same on every CP rank
-        shift: an ``attention.ShiftState`` (``strategy="shifted"`` in a decode loop): each layer
-            takes its shift from it and leaves its flag there; with ``shift.redo`` the step is
-            run again on the placement of its first try (the cache does not advance)
+        step: the loop's ``decode.generate.DecodeStep`` (every layer's attention is its ``attend``;
+            ``generate``'s ``shifted`` redo rewinds the cache and calls this again); without one, a
+            plain step of ``strategy``/``stats``
         returns logits: (batch, vocab), identical on every CP rank
 
         No host-device synchronisation (issue 13 item 5; ``megatron_tree.sync_guard``): token
@@ -408,16 +408,11 @@ class Llama(nn.Module):
         next_ids = torch.as_tensor(next_ids, dtype=torch.int64, device=self.device).reshape(-1)
         if next_ids.numel() != cache.batch_size:
             raise ValueError(f"next_ids has {next_ids.numel()} tokens, the cache's batch size is {cache.batch_size}")
-        if shift is not None and shift.redo:
-            positions, slots = shift.placement
-        else:
-            positions, slots = cache.begin_decode_step()
-            if shift is not None:
-                shift.placement = (positions, slots)
+        positions, slots = cache.begin_decode_step()
         x = self.model.embed_tokens(next_ids)[:, None]  # (B, 1, hidden)
         for layer in self.model.layers:
             attn = layer.self_attn.decode(layer.input_layernorm(x), positions, slots, cache,
-                                          strategy=strategy, stats=stats, shift=shift)
+                                          strategy=strategy, stats=stats, step=step)
             x = layer._finish(x, attn)
         return self._logits(self.model.norm(x))[:, 0]
 

@@ -43,7 +43,9 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--intra-size", type=int, default=None)
-    parser.add_argument("--strategy", default="auto")
+    from megatron_tree.comm import STRATEGIES
+
+    parser.add_argument("--strategy", default="auto", choices=STRATEGIES)
     parser.add_argument("--ds-config", default=None)
     args, _unknown = parser.parse_known_args()  # the launcher appends --local_rank=N
 

@@ -43,8 +43,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import struct
-import zlib
 from dataclasses import dataclass, field
 
 import torch
@@ -61,12 +59,12 @@ except ImportError as e:  # pragma: no cover -- exercised only where transformer
         f"importing it failed: {e}"
     ) from e
 
-from ... import collectives
-from ...decode.attention import tree_decode
+from ... import agreement, collectives
+from ...decode.generate import DecodeStep
 from ...decode.cache import LAYOUTS, CacheConfig, CacheOverflowError, ShardedKVCache
 from ...collectives import CommStats
 from ...comm import STRATEGIES
-from ...decode.prefill import PREFILL_METHODS, cp_prefill
+from ...decode.prefill import PREFILL_METHODS, assemble_logits, cp_prefill
 from ...topology import TreeGroups
 
 __all__ = [
@@ -127,8 +125,9 @@ class _Binding:
     """The cache of the forward in progress (set by the forward wrapper, read by the attention function)."""
     new_tokens_hint: int | None = None
     """Tokens ``generate`` may append (sizes a cache it creates); set only while ``generate`` runs."""
-    shift: object = None
-    """The ``attention.ShiftState`` of a ``strategy="shifted"`` decode step driven by ``HFTreeModel`` (else None)."""
+    step: object = None
+    """The decode loop's ``decode.generate.DecodeStep`` while ``HFTreeModel.decode_step`` runs (its
+    ``attend`` is every layer's decode attention); ``None``: a plain step of ``strategy``/``stats``."""
 
     @property
     def cp_size(self) -> int:
@@ -192,6 +191,7 @@ class TreeCache(Cache):
     Storage (through :class:`~megatron_tree.cache.ShardedKVCache`, ``C`` slots per row):
 
     k, v: (num_layers, batch, C, num_kv_heads, head_dim), ``C = ceil(max_seq_len / cp) + block_size + 2``
+    (and the storage's one spare slot per row, where other ranks' tokens are written)
 
     ``get_seq_length()`` is the global length transformers counts (the padded prompt plus the
     tokens appended since), the same on every rank; :attr:`lengths` are the real tokens of
@@ -244,7 +244,6 @@ class TreeCache(Cache):
         self._local_positions: torch.Tensor | None = None
         self._slots: torch.Tensor | None = None
         self._written: set[int] = set()
-        self._redo = False  # the next decode forward repeats the last one's step (HFTreeModel, shifted)
 
     # ------------------------------------------------------------------ what transformers asks
 
@@ -305,8 +304,8 @@ class TreeCache(Cache):
 
     @property
     def kv_nbytes(self) -> int:
-        """Bytes of keys and values this rank allocated."""
-        return 0 if self.storage is None else self.storage.k.nbytes + self.storage.v.nbytes
+        """Bytes of keys and values this rank allocated (with the storage's spare slot per row)."""
+        return 0 if self.storage is None else self.storage.kv_nbytes
 
     @property
     def local_tokens(self) -> int:
@@ -333,8 +332,8 @@ class TreeCache(Cache):
             config=self.cache_config, dtype=self.dtype, device=self.device,
         )
 
-    def _begin_prefill(self, lengths: list[int], padded: int) -> torch.Tensor:
-        """Place the prompts; returns (batch, W) global (unpadded) positions of this rank's tokens, -1 = filler."""
+    def _check_prefill(self, lengths: list[int]) -> int:
+        """Raise unless prompts of ``lengths`` fit this cache (nothing changes); returns the tokens per row to size for."""
         if self._batch is not None and len(lengths) != self._batch:
             raise ValueError(f"got {len(lengths)} prompts for a TreeCache made for batch_size={self._batch}")
         if self.max_seq_len is not None:
@@ -348,6 +347,11 @@ class TreeCache(Cache):
                 f"a prompt has {max(lengths)} tokens but this TreeCache was made for {need} per row; "
                 "create it with a larger max_seq_len"
             )
+        return need
+
+    def _begin_prefill(self, lengths: list[int], padded: int) -> torch.Tensor:
+        """Place the prompts; returns (batch, W) global (unpadded) positions of this rank's tokens, -1 = filler."""
+        need = self._check_prefill(lengths)
         self.storage = self._allocate(len(lengths), need)
         self._nominal = need
         local = self.storage.start_prefill(lengths)
@@ -382,13 +386,6 @@ class TreeCache(Cache):
             raise ValueError("TreeCache is empty: run a forward over the prompt before decoding")
         if batch != self.storage.batch_size:
             raise ValueError(f"decode step has batch {batch}, the cache holds {self.storage.batch_size} rows")
-        if self._redo:  # the same token again, on the same slots: nothing is placed twice
-            self._redo = False
-            self._padded -= 1
-            self._padded_next = self._padded + 1
-            self._phase = "decode"
-            self._written = set()
-            return
         while max(self.storage.lengths) + 1 > self._nominal:
             if not self.growable:
                 raise CacheOverflowError(
@@ -402,6 +399,16 @@ class TreeCache(Cache):
         self._padded_next = self._padded + 1
         self._phase = "decode"
         self._written = set()
+
+    def rewind_step(self) -> None:
+        """Take the last decode step back so that it runs again on the same slots (``generate``'s redo of
+        a ``shifted`` step): the global length and the rows' lengths are as before it; the next decode
+        forward places the same token on the same slots (the step planner's redo)."""
+        if self.storage is None or self._steps == 0:
+            raise RuntimeError("TreeCache.rewind_step() without a decode step to take back")
+        self.storage.rewind_step()
+        self._steps -= 1
+        self._padded -= 1
 
     def _finish(self) -> None:
         missing = sorted(set(range(self.num_layers)) - self._written)
@@ -489,12 +496,10 @@ def tree_attention_forward(module, query, key, value, attention_mask, scaling=No
         pos = cache._local_positions.to(q.device)
         out = cp_prefill(q, k, v, pos, pos, binding.groups, method=binding.prefill, softmax_scale=scaling,
                          stats=binding.stats)
-    elif binding.shift is not None:  # strategy="shifted" under HFTreeModel: shift and flag per layer
-        out = binding.shift.decode(module.layer_idx, q, k, v, binding.groups, cache_seqlens=cache.storage.seqlens,
-                                   softmax_scale=scaling, strategy=binding.strategy, stats=binding.stats)
-    else:
-        out = tree_decode(q, k, v, binding.groups, cache_seqlens=cache.storage.seqlens, softmax_scale=scaling,
-                          strategy=binding.strategy, stats=binding.stats)
+    else:  # the one attention call of every integration: the decode loop's step (or a plain one)
+        step = binding.step if binding.step is not None else DecodeStep(binding.strategy, binding.stats)
+        out = step.attend(module.layer_idx, q, k, v, binding.groups, cache_seqlens=cache.storage.seqlens,
+                          softmax_scale=scaling)
     return out, None
 
 
@@ -609,39 +614,6 @@ def _checksum(t: torch.Tensor | None):
     return int(((flat.long() + 1) * w).sum())
 
 
-def _as_int64(value) -> int:
-    """A signature value as one int64 (ints wrap, floats by their bits, strings by CRC-32, None as -1)."""
-    if value is None:
-        return -1
-    if isinstance(value, bool):
-        return int(value)
-    if isinstance(value, int):
-        return (value + 2 ** 63) % 2 ** 64 - 2 ** 63
-    if isinstance(value, float):
-        return struct.unpack("<q", struct.pack("<d", value))[0]
-    return zlib.crc32(str(value).encode())
-
-
-def _agree(binding: _Binding, site: str, names: tuple, values: tuple) -> None:
-    """Every CP rank must make this call with the same ``values``; else all raise the same DisagreementError.
-
-    One all-gather of ``len(names)`` int64 on the CP group itself (a fixed size whatever the
-    values, so ranks that disagree never enter a collective with different buffer sizes).
-    ``collectives.Agreement`` is not used: its clone group is created lazily with local
-    synchronisation, which hangs torch 2.13 once side-by-side CP groups have created different
-    numbers of groups (the hashed group name counts them).
-    """
-    if binding.cp_size == 1:
-        return
-    g = binding.groups
-    mine = torch.tensor([_as_int64(v) for v in values], dtype=torch.int64)
-    rows = collectives.all_gather(mine.to(_comm_device(g, mine.device)), g.cp_group, stats=binding.stats,
-                                  what=f"{site}: comparing the ranks' arguments").cpu()
-    if bool((rows != rows[0]).any()):
-        table = {rank: dict(zip(names, row.tolist())) for rank, row in zip(g.cp_ranks, rows)}
-        raise collectives.disagreement(site, table)
-
-
 def _prefill(model, orig, binding: _Binding, cache: TreeCache, call: dict, batch: int, seq: int):
     """The forward that starts a sequence, each CP rank on its chunk.
 
@@ -653,21 +625,50 @@ def _prefill(model, orig, binding: _Binding, cache: TreeCache, call: dict, batch
     returns the model's output with logits: (batch, K, vocab) for the K positions asked for
         (``logits_to_keep``), identical on every rank; 0 at pad positions
 
-    Collectives (CP > 1): an all-gather of the call's arguments, the prefill method's per layer
+    Collectives (CP > 1): an all-gather of the call's arguments and of whether this rank's checks of
+    them passed (``agreement.agree``), the prefill method's per layer
     (``prefill.cp_prefill``), one all-reduce SUM of (batch, K, vocab) float32.
     """
     ids, embeds = call.get("input_ids"), call.get("inputs_embeds")
     device = (ids if ids is not None else embeds).device
     mask = call.pop("attention_mask", None)
-    lengths = [seq] * batch if mask is None else _mask_lengths(mask, batch, seq)
     pos_ids = call.pop("position_ids", None)
-    if pos_ids is None:  # what transformers uses without position_ids: 0..seq-1 on the padded row
-        pos_ids = torch.arange(seq, device=device)[None, :]
-    if pos_ids.dim() != 2 or pos_ids.shape[-1] != seq or pos_ids.shape[0] not in (1, batch):
-        raise NotImplementedError(
-            f"position_ids of shape {tuple(pos_ids.shape)} are not supported; expected (batch, seq) or (1, seq)"
-        )
-    pos_ids = pos_ids.expand(batch, seq)
+    ltk = call.pop("logits_to_keep", 0) if binding.accepts_logits_to_keep else 0
+    checked = {}
+
+    def signature():
+        """This rank's checks of the call; the values every CP rank must pass alike.
+
+        Ranks handed different prompts would each compute their chunk of another prompt.
+        max_new_tokens: generate's budget (None outside generate); ranks with different budgets
+        would run in step until the first stops, then the others would wait in a collective for it.
+        """
+        lengths = [seq] * batch if mask is None else _mask_lengths(mask, batch, seq)
+        pos = pos_ids
+        if pos is None:  # what transformers uses without position_ids: 0..seq-1 on the padded row
+            pos = torch.arange(seq, device=device)[None, :]
+        if pos.dim() != 2 or pos.shape[-1] != seq or pos.shape[0] not in (1, batch):
+            raise NotImplementedError(
+                f"position_ids of shape {tuple(pos.shape)} are not supported; expected (batch, seq) or (1, seq)"
+            )
+        cache._check_prefill(lengths)
+        # Which padded positions' logits to return.
+        if isinstance(ltk, int):
+            wanted = torch.arange(seq - ltk if 0 < ltk <= seq else 0, seq, device=device)
+        else:
+            wanted = torch.as_tensor(ltk, device=device).reshape(-1) % seq
+        checked.update(lengths=lengths, pos_ids=pos.expand(batch, seq), wanted=wanted)
+        return (batch, seq, _checksum(ids), _checksum(embeds), _checksum(mask), _checksum(pos.expand(batch, seq)),
+                _checksum(wanted),
+                binding.strategy, binding.prefill, binding.layout, binding.block_size, binding.new_tokens_hint)
+
+    names = ("batch", "seq", "input_ids", "inputs_embeds", "attention_mask", "position_ids", "logits_wanted",
+             "strategy", "prefill", "layout", "block_size", "max_new_tokens")
+    g = binding.groups
+    group, ranks = (None, ()) if g is None else (g.cp_group, g.cp_ranks)
+    agreement.agree("hf.prefill", names, signature, group, ranks, stats=binding.stats,
+                    device=None if g is None else _comm_device(g, device))
+    lengths, pos_ids, wanted = checked["lengths"], checked["pos_ids"], checked["wanted"]
     local = cache._begin_prefill(lengths, seq).to(device)  # (B, W) unpadded positions, -1 = filler
     pad = seq - torch.as_tensor(lengths, device=device)
     idx = pad[:, None] + local.clamp(min=0)  # index into the padded row
@@ -678,46 +679,18 @@ def _prefill(model, orig, binding: _Binding, cache: TreeCache, call: dict, batch
     call["position_ids"] = pos_ids.gather(1, idx)
     call["attention_mask"] = None
 
-    # Which padded positions' logits to return, and which of them this rank holds.
-    ltk = call.pop("logits_to_keep", 0) if binding.accepts_logits_to_keep else 0
-    if isinstance(ltk, int):
-        wanted = torch.arange(seq - ltk if 0 < ltk <= seq else 0, seq, device=device)
-    else:
-        wanted = torch.as_tensor(ltk, device=device).reshape(-1) % seq
+    # Which of the wanted positions this rank holds: the model computes logits only there.
     compact = wanted[None, :] - pad[:, None]  # (B, K) unpadded position, < 0 for a pad
-    hit = (local[:, :, None] == compact[:, None, :]) & (compact[:, None, :] >= 0)  # (B, W, K)
-    owned = hit.any(dim=1)  # (B, K)
-    rows_local = hit.any(dim=2).any(dim=0).nonzero().flatten()  # local slots some row needs
+    needed = ((local[:, :, None] == compact[:, None, :]) & (compact[:, None, :] >= 0)).any(dim=2).any(dim=0)
+    local_pos = local
     if binding.accepts_logits_to_keep:
+        rows_local = needed.nonzero().flatten()  # local slots some row needs
         call["logits_to_keep"] = rows_local
-        slot_of = torch.full((local.shape[1],), -1, dtype=torch.long, device=device)
-        slot_of[rows_local] = torch.arange(rows_local.numel(), device=device)
-    else:
-        slot_of = torch.arange(local.shape[1], device=device)
-    # Ranks handed different prompts would each compute their chunk of another prompt: compare first.
-    # max_new_tokens: generate's budget (None outside generate); ranks with different budgets would
-    # run in step until the first stops, then the others would wait in a collective for it.
-    names = ("batch", "seq", "input_ids", "inputs_embeds", "attention_mask", "position_ids", "logits_wanted",
-             "strategy", "prefill", "layout", "block_size", "max_new_tokens")
-    values = (batch, seq, _checksum(ids), _checksum(embeds), _checksum(mask), _checksum(pos_ids), _checksum(wanted),
-              binding.strategy, binding.prefill, binding.layout, binding.block_size, binding.new_tokens_hint)
-    _agree(binding, "hf.prefill", names, values)
+        local_pos = local[:, rows_local]
     out = _run(orig, binding, cache, call)
     logits = out.logits  # (B, |rows_local| or W, V)
-    vocab = logits.shape[-1]
-    if logits.shape[1]:
-        pick = slot_of[hit.to(torch.int64).argmax(dim=1)].clamp(min=0)  # (B, K)
-        mine = logits.gather(1, pick[..., None].expand(-1, -1, vocab))
-        mine = torch.where(owned[..., None], mine.float(), torch.zeros((), device=device))
-    else:  # this rank holds none of the requested tokens
-        mine = torch.zeros(batch, wanted.numel(), vocab, device=device)
-    if binding.cp_size > 1:
-        # The rank holding each requested token contributes its logits, the others zeros: a SUM is exact.
-        buf = mine.to(_comm_device(binding.groups, device))
-        collectives.all_reduce(buf, binding.groups.cp_group, op="sum", stats=binding.stats,
-                               what="tree attention prefill: gathering the requested logits")
-        mine = buf.to(device)
-    out.logits = mine.to(logits.dtype)
+    out.logits = assemble_logits(logits, local_pos, compact, g, stats=binding.stats,
+                                 device=None if g is None else _comm_device(g, device)).to(logits.dtype)
     return out
 
 
@@ -1061,29 +1034,29 @@ class HFTreeModel:
         return out.logits[:, -1]
 
     @torch.no_grad()
-    def decode_step(self, next_ids, cache: TreeCache, strategy: str | None = None,
-                    stats: CommStats | None = None, shift=None) -> torch.Tensor:
+    def decode_step(self, next_ids, cache: TreeCache, step: DecodeStep | None = None, *, strategy: str | None = None,
+                    stats: CommStats | None = None) -> torch.Tensor:
         """Append one token per row (the same on every rank); returns (batch, vocab) logits.
 
-        shift: an ``attention.ShiftState`` (``strategy="shifted"``, driven by ``generate``); with
-        ``shift.redo`` the step is run again at the same positions and slots.
+        step: the loop's ``decode.generate.DecodeStep``: every layer's attention runs its ``attend``
+        (``generate``'s ``shifted`` redo rewinds the cache and calls this again); without one, a
+        plain step of ``strategy``/``stats`` (default: the model's own).
         """
+        b = self._binding
+        if step is None:
+            step = DecodeStep(strategy or b.strategy, stats if stats is not None else b.stats)
         ids = torch.as_tensor(next_ids, dtype=torch.long, device=self.device).reshape(-1, 1)
-        if shift is not None and shift.redo:
-            pos, cache._redo = shift.placement, True
-        else:
-            pos = torch.as_tensor([n for n in cache.lengths], dtype=torch.long, device=self.device)[:, None]
-            if shift is not None:
-                shift.placement = pos
-        saved = self._with(strategy=strategy, stats=stats)
-        self._binding.shift = shift
+        pos = torch.as_tensor([n for n in cache.lengths], dtype=torch.long, device=self.device)[:, None]
+        b.step = step
         try:
-            out = self.hf(input_ids=ids, position_ids=pos, **{self._binding.cache_kwarg: cache})
+            out = self.hf(input_ids=ids, position_ids=pos, **{b.cache_kwarg: cache})
         finally:
-            self._with(**saved)
-            self._binding.shift = None
-            cache._redo = False
+            b.step = None
         return out.logits[:, -1]
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config.vocab_size)
 
 
 def load_hf_model(path, groups: TreeGroups | None, dtype: torch.dtype = torch.float32,

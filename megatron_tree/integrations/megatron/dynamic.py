@@ -3,7 +3,7 @@
 Invariant: Megatron's scheduler runs unchanged and identically on every CP rank (same
 requests, same steps, same sampled tokens), every rank computes every token of a step
 (embeddings, projections, MLP), and only the KV cache and the attention over it are split:
-each rank stores the keys/values of its own blocks (:class:`~megatron_tree.paged_cache.PagedKVCache`)
+each rank stores the keys/values of its own blocks (:class:`~megatron_tree.decode.paged.PagedKVCache`)
 and attends every query of the step to them; ``comm.merge`` (the tree merge) makes the
 result exact and identical on every rank. Prefill chunks and decode tokens take the same
 path: each token is one query row whose causal window on a rank is a prefix of that
@@ -11,7 +11,7 @@ rank's slots (``cache_seqlens``), so a chunk's attention is split over the ranks
 rank stores only its blocks of the chunk.
 
 Why it lives here: Megatron's dynamic context, engine and attention are private
-territory (``integrations/megatron.py`` holds the static-batching integration and the
+territory (``integrations/megatron/static.py`` holds the static-batching integration and the
 core-attention slot we fill); this module adds the dynamic pieces beside it:
 
 * :class:`TreeDynamicInferenceContext` -- a ``DynamicInferenceContext`` whose scheduling
@@ -24,11 +24,12 @@ core-attention slot we fill); this module adds the dynamic pieces beside it:
   rank's pool has room: no rank runs out while Megatron believes there is space.
 * :class:`TreeDynamicGPTInferenceWrapper` -- a ``GPTInferenceWrapper`` that applies the
   patches and binds the model's unsharded RoPE table.
-* :func:`adjust_key_value_dynamic` and :func:`dynamic_attention` -- what
-  ``TreeDotProductAttention`` does for a dynamic context, reached through patch 0001
-  (``Attention._adjust_key_value_for_inference``) and patch 0002
-  (``Attention.flash_decode_and_prefill``): RoPE at global positions, store this rank's
-  tokens, then paged partial attention and the tree merge.
+* :meth:`TreeDynamicInferenceContext.store_key_value` and :meth:`~TreeDynamicInferenceContext.attend`
+  -- what ``TreeDotProductAttention`` asks a dynamic context to do (it never imports this
+  module), reached through patch 0001 (``Attention._adjust_key_value_for_inference``) and
+  patch 0002 (``Attention.flash_decode_and_prefill``): RoPE at global positions, store this
+  rank's tokens, then ``tree_decode`` over this rank's pages (the tree merge).
+  :func:`adjust_key_value_dynamic` and :func:`dynamic_attention` are the same as functions.
 * :func:`build_dynamic_engine` / :func:`generate_dynamic` -- the engine for a model built
   with either Megatron's or our layer spec, and a greedy run with requests arriving at
   given steps (what the eval and the tests call).
@@ -42,7 +43,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ...decode.paged import PagedKVCache, TokenSlots, paged_tree_decode
+from ...decode.generate import DecodeStep
+from ...decode.paged import PagedKVCache, TokenSlots
 from ...topology import TreeGroups
 from .static import check_megatron_version, tree_groups_from_megatron, unsharded_rope_table
 
@@ -67,9 +69,11 @@ class DynamicStep:
     padded_tokens: int
     """Rows of the forward (``padded_active_token_count``); rows past ``num_tokens`` are padding."""
     positions: torch.Tensor
-    """(padded_tokens,) int64 global position of each row's token in its request (0 for padding)."""
+    """(padded_tokens,) int64 global position of each row's token in its request (0 for padding),
+    on the cache's device."""
     placed: TokenSlots
-    """Owner rank and storage slot of each real token (rows ``0 .. num_tokens - 1``)."""
+    """Owner rank and storage slot of each real token (rows ``0 .. num_tokens - 1``), and where this
+    rank writes it (the spare slot for other ranks' tokens)."""
     block_table: torch.Tensor
     """(padded_tokens, width) int32 this rank's blocks of each row's request."""
     cache_seqlens: torch.Tensor
@@ -185,20 +189,41 @@ class TreeDynamicInferenceContext(_dynamic_context_base()):
                 raise RuntimeError(
                     f"request {rid}: Megatron's context has {offset} cached tokens but the paged cache holds {have}"
                 )
-            placed[rid] = self.kv_cache.extend(rid, q_len)
+            placed[rid] = [torch.as_tensor(x, dtype=torch.int64) for x in self.kv_cache.extend_host(rid, q_len)]
         req_of_token = self.request_ids[self.token_to_request_idx[:n]].tolist()
         positions = torch.zeros(padded, dtype=torch.int64)
         positions[:n] = self.token_to_pos_ids[:n].cpu()
         owners = torch.empty(n, dtype=torch.int64)
         slots = torch.empty(n, dtype=torch.int64)
-        for rid, p in placed.items():
+        for rid, (p_pos, p_owners, p_slots) in placed.items():
             rows = torch.tensor([i for i, r in enumerate(req_of_token) if r == rid], dtype=torch.int64)
-            if rows.numel() != p.positions.numel():
-                raise RuntimeError(f"request {rid}: {rows.numel()} tokens in the step, {p.positions.numel()} placed")
-            index = positions[rows] - p.positions[0]
-            owners[rows], slots[rows] = p.owners[index], p.slots[index]
-        table, seqlens = self.kv_cache.rows(req_of_token + [None] * (padded - n), positions)
-        self.step = DynamicStep(n, padded, positions, TokenSlots(positions[:n], owners, slots), table, seqlens)
+            if rows.numel() != p_pos.numel():
+                raise RuntimeError(f"request {rid}: {rows.numel()} tokens in the step, {p_pos.numel()} placed")
+            index = positions[rows] - p_pos[0]
+            owners[rows], slots[rows] = p_owners[index], p_slots[index]
+        table, seqlens = self.kv_cache.rows_host(req_of_token + [None] * (padded - n), positions)
+        # The step's write indices, block table, visible key counts and positions: one copy to the device.
+        step_slots, (table, seqlens, device_positions) = self.kv_cache.token_slots(
+            positions[:n], owners, slots, extra=[table, seqlens, positions])
+        self.step = DynamicStep(n, padded, device_positions, step_slots, table.to(torch.int32),
+                                seqlens.to(torch.int32))
+
+    # -- what the core attention asks of the context -----------------------------------------
+
+    def store_key_value(self, core, attention, query, key, value, rotary_pos_emb):
+        """Patch 0001's hook, asked by ``TreeDotProductAttention``: see :func:`adjust_key_value_dynamic`."""
+        return adjust_key_value_dynamic(core, attention, self, query, key, value, rotary_pos_emb)
+
+    def attend(self, core, q, layer: int):
+        """Patch 0002's hook, asked by ``TreeDotProductAttention`` for ``layer`` (whose keys it stored):
+        q [T, 1, hq, d] -> out [T, 1, hq, d], exact over the CP group (``tree_decode`` over the pages)."""
+        step = self.step
+        # The one attention call of every integration (``tree_decode`` over this rank's pages). Megatron's
+        # engine has no place to run a step again, so ``shifted`` runs as ``packed`` here.
+        return DecodeStep(core.strategy, core.comm_stats).attend(
+            layer, q, self.kv_cache.k[layer], self.kv_cache.v[layer], self.groups, block_table=step.block_table,
+            cache_seqlens=step.cache_seqlens, softmax_scale=core.softmax_scale, backend=core.backend,
+        )
 
     # -- RoPE at global positions ------------------------------------------------------------
 
@@ -247,8 +272,7 @@ def adjust_key_value_dynamic(core, attention, ctx, query, key, value, rotary_pos
             f"query has [s, b] = {tuple(query.shape[:2])}, but the step has {step.padded_tokens} packed tokens"
         )
     if rotary_pos_emb is not None:
-        query, key = ctx.apply_rope(query, key, step.positions.to(query.device), attention.config,
-                                    core.pg_collection.cp)
+        query, key = ctx.apply_rope(query, key, step.positions, attention.config, core.pg_collection.cp)
     layer = ctx.layer_map[attention.layer_number - 1]
     n = step.num_tokens
     ctx.kv_cache.write(layer, key[:n, 0], value[:n, 0], step.placed)
@@ -262,16 +286,7 @@ def dynamic_attention(core, attention, q, k, v, *megatron_args):
     q: [T, 1, hq, d] -> out [T, 1, hq, d] (Megatron's ``s b h d``). ``None`` when the preceding
     cache hook did not take over (Megatron's own context at CP = 1).
     """
-    pending, core._dynamic_pending = getattr(core, "_dynamic_pending", None), None
-    if pending is None:
-        return None
-    ctx, layer = pending
-    step = ctx.step
-    return paged_tree_decode(
-        q, ctx.kv_cache.k[layer], ctx.kv_cache.v[layer], ctx.groups, block_table=step.block_table,
-        cache_seqlens=step.cache_seqlens, softmax_scale=core.softmax_scale, strategy=core.strategy,
-        stats=core.comm_stats, backend=core.backend,
-    )
+    return core.dynamic_attention(attention, q, k, v, *megatron_args)
 
 
 # --------------------------------------------------------------------------- wrapper

@@ -9,7 +9,7 @@ out its own shards through its own ``sharded_state_dict`` (the metadata Megatron
 ``dist_checkpointing`` reshards with). A checkpoint is loaded at the run's layout with
 ``dist_checkpointing.load``, whatever layout it was saved with.
 
-Why a module of its own: ``integrations/megatron.py`` holds the slots (core attention,
+Why a module of its own: ``integrations/megatron/static.py`` holds the slots (core attention,
 inference context, wrapper); this one holds what a *job* needs around them -- a Llama-style
 ``TransformerConfig`` from plain shape fields, checkpoint discovery and checks that run
 before any process group exists (so a bad path fails on every rank alike), and
@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ... import collectives
+from ...decode.prefill import assemble_logits
 from ...models.llama import CheckpointError
 
 __all__ = [
@@ -431,6 +432,10 @@ class MegatronLM:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
     def new_cache(self, batch_size: int, max_seq_len: int, layout: str = "load_balanced", block_size: int = 16):
         from megatron.core.utils import unwrap_model
 
@@ -478,14 +483,11 @@ class MegatronLM:
                 self._last = None
                 cache.batch_size_offset = 0
                 cache.step = None
-            # The rank holding the last prompt token contributes its logits, the others zeros:
-            # one all-reduce SUM gives every rank the same (exact: x + 0 = x).
-            logits = logits.float() * (1.0 if last else 0.0)
-            if self.groups.size > 1:
-                with self.groups.agreement.call("MegatronLM.prefill", ("batch", "vocab", "prompt_length"),
-                                                (*logits.shape, lengths[b0])):
-                    collectives.all_reduce(logits, self.groups.cp_group, op="sum", stats=stats,
-                                           what="MegatronLM.prefill: sum of the last prompt tokens' logits")
+            # The kept token's logits (rows, 1, vocab) -> the last prompt token's on every rank (exact).
+            held = plan.positions[:, last[0]:last[0] + 1] if last else torch.full((b1 - b0, 1), -1)
+            logits = assemble_logits(logits[:, None], held, torch.tensor([lengths[b0] - 1]), self.groups,
+                                     stats=stats, signature=("MegatronLM.prefill", ("batch", "vocab", "prompt_length"),
+                                                             (b1 - b0, logits.shape[-1], lengths[b0])))[:, 0]
             if out is None:
                 out = torch.empty(len(prompts), logits.shape[-1], dtype=torch.float32, device=logits.device)
             out[b0:b1] = logits
@@ -494,30 +496,26 @@ class MegatronLM:
         return out
 
     @torch.no_grad()
-    def decode_step(self, next_ids, cache, strategy: str = "auto", stats=None, shift=None) -> torch.Tensor:
+    def decode_step(self, next_ids, cache, step=None, *, strategy: str = "auto", stats=None) -> torch.Tensor:
         """One new token per row (rows may hold different lengths) -> next-token logits (batch, vocab).
 
-        shift: an ``attention.ShiftState`` (``strategy="shifted"``, see ``generate``); with
-        ``shift.redo`` the step runs again on its first try's plan (the cache does not advance).
+        step: the loop's ``decode.generate.DecodeStep``: every layer's core attention runs its
+        ``attend`` (``generate``'s ``shifted`` redo rewinds the cache and calls this again); without
+        one, a plain step of ``strategy``/``stats``.
         """
+        from ...decode.generate import DecodeStep
+
+        step = step if step is not None else DecodeStep(strategy, stats)
         ids = torch.as_tensor(next_ids, dtype=torch.long, device=self.device).reshape(-1, 1)
         for attn in self._attention:
-            attn.strategy = strategy
-            attn.comm_stats = stats
-            attn.shift_state = shift
-        if shift is not None and shift.redo:
-            plan = cache.step = shift.placement
-        else:
-            plan = cache.plan_decode(0, ids.shape[0], 1)
-            if shift is not None:
-                shift.placement = plan
+            attn.current_step = step
+        plan = cache.plan_decode(0, ids.shape[0], 1)
         try:
             logits = self._run(ids, plan.positions.to(self.device), cache)[:, -1]
         finally:
             cache.step = None
             for attn in self._attention:
-                attn.comm_stats = None
-                attn.shift_state = None
+                attn.current_step = None
         return logits.float()
 
 

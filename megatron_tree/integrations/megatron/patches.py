@@ -201,7 +201,7 @@ def _resolve(target: str):
 
 
 def _installed_version() -> str:
-    from .static import megatron_version
+    from .version import megatron_version
 
     return megatron_version()
 

@@ -15,11 +15,12 @@ Pieces, and how they meet inside Megatron's own inference path (megatron-core 0.
 * :class:`TreeDotProductAttention` fills ``SelfAttentionSubmodules.core_attention``
   (:func:`use_tree_attention` swaps the slot, :func:`get_gpt_layer_tree_spec` builds a spec).
 * :class:`TreeInferenceContext` is a ``StaticInferenceContext`` whose KV cache is sharded
-  over the CP group, each row placed by :mod:`megatron_tree.placement` (the planner every
+  over the CP group, each row placed by :mod:`megatron_tree.decode.placement` (the rule every
   cache shares): the prompt in the training CP layout (``get_batch_on_this_cp_rank``'s
   2·CP load-balanced chunks), decoded tokens in blocks, round-robin over the ranks.
 * :class:`TreeGPTInferenceWrapper` is a ``GPTInferenceWrapper`` that hands each CP rank its
-  chunks of the prompt and gathers the logits back, so ``TextGenerationController`` and
+  chunks of the prompt and assembles the logits the controller asks for on every rank
+  (``decode.prefill.assemble_logits``), so ``TextGenerationController`` and
   ``StaticInferenceEngine`` run unchanged.
 * Megatron has no slot for the KV-cache update (``Attention._adjust_key_value_for_inference``
   allocates and fills the full sequence on every rank); patch ``0001`` in ``patches/``
@@ -39,10 +40,13 @@ import torch
 import torch.distributed as dist
 
 from ... import collectives, ops
-from ...decode.attention import tree_decode
+from ...decode.generate import DecodeStep
+from ...decode.prefill import assemble_logits
 from ...comm import STRATEGIES
 from ...decode.placement import RowPlacement
+from ...decode.plan import StepPlanner
 from ...topology import TopologyError, TreeGroups
+from .version import SUPPORTED_VERSIONS, check_megatron_version, megatron_version
 
 __all__ = [
     "SUPPORTED_VERSIONS", "megatron_version", "check_megatron_version", "tree_groups_from_megatron",
@@ -53,28 +57,7 @@ __all__ = [
 
 log = logging.getLogger("megatron_tree.integrations")
 
-SUPPORTED_VERSIONS = ("0.16.1",)
-"""megatron-core releases whose inference internals this module and ``patches/`` were written against."""
 MARKER = "megatron_tree.TreeDotProductAttention"
-
-
-def megatron_version() -> str:
-    """Version of the megatron-core that is imported (``megatron.core.package_info``)."""
-    from megatron.core import package_info
-
-    return package_info.__shortversion__
-
-
-def check_megatron_version(what: str) -> str:
-    """Raise ``RuntimeError`` naming ``what`` unless the imported megatron-core is supported."""
-    version = megatron_version()
-    if version not in SUPPORTED_VERSIONS:
-        raise RuntimeError(
-            f"{what} supports megatron-core {', '.join(SUPPORTED_VERSIONS)}, but {version} is imported; "
-            "its inference internals differ (0.19 rejects CP != 1 at inference), so refusing rather than "
-            "guessing. Pin megatron-core==0.16.1 or port patches/ to the new release."
-        )
-    return version
 
 
 # --------------------------------------------------------------------------- groups
@@ -315,8 +298,9 @@ class TreeDotProductAttention(_megatron_module_base()):
         self._pending: _Pending | None = None
         self.comm_stats = None
         """A :class:`~megatron_tree.comm.CommStats` to record decode merges into (``None``: not recorded)."""
-        self.shift_state = None
-        """An :class:`~megatron_tree.attention.ShiftState` for ``strategy="shifted"`` decode (set per step)."""
+        self.current_step = None
+        """The decode loop's ``decode.generate.DecodeStep`` while ``MegatronLM.decode_step`` runs (its
+        ``attend`` is the decode attention; ``None``: a plain step of ``strategy``/``comm_stats``)."""
 
     @property
     def groups(self) -> TreeGroups:
@@ -340,10 +324,17 @@ class TreeDotProductAttention(_megatron_module_base()):
         Megatron do it) only for a plain ``StaticInferenceContext`` at CP = 1.
         """
         ctx = inference_context
-        if ctx is not None and ctx.is_dynamic_batching():  # paged, continuous batching: megatron_dynamic.py
-            from .dynamic import adjust_key_value_dynamic
-
-            return adjust_key_value_dynamic(self, attention, ctx, query, key, value, rotary_pos_emb)
+        if ctx is not None and ctx.is_dynamic_batching():  # paged, continuous batching: the context stores the keys
+            store = getattr(ctx, "store_key_value", None)  # TreeDynamicInferenceContext's (dynamic.py)
+            if store is not None:
+                return store(self, attention, query, key, value, rotary_pos_emb)
+            if self.cp_size == 1:
+                return None  # Megatron's own DynamicInferenceContext at CP = 1: Megatron does it
+            raise RuntimeError(
+                f"TreeDotProductAttention at context_parallel_size={self.cp_size} needs a TreeDynamicInferenceContext "
+                f"for dynamic batching (got {type(ctx).__name__}); Megatron's DynamicInferenceContext keeps every "
+                "request's whole KV cache on every rank"
+            )
         if not isinstance(ctx, TreeInferenceContext):
             if self.cp_size == 1 and ctx is not None and ctx.is_static_batching():
                 return None
@@ -368,10 +359,9 @@ class TreeDotProductAttention(_megatron_module_base()):
             query, key = ctx.apply_rope(query, key, plan.positions, self.config, self.pg_collection.cp,
                                         same_positions=plan.same_positions)
         k_buf, v_buf = ctx.buffers(self.layer_number, key, value)
-        # Tokens another rank keeps go to the buffers' spare slot (never read): one scatter, and
-        # no host read of which tokens are this rank's (a decode step stays free of host syncs).
-        slot = plan.slots.to(key.device)
-        slot = torch.where(slot >= 0, slot, torch.full_like(slot, ctx.capacity)).t()  # [width, rows]
+        # Tokens another rank keeps go to the buffers' spare slot (never read; the step planner's
+        # one trick): one scatter, no host read of which tokens are this rank's.
+        slot = plan.store.to(key.device).t()  # [width, rows]
         rows = torch.arange(b0, b1, device=key.device)[None, :].expand_as(slot)
         k_buf[slot, rows] = key.to(k_buf.dtype)
         v_buf[slot, rows] = value.to(v_buf.dtype)
@@ -388,10 +378,14 @@ class TreeDotProductAttention(_megatron_module_base()):
         return query, keys, values, None, self.attn_mask_type, None
 
     def dynamic_attention(self, attention, q, k, v, *megatron_args):
-        """Attention of a dynamic (packed, paged) batch, called by patch 0002; see ``megatron_dynamic``."""
-        from .dynamic import dynamic_attention
-
-        return dynamic_attention(self, attention, q, k, v, *megatron_args)
+        """Attention of a dynamic (packed, paged) batch, called by patch 0002: the context that stored
+        this layer's keys (``TreeDynamicInferenceContext.store_key_value``) attends over them; ``None``
+        when no tree context did (Megatron's own context at CP = 1)."""
+        pending, self._dynamic_pending = getattr(self, "_dynamic_pending", None), None
+        if pending is None:
+            return None
+        ctx, layer = pending
+        return ctx.attend(self, q, layer)
 
     # -- forward --------------------------------------------------------------------------
 
@@ -410,13 +404,10 @@ class TreeDotProductAttention(_megatron_module_base()):
         v = value.transpose(0, 1)
         b, sq = q.shape[0], q.shape[1]
         if pending is not None and pending.mode == "decode":
-            kw = dict(cache_seqlens=pending.k_lengths.to(q.device), softmax_scale=self.softmax_scale,
-                      strategy=self.strategy, q_positions=pending.q_positions.to(q.device),
-                      k_positions=pending.k_positions.to(q.device), backend=self.backend, stats=self.comm_stats)
-            if self.shift_state is not None:  # its shift from the previous step, its flag left on the device
-                out = self.shift_state.decode(self.layer_number, q, k, v, self.groups, **kw)
-            else:
-                out = tree_decode(q, k, v, self.groups, **kw)
+            step = self.current_step if self.current_step is not None else DecodeStep(self.strategy, self.comm_stats)
+            out = step.attend(self.layer_number, q, k, v, self.groups, cache_seqlens=pending.k_lengths.to(q.device),
+                              softmax_scale=self.softmax_scale, q_positions=pending.q_positions.to(q.device),
+                              k_positions=pending.k_positions.to(q.device), backend=self.backend)
         else:
             if pending is not None:  # prefill: local queries over the gathered prompt
                 qpos, kpos = pending.q_positions, pending.k_positions
@@ -552,6 +543,8 @@ class StepPlan:
     """(batch, width) int64 global positions of those tokens; -1 marks padding."""
     slots: torch.Tensor
     """(batch, width) int64 slot of each token in this rank's shard; -1 where it is not stored here."""
+    store: torch.Tensor
+    """(batch, width) int64 where this rank writes each token: its slot, or the spare slot ``capacity``."""
     gathered_positions: torch.Tensor | None
     """prefill: (batch, width * cp) positions of the all-gathered window, in gather order (-1 = padding)."""
     k_lengths: torch.Tensor | None = None
@@ -563,11 +556,6 @@ class StepPlan:
     def width(self) -> int:
         """Tokens per row this rank feeds to the forward (the same on every CP rank)."""
         return int(self.index.numel())
-
-    @property
-    def store(self) -> torch.Tensor:
-        """(batch, width) bool: this rank keeps the token's key/value."""
-        return self.slots >= 0
 
 
 def _static_context_base():
@@ -598,13 +586,15 @@ class TreeInferenceContext(_static_context_base()):
     position of every stored token in ``local_positions: [max_batch, capacity]`` (-1 where
     free; one spare slot past ``capacity`` in both takes the tokens other ranks keep, so a
     step stores without reading which tokens are this rank's). Each row has its own
-    :class:`~megatron_tree.placement.RowPlacement` (``rows``), the planner every sequence-sharded cache shares: the prompt in the training CP layout (rank r
-    keeps chunks r and 2·CP-1-r of 2·CP, ``layout="load_balanced"``), decoded tokens in blocks
-    of ``block_size`` that move round-robin over the ranks. Rows may hold different lengths.
+    :class:`~megatron_tree.decode.placement.RowPlacement` (``rows``), the rule every
+    sequence-sharded cache shares, and decode steps are planned by ``decode.plan`` (the one step
+    planner): the prompt in the training CP layout (rank r keeps chunks r and 2·CP-1-r of 2·CP,
+    ``layout="load_balanced"``), decoded tokens in blocks of ``block_size`` that move
+    round-robin over the ranks. Rows may hold different lengths.
 
     Two ways to drive it: Megatron's controller through :class:`TreeGPTInferenceWrapper`
     (:meth:`plan_step`, every row the same length), or per-row prefill then batched decode
-    (:meth:`plan_prefill`, :meth:`plan_decode`; ``megatron_tree.integrations.megatron_model``).
+    (:meth:`plan_prefill`, :meth:`plan_decode`; ``megatron_tree.integrations.megatron.model``).
 
     ``max_sequence_length`` is rounded up to an even number: Megatron slices its RoPE table
     of ``max_sequence_length * cp`` rows into 2·CP chunks on every forward.
@@ -625,11 +615,15 @@ class TreeInferenceContext(_static_context_base()):
         self.rows: list[RowPlacement] = []
         self.step: StepPlan | None = None
         self.rope_table: torch.Tensor | None = None
+        self._planner = StepPlanner([], self.cp_rank, spare=self.capacity, device="cpu")
+        self._decode: tuple | None = None  # (the planner's plan, the StepPlan made from it)
         self._new_rows()
 
     def _new_rows(self) -> None:
         self.rows = [RowPlacement(self.cp_size, layout=self.layout, block_size=self.block_size,
                                   capacity=self.capacity) for _ in range(self.max_batch_size)]
+        self._planner.reset(self.rows)
+        self._decode = None
 
     def reset(self):
         super().reset()
@@ -667,12 +661,6 @@ class TreeInferenceContext(_static_context_base()):
     def device(self) -> torch.device:
         """Where the KV buffers live (CPU until the first layer stored keys)."""
         return self.local_positions.device
-
-    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
-        """Host bookkeeping onto the cache's device: on CUDA one non-blocking copy from pinned memory."""
-        if self.device.type != "cuda":
-            return host.to(self.device)
-        return host.pin_memory().to(self.device, non_blocking=True)
 
     def bind_rope(self, model) -> None:
         """Keep the model's un-sharded RoPE table so layers can rotate at global positions."""
@@ -738,17 +726,22 @@ class TreeInferenceContext(_static_context_base()):
         mine = padded[self.cp_rank]
         n_mine = len(per_rank[self.cp_rank])
         slots = torch.where(mine >= 0, torch.arange(width), torch.full_like(mine, -1))
+        store = torch.where(slots >= 0, slots, torch.full_like(slots, self.capacity))  # padding: the spare slot
         rows = end - start
         self.local_positions[start:end, :n_mine] = mine[:n_mine]
         plan = StepPlan("prefill", (start, end), mine.clamp(min=0), mine[None].expand(rows, -1),
-                        slots[None].expand(rows, -1), padded.reshape(1, -1).expand(rows, -1), same_positions=True)
+                        slots[None].expand(rows, -1), store[None].expand(rows, -1),
+                        padded.reshape(1, -1).expand(rows, -1), same_positions=True)
         self.step = plan
         return plan
 
     def plan_decode(self, start: int, end: int, num_tokens: int = 1) -> StepPlan:
-        """Plan ``num_tokens`` new tokens at the end of every row in ``[start, end)`` (rows may differ in length)."""
+        """Plan ``num_tokens`` new tokens at the end of every row in ``[start, end)`` (rows may differ in length).
+
+        The step planner (``decode.plan``) places them and sends the plan to the device in one
+        copy; after :meth:`rewind_step` the same call gets the same plan back.
+        """
         self._check_rows(start, end)
-        positions, slots = [], []
         for b in range(start, end):
             row = self.rows[b]
             if row.total == 0:
@@ -757,26 +750,25 @@ class TreeInferenceContext(_static_context_base()):
                 raise ValueError(
                     f"row {b}: {row.total + num_tokens} tokens exceed max_sequence_length={self.max_sequence_length}"
                 )
-            first = row.total
-            owners = row.append(num_tokens)
-            pos = list(range(first, first + num_tokens))
-            slot = [row.locate(t)[1] if o == self.cp_rank else -1 for t, o in zip(pos, owners)]
-            positions.append(pos)
-            slots.append(slot)
-        # One host tensor, one copy to the device (non-blocking from pinned memory on CUDA).
-        rows = end - start
-        counts = [[row.counts[self.cp_rank]] * num_tokens for row in self.rows[start:end]]
-        plan_dev = self._to_device(torch.tensor([positions, slots, counts], dtype=torch.long))  # [3, rows, width]
-        pos_d, slot_d, count_d = plan_dev.unbind(0)
-        # local_positions[b, slot] = position where this rank keeps the token; the others go to
-        # the spare column ``capacity`` (never read), so no host read of which tokens are ours.
-        at = torch.where(slot_d >= 0, slot_d, torch.full_like(slot_d, self.capacity))
-        index = torch.arange(start, end, device=self.device)[:, None].expand(rows, num_tokens)
-        self.local_positions[index, at] = pos_d
-        plan = StepPlan("decode", (start, end), torch.arange(num_tokens, device=self.device), pos_d, slot_d, None,
-                        k_lengths=count_d[:, 0].to(torch.int32), same_positions=len({p[0] for p in positions}) == 1)
-        self.step = plan
-        return plan
+        self._planner.device = self.device
+        step = self._planner.step(start, end, num_tokens)
+        if self._decode is None or self._decode[0] is not step:
+            # local_positions[b, slot] = position where this rank keeps the token; the others go to
+            # the spare column ``capacity`` (never read), so no host read of which tokens are ours.
+            index = torch.arange(start, end, device=self.device)[:, None].expand(end - start, num_tokens)
+            self.local_positions[index, step.store] = step.positions
+            plan = StepPlan("decode", (start, end), torch.arange(num_tokens, device=self.device), step.positions,
+                            step.slots, step.store, None, k_lengths=step.counts.to(torch.int32),
+                            same_positions=step.host.same_positions)
+            self._decode = (step, plan)
+        self.step = self._decode[1]
+        return self.step
+
+    def rewind_step(self) -> None:
+        """Take the last decode step back so that it runs again on the same slots (``generate``'s redo
+        of a ``shifted`` step): row lengths are as before it, the next :meth:`plan_decode` of the same
+        rows returns its plan again; the stored keys stay (rewriting them is idempotent)."""
+        self._planner.rewind()
 
     def plan_step(self, start: int, num_tokens: int, batch_size: int | None = None) -> StepPlan:
         """Plan the forward of tokens at global positions ``[start, start + num_tokens)`` of every row.
@@ -868,12 +860,8 @@ class TreeGPTInferenceWrapper(_gpt_wrapper_base()):
             )
         finally:
             ctx.materialize_only_last_token_logits = only_last
-        if plan.mode == "prefill":
-            gathered = _gather_seq(logits.transpose(0, 1), ctx.groups, "prefill logits").transpose(0, 1)
-            order_key = plan.gathered_positions[0].masked_fill(plan.gathered_positions[0] < 0, _NEVER)
-            order = torch.argsort(order_key).to(gathered.device)
-            logits = gathered.index_select(1, order)[:, :s]
-            if only_last:
-                logits = logits[:, -1:]
+        if plan.mode == "prefill":  # this rank's chunk's logits -> the window's, on every rank (exact)
+            wanted = torch.arange(s - 1 if only_last else 0, s, device=logits.device)
+            logits = assemble_logits(logits, plan.positions, wanted, ctx.groups).to(logits.dtype)
         ctx.commit_step()
         return logits
