@@ -487,14 +487,15 @@ def variants_body(rank, world, intra):
                 out, lse = mt.tree_decode(q.float(), kl.float(), vl.float(), groups, strategy="packed",
                                           backend="triton", return_lse=True, **lkw)
                 report["exact"][(name, False, "triton", "packed", False)] = (err(out, want_o), err(lse, want_l))
-            # each rank's shard as a paged pool (8-slot blocks): the local kernel and the merge
+            # each rank's shard as a paged pool (8-slot blocks in a random order)
             (kp, table), (vp, _) = to_paged(kl.float(), 8, seed=rank), to_paged(vl.float(), 8, seed=rank)
-            o, l = mt.flash_decode(q.float(), kp, vp, out_dtype=torch.float32, lse_dtype=torch.float64,
-                                   **paged_kwargs(lkw, table, 8))
-            out, lse = comm.merge(o, l, groups, "two_level")
-            if with_sinks:
-                out, lse = reference.add_sink(out, lse, sinks)
-            report["exact"][(name, with_sinks, "torch", "paged two_level", False)] = (err(out, want_o), err(lse, want_l))
+            for strategy, overlap in (("two_level", False), ("shifted", True)):
+                out, lse = mt.tree_decode(q.float(), kp, vp, groups, strategy=strategy, overlap=overlap,
+                                          return_lse=True, backend="torch", sinks=sinks if with_sinks else None,
+                                          shift=shift if strategy == "shifted" else None,
+                                          **paged_kwargs(lkw, table, 8))
+                report["exact"][(name, with_sinks, "torch", f"paged {strategy}", overlap)] = (
+                    err(out, want_o), err(lse, want_l))
         if name == "window_gqa_sq1":  # which ranks the window left without a key (an empty shard)
             kl, vl, lkw = shard(k, v, kw, rank, world)
             _, lse = mt.flash_decode(q.float(), kl.float(), vl.float(), **lkw)
@@ -536,7 +537,7 @@ def variants_body(rank, world, intra):
 def test_tree_decode_variants_and_nan_at_cp3_and_2x2(world, intra):
     reports = run_ranks(variants_body, world, intra, timeout=540)
     for rank, rep in enumerate(reports):
-        assert len(rep["exact"]) == len(CASES) * (2 * (len(STRATEGIES) + 3) + 1)
+        assert len(rep["exact"]) == len(CASES) * (2 * (len(STRATEGIES) + 4) + 1)
         for key, (e_out, e_lse) in rep["exact"].items():
             assert e_out <= 1e-5 and e_lse <= 1e-5, f"rank {rank} {key}: errors {e_out:.2e}, {e_lse:.2e}"
         # the window (9 keys before position 36 of row 0) lies on the last rank: the others are empty
