@@ -60,6 +60,9 @@ nats of ``r``):
   weight is a normal float rounded once (``lse_u - r`` is formed in float64, where the
   difference of two float32 values is exact, then ``exp`` is rounded once to fp32).
 
+A NaN partial lse (a NaN score on some rank) makes ``den`` NaN: that row's exact answer is NaN
+at any shift, so it is answered NaN (out and lse) and not redone.
+
 A row that no rank has keys for (padding, finished requests) has ``den = 0`` too; the third
 part of the buffer, the all-reduced count of ranks with a key in the row, tells the two
 apart, so such rows are answered (out 0, lse -inf) without a fallback. Rows that fail are
@@ -107,10 +110,11 @@ SHIFT_MAX_DEN = 2.0 ** 64
 """Largest all-reduced ``sum exp(lse_u - r)`` that ``shifted`` accepts (see the module docstring)."""
 
 
-MERGE_SIGNATURE = ("batch", "seqlen_q", "heads_q", "headdim", "dtype", "strategy", "backend", "shift")
+MERGE_SIGNATURE = ("batch", "seqlen_q", "heads_q", "headdim_v", "dtype", "strategy", "backend", "shift")
 """What every rank of a merge must agree on (:class:`agreement.Agreement` checks it when it changes).
-A new argument that changes the collectives (e.g. a shift) is one more name here and one more value in
-:func:`merge`."""
+``headdim_v`` is the merged outputs' head dim, V's (q and k may have another, as in MLA: the merge
+never sees it). A new argument that changes the collectives (e.g. a shift) is one more name here and
+one more value in :func:`merge`."""
 
 _WHAT = "tree merge"
 
@@ -250,8 +254,11 @@ def _shifted_finish(buf, r, o, lse):
     """(out, lse, bad) from the all-reduced :func:`_shifted_buffer` (see :func:`_shifted_stages`)."""
     n, k = o.numel(), lse.numel()
     num, den, count = buf[:n].view(o.shape), buf[n: n + k].view(lse.shape), buf[n + k:].view(lse.shape)
-    # NaN fails both comparisons: it is flagged too. A row with no key anywhere (count 0) is fine.
-    bad = (count > 0) & ~((den >= SHIFT_MIN_DEN) & (den <= SHIFT_MAX_DEN))
+    # Out of range only: a NaN den fails both comparisons and is not flagged -- it comes from a
+    # NaN partial lse (exp of a finite or -inf difference is never NaN), so the row's answer is
+    # NaN whatever the shift, and normalize gives NaN; redoing it with packed would change
+    # nothing. A row with no key anywhere (count 0) is fine.
+    bad = (count > 0) & ((den < SHIFT_MIN_DEN) | (den > SHIFT_MAX_DEN))
     out, lse = normalize(num, den, r, lse.dtype)
     return out, lse, bad
 
@@ -294,7 +301,8 @@ def merge(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge this rank's partial state with every other rank's of ``groups``; result on all ranks.
 
-    out: (batch, seqlen_q, nheads_q, headdim), any float dtype (this rank's normalised partial)
+    out: (batch, seqlen_q, nheads_q, headdim_v), any float dtype (this rank's normalised partial;
+        headdim_v is V's head dim, which may differ from q's and k's, as in MLA)
     lse: (batch, nheads_q, seqlen_q) natural log, -inf for an empty shard; float64 (what
         ``tree_decode`` passes) keeps the merge exact at large score magnitudes
     dtype, backend: the caller's input dtype and kernel backend (default: out's dtype, none),
@@ -373,7 +381,7 @@ def _settle_shifted(result, o, lse, groups: TreeGroups, stats, deferred):
 SPLIT_STRATEGIES = STRATEGIES
 """Strategies :func:`merge_overlapped` runs in stages (every collective asynchronous)."""
 
-SPLIT_SIGNATURE = ("batch", "seqlen_q", "heads_q", "headdim", "dtype", "strategy", "backend", "shift", "split")
+SPLIT_SIGNATURE = ("batch", "seqlen_q", "heads_q", "headdim_v", "dtype", "strategy", "backend", "shift", "split")
 """An overlapped merge's signature at the ``merge`` site: :data:`MERGE_SIGNATURE`'s names plus the parts'
 batch sizes, so a rank that splits and one that does not (or splits differently) get a
 :class:`DisagreementError`. Spelled out rather than derived, so a name added to ``MERGE_SIGNATURE`` for

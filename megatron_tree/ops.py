@@ -49,22 +49,26 @@ def resolve_backend(device: torch.device, backend: str | None = None) -> str:
     return choice
 
 
-def _check(q, k, v, cache_seqlens, q_positions, k_positions, block_table, out_dtype, lse_dtype) -> None:
+def _check(q, k, v, cache_seqlens, q_positions, k_positions, block_table, out_dtype, lse_dtype, **variants) -> None:
     # Shapes, dtypes and devices only: nothing here reads a tensor's values, so a decode step
-    # stays free of host syncs (issue 13 item 5). The value checks (cache_seqlens within [0, N],
+    # stays free of host syncs. The value checks (cache_seqlens and cache_starts within [0, N],
     # block ids within the cache) run inside the op on CPU tensors, where the torch path reads
     # cache_seqlens anyway; on CUDA the kernel clamps instead.
     reference.check_decode_inputs(q, k, v, cache_seqlens, q_positions, k_positions, block_table, out_dtype,
-                                  by_value=False, lse_dtype=lse_dtype)
+                                  by_value=False, lse_dtype=lse_dtype, **variants)
 
 
-def _check_values(q, k, cache_seqlens, block_table) -> None:
+def _check_values(q, k, cache_seqlens, block_table, cache_starts=None) -> None:
     """The value checks of the contract, for CPU inputs (host memory: reading it syncs nothing)."""
     b = q.shape[0]
+    n = reference.kv_length(k, block_table)
     if cache_seqlens is not None:
-        reference.check_cache_seqlens(cache_seqlens, b, reference.kv_length(k, block_table), q.device)
+        reference.check_cache_seqlens(cache_seqlens, b, n, q.device)
+    if cache_starts is not None:
+        reference.check_cache_seqlens(cache_starts, b, n, q.device, name="cache_starts")
     if block_table is not None:
-        reference.check_block_table(block_table, b, k.shape[0], k.shape[1], cache_seqlens, q.device)
+        reference.check_block_table(block_table, b, k.shape[0], k.shape[1], cache_seqlens, q.device,
+                                    cache_starts=cache_starts)
 
 
 # New arguments go at the end with defaults, so positional calls of the op stay valid.
@@ -81,11 +85,15 @@ def _flash_decode_op(
     block_table: Optional[torch.Tensor] = None,
     out_dtype: Optional[torch.dtype] = None,
     lse_dtype: Optional[torch.dtype] = None,
+    cache_starts: Optional[torch.Tensor] = None,
+    window: Optional[int] = None,
+    softcap: Optional[float] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if q.device.type == "cpu":
-        _check_values(q, k, cache_seqlens, block_table)
+        _check_values(q, k, cache_seqlens, block_table, cache_starts)
     kwargs = dict(block_table=block_table, cache_seqlens=cache_seqlens, softmax_scale=softmax_scale,
-                  q_positions=q_positions, k_positions=k_positions, out_dtype=out_dtype, lse_dtype=lse_dtype)
+                  q_positions=q_positions, k_positions=k_positions, out_dtype=out_dtype, lse_dtype=lse_dtype,
+                  cache_starts=cache_starts, window=window, softcap=softcap)
     if backend == "triton":
         from .kernels import flash_decode as kernel  # imported lazily: needs triton
 
@@ -95,9 +103,9 @@ def _flash_decode_op(
 
 @_flash_decode_op.register_fake
 def _flash_decode_fake(q, k, v, cache_seqlens, softmax_scale, q_positions, k_positions, backend, block_table=None,
-                       out_dtype=None, lse_dtype=None):
-    b, sq, hq, d = q.shape
-    out = q.new_empty((b, sq, hq, d), dtype=q.dtype if out_dtype is None else out_dtype)
+                       out_dtype=None, lse_dtype=None, cache_starts=None, window=None, softcap=None):
+    b, sq, hq, _ = q.shape
+    out = q.new_empty((b, sq, hq, v.shape[-1]), dtype=q.dtype if out_dtype is None else out_dtype)
     return out, q.new_empty((b, hq, sq), dtype=reference.lse_acc_dtype(lse_dtype, q.dtype))
 
 
@@ -148,28 +156,61 @@ def flash_decode(
     out_dtype: torch.dtype | None = None,
     backend: str | None = None,
     lse_dtype: torch.dtype | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    cache_starts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Local attention of q over one KV shard; see :func:`reference.partial_attention` for details.
 
     q: (batch, seqlen_q, nheads_q, headdim)
-    k, v: (batch, seqlen_k, nheads_kv, headdim), or with block_table a paged cache
-        (num_blocks, block_size, nheads_kv, headdim)
+    k: (batch, seqlen_k, nheads_kv, headdim), v: (batch, seqlen_k, nheads_kv, headdim_v), or with
+        block_table a paged cache (num_blocks, block_size, nheads_kv, headdim[_v]); headdim_v
+        may differ from headdim (MLA: out has V's head dim)
     block_table: (batch, max_blocks) int32; row b's key j lives in block block_table[b, j // block_size]
     cache_seqlens: (batch,) int32 keys per row in [0, N] (N = seqlen_k, or max_blocks * block_size)
+    cache_starts: (batch,) int32 in [0, N]: keys before it are not valid, nor read (left
+        padding; on a shard whose slots follow positions, the first slot a sliding window
+        still shows -- the window as a slot range, with no positions needed)
     q_positions: (batch, seqlen_q), k_positions: (batch, N) or (N,): causal by global position
+    window: sliding window, with positions only: query at position p sees keys j with
+        ``p - window < j <= p`` (transformers' ``sliding_window``, its
+        ``sliding_window_causal_mask_function``; flash-attn's and Megatron's
+        ``window_size=(window - 1, 0)``); a shard with no key inside is an empty partial.
+        The kernel still reads every key up to cache_seqlens and masks by position; a caller
+        that knows the first slot inside the window may pass it as cache_starts too (same
+        result), and the tiles before it are skipped
+    softcap: scores -> ``softcap * tanh(scores / softcap)`` before the softmax (Gemma 2's
+        ``attn_logit_softcapping``); the lse is over the capped scores
+    sinks: (nheads_q,) float, one logit per query head joining the softmax with a zero value
+        (GPT-OSS), by :func:`reference.add_sink` after the local attention: for this shard as
+        the whole sequence. Over CP shards pass it to ``tree_decode`` instead (it joins once,
+        after the merge), never to each rank's ``flash_decode``.
     out_dtype: dtype of out (default q.dtype); float32 leaves a bf16/fp16 partial unrounded
     lse_dtype: dtype of lse: float32 (the default) or float64, never narrower than the
         accumulation (float64 input always gives float64); float64 carries a partial that will
         be merged again whole, so the merge stays exact at large scores (|s| = 1e5 tested;
         ``reference``'s module docstring)
-    returns out: (batch, seqlen_q, nheads_q, headdim) in out_dtype,
+    returns out: (batch, seqlen_q, nheads_q, headdim_v) in out_dtype,
             lse: (batch, nheads_q, seqlen_q) in lse_dtype, natural log, -inf where no key is visible
+            (and no sink), NaN where a visible score (or the sink) is NaN
     """
-    _check(q, k, v, cache_seqlens, q_positions, k_positions, block_table, out_dtype, lse_dtype)
+    _check(q, k, v, cache_seqlens, q_positions, k_positions, block_table, out_dtype, lse_dtype, window=window,
+           softcap=softcap, cache_starts=cache_starts, sinks=sinks)
     forced = backend is not None or bool(os.environ.get(ENV_BACKEND))
-    name = _kernel_backend(resolve_backend(q.device, backend), q.dtype, forced, q.shape[-1], out_dtype)
-    return _flash_decode_op(q, k, v, cache_seqlens, softmax_scale, q_positions, k_positions, name, block_table,
-                            out_dtype, lse_dtype)
+    name = _kernel_backend(resolve_backend(q.device, backend), q.dtype, forced, max(q.shape[-1], v.shape[-1]),
+                           out_dtype)
+    window = None if window is None else int(window)
+    softcap = None if softcap is None else float(softcap)
+    if sinks is None:
+        return _flash_decode_op(q, k, v, cache_seqlens, softmax_scale, q_positions, k_positions, name, block_table,
+                                out_dtype, lse_dtype, cache_starts, window, softcap)
+    # The sink joins the finished state: unrounded partial and whole lse first, one rounding after.
+    out, lse = _flash_decode_op(q, k, v, cache_seqlens, softmax_scale, q_positions, k_positions, name, block_table,
+                                reference.acc_dtype(q.dtype), torch.float64, cache_starts, window, softcap)
+    out, lse = reference.add_sink(out, lse, sinks)
+    return (out.to(q.dtype if out_dtype is None else out_dtype),
+            lse.to(reference.lse_acc_dtype(lse_dtype, q.dtype)))
 
 
 def merge_states(outs: torch.Tensor, lses: torch.Tensor, *, backend: str | None = None):

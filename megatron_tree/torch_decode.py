@@ -19,6 +19,10 @@ its ``cache_seqlens`` also skips the padded tail entirely instead of masking it.
 A paged cache (``block_table``) is the exception to "no copy": a row's blocks are gathered
 (only the blocks it uses) into one contiguous (L, Hkv, D) buffer first, then the same two
 matmuls run on it.
+
+Variants: ``cache_starts`` slices a row from its first valid key (what a sliding window has
+passed is never read), ``window`` masks by position beside the causal mask, ``softcap`` caps
+the scores in place; V may have its own head dim (MLA). A NaN score gives NaN, never "empty".
 """
 
 from __future__ import annotations
@@ -44,67 +48,81 @@ def flash_decode(
     k_positions: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     lse_dtype: torch.dtype | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    cache_starts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q over one KV shard (inputs already validated by ``ops``).
 
-    q: (batch, seqlen_q, nheads_q, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim),
-        any strides, or with block_table a paged cache (num_blocks, block_size, nheads_kv,
-        headdim); nheads_q % nheads_kv == 0
+    q: (batch, seqlen_q, nheads_q, headdim); k: (batch, seqlen_k, nheads_kv, headdim) and
+        v: (batch, seqlen_k, nheads_kv, headdim_v), any strides, or with block_table a paged
+        cache (num_blocks, block_size, nheads_kv, headdim[_v]); nheads_q % nheads_kv == 0
     block_table: (batch, max_blocks) int32: row b's key j is in block block_table[b, j // block_size]
     cache_seqlens: (batch,) int32, valid keys per row (0 allowed)
+    cache_starts: (batch,) int32, the first valid key per row (keys before it are not read)
     q_positions: (batch, seqlen_q), k_positions: (batch, N) or (N,) integers (N = seqlen_k or
-        max_blocks * block_size); key j is visible to query i iff k_pos[j] <= q_pos[i]
+        max_blocks * block_size); key j is visible to query i iff k_pos[j] <= q_pos[i], and with
+        ``window`` also q_pos[i] - window < k_pos[j]
+    softcap: scores -> softcap * tanh(scores / softcap) before the softmax
     out_dtype: dtype of out (default q.dtype)
     lse_dtype: float64 forms ``lse = m + log(l)`` in float64 (see ``reference``)
-    returns out: (batch, seqlen_q, nheads_q, headdim) in out_dtype, zero where no key is visible
+    returns out: (batch, seqlen_q, nheads_q, headdim_v) in out_dtype, zero where no key is visible
             lse: (batch, nheads_q, seqlen_q) in lse_dtype (default float32; float64 for float64
-                 input), natural log, -inf where no key is visible
+                 input), natural log, -inf where no key is visible, NaN where a visible score is NaN
     """
     b, sq, hq, d = q.shape
-    hkv = k.shape[2]
+    hkv, dv = k.shape[2], v.shape[3]
     n = reference.kv_length(k, block_table)
     page = k.shape[1]
     g = hq // hkv
     acc = reference.acc_dtype(q.dtype)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
-    out = torch.empty((b, sq, hq, d), dtype=q.dtype if out_dtype is None else out_dtype, device=q.device)
+    out = torch.empty((b, sq, hq, dv), dtype=q.dtype if out_dtype is None else out_dtype, device=q.device)
     ld = reference.lse_acc_dtype(lse_dtype, q.dtype)
     lse = torch.empty((b, hq, sq), dtype=ld, device=q.device)
     lens = cache_seqlens.tolist() if cache_seqlens is not None else [n] * b
+    starts = cache_starts.tolist() if cache_starts is not None else [0] * b
     if k_positions is not None and k_positions.dim() == 1:
         k_positions = k_positions[None, :].expand(b, n)
 
     for i in range(b):
-        length = lens[i]
-        if length == 0:
+        first, length = starts[i], lens[i]
+        if length <= first:
             out[i].zero_()
             lse[i].fill_(float("-inf"))
             continue
         # Query rows r = g_idx * sq + s of KV head h: query head h * g + g_idx, token s.
         qg = (q[i].to(acc) * scale).reshape(sq, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * sq, d)
         if block_table is None:
-            k_i, v_i = k[i, :length], v[i, :length]  # strided views, no copy
-        else:  # gather the blocks this row uses, then drop the last block's unused slots
-            ids = block_table[i, :-(-length // page)].to(torch.int64)
-            k_i = k.index_select(0, ids).reshape(-1, hkv, d)[:length]
-            v_i = v.index_select(0, ids).reshape(-1, hkv, d)[:length]
+            k_i, v_i = k[i, first:length], v[i, first:length]  # strided views, no copy
+        else:  # gather the blocks this row uses, then drop the slots outside [first, length)
+            lo = first // page
+            ids = block_table[i, lo:-(-length // page)].to(torch.int64)
+            k_i = k.index_select(0, ids).reshape(-1, hkv, d)[first - lo * page:length - lo * page]
+            v_i = v.index_select(0, ids).reshape(-1, hkv, dv)[first - lo * page:length - lo * page]
         kt = k_i.permute(1, 2, 0)  # (hkv, d, L)
-        vt = v_i.transpose(0, 1)  # (hkv, L, d)
+        vt = v_i.transpose(0, 1)  # (hkv, L, dv)
         if kt.dtype != acc:  # fp16/bf16 on CPU: accumulate in fp32 (costs a conversion)
             kt, vt = kt.to(acc), vt.to(acc)
         s = torch.bmm(qg, kt)  # (hkv, g*sq, L)
+        if softcap is not None:  # in place: no second score buffer
+            s.div_(softcap).tanh_().mul_(softcap)
         if q_positions is not None:
-            visible = k_positions[i, :length][None, :] <= q_positions[i][:, None]  # (sq, L)
+            kp, qp = k_positions[i, first:length][None, :], q_positions[i][:, None].to(torch.int64)
+            visible = kp <= qp  # (sq, L)
+            if window is not None:
+                visible &= kp > qp - window
             s.masked_fill_(~visible.repeat(g, 1), float("-inf"))
         m = s.amax(dim=-1, keepdim=True)
         m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
         s.sub_(m).exp_()  # exp(-inf) = 0 for hidden keys
         den = s.sum(dim=-1, keepdim=True)
-        has = den > 0
-        o = torch.bmm(s, vt) / torch.where(has, den, torch.ones_like(den))  # (hkv, g*sq, d)
+        # Only den == 0 is "no visible key": a NaN score makes den NaN, and out and lse NaN with it.
+        empty = den == 0
+        o = torch.bmm(s, vt) / torch.where(empty, torch.ones_like(den), den)  # (hkv, g*sq, dv)
         # m is one of the scores (exact); m + log(den) is formed in the lse's dtype
-        row_lse = torch.where(has, m.to(ld) + torch.log(torch.where(has, den, torch.ones_like(den)).to(ld)),
-                              torch.full_like(den, float("-inf"), dtype=ld))
-        out[i] = o.reshape(hkv, g, sq, d).permute(2, 0, 1, 3).reshape(sq, hq, d)
+        row_lse = torch.where(empty, torch.full_like(den, float("-inf"), dtype=ld),
+                              m.to(ld) + torch.log(torch.where(empty, torch.ones_like(den), den).to(ld)))
+        out[i] = o.reshape(hkv, g, sq, dv).permute(2, 0, 1, 3).reshape(sq, hq, dv)
         lse[i] = row_lse.reshape(hkv, g, sq).reshape(hq, sq)
     return out, lse

@@ -49,8 +49,10 @@ def _decode_cases(full: bool):
     Representative set: fp16/bf16 x D 64/128/256 x GQA 32/8 (one split: the output written
     directly) and MQA 32/1 (32 query rows per program, split: fp32 partials + merge), plus
     D 80 causal with Sq 4 and cache_seqlens, paged (block ids per key and per tile) with
-    fp32 output (tree_decode's call), and fp32 input. ``full`` adds D 80/96 everywhere,
-    fp32 for every shape, and every feature for every shape.
+    fp32 output (tree_decode's call), and fp32 input; the attention variants (sliding window,
+    soft-capping, cache_starts, paged with cache_starts, MLA's Dk != Dv, Gemma 2's window plus
+    soft-capping). ``full`` adds D 80/96 everywhere, fp32 for every shape, every feature for
+    every shape and every variant at D 80 and 256.
     """
     dtypes = (torch.bfloat16, torch.float16, torch.float32) if full else LOWP_T
     dims = (64, 80, 96, 128, 256) if full else (64, 128, 256)
@@ -63,37 +65,75 @@ def _decode_cases(full: bool):
                 q, kv = torch.zeros(2, sq, hq, d, dtype=dtype), torch.zeros(2, N, hkv, d, dtype=dtype)
                 yield {"variant": name, "dtype": str(dtype)[6:], "d": d, "heads": f"{hq}/{hkv}", "sq": sq}, \
                     q, kv, kv, {"num_splits": splits}
-                if full and name != "mqa_sq2":
-                    yield from _feature_cases(dtype, d, hq, hkv, sq)
+                if full and name != "mqa_sq2":  # the variants at a padded and the widest head dim
+                    yield from _feature_cases(dtype, d, hq, hkv, sq, only=FEATURES + (VARIANTS if d in (80, 256) else ()))
     if not full:
-        yield from _feature_cases(torch.bfloat16, 80, 8, 2, 4, only=("causal",))
-        yield from _feature_cases(torch.bfloat16, 128, 32, 8, 1, only=("paged16",))
+        yield from _feature_cases(torch.bfloat16, 80, 8, 2, 4, only=("causal", "window"))
+        yield from _feature_cases(torch.bfloat16, 128, 32, 8, 1, only=("paged16", "paged16_starts", "starts"))
         yield from _feature_cases(torch.float16, 128, 32, 8, 1, only=("paged256",))
+        yield from _feature_cases(torch.bfloat16, 256, 32, 8, 1, only=("softcap",))
+        yield from _variant_cases(torch.bfloat16)
+        yield from _variant_cases(torch.float16, only=("mla",))
         q, kv = torch.zeros(2, 1, 32, 128), torch.zeros(2, N, 8, 128)
         yield {"variant": "gqa", "dtype": "float32", "d": 128, "heads": "32/8", "sq": 1}, q, kv, kv, {}
+        yield from _variant_cases(torch.float32, only=("gemma2",))
+    else:
+        for dtype in dtypes:
+            yield from _variant_cases(dtype)
 
 
 LOWP_T = (torch.bfloat16, torch.float16)
+FEATURES = ("causal", "paged16", "paged256")
+VARIANTS = ("window", "softcap", "starts", "paged16_starts")
 
 
-def _feature_cases(dtype, d, hq, hkv, sq, only=("causal", "paged16", "paged256")):
+def _feature_cases(dtype, d, hq, hkv, sq, only=FEATURES + VARIANTS):
     """The compile-time switches: causal with per-row cache_seqlens; paged caches whose blocks
     are smaller (16: one block id per key) or larger (256: one per tile) than a tile, with
-    fp32 output (what tree_decode asks for)."""
+    fp32 output (what tree_decode asks for); and the attention variants on the same shapes, so
+    each can be compared with the build without it (:func:`test_variants_are_compiled_out_when_off`):
+    ``window`` (causal plus a sliding window), ``softcap``, ``starts`` (cache_starts) and
+    ``paged16_starts`` (a paged window as a slot range)."""
     label = {"dtype": str(dtype)[6:], "d": d, "heads": f"{hq}/{hkv}", "sq": sq}
     q = torch.zeros(2, sq, hq, d, dtype=dtype)
+    kv = torch.zeros(2, N, hkv, d, dtype=dtype)
+    causal = {"cache_seqlens": torch.tensor([0, N], dtype=torch.int32),
+              "q_positions": torch.arange(N - sq, N).expand(2, sq), "k_positions": torch.arange(N)}
     if "causal" in only:
-        kv = torch.zeros(2, N, hkv, d, dtype=dtype)
-        yield {"variant": "causal", **label}, q, kv, kv, {
-            "cache_seqlens": torch.tensor([0, N], dtype=torch.int32),
-            "q_positions": torch.arange(N - sq, N).expand(2, sq), "k_positions": torch.arange(N)}
+        yield {"variant": "causal", **label}, q, kv, kv, causal
+    if "window" in only:
+        yield {"variant": "window", **label}, q, kv, kv, {**causal, "window": 100}
+    if "softcap" in only:
+        yield {"variant": "softcap", **label}, q, kv, kv, {"softcap": 50.0}
+    if "starts" in only:
+        yield {"variant": "starts", **label}, q, kv, kv, {"cache_starts": torch.tensor([3, 100], dtype=torch.int32)}
     for page in (16, 256):
-        if f"paged{page}" in only:
-            pool = torch.zeros(2 * N // page + 1, page, hkv, d, dtype=dtype)
-            table = torch.zeros(2, N // page, dtype=torch.int32)
-            yield {"variant": f"paged{page}", **label}, q, pool, pool, {
-                "block_table": table, "cache_seqlens": torch.tensor([100, N], dtype=torch.int32),
-                "out_dtype": torch.float32}
+        for starts in ("", "_starts"):
+            if f"paged{page}{starts}" in only:
+                pool = torch.zeros(2 * N // page + 1, page, hkv, d, dtype=dtype)
+                table = torch.zeros(2, N // page, dtype=torch.int32)
+                extra = {"cache_starts": torch.tensor([40, 0], dtype=torch.int32)} if starts else {}
+                yield {"variant": f"paged{page}{starts}", **label}, q, pool, pool, {
+                    "block_table": table, "cache_seqlens": torch.tensor([100, N], dtype=torch.int32),
+                    "out_dtype": torch.float32, **extra}
+
+
+def _variant_cases(dtype, only=("mla", "gemma2")):
+    """Model-shaped variants: ``mla`` -- K and V of different head dims (transformers'
+    DeepSeek-V3 caches k of 192 = 128 + 64 rope dims and v of 128 per head, 16/16 heads here)
+    with fp32 partials (what tree_decode asks for); ``gemma2`` -- Gemma 2's sliding window and
+    soft-capping together (head dim 256, 2 query heads per KV head, Sq 1)."""
+    name = str(dtype)[6:]
+    if "mla" in only:
+        q, k, v = (torch.zeros(2, 1, 16, 192, dtype=dtype), torch.zeros(2, N, 16, 192, dtype=dtype),
+                   torch.zeros(2, N, 16, 128, dtype=dtype))
+        yield {"variant": "mla", "dtype": name, "d": 192, "dv": 128, "heads": "16/16", "sq": 1}, q, k, v, {
+            "cache_seqlens": torch.tensor([7, N], dtype=torch.int32), "out_dtype": torch.float32}
+    if "gemma2" in only:
+        q, kv = torch.zeros(2, 1, 16, 256, dtype=dtype), torch.zeros(2, N, 8, 256, dtype=dtype)
+        yield {"variant": "gemma2", "dtype": name, "d": 256, "heads": "16/8", "sq": 1}, q, kv, kv, {
+            "cache_seqlens": torch.tensor([N - 9, N], dtype=torch.int32), "q_positions": torch.tensor([[N], [N]]),
+            "k_positions": torch.arange(N), "window": 64, "softcap": 50.0, "out_dtype": torch.float32}
 
 
 def _merge_cases(full: bool):
@@ -125,7 +165,7 @@ def _launches(full: bool):
         if len(launches) == 2:  # the combine of the splits' fp32 partials
             outs, out = launches[1].args[0], launches[1].args[2]
             yield ({"kernel": "merge", "variant": f"{label['variant']} combine", "dtype": str(outs.dtype)[6:],
-                    "out": str(out.dtype)[6:], "d": label["d"], "p": outs.shape[0]}, launches[1])
+                    "out": str(out.dtype)[6:], "d": outs.shape[-1], "p": outs.shape[0]}, launches[1])
     for label, launch in _merge_cases(full):
         yield {**label, "kernel": "merge"}, launch
 
@@ -172,7 +212,7 @@ def rows():
 
 
 def _show(rs) -> str:
-    keys = ("kernel", "variant", "dtype", "out", "d", "heads", "arch", "regs", "stack", "shared", "ldg_u16",
+    keys = ("kernel", "variant", "dtype", "out", "d", "dv", "heads", "arch", "regs", "stack", "shared", "ldg_u16",
             "ldg_128", "ldgsts_128", "mma")
     return "\n".join(str({k: r.get(k) for k in keys}) for r in rs)
 
@@ -200,14 +240,16 @@ def test_lowp_decode_streams_kv_with_128bit_async_loads_into_bf16_fp16_tensor_co
     for dtype in LOWP:
         for d in (64, 128, 256):
             assert {(dtype, d, "gqa"), (dtype, d, "mqa")} <= covered, sorted(covered)
-    assert {"causal", "paged16", "paged256"} <= {r["variant"] for r in lowp}
+    assert {"causal", "paged16", "paged256", *VARIANTS, "mla", "gemma2"} <= {r["variant"] for r in lowp}
     # mma.sync m16n8k16 (HMMA.16816) or, for 64-row tiles on sm_90, wgmma (HGMMA); never TF32.
     want = {"bfloat16": r"(HMMA\.16816|HGMMA\.64x\d+x16)\.F32\.BF16", "float16": r"(HMMA\.16816|HGMMA\.64x\d+x16)\.F32"}
     for r in lowp:
         assert r["mma"] and all(re.fullmatch(want[r["dtype"]], op) for op in r["mma"]), f"MMA kind:\n{_show([r])}"
         assert r["ldg_u16"] == 0, f"16-bit scalar loads:\n{_show([r])}"
-        tile_copies = r["config"]["BLOCK_N"] * r["config"]["BLOCK_D"] * 2 // (16 * 32 * r["config"]["num_warps"])
-        assert r["ldgsts_128"] >= 3 * 2 * tile_copies, f"K/V copies not 128-bit or not pipelined:\n{_show([r])}"
+        # one K tile (BLOCK_D wide) and one V tile (BLOCK_DV: MLA's V is narrower) per stage
+        cfg = r["config"]
+        tile_copies = cfg["BLOCK_N"] * (cfg["BLOCK_D"] + cfg["BLOCK_DV"]) * 2 // (16 * 32 * cfg["num_warps"])
+        assert r["ldgsts_128"] >= 3 * tile_copies, f"K/V copies not 128-bit or not pipelined:\n{_show([r])}"
         assert r["regs"] <= MAX_REGS_LOWP and r["stack"] == 0, _show([r])
 
 
@@ -219,16 +261,42 @@ def test_fp32_decode_keeps_fp32_accuracy_on_tensor_cores(rows):
 
 
 def test_non_causal_decode_loads_no_positions(rows):
-    """causal is a compile-time switch: only the causal build loads positions (and
-    cache_seqlens), with narrow loads; a plain call's kernel has no load but q's and K/V's
-    128-bit ones."""
+    """causal is a compile-time switch: only the causal builds (causal, window, gemma2) load
+    positions (and cache_seqlens), with narrow loads, and cache_starts is one narrow load of its
+    own; a plain call's kernel -- soft-capped or MLA too -- has no load but q's and K/V's 128-bit ones."""
     decode = [r for r in rows if r["kernel"] == "decode"]
     for r in decode:
         narrow = r["ldg_64"] + r["ldg_32"] + r["ldgsts_narrow"] + r["ldg_u16"]
-        if r["variant"] == "causal":
+        if r["variant"] in ("causal", "window", "gemma2"):
             assert narrow >= 2, _show([r])
-        elif not r["variant"].startswith("paged"):
+        elif r["variant"] == "starts":
+            assert narrow >= 1, _show([r])
+        elif r["variant"] in ("gqa", "mqa", "mqa_sq2", "softcap"):
             assert narrow == 0, _show([r])
+
+
+# variant -> the build of the same shape without it (the plain GQA shape's; the full matrix also
+# has variants of shapes whose plain build differs in more, e.g. MQA's split count: not compared)
+_WITHOUT = {"window": "causal", "softcap": "gqa", "starts": "gqa", "paged16_starts": "paged16"}
+
+
+def test_variants_are_compiled_out_when_off(rows):
+    """Each variant is a compile-time switch: its build of a shape runs other instructions than the
+    build without it, and more of those it needs -- MUFU.EX2 for soft-capping's tanh, a load of
+    the row's start for cache_starts (a window replaces the causal compare by one unsigned
+    compare: the same count) -- so a call without it runs none of its code."""
+    decode = [r for r in rows if r["kernel"] == "decode"]
+    key = lambda r, variant: (variant, r["dtype"], r["d"], r["heads"], r["sq"], r["arch"])  # noqa: E731
+    by_key = {key(r, r["variant"]): r for r in decode}
+    pairs = [(r, by_key.get(key(r, _WITHOUT[r["variant"]]))) for r in decode if r["variant"] in _WITHOUT]
+    pairs = [(with_, without) for with_, without in pairs if without is not None
+             and with_["out"] == without["out"] and with_["splits"] == without["splits"]]
+    assert {r["variant"] for r, _ in pairs} == set(_WITHOUT), sorted({r["variant"] for r in decode})
+    for with_, without in pairs:
+        assert with_["opcodes"] != without["opcodes"], _show([with_, without])
+        fact = {"softcap": "mufu_ex2", "starts": "ldg_32"}.get(with_["variant"])
+        if fact:
+            assert with_[fact] > without[fact], (fact, _show([with_, without]))
 
 
 def test_merge_kernel_reads_partials_with_vector_loads(rows):
@@ -242,7 +310,7 @@ def test_merge_kernel_reads_partials_with_vector_loads(rows):
 # 3.7-3.9. A new name fails this test until someone checks it against those releases.
 ALLOWED_TL = {
     "constexpr", "program_id", "arange", "load", "store", "zeros", "full", "dot", "trans",
-    "where", "maximum", "minimum", "max", "sum", "exp", "exp2", "log", "log2",
+    "where", "maximum", "minimum", "max", "sum", "exp", "exp2", "log", "log2", "abs",
     "float32", "float64", "float16", "bfloat16", "int64", "int32", "uint32",
 }
 BANNED = ("make_block_ptr", "advance", "make_tensor_descriptor", "_experimental_descriptor",
@@ -293,10 +361,15 @@ def test_sass_facts_read_the_instructions_that_matter():
         "LDG.E.64 R10, desc[UR4][R12.64]", "LDG.E R5, desc[UR4][R2.64]", "HMMA.16816.F32.BF16 R20, R4, R8, R20",
         "HMMA.16816.F32.BF16 R24, R4, R10, R24", "HMMA.1688.F32.TF32 R0, R2, R4, R0", "STL [R1], R6",
         "LDGSTS.E.64 [R5+0x100], desc[UR4][R8.64]",
-        "HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], R24"]))
+        "HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], R24", "MUFU.EX2 R3, R2", "ISETP.GE.AND P0, PT, R2, R3, PT",
+        "NOP"]))
     facts = sass_facts(sass)
+    digest = facts.pop("opcodes")
+    assert re.fullmatch(r"[0-9a-f]{16}", digest)
+    assert sass_facts(sass.replace("HMMA.1688.F32.TF32 R0", "HMMA.1688.F32.TF32 R8"))["opcodes"] == digest
+    assert sass_facts(sass.replace("STL [R1], R6", "STL.64 [R1], R6"))["opcodes"] != digest
     assert facts == {"ldg_u16": 1, "ldg_128": 1, "ldgsts_128": 2, "ldgsts_narrow": 1, "ldg_64": 1, "ldg_32": 1,
-                     "stl": 1, "ldl": 0,
+                     "stl": 1, "ldl": 0, "mufu_ex2": 1, "isetp": 1, "instructions": 14,
                      "mma": {"HMMA.16816.F32.BF16": 2, "HMMA.1688.F32.TF32": 1, "HGMMA.64x64x16.F32.BF16": 1}}
 
 

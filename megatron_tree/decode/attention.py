@@ -20,7 +20,7 @@ import torch
 
 from .. import comm, ops
 from ..comm import CommStats
-from ..reference import acc_dtype, check_decode_inputs, lse_acc_dtype
+from ..reference import acc_dtype, add_sink, check_decode_inputs, check_variants, lse_acc_dtype
 from ..topology import TreeGroups
 
 __all__ = ["tree_decode"]
@@ -45,16 +45,23 @@ def tree_decode(
     shift: torch.Tensor | None = None,
     deferred: list | None = None,
     lse_dtype: torch.dtype | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    cache_starts: torch.Tensor | None = None,
 ):
     """Exact attention of ``q`` over the union of every CP rank's ``(k, v)`` shard.
 
     Per rank (every rank passes the same q, its own shard of the sequence):
 
     q: (batch, seqlen_q, nheads_q, headdim) -- replicated on every CP rank
-    k, v: (batch, shard_len, nheads_kv, headdim) -- this rank's keys/values; shard_len may
-        differ between ranks and may be 0; or, with ``block_table``, this rank's paged pool
-        (num_blocks, block_size, nheads_kv, headdim) of one layer
+    k: (batch, shard_len, nheads_kv, headdim), v: (batch, shard_len, nheads_kv, headdim_v) --
+        this rank's keys/values; shard_len may differ between ranks and may be 0; headdim_v
+        may differ from headdim (MLA); or, with ``block_table``, this rank's paged pools
+        (num_blocks, block_size, nheads_kv, headdim[_v]) of one layer
     cache_seqlens: (batch,) int32 -- valid keys of this shard per batch row (rows may differ)
+    cache_starts: (batch,) int32 -- this shard's first valid key per row (``ops.flash_decode``;
+        on a paged shard, the first slot a sliding window still shows)
     block_table: (batch, width) int32 -- this rank's blocks of each row, in slot order (a paged
         shard: row b's key j is in block ``block_table[b, j // block_size]``); every strategy,
         ``overlap`` and ``shifted`` included, runs on paged shards alike
@@ -77,8 +84,15 @@ def tree_decode(
         ``torch.float64`` returns it whole, for merging the result again (e.g. with a chunk of
         keys held elsewhere) exactly at large score magnitudes -- partials and every merge level
         carry float64 either way
-    returns out: (batch, seqlen_q, nheads_q, headdim) in q.dtype, identical on every CP rank,
-            and with ``return_lse`` also lse: (batch, nheads_q, seqlen_q) in lse_dtype, natural log
+    window, softcap: the local attention's sliding window (with positions: a query at global
+        position p sees keys p - window < j <= p; a rank with none is an empty shard) and score
+        soft-capping, as for ``ops.flash_decode``; the same on every rank
+    sinks: (nheads_q,) float, the same on every rank: one logit per query head joining the
+        softmax once, with a zero value -- applied after the merge (``reference.add_sink``),
+        never to a rank's partial (which would count it once per rank)
+    returns out: (batch, seqlen_q, nheads_q, headdim_v) in q.dtype, identical on every CP rank,
+            and with ``return_lse`` also lse: (batch, nheads_q, seqlen_q) in lse_dtype, natural
+            log (over the keys and the sink); NaN in the rows where some rank's visible score is NaN
 
     Every CP rank must pass the same batch, seqlen_q, nheads_q, headdim, dtype, strategy and
     backend; ranks that do not raise :class:`~megatron_tree.comm.DisagreementError` on every
@@ -89,36 +103,41 @@ def tree_decode(
         raise ValueError(f"unknown merge strategy {strategy!r}; expected one of {comm.STRATEGIES}")
     # a bad lse_dtype fails here, before any collective (a q that is no tensor: in the checks below)
     ld = lse_acc_dtype(lse_dtype, q.dtype if isinstance(q, torch.Tensor) else torch.float32)
+    variants = dict(window=window, softcap=softcap, cache_starts=cache_starts)
+    if sinks is not None and isinstance(q, torch.Tensor):
+        check_variants(q, sinks=sinks)  # before any collective: the sink joins after the merge
     if overlap and groups is not None and groups.size > 1 and q.shape[0] >= 2:
         out, lse = _decode_overlapped(q, k, v, groups, cache_seqlens, softmax_scale, strategy, q_positions,
-                                      k_positions, stats, backend, shift, deferred, block_table)
-        out = out.to(q.dtype)
-        return (out, lse.to(ld)) if return_lse else out
-    # fp32 partials (DESIGN.md section 1): a bf16/fp16 result is rounded once, below. The
-    # partial lse is float64 so the merge is exact at large score magnitudes (comm's docstring).
-    out, lse = ops.flash_decode(
-        q, k, v, cache_seqlens=cache_seqlens, block_table=block_table, softmax_scale=softmax_scale,
-        q_positions=q_positions, k_positions=k_positions, out_dtype=acc_dtype(q.dtype), backend=backend,
-        lse_dtype=torch.float64,
-    )
-    comm.check_shift(shift, tuple(lse.shape))
-    if groups is not None:
-        out, lse = comm.merge(out, lse, groups, strategy, stats, dtype=q.dtype,
-                              backend=ops.resolve_backend(q.device, backend), shift=shift, deferred=deferred)
+                                      k_positions, stats, backend, shift, deferred, block_table, variants)
+    else:
+        # fp32 partials (DESIGN.md section 1): a bf16/fp16 result is rounded once, below. The
+        # partial lse is float64 so the merge is exact at large score magnitudes (comm's docstring).
+        out, lse = ops.flash_decode(
+            q, k, v, cache_seqlens=cache_seqlens, block_table=block_table, softmax_scale=softmax_scale,
+            q_positions=q_positions, k_positions=k_positions, out_dtype=acc_dtype(q.dtype), backend=backend,
+            lse_dtype=torch.float64, **variants,
+        )
+        comm.check_shift(shift, tuple(lse.shape))
+        if groups is not None:
+            out, lse = comm.merge(out, lse, groups, strategy, stats, dtype=q.dtype,
+                                  backend=ops.resolve_backend(q.device, backend), shift=shift, deferred=deferred)
+    if sinks is not None:  # once, on the merged state (every rank holds the same)
+        out, lse = add_sink(out, lse, sinks)
     out = out.to(q.dtype)
     return (out, lse.to(ld)) if return_lse else out
 
 
 def _decode_overlapped(q, k, v, groups, cache_seqlens, softmax_scale, strategy, q_positions, k_positions, stats,
-                       backend, shift=None, deferred=None, block_table=None):
+                       backend, shift=None, deferred=None, block_table=None, variants=None):
     """``tree_decode`` with the batch in two halves, each half's merge overlapping the next half's local attention.
 
     Shapes as in :func:`tree_decode` (a paged pool is shared by both halves; each takes its
     rows of the block table). The whole batch is checked before the first collective starts,
     so bad input fails on every rank before any rank waits in one.
     """
+    variants = variants or {}
     check_decode_inputs(q, k, v, cache_seqlens, q_positions, k_positions, block_table,
-                        by_value=q.device.type == "cpu" and not torch.compiler.is_compiling())
+                        by_value=q.device.type == "cpu" and not torch.compiler.is_compiling(), **variants)
     b = q.shape[0]
     halves = [slice(0, (b + 1) // 2), slice((b + 1) // 2, b)]
     shared_kpos = k_positions is not None and k_positions.dim() == 1  # (N,): the same for every row
@@ -132,7 +151,10 @@ def _decode_overlapped(q, k, v, groups, cache_seqlens, softmax_scale, strategy, 
             block_table=pick(block_table), softmax_scale=softmax_scale,
             q_positions=pick(q_positions), k_positions=k_positions if shared_kpos else pick(k_positions),
             out_dtype=acc_dtype(q.dtype), backend=backend, lse_dtype=torch.float64,
+            window=variants.get("window"), softcap=variants.get("softcap"),
+            cache_starts=pick(variants.get("cache_starts")),
         )
 
-    return comm.merge_overlapped(local, halves, tuple(q.shape), groups, strategy, stats, dtype=q.dtype,
+    out_shape = (*q.shape[:3], v.shape[3])  # the merged outputs have V's head dim
+    return comm.merge_overlapped(local, halves, out_shape, groups, strategy, stats, dtype=q.dtype,
                                  backend=ops.resolve_backend(q.device, backend), shift=shift, deferred=deferred)

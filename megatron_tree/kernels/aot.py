@@ -16,6 +16,7 @@ Kernel tier: triton and torch only.
 
 from __future__ import annotations
 
+import hashlib
 import re
 import subprocess
 import tempfile
@@ -95,7 +96,11 @@ def sass_facts(text: str) -> dict:
     ldg_u16: 16-bit scalar global loads; ldg_128: 128-bit synchronous loads;
     ldgsts_128: 128-bit asynchronous global->shared copies (cp.async); ldgsts_narrow: narrower
     ones; ldg_64 / ldg_32: other loads; stl / ldl: spill traffic; mma: each MMA opcode with its
-    count (``HMMA.16816.F32.BF16``, ``HGMMA.64x64x16.F32.BF16``, ``HMMA.1688.F32.TF32`` ...).
+    count (``HMMA.16816.F32.BF16``, ``HGMMA.64x64x16.F32.BF16``, ``HMMA.1688.F32.TF32`` ...);
+    mufu_ex2: special-function exp2s; isetp: integer compares (masks by position or slot);
+    instructions: every instruction but ``NOP`` (the padding after the kernel's end); opcodes: a
+    digest of the opcode sequence (registers and constants left out), equal for two builds that
+    run the same instructions.
     """
     lines = [ln.split("*/", 1)[1] if "*/" in ln else ln for ln in text.splitlines() if "/*" in ln]
     ops = [ln.strip().split(";")[0] for ln in lines]
@@ -108,10 +113,15 @@ def sass_facts(text: str) -> dict:
         "ldg_32": sum(bool(re.search(r"\bLDG\.E(\.(EL|EF|LU|CONSTANT|STRONG\.\w+))?\s", op + " ")) for op in ops),
         "stl": sum(bool(re.search(r"\bSTL\b", op)) for op in ops),
         "ldl": sum(bool(re.search(r"\bLDL\b", op)) for op in ops),
+        "mufu_ex2": sum(bool(re.search(r"\bMUFU\.EX2\b", op)) for op in ops),
+        "isetp": sum(bool(re.search(r"\bU?ISETP\b", op)) for op in ops),
+        "instructions": sum(bool(op.strip()) and not re.fullmatch(r"(@!?U?P\w+\s+)?NOP", op.strip()) for op in ops),
         "mma": {},
     }
     for op in ops:
         m = _MMA.search(op)
         if m:
             facts["mma"][m.group(1)] = facts["mma"].get(m.group(1), 0) + 1
+    mnemonics = [re.sub(r"^@!?U?P\w+\s+", "", op.strip()).split(" ")[0] for op in ops if op.strip()]
+    facts["opcodes"] = hashlib.sha1("\n".join(mnemonics).encode()).hexdigest()[:16]
     return facts

@@ -20,7 +20,11 @@ What makes it fast on a GPU (each fact is asserted from the SASS by ``tests/test
   accumulation); the probabilities are rounded to the input dtype for the second product,
   as flash-attention does. fp32 input keeps fp32 accuracy (3-pass tf32);
 * ``causal``, ``cache_seqlens`` present and the paged layout are compile-time switches:
-  a call without them loads nothing for them and allocates nothing for them;
+  a call without them loads nothing for them and allocates nothing for them; so are the
+  attention variants -- ``cache_starts`` (tiles before a row's first valid key are skipped),
+  a sliding ``window`` (a lower bound on key positions beside the causal one), ``softcap``
+  (``c * tanh(s / c)`` from one ``exp2``) -- and V's own head dim (MLA), so the plain kernel's
+  machine code is what it was without them;
 * the split count fills whole waves of the GPU, computed from the compiled kernel's
   registers, shared memory and warps and the device's limits (:func:`waves`).
 
@@ -30,6 +34,10 @@ probabilities and the output are rounded to their dtype by integer arithmetic
 (``merge.round_like_gpu``: round to nearest even, what the GPU's conversion does; the
 interpreter's own fp32 -> bf16 cast truncates): the interpreter tests check the GPU's
 rounding, exactly.
+
+NaN is never an empty row: the only "no visible key" test is ``l == 0``. A NaN score makes
+``l`` NaN whatever ``tl.max`` does with it (the GPU's ``max.f32`` drops a NaN operand, the
+interpreter's numpy keeps it), so such a row's out and lse are NaN and a merge keeps them NaN.
 
 Paged KV (``block_table``): key ``j`` of batch row ``b`` is slot ``j % page`` of block
 ``block_table[b, j // page]`` of a ``[num_blocks, page, Hkv, D]`` cache; ``cache_seqlens``,
@@ -73,15 +81,29 @@ INTERPRETER_WAVE = 4
 # speed. Strides of q, K/V and out stay specialised -- stride 1 and 16-element alignment
 # are what let Triton vectorise their loads and stores.
 _DECODE_GENERIC = [
-    "N", "G", "HKV", "chunk", "num_m_blocks", "s_bt",
+    "window", "N", "G", "HKV", "chunk", "num_m_blocks", "s_bt",
     "s_qpb", "s_qps", "s_kpb", "s_kpn", "s_lp", "s_lb", "s_lh", "s_ls",
 ]
 
 
+@triton.jit
+def soft_cap(x, cap):
+    """``cap * tanh(x / cap)`` in fp32 from one exp2: ``tanh(a) = (1 - t) / (1 + t)``, ``t = e^(-2|a|)``.
+
+    No overflow at any x (t <= 1), an absolute error of a few fp32 roundings of ``cap`` (what
+    ``torch.tanh`` in fp32 has), NaN stays NaN and +-inf goes to +-cap. Written out because
+    ``tanh`` is only in ``triton.language.extra`` (libdevice), which differs between releases.
+    """
+    a = x * (1.0 / cap)
+    t = tl.exp2(tl.abs(a) * -2.8853900817779268)  # -2 log2 e
+    th = (1.0 - t) / (1.0 + t)
+    return cap * tl.where(a < 0, -th, th)
+
+
 @triton.jit(do_not_specialize=_DECODE_GENERIC)
 def _split_kv_kernel(
-    Q, K, V, SEQLENS, BLOCK_TABLE, QPOS, KPOS, O, LSE,
-    scale,
+    Q, K, V, SEQLENS, BLOCK_TABLE, QPOS, KPOS, O, LSE, STARTS,
+    scale, window, softcap,
     N, SQ, G, HKV, chunk, num_m_blocks,
     s_qb, s_qs, s_qh, s_qd,
     s_kb, s_kn, s_kh, s_kd,
@@ -100,11 +122,20 @@ def _split_kv_kernel(
     HAS_SEQLENS: tl.constexpr,
     EXACT_INPUTS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    HAS_STARTS: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     # PAGE: 0 for a contiguous (B, N, Hkv, D) cache, else the block size of a paged one
     # (then s_kb / s_vb are block strides and s_bt the block table's row stride).
     # EXACT_INPUTS: multiply in fp32 after widening the inputs (fp32 input, or the
     # interpreter); otherwise fp16/bf16 operands go into the tensor cores as loaded.
+    # HEAD_DIM_V / BLOCK_DV: V's and the output's head dim (MLA; = HEAD_DIM / BLOCK_D otherwise).
+    # HAS_STARTS: keys before STARTS[b] are not read (tiles wholly before it are skipped);
+    # WINDOW (with CAUSAL): key positions must also exceed q_pos - window; SOFTCAP: scores ->
+    # softcap * tanh(scores / softcap). Each is compile-time: off, it costs nothing.
     pid = tl.program_id(0)
     split = tl.program_id(1)
     mb = pid % num_m_blocks
@@ -120,6 +151,20 @@ def _split_kv_kernel(
         seqlen = N
     start = split * chunk
     end = tl.minimum(start + chunk, seqlen)
+    if HAS_STARTS:
+        # Keys [first, seqlen) are valid. A contiguous cache, or a paged one with a block id per
+        # key, starts its loop at ``first`` itself: no key below it is ever in a tile. Tiles
+        # that lie inside one block (PAGE % BLOCK_N == 0) start at a multiple of BLOCK_N and
+        # mask the keys of their first tile below ``first``.
+        first = tl.minimum(tl.maximum(tl.load(STARTS + b), 0), N)
+        if PAGE != 0 and PAGE % BLOCK_N == 0:
+            loop_start = tl.maximum(start, first // BLOCK_N * BLOCK_N)
+            # first <= key < end as one unsigned compare: key - first wraps past span below first
+            span = (tl.maximum(end, first) - first).to(tl.uint32)
+        else:
+            loop_start = tl.maximum(start, first)
+    else:
+        loop_start = start
 
     # Query rows r = g * SQ + s: query head hkv * G + g, query token s.
     offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -139,6 +184,8 @@ def _split_kv_kernel(
     if CAUSAL:
         # Positions are compared as int32 (token positions stay below 2^31): half the registers.
         qpos = tl.load(QPOS + b64 * s_qpb + s.to(tl.int64) * s_qps, mask=row_ok, other=0).to(tl.int32)
+        if WINDOW:
+            wnd = window.to(tl.uint32)
 
     hkv64 = hkv.to(tl.int64)
     if PAGE == 0:
@@ -150,10 +197,19 @@ def _split_kv_kernel(
         bt_row = BLOCK_TABLE + b64 * s_bt
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for n0 in range(start, end, BLOCK_N):
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for n0 in range(loop_start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
+        # n_ok: keys below end, which K and positions are read for (memory of this row);
+        # in_range: the valid ones, which V is read for and the scores kept of. They differ
+        # only in the first tile of a row with cache_starts in whole-tile blocks: a K row below
+        # the start may hold anything (a masked score), a V row may not (0 * NaN in the PV product).
         n_ok = offs_n < end
+        if HAS_STARTS and PAGE != 0 and PAGE % BLOCK_N == 0:
+            in_range = (offs_n - first).to(tl.uint32) < span
+        else:
+            in_range = n_ok
         if PAGE == 0:
             k_rows = offs_n.to(tl.int64) * s_kn
             v_rows = offs_n.to(tl.int64) * s_vn
@@ -172,16 +228,27 @@ def _split_kv_kernel(
             kv_mask = n_ok[:, None]
         else:
             kv_mask = n_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+        if HEAD_DIM_V == BLOCK_DV:
+            v_mask = in_range[:, None]
+        else:
+            v_mask = in_range[:, None] & (offs_dv[None, :] < HEAD_DIM_V)
         k = tl.load(k_base + k_rows[:, None] + offs_d[None, :] * s_kd, mask=kv_mask, other=0.0)
         if EXACT_INPUTS:
             k = k.to(tl.float32)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+        if SOFTCAP:
+            scores = soft_cap(scores, softcap)
         if CAUSAL:
             kpos = tl.load(KPOS + b64 * s_kpb + offs_n.to(tl.int64) * s_kpn, mask=n_ok, other=0).to(tl.int32)
-            visible = n_ok[None, :] & (kpos[None, :] <= qpos[:, None])
+            if WINDOW:  # q - window < k <= q, i.e. 0 <= q - k < window: one unsigned compare
+                visible = in_range[None, :] & ((qpos[:, None] - kpos[None, :]).to(tl.uint32) < wnd)
+            else:
+                visible = in_range[None, :] & (kpos[None, :] <= qpos[:, None])
         else:
-            visible = n_ok[None, :]
+            visible = in_range[None, :]
         scores = tl.where(visible, scores, float("-inf"))
+        # A NaN score: tl.max / tl.maximum drop NaN on the GPU (PTX max.f32) and the interpreter
+        # keeps it (numpy), so m may be finite or NaN; p and l are NaN either way, and stay so.
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         # A row with no visible key so far keeps m = -inf; rescale against 0 to avoid inf - inf.
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -190,7 +257,7 @@ def _split_kv_kernel(
         alpha = tl.exp2((m_i - m_safe) * 1.4426950408889634)  # log2 e
         p = tl.exp2((scores - m_safe[:, None]) * 1.4426950408889634)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + v_rows[:, None] + offs_d[None, :] * s_vd, mask=kv_mask, other=0.0)
+        v = tl.load(v_base + v_rows[:, None] + offs_dv[None, :] * s_vd, mask=v_mask, other=0.0)
         if EXACT_INPUTS:
             v = v.to(tl.float32)
             p = round_like_gpu(p, V.dtype.element_ty)
@@ -199,33 +266,39 @@ def _split_kv_kernel(
         acc = tl.dot(p, v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
 
-    has = l_i > 0
-    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    # Only l == 0 is "no visible key": a NaN score left l NaN, so out and lse are NaN (a merge
+    # must not take the row for an empty shard).
+    empty = l_i == 0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
     # lse = m + ln l. m is a score (natural log units); a float64 LSE (split partials, and
     # partials that a CP merge combines again) keeps the sum whole (reference's docstring).
     if LSE.dtype.element_ty == tl.float64:
-        lse = tl.where(has, tl.where(has, m_i, 0.0).to(tl.float64) + tl.log(tl.where(has, l_i, 1.0).to(tl.float64)),
-                       float("-inf"))
+        lse = tl.where(empty, float("-inf"),
+                       tl.where(empty, 0.0, m_i).to(tl.float64) + tl.log(tl.where(empty, 1.0, l_i).to(tl.float64)))
     else:
-        lse = tl.where(has, tl.where(has, m_i, 0.0) + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+        lse = tl.where(empty, float("-inf"), tl.where(empty, 0.0, m_i) + tl.log(tl.where(empty, 1.0, l_i)))
     split64 = split.to(tl.int64)
-    if HEAD_DIM == BLOCK_D:
+    if HEAD_DIM_V == BLOCK_DV:
         o_mask = row_ok[:, None]
     else:
-        o_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+        o_mask = row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V)
     s64 = s.to(tl.int64)
     head64 = head.to(tl.int64)
     if EXACT_INPUTS:
         out = round_like_gpu(out, O.dtype.element_ty)  # then the interpreter's cast is exact
-    tl.store(O + split64 * s_op + b64 * s_ob + s64[:, None] * s_os + head64[:, None] * s_oh + offs_d[None, :] * s_od,
+    tl.store(O + split64 * s_op + b64 * s_ob + s64[:, None] * s_os + head64[:, None] * s_oh + offs_dv[None, :] * s_od,
              out.to(O.dtype.element_ty), mask=o_mask)
     tl.store(LSE + split64 * s_lp + b64 * s_lb + head64 * s_lh + s64 * s_ls, lse, mask=row_ok)
 
 
-def decode_config(headdim: int, rows: int, dtype: torch.dtype, paged: bool = False) -> dict:
+def decode_config(headdim: int, rows: int, dtype: torch.dtype, paged: bool = False,
+                  headdim_v: int | None = None) -> dict:
     """Launch constants for one call: tile sizes, warps, stages and the dot precision.
 
-    headdim: D; rows: query rows per KV head (GQA group size x Sq). Head dims that are not a
+    headdim: D of q and k; headdim_v: V's (default D; MLA's may be smaller): tiles are sized for
+    the wider of the two, warps for V's (the accumulator's) width -- MLA's 192/128 takes 4, as
+    D 128 does (8 spill 8 bytes on sm_90 under Triton 3.6);
+    rows: query rows per KV head (GQA group size x Sq). Head dims that are not a
     power of two (80, 96) are padded to the next one with a compile-time mask. Query rows
     come in tiles of 16 (decode with GQA groups up to 16) or, for larger groups and several
     query tokens in fp16/bf16, of up to 64 / 32 / 16 rows for head dims 64 / 128 / 256
@@ -237,11 +310,23 @@ def decode_config(headdim: int, rows: int, dtype: torch.dtype, paged: bool = Fal
     ``tests/test_aot.py`` compiles every configuration this returns for sm_80 and sm_90 and
     checks registers (<= 168 for fp16/bf16), spills and the instructions used.
     """
-    if not 1 <= headdim <= MAX_HEADDIM:
-        raise ValueError(f"flash_decode kernel supports head dims 1..{MAX_HEADDIM}, got {headdim}")
+    headdim_v = headdim if headdim_v is None else headdim_v
+    for name, dim in (("head dims", headdim), ("V head dims", headdim_v)):
+        if not 1 <= dim <= MAX_HEADDIM:
+            raise ValueError(f"flash_decode kernel supports {name} 1..{MAX_HEADDIM}, got {dim}")
     if dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"flash_decode kernel supports {SUPPORTED_DTYPES}, got {dtype}")
-    block_d = max(16, triton.next_power_of_2(headdim))
+    block_dv = max(16, triton.next_power_of_2(headdim_v))
+    block_d = max(16, triton.next_power_of_2(headdim), block_dv)  # tile sizes follow the wider
+    cfg = _tiles(block_d, block_dv, rows, dtype, paged)
+    cfg["BLOCK_D"] = max(16, triton.next_power_of_2(headdim))
+    cfg["BLOCK_DV"] = block_dv
+    return cfg
+
+
+def _tiles(block_d: int, block_dv: int, rows: int, dtype: torch.dtype, paged: bool) -> dict:
+    """:func:`decode_config`'s tiles, warps and stages for head-dim tiles of ``block_d`` (the
+    wider of K's and V's) and an accumulator ``block_dv`` wide (= block_d unless MLA)."""
     if dtype == torch.float32:
         # Not the performance path: fp32 K/V tiles are staged twice as large and split
         # three ways for tf32x3, so tiles stay small (a 64 x 256 query tile overflows A100's
@@ -258,7 +343,7 @@ def decode_config(headdim: int, rows: int, dtype: torch.dtype, paged: bool = Fal
         "BLOCK_D": block_d,
         "DOT_PRECISION": "tf32",  # unused for fp16/bf16 inputs (they multiply as they are)
         # Wider tiles take 8 warps: with 4, sm_80 needs up to 200 registers.
-        "num_warps": 4 if block_m == 16 and block_d <= 128 else 8,
+        "num_warps": 4 if block_m == 16 and block_dv <= 128 else 8,
         "num_stages": 5 if paged else 3,
     }
 
@@ -376,28 +461,40 @@ def flash_decode(
     num_splits: int | None = None,
     block_n: int | None = None,
     config: dict | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    cache_starts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-KV flash decoding of q over one KV shard (inputs already validated by ``ops``).
 
     q: (batch, seqlen_q, nheads_q, headdim) fp16/bf16/fp32, any strides
-    k, v: (batch, seqlen_k, nheads_kv, headdim), any strides (e.g. a slice of a larger cache),
-        or with ``block_table`` a paged cache (num_blocks, page, nheads_kv, headdim), any strides
+    k: (batch, seqlen_k, nheads_kv, headdim), v: (batch, seqlen_k, nheads_kv, headdim_v), any
+        strides (e.g. a slice of a larger cache), or with ``block_table`` a paged cache
+        (num_blocks, page, nheads_kv, headdim[_v]), any strides; headdim_v may differ (MLA)
     block_table: (batch, max_blocks) int32: row b's key j is in block block_table[b, j // page];
-        then seqlen_k = max_blocks * page. Entries past a row's cache_seqlens are not read.
+        then seqlen_k = max_blocks * page. Entries past a row's cache_seqlens, or wholly before
+        its cache_starts, are not read.
     cache_seqlens: (batch,) int32, valid keys per row (0 allowed; clamped to [0, seqlen_k])
+    cache_starts: (batch,) int32, the first valid key per row (clamped to [0, seqlen_k]); the
+        tiles before it are skipped -- for a paged shard whose slots follow positions, the
+        first slot a sliding window still shows makes the window a slot range
     q_positions: (batch, seqlen_q), k_positions: (batch, seqlen_k) or (seqlen_k,) integers
         below 2^31 (compared as int32); key j is visible to query i iff k_pos[j] <= q_pos[i]
+    window: with positions, key j is visible to query i only if also q_pos[i] - window < k_pos[j]
+    softcap: scores -> softcap * tanh(scores / softcap) before the softmax
     out_dtype: dtype of ``out`` (default q.dtype); float32 keeps partials unrounded
     lse_dtype: float32 (default) or float64 (``m + ln l`` kept whole, for a merge that follows)
     num_splits, block_n, config: overrides of the heuristics (tests, benchmarks); config may
         set BLOCK_N, num_warps, num_stages
-    returns out: (batch, seqlen_q, nheads_q, headdim) in out_dtype, zero where no key is visible
-            lse: (batch, nheads_q, seqlen_q) in lse_dtype, natural log, -inf where no key is visible
+    returns out: (batch, seqlen_q, nheads_q, headdim_v) in out_dtype, zero where no key is visible
+            lse: (batch, nheads_q, seqlen_q) in lse_dtype, natural log, -inf where no key is
+            visible, NaN where a visible score is NaN
     """
     out, lse, launches = decode_launches(
         q, k, v, block_table=block_table, cache_seqlens=cache_seqlens, softmax_scale=softmax_scale,
         q_positions=q_positions, k_positions=k_positions, out_dtype=out_dtype, lse_dtype=lse_dtype,
-        num_splits=num_splits, block_n=block_n, config=config,
+        num_splits=num_splits, block_n=block_n, config=config, window=window, softcap=softcap,
+        cache_starts=cache_starts,
     )
     for launch in launches:
         launch.run()
@@ -405,7 +502,8 @@ def flash_decode(
 
 
 def decode_launches(q, k, v, *, block_table=None, cache_seqlens=None, softmax_scale=None, q_positions=None,
-                    k_positions=None, out_dtype=None, lse_dtype=None, num_splits=None, block_n=None, config=None):
+                    k_positions=None, out_dtype=None, lse_dtype=None, num_splits=None, block_n=None, config=None,
+                    window=None, softcap=None, cache_starts=None):
     """Allocate the outputs and build (without running) the kernel launches of one decode call.
 
     Same arguments and shapes as :func:`flash_decode`; returns ``(out, lse, launches)``: one
@@ -413,24 +511,26 @@ def decode_launches(q, k, v, *, block_table=None, cache_seqlens=None, softmax_sc
     Split out so that ``tests/test_aot.py`` compiles exactly what a real call would launch.
     """
     b, sq, hq, d = q.shape
-    hkv = k.shape[2]
+    hkv, dv = k.shape[2], v.shape[3]
     page = 0 if block_table is None else k.shape[1]
     n = k.shape[1] if block_table is None else block_table.shape[1] * page
     g = hq // hkv
-    cfg = decode_config(d, g * sq, q.dtype, paged=block_table is not None)
+    cfg = decode_config(d, g * sq, q.dtype, paged=block_table is not None, headdim_v=dv)
     cfg.update(config or {})
     if block_n is not None:
         cfg["BLOCK_N"] = block_n
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     dev = q.device
     out_dtype = q.dtype if out_dtype is None else out_dtype
-    out = torch.empty((b, sq, hq, d), dtype=out_dtype, device=dev)
+    out = torch.empty((b, sq, hq, dv), dtype=out_dtype, device=dev)
     if lse_dtype not in (None, torch.float32, torch.float64):
         raise TypeError(f"lse_dtype must be torch.float32, torch.float64 or None, got {lse_dtype!r}")
     lse = torch.empty((b, hq, sq), dtype=torch.float32 if lse_dtype is None else lse_dtype, device=dev)
     if b * sq * hq == 0:
         return out, lse, []
     causal = q_positions is not None
+    if window is not None and not causal:
+        raise ValueError("window needs q_positions and k_positions (a bound on global key positions)")
     if causal:
         s_qp = q_positions.stride()
         s_kp = (k_positions.stride(0), k_positions.stride(1)) if k_positions.dim() == 2 else (0, k_positions.stride(0))
@@ -438,6 +538,7 @@ def decode_launches(q, k, v, *, block_table=None, cache_seqlens=None, softmax_sc
         s_qp = s_kp = (0, 0)
     # Absent tensors are compile-time absent; q stands in for their pointers (never read).
     seqlens = cache_seqlens if cache_seqlens is not None else q
+    starts = cache_starts if cache_starts is not None else q
     table = block_table if block_table is not None else q
     qpos, kpos = (q_positions, k_positions) if causal else (q, q)
     s_bt = block_table.stride(0) if block_table is not None else 0
@@ -448,6 +549,8 @@ def decode_launches(q, k, v, *, block_table=None, cache_seqlens=None, softmax_sc
         "HEAD_DIM": d, "BLOCK_D": cfg["BLOCK_D"], "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"],
         "PAGE": page, "CAUSAL": causal, "HAS_SEQLENS": cache_seqlens is not None,
         "EXACT_INPUTS": INTERPRETED or q.dtype == torch.float32, "DOT_PRECISION": cfg["DOT_PRECISION"],
+        "HEAD_DIM_V": dv, "BLOCK_DV": cfg["BLOCK_DV"], "HAS_STARTS": cache_starts is not None,
+        "WINDOW": window is not None, "SOFTCAP": softcap is not None,
         "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"],
     }
 
@@ -456,8 +559,9 @@ def decode_launches(q, k, v, *, block_table=None, cache_seqlens=None, softmax_sc
         s_op, s_lp = (o.stride(0), l.stride(0)) if o.dim() == 5 else (0, 0)
         return Launch(
             _split_kv_kernel, grid,
-            (q, k, v, seqlens, table, qpos, kpos, o, l,
-             scale,
+            (q, k, v, seqlens, table, qpos, kpos, o, l, starts,
+             scale, 0 if window is None else min(int(window), 2 ** 31 - 1),
+             1.0 if softcap is None else float(softcap),
              n, sq, g, hkv, chunk, m_blocks,
              *q.stride(), *k.stride(), *v.stride(), s_bt, *s_qp, *s_kp,
              s_op, *o.stride()[-4:], s_lp, *l.stride()[-3:]),
@@ -477,10 +581,10 @@ def decode_launches(q, k, v, *, block_table=None, cache_seqlens=None, softmax_sc
 
     # Partials in one reused workspace: o (P, B, Sq, Hq, D) fp32, then lse (P, B, Hq, Sq) fp64
     # (merged again: kept whole) starting 64-byte aligned.
-    o_numel = num_splits * b * sq * hq * d
+    o_numel = num_splits * b * sq * hq * dv
     o_pad = -(-o_numel // 16) * 16
     work = _workspace(o_pad + 2 * num_splits * b * hq * sq, dev)
-    o_part = work[:o_numel].view(num_splits, b, sq, hq, d)
+    o_part = work[:o_numel].view(num_splits, b, sq, hq, dv)
     lse_part = work[o_pad:].view(torch.float64).view(num_splits, b, hq, sq)
     split = split_launch((programs, num_splits), o_part, lse_part, chunk)
     return out, lse, [split, merge_launch(o_part, lse_part, out, lse)]
