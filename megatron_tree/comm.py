@@ -307,8 +307,9 @@ def _gathered_states(parts, o, lse, size):
     return outs, lses
 
 
-def check_shift(shift, lse_shape: tuple) -> None:
-    """shift: a floating tensor of shape ``lse_shape`` (batch, nheads_q, seqlen_q), or None."""
+def check_shift(shift, lse_shape: tuple, device=None) -> None:
+    """shift: a floating tensor of shape ``lse_shape`` (batch, nheads_q, seqlen_q) on ``device``
+    (when given: the partial state's), or None."""
     if shift is None:
         return
     if not isinstance(shift, torch.Tensor) or not shift.is_floating_point():
@@ -317,6 +318,9 @@ def check_shift(shift, lse_shape: tuple) -> None:
     if tuple(shift.shape) != tuple(lse_shape):
         raise ValueError(f"shift must have the lse's shape {tuple(lse_shape)} (batch, heads_q, seqlen_q), "
                          f"got {tuple(shift.shape)}")
+    if device is not None and shift.device != torch.device(device):
+        raise ValueError(f"shift is on {shift.device}, the attention's state on {device}: pass the shift on "
+                         "the device of q (the previous step's merged lse is there)")
 
 
 def merge(
@@ -359,7 +363,7 @@ def merge(
             f"got {tuple(out.shape)} and {tuple(lse.shape)}"
         )
     o, lse = _widened(out, lse, acc_dtype(out.dtype))
-    check_shift(shift, tuple(lse.shape))
+    check_shift(shift, tuple(lse.shape), o.device)
     if stats is not None:
         stats.calls += 1
     if groups.size == 1:
@@ -369,6 +373,8 @@ def merge(
     signature = (b, sq, hq, d, out.dtype if dtype is None else dtype, strategy, backend,
                  shift is not None and strategy == "shifted")
     with groups.agreement.call("merge", MERGE_SIGNATURE, signature):
+        if o.numel() == 0 or lse.numel() == 0:  # no rows (B = 0), heads or queries: nothing to merge
+            return o, lse
         result = _run(_stages(_SYNC, strategy, o, lse, groups, stats, shift))
         if strategy == "shifted":
             return _settle_shifted(result, o, lse, groups, stats, deferred)

@@ -60,6 +60,7 @@ import time  # noqa: E402
 from distributed import run_ranks  # noqa: E402
 
 T = 3.0  # seconds: the TreeGroups timeout of the cases that must fail within a bound
+PG_TIMEOUT = 8.0  # the default group's: TreeGroups.build() without timeout= inherits it
 WORLD = 3
 
 
@@ -113,16 +114,87 @@ def fail_alike_body(rank, world, outdir):
     same = lse.double() if rank == 0 else lse.float()
     got = mt.tree_decode(q, k, k, g, strategy="shifted", shift=same.float() if rank else same)
     out["shift_dtype_err"] = float((got - want).abs().max())
+    # -- inputs that used to give an unclear error: a clear one, on the rank that passed them --
+    sync()
+    g = mt.TreeGroups.build(timeout=T)
+    empty = torch.zeros(0, 1, 4, 8)
+    for strategy in ("allgather", "packed", "two_level", "shifted"):
+        r = mt.tree_decode(empty, torch.zeros(0, 2, 2, 8), torch.zeros(0, 2, 2, 8), g, strategy=strategy,
+                           shift=torch.zeros(0, 4, 1) if strategy == "shifted" else None)
+        out[f"b0_{strategy}"] = tuple(r.shape)
+    out["shift_meta"] = _outcome(lambda: mt.tree_decode(q, k, k, g, strategy="shifted",
+                                                        shift=torch.zeros(2, 4, 1, device="meta")))
+    out["table_1d"] = _outcome(lambda: mt.tree_decode(
+        q, torch.zeros(3, 4, 2, 8), torch.zeros(3, 4, 2, 8), g, block_table=torch.zeros(2, dtype=torch.int32),
+        cache_seqlens=torch.ones(2, dtype=torch.int32)))
+
+    # -- transformers' own generate: sampling and stop settings are compared at the prefill --
+    sync()
+    g = mt.TreeGroups.build(timeout=T)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from megatron_tree.integrations.hf import enable_tree_attention
+
+    torch.manual_seed(0)
+    lm = enable_tree_attention(LlamaForCausalLM(LlamaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1)).eval(), g)
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    hf_cases = {
+        "hf_temperature": dict(do_sample=True, temperature=0.7 if rank == 0 else 1.0),
+        "hf_top_k": dict(do_sample=True, top_k=5 if rank == 2 else 50),
+        "hf_do_sample": dict(do_sample=rank != 1),
+        "hf_eos": dict(eos_token_id=7 if rank == 1 else None),
+    }
+    for name, kw in hf_cases.items():
+        out[name] = _outcome(lambda: lm.generate(ids, max_new_tokens=3, pad_token_id=0, **kw))
+    out["hf_same"] = lm.generate(ids, max_new_tokens=3, do_sample=True, top_k=5, pad_token_id=0).tolist()
+
+    # -- one rank's bad cache_seqlens: that rank's error on every rank, never a bare timeout --
+    sync()
+    g = mt.TreeGroups.build(timeout=T)
+    lens = torch.full((2,), rank, dtype=torch.int32)
+    bad = torch.full((3,), rank, dtype=torch.int32) if rank == 1 else lens  # one row too many
+    out["local_first_call"] = _outcome(lambda: mt.tree_decode(q, k, k, g, cache_seqlens=bad, strategy="packed"))
+    out["local_every_rank"] = _outcome(lambda: mt.tree_decode(
+        q, k, k, g, cache_seqlens=torch.full((2,), 99, dtype=torch.int32), strategy="packed"))
+    got = mt.tree_decode(q, k, k, g, cache_seqlens=lens, strategy="packed")  # still in step: nobody waited
+    out["local_then_exact"] = float((got - want).abs().max())
+    mt.tree_decode(q, k, k, g, cache_seqlens=lens, strategy="packed")
+    out["local_steady"] = _outcome(lambda: mt.tree_decode(q, k, k, g, cache_seqlens=bad, strategy="packed"))
+
+    # -- an absent (alive, not calling) peer: CommError within 1.5 T on every other rank --
+    sync()
+    g = mt.TreeGroups.build(timeout=T)
+    mt.tree_decode(q, k, k, g, strategy="packed")
+    if rank == 2:
+        time.sleep(1.5 * T + 1)
+    else:
+        out["absent_steady"] = _outcome(lambda: mt.tree_decode(q, k, k, g, strategy="packed"))
+    sync()
+    g = mt.TreeGroups.build(timeout=T)
+    mt.tree_decode(q, k, k, g, strategy="packed")
+    if rank == 2:
+        time.sleep(1.5 * T + 1)
+    else:  # a new signature on the others: they compare through the store, rank 2 never answers
+        q3, ks3 = _shards(world, b=3)
+        out["absent_changed"] = _outcome(lambda: mt.tree_decode(q3, ks3[rank], ks3[rank], g, strategy="packed"))
     with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump(out, f)
     sync()
+
+    # -- TreeGroups.build without timeout= takes the default group's (8 s here): bounded, not 30 min --
+    if rank != 2:
+        out["absent_build"] = _outcome(lambda: mt.TreeGroups.build())
+    else:
+        time.sleep(1.5 * PG_TIMEOUT + 1)  # never calls; the default group is out of step afterwards
     return out
 
 
 @pytest.fixture(scope="module")
 def fail_alike(tmp_path_factory):
     outdir = tmp_path_factory.mktemp("fail_alike")
-    return run_ranks(fail_alike_body, WORLD, str(outdir), timeout=240, pg_timeout=60.0)
+    return run_ranks(fail_alike_body, WORLD, str(outdir), timeout=240, pg_timeout=PG_TIMEOUT)
 
 
 def _same_everywhere(results, case, ranks=None):
@@ -144,3 +216,61 @@ def test_shift_values_that_differ_between_ranks_are_an_error_on_every_rank(fail_
     assert "on ranks [0, 2]" in message and "on rank 1" in message, message
     _, message, _ = _same_everywhere(fail_alike, "shift_one_value")
     assert "on ranks [0, 1]" in message and "on rank 2" in message, message
+
+
+def test_empty_batch_and_bad_placement_arguments_are_clear(fail_alike):
+    for res in fail_alike:
+        for strategy in ("allgather", "packed", "two_level", "shifted"):
+            assert res[f"b0_{strategy}"] == (0, 1, 4, 8)  # B = 0: an empty result, no collective garbage
+        kind, message, _ = res["shift_meta"]
+        assert kind == "ValueError" and "shift is on meta, the attention's state on cpu" in message, message
+    for case, needle in (("shift_meta", "shift is on meta"),
+                         ("table_1d", "block_table must have shape (2, max_blocks) (one row per batch row), got (2,)")):
+        kind, message, seconds = _same_everywhere(fail_alike, case)
+        assert kind == "ValueError" and needle in message and seconds < T, message
+
+
+def test_one_ranks_bad_cache_seqlens_is_its_error_on_every_rank(fail_alike):
+    kind, message, seconds = _same_everywhere(fail_alike, "local_first_call")
+    assert kind == "ValueError" and message.startswith("rank 1: cache_seqlens must have shape (2,)"), message
+    assert seconds < T  # a first call compares on every rank: at once
+    kind, message, seconds = _same_everywhere(fail_alike, "local_every_rank")
+    assert kind == "ValueError" and message.startswith("rank 0: cache_seqlens must lie in [0, 0]"), message
+    assert "; rank 2: cache_seqlens must lie in [0, 2] (the KV length), got values in [99, 99]" in message
+    assert seconds < T
+    assert all(res["local_then_exact"] < 1e-5 for res in fail_alike)
+    # in steady state the others are already in the merge's collectives: they learn it when those time out
+    kind, message, seconds = _same_everywhere(fail_alike, "local_steady")
+    assert kind == "ValueError" and message.startswith("rank 1: cache_seqlens must have shape (2,)"), message
+    assert "ranks [0, 2] had entered the call's collectives" in message, message
+    assert seconds < 1.5 * T
+
+
+def test_absent_peer_is_reported_within_one_and_a_half_timeouts(fail_alike):
+    for case in ("absent_steady", "absent_changed"):
+        for res in fail_alike[:2]:  # rank 2 is the absent one; the backend's own text differs by rank
+            kind, message, seconds = res[case]
+            assert kind == "CommError", message
+            assert seconds < 1.5 * T, (case, seconds, message)
+            if case == "absent_steady":
+                assert "timeout of 3 s" in message and "'cp' level (3 ranks)" in message, message
+            else:
+                assert "comparing arguments with the other 2 rank(s) got no answer" in message, message
+    for res in fail_alike[:2]:
+        kind, message, seconds = res["absent_build"]
+        assert kind == "CommError" and "TreeGroups: exchanging topology facts" in message, message
+        assert "timeout of 8 s" in message and seconds < 1.5 * PG_TIMEOUT, (seconds, message)
+
+
+@pytest.mark.parametrize("case,needle", [
+    ("hf_temperature", "temperature: 0.7 on rank 0; 1.0 on ranks [1, 2]"),
+    ("hf_top_k", "top_k: 50 on ranks [0, 1]; 5 on rank 2"),
+    ("hf_do_sample", "do_sample: True on ranks [0, 2]; False on rank 1"),
+    ("hf_eos", "eos_token_id: None on ranks [0, 2]; 7 on rank 1"),
+])
+def test_transformers_generate_settings_that_differ_are_an_error_on_every_rank(fail_alike, case, needle):
+    kind, message, seconds = _same_everywhere(fail_alike, case)
+    assert kind == "DisagreementError" and "ranks disagree on hf.prefill: " in message, message
+    assert needle in message, message
+    assert seconds < T  # the prefill's one comparison, before any token is drawn
+    assert len({str(res["hf_same"]) for res in fail_alike}) == 1  # alike settings: one generation everywhere

@@ -43,6 +43,7 @@ is itself imported and says so clearly when it is missing or older.
 from __future__ import annotations
 
 import functools
+import hashlib
 import inspect
 from dataclasses import dataclass, field
 
@@ -126,6 +127,9 @@ class _Binding:
     """The cache of the forward in progress (set by the forward wrapper, read by the attention function)."""
     new_tokens_hint: int | None = None
     """Tokens ``generate`` may append (sizes a cache it creates); set only while ``generate`` runs."""
+    settings_hint: tuple | None = None
+    """``generate``'s sampling and stop settings (:func:`_generation_settings`), compared across CP ranks
+    at the prefill; set only while ``generate`` runs."""
     step: object = None
     """The decode loop's ``decode.generate.DecodeStep`` while ``HFTreeModel.decode_step`` runs (its
     ``attend`` is every layer's decode attention); ``None``: a plain step of ``strategy``/``stats``."""
@@ -618,6 +622,40 @@ def _checksum(t: torch.Tensor | None):
 _WIDTHS = ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size")
 """Model widths every CP rank's replica must share (compared at prefill)."""
 
+_SETTINGS = ("do_sample", "temperature", "top_k", "top_p", "min_p", "typical_p", "repetition_penalty",
+             "eos_token_id", "min_new_tokens", "generation_config", "generate_arguments")
+"""``generate``'s settings every CP rank must pass alike (compared at the prefill): the sampling and stop
+fields by name, then a digest of the whole effective generation config and of the call's other arguments.
+Sampling settings that differ give ranks different token choices from the same logits; stop settings
+that differ leave one rank stopping while the others wait for it."""
+
+
+def _setting(value):
+    """A generation setting as it is compared and printed: plain values as they are, tensors as lists,
+    processors and other objects by their class (their state cannot be compared)."""
+    if isinstance(value, torch.Tensor):
+        return tuple(value.detach().reshape(-1).tolist())
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return tuple(_setting(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((str(k), _setting(v)) for k, v in value.items()))
+    return f"<{type(value).__name__}>"
+
+
+def _generation_settings(model, kwargs: dict) -> tuple:
+    """The values of :data:`_SETTINGS` for one ``generate(**kwargs)`` call (the prompt's tensors are
+    compared on their own): a field passed to ``generate`` wins over the generation config's."""
+    gc = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    fields = tuple(_setting(kwargs[n] if n in kwargs else getattr(gc, n, None)) for n in _SETTINGS[:-2])
+    config = None
+    if gc is not None:
+        config = hashlib.blake2b(repr(_setting(gc.to_dict())).encode(), digest_size=6).hexdigest()
+    skip = {"input_ids", "inputs", "attention_mask", "generation_config", *_SETTINGS}
+    rest = _setting({k: v for k, v in kwargs.items() if k not in skip})
+    return (*fields, config, hashlib.blake2b(repr(rest).encode(), digest_size=6).hexdigest())
+
 
 def _prefill(model, orig, binding: _Binding, cache: TreeCache, call: dict, batch: int, seq: int):
     """The forward that starts a sequence, each CP rank on its chunk.
@@ -666,13 +704,14 @@ def _prefill(model, orig, binding: _Binding, cache: TreeCache, call: dict, batch
         return (batch, seq, _checksum(ids), _checksum(embeds), _checksum(mask), _checksum(pos.expand(batch, seq)),
                 _checksum(wanted),
                 binding.strategy, binding.prefill, binding.layout, binding.block_size, binding.new_tokens_hint,
-                *(getattr(cfg, n, None) for n in _WIDTHS))
+                *(getattr(cfg, n, None) for n in _WIDTHS),
+                *(binding.settings_hint or (None,) * len(_SETTINGS)))
 
     # The model's shape too: replicas whose attention shapes agree but whose widths do not would pass every
     # collective of the forward (chunks' keys, the logits' SUM) and return a mixture of two models.
     cfg = _text_config(model.config)
     names = ("batch", "seq", "input_ids", "inputs_embeds", "attention_mask", "position_ids", "logits_wanted",
-             "strategy", "prefill", "layout", "block_size", "max_new_tokens", *_WIDTHS)
+             "strategy", "prefill", "layout", "block_size", "max_new_tokens", *_WIDTHS, *_SETTINGS)
     g = binding.groups
     group, ranks = (None, ()) if g is None else (g.cp_group, g.cp_ranks)
     agreement.agree("hf.prefill", names, signature, group, ranks, stats=binding.stats,
@@ -771,8 +810,9 @@ class _TokensAgree(StoppingCriteria):
         if any(not torch.equal(p, parts[0]) for p in parts[1:]):
             raise RuntimeError(
                 f"CP ranks {list(self.groups.cp_ranks)} chose different tokens at generated step {self.step}: "
-                f"{[p.tolist() for p in parts]}; their caches would diverge (custom logits processors must be "
-                "deterministic)"
+                f"{[p.tolist() for p in parts]}; their caches would diverge. generate's settings were compared at "
+                "the prefill, so a custom logits processor or stopping criterion differs between the ranks or is "
+                "not deterministic"
             )
         return torch.zeros(last.shape[0], dtype=torch.bool, device=input_ids.device)
 
@@ -802,10 +842,12 @@ def _sharded_generate(model, orig, binding: _Binding, args, kwargs):
         sc.append(_TokensAgree(binding.groups, binding.stats))
         kwargs.update(logits_processor=lp, stopping_criteria=sc)
     binding.new_tokens_hint = _new_tokens(model, kwargs, prompt_len)
+    binding.settings_hint = _generation_settings(model, kwargs)
     try:
         return orig(*args, **kwargs)
     finally:
         binding.new_tokens_hint = None
+        binding.settings_hint = None
 
 
 # --------------------------------------------------------------------------- enabling
