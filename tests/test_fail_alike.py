@@ -51,6 +51,49 @@ def test_paged_write_refuses_bad_shapes_rows_and_layers_and_writes_nothing(call,
     assert int((c.k[1] != 0).any(-1).any(-1).sum()) == mine and not bool((c.k[0] != 0).any())
 
 
+def test_transformers_checkpoint_tensors_disagreeing_with_config_json_are_named_before_launch(tmp_path):
+    import json
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from megatron_tree.config import ConfigError, ModelConfig
+    from megatron_tree.eval.launch import check_model
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1)).save_pretrained(str(tmp_path))
+    assert check_model(ModelConfig(source="hf", path=str(tmp_path)))[1] == 2048  # as saved: fine
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "vocab_size": 64, "intermediate_size": 48}))
+    start = time.monotonic()
+    with pytest.raises(ConfigError) as e:
+        check_model(ModelConfig(source="hf", path=str(tmp_path)))
+    message = str(e.value)
+    assert f"model.path: the tensors disagree with {tmp_path / 'config.json'}" in message, message
+    assert "model.embed_tokens.weight is [32, 16] in model.safetensors, config.json gives [64, 16]" in message
+    assert "mlp.gate_proj.weight is [32, 16]" in message and "different models" in message, message
+    assert time.monotonic() - start < 30  # headers only
+
+
+def test_prompt_file_that_is_not_utf8_is_a_named_error_with_exit_2(tmp_path, capsys):
+    from megatron_tree import generate_megatron
+
+    f = tmp_path / "prompts.txt"
+    f.write_bytes(b"1 2 3\n4 5\n\xff\xfe 6\n")
+    with pytest.raises(Exception) as e:
+        generate_megatron.read_prompts(generate_megatron.parse_args(["--sample-input-file", str(f)]), None, 32)
+    assert type(e.value).__name__ == "ConfigError"
+    assert f"{str(f)!r} is not UTF-8 text: byte 10 (line 3) is b'\\xff'" in str(e.value), str(e.value)
+    f.write_bytes(b"1 2 3\r\n\n4 5\n")  # UTF-8 still reads as before: blank lines skipped
+    texts, ids = generate_megatron.read_prompts(generate_megatron.parse_args(["--sample-input-file", str(f)]),
+                                                None, 32)
+    assert ids == [[1, 2, 3], [4, 5]]
+    f.write_bytes(b"\xff")
+    assert generate_megatron.main(["--sample-input-file", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert "megatron-tree-generate: rank 0: error: --sample-input-file: " in err and "Traceback" not in err, err
+
+
 # --------------------------------------------------------------------------- multi-rank: one launch
 
 import os  # noqa: E402
@@ -149,6 +192,11 @@ def fail_alike_body(rank, world, outdir):
     for name, kw in hf_cases.items():
         out[name] = _outcome(lambda: lm.generate(ids, max_new_tokens=3, pad_token_id=0, **kw))
     out["hf_same"] = lm.generate(ids, max_new_tokens=3, do_sample=True, top_k=5, pad_token_id=0).tolist()
+    from megatron_tree.integrations.hf import TreeCache
+
+    other = TreeCache(lm, mt.TreeGroups.build(timeout=T))  # the same ranks, another process group
+    out["hf_other_group"] = _outcome(lambda: lm.generate(ids, max_new_tokens=2, past_key_values=other))
+    out["hf_group_names"] = (other.groups.cp_group.group_name, g.cp_group.group_name)
 
     # -- one rank's bad cache_seqlens: that rank's error on every rank, never a bare timeout --
     sync()
@@ -274,3 +322,13 @@ def test_transformers_generate_settings_that_differ_are_an_error_on_every_rank(f
     assert needle in message, message
     assert seconds < T  # the prefill's one comparison, before any token is drawn
     assert len({str(res["hf_same"]) for res in fail_alike}) == 1  # alike settings: one generation everywhere
+
+
+def test_a_treecache_of_another_group_over_the_same_ranks_is_told_apart(fail_alike):
+    kind, message, seconds = _same_everywhere(fail_alike, "hf_other_group")
+    theirs, ours = fail_alike[0]["hf_group_names"]
+    assert theirs != ours
+    assert kind == "ValueError" and seconds < T, message
+    assert f"made for the CP group of ranks [0, 1, 2] (process group {theirs!r})" in message, message
+    assert f"over the CP group of ranks [0, 1, 2] (process group {ours!r})" in message, message
+    assert "the same ranks, but another process group" in message, message

@@ -145,8 +145,15 @@ def _same_groups(a: TreeGroups | None, b: TreeGroups | None) -> bool:
     return a.cp_ranks == b.cp_ranks and a.cp_group is b.cp_group
 
 
-def _describe(groups: TreeGroups | None) -> str:
-    return "no CP group (one process)" if groups is None else f"the CP group of ranks {list(groups.cp_ranks)}"
+def _describe(groups: TreeGroups | None, named: bool = False) -> str:
+    """``groups`` in a message; ``named``: with its process group's name, which tells apart two groups
+    over the same ranks (``TreeGroups`` built twice)."""
+    if groups is None:
+        return "no CP group (one process)"
+    text = f"the CP group of ranks {list(groups.cp_ranks)}"
+    if named:
+        text += f" (process group {getattr(groups.cp_group, 'group_name', None) or id(groups.cp_group)!r})"
+    return text
 
 
 def _comm_device(groups: TreeGroups, like: torch.device) -> torch.device:
@@ -581,9 +588,13 @@ def _sharded_forward(model, orig, binding: _Binding, args, kwargs):
             "a TreeCache (the other cache's keys were computed without sharding)"
         )
     if not _same_groups(cache.groups, binding.groups):
+        alike = (cache.groups is not None and binding.groups is not None
+                 and cache.groups.cp_ranks == binding.groups.cp_ranks)
+        why = ("; the same ranks, but another process group: the cache's TreeGroups and the model's were built "
+               "separately" if alike else "")
         raise ValueError(
-            f"this TreeCache was made for {_describe(cache.groups)}, but the model runs tree attention over "
-            f"{_describe(binding.groups)}; create the cache with the model's groups"
+            f"this TreeCache was made for {_describe(cache.groups, alike)}, but the model runs tree attention over "
+            f"{_describe(binding.groups, alike)}{why}; create the cache with the model's groups"
         )
     if cache.num_layers != binding.num_layers:
         raise ValueError(f"TreeCache has {cache.num_layers} layers, the model {binding.num_layers}")
