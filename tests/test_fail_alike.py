@@ -157,6 +157,30 @@ def fail_alike_body(rank, world, outdir):
     same = lse.double() if rank == 0 else lse.float()
     got = mt.tree_decode(q, k, k, g, strategy="shifted", shift=same.float() if rank else same)
     out["shift_dtype_err"] = float((got - want).abs().max())
+    # -- NaN propagates at CP 3 in every strategy: a NaN in q or in one rank's keys is NaN for that
+    #    row's heads, never an empty row's 0; every other entry exact --
+    sync()
+    g = mt.TreeGroups.build(timeout=T)
+    qn = q.clone()
+    qn[0, 0, 1] = float("nan")  # row 0, query head 1 (KV head 0)
+    kn = [x.clone() for x in ks]
+    kn[2][1, 0, 1] = float("nan")  # rank 2's first key of row 1, KV head 1: query heads 2 and 3 see it
+    nan = {}
+    for strategy in (*mt.STRATEGIES, "shifted_redo"):
+        for overlap in (False, True):
+            kw = {}
+            name = strategy
+            if strategy.startswith("shifted"):
+                name = "shifted"
+                kw["shift"] = lse.float() - (200.0 if strategy == "shifted_redo" else 0.0)  # redo: far off
+            for which, (qq, kk) in {"q": (qn, ks), "k": (q, kn)}.items():
+                got = mt.tree_decode(qq, kk[rank], kk[rank], g, strategy=name, overlap=overlap, **kw)
+                nan[(strategy, overlap, which)] = torch.isnan(got).any(-1).tolist()
+                ref, _ = reference.partial_attention(qq, torch.cat(kk, 1), torch.cat(kk, 1))
+                fine = ~torch.isnan(ref)
+                nan[(strategy, overlap, which, "err")] = float((got[fine] - ref[fine]).abs().max())
+    out["nan"] = nan
+
     # -- inputs that used to give an unclear error: a clear one, on the rank that passed them --
     sync()
     g = mt.TreeGroups.build(timeout=T)
@@ -332,3 +356,18 @@ def test_a_treecache_of_another_group_over_the_same_ranks_is_told_apart(fail_ali
     assert f"made for the CP group of ranks [0, 1, 2] (process group {theirs!r})" in message, message
     assert f"over the CP group of ranks [0, 1, 2] (process group {ours!r})" in message, message
     assert "the same ranks, but another process group" in message, message
+
+
+def test_nan_in_q_or_in_one_ranks_keys_is_nan_for_that_row_at_cp3_in_every_strategy(fail_alike):
+    import megatron_tree as mt
+
+    want_q = [[[False, True, False, False]], [[False, False, False, False]]]  # (B, Sq, Hq)
+    want_k = [[[False, False, False, False]], [[False, False, True, True]]]
+    for res in fail_alike:
+        nan = res["nan"]
+        for strategy in (*mt.STRATEGIES, "shifted_redo"):
+            for overlap in (False, True):
+                assert nan[(strategy, overlap, "q")] == want_q, (strategy, overlap)
+                assert nan[(strategy, overlap, "k")] == want_k, (strategy, overlap)
+                for which in ("q", "k"):
+                    assert nan[(strategy, overlap, which, "err")] < 1e-5, (strategy, overlap, which)
