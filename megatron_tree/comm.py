@@ -21,7 +21,7 @@ name            collectives per call                                         lev
 ``packed``      MAX(lse), SUM(cat[w*o, w])                                   ``cp``
 ``two_level``   ``packed`` inside each node, then across nodes               intra, inter
 ``allgather``   one all-gather of cat[o, lse], then a local merge            ``cp``
-``shifted``     SUM(cat[w*o, w, nonempty]) with w = exp(lse - shift);        ``cp``
+``shifted``     SUM(cat[w*o, w, nonempty, digests]), w = exp(lse - shift);   ``cp``
                 MAX + SUM again only when the check after the SUM fails
 ``auto``        chosen by :func:`cost.choose_strategy`, once per shape
 ==============  ===========================================================  ===========
@@ -80,9 +80,12 @@ the tree); no rank re-adds the chunk in its own order. ``normalize`` and ``lse_w
 elementwise torch ops with the same inputs, dtypes and device type on every rank, so they
 produce the same bits; by induction over the steps every rank's ``r`` is identical. (A run
 mixing CPU and GPU ranks in one group would break the last step: not a supported setup.)
-The first step has no shift and uses ``packed``, whose result starts the induction. Even a
-shift that did differ would not give a wrong answer silently in the cases that matter: the
-result is exact for any *consistent* r, and the agreement check covers the shift's presence.
+The first step has no shift and uses ``packed``, whose result starts the induction. A shift
+that does differ (a caller's own, or a bug) is never a silent wrong answer: the agreement check
+covers the shift's presence, and every rank's :func:`shift_digest` of its values rides on the
+one SUM (two words per rank, zeros in the other ranks' slots, so the SUM hands every rank every
+rank's words): words that differ are a :class:`DisagreementError` on every rank, or, under
+``deferred=``, the call's flag, so a decode loop redoes the step with ``packed``.
 """
 
 from __future__ import annotations
