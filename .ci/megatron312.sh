@@ -18,8 +18,8 @@ if [ ! -x "$VENV/bin/python" ]; then
     fi
     $PY -m venv "$VENV"
 fi
-if ! "$VENV/bin/python" -c "import megatron.core, torch, pytest_timeout" 2>/dev/null; then
-    "$VENV/bin/pip" install -q torch==2.13.0 numpy pyyaml pytest pytest-timeout packaging megatron-core==0.19.2
+if ! "$VENV/bin/python" -c "import megatron.core, torch, pytest_timeout, tqdm, einops" 2>/dev/null; then
+    "$VENV/bin/pip" install -q torch==2.13.0 numpy pyyaml pytest pytest-timeout packaging tqdm einops megatron-core==0.19.2
 fi
 "$VENV/bin/python" - <<'PY'
 import sys

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ... import collectives, ops
+from ... import collectives, ops, reference
 from ...comm import STRATEGIES
 from ...decode.generate import DecodeStep
 from ...topology import TopologyError, TreeGroups
@@ -79,6 +79,23 @@ def gather_seq(t: torch.Tensor, groups: TreeGroups, site: str) -> torch.Tensor:
 # --------------------------------------------------------------------------- core attention
 
 
+class _GatherSeq(torch.autograd.Function):
+    """:func:`gather_seq` with a backward: each rank's gradient of its chunk is the sum over the CP
+    group of every rank's gradient of that chunk of the gathered tensor (one all-reduce, then a slice)."""
+
+    @staticmethod
+    def forward(ctx, t, groups, site):
+        ctx.groups, ctx.site, ctx.rows = groups, site, t.shape[0]
+        return gather_seq(t, groups, site)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = collectives.all_reduce(grad.contiguous(), ctx.groups.cp_group,
+                                      what=f"Megatron integration: {ctx.site} (backward)")
+        r = ctx.groups.rank
+        return grad[r * ctx.rows:(r + 1) * ctx.rows], None, None
+
+
 @dataclass(frozen=True)
 class CorePlan:
     """What a context's ``store_key_value`` tells the core attention about the forward call that follows."""
@@ -114,7 +131,11 @@ class TreeDotProductAttention(_megatron_module_base()):
     * inside its prefill: local queries of the 2·CP chunks against the all-gathered keys;
     * otherwise (training layout, no inference context): at CP > 1 the local chunks'
       keys/values are all-gathered and the mask follows global positions; at CP = 1 this is
-      plain causal (or unmasked) attention. Forward-only (no backward through the gather).
+      plain causal (or unmasked) attention. With gradients enabled the gather has a backward
+      (an all-reduce of the gathered gradient) and the attention is the pure-torch
+      ``reference.partial_attention``, so a model trains at CP > 1 with the same module that
+      then decodes (no second model for rollouts); it is a reference-speed path, not a
+      training kernel.
     """
 
     def __init__(
@@ -254,11 +275,21 @@ class TreeDotProductAttention(_megatron_module_base()):
                 qpos, kpos = pending.q_positions, pending.k_positions
             else:
                 qpos, kpos = self._training_positions(q, k, attn_mask_type)
+                grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
                 if kpos is not None and self.cp_size > 1:
-                    k = gather_seq(key, self.groups, "training-layout keys/values").transpose(0, 1)
-                    v = gather_seq(value, self.groups, "training-layout keys/values").transpose(0, 1)
+                    gather = _GatherSeq.apply if grad else gather_seq
+                    k = gather(key, self.groups, "training-layout keys/values").transpose(0, 1)
+                    v = gather(value, self.groups, "training-layout keys/values").transpose(0, 1)
                 elif self.cp_size > 1:
                     raise NotImplementedError("unmasked attention at CP > 1 outside inference is not supported")
+                if grad:  # training: the pure-torch partial attention, which autograd differentiates
+                    if qpos is not None and qpos.dim() == 1:
+                        qpos = qpos[None, :].expand(b, sq)
+                    out, _ = reference.partial_attention(
+                        q, k, v, softmax_scale=self.softmax_scale,
+                        q_positions=None if qpos is None else qpos.to(q.device),
+                        k_positions=None if kpos is None else kpos.to(q.device))
+                    return out.transpose(0, 1).reshape(sq, b, -1)
             if qpos is not None and qpos.dim() == 1:
                 qpos = qpos[None, :].expand(b, sq)
             out, _ = ops.flash_decode(
