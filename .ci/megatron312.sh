@@ -10,7 +10,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${MEGATRON312_VENV:-/work/venv312}
-TESTS=${MEGATRON312_TESTS:-tests/test_megatron_slots.py}
+TESTS=${MEGATRON312_TESTS:-tests/test_megatron_slots.py tests/test_megatron_rollout.py}
 if [ ! -x "$VENV/bin/python" ]; then
     PY=${MEGATRON312_PYTHON:-$(command -v python3.12 || true)}
     if [ -z "$PY" ]; then

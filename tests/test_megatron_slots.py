@@ -194,7 +194,7 @@ def layout_rank(rank, world, hier=None):
     from megatron_tree.integrations.megatron import version as compat
 
     out = {"static": slot_rank(rank, world, hier), "dynamic": dynamic_rank(rank, world, hier)}
-    if world == 2 and compat.megatron_api().llm_api:
+    if world in (2, 4) and compat.megatron_api().llm_api:  # CP 2 and CP 4 = 2 x 2
         out["llm"] = llm_rank(rank, world, hier)
     return out
 
@@ -454,16 +454,16 @@ def llm_rank(rank, world, hier=None):
     return out
 
 
-@pytest.fixture(scope="module")
-def llm_results():
+@pytest.fixture(scope="module", params=["cp2", "cp2x2"])
+def llm_results(request):
     from megatron_tree.integrations.megatron import version as compat
 
     if not compat.megatron_api().llm_api:
         pytest.skip(f"megatron-core {compat.megatron_api().version} has no MegatronLLM (added in 0.18)")
-    return [r["llm"] for r in _layout_run("cp2")]
+    return [r["llm"] for r in _layout_run(request.param)]
 
 
-def test_tree_megatron_llm_cp2_equals_megatron_llm_cp1(llm_results):
+def test_tree_megatron_llm_equals_megatron_llm_cp1(llm_results):
     ref = llm_results[0]["ref"]
     assert len(ref) == len(DYN_PROMPTS) and all(len(t) == 6 for t, _ in ref)
     for r, out in enumerate(llm_results):

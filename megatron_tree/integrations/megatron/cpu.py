@@ -210,8 +210,16 @@ class _Nvtx:
         yield
 
 
+def _on_cpu(device) -> bool:
+    return device is not None and torch.device(device).type == "cuda"
+
+
 def _unpinned(fn):
+    """``fn`` with ``pin_memory`` dropped and a ``device="cuda"`` (Megatron's optimizer's loss scale) on the CPU."""
+
     def call(*args, pin_memory=False, **kwargs):
+        if _on_cpu(kwargs.get("device")):
+            kwargs["device"] = "cpu"
         return fn(*args, **kwargs)
 
     call.__wrapped__ = fn

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 __all__ = [
     "SUPPORTED_RANGES", "megatron_version", "check_megatron_version", "MegatronAPI", "megatron_api", "check_supported", "init_gpt_wrapper",
     "prep_model_for_inference", "get_only_last_token_logits", "set_only_last_token_logits",
-    "kv_block_allocator", "inference_mode_off", "refuse_unsupported_features",
+    "kv_block_allocator", "batch_on_this_cp_rank", "inference_mode_off", "refuse_unsupported_features",
 ]
 
 SUPPORTED_RANGES = (("0.16.1", "0.17"), ("0.19.0", "0.20"))
@@ -69,6 +69,8 @@ class MegatronAPI:
     by the static engine."""
     llm_api: bool
     """``megatron.core.inference.apis.MegatronLLM`` exists (0.19)."""
+    cp_batch_hybrid: bool
+    """``megatron.core.utils.get_batch_on_this_cp_rank`` takes a required ``is_hybrid_cp`` (0.19)."""
 
 
 @functools.lru_cache(maxsize=1)
@@ -78,6 +80,7 @@ def megatron_api() -> MegatronAPI:
     from megatron.core.inference.contexts import dynamic_context
     from megatron.core.inference.model_inference_wrappers import abstract_model_inference_wrapper as amw
     from megatron.core.transformer.attention import Attention
+    from megatron.core.utils import get_batch_on_this_cp_rank
 
     try:
         from megatron.core.inference.model_inference_wrappers import inference_wrapper_config  # noqa: F401
@@ -119,6 +122,7 @@ def megatron_api() -> MegatronAPI:
         softmax_offset="softmax_offset" in inspect.signature(Attention.flash_decode_and_prefill).parameters,
         inference_mode=inference_mode,
         llm_api=llm_api,
+        cp_batch_hybrid="is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters,
     )
 
 
@@ -205,6 +209,19 @@ def set_only_last_token_logits(ctx, value: bool) -> None:
         ctx.config.materialize_only_last_token_logits = bool(value)
     else:
         ctx.__dict__["materialize_only_last_token_logits"] = bool(value)
+
+
+def batch_on_this_cp_rank(batch: dict, cp_group=None) -> dict:
+    """``get_batch_on_this_cp_rank``: this CP rank's chunks r and 2·CP-1-r of every tensor's sequence dim.
+
+    0.19 adds a required ``is_hybrid_cp`` (False here: one CP group per sequence, the layout the
+    training loop and the tree core attention share).
+    """
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    if megatron_api().cp_batch_hybrid:
+        return get_batch_on_this_cp_rank(batch, False, cp_group=cp_group)
+    return get_batch_on_this_cp_rank(batch, cp_group=cp_group)
 
 
 def kv_block_allocator(ctx):
