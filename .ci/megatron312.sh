@@ -12,9 +12,9 @@ cd "$(dirname "$0")/.."
 VENV=${MEGATRON312_VENV:-/work/venv312}
 TESTS=${MEGATRON312_TESTS:-tests/test_megatron_slots.py tests/test_megatron_rollout.py}
 if [ ! -x "$VENV/bin/python" ]; then
-    PY=${MEGATRON312_PYTHON:-$(command -v python3.12 || true)}
-    if [ -z "$PY" ]; then
-        PY="env PYENV_VERSION=3.12.1 python"
+    PY=${MEGATRON312_PYTHON:-python3.12}
+    if ! $PY -V >/dev/null 2>&1; then
+        PY="env PYENV_VERSION=3.12.1 python"  # this machine kind: Python 3.12 through pyenv
     fi
     $PY -m venv "$VENV"
 fi
