@@ -515,6 +515,20 @@ def run(opts: dict) -> dict:
             "examples": {k: v[:5] for k, v in examples.items()}, "seconds": round(time.monotonic() - started, 1)}
 
 
+def markdown(report: dict) -> str:
+    """The report as the docs page shows it: the command, the counts, and the counts by fault kind."""
+    lines = [f"Command: `{report['command']}` (seed {report['seed']}, CP sizes {report['ranks']}, "
+             f"T = {report['timeout_s']:g} s; {report['cases']} cases in {report['seconds']:.0f} s).", "",
+             "| outcome | cases |", "|---|---|"]
+    lines += [f"| `{k}` | {v} |" for k, v in report["counts"].items()]
+    lines += [f"| (ended beyond 1.5 T, within 3 T) | {report['slow_beyond_1.5T']} |", "",
+              "| fault | " + " | ".join(f"`{o}`" for o in OUTCOMES) + " |", "|---|" + "---|" * len(OUTCOMES)]
+    for fault in sorted(report["by_fault"]):
+        row = report["by_fault"][fault]
+        lines.append(f"| `{fault}` | " + " | ".join(str(row.get(o, 0)) for o in OUTCOMES) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def _first_unfinished(todo: list, finished: list):
     for c in todo:
         if c not in finished:
@@ -531,6 +545,7 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=1.5, help="T: the groups' collective timeout, seconds")
     p.add_argument("--pg-timeout", type=float, default=120.0, help="the default group's timeout, seconds")
     p.add_argument("--out", default=None, help="write the report (JSON) here")
+    p.add_argument("--markdown", default=None, help="write the counts as a markdown table here")
     p.add_argument("--progress", action="store_true")
     args = p.parse_args(argv)
     opts = {"seed": args.seed, "cases": args.cases, "ranks": [int(x) for x in args.ranks.split(",")],
@@ -541,6 +556,9 @@ def main(argv=None) -> int:
     if args.out:
         with open(args.out, "w") as f:
             f.write(text + "\n")
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(markdown(report))
     print(json.dumps({"counts": report["counts"], "slow_beyond_1.5T": report["slow_beyond_1.5T"],
                       "cases": report["cases"], "seconds": report["seconds"]}))
     bad = report["counts"]["silent_wrong"] + report["counts"]["hang"] + report["counts"]["native_crash"]
