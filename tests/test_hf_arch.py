@@ -91,3 +91,20 @@ def test_the_table_reports_what_the_ranks_did(ranks, references, monkeypatch):
         assert r["cp3"]["result"] == r["cp2x2"]["result"] == want, r
     text = A.markdown(rows, "python -m megatron_tree.bench.architectures")
     assert text.count("\n| ") == len(NAMES) + 1 and "`DeepseekV3ForCausalLM`" in text
+
+
+def test_cache_takes_the_shapes_the_layers_store():
+    """A config whose num_key_value_heads is not what the layers store (here: set after the model was
+    built) sizes the cache wrongly; its first write re-makes the still-empty storage, and generation
+    stays exact (CP 1, no process group)."""
+    from megatron_tree.integrations.hf import enable_tree_attention
+
+    ids, mask = A.batch()
+    ref = A.reference("llama")
+    model = A.build("llama")
+    model.config.num_key_value_heads = 4  # the layers keep their 2 KV heads
+    enable_tree_attention(model, None)
+    got = A._generate(model, ids, mask, A.SEED_SAMPLE)
+    assert got["kv_shape"] == [2, 8, 8]
+    assert got["tokens"] == ref["tokens"] and got["sampled"] == ref["sampled"]
+    assert float((torch.tensor(got["logits"]) - torch.tensor(ref["logits"])).abs().max()) <= A.LOGITS_ATOL
