@@ -3,6 +3,8 @@ prompt chunks, ``tree_decode`` (through the decode loop's step) over the rank's 
 
 from __future__ import annotations
 
+import torch
+
 from .common import _MARK, ATTN_IMPLEMENTATION, UnsupportedModelError
 from transformers import AttentionInterface
 
@@ -64,7 +66,14 @@ def tree_attention_forward(module, query, key, value, attention_mask, scaling=No
     else:  # the one attention call of every integration: the decode loop's step (or a plain one)
         step = binding.step if binding.step is not None else DecodeStep(binding.strategy, binding.stats)
         if window is not None:  # a window bounds global positions: the new tokens' and the shard's
-            variants.update(q_positions=cache._decode_positions, k_positions=cache.storage.positions[:, :k.shape[1]])
+            qp, kp = cache._decode_positions, cache.storage.positions[:, :k.shape[1]]
+            # A rank's slots hold its tokens in arrival order, so positions ascend along a row: the slots
+            # before the first one inside the window are skipped (cache_starts; the kernels mask by
+            # position as well, so this only saves reading keys that left the window).
+            seqlens = cache.storage.seqlens
+            valid = torch.arange(kp.shape[1], device=kp.device)[None, :] < seqlens[:, None]
+            starts = ((kp <= qp - window) & valid).sum(dim=1).to(seqlens.dtype)
+            variants.update(q_positions=qp, k_positions=kp, cache_starts=starts)
         out = step.attend(module.layer_idx, q, k, v, binding.groups, cache_seqlens=cache.storage.seqlens,
                           softmax_scale=scaling, **variants)
     return out, None
