@@ -10,6 +10,7 @@ the checkpoint's CP = 1 tokens. ``tests/test_launch.py`` covers the launchers at
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import socket
@@ -20,6 +21,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+
+_RELEASE = importlib.metadata.version("megatron-core")
+pytestmark = pytest.mark.skipif(
+    _RELEASE.startswith("0.16."),
+    reason=f"megatron-core {_RELEASE}: tests/test_launch.py runs the eval over a trained checkpoint on this release "
+           "(4 ranks, every launcher); this file is the Python 3.12 lane's copy for 0.19",
+)
 NEW_TOKENS = 5  # the prefill's token + 1 warmup + 3 timed decode steps
 ARGS = ["eval.context_lengths=[40]", "eval.batch_sizes=[1]", "eval.strategies=[two_level]", "eval.decode_steps=3",
         "eval.warmup_steps=1", "eval.progress=false", "eval.exactness.sample_rate=1.0", "wandb.enabled=false"]
