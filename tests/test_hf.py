@@ -380,10 +380,10 @@ def test_eval_protocol_cp1(tmp_path):
 
 def test_cache_grows_when_unsized(monkeypatch):
     """Without a size (no generate, no max_seq_len) the cache doubles and replays its placement."""
-    from megatron_tree.integrations.hf import core as hf_mod
+    import megatron_tree.integrations.hf.cache as hf_cache
     from megatron_tree.integrations.hf import TreeCache, enable_tree_attention
 
-    monkeypatch.setattr(hf_mod, "_HEADROOM", 1)  # room for one decoded token: it grows at the second
+    monkeypatch.setattr(hf_cache, "_HEADROOM", 1)  # room for one decoded token: it grows at the second
 
     ref = hf_model("llama", seed=4)
     model = enable_tree_attention(copy.deepcopy(ref), None)

@@ -1,0 +1,148 @@
+"""What every part of the transformers integration shares: the transformers import and its version
+check, the names registered with transformers, the refusal error, and the per-model binding that
+:func:`~megatron_tree.integrations.hf.enable.enable_tree_attention` attaches to a model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+try:
+    import transformers
+except ImportError as e:  # pragma: no cover -- exercised only where transformers is absent
+    raise ImportError(
+        "megatron_tree.integrations.hf needs transformers >= 5.17 (pip install 'transformers>=5.17'); "
+        f"importing it failed: {e}"
+    ) from e
+
+from ...collectives import CommStats
+from ...topology import TreeGroups
+
+ATTN_IMPLEMENTATION = "megatron_tree"
+"""The name registered with transformers' ``AttentionInterface``."""
+MIN_TRANSFORMERS = (5, 17)
+"""Oldest transformers release this module was tested against (5.17, the GPU machine's, and 5.24)."""
+_MARK = "_megatron_tree"  # attribute on the model and on each attention module: the binding
+
+
+class UnsupportedModelError(ValueError):
+    """A model or config this backend cannot run exactly (it says what, and what would work)."""
+
+
+def _version_tuple(v: str) -> tuple[int, ...]:
+    out = []
+    for part in v.split(".")[:2]:
+        digits = "".join(ch for ch in part if ch.isdigit())
+        out.append(int(digits) if digits else 0)
+    return tuple(out)
+
+
+if _version_tuple(transformers.__version__) < MIN_TRANSFORMERS:  # pragma: no cover
+    raise ImportError(
+        f"megatron_tree.integrations.hf needs transformers >= {'.'.join(map(str, MIN_TRANSFORMERS))} "
+        f"(the releases its Cache, AttentionInterface and generate hooks were written against), but "
+        f"{transformers.__version__} is installed"
+    )
+
+# --------------------------------------------------------------------------- per-model state
+
+
+@dataclass
+class _Binding:
+    """What :func:`enable_tree_attention` attached to one model (shared by its attention modules)."""
+
+    groups: TreeGroups | None
+    strategy: str
+    prefill: str
+    layout: str
+    block_size: int
+    stats: CommStats | None
+    num_layers: int
+    cache_kwarg: str
+    """Name of the cache argument of this transformers release's ``forward``: ``cache`` (5.2x) or ``past_key_values``."""
+    accepts_logits_to_keep: bool
+    previous_attn: str | None
+    attention_modules: list = field(default_factory=list)
+    active: "TreeCache | None" = None
+    """The cache of the forward in progress (set by the forward wrapper, read by the attention function)."""
+    new_tokens_hint: int | None = None
+    """Tokens ``generate`` may append (sizes a cache it creates); set only while ``generate`` runs."""
+    settings_hint: tuple | None = None
+    """``generate``'s sampling and stop settings (:func:`_generation_settings`), compared across CP ranks
+    at the prefill; set only while ``generate`` runs."""
+    step: object = None
+    """The decode loop's ``decode.generate.DecodeStep`` while ``HFTreeModel.decode_step`` runs (its
+    ``attend`` is every layer's decode attention); ``None``: a plain step of ``strategy``/``stats``."""
+
+    @property
+    def cp_size(self) -> int:
+        return 1 if self.groups is None else self.groups.size
+
+
+def _same_groups(a: TreeGroups | None, b: TreeGroups | None) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return a.cp_ranks == b.cp_ranks and a.cp_group is b.cp_group
+
+
+def _describe(groups: TreeGroups | None, named: bool = False) -> str:
+    """``groups`` in a message; ``named``: with its process group's name, which tells apart two groups
+    over the same ranks (``TreeGroups`` built twice)."""
+    if groups is None:
+        return "no CP group (one process)"
+    text = f"the CP group of ranks {list(groups.cp_ranks)}"
+    if named:
+        text += f" (process group {getattr(groups.cp_group, 'group_name', None) or id(groups.cp_group)!r})"
+    return text
+
+
+def _comm_device(groups: TreeGroups, like: torch.device) -> torch.device:
+    """Where a tensor must live for a collective on ``groups`` (NCCL: CUDA; gloo: CPU)."""
+    backend = str(dist.get_backend(groups.cp_group)).lower()
+    if "nccl" in backend:
+        return like if like.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _text_config(cfg):
+    get = getattr(cfg, "get_text_config", None)
+    return get(decoder=True) if callable(get) else cfg
+
+
+_SETTINGS = ("do_sample", "temperature", "top_k", "top_p", "min_p", "typical_p", "repetition_penalty",
+             "eos_token_id", "min_new_tokens", "generation_config", "generate_arguments")
+"""``generate``'s settings every CP rank must pass alike (compared at the prefill): the sampling and stop
+fields by name, then a digest of the whole effective generation config and of the call's other arguments.
+Sampling settings that differ give ranks different token choices from the same logits; stop settings
+that differ leave one rank stopping while the others wait for it."""
+
+
+def _setting(value):
+    """A generation setting as it is compared and printed: plain values as they are, tensors as lists,
+    processors and other objects by their class (their state cannot be compared)."""
+    if isinstance(value, torch.Tensor):
+        return tuple(value.detach().reshape(-1).tolist())
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return tuple(_setting(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((str(k), _setting(v)) for k, v in value.items()))
+    return f"<{type(value).__name__}>"
+
+
+def _generation_settings(model, kwargs: dict) -> tuple:
+    """The values of :data:`_SETTINGS` for one ``generate(**kwargs)`` call (the prompt's tensors are
+    compared on their own): a field passed to ``generate`` wins over the generation config's."""
+    gc = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    fields = tuple(_setting(kwargs[n] if n in kwargs else getattr(gc, n, None)) for n in _SETTINGS[:-2])
+    config = None
+    if gc is not None:
+        config = hashlib.blake2b(repr(_setting(gc.to_dict())).encode(), digest_size=6).hexdigest()
+    skip = {"input_ids", "inputs", "attention_mask", "generation_config", *_SETTINGS}
+    rest = _setting({k: v for k, v in kwargs.items() if k not in skip})
+    return (*fields, config, hashlib.blake2b(repr(rest).encode(), digest_size=6).hexdigest())
