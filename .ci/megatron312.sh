@@ -10,7 +10,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${MEGATRON312_VENV:-/work/venv312}
-TESTS=${MEGATRON312_TESTS:-tests/test_megatron_slots.py tests/test_megatron_rollout.py}
+TESTS=${MEGATRON312_TESTS:-tests/test_megatron_slots.py tests/test_megatron_rollout.py tests/test_megatron_eval.py}
 if [ ! -x "$VENV/bin/python" ]; then
     PY=${MEGATRON312_PYTHON:-python3.12}
     if ! $PY -V >/dev/null 2>&1; then
@@ -18,8 +18,8 @@ if [ ! -x "$VENV/bin/python" ]; then
     fi
     $PY -m venv "$VENV"
 fi
-if ! "$VENV/bin/python" -c "import megatron.core, torch, pytest_timeout, tqdm, einops" 2>/dev/null; then
-    "$VENV/bin/pip" install -q torch==2.13.0 numpy pyyaml pytest pytest-timeout packaging tqdm einops megatron-core==0.19.2
+if ! "$VENV/bin/python" -c "import megatron.core, torch, pytest_timeout, tqdm, einops, matplotlib, psutil" 2>/dev/null; then
+    "$VENV/bin/pip" install -q torch==2.13.0 numpy pyyaml pytest pytest-timeout packaging tqdm einops matplotlib psutil megatron-core==0.19.2
 fi
 "$VENV/bin/python" - <<'PY'
 import sys

@@ -318,14 +318,19 @@ def _dyn_prompts():
     return [torch.randint(0, VOCAB - 1, (n,), generator=gen).tolist() for n in DYN_PROMPTS]
 
 
-def _dyn_run(model, cp, chunked, groups=None):
+SMALL_POOL = dict(blocks=5, max_len=160)
+"""Pool pressure: 4 usable blocks of 48 tokens, while the four requests need 7 together (the
+150-token prompt alone 4): Megatron makes requests wait for blocks that others free."""
+
+
+def _dyn_run(model, cp, chunked, groups=None, blocks=NUM_BLOCKS, max_len=DYN_MAX_LEN):
     from megatron_tree.integrations.megatron.dynamic import build_dynamic_engine, dynamic_kv_bytes
     from megatron_tree.integrations.megatron.dynamic import generate_dynamic
     from megatron_tree.integrations.megatron.model import IdTokenizer
 
     engine = build_dynamic_engine(
-        model, IdTokenizer(eod=VOCAB - 1), max_sequence_length=DYN_MAX_LEN,
-        buffer_size_gb=_gb(NUM_BLOCKS, LOGICAL_BLOCK // cp), block_size_tokens=LOGICAL_BLOCK // cp,
+        model, IdTokenizer(eod=VOCAB - 1), max_sequence_length=max_len,
+        buffer_size_gb=_gb(blocks, LOGICAL_BLOCK // cp), block_size_tokens=LOGICAL_BLOCK // cp,
         max_tokens=64 if chunked else 192,
         max_requests=8, enable_chunked_prefill=chunked, groups=groups,
     )
@@ -351,11 +356,13 @@ def dynamic_rank(rank, world, hier=None):
         ref = _build(1, slot=False)
         for chunked in (True, False):
             out[f"ref_{chunked}"] = _dyn_run(ref, 1, chunked)
+        out["ref_small"] = _dyn_run(ref, 1, True, **SMALL_POOL)
         parallel_state.destroy_model_parallel()
         groups = mt.initialize_model_parallel(world, hier)
         model = _build(world, slot=True, hier=hier)
         for chunked in (True, False):
             out[f"tree_{chunked}"] = _dyn_run(model, world, chunked, groups)
+        out["tree_small"] = _dyn_run(model, world, True, groups, **SMALL_POOL)
         parallel_state.destroy_model_parallel()
         out["fingerprint"] = (before, megatron_attention_fingerprint())
     if compat.megatron_api().inference_mode:
@@ -382,6 +389,20 @@ def test_slot_dynamic_cp_equals_megatron_cp1(dynamic_results, chunked):
         assert tree["tokens"] == ref["tokens"], (r, chunked, tree["tokens"], ref["tokens"])
         assert tree["steps"] == ref["steps"] and tree["finished"] == ref["finished"]
         for rid, lp in ref["log_probs"].items():
+            torch.testing.assert_close(torch.tensor(tree["log_probs"][rid]), torch.tensor(lp), rtol=1e-4, atol=1e-4)
+
+
+def test_slot_dynamic_under_pool_pressure_equals_megatron_cp1(dynamic_results):
+    """A pool too small for every request at once: the scheduler waits (more steps), no token changes."""
+    big, small = dynamic_results[0]["ref_True"], dynamic_results[0]["ref_small"]
+    assert set(small["status"].values()) == {"COMPLETED"} and small["tokens"] == big["tokens"]
+    assert small["steps"] > big["steps"], "the small pool put no pressure on the scheduler"
+    for r, out in enumerate(dynamic_results):
+        tree = out["tree_small"]
+        assert tree["tokens"] == small["tokens"] and tree["steps"] == small["steps"], r
+        assert tree["finished"] == small["finished"], r
+        assert max(max(used) for used in tree["blocks"]) <= SMALL_POOL["blocks"] - 1  # no rank's pool overflows
+        for rid, lp in small["log_probs"].items():
             torch.testing.assert_close(torch.tensor(tree["log_probs"][rid]), torch.tensor(lp), rtol=1e-4, atol=1e-4)
 
 
