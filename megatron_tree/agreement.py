@@ -273,13 +273,19 @@ class Agreement:
         self._last[site] = values
 
     def explain(self, site: str, names: tuple, values: tuple, error: CommError) -> None:
-        """After ``error`` inside ``site``: raise :class:`DisagreementError` if ranks disagree, else return."""
+        """After ``error`` inside ``site``: raise :class:`DisagreementError` if ranks disagree, or the
+        error of a rank whose own checks failed (:meth:`fail`), else return.
+
+        A collective that failed because a peer's connection closed waits for no one (the peer most
+        likely died): it only reads the records already there.
+        """
         if self._epoch == 0:
             return  # no check was ever made here: the peers are not in step with this record
+        wait = 0.0 if getattr(error, "cause", "other") == "closed" else EXPLAIN_WAIT
         try:
             # partial: a rank whose own checks failed wrote its record before the others entered their
             # collectives, so it is there whoever else has answered (their skew may exceed the wait)
-            table, status = self._exchange("failed", site, names, values, self.timeout * EXPLAIN_WAIT,
+            table, status = self._exchange("failed", site, names, values, self.timeout * wait,
                                            self._last.get(site), partial=True)
         except CommError:
             return  # the store itself failed: the original error stands
@@ -428,9 +434,8 @@ class _Call:
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        # A peer whose connection closed is dead: nobody would answer, so no comparison.
-        if (exc_type is not None and issubclass(exc_type, CommError) and not issubclass(exc_type, DisagreementError)
-                and getattr(exc, "cause", "other") != "closed"):
+        # (a peer whose connection closed is most likely dead: explain then reads what is there, waiting for no one)
+        if exc_type is not None and issubclass(exc_type, CommError) and not issubclass(exc_type, DisagreementError):
             self.agreement.explain(self.site, self.names, self.values, exc)
         return False
 
