@@ -74,8 +74,8 @@ def build_model(arch: str, path: str, tok, seed: int = 0):
                 p.normal_(1.0 if "norm" in name else 0.0, 0.2)
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.pad_token_id
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
+    model.save_pretrained(path)  # the tokenizer stays in its own directory (transformers would load a Qwen2
+    # checkpoint's tokenizer files as its Qwen2Tokenizer class)
 
 
 def write_tasks(out_dir: str) -> str:
@@ -102,7 +102,7 @@ def workdir(tmp_path_factory):
 # --------------------------------------------------------------------------- running lm-eval
 
 
-def evaluate(model: str, model_args: str, tasks_dir: str, tasks=TASKS, **kw):
+def evaluate(model, model_args, tasks_dir: str, tasks=TASKS, **kw):
     """lm-eval's ``simple_evaluate`` on the shipped tasks; returns its results (None off rank 0)."""
     import lm_eval
     from lm_eval.tasks import TaskManager
@@ -127,6 +127,159 @@ def per_request(results) -> dict:
 def hf_reference(workdir: str, arch: str) -> dict:
     import lm_eval.models.huggingface  # noqa: F401 -- registers "hf"
 
-    res = evaluate("hf", f"pretrained={os.path.join(workdir, arch)},max_length={MAX_LENGTH},dtype=float32",
+    res = evaluate("hf", f"pretrained={os.path.join(workdir, arch)},tokenizer={os.path.join(workdir, 'tok')},max_length={MAX_LENGTH},dtype=float32",
                    os.path.join(workdir, "tasks"), tasks=[t for t in TASKS if t != "mt_sample"])
     return per_request(res)
+
+
+# --------------------------------------------------------------------------- ranks
+
+
+def _offline_env():
+    os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+
+
+def _rank_eval(rank, world, workdir, runs, cli=None, bad_cp=None):
+    """Each run: (arch, extra model_args, tasks) through simple_evaluate with a TreeLM made here.
+
+    Returns per run: the DP rank's per-request responses and metrics (None off DP rank 0), and
+    this rank's (DP rank, CP rank, scored, prefill tokens). ``cli``: argv for the launcher's
+    ``main`` after the runs; ``bad_cp``: a cp_size that does not divide the world, tried first.
+    """
+    _offline_env()
+    torch.manual_seed(100 + rank)  # ranks seeded differently: sampled tokens must still agree
+    from megatron_tree.integrations import lm_eval as backend
+
+    out = {}
+    if bad_cp is not None:
+        try:
+            backend.TreeLM.create_from_arg_string(f"pretrained={os.path.join(workdir, 'llama')},cp_size={bad_cp}")
+            out["bad_cp"] = None
+        except backend.ModelArgsError as e:
+            out["bad_cp"] = str(e)
+    runs_out = []
+    for arch, extra, tasks in runs:
+        lm = backend.TreeLM.create_from_arg_string(
+            f"pretrained={os.path.join(workdir, arch)},tokenizer={os.path.join(workdir, 'tok')},max_length={MAX_LENGTH},{extra}",
+            {"batch_size": BATCH, "device": "cpu"})
+        res = evaluate(lm, None, os.path.join(workdir, "tasks"), tasks=tasks)
+        runs_out.append({"result": None if res is None else per_request(res), "dp": (lm.rank, lm.world_size),
+                         "cp_rank": lm.cp_rank, "scored": lm.scored, "prefill_tokens": lm.prefill_tokens})
+    out["runs"] = runs_out
+    if cli is not None:
+        from megatron_tree.lm_eval import main
+
+        out["cli"] = main(cli)
+    return out
+
+
+def _close(ref, got, what):
+    assert set(got["requests"]) >= set(ref["requests"]), f"{what}: requests missing"
+    for key, r in ref["requests"].items():
+        g = got["requests"][key]
+        if isinstance(r, str):
+            assert g == r, f"{what} {key}: generated {g!r}, lm-eval's hf generated {r!r}"
+        elif isinstance(r, (list, tuple)):
+            assert abs(g[0] - r[0]) <= 1e-4 and g[1] == r[1], f"{what} {key}: {g} vs hf {r}"
+        else:
+            assert abs(g - r) <= 1e-4, f"{what} {key}: rolling log-likelihood {g} vs hf {r}"
+    for task, m in ref["metrics"].items():
+        for k, v in m.items():
+            if isinstance(v, float) and "perplexity" in k or k.startswith("bits_per_byte"):
+                assert math.isclose(got["metrics"][task][k], v, rel_tol=1e-5), f"{what} {task} {k}"
+            else:
+                assert got["metrics"][task][k] == v, f"{what} {task} {k}: {got['metrics'][task][k]} vs hf {v}"
+
+
+@pytest.fixture(scope="module")
+def references(workdir):
+    _offline_env()
+    return {arch: hf_reference(workdir, arch) for arch in ("llama", "qwen2")}
+
+
+def _check_cp_runs(results, references, runs, what):
+    """Every CP rank of DP rank 0 returns the hf backend's responses; sampled text equal on every rank."""
+    for i, (arch, extra, _) in enumerate(runs):
+        per_rank = [r["runs"][i] for r in results if r["runs"][i]["dp"][0] == 0]
+        for r in per_rank:
+            _close(references[arch], r["result"], f"{what} {arch} ({extra}), CP rank {r['cp_rank']}")
+        samples = [{k: v for k, v in r["result"]["requests"].items() if k[0] == "mt_sample"} for r in per_rank]
+        if any(samples):
+            assert all(s == samples[0] for s in samples), f"{what}: sampled generations differ between CP ranks"
+            assert len(samples[0]) == 5 and any(samples[0].values()), "mt_sample produced nothing"
+
+
+ALL = TASKS
+
+
+def test_cp2_llama_qwen2(workdir, references):
+    runs = [("llama", "cp_size=2,strategy=auto,prefill=ring", ALL), ("qwen2", "cp_size=2,strategy=packed", ALL)]
+    _check_cp_runs(run_ranks(_rank_eval, 2, workdir, runs, timeout=600), references, runs, "CP 2")
+
+
+def test_cp3(workdir, references):
+    runs = [("qwen2", "cp_size=3,strategy=shifted,prefill=allgather", ALL)]
+    results = run_ranks(_rank_eval, 3, workdir, runs, bad_cp=2, timeout=600)
+    for r in results:  # refused on every rank, before any collective
+        assert r["bad_cp"] and "cp_size=2 does not divide the world of 3 ranks" in r["bad_cp"]
+    _check_cp_runs(results, references, runs, "CP 3")
+
+
+def test_cp2x2_and_dp2_cp2(workdir, references, tmp_path):
+    """CP 4 = 2 x 2 on Llama; then DP 2 x CP 2: every request scored once, one results file, one wandb run."""
+    out = str(tmp_path / "out")
+    wandb_dir = tmp_path / "wandb"
+    wandb_dir.mkdir()
+    runs = [("llama", "cp_size=4,intra_size=2,strategy=two_level", ALL),
+            ("llama", "cp_size=2,strategy=auto", ["mt_choice", "mt_ppl"])]
+    cli = ["--model", "megatron_tree", "--model_args",
+           f"pretrained={os.path.join(workdir, 'llama')},tokenizer={os.path.join(workdir, 'tok')},cp_size=2,"
+           f"max_length={MAX_LENGTH}",
+           "--tasks", "mt_choice,mt_gen", "--include_path", os.path.join(workdir, "tasks"), "--batch_size", "2",
+           "--device", "cpu", "--output_path", out, "--log_samples", "--wandb_args", "project=mt_lmeval,mode=offline"]
+    results = run_ranks(_rank_eval, 4, workdir, runs, cli=cli, timeout=900, env={"WANDB_DIR": str(wandb_dir)})
+    _check_cp_runs(results, references, runs[:1], "CP 2x2")
+
+    dp = [r["runs"][1] for r in results]
+    assert sorted(r["dp"] for r in dp) == [(0, 2), (0, 2), (1, 2), (1, 2)]
+    ref = references["llama"]["requests"]
+    # lm-eval pads DP rank 1's list (2 of 5 documents) with copies of its last request: scored once.
+    unique = {k for k in ref if k[0] == "mt_choice"}
+    ppl_windows = None
+    for r in dp:
+        assert r["result"] is None or r["dp"][0] == 0
+    by_dp = {d: [r for r in dp if r["dp"][0] == d] for d in (0, 1)}
+    for d, rs in by_dp.items():
+        assert len({r["scored"] for r in rs}) == 1, f"CP peers of DP rank {d} scored different counts"
+    total = sum(rs[0]["scored"] for rs in by_dp.values())
+    ppl_windows = total - len(unique)
+    assert ppl_windows == sum(_windows(workdir)), f"scored {total}: requests scored more or less than once"
+    _close({"requests": {k: v for k, v in ref.items() if k[0] in ("mt_choice", "mt_ppl")},
+            "metrics": {t: references["llama"]["metrics"][t] for t in ("mt_choice", "mt_ppl")}},
+           by_dp[0][0]["result"], "DP 2 x CP 2")
+
+    files = glob.glob(os.path.join(out, "**", "results_*.json"), recursive=True)
+    assert len(files) == 1, f"results written {len(files)} times: {files}"
+    samples = glob.glob(os.path.join(out, "**", "samples_*.jsonl"), recursive=True)
+    assert sorted(os.path.basename(s).split("_2")[0] for s in samples) == ["samples_mt_choice", "samples_mt_gen"]
+    with open(files[0], encoding="utf-8") as f:
+        written = json.load(f)
+    assert written["results"]["mt_choice"]["acc,none"] == references["llama"]["metrics"]["mt_choice"]["acc,none"]
+    for s in samples:
+        with open(s, encoding="utf-8") as f:
+            docs = [json.loads(line)["doc_id"] for line in f]
+        assert sorted(docs) == list(range(5)), f"{s}: documents {docs}, expected each of 5 once"
+    runs_dirs = glob.glob(str(wandb_dir / "**" / "offline-run-*"), recursive=True)
+    assert len(runs_dirs) == 1, f"wandb runs: {runs_dirs}"
+
+
+def _windows(workdir):
+    """Rolling windows lm-eval makes of each mt_ppl document at MAX_LENGTH (what the backend scores)."""
+    from lm_eval import utils as lm_utils
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(os.path.join(workdir, "tok"))
+    with open(os.path.join(TASK_DIR, "ppl.jsonl"), encoding="utf-8") as f:
+        docs = [json.loads(line)["text"] for line in f]
+    return [len(list(lm_utils.get_rolling_token_windows(tok.encode(d), tok.eos_token_id, MAX_LENGTH, 1)))
+            for d in docs]
