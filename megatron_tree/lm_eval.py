@@ -49,6 +49,27 @@ def _strip_flags(argv: list[str], flags) -> list[str]:
     return out
 
 
+def _flag(argv: list[str], name: str) -> str | None:
+    """The value of ``--name value`` / ``--name=value`` in argv (the last one), else None."""
+    value = None
+    for i, a in enumerate(argv):
+        if a == name and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif a.startswith(name + "="):
+            value = a.split("=", 1)[1]
+    return value
+
+
+def _check_model_args(argv: list[str], backend) -> None:
+    """Refuse bad ``--model_args`` of this backend before lm-eval indexes its tasks (the same on every rank)."""
+    if _flag(argv, "--model") != backend.BACKEND_NAME:
+        return
+    from lm_eval import utils as lm_utils
+
+    args = backend.model_args_from(lm_utils.simple_parse_args_string(_flag(argv, "--model_args") or ""))
+    backend.check_checkpoint(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run lm-eval's CLI on ``argv`` (default ``sys.argv[1:]``) with the backend registered; returns 0."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -72,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.argv = ["lm-eval", *argv]
     lm_eval.simple_evaluate = simple_evaluate
     try:
+        _check_model_args(argv, backend)
         cli_evaluate()
     except (backend.ModelArgsError, backend.RequestError) as e:
         print(f"megatron_tree.lm_eval: rank {_global_rank()}: {e}", file=sys.stderr, flush=True)

@@ -283,3 +283,54 @@ def _windows(workdir):
         docs = [json.loads(line)["text"] for line in f]
     return [len(list(lm_utils.get_rolling_token_windows(tok.encode(d), tok.eos_token_id, MAX_LENGTH, 1)))
             for d in docs]
+
+
+# --------------------------------------------------------------------------- bad input (one process)
+
+
+class _Req:
+    """What the backend reads of lm-eval's ``Instance``: ``args``."""
+
+    def __init__(self, *args):
+        self.args = args
+
+
+def test_bad_input(workdir, capsys, monkeypatch):
+    _offline_env()
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    from megatron_tree.integrations import lm_eval as backend
+    from megatron_tree.lm_eval import main
+
+    llama, tok = os.path.join(workdir, "llama"), os.path.join(workdir, "tok")
+    cases = [
+        (f"pretrained={llama},cp_sise=2", "unknown model_args key(s) ['cp_sise']"),
+        ("cp_size=2", "needs model_args pretrained="),
+        (f"pretrained={llama},cp_size=2", "cp_size=2 does not divide the world of 1 ranks"),
+        (f"pretrained={llama},cp_size=two", "cp_size must be an integer, got 'two'"),
+        (f"pretrained={llama},strategy=ring", "strategy='ring' is not one of"),
+        (f"pretrained={llama},dtype=float8", "dtype='float8' is not one of"),
+        (f"pretrained={llama},batch_size=auto", "batch_size=auto is not supported"),
+        (f"pretrained={workdir}/missing", "is not a transformers checkpoint directory"),
+        (f"pretrained={llama},source=megatron", "Megatron checkpoints are not served"),
+    ]
+    for args, message in cases:
+        with pytest.raises(backend.ModelArgsError) as e:
+            backend.TreeLM.create_from_arg_string(args)
+        assert message in str(e.value), (args, str(e.value))
+
+    lm = backend.TreeLM.create_from_arg_string(f"pretrained={llama},tokenizer={tok},max_length=16", {"device": "cpu"})
+    with pytest.raises(backend.RequestError, match="needs 18 tokens .* beyond max_length=16; this backend never"):
+        lm.loglikelihood([_Req("the cat " * 8, " sees the dog")])
+    with pytest.raises(backend.RequestError, match="context of 12 tokens; with max_gen_toks=8 it needs 20"):
+        lm.generate_until([_Req("the cat " * 6, {"until": ["."], "max_gen_toks": 8})])
+    with pytest.raises(backend.RequestError, match=r"generation kwargs \['num_beams'\]"):
+        lm.generate_until([_Req("the cat", {"until": ["."], "max_gen_toks": 2, "num_beams": 4})])
+    assert lm.scored == 0 and lm.prefill_tokens == 0, "a refused batch must not run"
+    # A request that fits runs, and a rolling document longer than max_length is windowed, not refused.
+    assert len(lm.loglikelihood_rolling([_Req("the cat sees the dog " * 8)])) == 1
+
+    with pytest.raises(SystemExit) as e:
+        main(["--model", "megatron_tree", "--model_args", f"pretrained={llama},bogus=1", "--tasks", "mt_choice",
+              "--include_path", os.path.join(workdir, "tasks"), "--device", "cpu"])
+    assert e.value.code == 2
+    assert "rank 0: unknown model_args key(s) ['bogus']" in capsys.readouterr().err

@@ -70,7 +70,8 @@ from ..decode import PREFILL_METHODS, generate
 from ..topology import TreeGroups
 from .hf import load_hf_model
 
-__all__ = ["BACKEND_NAME", "ModelArgs", "ModelArgsError", "RequestError", "TreeLM", "model_args_from"]
+__all__ = ["BACKEND_NAME", "ModelArgs", "ModelArgsError", "RequestError", "TreeLM", "check_checkpoint",
+           "model_args_from"]
 
 BACKEND_NAME = "megatron_tree"
 """The name lm-eval's ``--model`` takes."""
@@ -163,7 +164,7 @@ def model_args_from(args: dict) -> ModelArgs:
     return ModelArgs(**a)
 
 
-def _check_checkpoint(args: ModelArgs) -> None:
+def check_checkpoint(args: ModelArgs) -> None:
     """Refuse what cannot load before any process group is made (the same on every rank)."""
     if args.source == "megatron":
         raise ModelArgsError(
@@ -238,7 +239,7 @@ class TreeLM(TemplateLM):
     def __init__(self, **kwargs):
         super().__init__()
         self.args = args = model_args_from(kwargs)
-        _check_checkpoint(args)
+        check_checkpoint(args)
         self._device = _device(args)
         self.groups, self._dp_group, self._rank, self._world_size = _build_groups(args, self._device)
         from transformers import AutoTokenizer
