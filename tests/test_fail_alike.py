@@ -94,6 +94,16 @@ def test_prompt_file_that_is_not_utf8_is_a_named_error_with_exit_2(tmp_path, cap
     assert "megatron-tree-generate: rank 0: error: --sample-input-file: " in err and "Traceback" not in err, err
 
 
+def test_generate_megatron_refuses_to_run_past_max_position_embeddings(capsys):
+    from megatron_tree import generate_megatron
+
+    argv = ["--prompt", "1 2 3", "--out-seq-length", "15", "model.max_position_embeddings=16"]
+    assert generate_megatron.main(argv) == 2  # 3 + 15 - 1 = 17 positions, the model has 16
+    err = capsys.readouterr().err
+    assert ("rank 0: error: --out-seq-length: prompt 0 has 3 tokens; with --out-seq-length 15 it needs 17 "
+            "positions, but the model has max_position_embeddings 16") in err and "Traceback" not in err, err
+
+
 # --------------------------------------------------------------------------- multi-rank: one launch
 
 import os  # noqa: E402

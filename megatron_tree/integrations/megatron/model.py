@@ -322,7 +322,7 @@ def build_gpt(shape: GPTShape, *, tree: bool, dtype=torch.float32, tp: int = 1, 
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from .static import get_gpt_layer_tree_spec
+    from .attention import get_gpt_layer_tree_spec
 
     if seed is not None:
         torch.manual_seed(seed)
@@ -427,9 +427,9 @@ class MegatronLM:
         self._attention = [layer.self_attention.core_attention for layer in unwrap_model(model).decoder.layers]
         self._last: list | None = None
         unwrap_model(model).decoder.register_forward_hook(self._keep_last_token)
-        from .patches import apply_runtime
+        from .attention import check_tree_slots
 
-        apply_runtime()  # the KV-cache hook has no slot in megatron-core; idempotent
+        check_tree_slots(model, "MegatronLM")
 
     @property
     def device(self) -> torch.device:
