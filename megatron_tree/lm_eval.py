@@ -3,7 +3,8 @@
 Takes lm-eval's own flags (``--model megatron_tree --model_args pretrained=...,cp_size=... --tasks ...
 --batch_size ... --output_path ... --log_samples --wandb_args ...``), registers the backend
 (``integrations.lm_eval``) and runs ``lm_eval``'s CLI in every process the launcher started
-(torchrun, the deepspeed launcher, srun). Two things differ from a plain ``lm-eval`` run, both so
+(torchrun, the deepspeed launcher -- its ``--local_rank`` argument is dropped --, ``srun torchrun``:
+``launch/slurm/lm_eval.sbatch``). Two things differ from a plain ``lm-eval`` run, both so
 that one evaluation is recorded once whatever the world:
 
 * results (and samples) are returned, printed and written by global rank 0 only: lm-eval keeps
@@ -23,6 +24,8 @@ import sys
 __all__ = ["main"]
 
 _RANK0_ONLY_FLAGS = ("--wandb_args", "--wandb_config_args")
+_LAUNCHER_FLAGS = ("--local_rank", "--local-rank")
+"""What the deepspeed launcher appends to every process's argv (it sets LOCAL_RANK too); not lm-eval's."""
 
 
 def _global_rank() -> int:
@@ -72,7 +75,7 @@ def _check_model_args(argv: list[str], backend) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run lm-eval's CLI on ``argv`` (default ``sys.argv[1:]``) with the backend registered; returns 0."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = _strip_flags(list(sys.argv[1:] if argv is None else argv), _LAUNCHER_FLAGS)
     os.environ.setdefault("WANDB_MODE", "offline")
     import lm_eval
     import lm_eval.models  # noqa: F401 -- lm-eval's own backends stay available beside ours
