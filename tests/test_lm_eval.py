@@ -29,6 +29,7 @@ pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install 'me
 HERE = os.path.dirname(os.path.abspath(__file__))
 TASK_DIR = os.path.join(HERE, "lm_eval_tasks")
 TASKS = ["mt_choice", "mt_gen", "mt_sample", "mt_ppl"]
+SHARED = "mt_letters"  # one-token choices: the four continuations of a question share one prefilled row
 MAX_LENGTH = 64
 BATCH = 3
 WORDS = ("the a one two red blue green cat dog bird fish tree house river sun moon star is was has sees likes "
@@ -81,7 +82,7 @@ def build_model(arch: str, path: str, tok, seed: int = 0):
 def write_tasks(out_dir: str) -> str:
     """The shipped task YAMLs with their data files made absolute (lm-eval reads them relative to the cwd)."""
     os.makedirs(out_dir, exist_ok=True)
-    for name in TASKS:
+    for name in [*TASKS, SHARED]:
         with open(os.path.join(TASK_DIR, f"{name}.yaml"), encoding="utf-8") as f:
             text = f.read().replace("tests/lm_eval_tasks/", TASK_DIR + "/")
         with open(os.path.join(out_dir, f"{name}.yaml"), "w", encoding="utf-8") as f:
@@ -128,7 +129,7 @@ def hf_reference(workdir: str, arch: str) -> dict:
     import lm_eval.models.huggingface  # noqa: F401 -- registers "hf"
 
     res = evaluate("hf", f"pretrained={os.path.join(workdir, arch)},tokenizer={os.path.join(workdir, 'tok')},max_length={MAX_LENGTH},dtype=float32",
-                   os.path.join(workdir, "tasks"), tasks=[t for t in TASKS if t != "mt_sample"])
+                   os.path.join(workdir, "tasks"), tasks=[t for t in TASKS if t != "mt_sample"] + [SHARED])
     return per_request(res)
 
 
@@ -164,7 +165,8 @@ def _rank_eval(rank, world, workdir, runs, cli=None, bad_cp=None):
             {"batch_size": BATCH, "device": "cpu"})
         res = evaluate(lm, None, os.path.join(workdir, "tasks"), tasks=tasks)
         runs_out.append({"result": None if res is None else per_request(res), "dp": (lm.rank, lm.world_size),
-                         "cp_rank": lm.cp_rank, "scored": lm.scored, "prefill_tokens": lm.prefill_tokens})
+                         "cp_rank": lm.cp_rank, "scored": lm.scored, "prefill_tokens": lm.prefill_tokens,
+                         "prefill_tokens_unshared": lm.prefill_tokens_unshared})
     out["runs"] = runs_out
     if cli is not None:
         from megatron_tree.lm_eval import main
@@ -199,10 +201,12 @@ def references(workdir):
 
 def _check_cp_runs(results, references, runs, what):
     """Every CP rank of DP rank 0 returns the hf backend's responses; sampled text equal on every rank."""
-    for i, (arch, extra, _) in enumerate(runs):
+    for i, (arch, extra, tasks) in enumerate(runs):
         per_rank = [r["runs"][i] for r in results if r["runs"][i]["dp"][0] == 0]
+        ref = {"requests": {k: v for k, v in references[arch]["requests"].items() if k[0] in tasks},
+               "metrics": {t: m for t, m in references[arch]["metrics"].items() if t in tasks}}
         for r in per_rank:
-            _close(references[arch], r["result"], f"{what} {arch} ({extra}), CP rank {r['cp_rank']}")
+            _close(ref, r["result"], f"{what} {arch} ({extra}), CP rank {r['cp_rank']}")
         samples = [{k: v for k, v in r["result"]["requests"].items() if k[0] == "mt_sample"} for r in per_rank]
         if any(samples):
             assert all(s == samples[0] for s in samples), f"{what}: sampled generations differ between CP ranks"
@@ -210,15 +214,26 @@ def _check_cp_runs(results, references, runs, what):
 
 
 ALL = TASKS
+GREEDY = [t for t in TASKS if t != "mt_sample"]  # sampling is checked on Llama (its logits are the greedy path's)
 
 
 def test_cp2_llama_qwen2(workdir, references):
-    runs = [("llama", "cp_size=2,strategy=auto,prefill=ring", ALL), ("qwen2", "cp_size=2,strategy=packed", ALL)]
-    _check_cp_runs(run_ranks(_rank_eval, 2, workdir, runs, timeout=600), references, runs, "CP 2")
+    runs = [("llama", "cp_size=2,strategy=auto,prefill=ring", ALL), ("qwen2", "cp_size=2,strategy=packed", GREEDY),
+            ("llama", "cp_size=2", [SHARED])]
+    results = run_ranks(_rank_eval, 2, workdir, runs, timeout=600)
+    _check_cp_runs(results, references, runs, "CP 2")
+    # Prefix sharing, counted: 4 questions x 4 one-token choices prefill each context once, not 4 times.
+    with open(os.path.join(TASK_DIR, "letters.jsonl"), encoding="utf-8") as f:
+        contexts = [len(json.loads(line)["question"].split()) for line in f]
+    for r in results:
+        shared = r["runs"][2]
+        assert shared["scored"] == 16
+        assert shared["prefill_tokens"] == sum(contexts), shared
+        assert shared["prefill_tokens_unshared"] == 4 * sum(contexts), shared
 
 
 def test_cp3(workdir, references):
-    runs = [("qwen2", "cp_size=3,strategy=shifted,prefill=allgather", ALL)]
+    runs = [("qwen2", "cp_size=3,strategy=shifted,prefill=allgather", GREEDY)]
     results = run_ranks(_rank_eval, 3, workdir, runs, bad_cp=2, timeout=600)
     for r in results:  # refused on every rank, before any collective
         assert r["bad_cp"] and "cp_size=2 does not divide the world of 3 ranks" in r["bad_cp"]

@@ -23,7 +23,9 @@ How each request type runs (the decode tier underneath, through ``integrations.h
   the forward returns the logits of the continuation positions only, assembled on every
   rank; log-probs and the greedy flag are computed from them. Identical (context,
   continuation) token pairs are scored once (lm-eval's padding of a DP rank's list repeats its
-  last request).
+  last request), and pairs with the same model input (the one-token choices of one question)
+  share one row: the context is prefilled once for all of them (``prefill_tokens`` against
+  ``prefill_tokens_unshared``).
 * ``loglikelihood_rolling`` -- lm-eval's own rolling windows of ``max_length`` tokens
   (``utils.get_rolling_token_windows``), each scored as above.
 * ``generate_until`` -- CP prefill + tree-decoded steps (``decode.generate``: CP rank 0's token
@@ -32,7 +34,7 @@ How each request type runs (the decode tier underneath, through ``integrations.h
   string as lm-eval's ``hf`` backend cuts it.
 
 Not supported yet (refused with a message naming it): Megatron checkpoints (``source=megatron``),
-prefix sharing of a context across continuations (each continuation prefills its context),
+prefix sharing of a context across continuations of more than one token (each prefills it again),
 ``batch_size=auto``, chat templates, generation kwargs other than ``do_sample``,
 ``temperature``, ``top_k``, ``top_p``, ``until``, ``max_gen_toks``. A request longer than
 ``max_length`` is an error, never a truncation.
@@ -252,7 +254,9 @@ class TreeLM(TemplateLM):
         self.scored = 0
         """Requests (context, continuation token pairs) this rank scored: each unique pair once."""
         self.prefill_tokens = 0
-        """Tokens prefilled by this rank's forwards (the whole rows, summed over its CP group's view)."""
+        """Tokens this rank's CP group prefilled for scoring and generation (whole rows, pads excluded)."""
+        self.prefill_tokens_unshared = 0
+        """Tokens scoring would have prefilled with one row per (context, continuation) pair."""
         self._generations = 0
 
     @classmethod
@@ -347,19 +351,18 @@ class TreeLM(TemplateLM):
 
     # ------------------------------------------------------------------ scoring
 
-    def _score_batch(self, rows: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
-        """Log-prob sums and greedy flags of each row's continuation, one CP-sharded forward.
+    def _forward_rows(self, rows: list[tuple[tuple[int, ...], int]]) -> list[torch.Tensor]:
+        """Log-probs of each row's last ``k`` predictions, one CP-sharded forward.
 
-        rows: (context tokens, continuation tokens); the model reads context + continuation[:-1]
-        (left-padded to the longest row) and returns logits of the last max(len(continuation))
-        positions only: (batch, K, vocab), identical on every CP rank.
+        rows: (input tokens, k); the inputs are left-padded to the longest and the forward returns
+        the logits of the last max(k) positions only: (batch, K, vocab), identical on every CP rank.
+        returns per row: (k, vocab) float32 log-probs of the tokens after its last k positions.
         """
-        inps = [(c + t)[:-1] for c, t in rows]
-        seq = max(len(i) for i in inps)
-        k = max(len(t) for _, t in rows)
+        seq = max(len(i) for i, _ in rows)
+        kmax = max(k for _, k in rows)
         ids = torch.zeros(len(rows), seq, dtype=torch.long)
         mask = torch.zeros_like(ids)
-        for b, inp in enumerate(inps):
+        for b, (inp, _) in enumerate(rows):
             ids[b, seq - len(inp):] = torch.as_tensor(inp, dtype=torch.long)
             mask[b, seq - len(inp):] = 1
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -367,16 +370,10 @@ class TreeLM(TemplateLM):
         cache = self.model.new_cache(len(rows), seq)
         with torch.no_grad():
             out = self.model.hf(input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev),
-                                past_key_values=cache, logits_to_keep=torch.arange(seq - k, seq, device=dev))
+                                past_key_values=cache, logits_to_keep=torch.arange(seq - kmax, seq, device=dev))
         logprobs = torch.log_softmax(out.logits.float(), dim=-1)  # (B, K, V)
-        self.prefill_tokens += sum(len(i) for i in inps)
-        res = []
-        for b, (_, cont) in enumerate(rows):
-            lp = logprobs[b, k - len(cont):]  # (len(cont), V)
-            want = torch.as_tensor(cont, dtype=torch.long, device=lp.device)
-            greedy = bool((lp.argmax(dim=-1) == want).all())
-            res.append((float(lp.gather(1, want[:, None]).sum()), greedy))
-        return res
+        self.prefill_tokens += sum(len(i) for i, _ in rows)
+        return [logprobs[b, kmax - k:] for b, (_, k) in enumerate(rows)]
 
     def _check_scored(self, requests) -> None:
         for i, (key, ctx, cont) in enumerate(requests):
@@ -390,18 +387,37 @@ class TreeLM(TemplateLM):
                 )
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
-        """lm-eval's token-level scoring: requests are ((context, continuation) | None, ctx_ids, cont_ids)."""
+        """lm-eval's token-level scoring: requests are ((context, continuation) | None, ctx_ids, cont_ids).
+
+        Each unique (context, continuation) pair is scored once. Pairs whose model input
+        (context + continuation[:-1]) is the same -- the choices of a multiple-choice question
+        whose continuations are one token each -- share one row of one forward: the context is
+        prefilled once and each continuation is read from the same logits.
+        """
         self._check_scored(requests)
-        unique: dict[tuple, int] = {}
+        pairs: dict[tuple, tuple] = {}  # (ctx, cont) -> its model input
+        need: dict[tuple, int] = {}  # model input -> positions to score
         for _, ctx, cont in requests:
-            unique.setdefault((tuple(ctx), tuple(cont)), len(unique))
-        keys = sorted(unique, key=lambda kc: (-(len(kc[0]) + len(kc[1])), kc))  # longest first, as hf batches
+            key = (tuple(ctx), tuple(cont))
+            if key not in pairs:
+                inp = (key[0] + key[1])[:-1]
+                pairs[key] = inp
+                need[inp] = max(need.get(inp, 0), len(cont))
+        by_row: dict[tuple, list[tuple]] = {}
+        for key, inp in pairs.items():
+            by_row.setdefault(inp, []).append(key)
+        rows = sorted(need, key=lambda i: (-len(i), i))  # longest first, as hf batches
         scores: dict[tuple, tuple[float, bool]] = {}
-        for i in range(0, len(keys), self.batch_size):
-            chunk = keys[i:i + self.batch_size]
-            for key, r in zip(chunk, self._score_batch([(list(c), list(t)) for c, t in chunk])):
-                scores[key] = r
-        self.scored += len(keys)
+        for i in range(0, len(rows), self.batch_size):
+            chunk = rows[i:i + self.batch_size]
+            for inp, lp_row in zip(chunk, self._forward_rows([(inp, need[inp]) for inp in chunk])):
+                for key in by_row[inp]:
+                    cont = key[1]
+                    lp = lp_row[lp_row.shape[0] - len(cont):]  # (len(cont), V)
+                    want = torch.as_tensor(cont, dtype=torch.long, device=lp.device)
+                    scores[key] = (float(lp.gather(1, want[:, None]).sum()), bool((lp.argmax(-1) == want).all()))
+        self.scored += len(pairs)
+        self.prefill_tokens_unshared += sum(len(inp) for inp in pairs.values())
         res = []
         for key, ctx, cont in requests:
             r = scores[(tuple(ctx), tuple(cont))]
