@@ -199,7 +199,9 @@ def _device(args: ModelArgs) -> torch.device:
     if want.startswith("cuda"):
         if not torch.cuda.is_available():
             raise ModelArgsError(f"device={want!r} but CUDA is not available here; pass --device cpu")
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        torch.cuda.set_device(dev)  # NCCL's object collectives (lm-eval's gather) use the current device
+        return dev
     raise ModelArgsError(f"device={want!r} is not supported; expected cpu or cuda")
 
 
