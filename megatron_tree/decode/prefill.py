@@ -41,7 +41,7 @@ PREFILL_METHODS = ("ring", "allgather")
 _HIDDEN = torch.iinfo(torch.int64).max  # the position of a padded key: after every query
 
 
-def _check(q, k, v, q_pos, k_pos) -> None:
+def _check(q, k, v, q_pos, k_pos, window=None, softcap=None, sinks=None) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(
             f"q, k, v must be (batch, seqlen, heads, headdim), got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
@@ -50,6 +50,7 @@ def _check(q, k, v, q_pos, k_pos) -> None:
         raise ValueError(f"q_pos must have shape {tuple(q.shape[:2])} (batch, seqlen_q), got {tuple(q_pos.shape)}")
     if tuple(k_pos.shape) != tuple(k.shape[:2]):
         raise ValueError(f"k_pos must have shape {tuple(k.shape[:2])} (batch, seqlen_k), got {tuple(k_pos.shape)}")
+    reference.check_variants(q, window=window, softcap=softcap, sinks=sinks)
 
 
 def _pad_keys(k, v, k_pos, length: int):
@@ -59,16 +60,18 @@ def _pad_keys(k, v, k_pos, length: int):
     if extra:
         b, _, h, d = k.shape
         k = torch.cat([k, k.new_zeros(b, extra, h, d)], dim=1)
-        v = torch.cat([v, v.new_zeros(b, extra, h, d)], dim=1)
+        v = torch.cat([v, v.new_zeros(b, extra, h, v.shape[-1])], dim=1)  # V's own head dim (MLA)
         k_pos = torch.cat([k_pos, k_pos.new_full((b, extra), _HIDDEN)], dim=1)
     return k.contiguous(), v.contiguous(), k_pos.contiguous()
 
 
-PREFILL_SIGNATURE = ("batch", "heads_q", "heads_kv", "headdim", "dtype", "method", "backend")
+PREFILL_SIGNATURE = ("batch", "heads_q", "heads_kv", "headdim", "headdim_v", "dtype", "method", "backend",
+                     "window", "softcap", "sinks")
 """What every CP rank of a prefill must agree on (the local lengths may differ)."""
 
 
-def _agree_and_length(q, k, v, q_pos, k_pos, method: str, backend, groups: TreeGroups, stats) -> int:
+def _agree_and_length(q, k, v, q_pos, k_pos, method: str, backend, groups: TreeGroups, stats,
+                      window=None, softcap=None, sinks=None) -> int:
     """This rank's checks, then one all-gather of (status, seqlen_k, *PREFILL_SIGNATURE): the CP-wide key length.
 
     Every rank sees every rank's record (``agreement.agree``), so a rank whose own inputs are
@@ -76,13 +79,14 @@ def _agree_and_length(q, k, v, q_pos, k_pos, method: str, backend, groups: TreeG
     """
 
     def signature():
-        _check(q, k, v, q_pos, k_pos)
+        _check(q, k, v, q_pos, k_pos, window, softcap, sinks)
         try:
             name = ops.resolve_backend(q.device, backend)
         except (ValueError, RuntimeError):  # unusable here: agree first, then the kernel call says why
             name = None
         b, _, hq, d = q.shape
-        return (b, hq, k.shape[2], d, q.dtype, method, name)
+        sink = None if sinks is None else tuple(sinks.double().tolist())
+        return (b, hq, k.shape[2], d, v.shape[-1], q.dtype, method, name, window, softcap, sink)
 
     length = k.shape[1] if isinstance(k, torch.Tensor) and k.dim() == 4 else 0
     rows = agreement.agree("CP prefill", PREFILL_SIGNATURE, signature, groups.cp_group, groups.cp_ranks,
@@ -90,16 +94,24 @@ def _agree_and_length(q, k, v, q_pos, k_pos, method: str, backend, groups: TreeG
     return max(row[0] for row in rows)
 
 
-def _local(q, k, v, q_pos, k_pos, softmax_scale, backend):
-    """Partial state of q over one KV block: out (B, Sq, Hq, D) float32 (float64 for float64
+def _local(q, k, v, q_pos, k_pos, softmax_scale, backend, window=None, softcap=None):
+    """Partial state of q over one KV block: out (B, Sq, Hq, Dv) float32 (float64 for float64
     input) and lse (B, Hq, Sq) float64, so that partials accumulate in full precision (a ring
-    merges them again: ``reference``'s docstring)."""
+    merges them again: ``reference``'s docstring). ``window``/``softcap`` as for ``ops.flash_decode``
+    (a block with no key inside a query's window is an empty partial for it)."""
     acc = reference.acc_dtype(q.dtype)
     out, lse = ops.flash_decode(
         q, k, v, softmax_scale=softmax_scale, q_positions=q_pos, k_positions=k_pos, backend=backend,
-        out_dtype=acc, lse_dtype=torch.float64,
+        out_dtype=acc, lse_dtype=torch.float64, window=window, softcap=softcap,
     )
     return out, lse
+
+
+def _finish(out, lse, q, sinks):
+    """The merged state in q's dtype, with the sink joined once (after every block's merge)."""
+    if sinks is not None:
+        out, _ = reference.add_sink(out, lse, sinks)
+    return out.to(q.dtype)
 
 
 def ring_prefill(
@@ -113,16 +125,23 @@ def ring_prefill(
     softmax_scale: float | None = None,
     backend: str | None = None,
     stats: CommStats | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of this rank's queries over all ranks' keys, KV passed around a ring.
 
     Per rank:
 
     q: (batch, seqlen_q, nheads_q, headdim) -- this rank's prompt tokens
-    k, v: (batch, seqlen_k, nheads_kv, headdim) -- this rank's keys/values (seqlen_k may
-        differ between ranks)
+    k: (batch, seqlen_k, nheads_kv, headdim), v: (batch, seqlen_k, nheads_kv, headdim_v) -- this
+        rank's keys/values (seqlen_k may differ between ranks; headdim_v may differ from headdim: MLA)
     q_pos: (batch, seqlen_q), k_pos: (batch, seqlen_k) integer global positions, < 0 = padding
-    returns out: (batch, seqlen_q, nheads_q, headdim) in q.dtype
+    window: sliding window by global position (a query at p sees keys p - window < j <= p);
+        softcap: score soft-capping; both as for ``ops.flash_decode``, the same on every rank
+    sinks: (nheads_q,) one logit per query head joining the softmax once, after every block's
+        merge (``reference.add_sink``); the same on every rank
+    returns out: (batch, seqlen_q, nheads_q, headdim_v) in q.dtype
 
     Collectives: one all-gather of a fixed-size record (seqlen_k and the signature; see
     the module docstring), then P-1 rounds of one batch of isend/irecv of (k, v, k_pos) to
@@ -130,11 +149,11 @@ def ring_prefill(
     ``all_gather`` and ``send``, one per message) when one is given.
     """
     if groups is None or groups.size == 1:
-        _check(q, k, v, q_pos, k_pos)
+        _check(q, k, v, q_pos, k_pos, window, softcap, sinks)
         k, v, kp = _pad_keys(k, v, k_pos, k.shape[1])
-        return _local(q, k, v, q_pos.to(torch.int64), kp, softmax_scale, backend)[0].to(q.dtype)
+        return _finish(*_local(q, k, v, q_pos.to(torch.int64), kp, softmax_scale, backend, window, softcap), q, sinks)
     p, me = groups.size, groups.rank
-    length = _agree_and_length(q, k, v, q_pos, k_pos, "ring", backend, groups, stats)
+    length = _agree_and_length(q, k, v, q_pos, k_pos, "ring", backend, groups, stats, window, softcap, sinks)
     q_pos = q_pos.to(torch.int64)
     k, v, kp = _pad_keys(k, v, k_pos, length)
     nxt, prv = groups.cp_ranks[(me + 1) % p], groups.cp_ranks[(me - 1) % p]
@@ -150,7 +169,7 @@ def ring_prefill(
                                       level="cp", stats=stats, what=f"ring prefill, round {step}")
         bk, bv, bp = block
         if bp.numel() and int(bp.min()) <= q_last:  # else every key is in the future: skip
-            out, lse = _local(q, bk, bv, q_pos, bp, softmax_scale, backend)
+            out, lse = _local(q, bk, bv, q_pos, bp, softmax_scale, backend, window, softcap)
             if acc_out is None:
                 acc_out, acc_lse = out, lse
             else:
@@ -160,8 +179,8 @@ def ring_prefill(
         if incoming is not None:
             block = incoming
     if acc_out is None:  # no visible key at all (e.g. only padded queries on this rank)
-        return torch.zeros_like(q)
-    return acc_out.to(q.dtype)
+        return q.new_zeros(*q.shape[:3], v.shape[-1])
+    return _finish(acc_out, acc_lse, q, sinks)
 
 
 def allgather_prefill(
@@ -175,6 +194,9 @@ def allgather_prefill(
     softmax_scale: float | None = None,
     backend: str | None = None,
     stats: CommStats | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of this rank's queries over all ranks' keys, after an all-gather of KV.
 
@@ -183,10 +205,10 @@ def allgather_prefill(
     when one is given. Holds every rank's keys at once: P times ring's KV memory.
     """
     if groups is None or groups.size == 1:
-        _check(q, k, v, q_pos, k_pos)
+        _check(q, k, v, q_pos, k_pos, window, softcap, sinks)
         k, v, kp = _pad_keys(k, v, k_pos, k.shape[1])
-        return _local(q, k, v, q_pos.to(torch.int64), kp, softmax_scale, backend)[0].to(q.dtype)
-    length = _agree_and_length(q, k, v, q_pos, k_pos, "allgather", backend, groups, stats)
+        return _finish(*_local(q, k, v, q_pos.to(torch.int64), kp, softmax_scale, backend, window, softcap), q, sinks)
+    length = _agree_and_length(q, k, v, q_pos, k_pos, "allgather", backend, groups, stats, window, softcap, sinks)
     q_pos = q_pos.to(torch.int64)
     k, v, kp = _pad_keys(k, v, k_pos, length)
     gathered = []
@@ -194,19 +216,20 @@ def allgather_prefill(
         parts = collectives.all_gather(t, groups.cp_group, level="cp", stats=stats, what="all-gather prefill")
         gathered.append(torch.cat(parts.unbind(0), dim=1))
     k_all, v_all, kp_all = gathered
-    out, _ = _local(q, k_all, v_all, q_pos, kp_all, softmax_scale, backend)
-    return out.to(q.dtype)
+    return _finish(*_local(q, k_all, v_all, q_pos, kp_all, softmax_scale, backend, window, softcap), q, sinks)
 
 
-def cp_prefill(q, k, v, q_pos, k_pos, groups, *, method: str = "ring", softmax_scale=None, backend=None, stats=None):
-    """Dispatch to :func:`ring_prefill` or :func:`allgather_prefill` by ``method``."""
+def cp_prefill(q, k, v, q_pos, k_pos, groups, *, method: str = "ring", softmax_scale=None, backend=None, stats=None,
+               window=None, softcap=None, sinks=None):
+    """Dispatch to :func:`ring_prefill` or :func:`allgather_prefill` by ``method`` (the same arguments)."""
     if method == "ring":
         fn = ring_prefill
     elif method == "allgather":
         fn = allgather_prefill
     else:
         raise ValueError(f"unknown prefill method {method!r}; expected one of {PREFILL_METHODS}")
-    return fn(q, k, v, q_pos, k_pos, groups, softmax_scale=softmax_scale, backend=backend, stats=stats)
+    return fn(q, k, v, q_pos, k_pos, groups, softmax_scale=softmax_scale, backend=backend, stats=stats,
+              window=window, softcap=softcap, sinks=sinks)
 
 
 # --------------------------------------------------------------------------- prefill logits
