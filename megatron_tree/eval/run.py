@@ -333,6 +333,7 @@ def decode_dynamic(em, prompts, n_steps: int, ev: EvalConfig, device, strategy: 
     from ..comm import CommStats
     from ..integrations.megatron.dynamic import build_dynamic_engine, generate_dynamic
     from ..integrations.megatron.model import IdTokenizer
+    from ..integrations.megatron.version import inference_mode_off
 
     lm = em.lm
     model = lm.model
@@ -347,17 +348,20 @@ def decode_dynamic(em, prompts, n_steps: int, ev: EvalConfig, device, strategy: 
     blocks = batch * per_request + 2  # + Megatron's dummy block + one spare: nothing is ever evicted
     itemsize = torch.empty((), dtype=next(model.parameters()).dtype).element_size()
     token_bytes = 2 * shape.num_hidden_layers * shape.num_key_value_heads * shape.kv_channels * itemsize
-    engine = build_dynamic_engine(
-        model, IdTokenizer(eod=em.vocab_size - 1), max_sequence_length=max_len,  # eod never stops: termination_id -1
-        buffer_size_gb=(blocks + 0.5) * block * token_bytes / 2**30, block_size_tokens=block,
-        max_tokens=_round_up_tokens(sum(len(p) for p in prompts)), max_requests=batch)
     stats = CommStats()
     timer = DynamicStepTimer(em.groups, device, cores, timed_from=1 + timed_from, stats=stats, bar=bar)
-    try:
-        run = generate_dynamic(engine, prompts, num_tokens_to_generate=new, hook=timer)
-    finally:
-        for core in cores:
-            core.comm_stats = None
+    # megatron-core 0.19's engines set a process-wide InferenceMode flag and never clear it; the
+    # eval's reference forward after this run must not see it (a no-op on 0.16.1).
+    with inference_mode_off():
+        engine = build_dynamic_engine(
+            model, IdTokenizer(eod=em.vocab_size - 1), max_sequence_length=max_len,  # eod never stops: termination_id -1
+            buffer_size_gb=(blocks + 0.5) * block * token_bytes / 2**30, block_size_tokens=block,
+            max_tokens=_round_up_tokens(sum(len(p) for p in prompts)), max_requests=batch)
+        try:
+            run = generate_dynamic(engine, prompts, num_tokens_to_generate=new, hook=timer)
+        finally:
+            for core in cores:
+                core.comm_stats = None
     lengths = sorted({len(t) for t in run.tokens.values()})
     if run.errors or run.evicted or run.steps != new or sorted(run.tokens) != list(range(batch)) or lengths != [new]:
         raise RuntimeError(
