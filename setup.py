@@ -27,7 +27,7 @@ setup(
         "safetensors",
         "tqdm",
         "matplotlib",
-        # integrations/hf.py (transformers' own model classes, CP-sharded); tested with 5.17 and 5.24
+        # integrations/hf/ (transformers' own model classes, CP-sharded); tested with 5.17 and 5.24
         "transformers>=5.17",
     ],
     extras_require={

@@ -4,7 +4,7 @@ Invariant: every strategy computes DESIGN.md section 1 with the two halves of th
 merge formula in ``reference.py`` (``lse_weights`` and ``normalize``), with collectives in
 between; partial outputs and weights travel in float32 (float64 for float64 input) and are
 cast once, by the caller. A partial lse arrives in float64 from ``tree_decode`` and stays
-float64 through every level (issue 12 item 6: a float32 lse of magnitude 1e4 is known only
+float64 through every level (a float32 lse of magnitude 1e4 is known only
 to ~5e-4, which a merge turns into output errors of 3e-5 to 3e-4); on the wire it costs
 nothing extra except in ``allgather`` (8 bytes per row instead of 4): the MAX of
 ``packed``/``two_level``/``allreduce3`` only needs a shared shift near the maximum, so it
@@ -40,7 +40,7 @@ asynchronous ones for a batch split in parts, so that one part's collectives tra
 next part's local attention computes (``tree_decode(..., overlap=True)``; every strategy,
 :data:`SPLIT_STRATEGIES`).
 
-``shifted`` (issue 12): one SUM suffices when every rank weights its partial by
+``shifted``: one SUM suffices when every rank weights its partial by
 ``w_u = exp(lse_u - r)`` for a shift ``r`` that every rank holds bit-identically without
 communicating -- in a decode loop, the previous step's merged lse of the same layer.
 Any ``r`` gives the exact result ``o = sum w_u o_u / sum w_u``, ``lse = r + log sum w_u``

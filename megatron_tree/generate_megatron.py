@@ -3,7 +3,7 @@
 Invariant: the same model, layout and launch as the eval -- the YAML config's ``model``,
 ``topology`` and ``dist`` sections, checked before any collective with the eval's checks,
 built by the eval's :mod:`megatron_tree.eval.models` -- and the one generation loop,
-:func:`megatron_tree.generate.generate` (every prompt prefilled CP-sharded at its full
+:func:`megatron_tree.decode.generate` (every prompt prefilled CP-sharded at its full
 length, rows of different lengths in one batch, CP rank 0's choice broadcast each step).
 Only the prompts and the sampling come from the command line, under Megatron-LM's names
 (``--out-seq-length``, ``--temperature``, ``--top_k``, ``--top_p``, ``--greedy``,

@@ -31,8 +31,8 @@ Attention variants are features of the partial state, so the merge never changes
 NaN is never mistaken for "no key": a NaN anywhere in a row's visible scores gives a NaN
 output and a NaN lse for that row (only a row with no visible key is ``out 0, lse -inf``).
 
-Log-sum-exps that are merged again are carried in float64 (``lse_dtype=torch.float64``;
-issue 12 item 6). A float32 lse of magnitude 1e4 is only known to ~5e-4 (half a unit in the
+Log-sum-exps that are merged again are carried in float64 (``lse_dtype=torch.float64``).
+A float32 lse of magnitude 1e4 is only known to ~5e-4 (half a unit in the
 last place), and a partial's weight ``exp(lse_u - m)`` inherits that as a relative error:
 merging shards of a sequence whose scores are ~1e4 would be off by ~1e-4 where one call
 over all keys is off by 1e-7 (3e-5 to 3e-4 measured at 1e4, 5e-4 to 1.5e-3 at 1e5, depending

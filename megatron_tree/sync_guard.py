@@ -1,7 +1,7 @@
 """``no_host_sync()``: fail on any host-device synchronisation inside a block of code, on CPU too.
 
 Why it exists: a decode step that CUDA graphs can capture must never make the host wait for
-the device (issue 13 item 5): no ``.item()``, ``.tolist()``, ``.cpu()``, ``.numpy()``,
+the device: no ``.item()``, ``.tolist()``, ``.cpu()``, ``.numpy()``,
 ``bool(t)``/``int(t)``/``float(t)``, no op whose output shape depends on values
 (``nonzero``, ``masked_select``, ``unique``, boolean-mask indexing, ``repeat_interleave``
 without ``output_size``), no device-to-host copy. On a CUDA machine such a call stalls the
@@ -18,7 +18,7 @@ Opaque ops: torch runs an op that a dispatch mode handles with the modes off, so
 insides of a custom op (``torch.library``) are invisible; the guard therefore fails on any
 op outside aten/prims/c10d unless it is listed in ``opaque``. Listed by default: the local
 attention and merge ops (``megatron_tree::flash_decode``, ``megatron_tree::merge_states``). On CUDA they are the Triton
-kernels, whose launchers read no tensor values (issue 13 item 1); on CPU they are the torch
+kernels, whose launchers read no tensor values; on CPU they are the torch
 path, which reads ``cache_seqlens`` to slice each row (that is what makes it fast) and
 checks the values there. Everything around them -- cache append, merge collectives, model
 code -- is guarded.

@@ -66,7 +66,7 @@ def _cases_on_rank(rank, world):
             res[name + "_stats"] = stats.as_dict()
         res["plan_lengths"] = plan.lengths
         results[(hq, hkv, str(dtype))] = res
-    # Issue 12 item 6: rows whose scores are ~1e5, -1e5 and 1e4 (exact in fp32, near ties on every
+    # Rows whose scores are ~1e5, -1e5 and 1e4 (exact in fp32, near ties on every
     # shard; rank 1 empty): every baseline merges partials whose lse must travel whole (float64).
     from megatron_tree import reference
     from megatron_tree.bench import precision

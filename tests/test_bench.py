@@ -78,7 +78,7 @@ def test_cold_start_bench_measures_first_and_warm_calls(tmp_path):
 
 
 def test_precision_bench_side_by_side(tmp_path, capsys):
-    """bench.precision (issue 12 item 6): at |s| = 1e5 a merge with an fp32 lse is off by more
+    """bench.precision: at |s| = 1e5 a merge with an fp32 lse is off by more
     than 1e-5 and one with an fp64 lse is not; main writes precision.json and a markdown table."""
     from megatron_tree.bench import precision
 

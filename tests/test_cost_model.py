@@ -1,4 +1,4 @@
-"""Cost model: presets load strictly; each of the five pricing errors of issue 12 stays fixed;
+"""Cost model: presets load strictly; each of five past pricing errors stays fixed;
 the paper's ≈8x comes back with a cold-start term; ``auto`` (megatron_tree.cost) picks the
 model's cheapest implemented merge, once per (groups, shape, dtype), without importing bench/."""
 

@@ -355,7 +355,7 @@ def test_dead_peer_is_a_comm_error_in_every_helper(failures, case, op):
 
 
 def _cache(**kw):
-    from megatron_tree import ShardedKVCache
+    from megatron_tree.decode import ShardedKVCache
 
     args = dict(num_layers=2, batch_size=2, max_seq_len=8, num_kv_heads=2, head_dim=4)
     args.update(kw)

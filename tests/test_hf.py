@@ -5,7 +5,7 @@ sliding window), each a tiny random model saved with ``save_pretrained`` (safete
 loaded on every rank through ``load_hf_model``. Biases and norm weights are randomised, so a
 backend that dropped them would fail. One 4-rank gloo launch serves both topologies of the
 issue: CP 3 (ranks 0-2; rank 3 runs alone, CP 1) and CP 4 as 2 simulated nodes x 2. Each
-rank generates from a left-padded batch (the issue's two prompts of different lengths plus a
+rank generates from a left-padded batch (two prompts of different lengths plus a
 1-token one, so some ranks start with an empty shard of a row), greedy and sampled (ranks
 seeded differently), and returns tokens, per-step logits, what the MLP of
 layer 0 processed, the cache's shards and bytes; the parent holds them to single-process
@@ -24,7 +24,7 @@ from distributed import run_ranks
 
 NEW = 16
 SAMPLED_NEW = 8  # sampling is checked on fewer steps (its own logits are the greedy run's code path)
-# The issue's two prompts of different lengths (odd: chunks of different sizes; the shorter is
+# Two prompts of different lengths (odd: chunks of different sizes; the shorter is
 # left-padded by 12) plus a 1-token one: at CP > 1 some ranks hold an empty shard of that row.
 LENGTHS = (29, 17, 1)
 SEED_SAMPLE = 1234
@@ -380,10 +380,10 @@ def test_eval_protocol_cp1(tmp_path):
 
 def test_cache_grows_when_unsized(monkeypatch):
     """Without a size (no generate, no max_seq_len) the cache doubles and replays its placement."""
-    from megatron_tree.integrations.hf import core as hf_mod
+    import megatron_tree.integrations.hf.cache as hf_cache
     from megatron_tree.integrations.hf import TreeCache, enable_tree_attention
 
-    monkeypatch.setattr(hf_mod, "_HEADROOM", 1)  # room for one decoded token: it grows at the second
+    monkeypatch.setattr(hf_cache, "_HEADROOM", 1)  # room for one decoded token: it grows at the second
 
     ref = hf_model("llama", seed=4)
     model = enable_tree_attention(copy.deepcopy(ref), None)

@@ -295,7 +295,7 @@ def test_merge_kernel_matches_reference_and_empty_shard_rules(p):
 
 
 def _large_scores_check(kernel, merge, device):
-    """Issue 12 item 6 on the kernels: scores ~ +-1e5 / 1e4 exact in fp32, near ties across splits.
+    """Large scores on the kernels: scores ~ +-1e5 / 1e4 exact in fp32, near ties across splits.
     One call split 3 ways (its splits are partial states merged in float64) and two shards'
     float64-lse partials merged by the merge kernel both stay within 1e-5 of float64."""
     from megatron_tree.bench import precision

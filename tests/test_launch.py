@@ -2,16 +2,14 @@
 launch/deepspeed.sh (the real deepspeed launcher, with a hostfile) and both Slurm scripts
 run by bash under the stand-in srun/scontrol of tests/fake_slurm (2 nodes x 2 tasks).
 
-The default main job is a Megatron-Core GPTModel: local.sh runs it with random weights at
-CP 4 = 2 simulated nodes x 2; deepspeed.sh at CP 4 (2 x 2) and torchrun.sh at TP 2 x CP 2
-run a checkpoint written by a short Megatron training loop at CP = 1 (the ``trained``
-fixture, Megatron-LM's ``--save`` layout) and must generate the tokens Megatron's own
-StaticInferenceEngine generated at CP = 1. One Slurm script runs a transformers Qwen2.
-
-Each run's results.json must show the launched topology, exactness against the reference
-(Megatron's own model at CP = 1 with its DotProductAttention, or unmodified transformers), the
-generated token ids, collectives per level per step as the strategies promise, and an
-offline wandb run directory holding the run. Bad launches fail on every rank, quickly.
+These tests prove the launch: the rendezvous, the levels read from each launcher's environment,
+the TP x CP layout, a checkpoint loaded at that layout, results.json / the plot / the offline
+wandb run written, one line per rank on bad input, a run that fails when ranks diverge.
+Exactness is proven where it is cheaper, in-process and without a launcher (test_tree_decode,
+test_megatron*, test_hf, test_eval); here only the main job (local.sh's default, the README's
+first command) still runs its reference at CP = 1, and the checkpoint runs must reproduce the
+tokens Megatron's own StaticInferenceEngine generated for that checkpoint at CP = 1 (the
+``trained`` fixture, Megatron-LM's ``--save`` layout), which costs no extra forward.
 """
 
 import json
@@ -27,11 +25,15 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAKE_SLURM = os.path.join(ROOT, "tests", "fake_slurm")
-# Tiny: one context length, batch 1, three strategies, 1 warmup + 3 timed steps. Layers: 2 (cpu_tiny).
-TINY = ["eval.context_lengths=[40]", "eval.batch_sizes=[1]", "eval.strategies=[two_level,allgather,auto]",
-        "eval.decode_steps=3", "eval.warmup_steps=1", "eval.progress=false", "eval.exactness.sample_rate=1.0"]
+# Tiny: one context length, batch 1, the level-aware strategy, 1 warmup + 2 timed steps. Layers: 2 (cpu_tiny).
+TINY = ["eval.context_lengths=[40]", "eval.batch_sizes=[1]", "eval.strategies=[two_level]",
+        "eval.decode_steps=2", "eval.warmup_steps=1", "eval.progress=false"]
+# The launch alone: no reference model at CP = 1 (exactness is proven without a launcher).
+LAUNCH_ONLY = [*TINY, "eval.exactness.enabled=false"]
+# The main job keeps its reference, every step, and lets auto choose beside two_level.
+MAIN_JOB = [*TINY, "eval.strategies=[two_level,auto]", "eval.exactness.sample_rate=1.0"]
 LAYERS = 2
-NEW_TOKENS = 5  # the prefill's token + 1 warmup + 3 timed decode steps
+NEW_TOKENS = 4  # the prefill's token + 1 warmup + 2 timed decode steps
 SHORT = [5, 17, 3]
 MEGATRON_REFERENCE = "Megatron-Core GPTModel at CP=1, TP=1 with its own DotProductAttention, same weights"
 
@@ -71,7 +73,9 @@ def trained(tmp_path_factory):
     return ckpt, out["tokens"]
 
 
-def _check_results(out_dir, p, *, launcher, levels, source="megatron", tp=1, tokens=None, engine="static"):
+def _check_results(out_dir, p, *, launcher, levels, source="megatron", tp=1, tokens=None, engine="static",
+                   exact=False):
+    """What every launch must show; ``exact``: the run compared itself with its reference."""
     assert p.returncode == 0, f"stdout:\n{p.stdout[-3000:]}\nstderr:\n{p.stderr[-5000:]}"
     res = json.loads((out_dir / "results.json").read_text())
     assert res["schema_version"] == 3 and res["engine"] == engine
@@ -80,62 +84,59 @@ def _check_results(out_dir, p, *, launcher, levels, source="megatron", tp=1, tok
     assert launch["world_size"] == 4 and launch["tp_size"] == tp and launch["cp_size"] == 4 // tp
     assert launch["level_sizes"] == levels
     assert res["model"]["source"] == source
-    if source == "megatron":
-        assert res["exactness_reference"] == MEGATRON_REFERENCE
-    # the config's tolerance is 1e-3; fp32 rounding at CP 4 is ~1e-5, so hold the run to 1e-4.
-    # Megatron's dynamic engine returns log-probabilities, not logits: those are compared.
-    what = "dlogits" if engine == "static" else "dlogprobs"
-    assert res["exact"] is True and res[f"max_abs_{what}"] < 1e-4
-    assert res["max_abs_dlogprobs" if engine == "static" else "max_abs_dlogits"] is None
-    assert res["tokens_match_reference"] is True and res["tokens_agree_across_ranks"] is True
+    assert res["tokens_agree_across_ranks"] is True
     by = {r["strategy"]: r for r in res["runs"]}
-    assert set(by) == {"two_level", "allgather", "auto"}
+    assert set(by) == ({"two_level", "auto"} if exact else {"two_level"})
     for r in res["runs"]:
         assert r["engine"] == engine
         assert len(r["tokens"]) == 1 and len(r["tokens"][0]) == NEW_TOKENS
-        ex = r["exactness"]
-        assert ex["reference_tokens"] == r["tokens"] and ex["tokens_match_reference"]
         assert r["tokens"] == res["runs"][0]["tokens"]  # every merge strategy decodes the same tokens
         if tokens is not None:
             assert r["tokens"] == tokens, (r["strategy"], r["tokens"], tokens)
-    # auto ran what the cost model chose, with that strategy's collectives
-    chosen = by["auto"]["resolved_strategy"]
-    from megatron_tree.cost import UNSHIFTED_CANDIDATES
-
-    assert chosen in UNSHIFTED_CANDIDATES  # no shift on an eval step's first try: shifted is no candidate
-    if chosen in by:
-        assert by["auto"]["comm_per_step"]["levels"] == by[chosen]["comm_per_step"]["levels"]
-    # and whatever it chose (it may pick one not in the sweep), its collectives per level per step
-    merge = {"all_reduce_max": LAYERS, "all_reduce_sum": LAYERS}
-    expected_ops = {"two_level": {lvl: merge for lvl in levels}, "packed": {"cp": merge},
-                    "allreduce3": {"cp": {"all_reduce_max": LAYERS, "all_reduce_sum": 2 * LAYERS}},
-                    "allgather": {"cp": {"all_gather": LAYERS}}}
-    assert {k: v["ops"] for k, v in by["auto"]["comm_per_step"]["levels"].items()} == expected_ops[chosen], chosen
-    for r in res["runs"]:
-        assert r["exactness"]["checked_steps"] == [0, 1, 2, 3] and r["exactness"]["within_tolerance"]
         assert len(r["peak_memory_bytes"]) == 4 and min(r["peak_memory_bytes"]) > 10 * 2**20
-        assert len(r["step_latency_ms"]) == 3
-    # Collectives per decode step, per level: one merge per layer.
+        assert len(r["step_latency_ms"]) == 2
+    if exact:
+        if source == "megatron":
+            assert res["exactness_reference"] == MEGATRON_REFERENCE
+        # the config's tolerance is 1e-3; fp32 rounding at CP 4 is ~1e-5, so hold the run to 1e-4.
+        what = "dlogits" if engine == "static" else "dlogprobs"
+        assert res["exact"] is True and res[f"max_abs_{what}"] < 1e-4
+        assert res["tokens_match_reference"] is True
+        for r in res["runs"]:
+            ex = r["exactness"]
+            assert ex["reference_tokens"] == r["tokens"] and ex["tokens_match_reference"]
+            assert ex["checked_steps"] == [0, 1, 2] and ex["within_tolerance"]
+        # auto ran what the cost model chose, with that strategy's collectives
+        from megatron_tree.cost import UNSHIFTED_CANDIDATES
+
+        chosen = by["auto"]["resolved_strategy"]
+        assert chosen in UNSHIFTED_CANDIDATES  # no shift on an eval step's first try: shifted is no candidate
+        merge = {"all_reduce_max": LAYERS, "all_reduce_sum": LAYERS}
+        expected_ops = {"two_level": {lvl: merge for lvl in levels}, "packed": {"cp": merge},
+                        "allreduce3": {"cp": {"all_reduce_max": LAYERS, "all_reduce_sum": 2 * LAYERS}},
+                        "allgather": {"cp": {"all_gather": LAYERS}}}
+        assert {k: v["ops"] for k, v in by["auto"]["comm_per_step"]["levels"].items()} == expected_ops[chosen], chosen
+        assert p.stdout.count(f"max|{what}|") == 2 and p.stdout.count("tokens = reference") == 2
+    else:
+        assert res["exact"] is None and res["exactness_reference"] is None
+    # Collectives per decode step, per level, from the launcher's layout: one merge per layer.
     two = by["two_level"]["comm_per_step"]["levels"]
     if len(levels) == 2:
         assert {k: v["collectives"] for k, v in two.items()} == {"intra": 2 * LAYERS, "inter": 2 * LAYERS}
     else:
         assert sum(v["collectives"] for v in two.values()) == 2 * LAYERS
-    assert by["allgather"]["comm_per_step"]["levels"]["cp"]["ops"] == {"all_gather": LAYERS}
     run_dir = res["wandb"]["run_dir"]
     assert run_dir.startswith(str(out_dir / "wandb"))
     assert any(f.startswith("run-") and f.endswith(".wandb") for f in os.listdir(run_dir)), os.listdir(run_dir)
     assert f"results: {out_dir / 'results.json'}" in p.stdout
     assert os.path.isfile(res["plot"])
-    # Other ranks are quiet: one summary line per run, printed once.
-    assert p.stdout.count(f"max|{what}|") == 3 and p.stdout.count("tokens = reference") == 3
     return res
 
 
 def test_local_sh_default_is_megatron_at_cp4_as_2x2(tmp_path):
     out = tmp_path / "local"
-    p = _launch(["bash", "launch/local.sh", f"output_dir={out}", *TINY, "eval.progress=true"], _env(NPROC="4"))
-    res = _check_results(out, p, launcher="torchrun", levels={"intra": 2, "inter": 2})
+    p = _launch(["bash", "launch/local.sh", f"output_dir={out}", *MAIN_JOB, "eval.progress=true"], _env(NPROC="4"))
+    res = _check_results(out, p, launcher="torchrun", levels={"intra": 2, "inter": 2}, exact=True)
     assert res["model"]["checkpoint"] is None and res["model"]["hierarchical_context_parallel_sizes"] == [2, 2]
     # One progress bar over the sweep (rank 0's), finished.
     assert p.stderr.count("sweep: 100%") == 1, p.stderr[-2000:]
@@ -146,7 +147,7 @@ def test_deepspeed_sh_evaluates_a_trained_checkpoint_at_cp4_as_2x2(tmp_path, tra
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=4\n")
     out = tmp_path / "ds"
-    p = _launch(["bash", "launch/deepspeed.sh", f"output_dir={out}", f"model.path={ckpt}", *TINY],
+    p = _launch(["bash", "launch/deepspeed.sh", f"output_dir={out}", f"model.path={ckpt}", *LAUNCH_ONLY],
                 _env(HOSTFILE=str(hostfile), MASTER_PORT=str(_free_port())))
     res = _check_results(out, p, launcher="deepspeed", levels={"intra": 2, "inter": 2}, tokens=cp1_tokens[:1])
     assert res["launch"]["backend"] == "gloo"
@@ -160,7 +161,7 @@ def test_torchrun_sh_evaluates_a_trained_checkpoint_at_tp2_x_cp2(tmp_path, train
     ckpt, cp1_tokens = trained
     out = tmp_path / "torchrun"
     p = _launch(["bash", "launch/torchrun.sh", f"output_dir={out}", f"model.path={ckpt}", "topology.tp_size=2",
-                 "topology.intra_size=null", *TINY], _env(NPROC_PER_NODE="4", MASTER_PORT=str(_free_port())))
+                 "topology.intra_size=null", *LAUNCH_ONLY], _env(NPROC_PER_NODE="4", MASTER_PORT=str(_free_port())))
     res = _check_results(out, p, launcher="torchrun", levels={"intra": 2}, tp=2, tokens=cp1_tokens[:1])
     assert res["launch"]["topology"]["cp_ranks"] == [0, 2] and res["launch"]["num_cp_groups"] == 2
 
@@ -194,7 +195,7 @@ def _slurm_env(**extra) -> dict:
 def test_slurm_sbatch_runs_a_transformers_qwen2_with_tiers_from_slurm(tmp_path):
     """model.source hf: transformers' own Qwen2ForCausalLM (QKV biases, randomised) from a
     save_pretrained directory, tree attention as its attention backend, CP 4 = 2 x 2 with the
-    tiers from SLURM_NTASKS_PER_NODE (intra_size null), held to single-process transformers.
+    tiers from SLURM_NTASKS_PER_NODE (intra_size null); test_hf holds it to single-process transformers.
     (model.source random builds its transformers Llama the same way, through the same
     HFTreeModel and models._cp_groups; test_bad_launches and test_ranks_that_decode_different_tokens
     run it.)"""
@@ -205,26 +206,23 @@ def test_slurm_sbatch_runs_a_transformers_qwen2_with_tiers_from_slurm(tmp_path):
     assert model.model.layers[0].self_attn.q_proj.bias.abs().sum() > 0  # the biases are in play
     model.save_pretrained(ckpt)
     out = tmp_path / "slurm"
-    p = _launch(["bash", "launch/slurm/eval.sbatch", f"output_dir={out}", "topology.intra_size=null", *TINY,
+    p = _launch(["bash", "launch/slurm/eval.sbatch", f"output_dir={out}", "topology.intra_size=null", *LAUNCH_ONLY,
                  "model.source=hf", f"model.path={ckpt}"], _slurm_env(CONFIG="configs/cpu_tiny_llama.yaml"))
     res = _check_results(out, p, launcher="slurm", levels={"intra": 2, "inter": 2}, source="hf")
     assert res["model"]["class"] == "transformers.Qwen2ForCausalLM" and res["model"]["model_type"] == "qwen2"
-    assert res["exactness_reference"].startswith("unmodified transformers Qwen2ForCausalLM in one process")
     assert p.stderr.count("Loading weights: 100%") <= 1  # rank 0's loading bar only, not one per rank
 
 
 def test_slurm_torchrun_sbatch_runs_megatrons_dynamic_engine(tmp_path):
-    """eval.engine dynamic: Megatron-Core's DynamicInferenceEngine over the paged KV cache sharded
-    over CP 4 = 2 x 2, its greedy tokens and log-probabilities held to Megatron's own GPTModel
-    at CP = 1 (one full forward); the paged cache holds each request's blocks on every rank."""
+    """eval.engine dynamic under Slurm + torchrun: Megatron-Core's DynamicInferenceEngine over the
+    paged KV cache sharded over CP 4 = 2 x 2 (test_megatron_dynamic holds its tokens to Megatron's
+    own engine at CP = 1); the paged cache holds the request's blocks spread over the ranks."""
     out = tmp_path / "slurm_torchrun"
-    p = _launch(["bash", "launch/slurm/torchrun.sbatch", f"output_dir={out}", "topology.intra_size=null", *TINY,
+    p = _launch(["bash", "launch/slurm/torchrun.sbatch", f"output_dir={out}", "topology.intra_size=null", *LAUNCH_ONLY,
                  "eval.engine=dynamic", "eval.prefill_method=null"], _slurm_env(GPUS_PER_NODE="2"))
     res = _check_results(out, p, launcher="slurm+torchrun", levels={"intra": 2, "inter": 2}, engine="dynamic")
     for r in res["runs"]:
-        ex = r["exactness"]
-        assert ex["quantity"] == "log_probs" and len(ex["step_max_abs_dlogprobs"]) == 4
-        # 40 + 5 tokens in blocks of 16 per rank: 3 blocks, one on each of three ranks
+        # 40 + 4 tokens in blocks of 16 per rank: 3 blocks, one on each of three ranks
         assert sorted(r["kv_blocks_per_rank"]) == [0, 1, 1, 1], r["kv_blocks_per_rank"]
 
 

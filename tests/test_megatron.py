@@ -266,7 +266,7 @@ def megatron_rank(rank, world):
 
 
 def decode_without_host_sync() -> dict:
-    """MegatronLM.decode_step at CP 4 = [2, 2] under ``sync_guard.no_host_sync`` (issue 13 item 5):
+    """MegatronLM.decode_step at CP 4 = [2, 2] under ``sync_guard.no_host_sync``:
     TreeInferenceContext's plan, the KV-cache hook, the core attention's tree_decode and the
     two-level merge read no tensor value back to the host. Rows of different lengths, blocks
     of 2 so new tokens move across ranks; logits checked against Megatron's own model at CP 1."""

@@ -170,7 +170,7 @@ def _one_rounding_body(rank, world):
 
 
 def test_float64_partial_lse_keeps_a_merge_exact_at_large_scores():
-    """Issue 12 item 6: shards of rows whose scores are ~1e2, 1e4, 1e5 and -1e5 (exact in fp32),
+    """Large scores: shards of rows whose scores are ~1e2, 1e4, 1e5 and -1e5 (exact in fp32),
     merged from partials with a float64 lse, stay within 1e-5 of float64; the same partials
     with a float32 lse are off by more wherever |s| >= 1e4 (what the float64 lse removes)."""
     from megatron_tree.bench import precision
@@ -209,7 +209,7 @@ def test_float64_partial_lse_keeps_a_merge_exact_at_large_scores():
 
 
 def test_lse_dtype_reaches_the_ops_and_their_fakes():
-    """lse_dtype (issue 12 item 6) as the ops and their fake kernels (what torch.compile traces
+    """lse_dtype as the ops and their fake kernels (what torch.compile traces
     with) report it: float64 when asked for, or for float64 lses in merge_states; float64 input
     never gets an lse narrower than its own accumulation dtype."""
     q, k, v = _inputs(sq=2, n=9)

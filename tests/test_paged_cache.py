@@ -235,7 +235,7 @@ def _decode_errors(groups, dtype, strategy, overlap=False):
 
 
 def _large_scores_error(groups, strategy):
-    """Issue 12 item 6 over pages: fp32 rows whose scores are ~1e5 and -1e5 (exact in fp32, near
+    """Large scores over pages: fp32 rows whose scores are ~1e5 and -1e5 (exact in fp32, near
     ties on every rank), sharded contiguously in blocks of 2; max |error| against fp64."""
     import megatron_tree as mt
     from megatron_tree.bench import precision

@@ -108,7 +108,7 @@ def _rank_fn(rank, world):
 
 
 def _large_and_bf16(groups, ring_prefill):
-    """Issue 12 item 6 on the ring: fp32 rows whose scores are ~1e5 and -1e5 (exact in fp32, near
+    """Large scores on the ring: fp32 rows whose scores are ~1e5 and -1e5 (exact in fp32, near
     ties on every rank) against fp64; and bf16 partials kept in fp32 until the end (one rounding:
     bitwise the fp32 ring's result rounded to bf16)."""
     from megatron_tree.bench import precision

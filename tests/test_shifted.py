@@ -4,7 +4,7 @@ One 8-process launch runs every check, on CP groups of 2, 3, 2 x 2 and 2 x 4 bui
 by side (every rank is in one group of each layout; a layout's leftover ranks form a smaller
 group that runs the same checks): shifts equal to, 30 above/below and 200 above/below the true lse, with uneven shards (rank 1
 holds no keys), a batch row with no key on any rank, a dominant shard, GQA, a causal
-multi-token query and rows whose scores are ~1e5 and -1e5 (issue 12 item 6); collectives are counted with torch's ``CommDebugMode`` (independently of
+multi-token query and rows whose scores are ~1e5 and -1e5; collectives are counted with torch's ``CommDebugMode`` (independently of
 ``CommStats``). The 2 x 2 groups also generate with a 2-layer transformers Llama (``HFTreeModel``)
 and check the tokens against unmodified transformers' and the merge collectives of every decode
 step, and drive a decode step whose deferred flag is raised (the redo path). The parent asserts
@@ -26,7 +26,7 @@ IN_RANGE = (0.0, 30.0, -30.0)
 CASES = {
     "gqa_empty_row": ([37, 0, 20], 1, 4, 2, False, None),
     "causal_sq2_dominant": ([29, 13], 2, 4, 1, True, 0),
-    # issue 12 item 6: scores ~1e5, -1e5 (exact in fp32; bench.precision.large_score_inputs)
+    # scores ~1e5, -1e5 (exact in fp32; bench.precision.large_score_inputs)
     "large_scores": ([33, 24], 1, 4, 2, False, None),
 }
 

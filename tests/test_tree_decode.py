@@ -143,7 +143,7 @@ def exactness_body(rank, world, intra_size):
                 float((ours.double() - want).abs().max()),
                 float((yard.double() - want).abs().max()),
             )
-    # Issue 12 item 6: rows with scores ~1e5, -1e5 and 1e4 (exact in fp32, near ties on every
+    # Rows with scores ~1e5, -1e5 and 1e4 (exact in fp32, near ties on every
     # shard) and an empty row; the partial lse must travel whole through every level.
     q, k, v, lens = precision.large_score_inputs([1e5, -1e5, 1e4, 0.0], [41, 29, 37, 0], hq=4, hkv=2)
     want_out, want_lse = oracle(q, k, v, lens, None)

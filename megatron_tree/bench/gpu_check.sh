@@ -35,7 +35,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 timeout 300 "$PY" -m megatron_tree.bench.gpu_check --out "$OUT" --budget-s 280 > "$OUT/gpu_check.log" 2>&1
 check_rc=$?
 
-# Exactness at large logits (issue 12 item 6): fp32 vs fp64 partial lse through the kernels.
+# Exactness at large logits: fp32 vs fp64 partial lse through the kernels.
 timeout 30 "$PY" -m megatron_tree.bench.precision --backend triton --device cuda --tokens 4096 --out "$OUT" \
   > "$OUT/precision.md" 2>&1
 prec_rc=$?

@@ -9,7 +9,7 @@ expands GQA heads is charged for its extra reads rather than credited for them.
 
 Two modes:
 
-* ``--device cuda`` (the issue's GPU benchmark, run by ``bench/gpu_check.sh``): B in {1, 8},
+* ``--device cuda`` (the GPU benchmark, run by ``bench/gpu_check.sh``): B in {1, 8},
   (Hq, Hkv) in {(32, 8), (64, 8)}, D=128, N in {4K, 32K, 128K, 512K}, bf16. Methods:
   ``ours`` (Triton split-KV kernel, eager: launch overhead included), ``ours_graph`` (the
   same call captured in a CUDA graph and replayed; its output must equal the eager one bit

@@ -1,4 +1,4 @@
-"""How exact a merge stays when attention scores are huge (issue 12 item 6), side by side.
+"""How exact a merge stays when attention scores are huge, side by side.
 
     python -m megatron_tree.bench.precision [--backend torch|triton] [--device cpu|cuda] [--tokens N] [--out DIR]
 
@@ -10,7 +10,7 @@ strategies use the same two halves of the formula). Three numbers per (magnitude
 the largest absolute output error against float64 attention on the unsharded inputs:
 
 * ``one_call``: one ``flash_decode`` over every key (no merge): the floor;
-* ``merge_lse32``: partials whose lse is float32 (what a merge carried before item 6);
+* ``merge_lse32``: partials whose lse is float32 (what a merge carried before lse travelled in float64);
 * ``merge_lse64``: partials whose lse is float64 (what ``tree_decode`` carries now).
 
 ``--backend triton`` runs the Triton kernels (on a GPU, or under ``TRITON_INTERPRET=1`` on

@@ -17,7 +17,7 @@ The package is split the way a run goes:
 * :mod:`.models` -- the model per ``model.source`` (Megatron-Core ``GPTModel`` at TP x CP,
   transformers models) and the reference the run is held to;
 * :mod:`.run` -- the sweep over (context length, batch size, merge strategy), each a
-  CP prefill and timed decode steps through :func:`megatron_tree.generate.generate` (the
+  CP prefill and timed decode steps through :func:`megatron_tree.decode.generate` (the
   one decode loop) with a timing hook; exactness; passkey; perplexity;
 * :mod:`.report` -- results.json (schema: docs/eval.md), the plot, wandb, the summary lines.
 """

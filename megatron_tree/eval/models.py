@@ -1,7 +1,7 @@
 """The eval's model per ``model.source``, and the reference it is held to.
 
 Invariant: whatever the source, the sweep sees one interface -- :class:`EvalModel`: an
-``lm`` that :func:`megatron_tree.generate.generate` drives (``prefill``, ``decode_step``,
+``lm`` that :func:`megatron_tree.decode.generate` drives (``prefill``, ``decode_step``,
 ``new_cache``), its ``groups``, and on global rank 0 a ``reference`` that maps token ids
 (batch, seqlen) to full-sequence logits with *no* context parallelism:
 

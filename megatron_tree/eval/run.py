@@ -1,6 +1,6 @@
 """The sweep: for each (context length, batch size, merge strategy) a CP prefill and timed decode steps.
 
-Invariant: every decode runs through :func:`megatron_tree.generate.generate`, the package's
+Invariant: every decode runs through :func:`megatron_tree.decode.generate`, the package's
 one generation loop; this module only hooks into it (:class:`StepTimer`: a barrier on the
 CP group before each forward, a device sync after it, the step's logits kept when asked)
 and turns what it saw into one ``runs[i]`` entry of results.json. Every CP rank keeps its

@@ -14,7 +14,7 @@ inference context, wrapper); this one holds what a *job* needs around them -- a 
 ``TransformerConfig`` from plain shape fields, checkpoint discovery and checks that run
 before any process group exists (so a bad path fails on every rank alike), and
 :class:`MegatronLM`, the adapter that gives a ``GPTModel`` the ``prefill`` / ``decode_step``
-/ ``new_cache`` interface :func:`megatron_tree.generate.generate` drives. Its prefill runs
+/ ``new_cache`` interface :func:`megatron_tree.decode.generate` drives. Its prefill runs
 every prompt's full length CP-sharded, grouping rows of equal length, so a long prompt
 beside a short one is not fed one token per step (as Megatron's static controller does).
 
@@ -409,7 +409,7 @@ class _Config:
 
 
 class MegatronLM:
-    """A ``GPTModel`` with tree attention behind the interface :func:`megatron_tree.generate.generate` drives.
+    """A ``GPTModel`` with tree attention behind the interface :func:`megatron_tree.decode.generate` drives.
 
     prefill(prompts, cache) -> logits (batch, vocab) of each prompt's last token;
     decode_step(next_ids (batch,), cache) -> logits (batch, vocab); both identical on every

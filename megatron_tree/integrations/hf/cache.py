@@ -1,0 +1,311 @@
+"""The KV cache transformers sees: :class:`TreeCache`, a ``transformers.Cache`` holding only this CP
+rank's share of every layer (through the decode tier's ``ShardedKVCache``)."""
+
+from __future__ import annotations
+
+import torch
+
+from .common import UnsupportedModelError, _text_config
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from ...decode.cache import CacheConfig, CacheOverflowError, ShardedKVCache
+from ...topology import TreeGroups
+
+_HEADROOM = 256  # tokens per row an unsized cache makes room for beyond the prompt before it first grows
+
+
+class _TreeLayer(CacheLayerMixin):
+    """A per-layer view transformers' ``Cache`` machinery can query; the data lives in :class:`TreeCache`."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, owner: "TreeCache"):
+        super().__init__()
+        self._owner = owner
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        return None
+
+    def update(self, key_states, value_states, *args, **kwargs):  # pragma: no cover -- TreeCache.update is used
+        raise RuntimeError("TreeCache layers are updated through TreeCache.update")
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self._owner.get_seq_length() + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self._owner.get_seq_length()
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        return None
+
+
+class TreeCache(Cache):
+    """A ``transformers.Cache`` holding only this CP rank's share of every layer's KV.
+
+    Storage (through :class:`~megatron_tree.cache.ShardedKVCache`, ``C`` slots per row):
+
+    k, v: (num_layers, batch, C, num_kv_heads, head_dim), ``C = ceil(max_seq_len / cp) + block_size + 2``
+    (and the storage's one spare slot per row, where other ranks' tokens are written)
+
+    ``get_seq_length()`` is the global length transformers counts (the padded prompt plus the
+    tokens appended since), the same on every rank; :attr:`lengths` are the real tokens of
+    each row (pads are never stored). The cache is bound to the CP group it was made for:
+    using it with a model enabled on another group is an error.
+
+    config: the model (or its config): layers, KV heads and head size are read from it
+    groups: the CP group (``None``: one process)
+    max_seq_len: real tokens per row to make room for (overflow is a ``CacheOverflowError``)
+    new_tokens: with ``max_seq_len=None``, size the storage at prefill for the prompt plus
+        this many tokens (``generate`` passes its ``max_new_tokens``); with neither, the
+        storage makes room for 256 more tokens and doubles whenever a row would overflow
+    """
+
+    def __init__(self, config, groups: TreeGroups | None, *, max_seq_len: int | None = None,
+                 layout: str = "load_balanced", block_size: int = 16, new_tokens: int | None = None,
+                 batch_size: int | None = None, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None):
+        model = config if isinstance(config, torch.nn.Module) else None
+        cfg = _text_config(model.config if model is not None else config)
+        self.num_layers = int(cfg.num_hidden_layers)
+        heads = int(cfg.num_attention_heads)
+        self.num_kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+        self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+        super().__init__(layers=[_TreeLayer(self) for _ in range(self.num_layers)])
+        if max_seq_len is not None and (not isinstance(max_seq_len, int) or max_seq_len < 1):
+            raise ValueError(f"max_seq_len must be a positive integer or None, got {max_seq_len!r}")
+        if new_tokens is not None and (not isinstance(new_tokens, int) or new_tokens < 0):
+            raise ValueError(f"new_tokens must be a non-negative integer or None, got {new_tokens!r}")
+        if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
+            raise ValueError(f"batch_size must be a positive integer or None, got {batch_size!r}")
+        self.groups = groups
+        self._batch = batch_size
+        self.cache_config = CacheConfig(layout=layout, block_size=block_size)
+        self.max_seq_len = max_seq_len
+        self.new_tokens = new_tokens
+        if model is not None:
+            p = next(model.parameters())
+            dtype = dtype or p.dtype
+            device = device if device is not None else p.device
+        self.dtype = dtype or torch.float32
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.storage: ShardedKVCache | None = None
+        self._padded = 0
+        self._padded_next = 0
+        self._nominal = 0
+        self._prompt_lengths: list[int] = []
+        self._steps = 0
+        self._phase: str | None = None
+        self._local_positions: torch.Tensor | None = None
+        self._slots: torch.Tensor | None = None
+        self._written: set[int] = set()
+
+    # ------------------------------------------------------------------ what transformers asks
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._padded
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self._padded + query_length, 0
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    @property
+    def batch_size(self) -> int:
+        """Rows: the storage's, else the one the cache was made for (-1: not known before the prompt)."""
+        if self.storage is not None:
+            return self.storage.batch_size
+        return -1 if self._batch is None else self._batch
+
+    def reset(self) -> None:
+        self.storage = None
+        self._padded = 0
+        self._prompt_lengths = []
+        self._steps = 0
+
+    def _refuse(self, what: str):
+        raise NotImplementedError(
+            f"TreeCache does not support {what}: each CP rank holds a different shard of every row, "
+            "so rows cannot be reordered, repeated or cut locally (beam search, assisted decoding and "
+            "contrastive search are not supported; use greedy or sampling)"
+        )
+
+    def reorder_cache(self, beam_idx) -> None:
+        self._refuse("reorder_cache (beam search)")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove != 0:
+            self._refuse(f"crop({tokens_to_remove})")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if repeats != 1:
+            self._refuse("batch_repeat_interleave")
+
+    def batch_select_indices(self, indices) -> None:
+        self._refuse("batch_select_indices")
+
+    # ------------------------------------------------------------------ what tests and users read
+
+    @property
+    def lengths(self) -> list[int]:
+        """Real (unpadded) tokens of each row."""
+        return [] if self.storage is None else self.storage.lengths
+
+    @property
+    def shard_lengths(self) -> list[list[int]]:
+        """``[row][rank]``: tokens of each row held by each CP rank (the same on every rank)."""
+        return [] if self.storage is None else self.storage.shard_lengths
+
+    @property
+    def kv_nbytes(self) -> int:
+        """Bytes of keys and values this rank allocated (with the storage's spare slot per row)."""
+        return 0 if self.storage is None else self.storage.kv_nbytes
+
+    @property
+    def local_tokens(self) -> int:
+        """Tokens (summed over rows) this rank stores."""
+        return 0 if self.storage is None else int(self.storage.seqlens.sum())
+
+    # ------------------------------------------------------------------ driven by the forward wrapper
+
+    @property
+    def growable(self) -> bool:
+        """Whether the storage doubles on overflow (no size was given) rather than raising."""
+        return self.max_seq_len is None and self.new_tokens is None
+
+    def _allocate(self, batch: int, max_seq_len: int) -> ShardedKVCache:
+        cp = 1 if self.groups is None else self.groups.size
+        rank = 0 if self.groups is None else self.groups.rank
+        # A growable cache keeps one block (+2 for the load-balanced prompt's uneven chunks) of
+        # headroom per rank: no rank is ever full while placement decides, so its placement is
+        # the unbounded rule's and a larger cache replays it exactly (see _grow).
+        slack = cp * (self.cache_config.block_size + 2) if cp > 1 and self.growable else 0
+        return ShardedKVCache(
+            num_layers=self.num_layers, batch_size=batch, max_seq_len=max_seq_len + slack,
+            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, cp_size=cp, cp_rank=rank,
+            config=self.cache_config, dtype=self.dtype, device=self.device,
+        )
+
+    def _check_prefill(self, lengths: list[int]) -> int:
+        """Raise unless prompts of ``lengths`` fit this cache (nothing changes); returns the tokens per row to size for."""
+        if self._batch is not None and len(lengths) != self._batch:
+            raise ValueError(f"got {len(lengths)} prompts for a TreeCache made for batch_size={self._batch}")
+        if self.max_seq_len is not None:
+            need = self.max_seq_len
+        elif self.new_tokens is not None:
+            need = max(lengths) + self.new_tokens
+        else:
+            need = max(lengths) + _HEADROOM
+        if max(lengths) > need:
+            raise CacheOverflowError(
+                f"a prompt has {max(lengths)} tokens but this TreeCache was made for {need} per row; "
+                "create it with a larger max_seq_len"
+            )
+        return need
+
+    def _begin_prefill(self, lengths: list[int], padded: int) -> torch.Tensor:
+        """Place the prompts; returns (batch, W) global (unpadded) positions of this rank's tokens, -1 = filler."""
+        need = self._check_prefill(lengths)
+        self.storage = self._allocate(len(lengths), need)
+        self._nominal = need
+        local = self.storage.start_prefill(lengths)
+        self._prompt_lengths = list(lengths)
+        self._steps = 0
+        self._padded_next = padded
+        self._phase = "prefill"
+        self._local_positions = local
+        self._written = set()
+        return local
+
+    def _grow(self) -> None:
+        """Double the storage: replay the placement in a larger cache and copy this rank's tokens."""
+        old = self.storage
+        new = self._allocate(old.batch_size, 2 * self._nominal)
+        new.start_prefill(self._prompt_lengths)
+        for _ in range(self._steps):
+            new.begin_decode_step()
+        if new.shard_lengths != old.shard_lengths or not torch.equal(new.seqlens, old.seqlens):
+            raise RuntimeError(  # the placement is a pure function of lengths and steps; this is a bug
+                f"TreeCache: replaying the placement gave shards {new.shard_lengths}, expected {old.shard_lengths}"
+            )
+        n = old.capacity
+        new.k[:, :, :n].copy_(old.k)
+        new.v[:, :, :n].copy_(old.v)
+        new.positions[:, :n].copy_(old.positions)
+        self.storage = new
+        self._nominal *= 2
+
+    def _begin_decode(self, batch: int) -> None:
+        if self.storage is None:
+            raise ValueError("TreeCache is empty: run a forward over the prompt before decoding")
+        if batch != self.storage.batch_size:
+            raise ValueError(f"decode step has batch {batch}, the cache holds {self.storage.batch_size} rows")
+        while max(self.storage.lengths) + 1 > self._nominal:
+            if not self.growable:
+                raise CacheOverflowError(
+                    f"a row already holds {max(self.storage.lengths)} tokens, all this TreeCache was sized for "
+                    f"(max_seq_len={self.max_seq_len}, new_tokens={self.new_tokens}); create it with a larger "
+                    "max_seq_len or pass max_new_tokens to generate"
+                )
+            self._grow()
+        _, self._slots = self.storage.begin_decode_step()
+        self._steps += 1
+        self._padded_next = self._padded + 1
+        self._phase = "decode"
+        self._written = set()
+
+    def rewind_step(self) -> None:
+        """Take the last decode step back so that it runs again on the same slots (``generate``'s redo of
+        a ``shifted`` step): the global length and the rows' lengths are as before it; the next decode
+        forward places the same token on the same slots (the step planner's redo)."""
+        if self.storage is None or self._steps == 0:
+            raise RuntimeError("TreeCache.rewind_step() without a decode step to take back")
+        self.storage.rewind_step()
+        self._steps -= 1
+        self._padded -= 1
+
+    def _finish(self) -> None:
+        missing = sorted(set(range(self.num_layers)) - self._written)
+        self._phase = None
+        if missing:
+            raise UnsupportedModelError(
+                f"layers {missing} of {self.num_layers} never stored keys/values in the TreeCache during this "
+                "forward: their attention does not go through transformers' cache and attention interface, so "
+                "tree attention cannot replace it"
+            )
+        self._padded = self._padded_next
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Store this rank's new keys/values of one layer; return what the attention function reads.
+
+        key_states, value_states: (batch, num_kv_heads, q_len, head_dim), transformers' layout.
+        Prefill returns them unchanged (this rank's chunk); decode returns this rank's whole
+        shard of the layer, (batch, num_kv_heads, n, head_dim) views, valid up to
+        ``storage.seqlens`` per row.
+        """
+        if self._phase is None or self.storage is None:
+            raise RuntimeError(
+                "TreeCache.update was called outside a forward of a model enabled with enable_tree_attention; "
+                "pass the cache to that model's forward or generate"
+            )
+        if not 0 <= layer_idx < self.num_layers:
+            raise ValueError(f"layer_idx {layer_idx} is outside the cache's {self.num_layers} layers")
+        b, h, s, d = key_states.shape
+        if (h, d) != (self.num_kv_heads, self.head_dim):
+            raise UnsupportedModelError(
+                f"layer {layer_idx} produced keys with {h} heads of size {d}; the cache was sized from the config "
+                f"for {self.num_kv_heads} heads of size {self.head_dim}"
+            )
+        self._written.add(layer_idx)
+        k, v = key_states.transpose(1, 2), value_states.transpose(1, 2)  # (b, s, h, d)
+        if self._phase == "prefill":
+            self.storage.write_prefill(layer_idx, k, v)
+            return key_states, value_states
+        self.storage.append(layer_idx, k, v, self._slots)
+        ks, vs = self.storage.layer_kv(layer_idx)
+        return ks.transpose(1, 2), vs.transpose(1, 2)

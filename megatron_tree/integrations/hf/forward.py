@@ -1,0 +1,232 @@
+"""The sharded forward that replaces ``model.forward``: a forward that starts a sequence runs each
+CP rank on its chunk of the (unpadded) prompt and assembles the requested logits on every rank;
+a forward on a filled cache appends one token per row."""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from .common import _Binding, _comm_device, _describe, _same_groups, _text_config
+from .cache import TreeCache
+
+from ... import agreement
+from ...decode.prefill import assemble_logits
+
+
+def _mask_lengths(mask: torch.Tensor, batch: int, seq: int) -> list[int]:
+    """Real tokens per row of a left-padded 2-D mask; anything else is an error."""
+    if mask.dim() != 2 or tuple(mask.shape) != (batch, seq):
+        raise ValueError(
+            f"attention_mask must be a 2-D (batch, seq) = {(batch, seq)} padding mask at the start of a sequence, "
+            f"got shape {tuple(mask.shape)}"
+        )
+    m = mask.to(torch.bool)
+    n = m.sum(dim=1)
+    want = torch.arange(seq, device=m.device)[None, :] >= (seq - n)[:, None]
+    bad = (m != want).any(dim=1).nonzero().flatten().tolist()
+    if bad:
+        raise ValueError(
+            f"attention_mask rows {bad} are not left-padded (zeros, then ones); tree attention drops padding by "
+            "position and needs left padding, as generate does (tokenizer.padding_side = 'left')"
+        )
+    empty = (n == 0).nonzero().flatten().tolist()
+    if empty:
+        raise ValueError(f"attention_mask rows {empty} have no tokens; every row needs at least one")
+    return n.tolist()
+
+
+def _normalise_call(orig, args, kwargs) -> dict:
+    sig = inspect.signature(orig)
+    bound = sig.bind_partial(*args, **kwargs)
+    call = dict(bound.arguments)
+    for name, p in sig.parameters.items():
+        if p.kind is inspect.Parameter.VAR_KEYWORD and name in call:
+            call.update(call.pop(name))
+    return call
+
+
+def _pop_cache(call: dict):
+    caches = [call.pop(n) for n in ("cache", "past_key_values") if n in call]
+    caches = [c for c in caches if c is not None]
+    if len(caches) > 1:
+        raise ValueError("pass the cache once, as `cache` or `past_key_values`, not both")
+    return caches[0] if caches else None
+
+
+def _sharded_forward(model, orig, binding: _Binding, args, kwargs):
+    call = _normalise_call(orig, args, kwargs)
+    cache = _pop_cache(call)
+    for name in ("labels", "output_attentions", "output_hidden_states"):
+        if call.get(name) is not None and call.get(name) is not False:
+            raise NotImplementedError(
+                f"{name} is not supported with tree attention (inference only: outputs are assembled for the "
+                "requested logits, not for per-layer states or a loss)"
+            )
+    return_dict = call.pop("return_dict", None)
+    use_cache = call.pop("use_cache", None)
+    ids, embeds = call.get("input_ids"), call.get("inputs_embeds")
+    src = ids if ids is not None else embeds
+    if src is None:
+        raise ValueError("pass input_ids or inputs_embeds")
+    batch, q_len = src.shape[0], src.shape[1]
+
+    returned = not (use_cache is False and cache is None)  # else a one-off cache, dropped after this forward
+    if cache is None or (not isinstance(cache, TreeCache) and cache.get_seq_length() == 0):
+        cache = TreeCache(model, binding.groups, layout=binding.layout, block_size=binding.block_size,
+                          new_tokens=binding.new_tokens_hint)
+    elif not isinstance(cache, TreeCache):
+        raise ValueError(
+            f"got a {type(cache).__name__} holding {cache.get_seq_length()} tokens; tree attention continues only "
+            "a TreeCache (the other cache's keys were computed without sharding)"
+        )
+    if not _same_groups(cache.groups, binding.groups):
+        raise ValueError(
+            f"this TreeCache was made for {_describe(cache.groups)}, but the model runs tree attention over "
+            f"{_describe(binding.groups)}; create the cache with the model's groups"
+        )
+    if cache.num_layers != binding.num_layers:
+        raise ValueError(f"TreeCache has {cache.num_layers} layers, the model {binding.num_layers}")
+
+    if cache.get_seq_length() == 0:
+        out = _prefill(model, orig, binding, cache, call, batch, q_len)
+    else:
+        out = _decode(orig, binding, cache, call, batch, q_len)
+    out[binding.cache_kwarg] = cache if returned else None
+    return out if return_dict is not False else out.to_tuple()
+
+
+def _run(orig, binding, cache, call):
+    binding.active = cache
+    call[binding.cache_kwarg] = cache
+    try:
+        out = orig(**call, use_cache=True, return_dict=True)
+        cache._finish()
+    finally:
+        binding.active = None
+        cache._phase = None
+    return out
+
+
+def _checksum(t: torch.Tensor | None):
+    """A position-weighted sum of ``t``'s values (host int or float): equal inputs give equal sums."""
+    if t is None:
+        return None
+    flat = t.detach().reshape(-1)
+    w = torch.arange(1, flat.numel() + 1, device=flat.device)
+    if flat.is_floating_point():
+        return float((flat.double() * w).sum())
+    return int(((flat.long() + 1) * w).sum())
+
+
+_WIDTHS = ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size")
+"""Model widths every CP rank's replica must share (compared at prefill)."""
+
+
+def _prefill(model, orig, binding: _Binding, cache: TreeCache, call: dict, batch: int, seq: int):
+    """The forward that starts a sequence, each CP rank on its chunk.
+
+    Per rank (every rank passes the same call):
+
+    input_ids: (batch, seq) or inputs_embeds: (batch, seq, hidden) -- the left-padded prompt
+    attention_mask: (batch, seq) 2-D padding mask or None; position_ids: (batch|1, seq) or None
+    runs the model on (batch, W) tokens, W = this rank's largest share of a row (pads dropped)
+    returns the model's output with logits: (batch, K, vocab) for the K positions asked for
+        (``logits_to_keep``), identical on every rank; 0 at pad positions
+
+    Collectives (CP > 1): an all-gather of the call's arguments and of whether this rank's checks of
+    them passed (``agreement.agree``), the prefill method's per layer
+    (``prefill.cp_prefill``), one all-reduce SUM of (batch, K, vocab) float32.
+    """
+    ids, embeds = call.get("input_ids"), call.get("inputs_embeds")
+    device = (ids if ids is not None else embeds).device
+    mask = call.pop("attention_mask", None)
+    pos_ids = call.pop("position_ids", None)
+    ltk = call.pop("logits_to_keep", 0) if binding.accepts_logits_to_keep else 0
+    checked = {}
+
+    def signature():
+        """This rank's checks of the call; the values every CP rank must pass alike.
+
+        Ranks handed different prompts would each compute their chunk of another prompt.
+        max_new_tokens: generate's budget (None outside generate); ranks with different budgets
+        would run in step until the first stops, then the others would wait in a collective for it.
+        """
+        lengths = [seq] * batch if mask is None else _mask_lengths(mask, batch, seq)
+        pos = pos_ids
+        if pos is None:  # what transformers uses without position_ids: 0..seq-1 on the padded row
+            pos = torch.arange(seq, device=device)[None, :]
+        if pos.dim() != 2 or pos.shape[-1] != seq or pos.shape[0] not in (1, batch):
+            raise NotImplementedError(
+                f"position_ids of shape {tuple(pos.shape)} are not supported; expected (batch, seq) or (1, seq)"
+            )
+        cache._check_prefill(lengths)
+        # Which padded positions' logits to return.
+        if isinstance(ltk, int):
+            wanted = torch.arange(seq - ltk if 0 < ltk <= seq else 0, seq, device=device)
+        else:
+            wanted = torch.as_tensor(ltk, device=device).reshape(-1) % seq
+        checked.update(lengths=lengths, pos_ids=pos.expand(batch, seq), wanted=wanted)
+        return (batch, seq, _checksum(ids), _checksum(embeds), _checksum(mask), _checksum(pos.expand(batch, seq)),
+                _checksum(wanted),
+                binding.strategy, binding.prefill, binding.layout, binding.block_size, binding.new_tokens_hint,
+                *(getattr(cfg, n, None) for n in _WIDTHS))
+
+    # The model's shape too: replicas whose attention shapes agree but whose widths do not would pass every
+    # collective of the forward (chunks' keys, the logits' SUM) and return a mixture of two models.
+    cfg = _text_config(model.config)
+    names = ("batch", "seq", "input_ids", "inputs_embeds", "attention_mask", "position_ids", "logits_wanted",
+             "strategy", "prefill", "layout", "block_size", "max_new_tokens", *_WIDTHS)
+    g = binding.groups
+    group, ranks = (None, ()) if g is None else (g.cp_group, g.cp_ranks)
+    agreement.agree("hf.prefill", names, signature, group, ranks, stats=binding.stats,
+                    device=None if g is None else _comm_device(g, device))
+    lengths, pos_ids, wanted = checked["lengths"], checked["pos_ids"], checked["wanted"]
+    local = cache._begin_prefill(lengths, seq).to(device)  # (B, W) unpadded positions, -1 = filler
+    pad = seq - torch.as_tensor(lengths, device=device)
+    idx = pad[:, None] + local.clamp(min=0)  # index into the padded row
+    if ids is not None:
+        call["input_ids"] = ids.gather(1, idx)
+    else:
+        call["inputs_embeds"] = embeds.gather(1, idx[..., None].expand(-1, -1, embeds.shape[-1]))
+    call["position_ids"] = pos_ids.gather(1, idx)
+    call["attention_mask"] = None
+
+    # Which of the wanted positions this rank holds: the model computes logits only there.
+    compact = wanted[None, :] - pad[:, None]  # (B, K) unpadded position, < 0 for a pad
+    needed = ((local[:, :, None] == compact[:, None, :]) & (compact[:, None, :] >= 0)).any(dim=2).any(dim=0)
+    local_pos = local
+    if binding.accepts_logits_to_keep:
+        rows_local = needed.nonzero().flatten()  # local slots some row needs
+        call["logits_to_keep"] = rows_local
+        local_pos = local[:, rows_local]
+    out = _run(orig, binding, cache, call)
+    logits = out.logits  # (B, |rows_local| or W, V)
+    out.logits = assemble_logits(logits, local_pos, compact, g, stats=binding.stats,
+                                 device=None if g is None else _comm_device(g, device)).to(logits.dtype)
+    return out
+
+
+def _decode(orig, binding: _Binding, cache: TreeCache, call: dict, batch: int, q_len: int):
+    """One new token per row on a filled cache: input_ids (batch, 1) -> logits (batch, 1, vocab).
+
+    The same on every rank; one ``tree_decode`` merge per layer (its strategy's collectives).
+    """
+    if q_len != 1:
+        raise NotImplementedError(
+            f"a forward of {q_len} tokens on a TreeCache that already holds {cache.get_seq_length()}: only one new "
+            "token per row is supported after the prompt (no assisted decoding, chunked prefill or prompt "
+            "continuation; start a new cache for a new prompt)"
+        )
+    mask = call.pop("attention_mask", None)
+    if mask is not None and mask.dim() != 2:
+        raise NotImplementedError(
+            f"a {mask.dim()}-D attention_mask is not supported; tree attention takes the 2-D padding mask only "
+            "(causality and padding come from global token positions)"
+        )
+    if mask is not None and mask.shape[-1] >= 1 and not bool(mask[:, -1].all()):
+        raise ValueError("the attention_mask marks a new (decoded) token as padding; only prompts may be padded")
+    cache._begin_decode(batch)
+    call["attention_mask"] = None
+    return _run(orig, binding, cache, call)

@@ -1,0 +1,92 @@
+"""The wrapper of ``model.generate``: refuses what cannot run sharded, sizes the cache for the request,
+and keeps the CP ranks' tokens in agreement (rank 0's random state before each draw, a check after
+each step)."""
+
+from __future__ import annotations
+
+import torch
+
+from .common import _Binding, _comm_device
+from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+
+from ... import collectives
+from ...collectives import CommStats
+from ...topology import TreeGroups
+
+
+class _RankZeroDraws(LogitsProcessor):
+    """Before each token is chosen, every CP rank takes CP rank 0's random state.
+
+    The draw transformers makes next (``torch.multinomial`` on the processed scores) then
+    gives every rank rank 0's token: logits are bitwise identical across the group (one
+    merge result, one all-reduced prefill), so the same state gives the same choice, however
+    the ranks were seeded. Scores pass through unchanged.
+    """
+
+    def __init__(self, groups: TreeGroups, stats: CommStats | None):
+        self.groups, self.stats = groups, stats
+
+    def __call__(self, input_ids, scores):
+        dev = scores.device
+        state = torch.cuda.get_rng_state(dev) if dev.type == "cuda" else torch.get_rng_state()
+        buf = state.to(_comm_device(self.groups, dev))
+        collectives.broadcast(buf, self.groups.cp_ranks[0], self.groups.cp_group, stats=self.stats,
+                              what="generate: CP rank 0's random state before a draw")
+        if self.groups.rank != 0:
+            if dev.type == "cuda":
+                torch.cuda.set_rng_state(buf.cpu(), dev)
+            else:
+                torch.set_rng_state(buf.cpu())
+        return scores
+
+
+class _TokensAgree(StoppingCriteria):
+    """After each step, all CP ranks must hold rank 0's newest tokens; a divergence fails on every rank."""
+
+    def __init__(self, groups: TreeGroups, stats: CommStats | None):
+        self.groups, self.stats = groups, stats
+        self.step = 0
+
+    def __call__(self, input_ids, scores, **kwargs):
+        last = input_ids[:, -1]
+        parts = collectives.all_gather(last.to(_comm_device(self.groups, last.device)), self.groups.cp_group,
+                                       stats=self.stats, what="generate: checking the ranks' new tokens")
+        self.step += 1
+        if any(not torch.equal(p, parts[0]) for p in parts[1:]):
+            raise RuntimeError(
+                f"CP ranks {list(self.groups.cp_ranks)} chose different tokens at generated step {self.step}: "
+                f"{[p.tolist() for p in parts]}; their caches would diverge (custom logits processors must be "
+                "deterministic)"
+            )
+        return torch.zeros(last.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def _new_tokens(model, kwargs, prompt_len: int) -> int | None:
+    """How many tokens this ``generate`` call may append (max_new_tokens, else max_length - prompt)."""
+    gc = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    new = kwargs.get("max_new_tokens", getattr(gc, "max_new_tokens", None))
+    if new is not None:
+        return int(new)
+    length = kwargs.get("max_length", getattr(gc, "max_length", None))
+    return None if length is None else max(int(length) - prompt_len, 0)
+
+
+def _sharded_generate(model, orig, binding: _Binding, args, kwargs):
+    for name in ("assistant_model", "prompt_lookup_num_tokens", "max_time", "prefill_chunk_size"):
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(f"generate({name}=...) is not supported with tree attention")
+    if (kwargs.get("num_beams") or 1) > 1:
+        raise NotImplementedError("beam search is not supported with tree attention (CP ranks hold different shards)")
+    inputs = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
+    prompt_len = int(inputs.shape[1]) if isinstance(inputs, torch.Tensor) and inputs.dim() == 2 else 0
+    if binding.groups is not None and binding.groups.size > 1:
+        lp = LogitsProcessorList(list(kwargs.pop("logits_processor", None) or []))
+        lp.append(_RankZeroDraws(binding.groups, binding.stats))
+        sc = StoppingCriteriaList(list(kwargs.pop("stopping_criteria", None) or []))
+        sc.append(_TokensAgree(binding.groups, binding.stats))
+        kwargs.update(logits_processor=lp, stopping_criteria=sc)
+    binding.new_tokens_hint = _new_tokens(model, kwargs, prompt_len)
+    try:
+        return orig(*args, **kwargs)
+    finally:
+        binding.new_tokens_hint = None
