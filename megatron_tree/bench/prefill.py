@@ -22,9 +22,11 @@ MLP 1536, vocab 49152, tied embeddings) with seeded random weights, or ``--check
 transformers directory) when one is on disk; ``--layers`` keeps the first N layers (the per-layer
 work, and so the ratio of the paths, is unchanged). The prompt is seeded random token ids.
 
-Counted on every CP rank from the layout the cache recorded: the attention work of the causal
-prompt (visible (query, key) pairs, ``decode.prefill.visible_pairs`` over the rank's stored
-positions against every position), and the tokens each rank keeps.
+Counted on every CP rank by the ring itself (``decode.prefill.PrefillWork``, passed to
+``enable_tree_attention(work=...)``): the attention work of the causal prompt per layer (visible
+(query, key) pairs), checked against what the layout the cache recorded implies; KV blocks
+attended and skipped, kernel launches, seconds in local attention and seconds the ring waited for
+a block after computing the previous one (communication not hidden by computation).
 
 Output: a table on stdout and, with ``--out``, JSON (meta with the command, versions, CPU and
 load; one entry per (length, round, path); a summary per length: medians and the ratios).
@@ -120,12 +122,13 @@ def _worker(rank, world, store_path, args, commands, results):
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=1800))
     try:
-        from ..decode.prefill import visible_pairs
+        from ..decode.prefill import PrefillWork, visible_pairs
         from ..integrations.hf import HFTreeModel
         from ..topology import TreeGroups
 
         groups = TreeGroups.build()
-        model = HFTreeModel(build_model(args.checkpoint, args.layers), groups, prefill="ring")
+        work = PrefillWork()
+        model = HFTreeModel(build_model(args.checkpoint, args.layers), groups, prefill="ring", work=work)
         results.put(("ready", rank, None))
         while True:
             cmd = commands[rank].get()
@@ -136,6 +139,9 @@ def _worker(rank, world, store_path, args, commands, results):
             dist.barrier()
             with torch.no_grad():
                 t0 = time.perf_counter()
+                counted = PrefillWork()
+                work.__dict__.update(counted.__dict__)  # counts of this request's prefill only
+                work.kernels = {}
                 logits = model.prefill([ids], cache)
                 tok = int(logits[0].argmax())
                 prefill = time.perf_counter() - t0
@@ -149,9 +155,15 @@ def _worker(rank, world, store_path, args, commands, results):
             n_mine = int(store.seqlens[0])
             mine = store.positions[0, :n_mine]
             prompt_mine = mine[mine < len(ids)]
-            pairs = visible_pairs(prompt_mine[None], torch.arange(len(ids))[None])
+            layers = model.config.num_hidden_layers
+            layout_pairs = visible_pairs(prompt_mine[None], torch.arange(len(ids))[None])
+            if work.pairs != layers * layout_pairs:
+                raise RuntimeError(f"rank {rank}: the ring counted {work.pairs} visible pairs over {layers} layers, "
+                                   f"the stored layout implies {layers} x {layout_pairs}")
             results.put(("done", rank, {"prefill_s": prefill, "decode_s": steps, "tokens": tokens,
-                                        "pairs": pairs, "prompt_tokens": int(prompt_mine.numel())}))
+                                        "pairs": work.pairs // layers, "prompt_tokens": int(prompt_mine.numel()),
+                                        "blocks": work.blocks, "skipped": work.skipped, "kernels": dict(work.kernels),
+                                        "attention_s": work.compute_s, "ring_wait_s": work.wait_s}))
     except BaseException as e:  # noqa: BLE001 -- the parent reports it
         import traceback
 
@@ -198,8 +210,9 @@ class _CPRanks:
             if other["tokens"] != first["tokens"]:
                 raise RuntimeError(f"CP rank {r} generated {other['tokens']}, rank 0 {first['tokens']}")
         return {"prefill_s": max(x["prefill_s"] for x in per_rank), "decode_s": first["decode_s"],
-                "tokens": first["tokens"], "pairs": [x["pairs"] for x in per_rank],
-                "prompt_tokens": [x["prompt_tokens"] for x in per_rank]}
+                "tokens": first["tokens"], "per_rank": [{k: v for k, v in x.items() if k not in ("tokens", "decode_s")}
+                                                        for x in per_rank],
+                "pairs": [x["pairs"] for x in per_rank]}
 
     def close(self):
         for q in self.commands:

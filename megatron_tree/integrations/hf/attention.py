@@ -47,7 +47,7 @@ def tree_attention_forward(module, query, key, value, attention_mask, scaling=No
     if cache._phase == "prefill":
         pos = cache._local_positions.to(q.device)
         out = cp_prefill(q, k, v, pos, pos, binding.groups, method=binding.prefill, softmax_scale=scaling,
-                         stats=binding.stats)
+                         stats=binding.stats, work=binding.work)
     else:  # the one attention call of every integration: the decode loop's step (or a plain one)
         step = binding.step if binding.step is not None else DecodeStep(binding.strategy, binding.stats)
         out = step.attend(module.layer_idx, q, k, v, binding.groups, cache_seqlens=cache.storage.seqlens,

@@ -70,6 +70,8 @@ class _Binding:
     """The cache of the forward in progress (set by the forward wrapper, read by the attention function)."""
     new_tokens_hint: int | None = None
     """Tokens ``generate`` may append (sizes a cache it creates); set only while ``generate`` runs."""
+    work: object = None
+    """A ``decode.prefill.PrefillWork`` every layer's prefill attention adds its counts to, or None."""
     step: object = None
     """The decode loop's ``decode.generate.DecodeStep`` while ``HFTreeModel.decode_step`` runs (its
     ``attend`` is every layer's decode attention); ``None``: a plain step of ``strategy``/``stats``."""

@@ -15,7 +15,7 @@ import transformers
 from ...collectives import CommStats
 from ...comm import STRATEGIES
 from ...decode.cache import LAYOUTS
-from ...decode.prefill import PREFILL_METHODS
+from ...decode.prefill import PREFILL_METHODS, PrefillWork
 from ...topology import TreeGroups
 
 
@@ -70,7 +70,8 @@ def check_model(model) -> None:
 
 
 def enable_tree_attention(model, groups: TreeGroups | None, *, strategy: str = "auto", prefill: str = "ring",
-                          layout: str = "load_balanced", block_size: int = 16, stats: CommStats | None = None):
+                          layout: str = "load_balanced", block_size: int = 16, stats: CommStats | None = None,
+                          work: PrefillWork | None = None):
     """Make ``model`` (a transformers causal LM) run CP-sharded over ``groups``; returns the same model.
 
     Every CP rank calls this on its own replica (same weights) and then runs the same
@@ -83,6 +84,8 @@ def enable_tree_attention(model, groups: TreeGroups | None, *, strategy: str = "
     prefill: ``"ring"`` or ``"allgather"`` CP attention over the prompt chunks
     layout, block_size: placement of the prompt and of decoded tokens (``cache.CacheConfig``)
     stats: a :class:`~megatron_tree.CommStats` that records every collective of the forwards
+    work: a :class:`~megatron_tree.decode.prefill.PrefillWork` that counts this rank's prefill
+        attention (visible pairs, blocks attended and skipped, kernel launches, un-hidden ring wait)
 
     Raises :class:`UnsupportedModelError` for a model it cannot run exactly: attention that does
     not go through ``AttentionInterface``, cross-attention, sliding-window/chunked/soft-capped
@@ -104,7 +107,7 @@ def enable_tree_attention(model, groups: TreeGroups | None, *, strategy: str = "
                 f"model already runs tree attention over {_describe(existing.groups)}; call disable_tree_attention "
                 "before enabling it on another group"
             )
-        existing.strategy, existing.prefill, existing.stats = strategy, prefill, stats
+        existing.strategy, existing.prefill, existing.stats, existing.work = strategy, prefill, stats, work
         existing.layout, existing.block_size = layout, block_size
         return model
     _check_model(model)
@@ -118,7 +121,7 @@ def enable_tree_attention(model, groups: TreeGroups | None, *, strategy: str = "
     forward_params = inspect.signature(model.forward).parameters
     binding = _Binding(
         groups=groups, strategy=strategy, prefill=prefill, layout=layout, block_size=block_size, stats=stats,
-        num_layers=int(cfg.num_hidden_layers),
+        work=work, num_layers=int(cfg.num_hidden_layers),
         cache_kwarg="cache" if "cache" in forward_params else "past_key_values",
         accepts_logits_to_keep="logits_to_keep" in forward_params,
         previous_attn=model.config._attn_implementation, attention_modules=modules,
