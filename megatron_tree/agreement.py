@@ -32,6 +32,7 @@ import datetime
 import hashlib
 import importlib
 import pickle
+import time
 import weakref
 from typing import Callable, Sequence
 
@@ -210,7 +211,7 @@ class Agreement:
       unchanged ranks first wait it out in the call's collectives, then compare notes).
     * The check never runs on the call's own process groups: records travel through
       torch.distributed's rendezvous store (the key-value store every process group was
-      built from; a rank waits at most ``2T`` for the others'), so ranks that disagree never
+      built from; a rank waits at most :data:`CHECK_WAIT` ``T`` for the others'), so ranks that disagree never
       enter one collective with different buffer sizes (the SIGABRT that gloo gives for
       "Received data size doesn't match") and never combine garbage.
     * Steady state (a rank's signature equals its previous one at that site): no extra
@@ -218,13 +219,20 @@ class Agreement:
       host metadata (shapes, dtypes, strings) compared as a tuple (about 1 us). A change
       costs one store write of a < 1 KiB record and P reads per rank; :attr:`checks`
       counts the exchanges.
+    * A rank whose own argument checks fail at a guarded site (:meth:`fail`, e.g. ``tree_decode``'s
+      checks of ``cache_seqlens``) does not enter the call's collectives: it writes its error
+      as its record, and every rank raises that error, naming the rank, the same text everywhere
+      -- at once where every rank compares at that call (its first at the site, or a change on
+      every rank), else once the others' collectives time out (within ``(1 + EXPLAIN_WAIT) T``).
     * A dead or stuck peer (not a disagreement): the survivors raise :class:`CommError`
-      within ``2T`` (``T`` in the collective, at most ``T`` more comparing notes); a survivor
-      that sees the dead peer's connection close raises at once, without comparing.
+      within ``1.35 T`` (``T`` in the collective, at most :data:`EXPLAIN_WAIT` ``T`` more comparing
+      notes with the ranks that timed out beside them; :data:`CHECK_WAIT` ``T`` for a rank that
+      was comparing a changed signature); a survivor that sees the dead peer's connection close
+      raises at once, without comparing.
 
     On NCCL the call's collectives are asynchronous: a rank that kept its signature does not
     block in them, so when only some ranks change, those ranks raise :class:`CommError`
-    after ``2T`` saying what changed, and the others are stopped by NCCL's watchdog at
+    after :data:`CHECK_WAIT` ``T`` saying what changed, and the others are stopped by NCCL's watchdog at
     ``T``; telling them too would need a host read every call. The store is reached through
     ``torch.distributed.distributed_c10d._get_default_store()`` (what DeviceMesh and torch's
     own helpers use); a torch without it makes the first check a :class:`CommError` saying so.
@@ -235,7 +243,7 @@ class Agreement:
     def __init__(self, ranks: Sequence[int], timeout: datetime.timedelta, key: str):
         self.ranks = tuple(ranks)
         self.timeout = timeout
-        """``T``: the timeout of the guarded collectives (a check waits at most 2T)."""
+        """``T``: the timeout of the guarded collectives (a check waits at most :data:`CHECK_WAIT` T)."""
         self.checks = 0
         """Exchanges made (signature changes seen plus failures diagnosed)."""
         self._prefix = f"megatron_tree/agreement/{key}"
@@ -253,7 +261,8 @@ class Agreement:
         last = self._last.get(site)
         if last is not None and last == values:
             return
-        table, status = self._exchange("check", site, names, values, self.timeout * 2, last)
+        table, status = self._exchange("check", site, names, values, self.timeout * CHECK_WAIT, last)
+        _raise_local_failures(table, status)
         err = disagreement(site, table, [r for r, s in status.items() if s == "failed"])
         if err is not None:
             raise err
@@ -268,24 +277,56 @@ class Agreement:
         if self._epoch == 0:
             return  # no check was ever made here: the peers are not in step with this record
         try:
-            table, status = self._exchange("failed", site, names, values, self.timeout, self._last.get(site))
+            table, status = self._exchange("failed", site, names, values, self.timeout * EXPLAIN_WAIT,
+                                           self._last.get(site))
         except CommError:
             return  # peers did not answer either: the original error stands
+        try:
+            _raise_local_failures(table, status)
+        except Exception as failed:  # noqa: BLE001 -- another rank's own checks failed: its error
+            raise failed from error
         err = disagreement(site, table, [r for r, s in status.items() if s == "failed"])
         if err is not None:
             raise err from error
 
+    def fail(self, site: str, error: Exception) -> None:
+        """This rank's own checks of a call at ``site`` raised ``error``: tell every rank, then raise.
+
+        Called instead of entering the call's collectives. Writes ``error`` as this rank's record
+        of the next exchange and waits (at most :data:`CHECK_WAIT` ``T``) for the others': ranks
+        that compare at this call answer at once, ranks already in the call's collectives answer
+        when those time out (:meth:`explain`). Raises, on every rank alike, the failing ranks'
+        errors (:func:`_local_failure`: the first failing rank's exception class, each failing
+        rank named with its message); if the others do not answer, ``error`` itself.
+        """
+        try:
+            table, status = self._exchange("error", site, (), (), self.timeout * CHECK_WAIT, self._last.get(site),
+                                           error=_portable(error))
+        except CommError:
+            raise error from None
+        try:
+            _raise_local_failures(table, status)
+        except Exception as failed:  # noqa: BLE001 -- the same error the other ranks raise
+            raise failed from error
+        raise error  # not reached: this rank's own record is an error
+
     # -- the exchange ----------------------------------------------------------------------
 
-    def _exchange(self, status: str, site: str, names: tuple, values: tuple, wait: datetime.timedelta, last):
+    def _exchange(self, status: str, site: str, names: tuple, values: tuple, wait: datetime.timedelta, last,
+                  error: tuple | None = None):
         """Every member's (site, {name: value}, status) through the rendezvous store, in rank order.
 
         Exchange k (counted on every member: checks and explanations happen at the same points
         on every rank) writes this rank's record under ``<prefix>/<k>/<rank>`` and waits at most
-        ``wait`` for the others'. Records of exchange k-2 are deleted: every member has read them.
+        ``wait`` for the others' (polling the store: a store's own ``wait`` rounds its timeout up
+        to whole seconds). Records of exchange k-2 are deleted: every member has read them.
+        ``status`` ``"error"`` carries this rank's own failed check (``error``: :func:`_portable`).
+        Returns ({rank: {"call": site, **fields}}, {rank: status}); an error record's table entry
+        holds ``"error"`` instead of fields.
         """
         me = dist.get_rank()
-        record = {"site": site, "fields": dict(zip(names, (_plain(v) for v in values))), "status": status}
+        record = {"site": site, "fields": dict(zip(names, (_plain(v) for v in values))), "status": status,
+                  "error": error}
         store = self._store()
         k, self._epoch = self._epoch, self._epoch + 1
         self.checks += 1
@@ -294,7 +335,7 @@ class Agreement:
             store.set(f"{self._prefix}/{k}/{me}", pickle.dumps(record))
             if k >= 2:
                 store.delete_key(f"{self._prefix}/{k - 2}/{me}")
-            store.wait(keys, wait)
+            _wait_for(store, keys, wait)
             blobs = [store.get(key) for key in keys]
         except RuntimeError as e:  # DistStoreError: "Wait timeout", or the store's server is gone
             mine = ", ".join(f"{n}={_plain(v)!r}" for n, v in zip(names, values))
@@ -309,7 +350,10 @@ class Agreement:
         table, status_of = {}, {}
         for rank, blob in zip(self.ranks, blobs):
             rec = pickle.loads(blob)
-            table[rank] = {"call": rec["site"], **rec["fields"]}  # ranks in different calls differ here
+            if rec["status"] == "error":
+                table[rank] = {"call": rec["site"], "error": rec["error"]}
+            else:
+                table[rank] = {"call": rec["site"], **rec["fields"]}  # ranks in different calls differ here
             status_of[rank] = rec["status"]
         return table, status_of
 
@@ -319,6 +363,41 @@ class Agreement:
             return dist.distributed_c10d._get_default_store()
         except Exception as e:  # noqa: BLE001 -- an unusual torch or backend: say so, do not guess
             raise CommError(f"the cross-rank agreement check needs torch.distributed's rendezvous store: {e}") from e
+
+
+CHECK_WAIT = 1.35
+"""How long (in ``T``) a rank comparing a changed signature, or telling its own failed check, waits
+for the others' records: ranks that kept their signature answer once the call's collectives time
+out (after ``T``), so the wait covers ``T`` and the ranks' skew, and stays below ``1.5 T``."""
+EXPLAIN_WAIT = 0.25
+"""How long (in ``T``) a rank whose collective failed waits for the others' records: the ranks that
+timed out beside it answer within their skew; a dead or stuck rank never does."""
+
+
+def _wait_for(store, keys: list[str], wait: datetime.timedelta) -> None:
+    """Return once every key of ``keys`` is in ``store``; a ``RuntimeError`` after ``wait``."""
+    deadline = time.monotonic() + wait.total_seconds()
+    pause = 0.005
+    while not store.check(keys):
+        if time.monotonic() >= deadline:
+            raise RuntimeError(f"Wait timeout after {_seconds_text(wait)} for {len(keys)} record(s)")
+        time.sleep(pause)
+        pause = min(2 * pause, 0.05)
+
+
+def _raise_local_failures(table: dict, status: dict) -> None:
+    """Raise the failing ranks' own errors (the same on every rank) if some record is an error."""
+    failing = [r for r in sorted(table) if status[r] == "error"]
+    if not failing:
+        return
+    told = [table[r]["error"] if status[r] == "error" else None for r in sorted(table)]
+    failed = _local_failure(sorted(table), told)
+    waited = [r for r in sorted(table) if status[r] == "failed"]
+    if waited:
+        note = (f" ({_ranks_text(waited)} had entered the call's collectives and waited until their timeout: "
+                "those collectives are out of step, build new groups)")
+        failed.args = (str(failed) + note,) + failed.args[1:]
+    raise failed
 
 
 class _Call:

@@ -21,7 +21,7 @@ name            collectives per call                                         lev
 ``packed``      MAX(lse), SUM(cat[w*o, w])                                   ``cp``
 ``two_level``   ``packed`` inside each node, then across nodes               intra, inter
 ``allgather``   one all-gather of cat[o, lse], then a local merge            ``cp``
-``shifted``     SUM(cat[w*o, w, nonempty]) with w = exp(lse - shift);        ``cp``
+``shifted``     SUM(cat[w*o, w, nonempty, digests]), w = exp(lse - shift);   ``cp``
                 MAX + SUM again only when the check after the SUM fails
 ``auto``        chosen by :func:`cost.choose_strategy`, once per shape
 ==============  ===========================================================  ===========
@@ -80,9 +80,12 @@ the tree); no rank re-adds the chunk in its own order. ``normalize`` and ``lse_w
 elementwise torch ops with the same inputs, dtypes and device type on every rank, so they
 produce the same bits; by induction over the steps every rank's ``r`` is identical. (A run
 mixing CPU and GPU ranks in one group would break the last step: not a supported setup.)
-The first step has no shift and uses ``packed``, whose result starts the induction. Even a
-shift that did differ would not give a wrong answer silently in the cases that matter: the
-result is exact for any *consistent* r, and the agreement check covers the shift's presence.
+The first step has no shift and uses ``packed``, whose result starts the induction. A shift
+that does differ (a caller's own, or a bug) is never a silent wrong answer: the agreement check
+covers the shift's presence, and every rank's :func:`shift_digest` of its values rides on the
+one SUM (two words per rank, zeros in the other ranks' slots, so the SUM hands every rank every
+rank's words): words that differ are a :class:`DisagreementError` on every rank, or, under
+``deferred=``, the call's flag, so a decode loop redoes the step with ``packed``.
 """
 
 from __future__ import annotations
@@ -92,6 +95,7 @@ from typing import Literal
 import torch
 
 from . import collectives, ops
+from .agreement import disagreement
 from .collectives import CommError, CommStats, DisagreementError, LevelStats
 from .cost import choose_strategy  # the policy of auto, resolved once per (groups, shape, dtype)
 from .reference import acc_dtype, lse_weights, normalize, weighted
@@ -100,7 +104,7 @@ from .topology import TreeGroups
 
 __all__ = ["CommStats", "LevelStats", "STRATEGIES", "merge", "choose_strategy", "CommError",
            "DisagreementError", "MERGE_SIGNATURE", "SHIFT_MIN_DEN", "SHIFT_MAX_DEN", "check_shift",
-           "SPLIT_STRATEGIES", "SPLIT_SIGNATURE", "merge_overlapped"]
+           "SPLIT_STRATEGIES", "SPLIT_SIGNATURE", "merge_overlapped", "shift_digest"]
 
 Strategy = Literal[STRATEGIES]  # the names are listed once, in strategies.py
 
@@ -205,17 +209,19 @@ def _allgather_stages(start, o, lse, group, size, level, stats):
     return ops.merge_states(*_gathered_states(parts, o, lse, size))
 
 
-def _shifted_stages(start, o, lse, shift, group, level, stats):
-    """One SUM over cat([w*o, w, nonempty]) with w = exp(lse - shift) | normalise.
+def _shifted_stages(start, o, lse, shift, group, index, size, level, stats):
+    """One SUM over cat([w*o, w, nonempty, digests]) with w = exp(lse - shift) | normalise.
 
-    o: (B, Sq, Hq, D) fp32; lse: (B, Hq, Sq) fp64 or fp32; shift: (B, Hq, Sq). Returns (out,
-    lse, bad) where bad: (B, Hq, Sq) bool, identical on every rank, marks rows whose weights
-    overflowed or all underflowed (their out/lse are not usable; :func:`_settle_shifted` redoes
-    the merge with ``packed`` or leaves the flag to the caller).
+    o: (B, Sq, Hq, D) fp32; lse: (B, Hq, Sq) fp64 or fp32; shift: (B, Hq, Sq); index, size: this
+    rank's index in ``group`` and the group's size. Returns (out, lse, bad, digests) where bad:
+    (B, Hq, Sq) bool, identical on every rank, marks rows whose weights overflowed or all
+    underflowed (their out/lse are not usable; :func:`_settle_shifted` redoes the merge with
+    ``packed`` or leaves the flag to the caller) and digests: (size, 2) every rank's
+    :func:`shift_digest` words, identical on every rank.
     """
-    buf, r = _shifted_buffer(o, lse, shift)
+    buf, r = _shifted_buffer(o, lse, shift, index, size)
     yield start.all_reduce(buf, "sum", group, level, stats)
-    return _shifted_finish(buf, r, o, lse)
+    return _shifted_finish(buf, r, o, lse, size)
 
 
 def _two_level_stages(start, o, lse, groups, stats):
@@ -233,7 +239,7 @@ def _stage_count(strategy: str, groups: TreeGroups) -> int:
 
 def _stages(start, strategy: str, o, lse, groups: TreeGroups, stats, shift=None):
     if strategy == "shifted":
-        return _shifted_stages(start, o, lse, shift, groups.cp_group, "cp", stats)
+        return _shifted_stages(start, o, lse, shift, groups.cp_group, groups.rank, groups.size, "cp", stats)
     if strategy == "two_level":
         return _two_level_stages(start, o, lse, groups, stats)
     if strategy == "allgather":
@@ -242,25 +248,54 @@ def _stages(start, strategy: str, o, lse, groups: TreeGroups, stats, shift=None)
     return fn(start, o, lse, groups.cp_group, "cp", stats)
 
 
-def _shifted_buffer(o, lse, shift):
-    """cat([w*o, w, nonempty]) with w = exp(lse - r), and the shift r used (-inf -> 0)."""
+_MIX1, _MIX2 = -7046029254386353131, -4658895280553007687  # splitmix64's odd constants, as int64
+
+
+def shift_digest(shift: torch.Tensor) -> torch.Tensor:
+    """Two 24-bit words (int64, on shift's device) that differ for shifts of different values.
+
+    shift: any shape, floating. Equal values give equal words whatever the dtype they are held in
+    (each value is widened to float64, -0.0 read as 0.0, every NaN as one NaN); a value that
+    differs in any bit, or values in another order, change the words except with probability
+    about 2^-48. Elementwise integer ops and one integer sum (exact, wrapping, so the result does
+    not depend on the reduction order): a few small kernels, no host read.
+    """
+    x = shift.detach().to(torch.float64).reshape(-1)
+    x = x.masked_fill(torch.isnan(x), float("nan")) + 0.0
+    h = x.view(torch.int64)
+    h = (h ^ (h >> 31)) * _MIX1
+    h = (h ^ (h >> 29)) * (torch.arange(h.numel(), device=h.device, dtype=torch.int64) * 2 + 1)
+    h = h.sum()
+    h = (h ^ (h >> 32)) * _MIX2
+    return torch.stack([h & 0xFFFFFF, (h >> 24) & 0xFFFFFF])
+
+
+def _shifted_buffer(o, lse, shift, index, size):
+    """cat([w*o, w, nonempty, digests]) with w = exp(lse - r), and the shift r used (-inf -> 0).
+
+    digests: (size, 2) zeros but this rank's row, its :func:`shift_digest` (integers below 2^24,
+    exact in any float dtype): after the SUM every rank holds every rank's words, which tell
+    whether the ranks' shifts are equal -- an r that differs between ranks gives a wrong result."""
     r = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))  # an all-empty row's -inf: any r works
     w = lse_weights(lse, r, o.dtype)
     nonempty = torch.isfinite(lse).to(o.dtype)
-    return torch.cat([weighted(o, w).reshape(-1), w.reshape(-1), nonempty.reshape(-1)]), r
+    digests = torch.zeros((size, 2), dtype=o.dtype, device=o.device)
+    digests[index] = shift_digest(shift).to(o.dtype)
+    return torch.cat([weighted(o, w).reshape(-1), w.reshape(-1), nonempty.reshape(-1), digests.reshape(-1)]), r
 
 
-def _shifted_finish(buf, r, o, lse):
-    """(out, lse, bad) from the all-reduced :func:`_shifted_buffer` (see :func:`_shifted_stages`)."""
+def _shifted_finish(buf, r, o, lse, size):
+    """(out, lse, bad, digests) from the all-reduced :func:`_shifted_buffer` (see :func:`_shifted_stages`)."""
     n, k = o.numel(), lse.numel()
-    num, den, count = buf[:n].view(o.shape), buf[n: n + k].view(lse.shape), buf[n + k:].view(lse.shape)
+    num, den = buf[:n].view(o.shape), buf[n: n + k].view(lse.shape)
+    count, digests = buf[n + k: n + 2 * k].view(lse.shape), buf[n + 2 * k:].view(size, 2)
     # Out of range only: a NaN den fails both comparisons and is not flagged -- it comes from a
     # NaN partial lse (exp of a finite or -inf difference is never NaN), so the row's answer is
     # NaN whatever the shift, and normalize gives NaN; redoing it with packed would change
     # nothing. A row with no key anywhere (count 0) is fine.
     bad = (count > 0) & ((den < SHIFT_MIN_DEN) | (den > SHIFT_MAX_DEN))
     out, lse = normalize(num, den, r, lse.dtype)
-    return out, lse, bad
+    return out, lse, bad, digests
 
 
 def _gather_buffer(o, lse) -> torch.Tensor:
@@ -275,8 +310,9 @@ def _gathered_states(parts, o, lse, size):
     return outs, lses
 
 
-def check_shift(shift, lse_shape: tuple) -> None:
-    """shift: a floating tensor of shape ``lse_shape`` (batch, nheads_q, seqlen_q), or None."""
+def check_shift(shift, lse_shape: tuple, device=None) -> None:
+    """shift: a floating tensor of shape ``lse_shape`` (batch, nheads_q, seqlen_q) on ``device``
+    (when given: the partial state's), or None."""
     if shift is None:
         return
     if not isinstance(shift, torch.Tensor) or not shift.is_floating_point():
@@ -285,6 +321,9 @@ def check_shift(shift, lse_shape: tuple) -> None:
     if tuple(shift.shape) != tuple(lse_shape):
         raise ValueError(f"shift must have the lse's shape {tuple(lse_shape)} (batch, heads_q, seqlen_q), "
                          f"got {tuple(shift.shape)}")
+    if device is not None and shift.device != torch.device(device):
+        raise ValueError(f"shift is on {shift.device}, the attention's state on {device}: pass the shift on "
+                         "the device of q (the previous step's merged lse is there)")
 
 
 def merge(
@@ -327,7 +366,7 @@ def merge(
             f"got {tuple(out.shape)} and {tuple(lse.shape)}"
         )
     o, lse = _widened(out, lse, acc_dtype(out.dtype))
-    check_shift(shift, tuple(lse.shape))
+    check_shift(shift, tuple(lse.shape), o.device)
     if stats is not None:
         stats.calls += 1
     if groups.size == 1:
@@ -337,6 +376,8 @@ def merge(
     signature = (b, sq, hq, d, out.dtype if dtype is None else dtype, strategy, backend,
                  shift is not None and strategy == "shifted")
     with groups.agreement.call("merge", MERGE_SIGNATURE, signature):
+        if o.numel() == 0 or lse.numel() == 0:  # no rows (B = 0), heads or queries: nothing to merge
+            return o, lse
         result = _run(_stages(_SYNC, strategy, o, lse, groups, stats, shift))
         if strategy == "shifted":
             return _settle_shifted(result, o, lse, groups, stats, deferred)
@@ -360,16 +401,26 @@ def _resolve(strategy: str, groups: TreeGroups, out_shape: tuple, element_size: 
 def _settle_shifted(result, o, lse, groups: TreeGroups, stats, deferred):
     """A ``shifted`` merge's (out, lse), or ``packed``'s when its check failed.
 
-    result: (out, lse, bad) of :func:`_shifted_finish`; o, lse: the partial state it merged.
-    With ``deferred`` (a list) the call's flag is appended to it on the device and the result
-    returned as it is (the caller redoes the step); else the flag is read on the host -- the
-    same bits on every rank, so all ranks redo with MAX + SUM or none does.
+    result: (out, lse, bad, digests) of :func:`_shifted_finish`; o, lse: the partial state it
+    merged. With ``deferred`` (a list) the call's flag -- raised also when the ranks' shifts
+    differ -- is appended to it on the device and the result returned as it is (the caller
+    redoes the step with ``packed``, which needs no shift: exact again); else the flags are read
+    on the host -- the same bits on every rank, so all ranks redo with MAX + SUM or none does,
+    and shifts that differ are a :class:`DisagreementError` on every rank, naming each rank's
+    digest (the same text everywhere: every rank holds every rank's words).
     """
-    res_o, res_lse, bad = result
+    res_o, res_lse, bad, digests = result
+    differ = (digests != digests[0]).any()
     if deferred is not None:
-        deferred.append(bad.any())
+        deferred.append(bad.any() | differ)
         return res_o, res_lse
-    if not bool(bad.any()):
+    redo, differ = torch.stack([bad.any(), differ]).tolist()
+    if differ:
+        words = digests.to(torch.int64).tolist()
+        table = {r: {"shift (a digest of its values)": "".join(f"{w:06x}" for w in row)}
+                 for r, row in zip(groups.cp_ranks, words)}
+        raise disagreement("merge", table)
+    if not redo:
         return res_o, res_lse
     if stats is not None:
         stats.fallbacks += 1
@@ -493,6 +544,7 @@ def merge_overlapped(
         if strategy != "shifted":
             return out, lse
         bad = torch.cat([f.result[2] for f in flights])
+        digests = torch.cat([f.result[3] for f in flights], dim=1)  # each part's words, side by side
         # the redo, when one is needed, merges the whole batch at once (not overlapped: it is rare)
         whole = torch.cat([o for o, _ in states]), torch.cat([l for _, l in states])
-        return _settle_shifted((out, lse, bad), *whole, groups, stats, deferred)
+        return _settle_shifted((out, lse, bad, digests), *whole, groups, stats, deferred)

@@ -190,6 +190,11 @@ class Dims:
     def lse_bytes(self) -> int:
         return self.batch * self.heads_q * self.seqlen_q * self.acc_bytes
 
+    def shift_digest_bytes(self, p: int) -> int:
+        """Bytes ``shifted`` adds to its SUM: two words per rank, every rank's digest of its shift
+        (``comm.shift_digest``), so that shifts that differ between ranks are seen."""
+        return 2 * p * self.acc_bytes
+
     @property
     def lse_wire_bytes(self) -> int:
         """Bytes of partial lse that travel whole (all-gathers, the pass-Q ring): float64, so a
@@ -274,7 +279,7 @@ def merge_cost(strategy: str, preset: Preset, dims: Dims, p: int, intra_size: in
     """Seconds of one merge (collectives + local work) of ``strategy`` over ``p`` ranks.
 
     intra_size: ranks per node (1 for one rank per node; ``None`` fills nodes of the preset's
-    size). ``shifted`` is flat on every layout -- one SUM of cat[w*o, w, nonempty count] over the
+    size). ``shifted`` is flat on every layout -- one SUM of cat[w*o, w, nonempty count, shift digests] over the
     whole CP group, since one
     collective per call is its point and NCCL's all-reduce already follows the node
     hierarchy -- plus, with probability ``fallback``, the MAX + SUM redo.
@@ -297,7 +302,8 @@ def merge_cost(strategy: str, preset: Preset, dims: Dims, p: int, intra_size: in
         return allgather_time(preset, p, nodes, o + dims.lse_wire_bytes, p) + local_merge_time(preset, dims, p, p)
     if strategy == "shifted":
         redo = ar(l) + ar(o + l) + local_merge_time(preset, dims, 2, p)
-        return ar(o + 2 * l) + local_merge_time(preset, dims, 2, p) + fallback * redo  # cat[w*o, w, count]
+        # cat[w*o, w, count, digests]
+        return ar(o + 2 * l + dims.shift_digest_bytes(p)) + local_merge_time(preset, dims, 2, p) + fallback * redo
     # two_level: a packed merge inside each node, then one among the node peers
     if nodes == 1 or k == 1:
         return merge_cost("packed", preset, dims, p, k)
@@ -435,8 +441,8 @@ def merge_stages(strategy: str, preset: Preset, dims: Dims, p: int,
         return [[("cp", ar(l))], [("cp", ar(o + l))]], local
     if strategy == "allreduce3":
         return [[("cp", ar(l))], [("cp", ar(l)), ("cp", ar(o))]], local
-    if strategy == "shifted":  # cat[w*o, w, nonempty count]
-        return [[("cp", ar(o + 2 * l))]], local
+    if strategy == "shifted":  # cat[w*o, w, nonempty count, shift digests]
+        return [[("cp", ar(o + 2 * l + dims.shift_digest_bytes(p)))]], local
     if strategy == "allgather":
         return [[("cp", allgather_time(preset, p, nodes, o + dims.lse_wire_bytes, p))]], local_merge_time(preset, dims, p, p)
     return ([[("intra", ar(l, k, 1))], [("intra", ar(o + l, k, 1))],

@@ -78,8 +78,17 @@ def read_prompts(args, tok, vocab: int) -> tuple[list[str], list[list[int]]]:
     if args.prompts_file:
         if not os.path.isfile(args.prompts_file):
             raise ConfigError(f"--sample-input-file: {args.prompts_file!r} does not exist")
-        with open(args.prompts_file, encoding="utf-8") as f:
-            texts = [line.rstrip("\n") for line in f if line.strip()]
+        with open(args.prompts_file, "rb") as f:
+            data = f.read()
+        try:
+            lines = data.decode("utf-8").split("\n")
+        except UnicodeDecodeError as e:
+            line = data[: e.start].count(b"\n") + 1
+            raise ConfigError(
+                f"--sample-input-file: {args.prompts_file!r} is not UTF-8 text: byte {e.start} (line {line}) is "
+                f"{data[e.start:e.start + 1]!r}; save the prompts as UTF-8, one per line"
+            ) from None
+        texts = [line for line in lines if line.strip()]
     else:
         texts = list(args.prompt)
     if not texts:

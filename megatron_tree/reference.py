@@ -135,6 +135,8 @@ def check_decode_inputs(q, k, v, cache_seqlens=None, q_positions=None, k_positio
     if out_dtype is not None and not (isinstance(out_dtype, torch.dtype) and out_dtype.is_floating_point):
         raise TypeError(f"out_dtype must be a floating-point torch.dtype or None, got {out_dtype!r}")
     lse_acc_dtype(lse_dtype, q.dtype)  # raises for anything but float32 / float64 / None
+    if block_table is not None:
+        _check_block_table_shape(block_table, b)  # before its width is read (a 1-D table has none)
     n = kv_length(k, block_table)
     if cache_seqlens is not None:
         check_cache_seqlens(cache_seqlens, b, n, q.device, by_value=by_value)
@@ -178,14 +180,8 @@ def _used_blocks(block_table, block_size: int, cache_seqlens, cache_starts) -> t
     return used
 
 
-def check_block_table(block_table, batch: int, num_blocks: int, block_size: int, cache_seqlens, device, *,
-                      by_value: bool = True, cache_starts=None) -> None:
-    """block_table: (batch, max_blocks) int32 on ``device``; with ``by_value`` also every entry a
-    row uses (those holding a key in ``[cache_starts[b], cache_seqlens[b])``) in ``[0, num_blocks)``.
-
-    Entries past a row's length, and wholly before its start, are never read (engines pad them
-    with -1 or 0, and a sliding window may free the blocks it has passed).
-    """
+def _check_block_table_shape(block_table, batch: int) -> None:
+    """block_table: an int32 tensor of shape (batch, max_blocks)."""
     if not isinstance(block_table, torch.Tensor):
         raise TypeError(f"block_table must be an int32 tensor of shape ({batch}, max_blocks), "
                         f"got {type(block_table).__name__}")
@@ -194,6 +190,17 @@ def check_block_table(block_table, batch: int, num_blocks: int, block_size: int,
     if block_table.dim() != 2 or block_table.shape[0] != batch:
         raise ValueError(f"block_table must have shape ({batch}, max_blocks) (one row per batch row), "
                          f"got {tuple(block_table.shape)}")
+
+
+def check_block_table(block_table, batch: int, num_blocks: int, block_size: int, cache_seqlens, device, *,
+                      by_value: bool = True, cache_starts=None) -> None:
+    """block_table: (batch, max_blocks) int32 on ``device``; with ``by_value`` also every entry a
+    row uses (those holding a key in ``[cache_starts[b], cache_seqlens[b])``) in ``[0, num_blocks)``.
+
+    Entries past a row's length, and wholly before its start, are never read (engines pad them
+    with -1 or 0, and a sliding window may free the blocks it has passed).
+    """
+    _check_block_table_shape(block_table, batch)
     if block_table.device != device:
         raise ValueError(f"block_table is on {block_table.device} but q is on {device}")
     if block_size < 1:

@@ -194,12 +194,12 @@ def test_shifted_priced_as_one_sum_and_chosen_only_with_a_shift():
         pr = cost.load_preset(name)
         for p, k in ((8, 8), (16, 8), (8, 4)):
             nodes = p // k
-            one = cost.allreduce_time(pr, p, nodes, o + 2 * l, p) + cost.local_merge_time(pr, dims, 2, p)
+            one = cost.allreduce_time(pr, p, nodes, o + 2 * l + 2 * p * 4, p) + cost.local_merge_time(pr, dims, 2, p)
             assert cost.merge_cost("shifted", pr, dims, p, k, fallback=0.0) == pytest.approx(one, rel=1e-12)
             packed = cost.merge_cost("packed", pr, dims, p, k)
             assert cost.merge_cost("shifted", pr, dims, p, k, fallback=1.0) == pytest.approx(one + packed, rel=1e-12)
             assert cost.merge_cost("shifted", pr, dims, p, k) < packed
-    assert cm.sent_bytes("shifted", dims, 8) == {"cp": 2 * 7 * (o + 2 * l) // 8}
+    assert cm.sent_bytes("shifted", dims, 8) == {"cp": 2 * 7 * (o + 2 * l + 2 * 8 * 4) // 8}  # + digests
     assert set(cost.AUTO_CANDIDATES) <= set(comm.STRATEGIES) - {"auto"}
     assert "shifted" in cost.MERGE_STRATEGIES and "shifted" in cost.AUTO_CANDIDATES
     cost.clear_cache()

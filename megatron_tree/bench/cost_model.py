@@ -77,8 +77,8 @@ def sent_bytes(strategy: str, dims: Dims, p: int, intra_size: int | None = None,
         return {"cp": _ar(p, l) + _ar(p, l) + _ar(p, o)}
     if strategy == "allgather":  # the partial lse travels in float64
         return {"cp": (p - 1) * (o + dims.lse_wire_bytes)}
-    if strategy == "shifted":  # cat[w*o, w, nonempty count]
-        return {"cp": _ar(p, o + 2 * l)}
+    if strategy == "shifted":  # cat[w*o, w, nonempty count, every rank's shift digest]
+        return {"cp": _ar(p, o + 2 * l + dims.shift_digest_bytes(p))}
     if strategy == "two_level":
         k = intra_size if intra_size else p
         if not 1 < k < p:  # one level only: TreeGroups names it intra (or inter with one rank per node)

@@ -112,12 +112,16 @@ def tree_decode(
     else:
         # fp32 partials (DESIGN.md section 1): a bf16/fp16 result is rounded once, below. The
         # partial lse is float64 so the merge is exact at large score magnitudes (comm's docstring).
-        out, lse = ops.flash_decode(
-            q, k, v, cache_seqlens=cache_seqlens, block_table=block_table, softmax_scale=softmax_scale,
-            q_positions=q_positions, k_positions=k_positions, out_dtype=acc_dtype(q.dtype), backend=backend,
-            lse_dtype=torch.float64, **variants,
-        )
-        comm.check_shift(shift, tuple(lse.shape))
+        try:
+            out, lse = ops.flash_decode(
+                q, k, v, cache_seqlens=cache_seqlens, block_table=block_table, softmax_scale=softmax_scale,
+                q_positions=q_positions, k_positions=k_positions, out_dtype=acc_dtype(q.dtype), backend=backend,
+                lse_dtype=torch.float64, **variants,
+            )
+            comm.check_shift(shift, tuple(lse.shape), q.device)
+        except Exception as e:  # noqa: BLE001 -- this rank's own checks: every rank raises it (_tell)
+            _tell(groups, e)
+            raise
         if groups is not None:
             out, lse = comm.merge(out, lse, groups, strategy, stats, dtype=q.dtype,
                                   backend=ops.resolve_backend(q.device, backend), shift=shift, deferred=deferred)
@@ -136,8 +140,13 @@ def _decode_overlapped(q, k, v, groups, cache_seqlens, softmax_scale, strategy, 
     so bad input fails on every rank before any rank waits in one.
     """
     variants = variants or {}
-    check_decode_inputs(q, k, v, cache_seqlens, q_positions, k_positions, block_table,
-                        by_value=q.device.type == "cpu" and not torch.compiler.is_compiling(), **variants)
+    try:
+        check_decode_inputs(q, k, v, cache_seqlens, q_positions, k_positions, block_table,
+                            by_value=q.device.type == "cpu" and not torch.compiler.is_compiling(), **variants)
+        comm.check_shift(shift, (q.shape[0], q.shape[2], q.shape[1]), q.device)
+    except Exception as e:  # noqa: BLE001 -- as in tree_decode
+        _tell(groups, e)
+        raise
     b = q.shape[0]
     halves = [slice(0, (b + 1) // 2), slice((b + 1) // 2, b)]
     shared_kpos = k_positions is not None and k_positions.dim() == 1  # (N,): the same for every row
@@ -158,3 +167,11 @@ def _decode_overlapped(q, k, v, groups, cache_seqlens, softmax_scale, strategy, 
     out_shape = (*q.shape[:3], v.shape[3])  # the merged outputs have V's head dim
     return comm.merge_overlapped(local, halves, out_shape, groups, strategy, stats, dtype=q.dtype,
                                  backend=ops.resolve_backend(q.device, backend), shift=shift, deferred=deferred)
+
+
+def _tell(groups: TreeGroups | None, error: Exception) -> None:
+    """This rank's local attention or its checks raised ``error`` before the merge: instead of
+    leaving the other ranks in the merge's collectives until their timeout with no word of what
+    was wrong, every rank raises this rank's error, naming it (``Agreement.fail``)."""
+    if groups is not None and groups.size > 1 and not isinstance(error, comm.CommError):
+        groups.agreement.fail("merge", error)

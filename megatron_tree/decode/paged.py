@@ -37,6 +37,7 @@ this rank's (:mod:`.plan`'s one trick). A step's write indices reach the device 
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
@@ -325,11 +326,46 @@ class PagedKVCache:
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, placed: TokenSlots) -> None:
         """Store this rank's share of new tokens' keys/values of one layer.
 
-        k, v: (n, num_kv_heads, head_dim), one row per token of ``placed`` (from :meth:`extend`);
-        rows owned by other ranks go to the spare slot. One scatter per tensor, no host read.
+        layer: an ``int`` in ``[0, num_layers)`` (not a ``bool``, not negative)
+        k, v: (n, num_kv_heads, head_dim) floats, exactly one row per token of ``placed`` (from
+        :meth:`extend`); rows owned by other ranks go to the spare slot. One scatter per tensor,
+        no host read. A bad argument is a ``TypeError``/``ValueError`` naming it, the expected and
+        the given value, and nothing is written (shapes are checked, so no broadcast of one KV head
+        to several, no row silently dropped).
         """
+        layer = self._layer(layer)
+        self._check_rows(k, v, placed)
         self._k[layer][placed.store] = k.to(self._k.dtype)
         self._v[layer][placed.store] = v.to(self._v.dtype)
+
+    def _layer(self, layer) -> int:
+        """``layer`` as an index into the cache's layers, or an error naming the valid range."""
+        try:
+            if isinstance(layer, bool):  # operator.index(True) is 1: another layer, written by mistake
+                raise TypeError
+            layer = operator.index(layer)
+        except TypeError:
+            raise TypeError(f"write: layer must be an integer index in [0, {self.num_layers}), got "
+                            f"{type(layer).__name__} {layer!r}") from None
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"write: layer index {layer} is outside [0, {self.num_layers}) (the cache has "
+                             f"{self.num_layers} layers)")
+        return layer
+
+    def _check_rows(self, k, v, placed) -> None:
+        """k, v: (len(placed.store), num_kv_heads, head_dim) floating tensors on the cache's device."""
+        if not isinstance(placed, TokenSlots):
+            raise TypeError(f"write: placed must be the TokenSlots of extend(), got {type(placed).__name__}")
+        expected = (int(placed.store.numel()), *self._k.shape[2:])
+        for name, t in (("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+                raise TypeError(f"write: {name} must be a floating-point tensor, got "
+                                f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
+            if tuple(t.shape) != expected:
+                raise ValueError(f"write: {name} must have shape {expected} (tokens placed, num_kv_heads, "
+                                 f"head_dim), got {tuple(t.shape)}")
+            if t.device != self._k.device:
+                raise ValueError(f"write: {name} is on {t.device}, the cache on {self._k.device}")
 
     def rows(self, requests: Sequence, positions: torch.Tensor, *, rank: int | None = None):
         """Block table and visible key count of this rank for query rows ``(request, position)``.

@@ -160,8 +160,10 @@ def _check_index(path: str) -> None:
             raise ConfigError(f"model.path: {index} names {fname}, which is not in {path}")
 
 
-def check_safetensors(file: str) -> None:
-    """A cheap header check of one safetensors file: readable, a JSON header, data as long as it says."""
+def check_safetensors(file: str) -> dict:
+    """A cheap header check of one safetensors file: readable, a JSON header, data as long as it says.
+
+    Returns the header (tensor name -> {"dtype", "shape", "data_offsets"}, and ``__metadata__``)."""
     try:
         size = os.path.getsize(file)
         with open(file, "rb") as f:
@@ -184,6 +186,26 @@ def check_safetensors(file: str) -> None:
                if k != "__metadata__" and isinstance(v, dict) and "data_offsets" in v), default=0)
     if 8 + n + end > size:
         raise ConfigError(f"model.path: {file} is truncated: its tensors end at byte {8 + n + end}, the file has {size}")
+    return header
+
+
+def _check_shapes_against_config(model, shapes: dict, file: str) -> None:
+    """Every tensor the checkpoint holds under one of ``model``'s parameter names has that parameter's
+    shape (``model``: built from config.json on the meta device; shapes: name -> (shape, file))."""
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    wrong = []
+    for name, (shape, where) in sorted(shapes.items()):
+        want = expected.get(name)
+        if want is None and prefix:  # a base model's checkpoint loaded into its causal-LM class
+            want = expected.get(f"{prefix}.{name}")
+        if want is not None and tuple(shape) != want:
+            wrong.append(f"{name} is {list(shape)} in {os.path.basename(where)}, config.json gives {list(want)}")
+    if wrong:
+        raise ConfigError(
+            f"model.path: the tensors disagree with {file} ({len(wrong)} of other shapes): " + "; ".join(wrong[:4])
+            + ("; ..." if len(wrong) > 4 else "") + ". The weights and config.json are from different models"
+        )
 
 
 def _check_output_dir(output_dir: str) -> None:
@@ -207,10 +229,11 @@ def _check_files(path: str) -> None:
         raise ConfigError(f"model.path: {path!r} has no *.safetensors weights")
 
 
-def check_transformers_checkpoint(path: str) -> int:
+def check_transformers_checkpoint(path: str, shapes: dict | None = None) -> int:
     """``model.source: hf`` before launch: transformers knows the architecture, it has a causal-LM
-    class, and tree attention can replace that class's attention (checked on a meta-device
-    instance: no weights read). Returns the model's ``max_position_embeddings``.
+    class, tree attention can replace that class's attention, and the tensors of ``shapes`` (name ->
+    (shape, file), from the safetensors headers) have the shapes config.json gives them (checked on
+    a meta-device instance: no weights read). Returns the model's ``max_position_embeddings``.
     """
     _hf_config(path)  # valid JSON, an object: named errors before transformers parses it
     import torch
@@ -238,6 +261,7 @@ def check_transformers_checkpoint(path: str) -> int:
     except Exception as e:  # noqa: BLE001 -- a config transformers parsed but cannot build a model of
         raise ConfigError(f"model.path: transformers cannot build {cls.__name__} from {file}: "
                           f"{type(e).__name__}: {e}") from None
+    _check_shapes_against_config(model, shapes or {}, file)
     try:
         hf.check_model(model)
     except hf.UnsupportedModelError as e:
@@ -258,9 +282,12 @@ def check_model(m: ModelConfig):
         _check_files(m.path)
         _hf_config(m.path)  # the config first: a broken one is named before any weight file
         _check_index(m.path)
+        shapes = {}
         for f in sorted(Path(m.path).glob("*.safetensors")):
-            check_safetensors(str(f))
-        max_pos = check_transformers_checkpoint(m.path)
+            header = check_safetensors(str(f))
+            shapes.update({k: (v.get("shape", ()), str(f)) for k, v in header.items()
+                           if k != "__metadata__" and isinstance(v, dict)})
+        max_pos = check_transformers_checkpoint(m.path, shapes)
     elif m.source == "megatron" and m.path is not None:
         from ..integrations.megatron.model import check_checkpoint
         from .models import gpt_shape

@@ -5,6 +5,7 @@ check, the names registered with transformers, the refusal error, and the per-mo
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 
 import torch
@@ -74,6 +75,9 @@ class _Binding:
     """Most prompt tokens one forward computes (chunked prefill, in windows; ``forward.prefill_chunk``), or None."""
     work: object = None
     """A ``decode.prefill.PrefillWork`` every layer's prefill attention adds its counts to, or None."""
+    settings_hint: tuple | None = None
+    """``generate``'s sampling and stop settings (:func:`_generation_settings`), compared across CP ranks
+    at the prefill; set only while ``generate`` runs."""
     step: object = None
     """The decode loop's ``decode.generate.DecodeStep`` while ``HFTreeModel.decode_step`` runs (its
     ``attend`` is every layer's decode attention); ``None``: a plain step of ``strategy``/``stats``."""
@@ -89,8 +93,15 @@ def _same_groups(a: TreeGroups | None, b: TreeGroups | None) -> bool:
     return a.cp_ranks == b.cp_ranks and a.cp_group is b.cp_group
 
 
-def _describe(groups: TreeGroups | None) -> str:
-    return "no CP group (one process)" if groups is None else f"the CP group of ranks {list(groups.cp_ranks)}"
+def _describe(groups: TreeGroups | None, named: bool = False) -> str:
+    """``groups`` in a message; ``named``: with its process group's name, which tells apart two groups
+    over the same ranks (``TreeGroups`` built twice)."""
+    if groups is None:
+        return "no CP group (one process)"
+    text = f"the CP group of ranks {list(groups.cp_ranks)}"
+    if named:
+        text += f" (process group {getattr(groups.cp_group, 'group_name', None) or id(groups.cp_group)!r})"
+    return text
 
 
 def _comm_device(groups: TreeGroups, like: torch.device) -> torch.device:
@@ -104,3 +115,38 @@ def _comm_device(groups: TreeGroups, like: torch.device) -> torch.device:
 def _text_config(cfg):
     get = getattr(cfg, "get_text_config", None)
     return get(decoder=True) if callable(get) else cfg
+
+
+_SETTINGS = ("do_sample", "temperature", "top_k", "top_p", "min_p", "typical_p", "repetition_penalty",
+             "eos_token_id", "min_new_tokens", "generation_config", "generate_arguments")
+"""``generate``'s settings every CP rank must pass alike (compared at the prefill): the sampling and stop
+fields by name, then a digest of the whole effective generation config and of the call's other arguments.
+Sampling settings that differ give ranks different token choices from the same logits; stop settings
+that differ leave one rank stopping while the others wait for it."""
+
+
+def _setting(value):
+    """A generation setting as it is compared and printed: plain values as they are, tensors as lists,
+    processors and other objects by their class (their state cannot be compared)."""
+    if isinstance(value, torch.Tensor):
+        return tuple(value.detach().reshape(-1).tolist())
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return tuple(_setting(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((str(k), _setting(v)) for k, v in value.items()))
+    return f"<{type(value).__name__}>"
+
+
+def _generation_settings(model, kwargs: dict) -> tuple:
+    """The values of :data:`_SETTINGS` for one ``generate(**kwargs)`` call (the prompt's tensors are
+    compared on their own): a field passed to ``generate`` wins over the generation config's."""
+    gc = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    fields = tuple(_setting(kwargs[n] if n in kwargs else getattr(gc, n, None)) for n in _SETTINGS[:-2])
+    config = None
+    if gc is not None:
+        config = hashlib.blake2b(repr(_setting(gc.to_dict())).encode(), digest_size=6).hexdigest()
+    skip = {"input_ids", "inputs", "attention_mask", "generation_config", *_SETTINGS}
+    rest = _setting({k: v for k, v in kwargs.items() if k not in skip})
+    return (*fields, config, hashlib.blake2b(repr(rest).encode(), digest_size=6).hexdigest())

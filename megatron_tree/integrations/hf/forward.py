@@ -8,7 +8,7 @@ import inspect
 
 import torch
 
-from .common import _Binding, _comm_device, _describe, _same_groups, _text_config
+from .common import _SETTINGS, _Binding, _comm_device, _describe, _same_groups, _text_config
 from .cache import TreeCache
 
 from ... import agreement
@@ -82,9 +82,13 @@ def _sharded_forward(model, orig, binding: _Binding, args, kwargs):
             "a TreeCache (the other cache's keys were computed without sharding)"
         )
     if not _same_groups(cache.groups, binding.groups):
+        alike = (cache.groups is not None and binding.groups is not None
+                 and cache.groups.cp_ranks == binding.groups.cp_ranks)
+        why = ("; the same ranks, but another process group: the cache's TreeGroups and the model's were built "
+               "separately" if alike else "")
         raise ValueError(
-            f"this TreeCache was made for {_describe(cache.groups)}, but the model runs tree attention over "
-            f"{_describe(binding.groups)}; create the cache with the model's groups"
+            f"this TreeCache was made for {_describe(cache.groups, alike)}, but the model runs tree attention over "
+            f"{_describe(binding.groups, alike)}{why}; create the cache with the model's groups"
         )
     if cache.num_layers != binding.num_layers:
         raise ValueError(f"TreeCache has {cache.num_layers} layers, the model {binding.num_layers}")
@@ -177,13 +181,15 @@ def _prefill(model, orig, binding: _Binding, cache: TreeCache, call: dict, batch
         return (batch, seq, _checksum(ids), _checksum(embeds), _checksum(mask), _checksum(pos.expand(batch, seq)),
                 _checksum(wanted),
                 binding.strategy, binding.prefill, binding.layout, binding.block_size, binding.new_tokens_hint,
-                binding.max_prefill_tokens, *(getattr(cfg, n, None) for n in _WIDTHS))
+                binding.max_prefill_tokens, *(getattr(cfg, n, None) for n in _WIDTHS),
+                *(binding.settings_hint or (None,) * len(_SETTINGS)))
 
     # The model's shape too: replicas whose attention shapes agree but whose widths do not would pass every
     # collective of the forward (chunks' keys, the logits' SUM) and return a mixture of two models.
     cfg = _text_config(model.config)
     names = ("batch", "seq", "input_ids", "inputs_embeds", "attention_mask", "position_ids", "logits_wanted",
-             "strategy", "prefill", "layout", "block_size", "max_new_tokens", "max_prefill_tokens", *_WIDTHS)
+             "strategy", "prefill", "layout", "block_size", "max_new_tokens", "max_prefill_tokens", *_WIDTHS,
+             *_SETTINGS)
     g = binding.groups
     group, ranks = (None, ()) if g is None else (g.cp_group, g.cp_ranks)
     agreement.agree("hf.prefill", names, signature, group, ranks, stats=binding.stats,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import _Binding, _comm_device
+from .common import _Binding, _comm_device, _generation_settings
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 from ... import collectives
@@ -55,8 +55,9 @@ class _TokensAgree(StoppingCriteria):
         if any(not torch.equal(p, parts[0]) for p in parts[1:]):
             raise RuntimeError(
                 f"CP ranks {list(self.groups.cp_ranks)} chose different tokens at generated step {self.step}: "
-                f"{[p.tolist() for p in parts]}; their caches would diverge (custom logits processors must be "
-                "deterministic)"
+                f"{[p.tolist() for p in parts]}; their caches would diverge. generate's settings were compared at "
+                "the prefill, so a custom logits processor or stopping criterion differs between the ranks or is "
+                "not deterministic"
             )
         return torch.zeros(last.shape[0], dtype=torch.bool, device=input_ids.device)
 
@@ -86,7 +87,9 @@ def _sharded_generate(model, orig, binding: _Binding, args, kwargs):
         sc.append(_TokensAgree(binding.groups, binding.stats))
         kwargs.update(logits_processor=lp, stopping_criteria=sc)
     binding.new_tokens_hint = _new_tokens(model, kwargs, prompt_len)
+    binding.settings_hint = _generation_settings(model, kwargs)
     try:
         return orig(*args, **kwargs)
     finally:
         binding.new_tokens_hint = None
+        binding.settings_hint = None
