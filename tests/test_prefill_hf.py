@@ -5,8 +5,10 @@ One 4-rank gloo launch: CP 2 (two groups side by side), CP 3 (rank 3 alone, CP 1
 ``max_prefill_tokens`` far below the prompts (so each prompt takes several windows, each over the
 cache the earlier windows filled), on a left-padded batch of ragged rows (one of a single token),
 and returns the logits of every prompt position and the greedy tokens; the parent holds them to
-single-process transformers within 1e-5 (fp32) and to the unchunked run's tokens. The ring's own
-counts (``PrefillWork``) show every window's causal work done exactly once.
+single-process transformers within 1e-5 (fp32) and to its greedy tokens. The ring's own
+counts (``PrefillWork``) show every window's causal work done exactly once. Ranks that disagree on
+the layout or on ``max_prefill_tokens`` get the same ``DisagreementError``; a prompt past the
+model's window is refused on every rank.
 """
 
 from __future__ import annotations
@@ -49,6 +51,17 @@ def _rank_fn(rank, world):
             out[f"{name}/window"] = None
         except Exception as e:  # noqa: BLE001 -- the message is checked
             out[f"{name}/window"] = f"{type(e).__name__}: {e}"
+    # ranks that disagree on the layout, or on the window of a chunked prefill: the same
+    # DisagreementError on every rank of the group, before any KV moves
+    groups = TreeGroups.build(None, 2)
+    for what, kw in (("layout", dict(layout="contiguous" if rank == 0 else "load_balanced")),
+                     ("max_prefill_tokens", dict(max_prefill_tokens=8 if rank == 3 else CHUNK))):
+        m = HFTreeModel(hf_model("llama"), groups, **kw)
+        try:
+            m.hf(input_ids=ids, attention_mask=mask)
+            out[f"disagree/{what}"] = None
+        except Exception as e:  # noqa: BLE001 -- the type and message are checked
+            out[f"disagree/{what}"] = (type(e).__name__, str(e))
     return out
 
 
@@ -81,6 +94,11 @@ def test_chunked_prefill_is_exact_on_every_topology():
             group = rows[:p]
             total = sum(n * (n + 1) // 2 for n in LENGTHS) * layers
             assert sum(r["pairs"] for r in group) == total, (case, [r["pairs"] for r in group], total)
+    for what in ("layout", "max_prefill_tokens"):
+        seen = [r[f"disagree/{what}"] for r in results]
+        assert all(x is not None and x[0] == "DisagreementError" and what in x[1] for x in seen), (what, seen)
+        assert len({x[1] for x in seen}) == 1, f"{what}: the ranks' messages differ: {seen}"
+    for name in TOPOLOGIES:
         for rank, r in enumerate(results):
             msg = r[f"{name}/window"]
             assert msg is not None and "max_position_embeddings = 16" in msg and "29 tokens" in msg, (rank, msg)
