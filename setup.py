@@ -31,13 +31,17 @@ setup(
         "transformers>=5.17",
     ],
     extras_require={
-        "test": ["pytest", "pytest-xdist", "pytest-timeout", "hypothesis"],
+        # integrations/lm_eval.py (the lm-evaluation-harness backend); accelerate for lm-eval's own hf
+        # backend, the tests' reference; the ruler extra for RULER's niah tasks (wonderwords)
+        "lmeval": ["lm-eval[ruler]==0.4.13", "accelerate"],
+        "test": ["pytest", "pytest-xdist", "pytest-timeout", "hypothesis", "lm-eval[ruler]==0.4.13", "accelerate"],
     },
     entry_points={
         "console_scripts": [
             "megatron-tree-eval=megatron_tree.eval:main",
             "megatron-tree-generate=megatron_tree.generate_megatron:main",
             "megatron-tree-demo=megatron_tree.demo:main",
+            "megatron-tree-lm-eval=megatron_tree.lm_eval:main",
         ],
     },
 )

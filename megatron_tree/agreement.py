@@ -225,7 +225,7 @@ class Agreement:
       -- at once where every rank compares at that call (its first at the site, or a change on
       every rank), else once the others' collectives time out (within ``(1 + EXPLAIN_WAIT) T``).
     * A dead or stuck peer (not a disagreement): the survivors raise :class:`CommError`
-      within ``1.35 T`` (``T`` in the collective, at most :data:`EXPLAIN_WAIT` ``T`` more comparing
+      within ``1.4 T`` (``T`` in the collective, at most :data:`EXPLAIN_WAIT` ``T`` more comparing
       notes with the ranks that timed out beside them; :data:`CHECK_WAIT` ``T`` for a rank that
       was comparing a changed signature); a survivor that sees the dead peer's connection close
       raises at once, without comparing.
@@ -273,18 +273,28 @@ class Agreement:
         self._last[site] = values
 
     def explain(self, site: str, names: tuple, values: tuple, error: CommError) -> None:
-        """After ``error`` inside ``site``: raise :class:`DisagreementError` if ranks disagree, else return."""
+        """After ``error`` inside ``site``: raise :class:`DisagreementError` if ranks disagree, or the
+        error of a rank whose own checks failed (:meth:`fail`), else return.
+
+        A collective that failed because a peer's connection closed waits for no one (the peer most
+        likely died): it only reads the records already there.
+        """
         if self._epoch == 0:
             return  # no check was ever made here: the peers are not in step with this record
+        wait = 0.0 if getattr(error, "cause", "other") == "closed" else EXPLAIN_WAIT
         try:
-            table, status = self._exchange("failed", site, names, values, self.timeout * EXPLAIN_WAIT,
-                                           self._last.get(site))
+            # partial: a rank whose own checks failed wrote its record before the others entered their
+            # collectives, so it is there whoever else has answered (their skew may exceed the wait)
+            table, status = self._exchange("failed", site, names, values, self.timeout * wait,
+                                           self._last.get(site), partial=True)
         except CommError:
-            return  # peers did not answer either: the original error stands
+            return  # the store itself failed: the original error stands
         try:
             _raise_local_failures(table, status)
         except Exception as failed:  # noqa: BLE001 -- another rank's own checks failed: its error
             raise failed from error
+        if "missing" in status.values():
+            return  # peers did not answer either: the original error stands
         err = disagreement(site, table, [r for r, s in status.items() if s == "failed"])
         if err is not None:
             raise err from error
@@ -297,11 +307,11 @@ class Agreement:
         that compare at this call answer at once, ranks already in the call's collectives answer
         when those time out (:meth:`explain`). Raises, on every rank alike, the failing ranks'
         errors (:func:`_local_failure`: the first failing rank's exception class, each failing
-        rank named with its message); if the others do not answer, ``error`` itself.
+        rank named with its message), the same text whether or not the others answered in time.
         """
         try:
             table, status = self._exchange("error", site, (), (), self.timeout * CHECK_WAIT, self._last.get(site),
-                                           error=_portable(error))
+                                           error=_portable(error), partial=True)
         except CommError:
             raise error from None
         try:
@@ -313,7 +323,7 @@ class Agreement:
     # -- the exchange ----------------------------------------------------------------------
 
     def _exchange(self, status: str, site: str, names: tuple, values: tuple, wait: datetime.timedelta, last,
-                  error: tuple | None = None):
+                  error: tuple | None = None, partial: bool = False):
         """Every member's (site, {name: value}, status) through the rendezvous store, in rank order.
 
         Exchange k (counted on every member: checks and explanations happen at the same points
@@ -322,7 +332,8 @@ class Agreement:
         to whole seconds). Records of exchange k-2 are deleted: every member has read them.
         ``status`` ``"error"`` carries this rank's own failed check (``error``: :func:`_portable`).
         Returns ({rank: {"call": site, **fields}}, {rank: status}); an error record's table entry
-        holds ``"error"`` instead of fields.
+        holds ``"error"`` instead of fields. ``partial``: after ``wait``, the records that are there,
+        the other ranks with status ``"missing"`` (else a :class:`CommError`).
         """
         me = dist.get_rank()
         record = {"site": site, "fields": dict(zip(names, (_plain(v) for v in values))), "status": status,
@@ -335,8 +346,13 @@ class Agreement:
             store.set(f"{self._prefix}/{k}/{me}", pickle.dumps(record))
             if k >= 2:
                 store.delete_key(f"{self._prefix}/{k - 2}/{me}")
-            _wait_for(store, keys, wait)
-            blobs = [store.get(key) for key in keys]
+            try:
+                _wait_for(store, keys, wait)
+                blobs = [store.get(key) for key in keys]
+            except _NoAnswer:
+                if not partial:
+                    raise
+                blobs = [store.get(key) if store.check([key]) else None for key in keys]
         except RuntimeError as e:  # DistStoreError: "Wait timeout", or the store's server is gone
             mine = ", ".join(f"{n}={_plain(v)!r}" for n, v in zip(names, values))
             before = ("this is its first call there" if last is None else
@@ -349,6 +365,9 @@ class Agreement:
             ) from e
         table, status_of = {}, {}
         for rank, blob in zip(self.ranks, blobs):
+            if blob is None:
+                table[rank], status_of[rank] = {"call": "<no answer>"}, "missing"
+                continue
             rec = pickle.loads(blob)
             if rec["status"] == "error":
                 table[rank] = {"call": rec["site"], "error": rec["error"]}
@@ -369,18 +388,22 @@ CHECK_WAIT = 1.35
 """How long (in ``T``) a rank comparing a changed signature, or telling its own failed check, waits
 for the others' records: ranks that kept their signature answer once the call's collectives time
 out (after ``T``), so the wait covers ``T`` and the ranks' skew, and stays below ``1.5 T``."""
-EXPLAIN_WAIT = 0.25
+EXPLAIN_WAIT = 0.4
 """How long (in ``T``) a rank whose collective failed waits for the others' records: the ranks that
 timed out beside it answer within their skew; a dead or stuck rank never does."""
 
 
+class _NoAnswer(RuntimeError):
+    """Some records were not in the store within the wait."""
+
+
 def _wait_for(store, keys: list[str], wait: datetime.timedelta) -> None:
-    """Return once every key of ``keys`` is in ``store``; a ``RuntimeError`` after ``wait``."""
+    """Return once every key of ``keys`` is in ``store``; :class:`_NoAnswer` after ``wait``."""
     deadline = time.monotonic() + wait.total_seconds()
     pause = 0.005
     while not store.check(keys):
         if time.monotonic() >= deadline:
-            raise RuntimeError(f"Wait timeout after {_seconds_text(wait)} for {len(keys)} record(s)")
+            raise _NoAnswer(f"Wait timeout after {_seconds_text(wait)} for {len(keys)} record(s)")
         time.sleep(pause)
         pause = min(2 * pause, 0.05)
 
@@ -392,10 +415,10 @@ def _raise_local_failures(table: dict, status: dict) -> None:
         return
     told = [table[r]["error"] if status[r] == "error" else None for r in sorted(table)]
     failed = _local_failure(sorted(table), told)
-    waited = [r for r in sorted(table) if status[r] == "failed"]
-    if waited:
-        note = (f" ({_ranks_text(waited)} had entered the call's collectives and waited until their timeout: "
-                "those collectives are out of step, build new groups)")
+    if any(s in ("failed", "missing") for s in status.values()):
+        # the same words whichever of the waiting ranks had answered by now
+        note = (" (the other ranks had entered the call's collectives and waited until their timeout: those "
+                "collectives are out of step, build new groups)")
         failed.args = (str(failed) + note,) + failed.args[1:]
     raise failed
 
@@ -411,9 +434,8 @@ class _Call:
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        # A peer whose connection closed is dead: nobody would answer, so no comparison.
-        if (exc_type is not None and issubclass(exc_type, CommError) and not issubclass(exc_type, DisagreementError)
-                and getattr(exc, "cause", "other") != "closed"):
+        # (a peer whose connection closed is most likely dead: explain then reads what is there, waiting for no one)
+        if exc_type is not None and issubclass(exc_type, CommError) and not issubclass(exc_type, DisagreementError):
             self.agreement.explain(self.site, self.names, self.values, exc)
         return False
 

@@ -119,7 +119,7 @@ def generate_main(cfg: RunConfig, args, env) -> list[dict] | None:
     world = int(env.get("WORLD_SIZE", 1))
     cfg = single_process_topology(cfg, world, "megatron-tree-generate")
     cp_size = check_launch(cfg, world, env)
-    checkpoint, _ = check_model(cfg.model)
+    checkpoint, max_pos = check_model(cfg.model)
     tok_file = tokenizer_path(cfg)
     if tok_file is not None and not os.path.isfile(tok_file):
         raise ConfigError(f"model.tokenizer: {tok_file!r} does not exist")
@@ -129,6 +129,14 @@ def generate_main(cfg: RunConfig, args, env) -> list[dict] | None:
 
         tok = Tokenizer.from_file(tok_file)
     texts, prompts = read_prompts(args, tok, cfg.model.vocab_size)
+    need = max(len(p) for p in prompts) + args.max_new_tokens - 1  # the last token's position is never run
+    if need > max_pos and not cfg.eval.allow_beyond_max_position:  # the eval's rule, before any collective
+        longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
+        raise ConfigError(
+            f"--out-seq-length: prompt {longest} has {len(prompts[longest])} tokens; with --out-seq-length "
+            f"{args.max_new_tokens} it needs {need} positions, but the model has max_position_embeddings {max_pos}; "
+            "shorten it or set eval.allow_beyond_max_position=true"
+        )
 
     import torch.distributed as dist
 

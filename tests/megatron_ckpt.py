@@ -48,23 +48,24 @@ def engine_generate(model, prompts, new_tokens: int, max_len: int) -> list[list[
     from megatron.core.inference.engines import StaticInferenceEngine
     from megatron.core.inference.inference_request import InferenceRequest
     from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
-    from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import InferenceWrapperConfig
     from megatron.core.inference.sampling_params import SamplingParams
     from megatron.core.inference.text_generation_controllers.text_generation_controller import (
         TextGenerationController,
     )
 
-    cfg = InferenceWrapperConfig(
-        hidden_size=model.config.hidden_size, params_dtype=torch.float32, inference_batch_times_seqlen_threshold=-1,
-        padded_vocab_size=model.vocab_size, inference_max_requests=len(prompts), inference_max_seq_length=max_len,
-    )
-    wrapper = GPTInferenceWrapper(model, cfg, StaticInferenceContext(len(prompts), max_len))
-    engine = StaticInferenceEngine(TextGenerationController(wrapper, _IdTokenizer()), max_batch_size=len(prompts),
-                                   legacy=True)
+    from megatron_tree.integrations.megatron import version
+
+    ctx = StaticInferenceContext(len(prompts), max_len)
+    wrapper = GPTInferenceWrapper.__new__(GPTInferenceWrapper)  # the release's own signature (0.16.1 / 0.19)
+    version.init_gpt_wrapper(wrapper, model, ctx, hidden_size=model.config.hidden_size, params_dtype=torch.float32,
+                             padded_vocab_size=model.vocab_size)
     params = SamplingParams(top_k=1, num_tokens_to_generate=new_tokens, termination_id=-1)
     requests = [InferenceRequest(request_id=str(i), prompt=_IdTokenizer().detokenize(p), prompt_tokens=list(p),
                                  sampling_params=params) for i, p in enumerate(prompts)]
-    return [[int(t) for t in r.generated_tokens] for r in engine.generate(inference_requests=requests)]
+    with version.inference_mode_off():  # 0.19's engines set a process-wide flag that they never clear
+        engine = StaticInferenceEngine(TextGenerationController(wrapper, _IdTokenizer()),
+                                       max_batch_size=len(prompts), legacy=True)
+        return [[int(t) for t in r.generated_tokens] for r in engine.generate(inference_requests=requests)]
 
 
 def train_and_save(out_dir: str, prompts: list[list[int]], new_tokens: int) -> dict:

@@ -94,6 +94,16 @@ def test_prompt_file_that_is_not_utf8_is_a_named_error_with_exit_2(tmp_path, cap
     assert "megatron-tree-generate: rank 0: error: --sample-input-file: " in err and "Traceback" not in err, err
 
 
+def test_generate_megatron_refuses_to_run_past_max_position_embeddings(capsys):
+    from megatron_tree import generate_megatron
+
+    argv = ["--prompt", "1 2 3", "--out-seq-length", "15", "model.max_position_embeddings=16"]
+    assert generate_megatron.main(argv) == 2  # 3 + 15 - 1 = 17 positions, the model has 16
+    err = capsys.readouterr().err
+    assert ("rank 0: error: --out-seq-length: prompt 0 has 3 tokens; with --out-seq-length 15 it needs 17 "
+            "positions, but the model has max_position_embeddings 16") in err and "Traceback" not in err, err
+
+
 # --------------------------------------------------------------------------- multi-rank: one launch
 
 import os  # noqa: E402
@@ -314,7 +324,7 @@ def test_one_ranks_bad_cache_seqlens_is_its_error_on_every_rank(fail_alike):
     # in steady state the others are already in the merge's collectives: they learn it when those time out
     kind, message, seconds = _same_everywhere(fail_alike, "local_steady")
     assert kind == "ValueError" and message.startswith("rank 1: cache_seqlens must have shape (2,)"), message
-    assert "ranks [0, 2] had entered the call's collectives" in message, message
+    assert "(the other ranks had entered the call's collectives and waited until their timeout" in message, message
     assert seconds < 1.5 * T
 
 
@@ -371,3 +381,60 @@ def test_nan_in_q_or_in_one_ranks_keys_is_nan_for_that_row_at_cp3_in_every_strat
                 assert nan[(strategy, overlap, "k")] == want_k, (strategy, overlap)
                 for which in ("q", "k"):
                     assert nan[(strategy, overlap, which, "err")] < 1e-5, (strategy, overlap, which)
+
+
+# --------------------------------------------------------------------------- Megatron checkpoints
+
+
+def _dcp_checkpoint(path, *, untie=True):
+    """A torch_dist checkpoint (DCP data files and .metadata, as dist_checkpointing writes) with
+    Megatron-LM's training arguments in common.pt."""
+    import argparse
+    import json
+
+    import torch.distributed.checkpoint as dcp
+
+    from megatron_tree.integrations.megatron.model import GPTShape, expected_tensor_shapes
+
+    dims = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1, max_position_embeddings=128)
+    shape = GPTShape(**dims, tie_word_embeddings=not untie)
+    dcp.save({k: torch.randn(v) for k, v in expected_tensor_shapes(shape).items()}, checkpoint_id=str(path),
+             no_dist=True)
+    (path / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                                                    "common_backend": "torch", "common_backend_version": 1}))
+    args = argparse.Namespace(num_layers=1, hidden_size=16, ffn_hidden_size=32, num_attention_heads=2,
+                              group_query_attention=True, num_query_groups=1, kv_channels=8, padded_vocab_size=32,
+                              untie_embeddings_and_output_weights=untie)
+    torch.save({"args": args}, path / "common.pt")
+    return dims
+
+
+def test_megatron_checkpoint_files_are_checked_before_any_collective(tmp_path):
+    from megatron_tree.integrations.megatron.model import CheckpointError, GPTShape, check_checkpoint
+
+    ckpt = tmp_path / "iter_0000004"
+    ckpt.mkdir()
+    dims = _dcp_checkpoint(ckpt, untie=True)
+    untied = GPTShape(**dims, tie_word_embeddings=False)
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("4")
+    assert check_checkpoint(str(tmp_path), untied).iteration == 4
+    # the training argument as it was given, not the config field's negation
+    with pytest.raises(CheckpointError, match=r"model\.tie_word_embeddings=True but the checkpoint was trained with "
+                                              r"untie_embeddings_and_output_weights=True \(model\.tie_word_embeddings=False\)"):
+        check_checkpoint(str(tmp_path), GPTShape(**dims, tie_word_embeddings=True))
+    (tmp_path / "latest_checkpointed_iteration.txt").write_bytes(b"4\xff\n")
+    with pytest.raises(CheckpointError, match=r"latest_checkpointed_iteration\.txt is not UTF-8 text: byte 1 is "
+                                              r"b'\\xff'"):
+        check_checkpoint(str(tmp_path), untied)
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("4")
+    data = sorted(ckpt.glob("*.distcp"))
+    assert data
+    blob = data[0].read_bytes()
+    data[0].write_bytes(blob[: len(blob) // 2])
+    with pytest.raises(CheckpointError, match=rf"{data[0].name} is truncated: \.metadata says its data ends at byte "
+                                              rf"\d+, the file has {len(blob) // 2}"):
+        check_checkpoint(str(tmp_path), untied)
+    data[0].unlink()
+    with pytest.raises(CheckpointError, match=rf"{data[0].name} is missing"):
+        check_checkpoint(str(tmp_path), untied)

@@ -410,19 +410,25 @@ def test_cache_grows_when_unsized(monkeypatch):
             model(ids[:, :1], cache=small)
 
 
-@pytest.mark.parametrize("what", ["sliding_window", "qwen2_sliding_layers", "cross_attention", "own_attention"])
+@pytest.mark.parametrize("what", ["window_zero", "chunked_layers", "chunk_size", "bidirectional", "cross_attention",
+                                  "own_attention"])
 def test_unsupported_models_are_refused(what):
     import transformers as tf
 
     from megatron_tree.integrations.hf import UnsupportedModelError, enable_tree_attention
 
-    if what == "sliding_window":  # Mistral's default config sets a 4096-token window
-        model, match = hf_model("mistral", sliding_window=4096), r"sliding_window=4096.*not supported"
-    elif what == "qwen2_sliding_layers":
-        cfg = tf.Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                             num_attention_heads=2, num_key_value_heads=1, use_sliding_window=True,
-                             sliding_window=8, max_window_layers=1)
-        model, match = tf.Qwen2ForCausalLM(cfg), r"\['sliding_attention'\] layers"
+    if what == "window_zero":  # no layer_types: every layer would slide, over 0 keys
+        model, match = hf_model("mistral", sliding_window=0), r"config.sliding_window=0; expected a positive"
+    elif what == "chunked_layers":
+        model = hf_model("qwen2", layer_types=["full_attention", "chunked_attention"])
+        match = r"\['chunked_attention'\] layers \(config.layer_types\)"
+    elif what == "chunk_size":
+        model, match = hf_model("llama", attention_chunk_size=8), "attention_chunk_size=8 .*chunked attention"
+    elif what == "bidirectional":
+        cfg = tf.Gemma3TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                  use_bidirectional_attention=True)
+        model, match = tf.Gemma3ForCausalLM(cfg), r"\['Gemma3Attention'\] are not causal"
     elif what == "cross_attention":
         cfg = tf.BartConfig(vocab_size=64, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
                             decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64)

@@ -190,6 +190,7 @@ def megatron_rank(rank, world):
     from megatron_tree.integrations.megatron.cpu import megatron_on_cpu
 
     results = {}
+    fingerprint = mt.megatron_attention_fingerprint()
     with megatron_on_cpu():
         # Baseline: Megatron's own attention and KV cache, CP = 1 (every rank the same model).
         mt.initialize_model_parallel(1)
@@ -222,6 +223,7 @@ def megatron_rank(rank, world):
                                             for b in range(2)]
             results[name + "_levels"] = [lvl.size for lvl in ctx.groups.levels]
             results[name + "_core"] = type(model.decoder.layers[0].self_attention.core_attention).__name__
+            results[name + "_module"] = type(model.decoder.layers[0].self_attention).__name__
             results[name + "_engine"] = engine_generate(model, mt.TreeGPTInferenceWrapper, ctx)
             results[name + "_uneven"] = engine_generate(model, mt.TreeGPTInferenceWrapper, ctx, UNEVEN_PROMPTS)
             results[name + "_train"] = full_sequence_logits(model, model.pg_collection.cp, cp)
@@ -230,8 +232,11 @@ def megatron_rank(rank, world):
                                                 mt.tree_groups_from_megatron().describe())
             parallel_state.destroy_model_parallel()
 
-        # With patch 0001 applied (the wrapper applied it), Megatron's own attention is unchanged.
+        # The integration applied no patch; with the source patches applied by hand (for models
+        # without the module slot), Megatron's own attention is unchanged.
         results["patched"] = patches.check_runtime()
+        results["fingerprint"] = (fingerprint, mt.megatron_attention_fingerprint())
+        patches.apply_runtime()
         mt.initialize_model_parallel(1)
         model = _build_model(1, None, tree=False)
         results["megatron_cp1_patched"] = greedy_decode(model, GPTInferenceWrapper, StaticInferenceContext(2, MAX_LEN))
@@ -423,6 +428,7 @@ def test_greedy_decode_identical_cp4_hierarchical_and_megatron_cp1(megatron_resu
     assert base_margin > 1e-3, f"the baseline's greedy choices are too close to call ({base_margin})"
     assert out[0]["megatron_cp1_core"] == "DotProductAttention"
     assert out[0]["tree_cp4_core"] == out[0]["tree_cp2x2_core"] == "TreeDotProductAttention"
+    assert out[0]["tree_cp4_module"] == out[0]["tree_cp2x2_module"] == "TreeSelfAttention"
     for r in range(4):
         assert out[r]["megatron_cp1"][0] == base_tokens
         # The same through StaticInferenceEngine + TextGenerationController (Megatron's generate()).
@@ -509,7 +515,9 @@ def test_mixed_length_batch_is_prefilled_cp_sharded_then_decoded(megatron_result
 
 def test_patched_megatron_attention_unchanged(megatron_results):
     out = megatron_results
-    assert out[0]["patched"] == {"0001-attention-kv-cache-hook": True, "0002-dynamic-attention-hook": True}
+    assert out[0]["patched"] == {"0001-attention-kv-cache-hook": False, "0002-dynamic-attention-hook": False}
+    before, after = out[0]["fingerprint"]
+    assert before == after and after["patched"] == [], "Megatron's attention module changed during the decodes"
     for r in range(4):
         assert out[r]["megatron_cp1_patched"][0] == out[r]["megatron_cp1"][0]
         assert out[r]["megatron_cp1_patched"][2] == out[r]["megatron_cp1"][2]  # bit-identical logits
@@ -557,40 +565,52 @@ def test_spec_swap_idempotent_reversible_version_gated(monkeypatch, caplog):
     import logging
 
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.attention import SelfAttention
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     from megatron_tree.integrations import megatron as mt
 
     spec = get_gpt_layer_local_spec()
-    subs = spec.submodules.self_attention.submodules
-    assert subs.core_attention is DotProductAttention
+    attn = spec.submodules.self_attention
+    subs = attn.submodules
+    assert subs.core_attention is DotProductAttention and attn.module is SelfAttention
     from megatron_tree.integrations.megatron import patches
 
     patches.revert_runtime()
     with caplog.at_level(logging.INFO, logger="megatron_tree.integrations"):
         mt.use_tree_attention(spec, strategy="two_level")
     assert any("TreeDotProductAttention(strategy=two_level)" in r.getMessage() for r in caplog.records)
-    # building the spec applies the hooks (static KV cache, dynamic branch): Megatron's own
-    # contexts at CP > 1 then fail loudly
-    assert patches.check_runtime() == {"0001-attention-kv-cache-hook": True, "0002-dynamic-attention-hook": True}
-    patches.revert_runtime()
+    # both slots filled, no source patch applied: the module slot's hooks make Megatron's own
+    # contexts at CP > 1 fail loudly
+    assert patches.check_runtime() == {"0001-attention-kv-cache-hook": False, "0002-dynamic-attention-hook": False}
+    assert attn.module is mt.TreeSelfAttention and attn.module._megatron_tree == mt.SLOT_MARKER
+    assert issubclass(mt.TreeSelfAttention, SelfAttention)
     slot = subs.core_attention
     assert slot.func is mt.TreeDotProductAttention and slot.keywords["strategy"] == "two_level"
     assert slot._megatron_tree == mt.MARKER and slot.__wrapped__ is DotProductAttention
-    mt.use_tree_attention(spec, strategy="packed")  # idempotent: the slot already holds ours
-    assert subs.core_attention is slot
+    mt.use_tree_attention(spec, strategy="packed")  # idempotent: the slots already hold ours
+    assert subs.core_attention is slot and attn.module is mt.TreeSelfAttention
     mt.restore_core_attention(spec)
-    assert subs.core_attention is DotProductAttention
+    assert subs.core_attention is DotProductAttention and attn.module is SelfAttention
     mt.restore_core_attention(spec)
-    assert subs.core_attention is DotProductAttention
+    assert subs.core_attention is DotProductAttention and attn.module is SelfAttention
     with pytest.raises(ValueError, match="unknown merge strategy 'ring'"):
         mt.use_tree_attention(spec, strategy="ring")
+
+    class OwnAttention(SelfAttention):
+        pass
+
+    attn.module = OwnAttention  # a model's own attention module: no slot left for ours
+    with pytest.raises(TypeError, match="self_attention.module is OwnAttention, expected Megatron's SelfAttention"):
+        mt.use_tree_attention(spec)
+    assert subs.core_attention is DotProductAttention  # refused before anything changed
+    attn.module = SelfAttention
     from megatron_tree.integrations.megatron import version
 
-    monkeypatch.setattr(version, "megatron_version", lambda: "0.19.0")
-    with pytest.raises(RuntimeError, match="supports megatron-core 0.16.1, but 0.19.0 is imported"):
+    monkeypatch.setattr(version, "megatron_version", lambda: "0.18.2")
+    with pytest.raises(RuntimeError, match=r"supports megatron-core >=0.16.1,<0.17, >=0.19.0,<0.20 .* but 0.18.2"):
         mt.use_tree_attention(spec)
-    assert subs.core_attention is DotProductAttention
+    assert subs.core_attention is DotProductAttention and attn.module is SelfAttention
 
 
 def test_deepspeed_initialize_sees_megatron_cp_as_sequence_parallel(megatron_results):

@@ -14,8 +14,10 @@ The same run checks, against independent facts: the reference's tokens and log-p
 those of a plain full-sequence forward with Megatron's DotProductAttention (no cache); KV
 memory per rank is 1/CP of the reference's and blocks per rank stay within one of even;
 a pool so small that Megatron pauses and evicts a request changes no token; a request
-longer than the context window fails alone; Megatron's own engine is unchanged with the
-patches applied; bad setups fail with messages.
+longer than the context window fails alone; the integration applies no patch and leaves
+Megatron's attention module as installed (file bytes, method identity); Megatron's own engine
+is unchanged with the source patches (for models without the module slot) applied by hand;
+bad setups fail with messages.
 """
 
 from __future__ import annotations
@@ -134,7 +136,7 @@ def dynamic_rank(rank, world):
     from megatron_tree.integrations.megatron.cpu import megatron_on_cpu
 
     tok = _IdTokenizer()
-    res = {"patched_before": patches.check_runtime()}
+    res = {"patched_before": patches.check_runtime(), "fingerprint_before": mt.megatron_attention_fingerprint()}
 
     def megatron_engine(model, blocks=NUM_BLOCKS, block=LOGICAL_BLOCK, max_len=MAX_LEN, max_requests=8):
         return md.build_dynamic_engine(model, tok, max_sequence_length=max_len, buffer_size_gb=_gb(blocks, block),
@@ -185,6 +187,7 @@ def dynamic_rank(rank, world):
             parallel_state.destroy_model_parallel()
 
         res["patched_after"] = patches.check_runtime()
+        res["fingerprint_after"] = mt.megatron_attention_fingerprint()
         mt.initialize_model_parallel(1)
         if rank == 0:
             model = _build_model(1, None, tree=False)
@@ -194,7 +197,8 @@ def dynamic_rank(rank, world):
             res["bad_megatron_spec_at_cp2"] = _error(md.build_dynamic_engine, model, tok,
                                                      max_sequence_length=MAX_LEN, buffer_size_gb=0.01)
             model.config.context_parallel_size = 1
-            # Megatron's own engine with both patches applied: bit-identical to the first run.
+            # Megatron's own engine with both source patches applied by hand: bit-identical to the first run.
+            patches.apply_runtime()
             res["ref_patched"] = _run(megatron_engine(model))
         parallel_state.destroy_model_parallel()
         patches.revert_runtime()
@@ -334,11 +338,12 @@ def test_request_longer_than_context_fails_alone(dyn):
             assert f"316 prompt + 8 new tokens exceed the context window of {MAX_LEN} tokens" in run["errors"][4]
 
 
-def test_megatron_dynamic_engine_unchanged_by_the_patches(dyn):
+def test_megatron_dynamic_engine_unpatched_and_unchanged_by_the_patches(dyn):
     out = dyn[0]
     ids = ["0001-attention-kv-cache-hook", "0002-dynamic-attention-hook"]
     assert out["patched_before"] == dict.fromkeys(ids, False)
-    assert out["patched_after"] == dict.fromkeys(ids, True)
+    assert out["patched_after"] == dict.fromkeys(ids, False), "the tree engine applied a source patch"
+    assert out["fingerprint_before"] == out["fingerprint_after"] and out["fingerprint_after"]["patched"] == []
     assert out["ref_patched"]["tokens"] == out["ref"]["tokens"]
     assert out["ref_patched"]["log_probs"] == out["ref"]["log_probs"]  # bit-identical
 

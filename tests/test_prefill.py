@@ -38,6 +38,23 @@ def _reference(q, k, v, lengths=LENGTHS):
     return outs
 
 
+VARIANTS = dict(window=3, softcap=2.0)
+DV = 5  # the values' head dim, unlike the keys' (MLA)
+
+
+def _variant_reference(q, k, v, sinks, lengths=LENGTHS):
+    """Single-process attention per row with a window of 3, soft-capping and one sink per head."""
+    from megatron_tree.reference import add_sink
+
+    outs = []
+    for b, n in enumerate(lengths):
+        pos = torch.arange(n)[None]
+        o, lse = partial_attention(q[b:b + 1, :n], k[b:b + 1, :n], v[b:b + 1, :n], q_positions=pos, k_positions=pos,
+                                   **VARIANTS)
+        outs.append(add_sink(o, lse, sinks)[0][0])
+    return outs
+
+
 def _local(t, positions):
     """This rank's tokens of t (B, N, H, D) at positions (B, S) (-1 = padding -> zeros)."""
     idx = positions.clamp(min=0)
@@ -55,7 +72,7 @@ def _rank_fn(rank, world):
         "cp3+cp1": [[0, 1, 2], [3]],
         "cp2x2": [[0, 1], [2, 3]],
     }
-    worst, ops, assembled = {}, {}, {}
+    worst, ops, assembled, variants = {}, {}, {}, {}
     for name, ranks in layouts.items():
         groups = TreeGroups.build(ranks)
         p, me = groups.size, groups.rank
@@ -102,9 +119,32 @@ def _rank_fn(rank, world):
                 for b, m in enumerate(lengths):  # a position beyond a row's prompt is held by no rank: 0
                     want[b][w[b] >= m] = 0.0
                 assembled[f"{name}/{layout}/{lengths}/{what}"] = (torch.equal(got, want), p, stats.as_dict()["levels"])
+        # sliding window, soft-capping, sinks (joined once, after every block) and K/V of different
+        # head dims, over the same uneven shards (row 1 leaves ranks empty)
+        q, k, _ = _global_inputs()
+        v = torch.randn(len(LENGTHS), max(LENGTHS), HKV, DV, generator=torch.Generator().manual_seed(7),
+                        dtype=torch.float64)
+        sinks = torch.tensor([0.5, -1.0, 2.0, 0.0], dtype=torch.float64)
+        ref = _variant_reference(q, k, v, sinks)
+        p, me = groups.size, groups.rank
+        plans = [prefill_ranges(n, p, "load_balanced")[me] for n in LENGTHS]
+        width = max(sum(e - s for s, e in prefill_ranges(n, p, "load_balanced")[r]) for n in LENGTHS for r in range(p))
+        pos = torch.full((len(LENGTHS), width), -1, dtype=torch.int64)
+        for b, ranges in enumerate(plans):
+            mine = [i for s, e in ranges for i in range(s, e)]
+            pos[b, : len(mine)] = torch.tensor(mine, dtype=torch.int64)
+        for method, fn in (("ring", ring_prefill), ("allgather", allgather_prefill)):
+            out = fn(_local(q, pos), _local(k, pos), _local(v, pos), pos, pos, groups, sinks=sinks, **VARIANTS)
+            assert out.shape[-1] == DV
+            err = 0.0
+            for b in range(len(LENGTHS)):
+                valid = pos[b] >= 0
+                if valid.any():
+                    err = max(err, float((out[b, valid] - ref[b][pos[b, valid]]).abs().max()))
+            variants[f"{name}/{method}"] = err
         if name == "cp4":
             large = _large_and_bf16(groups, ring_prefill)
-    return worst, ops, large, assembled
+    return worst, ops, large, assembled, variants
 
 
 def _large_and_bf16(groups, ring_prefill):
@@ -129,7 +169,10 @@ def _large_and_bf16(groups, ring_prefill):
 
 def test_ring_and_allgather_prefill_equal_single_process():
     results = run_ranks(_rank_fn, 4, timeout=240)
-    for rank, (worst, ops, (large_err, bf16_once), assembled) in enumerate(results):
+    for rank, (worst, ops, (large_err, bf16_once), assembled, variants) in enumerate(results):
+        assert len(variants) == 3 * 2
+        for case, err in variants.items():
+            assert err < 1e-12, f"rank {rank} {case}: window/softcap/sinks/Dv prefill off by {err}"
         assert len(assembled) == 3 * 2 * 2 * 3
         for case, (exact, p, levels) in assembled.items():
             assert exact, f"rank {rank} {case}: assembled prefill logits are not bitwise the unsharded ones"

@@ -15,7 +15,9 @@ of a real gloo group, and classified from every rank's outcome:
 * ``native_crash``: a rank that was not the one killed on purpose died by a signal or without
   a record;
 * ``not_alike``: every rank stopped within the bound but not the same way (ranks raised
-  different errors, or some returned exact results while others raised).
+  different errors, or some returned exact results while others raised);
+* ``spurious_error``: a valid input (no fault, NaN, an empty batch) that raised instead of
+  returning the exact result.
 
 ``slow`` counts the cases that ended beyond the documented bound ``1.5 T`` (but within ``3 T``).
 
@@ -41,7 +43,10 @@ import sys
 import tempfile
 import time
 
-OUTCOMES = ("clear_error_every_rank", "exact", "silent_wrong", "hang", "native_crash", "not_alike")
+OUTCOMES = ("clear_error_every_rank", "exact", "silent_wrong", "hang", "native_crash", "not_alike", "spurious_error")
+
+VALID = ("none", "none_paged", "nan_q", "nan_k", "empty_batch", "prefill_ok")
+"""Fault kinds whose input is valid: an exact result is the only right outcome (an error is ``spurious_error``)."""
 
 FAULTS = (
     "none", "none_paged", "nan_q", "nan_k", "empty_batch",
@@ -328,6 +333,7 @@ def _rank_main(rank: int, world: int, store_path: str, cases: list, opts: dict, 
                             timeout=datetime.timedelta(seconds=opts["pg_timeout"]))
     store = dist.distributed_c10d._get_default_store()
     T = opts["timeout"]
+    open(os.path.join(out_dir, f"ready{rank}"), "w").close()  # imports and rendezvous done: the cases' clock starts
     path = os.path.join(out_dir, f"rank{rank}.jsonl")
     with open(path, "a") as f:
         for case in cases:
@@ -398,6 +404,8 @@ def classify(case: dict, recs: dict, world: int, T: float) -> tuple[str, bool]:
         return "exact", slow
     if returned:
         return "not_alike", slow
+    if case["fault"] in VALID:
+        return "spurious_error", slow
     lost_peer = case["fault"] in ("stuck", "kill")
     if lost_peer and all(g["comm"] for g in got):
         return "clear_error_every_rank", slow
@@ -411,20 +419,31 @@ def _launch(world: int, cases: list, opts: dict, out_dir: str) -> dict:
     ctx = mp.get_context("spawn")
     for r in range(world):
         open(os.path.join(out_dir, f"rank{r}.jsonl"), "w").close()
+        if os.path.exists(os.path.join(out_dir, f"ready{r}")):
+            os.remove(os.path.join(out_dir, f"ready{r}"))
     store = os.path.join(out_dir, "store")
     if os.path.exists(store):
         os.remove(store)
     procs = [ctx.Process(target=_rank_main, args=(r, world, store, cases, opts, out_dir)) for r in range(world)]
     for p in procs:
         p.start()
-    stall = 3 * opts["timeout"] + 60  # no rank finished a case for this long: the case in progress hangs
-    last, seen = time.monotonic(), -1
+    # Once every rank is ready (start-up on a loaded machine takes minutes, not a case's time): no rank
+    # finished a case for ``stall`` seconds means the case in progress hangs.
+    stall = 3 * opts["timeout"] + 60
+    startup = time.monotonic() + opts.get("startup_s", 600)
+    last, seen, ready, stalled = time.monotonic(), -1, False, False
     while any(p.is_alive() for p in procs):
         time.sleep(0.2)
-        done = sum(_count_lines(os.path.join(out_dir, f"rank{r}.jsonl")) for r in range(world))
-        if done != seen:
-            seen, last = done, time.monotonic()
-        elif time.monotonic() - last > stall:
+        if not ready:
+            ready = all(os.path.exists(os.path.join(out_dir, f"ready{r}")) for r in range(world))
+            last = time.monotonic()
+            stalled = not ready and last > startup
+        else:
+            done = sum(_count_lines(os.path.join(out_dir, f"rank{r}.jsonl")) for r in range(world))
+            if done != seen:
+                seen, last = done, time.monotonic()
+            stalled = time.monotonic() - last > stall
+        if stalled:
             for p in procs:
                 if p.is_alive():
                     p.kill()
@@ -437,7 +456,7 @@ def _launch(world: int, cases: list, opts: dict, out_dir: str) -> dict:
             for line in f:
                 rec = json.loads(line)
                 results.setdefault(rec["index"], {})[r] = rec
-    return {"records": results, "exit": [p.exitcode for p in procs], "stalled": time.monotonic() - last > stall}
+    return {"records": results, "exit": [p.exitcode for p in procs], "stalled": stalled}
 
 
 def _count_lines(path: str) -> int:
@@ -496,6 +515,20 @@ def run(opts: dict) -> dict:
             "examples": {k: v[:5] for k, v in examples.items()}, "seconds": round(time.monotonic() - started, 1)}
 
 
+def markdown(report: dict) -> str:
+    """The report as the docs page shows it: the command, the counts, and the counts by fault kind."""
+    lines = [f"Command: `{report['command']}` (seed {report['seed']}, CP sizes {report['ranks']}, "
+             f"T = {report['timeout_s']:g} s; {report['cases']} cases in {report['seconds']:.0f} s).", "",
+             "| outcome | cases |", "|---|---|"]
+    lines += [f"| `{k}` | {v} |" for k, v in report["counts"].items()]
+    lines += [f"| (ended beyond 1.5 T, within 3 T) | {report['slow_beyond_1.5T']} |", "",
+              "| fault | " + " | ".join(f"`{o}`" for o in OUTCOMES) + " |", "|---|" + "---|" * len(OUTCOMES)]
+    for fault in sorted(report["by_fault"]):
+        row = report["by_fault"][fault]
+        lines.append(f"| `{fault}` | " + " | ".join(str(row.get(o, 0)) for o in OUTCOMES) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def _first_unfinished(todo: list, finished: list):
     for c in todo:
         if c not in finished:
@@ -508,10 +541,11 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cases", type=int, default=300, help="cases in all, split over the world sizes")
     p.add_argument("--ranks", default="2,3,4", help="world sizes (4 runs as 2 x 2)")
-    p.add_argument("--kills", type=int, default=3, help="kill cases per world size (a launch each)")
+    p.add_argument("--kills", type=int, default=2, help="kill cases per world size (a launch each)")
     p.add_argument("--timeout", type=float, default=1.5, help="T: the groups' collective timeout, seconds")
     p.add_argument("--pg-timeout", type=float, default=120.0, help="the default group's timeout, seconds")
     p.add_argument("--out", default=None, help="write the report (JSON) here")
+    p.add_argument("--markdown", default=None, help="write the counts as a markdown table here")
     p.add_argument("--progress", action="store_true")
     args = p.parse_args(argv)
     opts = {"seed": args.seed, "cases": args.cases, "ranks": [int(x) for x in args.ranks.split(",")],
@@ -522,6 +556,9 @@ def main(argv=None) -> int:
     if args.out:
         with open(args.out, "w") as f:
             f.write(text + "\n")
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(markdown(report))
     print(json.dumps({"counts": report["counts"], "slow_beyond_1.5T": report["slow_beyond_1.5T"],
                       "cases": report["cases"], "seconds": report["seconds"]}))
     bad = report["counts"]["silent_wrong"] + report["counts"]["hang"] + report["counts"]["native_crash"]

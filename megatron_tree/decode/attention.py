@@ -119,12 +119,13 @@ def tree_decode(
                 lse_dtype=torch.float64, **variants,
             )
             comm.check_shift(shift, tuple(lse.shape), q.device)
+            resolved = ops.resolve_backend(q.device, backend)
         except Exception as e:  # noqa: BLE001 -- this rank's own checks: every rank raises it (_tell)
             _tell(groups, e)
             raise
         if groups is not None:
-            out, lse = comm.merge(out, lse, groups, strategy, stats, dtype=q.dtype,
-                                  backend=ops.resolve_backend(q.device, backend), shift=shift, deferred=deferred)
+            out, lse = comm.merge(out, lse, groups, strategy, stats, dtype=q.dtype, backend=resolved, shift=shift,
+                                  deferred=deferred)
     if sinks is not None:  # once, on the merged state (every rank holds the same)
         out, lse = add_sink(out, lse, sinks)
     out = out.to(q.dtype)
@@ -144,6 +145,7 @@ def _decode_overlapped(q, k, v, groups, cache_seqlens, softmax_scale, strategy, 
         check_decode_inputs(q, k, v, cache_seqlens, q_positions, k_positions, block_table,
                             by_value=q.device.type == "cpu" and not torch.compiler.is_compiling(), **variants)
         comm.check_shift(shift, (q.shape[0], q.shape[2], q.shape[1]), q.device)
+        resolved = ops.resolve_backend(q.device, backend)
     except Exception as e:  # noqa: BLE001 -- as in tree_decode
         _tell(groups, e)
         raise
@@ -166,7 +168,7 @@ def _decode_overlapped(q, k, v, groups, cache_seqlens, softmax_scale, strategy, 
 
     out_shape = (*q.shape[:3], v.shape[3])  # the merged outputs have V's head dim
     return comm.merge_overlapped(local, halves, out_shape, groups, strategy, stats, dtype=q.dtype,
-                                 backend=ops.resolve_backend(q.device, backend), shift=shift, deferred=deferred)
+                                 backend=resolved, shift=shift, deferred=deferred)
 
 
 def _tell(groups: TreeGroups | None, error: Exception) -> None:

@@ -60,7 +60,8 @@ class ShardedKVCache:
 
     Storage on this rank (``C = ceil(max_seq_len / cp_size)`` slots per row):
 
-    k, v: (num_layers, batch, C, num_kv_heads, head_dim) in ``dtype``
+    k: (num_layers, batch, C, num_kv_heads, head_dim), v: (..., head_dim_v) in ``dtype``
+        (``head_dim_v`` defaults to ``head_dim``; MLA's values are narrower than its keys)
     positions: (batch, C) int64 -- global position of every stored token, -1 in free slots
     seqlens: (batch,) int32 -- tokens of each row held by this rank (``cache_seqlens`` of
         ``tree_decode``)
@@ -78,13 +79,16 @@ class ShardedKVCache:
         num_kv_heads: int,
         head_dim: int,
         cp_size: int = 1,
+        head_dim_v: int | None = None,
         cp_rank: int = 0,
         config: CacheConfig = CacheConfig(),
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ):
+        head_dim_v = head_dim if head_dim_v is None else head_dim_v
         for name, value in (("num_layers", num_layers), ("batch_size", batch_size), ("max_seq_len", max_seq_len),
-                            ("num_kv_heads", num_kv_heads), ("head_dim", head_dim), ("cp_size", cp_size)):
+                            ("num_kv_heads", num_kv_heads), ("head_dim", head_dim), ("head_dim_v", head_dim_v),
+                            ("cp_size", cp_size)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if not 0 <= cp_rank < cp_size:
@@ -98,7 +102,7 @@ class ShardedKVCache:
         self.capacity = math.ceil(max_seq_len / cp_size)
         shape = (num_layers, batch_size, self.capacity + 1, num_kv_heads, head_dim)  # + the spare slot
         self._k = torch.zeros(shape, dtype=dtype, device=device)
-        self._v = torch.zeros(shape, dtype=dtype, device=device)
+        self._v = torch.zeros(shape[:-1] + (head_dim_v,), dtype=dtype, device=device)
         self._positions = torch.full((batch_size, self.capacity + 1), -1, dtype=torch.int64, device=device)
         self.k, self.v = self._k[:, :, : self.capacity], self._v[:, :, : self.capacity]
         self.positions = self._positions[:, : self.capacity]
@@ -145,8 +149,8 @@ class ShardedKVCache:
 
     def unsharded_kv_nbytes(self) -> int:
         """Bytes keys and values of the whole cache would take on one device."""
-        per_token = self.k[:, :, :1].numel() * self.k.element_size() // self.batch_size
-        return 2 * per_token * self.batch_size * self.max_seq_len
+        per_token = sum(t[:, :, :1].numel() * t.element_size() for t in (self.k, self.v)) // self.batch_size
+        return per_token * self.batch_size * self.max_seq_len
 
     # ------------------------------------------------------------------ prefill
 
@@ -195,9 +199,9 @@ class ShardedKVCache:
         return index
 
     def _check_kv(self, what: str, k, v, tokens: int | None) -> None:
-        """k, v must be (batch, tokens, num_kv_heads, head_dim) floats; ``tokens=None`` allows any length."""
-        _, b, _, hkv, d = self.k.shape
-        for name, t in (("k", k), ("v", v)):
+        """k, v must be (batch, tokens, num_kv_heads, head_dim[_v]) floats; ``tokens=None`` allows any length."""
+        _, b, _, hkv, _ = self.k.shape
+        for name, t, d in (("k", k, self.k.shape[-1]), ("v", v, self.v.shape[-1])):
             if not isinstance(t, torch.Tensor) or not t.is_floating_point():
                 raise TypeError(f"{what}: {name} must be a floating-point tensor, got "
                                 f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import agreement, collectives, fused_prefill, ops
+from .. import agreement, collectives, fused_prefill, ops, reference
 from ..comm import CommStats
 from ..topology import TreeGroups
 
@@ -50,7 +50,7 @@ PREFILL_METHODS = ("ring", "allgather")
 _HIDDEN = torch.iinfo(torch.int64).max  # the position of a padded key: after every query
 
 
-def _check(q, k, v, q_pos, k_pos) -> None:
+def _check(q, k, v, q_pos, k_pos, window=None, softcap=None, sinks=None) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(
             f"q, k, v must be (batch, seqlen, heads, headdim), got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
@@ -59,6 +59,7 @@ def _check(q, k, v, q_pos, k_pos) -> None:
         raise ValueError(f"q_pos must have shape {tuple(q.shape[:2])} (batch, seqlen_q), got {tuple(q_pos.shape)}")
     if tuple(k_pos.shape) != tuple(k.shape[:2]):
         raise ValueError(f"k_pos must have shape {tuple(k.shape[:2])} (batch, seqlen_k), got {tuple(k_pos.shape)}")
+    reference.check_variants(q, window=window, softcap=softcap, sinks=sinks)
 
 
 def _pad_keys(k, v, k_pos, length: int):
@@ -68,12 +69,13 @@ def _pad_keys(k, v, k_pos, length: int):
     if extra:
         b, _, h, d = k.shape
         k = torch.cat([k, k.new_zeros(b, extra, h, d)], dim=1)
-        v = torch.cat([v, v.new_zeros(b, extra, h, d)], dim=1)
+        v = torch.cat([v, v.new_zeros(b, extra, h, v.shape[-1])], dim=1)  # V's own head dim (MLA)
         k_pos = torch.cat([k_pos, k_pos.new_full((b, extra), _HIDDEN)], dim=1)
     return k.contiguous(), v.contiguous(), k_pos.contiguous()
 
 
-PREFILL_SIGNATURE = ("batch", "heads_q", "heads_kv", "headdim", "dtype", "method", "backend", "kernel")
+PREFILL_SIGNATURE = ("batch", "heads_q", "heads_kv", "headdim", "headdim_v", "dtype", "method", "backend",
+                     "window", "softcap", "sinks", "kernel")
 """What every CP rank of a prefill must agree on (the local lengths may differ)."""
 
 
@@ -122,7 +124,9 @@ def visible_pairs(q_pos: torch.Tensor, k_pos: torch.Tensor) -> int:
     return int(cnt[q_pos >= 0].sum())
 
 
-def _agree_and_length(q, k, v, q_pos, k_pos, method: str, backend, kernel, groups: TreeGroups, stats) -> int:
+
+def _agree_and_length(q, k, v, q_pos, k_pos, method: str, backend, groups: TreeGroups, stats,
+                      window=None, softcap=None, sinks=None, kernel=None) -> int:
     """This rank's checks, then one all-gather of (status, seqlen_k, *PREFILL_SIGNATURE): the CP-wide key length.
 
     Every rank sees every rank's record (``agreement.agree``), so a rank whose own inputs are
@@ -130,13 +134,15 @@ def _agree_and_length(q, k, v, q_pos, k_pos, method: str, backend, kernel, group
     """
 
     def signature():
-        _check(q, k, v, q_pos, k_pos)
+        _check(q, k, v, q_pos, k_pos, window, softcap, sinks)
         try:
             name = ops.resolve_backend(q.device, backend)
         except (ValueError, RuntimeError):  # unusable here: agree first, then the kernel call says why
             name = None
         b, _, hq, d = q.shape
-        return (b, hq, k.shape[2], d, q.dtype, method, name, _kernel(q, kernel))
+        sink = None if sinks is None else tuple(sinks.double().tolist())
+        return (b, hq, k.shape[2], d, v.shape[-1], q.dtype, method, name, window, softcap, sink,
+                _kernel(q, v, kernel, window, softcap))
 
     length = k.shape[1] if isinstance(k, torch.Tensor) and k.dim() == 4 else 0
     rows = agreement.agree("CP prefill", PREFILL_SIGNATURE, signature, groups.cp_group, groups.cp_ranks,
@@ -144,35 +150,59 @@ def _agree_and_length(q, k, v, q_pos, k_pos, method: str, backend, kernel, group
     return max(row[0] for row in rows)
 
 
-def _kernel(q, kernel):
-    """The local kernel a prefill of q runs: the one asked for, else the fused kernel for its device and dtype."""
+def _kernel(q, v, kernel, window=None, softcap=None):
+    """The local kernel a prefill of q runs: the one asked for, else the fused kernel for its device and
+    dtype; ``decode`` (the exact path) for what the fused kernels do not take: a sliding window,
+    soft-capping, or V with another head dim than K (MLA)."""
     if kernel is not None:
         if kernel not in fused_prefill.KERNELS:
             raise ValueError(f"unknown prefill kernel {kernel!r}; expected one of {fused_prefill.KERNELS}")
         return kernel
+    if window is not None or softcap is not None or v.shape[-1] != q.shape[-1]:
+        return "decode"
     return fused_prefill.select_kernel(q.device, q.dtype, q.shape[-1])
 
 
-def _local(q, k, v, q_pos, k_pos, softmax_scale, backend, kernel, work):
-    """Partial state of q over one KV block on the fused prefill kernels: out (B, Sq, Hq, D)
-    float32 (float64 for float64 input) and lse (B, Hq, Sq) float64, so that partials
-    accumulate in full precision (a ring merges them again: ``reference``'s docstring)."""
-    calls = None if work is None else work.kernels
-    return ops.prefill_attention(q, k, v, q_positions=q_pos, k_positions=k_pos, softmax_scale=softmax_scale,
-                                 kernel=kernel, backend=backend, calls=calls)
+def _local(q, k, v, q_pos, k_pos, softmax_scale, backend, window=None, softcap=None, kernel=None, work=None):
+    """Partial state of q over one KV block: out (B, Sq, Hq, Dv) float32 (float64 for float64
+    input) and lse (B, Hq, Sq) float64, so that partials accumulate in full precision (a ring
+    merges them again: ``reference``'s docstring). On the fused prefill kernels
+    (``ops.prefill_attention``); ``window``/``softcap``/MLA's V head dim on the exact decode path
+    (``ops.flash_decode`` with positions; a block with no key inside a query's window is an empty
+    partial for it)."""
+    name = _kernel(q, v, kernel, window, softcap)
+    if name != "decode" or (window is None and softcap is None and v.shape[-1] == q.shape[-1]):
+        calls = None if work is None else work.kernels
+        return ops.prefill_attention(q, k, v, q_positions=q_pos, k_positions=k_pos, softmax_scale=softmax_scale,
+                                     kernel=name, backend=backend, calls=calls)
+    if work is not None:
+        work.kernels["decode"] = work.kernels.get("decode", 0) + 1
+    acc = reference.acc_dtype(q.dtype)
+    return ops.flash_decode(
+        q, k, v, softmax_scale=softmax_scale, q_positions=q_pos, k_positions=k_pos, backend=backend,
+        out_dtype=acc, lse_dtype=torch.float64, window=window, softcap=softcap,
+    )
 
 
-def _alone(q, k, v, q_pos, k_pos, softmax_scale, backend, kernel, work):
+def _alone(q, k, v, q_pos, k_pos, softmax_scale, backend, window, softcap, sinks, kernel, work):
     """Prefill without a CP group: one local call."""
-    _check(q, k, v, q_pos, k_pos)
+    _check(q, k, v, q_pos, k_pos, window, softcap, sinks)
     k, v, kp = _pad_keys(k, v, k_pos, k.shape[1])
     t0 = time.perf_counter()
-    out = _local(q, k, v, q_pos.to(torch.int64), kp, softmax_scale, backend, kernel, work)[0].to(q.dtype)
+    out = _finish(*_local(q, k, v, q_pos.to(torch.int64), kp, softmax_scale, backend, window, softcap, kernel, work),
+                  q, sinks)
     if work is not None:
         work.blocks += 1
         work.pairs += visible_pairs(q_pos, kp)
         work.compute_s += time.perf_counter() - t0
     return out
+
+
+def _finish(out, lse, q, sinks):
+    """The merged state in q's dtype, with the sink joined once (after every block's merge)."""
+    if sinks is not None:
+        out, _ = reference.add_sink(out, lse, sinks)
+    return out.to(q.dtype)
 
 
 def ring_prefill(
@@ -185,8 +215,11 @@ def ring_prefill(
     *,
     softmax_scale: float | None = None,
     backend: str | None = None,
-    kernel: str | None = None,
     stats: CommStats | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    kernel: str | None = None,
     work: PrefillWork | None = None,
 ) -> torch.Tensor:
     """Causal attention of this rank's queries over all ranks' keys, KV passed around a ring.
@@ -194,26 +227,30 @@ def ring_prefill(
     Per rank:
 
     q: (batch, seqlen_q, nheads_q, headdim) -- this rank's prompt tokens
-    k, v: (batch, seqlen_k, nheads_kv, headdim) -- this rank's keys/values (seqlen_k may
-        differ between ranks, and from seqlen_q: a chunk of the prompt over the cache so far)
+    k: (batch, seqlen_k, nheads_kv, headdim), v: (batch, seqlen_k, nheads_kv, headdim_v) -- this
+        rank's keys/values (seqlen_k may differ between ranks; headdim_v may differ from headdim: MLA)
     q_pos: (batch, seqlen_q), k_pos: (batch, seqlen_k) integer global positions, < 0 = padding
+    window: sliding window by global position (a query at p sees keys p - window < j <= p);
+        softcap: score soft-capping; both as for ``ops.flash_decode``, the same on every rank
+    sinks: (nheads_q,) one logit per query head joining the softmax once, after every block's
+        merge (``reference.add_sink``); the same on every rank
     kernel: the local kernel (``fused_prefill.KERNELS``; default ``fused_prefill.select_kernel``:
-        torch's fused CPU flash attention on CPU, flash / memory-efficient attention on CUDA);
-        backend: the decode backend of its exact fallback
+        torch's fused CPU flash attention on CPU, flash / memory-efficient attention on CUDA; the
+        exact decode path for window, softcap or MLA); backend: the decode backend of the exact path
     work: a :class:`PrefillWork` this call's counts are added to, or None
-    returns out: (batch, seqlen_q, nheads_q, headdim) in q.dtype
+    returns out: (batch, seqlen_q, nheads_q, headdim_v) in q.dtype
 
     Each ring step computes the current block while the next one is in flight; a block whose
     keys are all after every query of this rank (causal: the later chunks) is skipped without
     a kernel call or a merge. Collectives: one all-gather of a fixed-size record (seqlen_k and
-    the signature; see the module docstring), then P-1 rounds of one batch of isend/irecv of
-    (k, v, k_pos) to the next/from the previous CP rank; recorded in ``stats`` (level ``"cp"``,
-    ops ``all_gather`` and ``send``, one per message) when one is given.
+    the signature; see the module docstring), then P-1 rounds of one batch of isend/irecv of (k, v, k_pos) to
+    the next/from the previous CP rank; recorded in ``stats`` (level ``"cp"``, ops
+    ``all_gather`` and ``send``, one per message) when one is given.
     """
     if groups is None or groups.size == 1:
-        return _alone(q, k, v, q_pos, k_pos, softmax_scale, backend, kernel, work)
+        return _alone(q, k, v, q_pos, k_pos, softmax_scale, backend, window, softcap, sinks, kernel, work)
     p, me = groups.size, groups.rank
-    length = _agree_and_length(q, k, v, q_pos, k_pos, "ring", backend, kernel, groups, stats)
+    length = _agree_and_length(q, k, v, q_pos, k_pos, "ring", backend, groups, stats, window, softcap, sinks, kernel)
     q_pos = q_pos.to(torch.int64)
     k, v, kp = _pad_keys(k, v, k_pos, length)
     nxt, prv = groups.cp_ranks[(me + 1) % p], groups.cp_ranks[(me - 1) % p]
@@ -230,7 +267,7 @@ def ring_prefill(
         t0 = time.perf_counter()
         bk, bv, bp = block
         if bp.numel() and int(bp.min()) <= q_last:
-            out, lse = _local(q, bk, bv, q_pos, bp, softmax_scale, backend, kernel, work)
+            out, lse = _local(q, bk, bv, q_pos, bp, softmax_scale, backend, window, softcap, kernel, work)
             if acc_out is None:
                 acc_out, acc_lse = out, lse
             else:
@@ -249,8 +286,8 @@ def ring_prefill(
         if incoming is not None:
             block = incoming
     if acc_out is None:  # no visible key at all (e.g. only padded queries on this rank)
-        return torch.zeros_like(q)
-    return acc_out.to(q.dtype)
+        return q.new_zeros(*q.shape[:3], v.shape[-1])
+    return _finish(acc_out, acc_lse, q, sinks)
 
 
 def allgather_prefill(
@@ -263,8 +300,11 @@ def allgather_prefill(
     *,
     softmax_scale: float | None = None,
     backend: str | None = None,
-    kernel: str | None = None,
     stats: CommStats | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    kernel: str | None = None,
     work: PrefillWork | None = None,
 ) -> torch.Tensor:
     """Causal attention of this rank's queries over all ranks' keys, after an all-gather of KV.
@@ -274,8 +314,9 @@ def allgather_prefill(
     when one is given. Holds every rank's keys at once: P times ring's KV memory.
     """
     if groups is None or groups.size == 1:
-        return _alone(q, k, v, q_pos, k_pos, softmax_scale, backend, kernel, work)
-    length = _agree_and_length(q, k, v, q_pos, k_pos, "allgather", backend, kernel, groups, stats)
+        return _alone(q, k, v, q_pos, k_pos, softmax_scale, backend, window, softcap, sinks, kernel, work)
+    length = _agree_and_length(q, k, v, q_pos, k_pos, "allgather", backend, groups, stats, window, softcap, sinks,
+                               kernel)
     q_pos = q_pos.to(torch.int64)
     k, v, kp = _pad_keys(k, v, k_pos, length)
     gathered = []
@@ -284,25 +325,26 @@ def allgather_prefill(
         gathered.append(torch.cat(parts.unbind(0), dim=1))
     k_all, v_all, kp_all = gathered
     t0 = time.perf_counter()
-    out, _ = _local(q, k_all, v_all, q_pos, kp_all, softmax_scale, backend, kernel, work)
+    out = _finish(*_local(q, k_all, v_all, q_pos, kp_all, softmax_scale, backend, window, softcap, kernel, work),
+                  q, sinks)
     if work is not None:
         work.blocks += 1
         work.pairs += visible_pairs(q_pos, kp_all)
         work.compute_s += time.perf_counter() - t0
-    return out.to(q.dtype)
+    return out
 
 
-def cp_prefill(q, k, v, q_pos, k_pos, groups, *, method: str = "ring", softmax_scale=None, backend=None, kernel=None,
-               stats=None, work=None):
-    """Dispatch to :func:`ring_prefill` or :func:`allgather_prefill` by ``method``."""
+def cp_prefill(q, k, v, q_pos, k_pos, groups, *, method: str = "ring", softmax_scale=None, backend=None, stats=None,
+               window=None, softcap=None, sinks=None, kernel=None, work=None):
+    """Dispatch to :func:`ring_prefill` or :func:`allgather_prefill` by ``method`` (the same arguments)."""
     if method == "ring":
         fn = ring_prefill
     elif method == "allgather":
         fn = allgather_prefill
     else:
         raise ValueError(f"unknown prefill method {method!r}; expected one of {PREFILL_METHODS}")
-    return fn(q, k, v, q_pos, k_pos, groups, softmax_scale=softmax_scale, backend=backend, kernel=kernel, stats=stats,
-              work=work)
+    return fn(q, k, v, q_pos, k_pos, groups, softmax_scale=softmax_scale, backend=backend, stats=stats,
+              window=window, softcap=softcap, sinks=sinks, kernel=kernel, work=work)
 
 
 # --------------------------------------------------------------------------- prefill logits

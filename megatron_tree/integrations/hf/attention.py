@@ -3,22 +3,28 @@ prompt chunks, ``tree_decode`` (through the decode loop's step) over the rank's 
 
 from __future__ import annotations
 
+import torch
+
 from .common import _MARK, ATTN_IMPLEMENTATION, UnsupportedModelError
 from transformers import AttentionInterface
 
 from ...decode.generate import DecodeStep
 from ...decode.prefill import cp_prefill
 
-_REFUSED_ATTENTION_KWARGS = ("sliding_window", "softcap", "s_aux", "attention_chunk_size")
+_REFUSED_ATTENTION_KWARGS = ("attention_chunk_size",)
 
 
 def tree_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers' attention-function contract, computed across the CP group.
 
     query: (batch, nheads_q, q_len, head_dim); key, value: what :meth:`TreeCache.update`
-    returned; attention_mask: ignored (padding and causality come from the cache's global
-    positions: transformers builds no mask for this implementation).
-    returns (attn_output (batch, q_len, nheads_q, head_dim), None)
+    returned (or what the module made of it: MLA expands its latent into (batch, nheads, n,
+    head_dim) keys and (batch, nheads, n, head_dim_v) values); attention_mask: ignored (padding,
+    causality and sliding windows come from the cache's global positions).
+    kwargs the module passes: ``sliding_window`` (checked against the layer's window, which comes
+    from the config as transformers' masks apply it), ``softcap`` (score soft-capping), ``s_aux``
+    (attention sinks: (nheads_q,) logits joining the softmax once, after the CP merge).
+    returns (attn_output (batch, q_len, nheads_q, head_dim_v), None)
     """
     binding = getattr(module, _MARK, None)
     if binding is None:
@@ -42,16 +48,34 @@ def tree_attention_forward(module, query, key, value, attention_mask, scaling=No
         raise UnsupportedModelError(f"attention dropout {dropout} (training mode?) is not supported; call model.eval()")
     if getattr(module, "is_causal", True) is False:
         raise UnsupportedModelError(f"{type(module).__name__} is not causal; tree attention is causal decoding")
+    window = binding.windows[module.layer_idx]
+    asked = kwargs.get("sliding_window")
+    if asked is not None and asked != window:
+        raise UnsupportedModelError(
+            f"{type(module).__name__} (layer {module.layer_idx}) asks for sliding_window={asked!r}, but the "
+            f"config makes this layer's mask {'full causal' if window is None else f'a window of {window}'} "
+            "(config.layer_types / config.sliding_window); tree attention follows the mask and refuses the mismatch"
+        )
+    variants = dict(window=window, softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux"))
     q = query.transpose(1, 2)  # (b, q_len, hq, d)
     k, v = key.transpose(1, 2), value.transpose(1, 2)
     if cache._phase == "prefill":
         qpos, kpos = cache._q_positions.to(q.device), cache._k_positions.to(q.device)
         out = cp_prefill(q, k, v, qpos, kpos, binding.groups, method=binding.prefill, softmax_scale=scaling,
-                         stats=binding.stats, work=binding.work)
+                         stats=binding.stats, work=binding.work, **variants)
     else:  # the one attention call of every integration: the decode loop's step (or a plain one)
         step = binding.step if binding.step is not None else DecodeStep(binding.strategy, binding.stats)
+        if window is not None:  # a window bounds global positions: the new tokens' and the shard's
+            qp, kp = cache._decode_positions, cache.storage.positions[:, :k.shape[1]]
+            # A rank's slots hold its tokens in arrival order, so positions ascend along a row: the slots
+            # before the first one inside the window are skipped (cache_starts; the kernels mask by
+            # position as well, so this only saves reading keys that left the window).
+            seqlens = cache.storage.seqlens
+            valid = torch.arange(kp.shape[1], device=kp.device)[None, :] < seqlens[:, None]
+            starts = ((kp <= qp - window) & valid).sum(dim=1).to(seqlens.dtype)
+            variants.update(q_positions=qp, k_positions=kp, cache_starts=starts)
         out = step.attend(module.layer_idx, q, k, v, binding.groups, cache_seqlens=cache.storage.seqlens,
-                          softmax_scale=scaling)
+                          softmax_scale=scaling, **variants)
     return out, None
 
 

@@ -14,6 +14,21 @@ from ...topology import TreeGroups
 _HEADROOM = 256  # tokens per row an unsized cache makes room for beyond the prompt before it first grows
 
 
+def _kv_shape(cfg) -> tuple[int, int, int]:
+    """(heads, key head dim, value head dim) a layer stores, as the config describes it.
+
+    Multi-head latent attention (DeepSeek-V2/V3: ``kv_lora_rank``) stores one latent "head": the
+    compressed KV (``kv_lora_rank``) as the keys and the shared RoPE key (``qk_rope_head_dim``)
+    as the values; every other layer its KV heads. A layer that stores other shapes corrects
+    this at its first write (:meth:`TreeCache.update`).
+    """
+    heads = int(cfg.num_attention_heads)
+    if getattr(cfg, "kv_lora_rank", None):
+        return 1, int(cfg.kv_lora_rank), int(cfg.qk_rope_head_dim)
+    d = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    return int(getattr(cfg, "num_key_value_heads", None) or heads), d, d
+
+
 class _TreeLayer(CacheLayerMixin):
     """A per-layer view transformers' ``Cache`` machinery can query; the data lives in :class:`TreeCache`."""
 
@@ -49,7 +64,8 @@ class TreeCache(Cache):
 
     Storage (through :class:`~megatron_tree.cache.ShardedKVCache`, ``C`` slots per row):
 
-    k, v: (num_layers, batch, C, num_kv_heads, head_dim), ``C = ceil(max_seq_len / cp) + block_size + 2``
+    k: (num_layers, batch, C, num_kv_heads, head_dim), v: (..., head_dim_v),
+    ``C = ceil(max_seq_len / cp) + block_size + 2``
     (and the storage's one spare slot per row, where other ranks' tokens are written)
 
     ``get_seq_length()`` is the global length transformers counts (the padded prompt plus the
@@ -72,9 +88,7 @@ class TreeCache(Cache):
         model = config if isinstance(config, torch.nn.Module) else None
         cfg = _text_config(model.config if model is not None else config)
         self.num_layers = int(cfg.num_hidden_layers)
-        heads = int(cfg.num_attention_heads)
-        self.num_kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
-        self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+        self.num_kv_heads, self.head_dim, self.head_dim_v = _kv_shape(cfg)
         super().__init__(layers=[_TreeLayer(self) for _ in range(self.num_layers)])
         if max_seq_len is not None and (not isinstance(max_seq_len, int) or max_seq_len < 1):
             raise ValueError(f"max_seq_len must be a positive integer or None, got {max_seq_len!r}")
@@ -105,6 +119,7 @@ class TreeCache(Cache):
         self._kv_end: int | None = None
         self._prefill_chunk: int | None = None
         self._slots: torch.Tensor | None = None
+        self._decode_positions: torch.Tensor | None = None
         self._written: set[int] = set()
 
     # ------------------------------------------------------------------ what transformers asks
@@ -190,7 +205,8 @@ class TreeCache(Cache):
         slack = cp * (self.cache_config.block_size + 2) if cp > 1 and self.growable else 0
         return ShardedKVCache(
             num_layers=self.num_layers, batch_size=batch, max_seq_len=max_seq_len + slack,
-            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, cp_size=cp, cp_rank=rank,
+            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, head_dim_v=self.head_dim_v, cp_size=cp,
+            cp_rank=rank,
             config=self.cache_config, dtype=self.dtype, device=self.device,
         )
 
@@ -251,6 +267,15 @@ class TreeCache(Cache):
         self._written = set()
         return self._q_positions
 
+    def _reshape(self, heads: int, head_dim: int, head_dim_v: int) -> None:
+        """Re-make the (still empty) storage for the shapes the layers store; the placement is replayed."""
+        self.num_kv_heads, self.head_dim, self.head_dim_v = heads, head_dim, head_dim_v
+        old = self.storage
+        self.storage = self._allocate(old.batch_size, self._nominal)
+        local = self.storage.start_prefill(self._prompt_lengths, self._prefill_chunk)
+        if not torch.equal(local.to(self._local_positions.device), self._local_positions):
+            raise RuntimeError("TreeCache: replaying the prompt's placement gave other positions")  # a bug
+
     def _grow(self) -> None:
         """Double the storage: replay the placement in a larger cache and copy this rank's tokens."""
         old = self.storage
@@ -282,7 +307,8 @@ class TreeCache(Cache):
                     "max_seq_len or pass max_new_tokens to generate"
                 )
             self._grow()
-        _, self._slots = self.storage.begin_decode_step()
+        pos, self._slots = self.storage.begin_decode_step()
+        self._decode_positions = pos[:, None]
         self._steps += 1
         self._padded_next = self._padded + 1
         self._phase = "decode"
@@ -312,7 +338,7 @@ class TreeCache(Cache):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Store this rank's new keys/values of one layer; return what the attention function reads.
 
-        key_states, value_states: (batch, num_kv_heads, q_len, head_dim), transformers' layout.
+        key_states, value_states: (batch, num_kv_heads, q_len, head_dim[_v]), transformers' layout.
         Prefill returns them unchanged (this rank's chunk), a window of a chunked prefill this
         rank's stored keys up to the window's end; decode returns this rank's whole
         shard of the layer, (batch, num_kv_heads, n, head_dim) views, valid up to
@@ -326,10 +352,15 @@ class TreeCache(Cache):
         if not 0 <= layer_idx < self.num_layers:
             raise ValueError(f"layer_idx {layer_idx} is outside the cache's {self.num_layers} layers")
         b, h, s, d = key_states.shape
-        if (h, d) != (self.num_kv_heads, self.head_dim):
+        hv, dv = value_states.shape[1], value_states.shape[-1]
+        if (h, d, dv) != (self.num_kv_heads, self.head_dim, self.head_dim_v) and hv == h and \
+                self._phase == "prefill" and not self._written:
+            self._reshape(h, d, dv)  # the first write of the sequence: the layer's own shapes, not the config's
+        if (h, hv, d, dv) != (self.num_kv_heads, self.num_kv_heads, self.head_dim, self.head_dim_v):
             raise UnsupportedModelError(
-                f"layer {layer_idx} produced keys with {h} heads of size {d}; the cache was sized from the config "
-                f"for {self.num_kv_heads} heads of size {self.head_dim}"
+                f"layer {layer_idx} stores keys of {h} heads of size {d} and values of {hv} heads of size {dv}; "
+                f"this cache holds {self.num_kv_heads} heads of size {self.head_dim} (keys) and {self.head_dim_v} "
+                "(values) for every layer (layers storing different shapes are not supported)"
             )
         self._written.add(layer_idx)
         k, v = key_states.transpose(1, 2), value_states.transpose(1, 2)  # (b, s, h, d)

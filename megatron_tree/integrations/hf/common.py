@@ -62,6 +62,10 @@ class _Binding:
     block_size: int
     stats: CommStats | None
     num_layers: int
+    windows: tuple
+    """The sliding window of every layer (``None``: full causal attention)."""
+    rotary: list
+    """The model's rotary-embedding modules (made to see the global sequence length at prefill)."""
     cache_kwarg: str
     """Name of the cache argument of this transformers release's ``forward``: ``cache`` (5.2x) or ``past_key_values``."""
     accepts_logits_to_keep: bool

@@ -24,6 +24,60 @@ def _attention_modules(model) -> list:
             if hasattr(m, "layer_idx") and type(m).__name__.endswith("Attention") and hasattr(m, "config")]
 
 
+def _rotary_modules(model) -> list:
+    """transformers' rotary-embedding modules (``rope_type`` set): those whose frequencies may depend on the
+    sequence length (``dynamic``, ``longrope``) read it from the positions they are handed."""
+    return [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding") and hasattr(m, "rope_type")]
+
+
+def _routes_through_interface(module) -> bool | None:
+    """Whether the attention module's forward dispatches through transformers' attention functions
+    (``ALL_ATTENTION_FUNCTIONS``, which ``AttentionInterface`` registers into) -- read from its code, since
+    a class's ``_supports_attention_backend`` flag is sometimes left False on modules that do (StableLM)."""
+    try:
+        return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(type(module).forward)
+    except (OSError, TypeError):  # no source (compiled or dynamically made): trust the model class's flag
+        return None
+
+
+def _layer_windows(cfg, name: str) -> tuple:
+    """The sliding window of every layer (``None``: full causal attention), as transformers' masks apply it.
+
+    With ``config.layer_types`` (Qwen2, Gemma 2/3, GPT-OSS, Cohere2, ...): ``sliding_attention`` layers
+    see ``config.sliding_window`` keys (the query's own included), ``full_attention`` layers all keys,
+    whatever ``sliding_window`` holds (Qwen2-MoE stores 0 for "off"). Without it (Mistral, Phi3,
+    Starcoder2): every layer has ``config.sliding_window`` when it is set. Anything else is refused.
+    """
+    n = int(cfg.num_hidden_layers)
+    window = getattr(cfg, "sliding_window", None)
+    layer_types = list(getattr(cfg, "layer_types", None) or [])
+
+    def positive(why: str) -> int:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise UnsupportedModelError(
+                f"{name} has {why} but config.sliding_window={window!r}; expected a positive number of keys"
+            )
+        return window
+
+    if layer_types:
+        if len(layer_types) != n:
+            raise UnsupportedModelError(
+                f"{name}'s config.layer_types lists {len(layer_types)} layers, the model has {n}"
+            )
+        other = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
+        if other:
+            raise UnsupportedModelError(
+                f"{name} has {other} layers (config.layer_types); tree attention supports full causal and "
+                "sliding-window attention layers ('full_attention', 'sliding_attention')"
+            )
+        if "sliding_attention" in layer_types:
+            positive("'sliding_attention' layers")
+        return tuple(window if t == "sliding_attention" else None for t in layer_types)
+    if window is None:
+        return (None,) * n
+    return (positive("no config.layer_types (every layer slides)"),) * n
+
+
 def _check_model(model) -> None:
     if not isinstance(model, transformers.PreTrainedModel) or not hasattr(model, "generate"):
         hint = " (for a DeepSpeed engine, pass engine.module)" if hasattr(model, "module") else ""
@@ -37,27 +91,31 @@ def _check_model(model) -> None:
             f"{name} has cross-attention (encoder-decoder or add_cross_attention=True); tree attention supports "
             "decoder-only causal self-attention"
         )
-    if not getattr(type(model), "_supports_attention_backend", False):
+    modules = _attention_modules(model)
+    routed = [_routes_through_interface(m) for m in modules]
+    flag = bool(getattr(type(model), "_supports_attention_backend", False))
+    bypass = sorted({type(m).__name__ for m, r in zip(modules, routed) if r is False or (r is None and not flag)})
+    if not modules or bypass:
+        what = (f"its attention modules ({', '.join(bypass)}) compute attention in their own code" if bypass
+                else "it has no attention module with a layer_idx")
         raise UnsupportedModelError(
-            f"{name} does not route its attention through transformers' AttentionInterface "
-            "(_supports_attention_backend is False), so its attention cannot be replaced by tree attention"
+            f"{name} does not route its attention through transformers' AttentionInterface ({what}), so its "
+            "attention cannot be replaced by tree attention"
         )
-    layer_types = getattr(cfg, "layer_types", None) or []
-    other = sorted({t for t in layer_types if t != "full_attention"})
-    if other:
+    bidirectional = sorted({type(m).__name__ for m in modules if getattr(m, "is_causal", True) is False})
+    if bidirectional:
         raise UnsupportedModelError(
-            f"{name} has {other} layers (config.layer_types); tree attention supports full causal attention "
-            "layers only"
+            f"{name}'s attention modules {bidirectional} are not causal (is_causal=False, e.g. "
+            "use_bidirectional_attention); tree attention is causal decoding"
         )
-    for attr in ("sliding_window", "attention_chunk_size"):
-        if getattr(cfg, attr, None) is not None:
-            raise UnsupportedModelError(
-                f"{name}'s config sets {attr}={getattr(cfg, attr)}; sliding-window / chunked attention is not "
-                f"supported yet. If the window covers every sequence you run, set config.{attr} = None"
-            )
-    for attr in ("attn_logit_softcapping", "alibi"):
-        if getattr(cfg, attr, None):
-            raise UnsupportedModelError(f"{name}'s config sets {attr}; tree attention computes plain softmax attention")
+    if getattr(cfg, "attention_chunk_size", None) is not None:
+        raise UnsupportedModelError(
+            f"{name}'s config sets attention_chunk_size={cfg.attention_chunk_size} (chunked attention, each query "
+            "sees only the keys of its own chunk); tree attention does not support chunked attention"
+        )
+    if getattr(cfg, "alibi", None):
+        raise UnsupportedModelError(f"{name}'s config sets alibi; tree attention adds no position bias to the scores")
+    _layer_windows(cfg, name)
 
 
 def check_model(model) -> None:
@@ -91,9 +149,11 @@ def enable_tree_attention(model, groups: TreeGroups | None, *, strategy: str = "
     work: a :class:`~megatron_tree.decode.prefill.PrefillWork` that counts this rank's prefill
         attention (visible pairs, blocks attended and skipped, kernel launches, un-hidden ring wait)
 
-    Raises :class:`UnsupportedModelError` for a model it cannot run exactly: attention that does
-    not go through ``AttentionInterface``, cross-attention, sliding-window/chunked/soft-capped
-    attention. Idempotent for the same groups; call :func:`disable_tree_attention` first to
+    Raises :class:`UnsupportedModelError`, before any collective, for a model it cannot run
+    exactly: attention modules whose code does not go through ``AttentionInterface``,
+    cross-attention, bidirectional or chunked attention, ALiBi, layer types other than full and
+    sliding-window attention. Sliding windows (per layer), attention sinks, soft-capping, K and V
+    of different head dims (MLA) and sequence-length-dependent RoPE run exactly. Idempotent for the same groups; call :func:`disable_tree_attention` first to
     change them.
     """
     if strategy not in STRATEGIES:
@@ -129,7 +189,9 @@ def enable_tree_attention(model, groups: TreeGroups | None, *, strategy: str = "
     forward_params = inspect.signature(model.forward).parameters
     binding = _Binding(
         groups=groups, strategy=strategy, prefill=prefill, layout=layout, block_size=block_size, stats=stats,
-        work=work, max_prefill_tokens=max_prefill_tokens, num_layers=int(cfg.num_hidden_layers),
+        work=work, max_prefill_tokens=max_prefill_tokens,
+        num_layers=int(cfg.num_hidden_layers), windows=_layer_windows(cfg, type(model).__name__),
+        rotary=_rotary_modules(model),
         cache_kwarg="cache" if "cache" in forward_params else "past_key_values",
         accepts_logits_to_keep="logits_to_keep" in forward_params,
         previous_attn=model.config._attn_implementation, attention_modules=modules,

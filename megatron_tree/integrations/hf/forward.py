@@ -4,11 +4,12 @@ a forward on a filled cache appends one token per row."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import torch
 
-from .common import _SETTINGS, _Binding, _comm_device, _describe, _same_groups, _text_config
+from .common import _SETTINGS, UnsupportedModelError, _Binding, _comm_device, _describe, _same_groups, _text_config
 from .cache import TreeCache
 
 from ... import agreement
@@ -99,6 +100,49 @@ def _sharded_forward(model, orig, binding: _Binding, args, kwargs):
         out = _decode(orig, binding, cache, call, batch, q_len)
     out[binding.cache_kwarg] = cache if returned else None
     return out if return_dict is not False else out.to_tuple()
+
+
+def _length_dependent(rotary) -> bool:
+    """Whether a rotary module picks its frequencies from the largest position it is handed."""
+    kinds = rotary.rope_type.values() if isinstance(rotary.rope_type, dict) else [rotary.rope_type]
+    return any("dynamic" in str(k) or k == "longrope" for k in kinds)
+
+
+@contextlib.contextmanager
+def _rope_sees(rotaries, last: torch.Tensor):
+    """While the sharded prefill runs, every length-dependent rotary module also sees position ``last``.
+
+    transformers' ``dynamic`` and ``longrope`` RoPE choose (and for ``dynamic`` remember) their
+    frequencies from ``max(position_ids) + 1``: on a CP rank that is its chunk's largest position,
+    not the prompt's. Each call gets one extra column holding ``last`` (the largest position the
+    single-process forward is handed, a device scalar: no host read) and its cos/sin lose that column
+    again, so the module updates exactly as it would in one process and the chunk's own positions
+    are rotated with those frequencies.
+    """
+    patched = [m for m in rotaries if _length_dependent(m)]
+
+    def wrap(m):
+        inner = m.forward
+
+        def forward(x, position_ids, *args, **kwargs):
+            if position_ids.dim() != 2:
+                raise UnsupportedModelError(
+                    f"{type(m).__name__} got position_ids of shape {tuple(position_ids.shape)}; length-dependent "
+                    "RoPE is supported for (batch, seq) positions"
+                )
+            extra = last.to(position_ids.device, position_ids.dtype).reshape(1, 1).expand(position_ids.shape[0], 1)
+            cos, sin = inner(x, torch.cat([position_ids, extra], dim=1), *args, **kwargs)
+            return cos[:, :-1], sin[:, :-1]
+
+        m.forward = forward
+
+    try:
+        for m in patched:
+            wrap(m)
+        yield
+    finally:
+        for m in patched:
+            m.__dict__.pop("forward", None)
 
 
 def _run(orig, binding, cache, call):
@@ -226,7 +270,8 @@ def _prefill(model, orig, binding: _Binding, cache: TreeCache, call: dict, batch
             rows_local = needed.nonzero().flatten()  # local slots some row needs
             call["logits_to_keep"] = rows_local
             local_pos = qpos[:, rows_local]
-        out = _run(orig, binding, cache, call)
+        with _rope_sees(binding.rotary, pos_ids.max()):
+            out = _run(orig, binding, cache, call)
         parts.append(out.logits)  # (B, |rows_local| or W, V)
         part_pos.append(local_pos)
     logits = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)

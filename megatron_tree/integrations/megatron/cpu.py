@@ -1,4 +1,4 @@
-"""Run megatron-core 0.16.1's CUDA-assuming code on a CPU-only torch, for tests and CI.
+"""Run megatron-core's CUDA-assuming code (0.16.1 and 0.19.x) on a CPU-only torch, for tests and CI.
 
 Invariant: nothing here changes numerics; every replacement does on the CPU what the
 replaced call does on the GPU (allocate on "the current device", move to it, time an
@@ -11,6 +11,14 @@ dynamic inference context, attends only through flash-attn's varlen / paged kern
 CPU-only torch has none of these. It is never needed on a GPU and :func:`megatron_on_cpu`
 refuses to run when CUDA is available, so it cannot hide a real device problem there.
 
+Each megatron-core replacement is feature-detected: an attribute is replaced only where the
+imported release has it, and :func:`megatron_on_cpu` yields the names it replaced, so what a
+release needs is measured, not assumed. 0.19 needs beyond 0.16.1: pinned host buffers made
+with ``torch.empty/zeros/full(..., pin_memory=True)`` and ``Tensor.pin_memory()``, CUDA
+streams and events recorded on them (the controller's async copy stream) and
+``torch.cuda.nvtx`` (0.19 calls Megatron's ``nvtx_range_push`` helpers instead of the
+engine's own ``range_push``).
+
 The flash-attn stand-ins (:func:`flash_attn_varlen_func`, :func:`flash_attn_with_kvcache`)
 are plain softmax attention in torch, written from flash-attn's documented contract and
 deliberately not from this library's kernels, so that Megatron's own dynamic engine run
@@ -20,6 +28,7 @@ through them is an independent reference for the tree path.
 from __future__ import annotations
 
 import contextlib
+import importlib
 
 import torch
 
@@ -87,8 +96,13 @@ def _paged(cache, table_row, n: int):
     return cache.index_select(0, table_row[:blocks].to(torch.int64)).reshape(-1, *cache.shape[2:])[:n]
 
 
+def _full_window(window_size) -> bool:
+    return window_size is None or tuple(window_size) == (-1, -1)
+
+
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-                           softmax_scale=None, causal=False, block_table=None, **unsupported):
+                           softmax_scale=None, causal=False, block_table=None, window_size=(-1, -1),
+                           return_attn_probs=False, **unsupported):
     """flash-attn's ``flash_attn_varlen_func`` (2.7.3 API) on the CPU.
 
     q: [total_q, hq, d] packed sequences delimited by cu_seqlens_q; with ``block_table``
@@ -98,6 +112,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """
     if dropout_p or any(v_ is not None and v_ is not False for v_ in unsupported.values()):
         raise NotImplementedError(f"CPU flash_attn_varlen_func stand-in: unsupported arguments {sorted(unsupported)}")
+    if not _full_window(window_size) or return_attn_probs:  # keywords 0.19 passes
+        raise NotImplementedError(
+            f"CPU flash_attn_varlen_func stand-in: window_size={window_size}, return_attn_probs={return_attn_probs} "
+            "(sliding windows and sink-softmax lse are not implemented)"
+        )
     out = torch.zeros_like(q)
     cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     for i in range(len(cq) - 1):
@@ -115,7 +134,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                             cache_seqlens=None, cache_batch_idx=None, block_table=None, softmax_scale=None,
-                            causal=False, num_splits=0, **unsupported):
+                            causal=False, num_splits=0, window_size=(-1, -1), return_softmax_lse=False,
+                            **unsupported):
     """flash-attn's ``flash_attn_with_kvcache`` (2.7.3 API) on the CPU, without the fused cache update.
 
     q: [batch, sq, hq, d]; k_cache, v_cache: [batch, n, hkv, d], or paged [num_blocks,
@@ -126,6 +146,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         v_ is not None and v_ is not False for v_ in unsupported.values()
     ):
         raise NotImplementedError("CPU flash_attn_with_kvcache stand-in: only reads the cache (no k/v/rotary)")
+    if not _full_window(window_size) or return_softmax_lse:  # keywords 0.19 passes
+        raise NotImplementedError(
+            f"CPU flash_attn_with_kvcache stand-in: window_size={window_size}, "
+            f"return_softmax_lse={return_softmax_lse} (not implemented)"
+        )
     out = torch.zeros_like(q)
     lens = cache_seqlens.tolist() if cache_seqlens is not None else [k_cache.shape[1]] * q.shape[0]
     for i, n in enumerate(lens):
@@ -147,55 +172,129 @@ def _standin_version_check(version, check_equality=True) -> bool:
     return have >= want if check_equality else have > want
 
 
+class _CpuStream:
+    """Stand-in for ``torch.cuda.Stream``: work on the CPU is already ordered."""
+
+    def __init__(self, *_, **__):
+        pass
+
+    def wait_stream(self, other):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def record_event(self, event=None):
+        event = event or _CpuEvent()
+        event.record()
+        return event
+
+
+class _Nvtx:
+    """Stand-in for ``torch.cuda.nvtx``: ranges are profiler markers only."""
+
+    @staticmethod
+    def range_push(msg):
+        return 0
+
+    @staticmethod
+    def range_pop():
+        return 0
+
+    @staticmethod
+    @contextlib.contextmanager
+    def range(msg, *a, **k):
+        yield
+
+
+def _on_cpu(device) -> bool:
+    return device is not None and torch.device(device).type == "cuda"
+
+
+def _unpinned(fn):
+    """``fn`` with ``pin_memory`` dropped and a ``device="cuda"`` (Megatron's optimizer's loss scale) on the CPU."""
+
+    def call(*args, pin_memory=False, **kwargs):
+        if _on_cpu(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        return fn(*args, **kwargs)
+
+    call.__wrapped__ = fn
+    return call
+
+
+# (module, attribute, replacement factory) -- applied only where the module has the attribute.
+_MEGATRON = (
+    ("megatron.core.models.common.embeddings.rope_utils", "get_pos_emb_on_this_cp_rank",
+     lambda old: _pos_emb_on_this_cp_rank),
+    ("megatron.core.models.common.embeddings.rotary_pos_embedding", "get_pos_emb_on_this_cp_rank",
+     lambda old: _pos_emb_on_this_cp_rank),
+    ("megatron.core.models.common.embeddings.yarn_rotary_pos_embedding", "get_pos_emb_on_this_cp_rank",
+     lambda old: _pos_emb_on_this_cp_rank),
+    ("megatron.core.inference.engines.dynamic_engine", "range_push", lambda old: (lambda *a, **k: None)),  # 0.16
+    ("megatron.core.inference.engines.dynamic_engine", "range_pop", lambda old: (lambda *a, **k: None)),  # 0.16
+    ("megatron.core.inference.contexts.dynamic_context", "triton_append_key_value_cache", lambda old: None),
+    ("megatron.core.transformer.attention", "flash_attn_varlen_func", lambda old: flash_attn_varlen_func),
+    ("megatron.core.transformer.attention", "flash_attn_with_kvcache", lambda old: flash_attn_with_kvcache),
+    ("megatron.core.transformer.attention", "is_fa_min_version", lambda old: _standin_version_check),
+)
+
+
 @contextlib.contextmanager
 def megatron_on_cpu():
-    """Within the block, megatron-core's CUDA calls act on the CPU; everything is restored after.
+    """Within the block megatron-core's CUDA calls act on the CPU; yields the list of replaced names.
 
-    Replaces ``torch.cuda.current_device`` (-> ``"cpu"``), ``torch.cuda.Event``,
-    ``torch.cuda.synchronize``, ``torch.Tensor.cuda`` (-> no move), megatron's
-    ``get_pos_emb_on_this_cp_rank`` (same chunks, no pinned memory), and for the dynamic
-    engine: ``torch.empty_like(..., pin_memory=True)`` (-> unpinned: pinning only speeds up
-    copies to a GPU), the engine's NVTX ranges (-> no-ops), the dynamic context's Triton
-    KV-append kernel (-> Megatron's own indexing fallback) and, in Megatron's attention
-    module, flash-attn's ``flash_attn_varlen_func`` / ``flash_attn_with_kvcache`` (-> the
-    torch stand-ins above) with ``is_fa_min_version`` answering for their API version.
+    torch level: ``torch.cuda.current_device`` (-> ``"cpu"``), ``Event``, ``Stream``, ``stream``,
+    ``current_stream``, ``synchronize``, ``nvtx``, ``Tensor.cuda`` (-> no move), pinned host
+    buffers (``pin_memory=True`` and ``Tensor.pin_memory()`` -> unpinned: pinning only speeds up
+    copies to a GPU). megatron-core level, each only where the imported release has it (the
+    names differ between 0.16.1 and 0.19): ``get_pos_emb_on_this_cp_rank`` (same chunks, no
+    pinned memory), the dynamic engine's NVTX ranges, the dynamic context's Triton KV-append
+    kernel (-> Megatron's own indexing fallback) and, in Megatron's attention module,
+    flash-attn's ``flash_attn_varlen_func`` / ``flash_attn_with_kvcache`` (-> the torch
+    stand-ins above) with ``is_fa_min_version`` answering for their API version.
+
+    Raises ``RuntimeError`` when CUDA is available (this shim would hide a device problem there).
     """
     if torch.cuda.is_available():
         raise RuntimeError("megatron_on_cpu() is a CPU-only shim; CUDA is available, run megatron-core natively")
-    from megatron.core.inference.contexts import dynamic_context
-    from megatron.core.inference.engines import dynamic_engine
-    from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding
-    from megatron.core.transformer import attention
-
-    saved = [
-        (torch.cuda, "current_device"), (torch.cuda, "Event"), (torch.cuda, "synchronize"),
-        (torch.Tensor, "cuda"), (rope_utils, "get_pos_emb_on_this_cp_rank"),
-        (rotary_pos_embedding, "get_pos_emb_on_this_cp_rank"), (torch, "empty_like"),
-        (dynamic_engine, "range_push"), (dynamic_engine, "range_pop"),
-        (dynamic_context, "triton_append_key_value_cache"), (attention, "flash_attn_varlen_func"),
-        (attention, "flash_attn_with_kvcache"), (attention, "is_fa_min_version"),
+    cuda = torch.cuda
+    torch_level = [
+        (cuda, "current_device", lambda old: (lambda: "cpu")),
+        (cuda, "Event", lambda old: _CpuEvent),
+        (cuda, "Stream", lambda old: _CpuStream),
+        (cuda, "stream", lambda old: (lambda s=None: contextlib.nullcontext())),
+        (cuda, "current_stream", lambda old: (lambda *a, **k: _CpuStream())),
+        (cuda, "synchronize", lambda old: (lambda *a, **k: None)),
+        (cuda, "nvtx", lambda old: _Nvtx),
+        (torch.Tensor, "cuda", lambda old: (lambda self, *a, **k: self)),
+        (torch.Tensor, "pin_memory", lambda old: (lambda self, *a, **k: self)),
+        (torch, "empty_like", _unpinned),
+        (torch, "empty", _unpinned),
+        (torch, "zeros", _unpinned),
+        (torch, "ones", _unpinned),
+        (torch, "full", _unpinned),
+        (torch, "tensor", _unpinned),
+        (torch, "arange", _unpinned),
     ]
-    originals = [(obj, name, getattr(obj, name)) for obj, name in saved]
-    empty_like = torch.empty_like
-
-    def unpinned_empty_like(*args, pin_memory=False, **kwargs):
-        return empty_like(*args, **kwargs)
-
+    targets = list(torch_level)
+    for module_name, attr, factory in _MEGATRON:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        if hasattr(module, attr):
+            targets.append((module, attr, factory))
+    saved = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in targets]
+    replaced = []
     try:
-        torch.cuda.current_device = lambda: "cpu"
-        torch.cuda.Event = _CpuEvent
-        torch.cuda.synchronize = lambda *a, **k: None
-        torch.Tensor.cuda = lambda self, *a, **k: self
-        rope_utils.get_pos_emb_on_this_cp_rank = _pos_emb_on_this_cp_rank
-        rotary_pos_embedding.get_pos_emb_on_this_cp_rank = _pos_emb_on_this_cp_rank
-        torch.empty_like = unpinned_empty_like
-        dynamic_engine.range_push = lambda *a, **k: None
-        dynamic_engine.range_pop = lambda *a, **k: None
-        dynamic_context.triton_append_key_value_cache = None
-        attention.flash_attn_varlen_func = flash_attn_varlen_func
-        attention.flash_attn_with_kvcache = flash_attn_with_kvcache
-        attention.is_fa_min_version = _standin_version_check
-        yield
+        for (obj, attr, factory), (_, _, old) in zip(targets, saved):
+            setattr(obj, attr, factory(old))
+            replaced.append(f"{getattr(obj, '__name__', type(obj).__name__)}.{attr}")
+        yield replaced
     finally:
-        for obj, name, value in originals:
-            setattr(obj, name, value)
+        for obj, attr, old in saved:
+            setattr(obj, attr, old)

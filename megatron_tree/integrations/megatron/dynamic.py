@@ -22,14 +22,18 @@ core-attention slot we fill); this module adds the dynamic pieces beside it:
   ``ceil(L / (CP * block_size))`` logical blocks and at most as many blocks on any rank (the
   placement is round-robin by block), so Megatron's admission control guarantees every
   rank's pool has room: no rank runs out while Megatron believes there is space.
-* :class:`TreeDynamicGPTInferenceWrapper` -- a ``GPTInferenceWrapper`` that applies the
-  patches and binds the model's unsharded RoPE table.
+* :class:`TreeDynamicGPTInferenceWrapper` -- a ``GPTInferenceWrapper`` that checks the model's
+  attention slots and binds the model's unsharded RoPE table.
 * :meth:`TreeDynamicInferenceContext.store_key_value` and :meth:`~TreeDynamicInferenceContext.attend`
   -- what ``TreeDotProductAttention`` asks a dynamic context to do (it never imports this
-  module), reached through patch 0001 (``Attention._adjust_key_value_for_inference``) and
-  patch 0002 (``Attention.flash_decode_and_prefill``): RoPE at global positions, store this
-  rank's tokens, then ``tree_decode`` over this rank's pages (the tree merge).
+  module), reached through ``TreeSelfAttention``'s two hooks (``_adjust_key_value_for_inference``
+  and ``flash_decode_and_prefill``): RoPE at global positions, store this rank's tokens, then
+  ``tree_decode`` over this rank's pages (the tree merge).
   :func:`adjust_key_value_dynamic` and :func:`dynamic_attention` are the same as functions.
+
+Both releases: 0.16.1 builds the context from keywords, 0.19 from ``(model_config,
+inference_config)``; what else differs (the block allocator's name, the KV buffer's allocation
+hook, the bookkeeping keywords) is asked of :mod:`.version`.
 * :func:`build_dynamic_engine` / :func:`generate_dynamic` -- the engine for a model built
   with either Megatron's or our layer spec, and a greedy run with requests arriving at
   given steps (what the eval and the tests call).
@@ -37,7 +41,7 @@ core-attention slot we fill); this module adds the dynamic pieces beside it:
 
 from __future__ import annotations
 
-import math
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -46,11 +50,14 @@ import torch.distributed as dist
 from ...decode.generate import DecodeStep
 from ...decode.paged import PagedKVCache, TokenSlots
 from ...topology import TreeGroups
-from .static import check_megatron_version, tree_groups_from_megatron, unsharded_rope_table
+from .attention import check_tree_slots
+from .groups import tree_groups_from_megatron
+from .static import unsharded_rope_table
+from .version import check_supported, init_gpt_wrapper, kv_block_allocator, refuse_unsupported_features
 
 __all__ = [
     "TreeDynamicInferenceContext", "TreeDynamicGPTInferenceWrapper", "adjust_key_value_dynamic",
-    "dynamic_attention", "build_dynamic_engine", "generate_dynamic", "DynamicRun",
+    "dynamic_attention", "build_dynamic_engine", "generate_dynamic", "DynamicRun", "dynamic_kv_bytes",
 ]
 
 
@@ -83,68 +90,122 @@ class DynamicStep:
 class TreeDynamicInferenceContext(_dynamic_context_base()):
     """A ``DynamicInferenceContext`` whose paged KV cache is sharded over the CP group.
 
-    Takes ``DynamicInferenceContext``'s keyword arguments, with two meanings changed:
+    Built as the release builds Megatron's: 0.16.1 ``TreeDynamicInferenceContext(**keywords)``
+    (``DynamicInferenceContext``'s keyword arguments), 0.19 ``TreeDynamicInferenceContext(model_config,
+    inference_config)``; both take ``groups`` (a :class:`TreeGroups`) or ``pg_collection`` to take
+    them from. Two meanings change:
 
     block_size_tokens: tokens per KV block on one rank (Megatron schedules in logical
         blocks of ``cp_size * block_size_tokens`` tokens, one block on every rank)
     buffer_size_gb: KV memory of *one* CP rank (Megatron's own argument is the whole cache)
 
-    plus ``groups`` (a :class:`TreeGroups`) or ``pg_collection`` to take them from. The KV
-    cache is :attr:`kv_cache` (``PagedKVCache``: ``(layers, blocks, block_size, kv_heads,
-    head_dim)`` per rank); ``max_sequence_length`` is rounded up to an even number (Megatron
-    slices its RoPE table into 2·CP chunks at CP > 1).
+    The KV cache is :attr:`kv_cache` (``PagedKVCache``: ``(layers, blocks, block_size, kv_heads,
+    head_dim)`` per rank); Megatron's own ``memory_buffer`` is allocated with no token slots (its
+    allocation hook is overridden: ``allocate_all_tensors`` in 0.16.1, ``_allocate_memory_buffer``
+    in 0.19; the constructor checks that it ran). ``max_sequence_length`` is rounded up to an even
+    number (Megatron slices its RoPE table into 2·CP chunks at CP > 1).
 
     Unsupported (refused): CUDA graphs, MLA latent caches, hybrid (Mamba) models, unified
-    memory, flashinfer RoPE, suspending the engine.
+    memory, flashinfer RoPE, suspending the engine, and 0.19's speculative tokens, prefix caching,
+    asynchronous scheduling and KV offload.
     """
 
-    def __init__(self, *, groups: TreeGroups | None = None, pg_collection=None, block_size_tokens: int = 16,
-                 buffer_size_gb: float, max_sequence_length: int, **kwargs):
-        check_megatron_version("TreeDynamicInferenceContext")
-        for key in ("cache_mla_latent", "mamba_inference_state_config", "use_flashinfer_fused_rope",
-                    "unified_memory_level"):
-            if kwargs.get(key):
-                raise NotImplementedError(f"TreeDynamicInferenceContext does not support {key}={kwargs[key]!r}")
-        if not isinstance(block_size_tokens, int) or block_size_tokens < 1:
-            raise ValueError(f"block_size_tokens must be a positive integer, got {block_size_tokens!r}")
+    def __init__(self, model_config=None, inference_config=None, *, groups: TreeGroups | None = None,
+                 pg_collection=None, **kwargs):
+        api = check_supported("TreeDynamicInferenceContext")
         self.groups = groups if groups is not None else tree_groups_from_megatron(pg_collection)
         self.cp_size, self.cp_rank = self.groups.size, self.groups.rank
-        max_sequence_length = int(max_sequence_length) + int(max_sequence_length) % 2
-        kwargs["use_flashinfer_fused_rope"] = False
-        super().__init__(
-            block_size_tokens=self.cp_size * block_size_tokens,
-            buffer_size_gb=buffer_size_gb * self.cp_size,  # Megatron divides by its (logical) block bytes
-            max_sequence_length=max_sequence_length,
-            **kwargs,
-        )
-        usable = self.block_allocator.total_count - 1  # Megatron keeps one dummy block
+        if api.inference_config:
+            if kwargs or model_config is None or inference_config is None:
+                raise TypeError(
+                    f"megatron-core {api.version}: TreeDynamicInferenceContext(model_config, inference_config, "
+                    f"groups=..., pg_collection=...), got keywords {sorted(kwargs)}"
+                )
+            refuse_unsupported_features(model_config, inference_config)
+            per_rank_block = self._check_block(inference_config.block_size_tokens)
+            per_rank_gb = inference_config.buffer_size_gb
+            logical = dataclasses.replace(
+                inference_config, block_size_tokens=self.cp_size * per_rank_block,
+                buffer_size_gb=per_rank_gb * self.cp_size,  # Megatron divides by its (logical) block bytes
+                max_sequence_length=self._even(inference_config.max_sequence_length), use_flashinfer_fused_rope=False,
+            )
+            super().__init__(model_config, logical)
+        else:
+            if model_config is not None or inference_config is not None:
+                raise TypeError(
+                    f"megatron-core {api.version}: TreeDynamicInferenceContext takes DynamicInferenceContext's "
+                    "keyword arguments (there is no InferenceConfig in this release)"
+                )
+            for key in ("cache_mla_latent", "mamba_inference_state_config", "use_flashinfer_fused_rope",
+                        "unified_memory_level"):
+                if kwargs.get(key):
+                    raise NotImplementedError(f"TreeDynamicInferenceContext does not support {key}={kwargs[key]!r}")
+            for key in ("buffer_size_gb", "max_sequence_length"):
+                if key not in kwargs:
+                    raise TypeError(f"TreeDynamicInferenceContext needs the keyword argument {key}")
+            per_rank_block = self._check_block(kwargs.pop("block_size_tokens", 16))
+            per_rank_gb = kwargs.pop("buffer_size_gb")
+            kwargs["use_flashinfer_fused_rope"] = False
+            super().__init__(
+                block_size_tokens=self.cp_size * per_rank_block,
+                buffer_size_gb=per_rank_gb * self.cp_size,  # Megatron divides by its (logical) block bytes
+                max_sequence_length=self._even(kwargs.pop("max_sequence_length")),
+                **kwargs,
+            )
+        buffer = getattr(self, "memory_buffer", None)
+        if buffer is not None and buffer.numel() != 0:
+            raise RuntimeError(
+                f"megatron-core {api.version} allocated a {tuple(buffer.shape)} KV buffer on every rank: "
+                f"its allocation hook is not {api.kv_buffer_hook}, which TreeDynamicInferenceContext overrides to "
+                "keep each rank's KV memory at 1/CP"
+            )
+        usable = kv_block_allocator(self).total_count - 1  # Megatron keeps one dummy block
         if usable * self.block_size_tokens < self.max_sequence_length:
             raise ValueError(
-                f"buffer_size_gb={buffer_size_gb} per rank holds {usable} blocks of {block_size_tokens} tokens per "
+                f"buffer_size_gb={per_rank_gb} per rank holds {usable} blocks of {per_rank_block} tokens per "
                 f"rank = {usable * self.block_size_tokens} tokens over the {self.cp_size} CP ranks, fewer than "
                 f"max_sequence_length={self.max_sequence_length}: a request of the full context window could never "
                 "be scheduled; give each rank more KV memory or shorten the context window"
             )
         self.kv_cache = PagedKVCache(
             num_layers=self.num_attention_layers, num_kv_heads=self.num_attention_heads_per_partition,
-            head_dim=self.hidden_size_per_attention_head, block_size=block_size_tokens, blocks_per_rank=usable,
+            head_dim=self.hidden_size_per_attention_head, block_size=per_rank_block, blocks_per_rank=usable,
             max_seq_len=self.max_sequence_length, cp_size=self.cp_size, cp_rank=self.cp_rank,
             dtype=self.params_dtype, device=torch.cuda.current_device(),
         )
         self.step: DynamicStep | None = None
         self.rope_table: torch.Tensor | None = None
 
+    @staticmethod
+    def _check_block(block_size_tokens) -> int:
+        if not isinstance(block_size_tokens, int) or block_size_tokens < 1:
+            raise ValueError(f"block_size_tokens must be a positive integer, got {block_size_tokens!r}")
+        return block_size_tokens
+
+    @staticmethod
+    def _even(max_sequence_length) -> int:
+        return int(max_sequence_length) + int(max_sequence_length) % 2
+
     # -- storage: Megatron's buffer stays empty, the paged cache holds this rank's blocks ----------
 
-    def allocate_all_tensors(self, *, is_init: bool) -> None:
+    def _without_token_slots(self, allocate):
         # Megatron sizes memory_buffer [2, layers, blocks, block_size_tokens, heads, dim] by
         # block_size_tokens and uses it nowhere else here; the KV lives in self.kv_cache.
         logical = self.block_size_tokens
         self.block_size_tokens = 0
         try:
-            super().allocate_all_tensors(is_init=is_init)
+            return allocate()
         finally:
             self.block_size_tokens = logical
+
+    def allocate_all_tensors(self, *, is_init: bool) -> None:
+        """0.16.1's KV allocation hook (absent from 0.19, so never called there)."""
+        self._without_token_slots(lambda: super(TreeDynamicInferenceContext, self).allocate_all_tensors(is_init=is_init))
+
+    def _allocate_memory_buffer(self, *args, **kwargs):
+        """0.19's KV allocation hook (absent from 0.16.1, so never called there)."""
+        return self._without_token_slots(
+            lambda: super(TreeDynamicInferenceContext, self)._allocate_memory_buffer(*args, **kwargs))
 
     def deallocate_all_tensors(self):
         raise NotImplementedError("TreeDynamicInferenceContext does not support suspending the engine")
@@ -152,14 +213,13 @@ class TreeDynamicInferenceContext(_dynamic_context_base()):
     def append_key_value_cache(self, layer_number: int, key, value) -> None:
         raise RuntimeError(
             "TreeDynamicInferenceContext keeps the KV cache sharded over the CP group in .kv_cache; the model's "
-            "core attention must be TreeDotProductAttention (get_gpt_layer_tree_spec) with patches 0001 and 0002 "
-            "applied (TreeDynamicGPTInferenceWrapper applies them)"
+            "layers must hold TreeSelfAttention and TreeDotProductAttention (get_gpt_layer_tree_spec)"
         )
 
     key_value_cache = append_key_value_cache
 
-    def reset(self) -> None:
-        super().reset()
+    def reset(self, *args, **kwargs) -> None:
+        super().reset(*args, **kwargs)
         if hasattr(self, "kv_cache"):
             self.kv_cache.reset()
         self.step = None
@@ -173,10 +233,11 @@ class TreeDynamicInferenceContext(_dynamic_context_base()):
 
     # -- one step: where this step's tokens go and what each query row sees -------------------
 
-    def initialize_attention_state(self, *, construct_graph_dimensions=None) -> None:
+    def initialize_attention_state(self, *, construct_graph_dimensions=None, **kwargs):
+        """Megatron's bookkeeping (0.19's keywords passed on, its returned event returned), then the plan."""
         if construct_graph_dimensions is not None:
             raise NotImplementedError("TreeDynamicInferenceContext does not support CUDA graphs")
-        super().initialize_attention_state()
+        event = super().initialize_attention_state(**kwargs)
         n, padded = self.active_token_count, self.padded_active_token_count
         active = slice(self.paused_request_count, self.total_request_count)
         rids = self.request_ids[active].tolist()
@@ -207,15 +268,16 @@ class TreeDynamicInferenceContext(_dynamic_context_base()):
             positions[:n], owners, slots, extra=[table, seqlens, positions])
         self.step = DynamicStep(n, padded, device_positions, step_slots, table.to(torch.int32),
                                 seqlens.to(torch.int32))
+        return event
 
     # -- what the core attention asks of the context -----------------------------------------
 
     def store_key_value(self, core, attention, query, key, value, rotary_pos_emb):
-        """Patch 0001's hook, asked by ``TreeDotProductAttention``: see :func:`adjust_key_value_dynamic`."""
+        """The KV-cache hook, asked by ``TreeDotProductAttention``: see :func:`adjust_key_value_dynamic`."""
         return adjust_key_value_dynamic(core, attention, self, query, key, value, rotary_pos_emb)
 
     def attend(self, core, q, layer: int):
-        """Patch 0002's hook, asked by ``TreeDotProductAttention`` for ``layer`` (whose keys it stored):
+        """The dynamic-attention hook, asked by ``TreeDotProductAttention`` for ``layer`` (whose keys it stored):
         q [T, 1, hq, d] -> out [T, 1, hq, d], exact over the CP group (``tree_decode`` over the pages)."""
         step = self.step
         # The one attention call of every integration (``tree_decode`` over this rank's pages). Megatron's
@@ -246,7 +308,7 @@ class TreeDynamicInferenceContext(_dynamic_context_base()):
 
 
 def adjust_key_value_dynamic(core, attention, ctx, query, key, value, rotary_pos_emb):
-    """Patch 0001's hook for a dynamic context: RoPE, store this rank's tokens, hand back the block table.
+    """The KV-cache hook for a dynamic context: RoPE, store this rank's tokens, hand back the block table.
 
     query: [T, 1, hq, d]; key, value: [T, 1, hkv, d] (T = padded tokens of the step).
     Returns Megatron's tuple ``(query, key, value, rotary_pos_emb=None, attn_mask_type,
@@ -281,7 +343,7 @@ def adjust_key_value_dynamic(core, attention, ctx, query, key, value, rotary_pos
 
 
 def dynamic_attention(core, attention, q, k, v, *megatron_args):
-    """Patch 0002's hook: attention of every row of the packed batch, exact over the CP group.
+    """The dynamic-attention hook: attention of every row of the packed batch, exact over the CP group.
 
     q: [T, 1, hq, d] -> out [T, 1, hq, d] (Megatron's ``s b h d``). ``None`` when the preceding
     cache hook did not take over (Megatron's own context at CP = 1).
@@ -307,13 +369,25 @@ def _core_attentions(model):
 class TreeDynamicGPTInferenceWrapper(_gpt_wrapper_base()):
     """``GPTInferenceWrapper`` for a tree-spec model and a :class:`TreeDynamicInferenceContext`.
 
-    Applies the runtime patches (0001: KV-cache hook, 0002: dynamic-attention hook; both
-    idempotent) and binds the model's unsharded RoPE table to the context. Every CP rank
-    runs the whole packed batch, so Megatron's controller and ``DynamicInferenceEngine``
-    run unchanged and sample the same tokens on every rank.
+    ``TreeDynamicGPTInferenceWrapper(model, inference_context, pg_collection=None)`` on every
+    supported release (0.16.1's form with an ``InferenceWrapperConfig`` second is accepted there
+    too). Checks that the model's layers hold tree attention in both slots (no patch is applied)
+    and binds the model's unsharded RoPE table to the context. Every CP rank runs the whole packed
+    batch, so Megatron's controller and ``DynamicInferenceEngine`` run unchanged and sample the
+    same tokens on every rank.
     """
 
-    def __init__(self, model, inference_wrapper_config, inference_context, pg_collection=None):
+    def __init__(self, model, *args, pg_collection=None):
+        from megatron.core.utils import unwrap_model
+
+        args = list(args)
+        if len(args) >= 2 and not isinstance(args[0], TreeDynamicInferenceContext):
+            args.pop(0)  # 0.16.1's InferenceWrapperConfig: its sizes come from the context
+        if not args or len(args) > 2:
+            raise TypeError("TreeDynamicGPTInferenceWrapper(model, inference_context, pg_collection=None)")
+        inference_context = args[0]
+        if len(args) == 2:
+            pg_collection = args[1]
         if not isinstance(inference_context, TreeDynamicInferenceContext):
             raise TypeError(
                 "TreeDynamicGPTInferenceWrapper needs a TreeDynamicInferenceContext, got "
@@ -325,25 +399,25 @@ class TreeDynamicGPTInferenceWrapper(_gpt_wrapper_base()):
                 f"the model's core attention is {type(cores[0]).__name__}; build it with get_gpt_layer_tree_spec() "
                 "so that TreeDotProductAttention fills the core_attention slot"
             )
-        from megatron.core.utils import unwrap_model
-
-        from .patches import apply_runtime
-
-        apply_runtime()  # no slot exists for the dynamic KV cache or attention in megatron-core; idempotent
-        super().__init__(model, inference_wrapper_config, inference_context, pg_collection)
-        if self.pp_group is not None and dist.get_world_size(self.pp_group) > 1:
-            raise NotImplementedError("TreeDynamicGPTInferenceWrapper does not support pipeline parallelism")
-        config = unwrap_model(model).config
+        check_tree_slots(model, "TreeDynamicGPTInferenceWrapper")
+        inner = unwrap_model(model)
+        config = inner.config
+        refuse_unsupported_features(config, getattr(inference_context, "config", None))
         if getattr(config, "flash_decode", False) or getattr(config, "cuda_graph_impl", "none") == "local":
             raise NotImplementedError(
                 "flash_decode=True and CUDA graphs are not supported with the dynamic tree engine"
             )
+        init_gpt_wrapper(self, model, inference_context, hidden_size=config.hidden_size,
+                         params_dtype=inference_context.params_dtype, padded_vocab_size=inner.vocab_size,
+                         pg_collection=pg_collection)
+        if self.pp_group is not None and dist.get_world_size(self.pp_group) > 1:
+            raise NotImplementedError("TreeDynamicGPTInferenceWrapper does not support pipeline parallelism")
         if cores[0].cp_size != inference_context.cp_size:
             raise ValueError(
                 f"the model runs at context_parallel_size={cores[0].cp_size} but the context was built for "
                 f"{inference_context.cp_size} CP ranks"
             )
-        inference_context.bind_rope(unwrap_model(model))
+        inference_context.bind_rope(inner)
 
 
 # --------------------------------------------------------------------------- engine and a greedy run
@@ -352,55 +426,87 @@ class TreeDynamicGPTInferenceWrapper(_gpt_wrapper_base()):
 def build_dynamic_engine(model, tokenizer, *, max_sequence_length: int, buffer_size_gb: float,
                          block_size_tokens: int = 16, max_tokens: int | None = None, max_requests: int | None = None,
                          params_dtype: torch.dtype | None = None, random_seed: int = 0,
-                         enable_chunked_prefill: bool = True):
+                         enable_chunked_prefill: bool = True, groups: TreeGroups | None = None):
     """Megatron's ``DynamicInferenceEngine`` for ``model``, tree-sharded when its spec is the tree spec.
 
     A model built with ``get_gpt_layer_tree_spec`` gets a :class:`TreeDynamicInferenceContext`
     over its CP groups (``buffer_size_gb`` and ``block_size_tokens`` per rank) and a
     :class:`TreeDynamicGPTInferenceWrapper`; any other model gets Megatron's own
     ``DynamicInferenceContext`` and ``GPTInferenceWrapper`` (CP must then be 1), with
-    ``buffer_size_gb`` and ``block_size_tokens`` as Megatron means them.
+    ``buffer_size_gb`` and ``block_size_tokens`` as Megatron means them. Where the release puts
+    each knob (0.19: one ``InferenceConfig``; 0.16.1: context and engine keywords) is this
+    function's business.
     """
     from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
     from megatron.core.inference.engines import DynamicInferenceEngine
     from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
-    from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import InferenceWrapperConfig
     from megatron.core.inference.text_generation_controllers.text_generation_controller import (
         TextGenerationController,
     )
     from megatron.core.utils import unwrap_model
 
+    api = check_supported("build_dynamic_engine")
     inner = unwrap_model(model)
     config = inner.config
     dtype = params_dtype or config.params_dtype
-    dims = dict(
-        params_dtype=dtype, num_layers=config.num_layers // config.pipeline_model_parallel_size,
-        kv_channels=config.kv_channels, num_attention_heads=config.num_query_groups or config.num_attention_heads,
-        tensor_model_parallel_size=config.tensor_model_parallel_size, max_sequence_length=max_sequence_length,
-        buffer_size_gb=buffer_size_gb, block_size_tokens=block_size_tokens, max_requests=max_requests,
-    )
-    if max_tokens is not None:
-        dims["max_tokens"] = max_tokens
     tree = all(hasattr(c, "dynamic_attention") for c in _core_attentions(model))
-    if tree:
-        context = TreeDynamicInferenceContext(pg_collection=inner.pg_collection, **dims)
-        wrapper_cls = TreeDynamicGPTInferenceWrapper
-    else:
-        if config.context_parallel_size != 1:
+    if not tree and config.context_parallel_size != 1:
+        raise ValueError(
+            f"Megatron's own attention at context_parallel_size={config.context_parallel_size}: its dynamic "
+            "context keeps the whole KV cache on every rank; build the model with get_gpt_layer_tree_spec()"
+        )
+    if api.inference_config:
+        from megatron.core.inference.config import InferenceConfig
+
+        knobs = dict(max_sequence_length=max_sequence_length, buffer_size_gb=buffer_size_gb,
+                     block_size_tokens=block_size_tokens, enable_chunked_prefill=enable_chunked_prefill,
+                     use_flashinfer_fused_rope=False)
+        if max_tokens is not None:
+            knobs["max_tokens"] = max_tokens
+        if max_requests is not None:
+            knobs["max_requests"] = max_requests
+        if params_dtype is not None and params_dtype != config.params_dtype:
             raise ValueError(
-                f"Megatron's own attention at context_parallel_size={config.context_parallel_size}: its dynamic "
-                "context keeps the whole KV cache on every rank; build the model with get_gpt_layer_tree_spec()"
+                f"megatron-core {api.version} keeps the KV cache in the model's params_dtype={config.params_dtype}; "
+                f"params_dtype={params_dtype} cannot be set apart from it"
             )
-        context = DynamicInferenceContext(**dims)
-        wrapper_cls = GPTInferenceWrapper
-    wrapper_config = InferenceWrapperConfig(
-        hidden_size=config.hidden_size, params_dtype=dtype, inference_batch_times_seqlen_threshold=-1,
-        padded_vocab_size=inner.vocab_size, inference_max_requests=context.max_requests,
-        inference_max_seq_length=context.max_sequence_length,
-    )
-    controller = TextGenerationController(wrapper_cls(model, wrapper_config, context), tokenizer)
-    return DynamicInferenceEngine(controller, context, random_seed=random_seed,
-                                  enable_chunked_prefill=enable_chunked_prefill)
+        icfg = InferenceConfig(**knobs)
+        if tree:
+            context = TreeDynamicInferenceContext(config, icfg, groups=groups, pg_collection=inner.pg_collection)
+            wrapper = TreeDynamicGPTInferenceWrapper(model, context)
+        else:
+            context = DynamicInferenceContext(config, icfg)
+            wrapper = GPTInferenceWrapper(model, context)
+        engine_kwargs = {}
+    else:
+        dims = dict(
+            params_dtype=dtype, num_layers=config.num_layers // config.pipeline_model_parallel_size,
+            kv_channels=config.kv_channels, num_attention_heads=config.num_query_groups or config.num_attention_heads,
+            tensor_model_parallel_size=config.tensor_model_parallel_size, max_sequence_length=max_sequence_length,
+            buffer_size_gb=buffer_size_gb, block_size_tokens=block_size_tokens, max_requests=max_requests,
+        )
+        if max_tokens is not None:
+            dims["max_tokens"] = max_tokens
+        if tree:
+            context = TreeDynamicInferenceContext(groups=groups, pg_collection=inner.pg_collection, **dims)
+            wrapper = TreeDynamicGPTInferenceWrapper(model, context)
+        else:
+            context = DynamicInferenceContext(**dims)
+            wrapper = GPTInferenceWrapper.__new__(GPTInferenceWrapper)
+            init_gpt_wrapper(wrapper, model, context, hidden_size=config.hidden_size, params_dtype=dtype,
+                             padded_vocab_size=inner.vocab_size)
+        engine_kwargs = dict(random_seed=random_seed, enable_chunked_prefill=enable_chunked_prefill)
+    controller = TextGenerationController(wrapper, tokenizer)
+    return DynamicInferenceEngine(controller, context, **engine_kwargs)
+
+
+def dynamic_kv_bytes(ctx) -> dict:
+    """KV bytes this rank holds in a dynamic context: Megatron's ``memory_buffer`` and, for ours, ``kv_cache``."""
+    mb = getattr(ctx, "memory_buffer", None)
+    out = {"megatron_memory_buffer": 0 if mb is None else mb.numel() * mb.element_size()}
+    if isinstance(ctx, TreeDynamicInferenceContext):
+        out["tree_kv_cache"] = sum(t.numel() * t.element_size() for t in (ctx.kv_cache.k, ctx.kv_cache.v))
+    return out
 
 
 @dataclass

@@ -115,7 +115,14 @@ def resolve_checkpoint(path: str) -> tuple[str, int | None]:
         raise CheckpointError(f"model.path: checkpoint directory {path!r} does not exist")
     tracker = os.path.join(path, "latest_checkpointed_iteration.txt")
     if os.path.isfile(tracker):
-        raw = open(tracker, encoding="utf-8").read().strip()
+        data = open(tracker, "rb").read()
+        try:
+            raw = data.decode("utf-8").strip()
+        except UnicodeDecodeError as e:
+            raise CheckpointError(
+                f"{tracker} is not UTF-8 text: byte {e.start} is {data[e.start:e.start + 1]!r}; it must hold an "
+                "iteration number or 'release' (Megatron-LM writes it)"
+            ) from None
         if raw == "release":
             sub, iteration = os.path.join(path, "release"), None
         else:
@@ -156,7 +163,28 @@ def _read_tensor_shapes(dist_dir: str) -> dict:
         meta = FileSystemReader(dist_dir).read_metadata()
     except Exception as e:  # noqa: BLE001 -- truncated or foreign file: say which one
         raise CheckpointError(f"{os.path.join(dist_dir, '.metadata')} cannot be read: {type(e).__name__}: {e}") from None
+    _check_data_files(dist_dir, meta)
     return {k: tuple(v.size) for k, v in meta.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+
+
+def _check_data_files(dist_dir: str, meta) -> None:
+    """Every data file ``.metadata`` names (``__0_0.distcp``, ...) exists and is as long as the data it
+    says it holds: a truncated file is named here, from sizes alone, before any rank starts the load."""
+    ends: dict = {}
+    for info in (getattr(meta, "storage_data", None) or {}).values():
+        rel = getattr(info, "relative_path", None)
+        if rel is None:
+            continue
+        ends[rel] = max(ends.get(rel, 0), int(info.offset) + int(info.length))
+    for rel, end in sorted(ends.items()):
+        file = os.path.join(dist_dir, rel)
+        if not os.path.isfile(file):
+            raise CheckpointError(f"checkpoint {dist_dir}: {rel} is missing; .metadata says it holds {end} bytes of "
+                                  "tensors")
+        size = os.path.getsize(file)
+        if size < end:
+            raise CheckpointError(f"checkpoint {dist_dir}: {rel} is truncated: .metadata says its data ends at byte "
+                                  f"{end}, the file has {size}")
 
 
 def _read_args(dist_dir: str):
@@ -223,7 +251,9 @@ def _check_args(args, shape: GPTShape, where: str) -> None:
             continue
         ours = shape.kv_channels if field_name == "head_dim" else getattr(shape, field_name)
         if (ours != theirs) if not isinstance(ours, float) else not math.isclose(ours, theirs, rel_tol=1e-9):
-            wrong.append(f"model.{field_name}={ours!r} but the checkpoint was trained with {arg}={theirs!r}")
+            raw = getattr(args, arg, theirs)  # the argument as trained (tie_word_embeddings is its negation)
+            given = f"{arg}={raw!r}" if raw == theirs else f"{arg}={raw!r} (model.{field_name}={theirs!r})"
+            wrong.append(f"model.{field_name}={ours!r} but the checkpoint was trained with {given}")
     if wrong:
         raise CheckpointError(f"{where}: the config disagrees with the training arguments: " + "; ".join(wrong))
 
@@ -322,7 +352,7 @@ def build_gpt(shape: GPTShape, *, tree: bool, dtype=torch.float32, tp: int = 1, 
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from .static import get_gpt_layer_tree_spec
+    from .attention import get_gpt_layer_tree_spec
 
     if seed is not None:
         torch.manual_seed(seed)
@@ -427,9 +457,9 @@ class MegatronLM:
         self._attention = [layer.self_attention.core_attention for layer in unwrap_model(model).decoder.layers]
         self._last: list | None = None
         unwrap_model(model).decoder.register_forward_hook(self._keep_last_token)
-        from .patches import apply_runtime
+        from .attention import check_tree_slots
 
-        apply_runtime()  # the KV-cache hook has no slot in megatron-core; idempotent
+        check_tree_slots(model, "MegatronLM")
 
     @property
     def device(self) -> torch.device:

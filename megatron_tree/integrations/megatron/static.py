@@ -1,524 +1,44 @@
-"""Megatron-Core integration: tree decode in the ``core_attention`` slot and a CP-sharded KV cache.
+"""Megatron-Core's static inference engine at context parallelism > 1: a KV cache sharded along the sequence.
 
-Invariant: Megatron's tensors cross this boundary in Megatron's layout (``[s, b, h, d]``)
-and ours in flash-attention's (``(b, s, h, d)``); every attention computed here is exact
-attention over the whole sequence, whatever the context-parallel (CP) size, computed by
-``ops.flash_decode`` on local shards and ``comm.merge`` (through ``tree_decode``) across
-them. Nothing here falls back to CP = 1: a layout that does not match the launched world
-or whose hierarchical sizes do not multiply to the CP size is a :class:`TopologyError`.
+Invariant: every attention is exact attention over the whole sequence, whatever the CP size;
+the KV cache of each row is split over the CP group by :mod:`megatron_tree.decode.placement`
+(the rule every cache shares): the prompt in the training CP layout
+(``get_batch_on_this_cp_rank``'s 2·CP load-balanced chunks), decoded tokens in blocks,
+round-robin over the ranks. Nothing falls back to CP = 1.
 
-Why it lives here: this is the only module that may read ``megatron.core.parallel_state``
-(STYLE.md rule 4), and only when no ``pg_collection`` was given.
+Pieces, and how they meet inside Megatron's own inference path (0.16.1 and 0.19.x alike):
 
-Pieces, and how they meet inside Megatron's own inference path (megatron-core 0.16.1):
-
-* :class:`TreeDotProductAttention` fills ``SelfAttentionSubmodules.core_attention``
-  (:func:`use_tree_attention` swaps the slot, :func:`get_gpt_layer_tree_spec` builds a spec).
-* :class:`TreeInferenceContext` is a ``StaticInferenceContext`` whose KV cache is sharded
-  over the CP group, each row placed by :mod:`megatron_tree.decode.placement` (the rule every
-  cache shares): the prompt in the training CP layout (``get_batch_on_this_cp_rank``'s
-  2·CP load-balanced chunks), decoded tokens in blocks, round-robin over the ranks.
+* :class:`TreeInferenceContext` is a ``StaticInferenceContext`` whose KV cache is sharded over
+  the CP group; the core attention asks it to store each layer's keys
+  (:meth:`TreeInferenceContext.store_key_value`).
 * :class:`TreeGPTInferenceWrapper` is a ``GPTInferenceWrapper`` that hands each CP rank its
   chunks of the prompt and assembles the logits the controller asks for on every rank
   (``decode.prefill.assemble_logits``), so ``TextGenerationController`` and
   ``StaticInferenceEngine`` run unchanged.
-* Megatron has no slot for the KV-cache update (``Attention._adjust_key_value_for_inference``
-  allocates and fills the full sequence on every rank); patch ``0001`` in ``patches/``
-  (applied at runtime by :mod:`.patches`) makes it defer to the core attention's
-  :meth:`TreeDotProductAttention.adjust_key_value_for_inference` when it has one.
+* The model's layers hold tree attention in both slots (:mod:`.attention`); no Megatron
+  source is patched.
+
+Why a module of its own: the static engine's context and wrapper; the dynamic engine's live
+in :mod:`.dynamic`, the attention in :mod:`.attention`, the groups in :mod:`.groups`.
 """
 
 from __future__ import annotations
 
-import copy
-import functools
-import logging
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from ... import collectives, ops
-from ...decode.generate import DecodeStep
-from ...decode.prefill import assemble_logits
-from ...comm import STRATEGIES
 from ...decode.placement import RowPlacement
 from ...decode.plan import StepPlanner
-from ...topology import TopologyError, TreeGroups
-from .version import SUPPORTED_VERSIONS, check_megatron_version, megatron_version
-
-__all__ = [
-    "SUPPORTED_VERSIONS", "megatron_version", "check_megatron_version", "tree_groups_from_megatron",
-    "initialize_model_parallel", "TreeDotProductAttention", "use_tree_attention",
-    "restore_core_attention", "get_gpt_layer_tree_spec", "TreeInferenceContext",
-    "TreeGPTInferenceWrapper", "StepPlan", "load_balanced_positions",
-]
-
-log = logging.getLogger("megatron_tree.integrations")
-
-MARKER = "megatron_tree.TreeDotProductAttention"
-
-
-# --------------------------------------------------------------------------- groups
-
-
-def _level_groups(hcp) -> list:
-    if hcp is None:
-        return []
-    groups = [g for g in hcp if g is not None]
-    return [g for g in groups if dist.get_world_size(g) > 1]
-
-
-def tree_groups_from_megatron(pg_collection=None) -> TreeGroups:
-    """``TreeGroups`` over Megatron-Core's CP group, with ``hcp`` (innermost first) as levels.
-
-    pg_collection: a ``ProcessGroupCollection`` with ``cp`` and optionally ``hcp`` (the
-        groups built from ``hierarchical_context_parallel_sizes``). ``None`` reads the same
-        two groups from ``parallel_state``; that is the only global this package reads.
-    """
-    if pg_collection is not None:
-        cp = getattr(pg_collection, "cp", None)
-        hcp = getattr(pg_collection, "hcp", None)
-        source = "pg_collection"
-    else:
-        from megatron.core import parallel_state
-
-        if not parallel_state.model_parallel_is_initialized():
-            raise RuntimeError(
-                "no pg_collection given and megatron.core.parallel_state is not initialised; call "
-                "initialize_model_parallel(...) first or pass the model's pg_collection"
-            )
-        cp = parallel_state.get_context_parallel_group(check_initialized=False)
-        hcp = parallel_state.get_hierarchical_context_parallel_groups(check_initialized=False)
-        source = "parallel_state"
-    if cp is None:
-        raise TopologyError(f"{source} has no context-parallel group ('cp'); was model parallelism initialised?")
-    levels = _level_groups(hcp)
-    if len(levels) == 1:
-        levels = []  # one non-trivial level is the flat CP group itself
-    cp_size = dist.get_world_size(cp)
-    if levels:
-        sizes = [dist.get_world_size(g) for g in levels]
-        if math.prod(sizes) != cp_size:
-            raise TopologyError(
-                f"hierarchical CP groups from {source} have sizes {sizes} (product {math.prod(sizes)}), "
-                f"expected their product to be the CP size {cp_size} (stale groups? megatron-core 0.16.1's "
-                "destroy_model_parallel does not clear them; megatron_tree's initialize_model_parallel does)"
-            )
-    return TreeGroups.from_groups(cp, levels)
-
-
-def initialize_model_parallel(
-    context_parallel_size: int,
-    hierarchical_context_parallel_sizes=None,
-    *,
-    tensor_model_parallel_size: int = 1,
-    pipeline_model_parallel_size: int = 1,
-    **kwargs,
-) -> TreeGroups:
-    """Validate a CP layout against the launched world, initialise Megatron's groups, return ours.
-
-    Raises :class:`TopologyError` (before any group is created) when the CP size does not
-    fit the world or the hierarchical sizes do not multiply to it; never falls back to CP = 1.
-    Extra keyword arguments go to ``parallel_state.initialize_model_parallel``; its groups'
-    timeout (``distributed_timeout_minutes``) defaults to the default process group's own
-    rather than Megatron's fixed 30 minutes.
-    """
-    from megatron.core import parallel_state
-
-    if not dist.is_initialized():
-        raise RuntimeError("torch.distributed must be initialised before Megatron's model-parallel groups")
-    world = dist.get_world_size()
-    if not isinstance(context_parallel_size, int) or context_parallel_size < 1:
-        raise TopologyError(f"context_parallel_size must be a positive integer, got {context_parallel_size!r}")
-    per_replica = context_parallel_size * tensor_model_parallel_size * pipeline_model_parallel_size
-    if world % per_replica != 0:
-        raise TopologyError(
-            f"context_parallel_size={context_parallel_size} x tensor={tensor_model_parallel_size} x "
-            f"pipeline={pipeline_model_parallel_size} = {per_replica} ranks per model replica does not divide "
-            f"the launched world of {world} ranks; expected a CP size with world % (cp*tp*pp) == 0"
-        )
-    if hierarchical_context_parallel_sizes:
-        sizes = [int(s) for s in hierarchical_context_parallel_sizes]
-        if math.prod(sizes) != context_parallel_size or any(s < 1 for s in sizes):
-            raise TopologyError(
-                f"hierarchical_context_parallel_sizes={sizes} multiply to {math.prod(sizes)}, expected the "
-                f"context_parallel_size {context_parallel_size}"
-            )
-        hierarchical_context_parallel_sizes = sizes
-    kwargs.setdefault("distributed_timeout_minutes", collectives.group_timeout().total_seconds() / 60)
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tensor_model_parallel_size,
-        pipeline_model_parallel_size=pipeline_model_parallel_size,
-        context_parallel_size=context_parallel_size,
-        hierarchical_context_parallel_sizes=hierarchical_context_parallel_sizes,
-        **kwargs,
-    )
-    if not hierarchical_context_parallel_sizes and parallel_state.get_hierarchical_context_parallel_groups(
-        check_initialized=False
-    ) is not None:
-        # megatron-core 0.16.1's destroy_model_parallel() leaves the hierarchical CP groups of
-        # an earlier initialisation in place; they do not belong to this layout.
-        log.info("dropping stale hierarchical CP groups left by an earlier initialize_model_parallel")
-        parallel_state._HIERARCHICAL_CONTEXT_PARALLEL_GROUPS = None
-    groups = tree_groups_from_megatron(None)
-    if groups.size != context_parallel_size:
-        raise TopologyError(f"Megatron built a CP group of {groups.size} ranks, expected {context_parallel_size}")
-    return groups
-
-
-def load_balanced_positions(seq_len: int, cp_size: int, cp_rank: int) -> torch.Tensor:
-    """Global positions held by ``cp_rank`` in the training CP layout: chunks r and 2P-1-r of 2P.
-
-    seq_len must be a multiple of 2·cp_size (``get_batch_on_this_cp_rank``'s requirement).
-    """
-    if seq_len % (2 * cp_size) != 0:
-        raise ValueError(f"sequence length {seq_len} must be a multiple of 2*cp_size={2 * cp_size}")
-    c = seq_len // (2 * cp_size)
-    first = torch.arange(cp_rank * c, (cp_rank + 1) * c)
-    second = torch.arange((2 * cp_size - 1 - cp_rank) * c, (2 * cp_size - cp_rank) * c)
-    return torch.cat([first, second])
-
-
-_NEVER = 2**62
-"""Key position of padding: later than every query, so the causal mask never shows it."""
-
-
-def _gather_seq(t: torch.Tensor, groups: TreeGroups, site: str) -> torch.Tensor:
-    """All-gather ``t`` ([s, ...], equal shape on every rank) over the CP group; concatenated along dim 0.
-
-    site names the call for the CP group's agreement check: ranks whose shapes or dtypes
-    differ get a ``DisagreementError`` naming each rank's, not a gloo abort.
-    """
-    if groups.size == 1:
-        return t
-    with groups.agreement.call(site, ("shape", "dtype"), (tuple(t.shape), t.dtype)):
-        parts = collectives.all_gather(t, groups.cp_group, what=f"Megatron integration: {site}")
-    return torch.cat(parts.unbind(0), dim=0)
-
-
-# --------------------------------------------------------------------------- core attention
-
-
-@dataclass(frozen=True)
-class _Pending:
-    """What the KV-cache hook tells its core attention about the call that follows."""
-
-    mode: str
-    """``"prefill"`` (local queries, all-gathered keys) or ``"decode"`` (replicated queries, local shard)."""
-    q_positions: torch.Tensor
-    """(batch, seqlen_q) global positions of the queries; -1 marks padding (it sees no key)."""
-    k_positions: torch.Tensor
-    """(batch, seqlen_k) global positions of the keys handed to the core attention; padding
-    is never visible (a position past every query, or a slot beyond ``k_lengths``)."""
-    k_lengths: torch.Tensor | None = None
-    """decode: (batch,) int32 valid keys of each row in this rank's shard."""
-
-
-def _megatron_module_base():
-    from megatron.core.transformer.module import MegatronModule
-
-    return MegatronModule
-
-
-class TreeDotProductAttention(_megatron_module_base()):
-    """Exact attention for Megatron's ``core_attention`` slot, at any context-parallel size.
-
-    Takes the keyword arguments Megatron's ``Attention`` passes (config, layer_number,
-    attn_mask_type, attention_type, cp_comm_type, softmax_scale, pg_collection) plus
-    ``strategy``/``backend`` for the merge (set through :func:`use_tree_attention`).
-
-    forward(query [sq, b, hq, d], key/value [sk, b, hkv, d], attention_mask, ...) -> [sq, b, hq*d]
-
-    * inside :class:`TreeInferenceContext` decoding: ``tree_decode`` of the replicated
-      query over this rank's KV shard, merged over the (hierarchical) CP groups;
-    * inside its prefill: local queries of the 2·CP chunks against the all-gathered keys;
-    * otherwise (training layout, no inference context): at CP > 1 the local chunks'
-      keys/values are all-gathered and the mask follows global positions; at CP = 1 this is
-      plain causal (or unmasked) attention. Forward-only (no backward through the gather).
-    """
-
-    def __init__(
-        self,
-        config,
-        layer_number: int,
-        attn_mask_type,
-        attention_type: str,
-        attention_dropout: float | None = None,
-        softmax_scale: float | None = None,
-        cp_comm_type: str | None = None,
-        pg_collection=None,
-        *,
-        strategy: str = "auto",
-        backend: str | None = None,
-    ):
-        super().__init__(config=config)
-        from megatron.core.transformer.enums import AttnMaskType
-
-        check_megatron_version("TreeDotProductAttention")
-        if strategy not in STRATEGIES:
-            raise ValueError(f"unknown merge strategy {strategy!r}; expected one of {STRATEGIES}")
-        if getattr(config, "softmax_type", "vanilla") != "vanilla":
-            raise NotImplementedError(f"softmax_type={config.softmax_type!r} is not supported; expected 'vanilla'")
-        if getattr(config, "window_size", None) is not None:
-            raise NotImplementedError("sliding-window attention (config.window_size) is not supported")
-        if pg_collection is None:
-            from megatron.core.process_groups_config import ProcessGroupCollection
-
-            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp", "hcp"])
-        self.pg_collection = pg_collection
-        self.layer_number = max(1, layer_number)
-        self.attn_mask_type = attn_mask_type
-        self.attention_type = attention_type
-        self.strategy = strategy
-        self.backend = backend
-        self._mask_types = AttnMaskType
-        tp = dist.get_world_size(pg_collection.tp) if getattr(pg_collection, "tp", None) is not None else 1
-        self.heads_per_partition = config.num_attention_heads // tp
-        self.head_dim = config.kv_channels
-        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
-        self.attention_dropout = config.attention_dropout if attention_dropout is None else attention_dropout
-
-        cp = getattr(pg_collection, "cp", None)
-        cp_size = dist.get_world_size(cp) if cp is not None else 1
-        if cp_size != config.context_parallel_size:
-            raise TopologyError(
-                f"config.context_parallel_size={config.context_parallel_size} but the CP process group has "
-                f"{cp_size} ranks; they must agree"
-            )
-        hier = getattr(config, "hierarchical_context_parallel_sizes", None)
-        if hier and math.prod(hier) != cp_size:
-            raise TopologyError(
-                f"config.hierarchical_context_parallel_sizes={list(hier)} multiply to {math.prod(hier)}, "
-                f"expected the CP size {cp_size}"
-            )
-        self.cp_size = cp_size
-        self._groups: TreeGroups | None = None
-        self._pending: _Pending | None = None
-        self.comm_stats = None
-        """A :class:`~megatron_tree.comm.CommStats` to record decode merges into (``None``: not recorded)."""
-        self.current_step = None
-        """The decode loop's ``decode.generate.DecodeStep`` while ``MegatronLM.decode_step`` runs (its
-        ``attend`` is the decode attention; ``None``: a plain step of ``strategy``/``comm_stats``)."""
-
-    @property
-    def groups(self) -> TreeGroups:
-        """The CP group and its levels (built on first use from ``pg_collection``)."""
-        if self._groups is None:
-            self._groups = tree_groups_from_megatron(self.pg_collection)
-        return self._groups
-
-    # -- the inference KV-cache hook (called by patch 0001 from Attention) -------------------
-
-    def adjust_key_value_for_inference(
-        self, attention, inference_context, query, key, value, rotary_pos_emb, *rest, **kwargs
-    ):
-        """Store this step's keys/values in the CP-sharded cache and return what core attention needs.
-
-        query: [sq, b, hq, d]; key, value: [sq, b, hkv, d] for the tokens of this forward on
-        this rank (see :class:`StepPlan`). Returns Megatron's tuple ``(query, key, value,
-        rotary_pos_emb, attn_mask_type, block_table)`` with RoPE already applied at global
-        positions (so ``rotary_pos_emb`` is ``None``), and key/value either the all-gathered
-        prompt (prefill) or this rank's shard of the cache (decode). Returns ``None`` (let
-        Megatron do it) only for a plain ``StaticInferenceContext`` at CP = 1.
-        """
-        ctx = inference_context
-        if ctx is not None and ctx.is_dynamic_batching():  # paged, continuous batching: the context stores the keys
-            store = getattr(ctx, "store_key_value", None)  # TreeDynamicInferenceContext's (dynamic.py)
-            if store is not None:
-                return store(self, attention, query, key, value, rotary_pos_emb)
-            if self.cp_size == 1:
-                return None  # Megatron's own DynamicInferenceContext at CP = 1: Megatron does it
-            raise RuntimeError(
-                f"TreeDotProductAttention at context_parallel_size={self.cp_size} needs a TreeDynamicInferenceContext "
-                f"for dynamic batching (got {type(ctx).__name__}); Megatron's DynamicInferenceContext keeps every "
-                "request's whole KV cache on every rank"
-            )
-        if not isinstance(ctx, TreeInferenceContext):
-            if self.cp_size == 1 and ctx is not None and ctx.is_static_batching():
-                return None
-            raise RuntimeError(
-                f"TreeDotProductAttention at context_parallel_size={self.cp_size} needs a "
-                f"TreeInferenceContext (got {type(ctx).__name__}); Megatron's own contexts keep the full "
-                "sequence on every rank"
-            )
-        plan = ctx.step
-        if plan is None:
-            raise RuntimeError(
-                "TreeInferenceContext has no planned step; run the model through TreeGPTInferenceWrapper "
-                "or call context.plan_step(...) before the forward"
-            )
-        b0, b1 = plan.rows
-        if tuple(query.shape[:2]) != (plan.width, b1 - b0) or key.shape[1] != b1 - b0:
-            raise ValueError(
-                f"query has [s, b] = {tuple(query.shape[:2])}, but the planned step has {plan.width} tokens of "
-                f"{b1 - b0} rows on this rank; pass the tokens from plan.index"
-            )
-        if rotary_pos_emb is not None:
-            query, key = ctx.apply_rope(query, key, plan.positions, self.config, self.pg_collection.cp,
-                                        same_positions=plan.same_positions)
-        k_buf, v_buf = ctx.buffers(self.layer_number, key, value)
-        # Tokens another rank keeps go to the buffers' spare slot (never read; the step planner's
-        # one trick): one scatter, no host read of which tokens are this rank's.
-        slot = plan.store.to(key.device).t()  # [width, rows]
-        rows = torch.arange(b0, b1, device=key.device)[None, :].expand_as(slot)
-        k_buf[slot, rows] = key.to(k_buf.dtype)
-        v_buf[slot, rows] = value.to(v_buf.dtype)
-        if plan.mode == "prefill":
-            keys = _gather_seq(key, self.groups, "prefill keys/values")
-            values = _gather_seq(value, self.groups, "prefill keys/values")
-            kpos = plan.gathered_positions.masked_fill(plan.gathered_positions < 0, _NEVER)
-            self._pending = _Pending("prefill", plan.positions, kpos)
-        else:
-            lengths = plan.k_lengths if plan.k_lengths is not None else ctx.local_lengths(b0, b1)
-            n = ctx.local_max(b0, b1)  # host bookkeeping: no read of lengths
-            keys, values = k_buf[:n, b0:b1], v_buf[:n, b0:b1]
-            self._pending = _Pending("decode", plan.positions, ctx.local_positions[b0:b1, :n], lengths)
-        return query, keys, values, None, self.attn_mask_type, None
-
-    def dynamic_attention(self, attention, q, k, v, *megatron_args):
-        """Attention of a dynamic (packed, paged) batch, called by patch 0002: the context that stored
-        this layer's keys (``TreeDynamicInferenceContext.store_key_value``) attends over them; ``None``
-        when no tree context did (Megatron's own context at CP = 1)."""
-        pending, self._dynamic_pending = getattr(self, "_dynamic_pending", None), None
-        if pending is None:
-            return None
-        ctx, layer = pending
-        return ctx.attend(self, q, layer)
-
-    # -- forward --------------------------------------------------------------------------
-
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):
-        """query: [sq, b, hq, d]; key, value: [sk, b, hkv, d] -> context [sq, b, hq*d]."""
-        if packed_seq_params is not None:
-            raise NotImplementedError("packed (THD) sequences are not supported by TreeDotProductAttention")
-        if attention_bias is not None:
-            raise NotImplementedError("attention_bias is not supported by TreeDotProductAttention")
-        if self.training and self.attention_dropout > 0:
-            raise NotImplementedError("attention dropout is not supported by TreeDotProductAttention")
-        pending, self._pending = self._pending, None
-        q = query.transpose(0, 1)
-        k = key.transpose(0, 1)
-        v = value.transpose(0, 1)
-        b, sq = q.shape[0], q.shape[1]
-        if pending is not None and pending.mode == "decode":
-            step = self.current_step if self.current_step is not None else DecodeStep(self.strategy, self.comm_stats)
-            out = step.attend(self.layer_number, q, k, v, self.groups, cache_seqlens=pending.k_lengths.to(q.device),
-                              softmax_scale=self.softmax_scale, q_positions=pending.q_positions.to(q.device),
-                              k_positions=pending.k_positions.to(q.device), backend=self.backend)
-        else:
-            if pending is not None:  # prefill: local queries over the gathered prompt
-                qpos, kpos = pending.q_positions, pending.k_positions
-            else:
-                qpos, kpos = self._training_positions(q, k, attn_mask_type)
-                if kpos is not None and self.cp_size > 1:
-                    k = _gather_seq(key, self.groups, "training-layout keys/values").transpose(0, 1)
-                    v = _gather_seq(value, self.groups, "training-layout keys/values").transpose(0, 1)
-                elif self.cp_size > 1:
-                    raise NotImplementedError("unmasked attention at CP > 1 outside inference is not supported")
-            if qpos is not None and qpos.dim() == 1:
-                qpos = qpos[None, :].expand(b, sq)
-            out, _ = ops.flash_decode(
-                q, k, v, softmax_scale=self.softmax_scale,
-                q_positions=None if qpos is None else qpos.to(q.device),
-                k_positions=None if kpos is None else kpos.to(q.device),
-                backend=self.backend,
-            )
-        return out.transpose(0, 1).reshape(sq, b, -1)
-
-    def _training_positions(self, q, k, attn_mask_type):
-        mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
-        if mask_type == self._mask_types.no_mask:
-            return None, None
-        if mask_type != self._mask_types.causal:
-            raise NotImplementedError(
-                f"attn_mask_type={mask_type} is not supported; TreeDotProductAttention derives the causal "
-                "mask from global positions (causal or no_mask)"
-            )
-        sq, sk = q.shape[1], k.shape[1]
-        if self.cp_size == 1:
-            return torch.arange(sk - sq, sk), torch.arange(sk)
-        if sq != sk:
-            raise NotImplementedError("at CP > 1 the training layout needs equal query and key lengths")
-        total = sq * self.cp_size
-        qpos = load_balanced_positions(total, self.cp_size, self.groups.rank)
-        kpos = torch.cat([load_balanced_positions(total, self.cp_size, r) for r in range(self.cp_size)])
-        return qpos, kpos
-
-
-# --------------------------------------------------------------------------- spec swap
-
-
-def _self_attention_submodules(layer_spec):
-    subs = getattr(layer_spec, "submodules", None)
-    attn = getattr(subs, "self_attention", None)
-    attn_subs = getattr(attn, "submodules", None)
-    if attn_subs is None or not hasattr(attn_subs, "core_attention"):
-        raise TypeError(
-            f"expected a transformer-layer ModuleSpec with submodules.self_attention.submodules.core_attention, "
-            f"got {type(layer_spec).__name__}"
-        )
-    return attn_subs
-
-
-def _layer_specs(spec):
-    layers = getattr(getattr(spec, "submodules", None), "layer_specs", None)
-    return list(layers) if layers is not None else [spec]
-
-
-def use_tree_attention(spec, *, strategy: str = "auto", backend: str | None = None):
-    """Put :class:`TreeDotProductAttention` into the ``core_attention`` slot of ``spec``, in place.
-
-    spec: a transformer-layer ``ModuleSpec`` (e.g. ``get_gpt_layer_local_spec()``) or a
-        block spec with ``submodules.layer_specs``. Idempotent: a slot that already holds
-        ours (marker ``_megatron_tree``) is left alone. The previous slot content is kept in
-        ``__wrapped__``; :func:`restore_core_attention` puts it back. Returns ``spec``.
-
-    Also applies patch 0001 (idempotent), so that with Megatron's own inference context at
-    CP > 1 the model fails with "needs a TreeInferenceContext" on every rank instead of
-    silently replicating the KV cache, even when our wrapper is never constructed.
-    """
-    version = check_megatron_version("use_tree_attention")
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown merge strategy {strategy!r}; expected one of {STRATEGIES}")
-    from .patches import apply_runtime
-
-    apply_runtime()
-    for layer in _layer_specs(spec):
-        subs = _self_attention_submodules(layer)
-        current = subs.core_attention
-        if getattr(current, "_megatron_tree", None) == MARKER:
-            log.debug("core_attention slot already holds TreeDotProductAttention; unchanged")
-            continue
-        slot = functools.partial(TreeDotProductAttention, strategy=strategy, backend=backend)
-        slot._megatron_tree = MARKER
-        slot.__wrapped__ = current
-        subs.core_attention = slot
-        log.info(
-            "megatron-core %s: core_attention slot %s -> TreeDotProductAttention(strategy=%s)",
-            version, getattr(current, "__name__", current), strategy,
-        )
-    return spec
-
-
-def restore_core_attention(spec):
-    """Undo :func:`use_tree_attention` on ``spec`` (a no-op where the slot is not ours). Returns ``spec``."""
-    for layer in _layer_specs(spec):
-        subs = _self_attention_submodules(layer)
-        if getattr(subs.core_attention, "_megatron_tree", None) == MARKER:
-            subs.core_attention = subs.core_attention.__wrapped__
-            log.info("core_attention slot restored to %s", getattr(subs.core_attention, "__name__", subs.core_attention))
-    return spec
-
-
-def get_gpt_layer_tree_spec(*, strategy: str = "auto", backend: str | None = None, **local_spec_kwargs):
-    """``get_gpt_layer_local_spec(**local_spec_kwargs)`` with :class:`TreeDotProductAttention` as core attention."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-    spec = copy.deepcopy(get_gpt_layer_local_spec(**local_spec_kwargs))
-    return use_tree_attention(spec, strategy=strategy, backend=backend)
+from ...decode.prefill import assemble_logits
+from ...topology import TreeGroups
+from .attention import NEVER, CorePlan, check_tree_slots, gather_seq
+from .groups import tree_groups_from_megatron
+from .version import (check_megatron_version, get_only_last_token_logits, init_gpt_wrapper, megatron_api,
+                      prep_model_for_inference, set_only_last_token_logits)
+
+__all__ = ["TreeInferenceContext", "TreeGPTInferenceWrapper", "StepPlan", "unsharded_rope_table"]
 
 
 # --------------------------------------------------------------------------- inference context
@@ -599,6 +119,10 @@ class TreeInferenceContext(_static_context_base()):
     ``max_sequence_length`` is rounded up to an even number: Megatron slices its RoPE table
     of ``max_sequence_length * cp`` rows into 2·CP chunks on every forward.
     """
+
+    materialize_only_last_token_logits = property(get_only_last_token_logits, set_only_last_token_logits)
+    """Megatron's flag, wherever the release keeps it (the context in 0.16.1, ``context.config`` in 0.19),
+    so the wrapper's ``_forward`` and Megatron's controller read and write one value."""
 
     def __init__(self, max_batch_size: int, max_sequence_length: int, *, groups: TreeGroups | None = None,
                  pg_collection=None, layout: str = "load_balanced", block_size: int = 16,
@@ -790,6 +314,53 @@ class TreeInferenceContext(_static_context_base()):
             return self.plan_prefill(b0, b1, num_tokens)
         return self.plan_decode(b0, b1, num_tokens)
 
+    # -- what the core attention asks of the context -----------------------------------------
+
+    def store_key_value(self, core, attention, query, key, value, rotary_pos_emb):
+        """Store this step's keys/values in this rank's shard; return what the core attention needs.
+
+        Asked by :class:`~.attention.TreeDotProductAttention` (from ``TreeSelfAttention``'s KV-cache
+        hook). query: [sq, b, hq, d]; key, value: [sq, b, hkv, d] for the tokens of this forward on
+        this rank (see :class:`StepPlan`). Returns Megatron's tuple ``(query, key, value,
+        rotary_pos_emb, attn_mask_type, block_table)`` with RoPE already applied at global
+        positions (so ``rotary_pos_emb`` is ``None``), and key/value either the all-gathered
+        prompt (prefill) or this rank's shard of the cache (decode); leaves ``core._pending``
+        (a :class:`~.attention.CorePlan`) for the core attention's forward.
+        """
+        plan = self.step
+        if plan is None:
+            raise RuntimeError(
+                "TreeInferenceContext has no planned step; run the model through TreeGPTInferenceWrapper "
+                "or call context.plan_step(...) before the forward"
+            )
+        b0, b1 = plan.rows
+        if tuple(query.shape[:2]) != (plan.width, b1 - b0) or key.shape[1] != b1 - b0:
+            raise ValueError(
+                f"query has [s, b] = {tuple(query.shape[:2])}, but the planned step has {plan.width} tokens of "
+                f"{b1 - b0} rows on this rank; pass the tokens from plan.index"
+            )
+        if rotary_pos_emb is not None:
+            query, key = self.apply_rope(query, key, plan.positions, core.config, core.pg_collection.cp,
+                                        same_positions=plan.same_positions)
+        k_buf, v_buf = self.buffers(core.layer_number, key, value)
+        # Tokens another rank keeps go to the buffers' spare slot (never read; the step planner's
+        # one trick): one scatter, no host read of which tokens are this rank's.
+        slot = plan.store.to(key.device).t()  # [width, rows]
+        rows = torch.arange(b0, b1, device=key.device)[None, :].expand_as(slot)
+        k_buf[slot, rows] = key.to(k_buf.dtype)
+        v_buf[slot, rows] = value.to(v_buf.dtype)
+        if plan.mode == "prefill":
+            keys = gather_seq(key, core.groups, "prefill keys/values")
+            values = gather_seq(value, core.groups, "prefill keys/values")
+            kpos = plan.gathered_positions.masked_fill(plan.gathered_positions < 0, NEVER)
+            core._pending = CorePlan("prefill", plan.positions, kpos)
+        else:
+            lengths = plan.k_lengths if plan.k_lengths is not None else self.local_lengths(b0, b1)
+            n = self.local_max(b0, b1)  # host bookkeeping: no read of lengths
+            keys, values = k_buf[:n, b0:b1], v_buf[:n, b0:b1]
+            core._pending = CorePlan("decode", plan.positions, self.local_positions[b0:b1, :n], lengths)
+        return query, keys, values, None, core.attn_mask_type, None
+
     def commit_step(self) -> None:
         """Close the planned step (after every layer has stored its keys/values)."""
         if self.step is None:
@@ -807,23 +378,44 @@ def _gpt_wrapper_base():
 
 
 class TreeGPTInferenceWrapper(_gpt_wrapper_base()):
-    """``GPTInferenceWrapper`` for a model with :class:`TreeDotProductAttention` and a :class:`TreeInferenceContext`.
+    """``GPTInferenceWrapper`` for a model with tree attention in both slots and a :class:`TreeInferenceContext`.
 
-    Megatron's controller hands every rank the whole window of tokens; this wrapper gives
-    each CP rank its part (prefill: its 2·CP chunks; decode: the replicated new tokens),
-    runs the model, and returns logits ``[b, s or 1, vocab]`` identical on every CP rank.
-    The causal mask comes from global positions, so no attention-mask tensor is built.
+    ``TreeGPTInferenceWrapper(model, inference_context, pg_collection=None)`` on every supported
+    release; 0.16.1's ``(model, inference_wrapper_config, inference_context, pg_collection=None)``
+    is accepted there too. Megatron's controller hands every rank the whole window of tokens;
+    this wrapper gives each CP rank its part (prefill: its 2·CP chunks; decode: the replicated
+    new tokens), runs the model, and returns logits ``[b, s or 1, vocab]`` identical on every CP
+    rank. The causal mask comes from global positions, so no attention-mask tensor is built.
+    Applies no patch: the model's layers must hold ``TreeSelfAttention`` (``get_gpt_layer_tree_spec``).
     """
 
-    def __init__(self, model, inference_wrapper_config, inference_context: TreeInferenceContext, pg_collection=None):
+    def __init__(self, model, *args, pg_collection=None):
+        from megatron.core.utils import unwrap_model
+
+        args = list(args)
+        if args and not isinstance(args[0], TreeInferenceContext) and len(args) >= 2:
+            wrapper_config = args.pop(0)  # 0.16.1's InferenceWrapperConfig: its sizes come from the context
+            if not megatron_api().wrapper_config:
+                raise TypeError(
+                    f"megatron-core {megatron_api().version} has no InferenceWrapperConfig; call "
+                    "TreeGPTInferenceWrapper(model, inference_context)"
+                )
+            del wrapper_config
+        if not args or len(args) > 2:
+            raise TypeError("TreeGPTInferenceWrapper(model, inference_context, pg_collection=None)")
+        inference_context = args[0]
+        if len(args) == 2:
+            pg_collection = args[1]
         if not isinstance(inference_context, TreeInferenceContext):
             raise TypeError(
                 f"TreeGPTInferenceWrapper needs a TreeInferenceContext, got {type(inference_context).__name__}"
             )
-        from .patches import apply_runtime
-
-        apply_runtime()  # the KV-cache hook has no slot in megatron-core; idempotent
-        super().__init__(model, inference_wrapper_config, inference_context, pg_collection)
+        check_megatron_version("TreeGPTInferenceWrapper")
+        check_tree_slots(model, "TreeGPTInferenceWrapper")
+        inner = unwrap_model(model)
+        init_gpt_wrapper(self, model, inference_context, hidden_size=inner.config.hidden_size,
+                         params_dtype=inner.config.params_dtype, padded_vocab_size=inner.vocab_size,
+                         pg_collection=pg_collection)
         if self.pp_group is not None and dist.get_world_size(self.pp_group) > 1:
             raise NotImplementedError(
                 "TreeGPTInferenceWrapper does not support pipeline parallelism (the CP logits gather "
@@ -831,9 +423,9 @@ class TreeGPTInferenceWrapper(_gpt_wrapper_base()):
             )
 
     def prep_model_for_inference(self, prompts_tokens=None):
-        super().prep_model_for_inference(prompts_tokens)
         from megatron.core.utils import unwrap_model
 
+        prep_model_for_inference(self, prompts_tokens)
         self.inference_context.bind_rope(unwrap_model(self.model))
 
     def _build_attention_mask_and_position_ids(self, prompts_tokens):

@@ -1,4 +1,4 @@
-"""Prototype check: tree attention through module slots only, on the megatron-core that is installed.
+"""Tree attention through Megatron-Core's module slots only, on the megatron-core that is installed.
 
 Runs unchanged on 0.16.1 (Python 3.11) and 0.19.x (Python 3.12). Gloo runs of 2, 3 and 4 ranks
 build the same tiny GPTModel (local spec, RoPE, GQA, fp32) twice: with Megatron's own
@@ -48,10 +48,10 @@ def _build(cp, slot: bool, hier=None):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_tree.integrations.megatron._proto_slot import get_gpt_layer_slot_spec
+    from megatron_tree.integrations.megatron import get_gpt_layer_tree_spec
 
     model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True)
-    spec = get_gpt_layer_slot_spec(strategy="two_level" if hier else "packed") if slot else get_gpt_layer_local_spec()
+    spec = get_gpt_layer_tree_spec(strategy="two_level" if hier else "packed") if slot else get_gpt_layer_local_spec()
     model = GPTModel(_config(cp, hier), spec, vocab_size=VOCAB, max_sequence_length=MAX_LEN,
                      position_embedding_type="rope", share_embeddings_and_output_weights=False)
     gen = torch.Generator().manual_seed(7)  # the same weights at every layout, clear greedy margins
@@ -71,11 +71,11 @@ def _prompts():
 def _wrapper(model, ctx, slot: bool):
     from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
 
-    from megatron_tree.integrations.megatron import _proto_compat as compat
-    from megatron_tree.integrations.megatron._proto_slot import SlotGPTInferenceWrapper
+    from megatron_tree.integrations.megatron import version as compat
+    from megatron_tree.integrations.megatron import TreeGPTInferenceWrapper
 
     if slot:
-        return SlotGPTInferenceWrapper(model, ctx)
+        return TreeGPTInferenceWrapper(model, ctx)
     w = GPTInferenceWrapper.__new__(GPTInferenceWrapper)
     compat.init_gpt_wrapper(w, model, ctx, hidden_size=HIDDEN, params_dtype=torch.float32, padded_vocab_size=VOCAB)
     return w
@@ -83,7 +83,7 @@ def _wrapper(model, ctx, slot: bool):
 
 def greedy(model, ctx, slot: bool):
     """Megatron's controller loop by hand (prefill, then one token a step), logits read back."""
-    from megatron_tree.integrations.megatron import _proto_compat as compat
+    from megatron_tree.integrations.megatron import version as compat
 
     wrapper = _wrapper(model, ctx, slot)
     if slot:
@@ -114,7 +114,7 @@ def engine_generate(model, ctx, slot: bool, prompts):
         TextGenerationController,
     )
 
-    from megatron_tree.integrations.megatron import _proto_compat as compat
+    from megatron_tree.integrations.megatron import version as compat
     from megatron_tree.integrations.megatron.model import IdTokenizer
 
     tok = IdTokenizer(eod=VOCAB - 1)
@@ -141,12 +141,12 @@ def slot_rank(rank, world, hier=None):
     from megatron.core.inference.contexts import StaticInferenceContext
 
     from megatron_tree.integrations import megatron as mt
-    from megatron_tree.integrations.megatron import _proto_compat as compat
-    from megatron_tree.integrations.megatron._proto_cpu import megatron_on_cpu_any
-    from megatron_tree.integrations.megatron._proto_slot import SlotInferenceContext, megatron_attention_fingerprint
+    from megatron_tree.integrations.megatron import version as compat
+    from megatron_tree.integrations.megatron.cpu import megatron_on_cpu
+    from megatron_tree.integrations.megatron import TreeInferenceContext, megatron_attention_fingerprint
 
     out = {"api": compat.megatron_api().__dict__.copy()}
-    with megatron_on_cpu_any() as replaced:
+    with megatron_on_cpu() as replaced:
         out["shim"] = replaced
         before = megatron_attention_fingerprint()
         mt.initialize_model_parallel(1)
@@ -165,13 +165,13 @@ def slot_rank(rank, world, hier=None):
         out["levels"] = [lvl.size for lvl in groups.levels]
         out["types"] = (type(model.decoder.layers[0].self_attention).__name__,
                         type(model.decoder.layers[0].self_attention.core_attention).__name__)
-        ctx = SlotInferenceContext(2, MAX_LEN, groups=groups, block_size=4)
+        ctx = TreeInferenceContext(2, MAX_LEN, groups=groups, block_size=4)
         out["tree"] = greedy(model, ctx, slot=True)
         out["shards"] = [ctx.shard_lens(0), ctx.local_lengths(0, 2).tolist(), ctx.capacity]
         out["kv_rows"] = int(ctx.key_value_memory_dict[1][0].shape[0])
-        out["tree_engine"] = engine_generate(model, SlotInferenceContext(2, MAX_LEN, groups=groups, block_size=4),
+        out["tree_engine"] = engine_generate(model, TreeInferenceContext(2, MAX_LEN, groups=groups, block_size=4),
                                              True, _prompts().tolist())
-        out["tree_uneven"] = engine_generate(model, SlotInferenceContext(2, MAX_LEN, groups=groups, block_size=4),
+        out["tree_uneven"] = engine_generate(model, TreeInferenceContext(2, MAX_LEN, groups=groups, block_size=4),
                                              True, UNEVEN)
         # Megatron's own context at CP = 2 with the slot model: refused on every rank, not silently replicated.
         out["megatron_ctx_cp"] = _error(greedy, model, StaticInferenceContext(2, MAX_LEN), False)
@@ -191,10 +191,10 @@ LAYOUTS = {"cp2": (2, None), "cp3": (3, None), "cp2x2": (4, [2, 2])}
 
 def layout_rank(rank, world, hier=None):
     """One spawn per layout (imports cost ~15 s a rank): the static, dynamic and (CP 2, 0.19) LLM runs."""
-    from megatron_tree.integrations.megatron import _proto_compat as compat
+    from megatron_tree.integrations.megatron import version as compat
 
     out = {"static": slot_rank(rank, world, hier), "dynamic": dynamic_rank(rank, world, hier)}
-    if world == 2 and compat.megatron_api().llm_api:
+    if world in (2, 4) and compat.megatron_api().llm_api:  # CP 2 and CP 4 = 2 x 2
         out["llm"] = llm_rank(rank, world, hier)
     return out
 
@@ -226,7 +226,7 @@ def test_slot_static_cp_equals_megatron_cp1(slot_results):
     assert slot_results[0]["ref_types"] == ("SelfAttention", "DotProductAttention")
     for r, out in enumerate(slot_results):
         assert out["levels"] == ([2, 2] if len(slot_results) == 4 else [len(slot_results)])
-        assert out["types"] == ("TreeSelfAttention", "SlotCoreAttention")
+        assert out["types"] == ("TreeSelfAttention", "TreeDotProductAttention")
         assert out["ref"][0] == base_tokens and out["ref_engine"] == base_tokens, r
         tokens, _, logits = out["tree"]
         assert tokens == base_tokens, f"rank {r}: slot decode {tokens} differs from Megatron CP=1 {base_tokens}"
@@ -265,13 +265,14 @@ def test_megatron_context_at_cp_refused(slot_results):
 
 
 def test_version_gate_and_refused_features(monkeypatch):
-    from megatron_tree.integrations.megatron import _proto_compat as compat
+    from megatron_tree.integrations.megatron import version as compat
 
     api = compat.megatron_api()
     assert compat.check_supported("x") is api
-    monkeypatch.setattr(compat, "megatron_api", lambda: compat.MegatronAPI(**{**api.__dict__, "version": "0.18.2"}))
-    with pytest.raises(RuntimeError, match=r"supports megatron-core >=0.16.1,<0.17, >=0.19.0,<0.20 .* but 0.18.2"):
-        compat.check_supported("the slot spec")
+    for found in ("0.18.2", "0.17.0", "0.16.0", "0.20.0rc1"):
+        monkeypatch.setattr(compat, "megatron_version", lambda found=found: found)
+        with pytest.raises(RuntimeError, match=rf"supports megatron-core >=0.16.1,<0.17, >=0.19.0,<0.20 .* but {found}"):
+            compat.check_supported("the tree spec")
     monkeypatch.undo()
     for field, value, needle in (("softmax_type", "off-by-one", "sink / off-by-one"),
                                  ("window_size", (8, 0), "sliding-window"),
@@ -317,14 +318,19 @@ def _dyn_prompts():
     return [torch.randint(0, VOCAB - 1, (n,), generator=gen).tolist() for n in DYN_PROMPTS]
 
 
-def _dyn_run(model, cp, chunked, groups=None):
-    from megatron_tree.integrations.megatron._proto_slot import build_dynamic_engine_any, dynamic_kv_bytes
+SMALL_POOL = dict(blocks=5, max_len=160)
+"""Pool pressure: 4 usable blocks of 48 tokens, while the four requests need 7 together (the
+150-token prompt alone 4): Megatron makes requests wait for blocks that others free."""
+
+
+def _dyn_run(model, cp, chunked, groups=None, blocks=NUM_BLOCKS, max_len=DYN_MAX_LEN):
+    from megatron_tree.integrations.megatron.dynamic import build_dynamic_engine, dynamic_kv_bytes
     from megatron_tree.integrations.megatron.dynamic import generate_dynamic
     from megatron_tree.integrations.megatron.model import IdTokenizer
 
-    engine = build_dynamic_engine_any(
-        model, IdTokenizer(eod=VOCAB - 1), max_sequence_length=DYN_MAX_LEN,
-        buffer_size_gb=_gb(NUM_BLOCKS, LOGICAL_BLOCK // cp), block_size_tokens=LOGICAL_BLOCK // cp,
+    engine = build_dynamic_engine(
+        model, IdTokenizer(eod=VOCAB - 1), max_sequence_length=max_len,
+        buffer_size_gb=_gb(blocks, LOGICAL_BLOCK // cp), block_size_tokens=LOGICAL_BLOCK // cp,
         max_tokens=64 if chunked else 192,
         max_requests=8, enable_chunked_prefill=chunked, groups=groups,
     )
@@ -339,22 +345,24 @@ def dynamic_rank(rank, world, hier=None):
     from megatron.core import parallel_state
 
     from megatron_tree.integrations import megatron as mt
-    from megatron_tree.integrations.megatron import _proto_compat as compat
-    from megatron_tree.integrations.megatron._proto_cpu import megatron_on_cpu_any
-    from megatron_tree.integrations.megatron._proto_slot import megatron_attention_fingerprint
+    from megatron_tree.integrations.megatron import version as compat
+    from megatron_tree.integrations.megatron.cpu import megatron_on_cpu
+    from megatron_tree.integrations.megatron import megatron_attention_fingerprint
 
     out = {}
-    with megatron_on_cpu_any(), compat.inference_mode_off():
+    with megatron_on_cpu(), compat.inference_mode_off():
         before = megatron_attention_fingerprint()
         mt.initialize_model_parallel(1)
         ref = _build(1, slot=False)
         for chunked in (True, False):
             out[f"ref_{chunked}"] = _dyn_run(ref, 1, chunked)
+        out["ref_small"] = _dyn_run(ref, 1, True, **SMALL_POOL)
         parallel_state.destroy_model_parallel()
         groups = mt.initialize_model_parallel(world, hier)
         model = _build(world, slot=True, hier=hier)
         for chunked in (True, False):
             out[f"tree_{chunked}"] = _dyn_run(model, world, chunked, groups)
+        out["tree_small"] = _dyn_run(model, world, True, groups, **SMALL_POOL)
         parallel_state.destroy_model_parallel()
         out["fingerprint"] = (before, megatron_attention_fingerprint())
     if compat.megatron_api().inference_mode:
@@ -377,10 +385,24 @@ def test_slot_dynamic_cp_equals_megatron_cp1(dynamic_results, chunked):
     assert len(set(ref["finished"].values())) > 1, "requests should finish at different steps"
     for r, out in enumerate(dynamic_results):
         tree = out[f"tree_{chunked}"]
-        assert tree["ctx"] in ("SlotDynamicInferenceContext", "TreeDynamicInferenceContext")
+        assert tree["ctx"] == "TreeDynamicInferenceContext"
         assert tree["tokens"] == ref["tokens"], (r, chunked, tree["tokens"], ref["tokens"])
         assert tree["steps"] == ref["steps"] and tree["finished"] == ref["finished"]
         for rid, lp in ref["log_probs"].items():
+            torch.testing.assert_close(torch.tensor(tree["log_probs"][rid]), torch.tensor(lp), rtol=1e-4, atol=1e-4)
+
+
+def test_slot_dynamic_under_pool_pressure_equals_megatron_cp1(dynamic_results):
+    """A pool too small for every request at once: the scheduler waits (more steps), no token changes."""
+    big, small = dynamic_results[0]["ref_True"], dynamic_results[0]["ref_small"]
+    assert set(small["status"].values()) == {"COMPLETED"} and small["tokens"] == big["tokens"]
+    assert small["steps"] > big["steps"], "the small pool put no pressure on the scheduler"
+    for r, out in enumerate(dynamic_results):
+        tree = out["tree_small"]
+        assert tree["tokens"] == small["tokens"] and tree["steps"] == small["steps"], r
+        assert tree["finished"] == small["finished"], r
+        assert max(max(used) for used in tree["blocks"]) <= SMALL_POOL["blocks"] - 1  # no rank's pool overflows
+        for rid, lp in small["log_probs"].items():
             torch.testing.assert_close(torch.tensor(tree["log_probs"][rid]), torch.tensor(lp), rtol=1e-4, atol=1e-4)
 
 
@@ -417,9 +439,10 @@ def llm_rank(rank, world, hier=None):
     from megatron.core.inference.sampling_params import SamplingParams
 
     from megatron_tree.integrations import megatron as mt
-    from megatron_tree.integrations.megatron import _proto_compat as compat
-    from megatron_tree.integrations.megatron._proto_cpu import megatron_on_cpu_any
-    from megatron_tree.integrations.megatron._proto_slot import TreeMegatronLLM, megatron_attention_fingerprint
+    from megatron_tree.integrations.megatron import version as compat
+    from megatron_tree.integrations.megatron.cpu import megatron_on_cpu
+    from megatron_tree.integrations.megatron import megatron_attention_fingerprint
+    from megatron_tree.integrations.megatron.llm import TreeMegatronLLM
     from megatron_tree.integrations.megatron.model import IdTokenizer
 
     def icfg(cp):
@@ -430,7 +453,7 @@ def llm_rank(rank, world, hier=None):
     params = SamplingParams(top_k=1, num_tokens_to_generate=6, termination_id=-1, return_log_probs=True,
                             skip_prompt_log_probs=True)
     out = {}
-    with megatron_on_cpu_any(), compat.inference_mode_off():
+    with megatron_on_cpu(), compat.inference_mode_off():
         before = megatron_attention_fingerprint()
         mt.initialize_model_parallel(1)
         llm = MegatronLLM(model=_build(1, slot=False), tokenizer=IdTokenizer(eod=VOCAB - 1),
@@ -452,20 +475,20 @@ def llm_rank(rank, world, hier=None):
     return out
 
 
-@pytest.fixture(scope="module")
-def llm_results():
-    from megatron_tree.integrations.megatron import _proto_compat as compat
+@pytest.fixture(scope="module", params=["cp2", "cp2x2"])
+def llm_results(request):
+    from megatron_tree.integrations.megatron import version as compat
 
     if not compat.megatron_api().llm_api:
         pytest.skip(f"megatron-core {compat.megatron_api().version} has no MegatronLLM (added in 0.18)")
-    return [r["llm"] for r in _layout_run("cp2")]
+    return [r["llm"] for r in _layout_run(request.param)]
 
 
-def test_tree_megatron_llm_cp2_equals_megatron_llm_cp1(llm_results):
+def test_tree_megatron_llm_equals_megatron_llm_cp1(llm_results):
     ref = llm_results[0]["ref"]
     assert len(ref) == len(DYN_PROMPTS) and all(len(t) == 6 for t, _ in ref)
     for r, out in enumerate(llm_results):
-        assert out["tree_ctx"] == "SlotDynamicInferenceContext"
+        assert out["tree_ctx"] == "TreeDynamicInferenceContext"
         assert [t for t, _ in out["tree"]] == [t for t, _ in ref], r
         for (_, lp), (_, ref_lp) in zip(out["tree"], ref):
             torch.testing.assert_close(torch.tensor(lp), torch.tensor(ref_lp), rtol=1e-4, atol=1e-4)

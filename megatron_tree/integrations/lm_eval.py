@@ -1,0 +1,513 @@
+"""lm-evaluation-harness backend ``megatron_tree``: lm-eval's requests on a CP-sharded transformers model.
+
+Invariant: for every request, the score or text each rank returns is what lm-eval's own ``hf``
+backend returns for that request in one process on the same checkpoint (log-likelihoods to
+float rounding, greedy flags and greedy generations token for token), while each rank of a
+CP group holds 1/CP of the KV cache and runs the layers on 1/CP of every prompt. Nothing of
+lm-eval is rewritten: the class is an ``lm_eval.api.model.TemplateLM`` registered under
+``"megatron_tree"``, and it overrides the model's own distributed slots (``rank``,
+``world_size``, ``all_gather``, ``gather_object``, ``barrier``) so that lm-eval's evaluator
+shards documents over the data-parallel (DP) groups, never over CP peers.
+
+World = DP x CP: ``cp_size`` consecutive global ranks form a CP group (``TreeGroups.build``,
+``intra_size`` ranks per simulated or real node); the ranks with the same CP index form a DP
+group. ``lm.rank`` / ``lm.world_size`` are the DP rank and size, so the CP peers of one DP rank
+receive the same requests and run the same collectives; lm-eval's gathers of samples and
+metrics run over the DP group. Results are kept by global rank 0 only (the launcher,
+``megatron_tree.lm_eval``, drops them on every other rank).
+
+How each request type runs (the decode tier underneath, through ``integrations.hf``):
+
+* ``loglikelihood`` -- context + continuation (minus its last token) is prefilled CP-sharded
+  in one forward per batch of rows of different lengths (left-padded, pads never computed);
+  the forward returns the logits of the continuation positions only, assembled on every
+  rank; log-probs and the greedy flag are computed from them. Identical (context,
+  continuation) token pairs are scored once (lm-eval's padding of a DP rank's list repeats its
+  last request), and pairs with the same model input (the one-token choices of one question)
+  share one row: the context is prefilled once for all of them (``prefill_tokens`` against
+  ``prefill_tokens_unshared``).
+* ``loglikelihood_rolling`` -- lm-eval's own rolling windows of ``max_length`` tokens
+  (``utils.get_rolling_token_windows``), each scored as above.
+* ``generate_until`` -- CP prefill + tree-decoded steps (``decode.generate``: CP rank 0's token
+  choice broadcast every step, so sampled tokens are the same on every rank); a row stops at
+  EOS or at a token whose text contains a stop string; the text is cut at the first stop
+  string as lm-eval's ``hf`` backend cuts it.
+
+Not supported yet (refused with a message naming it): Megatron checkpoints (``source=megatron``),
+prefix sharing of a context across continuations of more than one token (each prefills it again),
+``batch_size=auto``, chat templates, generation kwargs other than ``do_sample``,
+``temperature``, ``top_k``, ``top_p``, ``until``, ``max_gen_toks``. A request longer than
+``max_length`` is an error, never a truncation.
+
+Why it lives here: lm-eval is an integration like transformers; nothing below imports it.
+Importing this module imports lm-eval (>= 0.4.13) and registers the backend with it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+try:
+    from lm_eval import utils as lm_utils
+    from lm_eval.api.model import TemplateLM
+    from lm_eval.api.registry import register_model
+    from lm_eval.models.utils import (handle_stop_sequences, has_bos_prefix, normalize_gen_kwargs,
+                                      postprocess_generated_text, resolve_max_length)
+except ImportError as e:  # pragma: no cover -- exercised only where lm-eval is absent
+    raise ImportError(
+        "megatron_tree.integrations.lm_eval needs lm-evaluation-harness 0.4.13 "
+        f"(pip install 'megatron_tree[lmeval]' or 'lm-eval[ruler]==0.4.13'); importing it failed: {e}"
+    ) from e
+
+from .. import collectives
+from ..comm import STRATEGIES
+from ..decode import PREFILL_METHODS, generate
+from ..topology import TreeGroups
+from .hf import load_hf_model
+
+__all__ = ["BACKEND_NAME", "ModelArgs", "ModelArgsError", "RequestError", "TreeLM", "check_checkpoint",
+           "model_args_from"]
+
+BACKEND_NAME = "megatron_tree"
+"""The name lm-eval's ``--model`` takes."""
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_GEN_KWARGS = ("do_sample", "temperature", "top_k", "top_p")
+"""Generation kwargs served (``until`` and ``max_gen_toks`` are read before them)."""
+
+
+class ModelArgsError(ValueError):
+    """A ``model_args`` key or value this backend does not take (it names the key and what is expected)."""
+
+
+class RequestError(ValueError):
+    """A request this backend cannot serve exactly (too long, empty, an unsupported generation kwarg)."""
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """What ``--model_args key=value,...`` (and lm-eval's ``--batch_size``/``--device``) may set."""
+
+    pretrained: str
+    """A transformers checkpoint directory (``save_pretrained``: ``config.json`` + safetensors)."""
+    tokenizer: str | None = None
+    """Tokenizer directory (default: ``pretrained``)."""
+    source: Literal["hf", "megatron"] = "hf"
+    """``hf``: through transformers' own classes. ``megatron`` is refused for now (no loader yet)."""
+    cp_size: int = 1
+    """Ranks of one CP group; the world must be a multiple of it (DP = world / cp_size)."""
+    intra_size: int | None = None
+    """CP ranks per node (``None``: the real layout); a smaller divisor simulates nodes."""
+    strategy: str = "auto"
+    """The ``tree_decode`` merge of every decode step (one of ``comm.STRATEGIES``)."""
+    prefill: str = "ring"
+    """CP attention over the prompt chunks: ``ring`` or ``allgather``."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Weights and activations."""
+    max_length: int | None = None
+    """Longest sequence a request may need (default: the model config's, as lm-eval's ``hf`` resolves it)."""
+    max_gen_toks: int = 256
+    """Tokens ``generate_until`` may produce when a task does not say (lm-eval's ``hf`` default)."""
+    seed: int = 1234
+    """Seeds the sampling of ``generate_until`` (each batch draws with ``seed`` + its index)."""
+    batch_size: int = 1
+    """Rows per forward (lm-eval's ``--batch_size``; ``auto`` is not supported)."""
+    max_batch_size: int | None = None
+    """Accepted from lm-eval's CLI; unused (no automatic batch size)."""
+    device: str | None = None
+    """``cpu``, ``cuda`` (each rank takes ``cuda:LOCAL_RANK``) or ``None`` (CUDA where available)."""
+
+
+def model_args_from(args: dict) -> ModelArgs:
+    """A :class:`ModelArgs` from lm-eval's parsed ``model_args`` (plus ``batch_size``/``device``).
+
+    Every rank parses the same string, so every rank raises the same :class:`ModelArgsError`
+    before any collective.
+    """
+    fields = {f.name: f for f in dataclasses.fields(ModelArgs)}
+    unknown = sorted(set(args) - set(fields))
+    if unknown:
+        raise ModelArgsError(
+            f"unknown model_args key(s) {unknown} for --model {BACKEND_NAME}; expected some of {sorted(fields)}"
+        )
+    if "pretrained" not in args or not args["pretrained"]:
+        raise ModelArgsError(f"--model {BACKEND_NAME} needs model_args pretrained=<checkpoint directory>")
+    a = dict(args)
+    for name in ("cp_size", "max_length", "max_gen_toks", "seed", "intra_size", "batch_size", "max_batch_size"):
+        v = a.get(name)
+        if v is None:
+            continue
+        if name == "batch_size" and isinstance(v, str) and v.startswith("auto"):
+            raise ModelArgsError("batch_size=auto is not supported by the megatron_tree backend; pass an integer")
+        try:
+            iv = int(v)
+        except (TypeError, ValueError):
+            raise ModelArgsError(f"model_args {name} must be an integer, got {v!r}") from None
+        if iv != float(v) or (iv < 1 and name != "seed"):
+            raise ModelArgsError(f"model_args {name} must be a positive integer, got {v!r}")
+        a[name] = iv
+    for name in ("pretrained", "tokenizer", "device"):
+        if a.get(name) is not None:
+            a[name] = str(a[name])
+    if a.get("strategy", "auto") not in STRATEGIES:
+        raise ModelArgsError(f"model_args strategy={a['strategy']!r} is not one of {list(STRATEGIES)}")
+    if a.get("prefill", "ring") not in PREFILL_METHODS:
+        raise ModelArgsError(f"model_args prefill={a['prefill']!r} is not one of {list(PREFILL_METHODS)}")
+    if a.get("dtype", "float32") not in _DTYPES:
+        raise ModelArgsError(f"model_args dtype={a['dtype']!r} is not one of {sorted(_DTYPES)}")
+    if a.get("source", "hf") not in ("hf", "megatron"):
+        raise ModelArgsError(f"model_args source={a['source']!r} is not one of ['hf', 'megatron']")
+    return ModelArgs(**a)
+
+
+def check_checkpoint(args: ModelArgs) -> None:
+    """Refuse what cannot load before any process group is made (the same on every rank)."""
+    if args.source == "megatron":
+        raise ModelArgsError(
+            "source=megatron: Megatron checkpoints are not served by the lm-eval backend yet; convert the "
+            "checkpoint to a transformers directory (save_pretrained) and pass source=hf"
+        )
+    if not os.path.isdir(args.pretrained) or not os.path.isfile(os.path.join(args.pretrained, "config.json")):
+        raise ModelArgsError(
+            f"pretrained={args.pretrained!r} is not a transformers checkpoint directory (expected a directory "
+            "with config.json and safetensors weights; hub names are not downloaded here)"
+        )
+
+
+# --------------------------------------------------------------------------- process groups
+
+
+def _world() -> tuple[int, int]:
+    """(global rank, world size): the process group's, else the launcher's environment, else one process."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _device(args: ModelArgs) -> torch.device:
+    want = args.device
+    if want is None:
+        want = "cuda" if torch.cuda.is_available() else "cpu"
+    if want == "cpu":
+        return torch.device("cpu")
+    if want.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ModelArgsError(f"device={want!r} but CUDA is not available here; pass --device cpu")
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        torch.cuda.set_device(dev)  # NCCL's object collectives (lm-eval's gather) use the current device
+        return dev
+    raise ModelArgsError(f"device={want!r} is not supported; expected cpu or cuda")
+
+
+def _build_groups(args: ModelArgs, device: torch.device):
+    """(CP groups or None, DP group or None, DP rank, DP size); every rank calls it alike."""
+    rank, world = _world()
+    if world % args.cp_size:
+        raise ModelArgsError(
+            f"cp_size={args.cp_size} does not divide the world of {world} ranks (world = DP x CP); launch a "
+            f"multiple of {args.cp_size} ranks or change cp_size"
+        )
+    if args.intra_size is not None and args.cp_size % args.intra_size:
+        raise ModelArgsError(f"intra_size={args.intra_size} does not divide cp_size={args.cp_size}")
+    if world == 1:
+        return None, None, 0, 1
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                timeout=datetime.timedelta(minutes=10))
+    cp, dp_size = args.cp_size, world // args.cp_size
+    cp_lists = [list(range(d * cp, (d + 1) * cp)) for d in range(dp_size)]
+    groups = TreeGroups.build(cp_lists, args.intra_size) if cp > 1 else None
+    dp_group = None
+    if dp_size > 1:
+        td = collectives.group_timeout()
+        for c in range(cp):  # every rank makes every DP group, in the same order
+            g = collectives.new_group([d * cp + c for d in range(dp_size)], timeout=td)
+            if rank % cp == c:
+                dp_group = g
+    return groups, dp_group, rank // cp, dp_size
+
+
+# --------------------------------------------------------------------------- the backend
+
+
+@register_model(BACKEND_NAME)
+class TreeLM(TemplateLM):
+    """lm-eval's ``LM`` over a transformers checkpoint, CP-sharded with tree attention (module docstring)."""
+
+    def __init__(self, **kwargs):
+        super().__init__()
+        self.args = args = model_args_from(kwargs)
+        check_checkpoint(args)
+        self._device = _device(args)
+        self.groups, self._dp_group, self._rank, self._world_size = _build_groups(args, self._device)
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.pretrained)
+        self.model = load_hf_model(args.pretrained, self.groups, dtype=_DTYPES[args.dtype], device=self._device,
+                                   strategy=args.strategy, prefill=args.prefill)
+        self._max_length = args.max_length or resolve_max_length(self.model.hf.config, self.tokenizer)
+        self.batch_size = args.batch_size
+        self.scored = 0
+        """Requests (context, continuation token pairs) this rank scored: each unique pair once."""
+        self.prefill_tokens = 0
+        """Tokens this rank's CP group prefilled for scoring and generation (whole rows, pads excluded)."""
+        self.prefill_tokens_unshared = 0
+        """Tokens scoring would have prefilled with one row per (context, continuation) pair."""
+        self._generations = 0
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None):
+        args = lm_utils.simple_parse_args_string(arg_string)
+        extra = {k: v for k, v in (additional_config or {}).items() if v is not None}
+        return cls(**args, **extra)
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None):
+        extra = {k: v for k, v in (additional_config or {}).items() if v is not None}
+        return cls(**dict(arg_dict), **extra)
+
+    # ------------------------------------------------------------------ lm-eval's distributed slots
+
+    @property
+    def rank(self) -> int:
+        """The DP rank: documents are sharded over DP groups; CP peers share one."""
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        """The DP size (world / cp_size)."""
+        return self._world_size
+
+    @property
+    def cp_rank(self) -> int:
+        return 0 if self.groups is None else self.groups.rank
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every DP rank's ``tensor`` concatenated along dim 0 (a 0-d tensor gives (dp,))."""
+        if self._dp_group is None:
+            return tensor
+        t = tensor.reshape(1) if tensor.dim() == 0 else tensor
+        out = collectives.all_gather(t.to("cpu") if self._device.type == "cpu" else t, self._dp_group,
+                                     level="dp", what="lm-eval: all_gather over the DP group")
+        return out.reshape(-1, *t.shape[1:])
+
+    def gather_object(self, obj, dst: int = 0):
+        """Every DP rank's ``obj`` on DP rank ``dst`` (a list in DP-rank order), ``None`` elsewhere."""
+        if self._dp_group is None:
+            return [obj]
+        out = [None] * self._world_size if self._rank == dst else None
+        cp = self.args.cp_size
+        dist.gather_object(obj, out, dst=dst * cp + self.cp_rank, group=self._dp_group)
+        return out
+
+    def barrier(self) -> None:
+        if self._dp_group is not None:
+            dist.barrier(group=self._dp_group)
+
+    # ------------------------------------------------------------------ tokens
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def max_length(self) -> int:
+        return self._max_length
+
+    @property
+    def max_gen_toks(self) -> int:
+        return self.args.max_gen_toks
+
+    @property
+    def eot_token_id(self) -> int:
+        return self.tokenizer.eos_token_id
+
+    @property
+    def prefix_token_id(self) -> int:
+        bos = self.tokenizer.bos_token_id
+        return bos if bos is not None else self.tokenizer.eos_token_id
+
+    @property
+    def tokenizer_name(self) -> str:
+        return self.tokenizer.name_or_path.replace("/", "__")
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
+        """As lm-eval's ``hf`` encodes: the tokenizer's own special tokens, none when ``string`` starts with BOS."""
+        special = {} if add_special_tokens is None else {"add_special_tokens": add_special_tokens}
+        if add_special_tokens is None and has_bos_prefix(string, self.tokenizer.decode(self.prefix_token_id)):
+            special = {"add_special_tokens": False}
+        return self.tokenizer.encode(string, **special)
+
+    def tok_decode(self, tokens, skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
+
+    def get_model_info(self) -> dict:
+        return {"cp_size": self.args.cp_size, "dp_size": self._world_size, "strategy": self.args.strategy,
+                "prefill": self.args.prefill, "dtype": self.args.dtype, "max_length": self._max_length}
+
+    # ------------------------------------------------------------------ scoring
+
+    def _forward_rows(self, rows: list[tuple[tuple[int, ...], int]]) -> list[torch.Tensor]:
+        """Log-probs of each row's last ``k`` predictions, one CP-sharded forward.
+
+        rows: (input tokens, k); the inputs are left-padded to the longest and the forward returns
+        the logits of the last max(k) positions only: (batch, K, vocab), identical on every CP rank.
+        returns per row: (k, vocab) float32 log-probs of the tokens after its last k positions.
+        """
+        seq = max(len(i) for i, _ in rows)
+        kmax = max(k for _, k in rows)
+        ids = torch.zeros(len(rows), seq, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for b, (inp, _) in enumerate(rows):
+            ids[b, seq - len(inp):] = torch.as_tensor(inp, dtype=torch.long)
+            mask[b, seq - len(inp):] = 1
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        dev = self._device
+        cache = self.model.new_cache(len(rows), seq)
+        with torch.no_grad():
+            out = self.model.hf(input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev),
+                                past_key_values=cache, logits_to_keep=torch.arange(seq - kmax, seq, device=dev))
+        logprobs = torch.log_softmax(out.logits.float(), dim=-1)  # (B, K, V)
+        self.prefill_tokens += sum(len(i) for i, _ in rows)
+        return [logprobs[b, kmax - k:] for b, (_, k) in enumerate(rows)]
+
+    def _check_scored(self, requests) -> None:
+        for i, (key, ctx, cont) in enumerate(requests):
+            if len(ctx) == 0 or len(cont) == 0:
+                raise RequestError(f"loglikelihood request {i} ({key!r}) has an empty context or continuation")
+            if len(ctx) + len(cont) - 1 > self.max_length:
+                raise RequestError(
+                    f"loglikelihood request {i} needs {len(ctx) + len(cont) - 1} tokens (context {len(ctx)} + "
+                    f"continuation {len(cont)} - 1), beyond max_length={self.max_length}; this backend never "
+                    "truncates: raise max_length (model_args) or shorten the task's contexts"
+                )
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+        """lm-eval's token-level scoring: requests are ((context, continuation) | None, ctx_ids, cont_ids).
+
+        Each unique (context, continuation) pair is scored once. Pairs whose model input
+        (context + continuation[:-1]) is the same -- the choices of a multiple-choice question
+        whose continuations are one token each -- share one row of one forward: the context is
+        prefilled once and each continuation is read from the same logits.
+        """
+        self._check_scored(requests)
+        pairs: dict[tuple, tuple] = {}  # (ctx, cont) -> its model input
+        need: dict[tuple, int] = {}  # model input -> positions to score
+        for _, ctx, cont in requests:
+            key = (tuple(ctx), tuple(cont))
+            if key not in pairs:
+                inp = (key[0] + key[1])[:-1]
+                pairs[key] = inp
+                need[inp] = max(need.get(inp, 0), len(cont))
+        by_row: dict[tuple, list[tuple]] = {}
+        for key, inp in pairs.items():
+            by_row.setdefault(inp, []).append(key)
+        rows = sorted(need, key=lambda i: (-len(i), i))  # longest first, as hf batches
+        scores: dict[tuple, tuple[float, bool]] = {}
+        for i in range(0, len(rows), self.batch_size):
+            chunk = rows[i:i + self.batch_size]
+            for inp, lp_row in zip(chunk, self._forward_rows([(inp, need[inp]) for inp in chunk])):
+                for key in by_row[inp]:
+                    cont = key[1]
+                    lp = lp_row[lp_row.shape[0] - len(cont):]  # (len(cont), V)
+                    want = torch.as_tensor(cont, dtype=torch.long, device=lp.device)
+                    scores[key] = (float(lp.gather(1, want[:, None]).sum()), bool((lp.argmax(-1) == want).all()))
+        self.scored += len(pairs)
+        self.prefill_tokens_unshared += sum(len(inp) for inp in pairs.values())
+        res = []
+        for key, ctx, cont in requests:
+            r = scores[(tuple(ctx), tuple(cont))]
+            res.append(r)
+            if key is not None:
+                self.cache_hook.add_partial("loglikelihood", key, r)
+        return res
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        """Sum of log-probs of each document, over lm-eval's rolling windows of ``max_length`` tokens."""
+        windows, counts = [], []
+        for (string,) in [req.args for req in requests]:
+            ws = [lm_utils.make_disjoint_window(w) for w in lm_utils.get_rolling_token_windows(
+                token_list=self.tok_encode(string), prefix_token=self.prefix_token_id,
+                max_seq_len=self.max_length, context_len=1)]
+            windows.extend((None, ctx, cont) for ctx, cont in ws)
+            counts.append(len(ws))
+        scores = self._loglikelihood_tokens(windows, disable_tqdm=True)
+        out, at = [], 0
+        for req, n in zip(requests, counts):
+            total = sum(s for s, _ in scores[at:at + n])
+            at += n
+            out.append(total)
+            self.cache_hook.add_partial("loglikelihood_rolling", req.args, total)
+        return out
+
+    # ------------------------------------------------------------------ generation
+
+    def _stop_ids(self, until: list[str]) -> list[int]:
+        """EOS and every token whose own text contains a stop string (the row's text is cut there anyway)."""
+        ids = {self.eot_token_id}
+        gc = getattr(self.model.hf, "generation_config", None)
+        eos = getattr(gc, "eos_token_id", None)
+        ids.update([eos] if isinstance(eos, int) else list(eos or []))
+        terms = [t for t in until if t]
+        if terms:
+            special = set(self.tokenizer.all_special_ids)
+            texts = self.tokenizer.batch_decode([[i] for i in range(len(self.tokenizer))])
+            ids.update(i for i, s in enumerate(texts) if i not in special and any(t in s for t in terms))
+        return sorted(i for i in ids if i is not None)
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        """Greedy or sampled continuations, cut at the first stop string (every CP rank returns the same)."""
+        args = [req.args for req in requests]
+        eos = self.tok_decode(self.eot_token_id, skip_special_tokens=False)
+        plans = []
+        for i, (context, gen_kwargs) in enumerate(args):  # every request checked before any forward
+            if not isinstance(gen_kwargs, dict):
+                raise RequestError(f"generate_until request {i}: gen_kwargs must be a dict, got {gen_kwargs!r}")
+            kw = normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)
+            until = handle_stop_sequences(kw.pop("until", None), eos=eos)
+            max_gen = int(kw.pop("max_gen_toks"))
+            other = sorted(set(kw) - set(_GEN_KWARGS))
+            if other:
+                raise RequestError(
+                    f"generate_until request {i} asks for generation kwargs {other}; the megatron_tree backend "
+                    f"serves {['until', 'max_gen_toks', *_GEN_KWARGS]}"
+                )
+            ctx = self.tok_encode(context)
+            if not ctx:
+                raise RequestError(f"generate_until request {i} has an empty context")
+            if len(ctx) + max_gen > self.max_length:
+                raise RequestError(
+                    f"generate_until request {i} has a context of {len(ctx)} tokens; with max_gen_toks={max_gen} it "
+                    f"needs {len(ctx) + max_gen}, beyond max_length={self.max_length}; this backend never truncates"
+                )
+            sample = bool(kw.get("do_sample", False)) and float(kw.get("temperature", 1.0) or 0.0) > 0
+            plans.append((ctx, until, max_gen, sample, float(kw.get("temperature", 1.0) or 1.0),
+                          kw.get("top_k"), kw.get("top_p")))
+        res: list[str | None] = [None] * len(args)
+        groups: dict[str, list[int]] = {}  # one batch never mixes generation kwargs (lm-eval's hf neither)
+        for i, (_, gen_kwargs) in enumerate(args):
+            groups.setdefault(repr(sorted(gen_kwargs.items(), key=lambda kv: kv[0])), []).append(i)
+        batches = []
+        for members in groups.values():
+            members.sort(key=lambda i: (-len(plans[i][0]), args[i][0]))  # longest first, as hf batches
+            batches.extend(members[j:j + self.batch_size] for j in range(0, len(members), self.batch_size))
+        for chunk in batches:
+            _, until, max_gen, sample, temp, top_k, top_p = plans[chunk[0]]
+            seed = self.args.seed + self._generations
+            self._generations += 1
+            out = generate(self.model, [plans[i][0] for i in chunk], max_gen, do_sample=sample, temperature=temp,
+                           top_k=None if top_k is None else int(top_k), top_p=None if top_p is None else float(top_p),
+                           stop_token_ids=self._stop_ids(until), seed=seed, strategy=self.args.strategy,
+                           progress=False)
+            self.prefill_tokens += sum(len(plans[i][0]) for i in chunk)
+            for i, toks in zip(chunk, out.tokens):
+                s = postprocess_generated_text(self.tok_decode(toks), until, None)
+                res[i] = s
+                self.cache_hook.add_partial("generate_until", args[i], s)
+        return res
