@@ -210,6 +210,9 @@ def _prefill(model, orig, binding: _Binding, cache: TreeCache, call: dict, batch
                 f"position_ids of shape {tuple(pos.shape)} are not supported; expected (batch, seq) or (1, seq)"
             )
         window = getattr(cfg, "max_position_embeddings", None)
+        rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+        if rope.get("rope_type", rope.get("type")) == "dynamic":  # dynamic NTK RoPE is built to run past it
+            window = None
         if window is not None and max(lengths) > window:
             raise ValueError(
                 f"a prompt has {max(lengths)} tokens, more than the model's window (max_position_embeddings = "
