@@ -290,9 +290,14 @@ def _take(t: torch.Tensor, index) -> torch.Tensor:
 class _Runner:
     """Runs the pieces of one plan on one kernel, with the precision refinement of the module docstring."""
 
-    def __init__(self, kernel, scale, bound, backend, acc, exact_attention):
+    def __init__(self, kernel, scale, bound, backend, acc, exact_attention, calls=None):
         self.kernel, self.scale, self.bound, self.backend, self.acc = kernel, scale, bound, backend, acc
         self.exact_attention = exact_attention
+        self.calls = calls
+
+    def count(self, name: str) -> None:
+        if self.calls is not None:
+            self.calls[name] = self.calls.get(name, 0) + 1
 
     def piece(self, q, k, v, qpos, kpos, causal=False, visible=None):
         """Partial state of q (B, L, Hq, D) over k, v (B, W, Hkv, D): out acc dtype, lse float64.
@@ -307,8 +312,9 @@ class _Runner:
             mask = torch.zeros(visible.shape, dtype=mdtype, device=q.device).masked_fill_(~visible, _NEG_INF)
             mask = mask[None, None]
         # flash (aten or flash-attn) takes no mask: a ragged piece runs on the memory-efficient kernel
-        launch = _LAUNCH["cuda_efficient" if mask is not None and self.kernel in ("cuda_flash", "flash_attn")
-                         else self.kernel]
+        name = "cuda_efficient" if mask is not None and self.kernel in ("cuda_flash", "flash_attn") else self.kernel
+        launch = _LAUNCH[name]
+        self.count(name)
         out, lse = launch(q, k, v, self.scale, causal, mask)
         has = None if visible is None else visible.any(dim=1)  # rows with a visible key in this piece
         if lse.dtype != torch.float64:
@@ -318,6 +324,7 @@ class _Runner:
                     return self.exact(q, k, v, qpos, kpos)
                 shift = finite.to(mdtype)  # (B, Hq, L): per-row scores shifted by c = first-pass lse
                 smask = -shift[..., None] if mask is None else (mask - shift[..., None])
+                self.count(name)
                 out, lse2 = launch(q, k, v, self.scale, causal, smask)
                 lse = shift.double() + lse2.double()
         lse = lse.double()
@@ -328,6 +335,7 @@ class _Runner:
         return out, lse
 
     def exact(self, q, k, v, qpos, kpos):
+        self.count("decode")
         b = q.shape[0]
         qp = qpos[None, :].expand(b, -1)
         kp = kpos[None, :].expand(b, -1)
@@ -374,6 +382,7 @@ def prefill_attention(
     min_run: int = MIN_RUN,
     tile: int = TILE,
     exact_attention=None,
+    calls: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of a query chunk over one KV block, as a partial state (inputs validated by ``ops``).
 
@@ -388,6 +397,8 @@ def prefill_attention(
     min_run, tile: the planner's knobs (:func:`plan`)
     exact_attention: the exact decode path (``ops.flash_decode``'s signature), for the pieces the
         fused kernels cannot form exactly; ``ops`` passes it in (this module sits below ``ops``)
+    calls: a dict that counts the kernel launches by name (one of :data:`KERNELS`; the shifted
+        second pass counts as a second launch), or None
     returns out: (batch, seqlen_q, nheads_q, headdim) float32 (float64 for float64 input), 0 where
             no key is visible; lse: (batch, nheads_q, seqlen_q) float64, natural log, -inf there
     """
@@ -411,7 +422,7 @@ def prefill_attention(
     if exact_attention is None:
         raise TypeError("fused_prefill.prefill_attention needs exact_attention (ops.prefill_attention passes "
                         "ops.flash_decode); call ops.prefill_attention")
-    runner = _Runner(name, scale, lse_bound, backend, acc, exact_attention)
+    runner = _Runner(name, scale, lse_bound, backend, acc, exact_attention, calls)
     out = lse = None
     if sq and n:  # (the CPU kernel dies on an empty axis: never call it so)
         for rows in groups:

@@ -235,6 +235,7 @@ def prefill_attention(
     softmax_scale: float | None = None,
     kernel: str | None = None,
     backend: str | None = None,
+    calls: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Local causal attention of a prefill query chunk over one KV block, on fused kernels that return the lse.
 
@@ -245,7 +246,7 @@ def prefill_attention(
         padding (a padded key is never visible, a padded query gets out 0 / lse -inf)
     kernel: force one of ``fused_prefill.KERNELS`` (default: ``fused_prefill.select_kernel`` for the
         device, dtype and head dim); backend: the decode backend (``torch``/``triton``) of the exact
-        fallback (``flash_decode`` with positions)
+        fallback (``flash_decode`` with positions); calls: a dict counting the kernel launches by name
     returns out: (batch, seqlen_q, nheads_q, headdim) float32 (float64 for float64 input): a partial
             that will be merged again stays unrounded (bf16 is rounded once, after the last merge);
             lse: (batch, nheads_q, seqlen_q) float64, natural log, -inf where no key is visible:
@@ -265,4 +266,4 @@ def prefill_attention(
         raise ValueError(f"unknown prefill kernel {kernel!r}; expected one of {fused_prefill.KERNELS}")
     return fused_prefill.prefill_attention(q, k, v, q_positions=q_positions, k_positions=k_positions,
                                            softmax_scale=softmax_scale, kernel=kernel, backend=backend,
-                                           exact_attention=flash_decode)
+                                           exact_attention=flash_decode, calls=calls)

@@ -297,7 +297,8 @@ def test_gpu_check_script_is_valid_and_selects_the_cuda_tests():
     assert "TRITON_INTERPRET=0" in text and "-k cuda" in text and "megatron_tree.bench.gpu_check --out" in text
     # Time limits of the parts add up to at most 8 minutes.
     limits = [int(t) for t in re.findall(r"^timeout (\d+) ", text, flags=re.M)]
-    assert len(limits) == 3 and sum(limits) <= 8 * 60 - 30, limits
+    assert len(limits) == 4 and sum(limits) <= 8 * 60 - 30, limits
+    assert "megatron_tree.bench.prefill_gpu" in text and "tests/test_prefill_kernel.py -k cuda" in text
     assert "megatron_tree.bench.precision --backend triton --device cuda" in text
     for banned in ("deepspeed", "megatron.core", "wandb"):  # absent on the GPU machine
         assert f"import {banned}" not in text

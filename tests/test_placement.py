@@ -9,7 +9,7 @@ import itertools
 
 import pytest
 
-from megatron_tree.decode.placement import PlacementError, RowPlacement, prefill_ranges
+from megatron_tree.decode.placement import LAYOUTS, PlacementError, RowPlacement, prefill_ranges
 
 
 def _check_consistent(row: RowPlacement):
@@ -131,3 +131,27 @@ def test_layers_import_one_way():
 
     assert not {m for m in _imports(placement.__file__) if m.startswith(("torch", "."))}
     assert not {m for m in _imports(topology.__file__) if "integrations" in m}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_chunked_prompt_is_laid_out_window_by_window(layout):
+    """prefill_ranges(chunk=T): every position kept once, by windows of T in order, each window laid
+    out by the layout on its own (so each forward's tokens are balanced), ascending per rank; a
+    chunk at least the prompt's length is the unchunked layout; a bad chunk is refused."""
+    for length, cp, chunk in ((37, 2, 8), (37, 3, 12), (100, 4, 16), (5, 4, 2)):
+        got = prefill_ranges(length, cp, layout, chunk)
+        held = sorted(t for ranges in got for s, e in ranges for t in range(s, e))
+        assert held == list(range(length)), (length, cp, chunk)
+        for ranges in got:
+            flat = [t for s, e in ranges for t in range(s, e)]
+            assert flat == sorted(flat)
+        for start in range(0, length, chunk):
+            window = prefill_ranges(min(chunk, length - start), cp, layout)
+            for rank in range(cp):
+                mine = {t for s, e in got[rank] for t in range(s, e) if start <= t < start + chunk}
+                assert mine == {start + t for s, e in window[rank] for t in range(s, e)}, (rank, start)
+    assert prefill_ranges(37, 2, layout, 37) == prefill_ranges(37, 2, layout)
+    assert prefill_ranges(37, 2, layout, 100) == prefill_ranges(37, 2, layout)
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(PlacementError, match="chunk"):
+            prefill_ranges(37, 2, layout, bad)

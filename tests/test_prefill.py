@@ -209,3 +209,141 @@ def test_single_process_prefill_is_plain_causal_attention():
             torch.testing.assert_close(out[b, :m], ref[b], rtol=0, atol=1e-12)
     with pytest.raises(ValueError, match="unknown prefill method 'zigzag'"):
         cp_prefill(q, k, v, pos, pos, None, method="zigzag")
+
+
+# --------------------------------------------------------------------------- fp32 on the fused kernels
+
+FP32_LENGTHS = [37, 5, 64]  # none divisible by 2, 3 or 4 * 2 except 64; row 1 leaves ranks empty
+FP32_HQ, FP32_HKV, FP32_D = 6, 2, 16
+BALANCE_LEN = 301  # one causal prompt whose per-rank work is counted
+
+
+def _fp32_rank_fn(rank, world):
+    from megatron_tree.decode.prefill import PrefillWork, allgather_prefill, ring_prefill
+    from megatron_tree.topology import TreeGroups
+
+    layouts = {
+        "cp2": ([[0, 1], [2, 3]], None),
+        "cp3+cp1": ([[0, 1, 2], [3]], None),
+        "cp4=2x2": (None, 2),  # one CP group of 4 over two simulated nodes of 2
+    }
+    g = torch.Generator().manual_seed(5)
+    n = max(FP32_LENGTHS)
+    q = torch.randn(len(FP32_LENGTHS), n, FP32_HQ, FP32_D, generator=g, dtype=torch.float64)
+    k = torch.randn(len(FP32_LENGTHS), n, FP32_HKV, FP32_D, generator=g, dtype=torch.float64)
+    v = torch.randn(len(FP32_LENGTHS), n, FP32_HKV, FP32_D, generator=g, dtype=torch.float64)
+    ref = _reference(q, k, v, FP32_LENGTHS)
+    gb = torch.Generator().manual_seed(6)
+    qb, kb, vb = (torch.randn(1, BALANCE_LEN, h, FP32_D, generator=gb) for h in (FP32_HQ, FP32_HKV, FP32_HKV))
+    worst, counts = {}, {}
+    for name, (ranks, intra) in layouts.items():
+        groups = TreeGroups.build(ranks, intra_size=intra)
+        p, me = groups.size, groups.rank
+        for layout in ("load_balanced", "contiguous"):
+            plans = [prefill_ranges(m, p, layout)[me] for m in FP32_LENGTHS]
+            width = max(sum(e - s for s, e in prefill_ranges(m, p, layout)[r]) for m in FP32_LENGTHS
+                        for r in range(p)) + (me % 2)  # uneven padding across ranks
+            pos = torch.full((len(FP32_LENGTHS), width), -1, dtype=torch.int64)
+            for b, ranges in enumerate(plans):
+                mine = [i for s, e in ranges for i in range(s, e)]
+                pos[b, : len(mine)] = torch.tensor(mine, dtype=torch.int64)
+            ql, kl, vl = (_local(t, pos).float() for t in (q, k, v))
+            for method, fn in (("ring", ring_prefill), ("allgather", allgather_prefill)):
+                work = PrefillWork()
+                out = fn(ql, kl, vl, pos, pos, groups, work=work)
+                err = 0.0
+                for b in range(len(FP32_LENGTHS)):
+                    valid = pos[b] >= 0
+                    got, want = out[b, valid].double(), ref[b][pos[b, valid]]
+                    err = max(err, float((got - want).abs().max()) if got.numel() else 0.0)
+                    assert torch.all(out[b, ~valid] == 0)
+                worst[f"{name}/{layout}/{method}"] = (err, out.dtype == torch.float32, dict(work.kernels))
+            # the work of one causal prompt, counted on each rank
+            (mine,) = [[i for s, e in prefill_ranges(BALANCE_LEN, p, layout)[me] for i in range(s, e)]]
+            bp = torch.tensor(mine, dtype=torch.int64)[None]
+            work = PrefillWork()
+            ring_prefill(qb[:, bp[0]], kb[:, bp[0]], vb[:, bp[0]], bp, bp, groups, work=work)
+            counts[f"{name}/{layout}"] = (p, work.pairs, work.blocks, work.skipped, work.compute_s, work.wait_s)
+    return worst, counts
+
+
+def test_fp32_ring_on_fused_kernels_is_exact_and_balanced():
+    """fp32 ring and all-gather prefill on the fused CPU kernel within 1e-5 of fp64 single-process
+    attention (CP 2, 3 and 2 x 2, both layouts, GQA, ragged and padded rows, lengths not divisible
+    by CP); the causal work of a prompt, counted on every rank, is balanced by the load-balanced
+    layout (and visibly not by the contiguous one, so the count can fail)."""
+    results = run_ranks(_fp32_rank_fn, 4, timeout=300)
+    for rank, (worst, _) in enumerate(results):
+        assert len(worst) == 3 * 2 * 2
+        for case, (err, fp32, kernels) in worst.items():
+            assert fp32, case
+            assert err <= 1e-5, f"rank {rank} {case}: max error {err:.2e} > 1e-5"
+            assert set(kernels) <= {"cpu_flash"}, f"rank {rank} {case}: ran {kernels}, expected the fused CPU kernel"
+    for case in results[0][1]:
+        rows = [r[1][case] for r in results if case in r[1]]
+        p = rows[0][0]
+        group = rows[:p] if not case.startswith("cp3") else rows[:3]
+        pairs = [row[1] for row in group]
+        assert sum(pairs) == BALANCE_LEN * (BALANCE_LEN + 1) // 2, (case, pairs)  # every pair exactly once
+        spread = (max(pairs) - min(pairs)) / (sum(pairs) / len(pairs))
+        if case.endswith("load_balanced"):
+            assert spread <= 0.10, f"{case}: per-rank attention work {pairs} differs by {spread:.1%} > 10%"
+            assert all(row[3] == 0 for row in group), case  # every rank's tail chunk sees every block
+        else:
+            assert spread > 0.5, f"{case}: contiguous chunks should be unbalanced, got {pairs}"
+            # rank r skips the P-1-r blocks after its own, and attends the rest
+            assert [row[3] for row in group] == [p - 1 - r for r in range(p)], (case, [row[3] for row in group])
+        assert all(row[2] + row[3] == p for row in group), case
+        assert all(row[4] > 0 and row[5] >= 0 for row in group), case
+
+
+def test_cuda_dispatch_of_a_prefill_step_without_a_gpu(monkeypatch):
+    """Which kernel each piece of a prefill step launches on CUDA, asserted on CPU tensors: the CUDA
+    launchers are replaced by recorders that compute with the CPU kernel (same contract), so the
+    dispatch -- flash for causal and unmasked pieces, memory-efficient for masked (ragged) ones, the
+    exact decode path for a piece past the float32 lse bound -- is what the fused prefill decides."""
+    from megatron_tree import fused_prefill
+    from megatron_tree.decode.prefill import PrefillWork, ring_prefill
+
+    launched = []
+    for name in ("cuda_flash", "cuda_efficient", "flash_attn"):
+        def record(q, k, v, scale, causal, mask, name=name):
+            launched.append((name, causal, mask is not None))
+            return fused_prefill._cpu_flash(q, k, v, scale, causal, mask)
+        monkeypatch.setitem(fused_prefill._LAUNCH, name, record)
+
+    assert fused_prefill.select_kernel("cuda", torch.bfloat16, 64, flash_attn_importable=False) == "cuda_flash"
+    assert fused_prefill.select_kernel("cuda", torch.float32, 64) == "cuda_efficient"
+    g = torch.Generator().manual_seed(2)
+    n = 48
+    q, k, v = (torch.randn(1, n, h, 16, generator=g) for h in (4, 2, 2))
+    # one rank's load-balanced share at CP 2 (chunks 0 and 3 of 4) over the whole prompt's keys
+    (a, b), (c, d) = prefill_ranges(n, 2, "load_balanced")[0]
+    qpos = torch.cat([torch.arange(a, b), torch.arange(c, d)])[None]
+    kpos = torch.arange(n)[None]
+    want, _ = partial_attention(q.double(), k.double(), v.double(), q_positions=kpos, k_positions=kpos)
+    for kernel in ("cuda_flash", "flash_attn"):
+        launched.clear()
+        work = PrefillWork()
+        out = ring_prefill(q[:, qpos[0]], k, v, qpos, kpos, None, kernel=kernel, work=work)
+        assert float((out.double() - want[:, qpos[0]]).abs().max()) <= 1e-5
+        assert launched and {name for name, _, _ in launched} == {kernel}, launched
+        assert all(not masked for _, _, masked in launched), launched  # flash takes no mask: none needed
+        assert any(causal for _, causal, _ in launched), launched
+        assert work.kernels == {kernel: len(launched)}
+    # an irregular position set needs explicit masks: those pieces go to the memory-efficient kernel
+    launched.clear()
+    work = PrefillWork()
+    perm = torch.randperm(n, generator=g)[:20].sort().values
+    out = ring_prefill(q[:, perm], k, v, perm[None], kpos, None, kernel="cuda_flash", work=work)
+    want, _ = partial_attention(q.double(), k.double(), v.double(), q_positions=kpos, k_positions=kpos)
+    assert float((out.double() - want[:, perm]).abs().max()) <= 1e-5
+    assert ("cuda_efficient", False, True) in launched, launched
+    # past the float32 lse bound a CUDA kernel cannot take the shifted pass: the exact decode path
+    launched.clear()
+    work = PrefillWork()
+    big = q * 40.0
+    out = ring_prefill(big, k, v, kpos, kpos, None, kernel="cuda_flash", work=work)
+    want, _ = partial_attention(big.double(), k.double(), v.double(), q_positions=kpos, k_positions=kpos)
+    assert float((out.double() - want).abs().max()) <= 1e-5
+    assert work.kernels.get("decode", 0) >= 1 and work.kernels.get("cuda_flash", 0) >= 1, work.kernels

@@ -9,7 +9,8 @@
 # each): environment -> kernel benchmark (eager, CUDA-graph replay, split vs merge device
 # time, GB/s vs the 4.8 TB/s peak and a measured copy, torch SDPA and its backend) ->
 # BLOCK_N x warps x stages sweep -> merge micro-benchmark -> a small model's decode step
-# captured in a CUDA graph. Then bench/precision.py on the GPU kernels, then the CUDA tests. Each part has its own time limit and a
+# captured in a CUDA graph. Then bench/precision.py on the GPU kernels, then the CUDA tests,
+# with tests/test_prefill_kernel.py's, then the prefill section (bench/prefill_gpu.py). Each part has its own time limit and a
 # failing part does not stop the others. Needs python3 with torch + triton + pytest, and
 # transformers for the model step (no deepspeed, megatron-core, wandb or flash-attn). Ahead-of-time compilation checks stay
 # on the CPU (tests/test_aot.py, bench/aot_triton36.sh).
@@ -31,8 +32,9 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
   "$PY" -c "import sys, torch, triton; print(sys.version.split()[0], torch.__version__, triton.__version__, torch.version.cuda, torch.cuda.get_device_name())"
 } > "$OUT/env.txt" 2>&1
 
-# 5 min for the measurements (the script keeps per-step budgets inside this), 2 min for tests.
-timeout 300 "$PY" -m megatron_tree.bench.gpu_check --out "$OUT" --budget-s 280 > "$OUT/gpu_check.log" 2>&1
+# 260 s for the measurements (the script keeps per-step budgets inside this), 2 min for tests,
+# 40 s for the prefill kernels: 7.5 minutes in all.
+timeout 260 "$PY" -m megatron_tree.bench.gpu_check --out "$OUT" --budget-s 240 > "$OUT/gpu_check.log" 2>&1
 check_rc=$?
 
 # Exactness at large logits: fp32 vs fp64 partial lse through the kernels.
@@ -40,11 +42,19 @@ timeout 30 "$PY" -m megatron_tree.bench.precision --backend triton --device cuda
   > "$OUT/precision.md" 2>&1
 prec_rc=$?
 
-timeout 120 "$PY" -m pytest tests/test_kernels.py -k cuda -q -rA -p no:cacheprovider \
+timeout 120 "$PY" -m pytest tests/test_kernels.py tests/test_prefill_kernel.py -k cuda -q -rA -p no:cacheprovider \
   --junitxml="$OUT/cuda_tests.xml" > "$OUT/cuda_tests.log" 2>&1
 cuda_rc=$?
 
-echo "gpu_check=$check_rc precision=$prec_rc cuda_tests=$cuda_rc (0 = ok, 124 = timed out)" | tee "$OUT/status.txt"
+# Prefill: the fused CUDA prefill kernels (which one each piece of a ring step launches, error
+# against fp64 vs same-dtype SDPA, time vs one causal SDPA over the whole prompt); their tests
+# ran with the CUDA tests above (tests/test_prefill_kernel.py -k cuda).
+timeout 40 "$PY" -m megatron_tree.bench.prefill_gpu --tokens 16384 --cp 2 --out "$OUT" > "$OUT/prefill_gpu.log" 2>&1
+prefill_rc=$?
+
+echo "gpu_check=$check_rc precision=$prec_rc cuda_tests=$cuda_rc prefill=$prefill_rc (0 = ok, 124 = timed out)" \
+  | tee "$OUT/status.txt"
 tail -n 40 "$OUT/gpu_check.log"
 tail -n 15 "$OUT/cuda_tests.log"
-[ "$check_rc" -eq 0 ] && [ "$prec_rc" -eq 0 ] && [ "$cuda_rc" -eq 0 ]
+tail -n 8 "$OUT/prefill_gpu.log"
+[ "$check_rc" -eq 0 ] && [ "$prec_rc" -eq 0 ] && [ "$cuda_rc" -eq 0 ] && [ "$prefill_rc" -eq 0 ]

@@ -154,9 +154,10 @@ class ShardedKVCache:
 
     # ------------------------------------------------------------------ prefill
 
-    def start_prefill(self, lengths: list[int]) -> torch.Tensor:
+    def start_prefill(self, lengths: list[int], chunk: int | None = None) -> torch.Tensor:
         """Place prompts of ``lengths`` tokens (one per row) and return this rank's positions.
 
+        chunk: the most prompt tokens per forward (chunked prefill; ``placement.prefill_ranges``), or None.
         Resets the cache. returns local_positions: (batch, S) int64 -- global positions of the
         prompt tokens this rank keeps, in storage order, -1 as padding; ``S`` is the largest
         share of any rank and row, so it is the same on every CP rank.
@@ -172,7 +173,7 @@ class ShardedKVCache:
                     "create the cache with a larger max_seq_len"
                 )
         self.reset()
-        plans = [row.place_prompt(n) for row, n in zip(self._rows, lengths)]
+        plans = [row.place_prompt(n, chunk) for row, n in zip(self._rows, lengths)]
         width = max(sum(e - s for s, e in ranges) for plan in plans for ranges in plan)
         local = torch.full((self.batch_size, width), -1, dtype=torch.int64)
         for b, plan in enumerate(plans):
@@ -225,6 +226,23 @@ class ShardedKVCache:
                              f"keeps up to {n}), got k {tuple(k.shape)} and v {tuple(v.shape)}")
         self.k[layer, :, :n] = k[:, :n].to(self.k.dtype)
         self.v[layer, :, :n] = v[:, :n].to(self.v.dtype)
+
+    def write_prefill_slots(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """Store part of this rank's prompt keys/values of one layer at the given slots (chunked prefill).
+
+        k, v: (batch, S, num_kv_heads, head_dim); slots: (batch, S) integer slots in [0, capacity),
+        or -1 for a filler entry (written to the spare slot, never read).
+        """
+        layer = self._layer(layer, "write_prefill_slots")
+        self._check_kv("write_prefill_slots", k, v, None)
+        if (not isinstance(slots, torch.Tensor) or slots.dtype.is_floating_point
+                or tuple(slots.shape) != tuple(k.shape[:2]) or v.shape[1] != k.shape[1]):
+            raise ValueError(f"write_prefill_slots: slots must be an integer {tuple(k.shape[:2])} tensor (batch, "
+                             f"tokens) matching k and v, got {tuple(getattr(slots, 'shape', ()))}")
+        at = torch.where(slots >= 0, slots, self.capacity).to(self._k.device)
+        rows = self._batch_index[:, None].expand_as(at)
+        for buf, new in ((self._k, k), (self._v, v)):
+            buf[layer][rows, at] = new.to(buf.dtype)
 
     # ------------------------------------------------------------------ decode
 

@@ -64,8 +64,14 @@ def _check_layout(layout: str) -> None:
         raise PlacementError(f"unknown cache layout {layout!r}; expected one of {LAYOUTS}")
 
 
-def prefill_ranges(length: int, cp_size: int, layout: str) -> list[list[tuple[int, int]]]:
+def prefill_ranges(length: int, cp_size: int, layout: str, chunk: int | None = None) -> list[list[tuple[int, int]]]:
     """Global position ranges ``[start, end)`` of a prompt of ``length`` tokens kept by each CP rank.
+
+    chunk: the most prompt tokens one forward computes (chunked prefill), or None (one forward).
+        With a chunk shorter than the prompt, the prompt is cut into windows ``[w * chunk,
+        (w + 1) * chunk)`` that run one after the other (a window's queries need every earlier
+        key), and each window is laid out by ``layout`` on its own, so every forward's work is
+        balanced; a rank keeps the union of its ranges over the windows (empty ranges dropped).
 
     Returns one list of ranges per rank, in ascending position order (the order in which
     the rank stores them).
@@ -75,6 +81,16 @@ def prefill_ranges(length: int, cp_size: int, layout: str) -> list[list[tuple[in
         raise PlacementError(f"cp_size must be a positive integer, got {cp_size!r}")
     if not isinstance(length, int) or length < 0:
         raise PlacementError(f"prompt length must be a non-negative integer, got {length!r}")
+    if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1):
+        raise PlacementError(f"chunk (most prompt tokens per forward) must be a positive integer or None, "
+                             f"got {chunk!r}")
+    if chunk is not None and chunk < length:
+        out: list[list[tuple[int, int]]] = [[] for _ in range(cp_size)]
+        for start in range(0, length, chunk):
+            window = prefill_ranges(min(chunk, length - start), cp_size, layout)
+            for rank, ranges in enumerate(window):
+                out[rank].extend((start + s, start + e) for s, e in ranges if e > s)
+        return out
     if layout == "contiguous":
         return [[r] for r in split_range(length, cp_size)]
     chunks = split_range(length, 2 * cp_size)
@@ -134,14 +150,15 @@ class RowPlacement:
 
     # ------------------------------------------------------------------ building the plan
 
-    def place_prompt(self, length: int) -> list[list[tuple[int, int]]]:
+    def place_prompt(self, length: int, chunk: int | None = None) -> list[list[tuple[int, int]]]:
         """Place a prompt of ``length`` tokens at positions ``[0, length)``; the row must be empty.
 
+        chunk: the most prompt tokens per forward (chunked prefill: each window laid out on its own)
         Returns the position ranges each rank keeps (see :func:`prefill_ranges`).
         """
         if self.total:
             raise PlacementError(f"the row already holds {self.total} tokens; place_prompt starts an empty row")
-        ranges = prefill_ranges(length, self.cp_size, self.layout)
+        ranges = prefill_ranges(length, self.cp_size, self.layout, chunk)
         counts = [sum(e - s for s, e in rr) for rr in ranges]
         if self.capacity is not None and max(counts) > self.capacity:
             raise PlacementError(

@@ -5,9 +5,14 @@ Invariant: both variants compute causal attention of this rank's queries over th
 over the whole prompt returns for these queries (up to float rounding):
 
 * :func:`ring_prefill` -- Ring Attention: KV blocks travel around the CP ring with
-  ``isend``/``irecv`` (the next block is in flight while the current one is computed) and
-  every block's partial state is folded into the running one with the project's single merge
-  formula (``ops.merge_states`` -> ``reference.lse_weights``/``normalize``, DESIGN.md section 1).
+  ``isend``/``irecv`` (the next block is in flight while the current one is computed), a
+  block whose keys are all after this rank's queries is skipped, and every other block's
+  partial state -- from the fused prefill kernels (``ops.prefill_attention``: torch's fused
+  flash attention with lse on CPU, flash / memory-efficient attention on CUDA; memory one
+  kernel tile, never seqlen_q x seqlen_k) -- is folded into the running one with the project's
+  single merge formula (``ops.merge_states`` -> ``reference.lse_weights``/``normalize``,
+  DESIGN.md section 1). With the load-balanced layout (``placement.prefill_ranges``) every
+  rank does the same causal work; :class:`PrefillWork` counts it.
 * :func:`allgather_prefill` -- one all-gather of every rank's keys/values/positions, then
   one local attention: P times the memory, the simplest baseline.
 
@@ -29,13 +34,17 @@ mismatched buffers, never a wait for the timeout.
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass, field
+
 import torch
 
-from .. import agreement, collectives, ops, reference
+from .. import agreement, collectives, fused_prefill, ops, reference
 from ..comm import CommStats
 from ..topology import TreeGroups
 
-__all__ = ["ring_prefill", "allgather_prefill", "cp_prefill", "assemble_logits", "PREFILL_METHODS"]
+__all__ = ["ring_prefill", "allgather_prefill", "cp_prefill", "assemble_logits", "PREFILL_METHODS", "PrefillWork",
+           "visible_pairs"]
 
 PREFILL_METHODS = ("ring", "allgather")
 _HIDDEN = torch.iinfo(torch.int64).max  # the position of a padded key: after every query
@@ -66,12 +75,58 @@ def _pad_keys(k, v, k_pos, length: int):
 
 
 PREFILL_SIGNATURE = ("batch", "heads_q", "heads_kv", "headdim", "headdim_v", "dtype", "method", "backend",
-                     "window", "softcap", "sinks")
+                     "window", "softcap", "sinks", "kernel")
 """What every CP rank of a prefill must agree on (the local lengths may differ)."""
 
 
+@dataclass
+class PrefillWork:
+    """What one rank's CP prefill computed, skipped and waited for: counted, summed over the calls it is passed to.
+
+    ``pairs`` is the attention work: every (query, key) pair of real tokens the causal mask
+    lets through, summed over batch rows (times heads x head dim x 4 for FLOPs). With the
+    load-balanced layout it is within one chunk's rounding across the ranks of a causal prompt.
+    """
+
+    pairs: int = 0
+    """Visible (query, key) pairs of real tokens this rank computed, over every block and batch row."""
+    blocks: int = 0
+    """KV blocks attended (this rank's own block included)."""
+    skipped: int = 0
+    """KV blocks skipped whole: every key in them is after every query of this rank (or padding)."""
+    kernels: dict = field(default_factory=dict)
+    """Local kernel launches by name (``fused_prefill.KERNELS``)."""
+    compute_s: float = 0.0
+    """Seconds in local attention and merging."""
+    wait_s: float = 0.0
+    """Seconds spent waiting for the next KV block after the current one was computed: the part of the
+    ring's communication that computation did not hide."""
+
+    def add(self, other: "PrefillWork") -> None:
+        """Add another count into this one."""
+        self.pairs += other.pairs
+        self.blocks += other.blocks
+        self.skipped += other.skipped
+        for name, n in other.kernels.items():
+            self.kernels[name] = self.kernels.get(name, 0) + n
+        self.compute_s += other.compute_s
+        self.wait_s += other.wait_s
+
+
+def visible_pairs(q_pos: torch.Tensor, k_pos: torch.Tensor) -> int:
+    """(query, key) pairs with ``0 <= k_pos <= q_pos``, summed over batch rows.
+
+    q_pos: (batch, seqlen_q), k_pos: (batch, seqlen_k) integer positions, negative = padding
+    """
+    keys = torch.where(k_pos < 0, torch.full_like(k_pos, _HIDDEN), k_pos.to(torch.int64))
+    keys = torch.sort(keys, dim=1).values.contiguous()
+    cnt = torch.searchsorted(keys, q_pos.to(torch.int64).contiguous(), right=True)
+    return int(cnt[q_pos >= 0].sum())
+
+
+
 def _agree_and_length(q, k, v, q_pos, k_pos, method: str, backend, groups: TreeGroups, stats,
-                      window=None, softcap=None, sinks=None) -> int:
+                      window=None, softcap=None, sinks=None, kernel=None) -> int:
     """This rank's checks, then one all-gather of (status, seqlen_k, *PREFILL_SIGNATURE): the CP-wide key length.
 
     Every rank sees every rank's record (``agreement.agree``), so a rank whose own inputs are
@@ -86,7 +141,8 @@ def _agree_and_length(q, k, v, q_pos, k_pos, method: str, backend, groups: TreeG
             name = None
         b, _, hq, d = q.shape
         sink = None if sinks is None else tuple(sinks.double().tolist())
-        return (b, hq, k.shape[2], d, v.shape[-1], q.dtype, method, name, window, softcap, sink)
+        return (b, hq, k.shape[2], d, v.shape[-1], q.dtype, method, name, window, softcap, sink,
+                _kernel(q, v, kernel, window, softcap))
 
     length = k.shape[1] if isinstance(k, torch.Tensor) and k.dim() == 4 else 0
     rows = agreement.agree("CP prefill", PREFILL_SIGNATURE, signature, groups.cp_group, groups.cp_ranks,
@@ -94,17 +150,52 @@ def _agree_and_length(q, k, v, q_pos, k_pos, method: str, backend, groups: TreeG
     return max(row[0] for row in rows)
 
 
-def _local(q, k, v, q_pos, k_pos, softmax_scale, backend, window=None, softcap=None):
+def _kernel(q, v, kernel, window=None, softcap=None):
+    """The local kernel a prefill of q runs: the one asked for, else the fused kernel for its device and
+    dtype; ``decode`` (the exact path) for what the fused kernels do not take: a sliding window,
+    soft-capping, or V with another head dim than K (MLA)."""
+    if kernel is not None:
+        if kernel not in fused_prefill.KERNELS:
+            raise ValueError(f"unknown prefill kernel {kernel!r}; expected one of {fused_prefill.KERNELS}")
+        return kernel
+    if window is not None or softcap is not None or v.shape[-1] != q.shape[-1]:
+        return "decode"
+    return fused_prefill.select_kernel(q.device, q.dtype, q.shape[-1])
+
+
+def _local(q, k, v, q_pos, k_pos, softmax_scale, backend, window=None, softcap=None, kernel=None, work=None):
     """Partial state of q over one KV block: out (B, Sq, Hq, Dv) float32 (float64 for float64
     input) and lse (B, Hq, Sq) float64, so that partials accumulate in full precision (a ring
-    merges them again: ``reference``'s docstring). ``window``/``softcap`` as for ``ops.flash_decode``
-    (a block with no key inside a query's window is an empty partial for it)."""
+    merges them again: ``reference``'s docstring). On the fused prefill kernels
+    (``ops.prefill_attention``); ``window``/``softcap``/MLA's V head dim on the exact decode path
+    (``ops.flash_decode`` with positions; a block with no key inside a query's window is an empty
+    partial for it)."""
+    name = _kernel(q, v, kernel, window, softcap)
+    if name != "decode" or (window is None and softcap is None and v.shape[-1] == q.shape[-1]):
+        calls = None if work is None else work.kernels
+        return ops.prefill_attention(q, k, v, q_positions=q_pos, k_positions=k_pos, softmax_scale=softmax_scale,
+                                     kernel=name, backend=backend, calls=calls)
+    if work is not None:
+        work.kernels["decode"] = work.kernels.get("decode", 0) + 1
     acc = reference.acc_dtype(q.dtype)
-    out, lse = ops.flash_decode(
+    return ops.flash_decode(
         q, k, v, softmax_scale=softmax_scale, q_positions=q_pos, k_positions=k_pos, backend=backend,
         out_dtype=acc, lse_dtype=torch.float64, window=window, softcap=softcap,
     )
-    return out, lse
+
+
+def _alone(q, k, v, q_pos, k_pos, softmax_scale, backend, window, softcap, sinks, kernel, work):
+    """Prefill without a CP group: one local call."""
+    _check(q, k, v, q_pos, k_pos, window, softcap, sinks)
+    k, v, kp = _pad_keys(k, v, k_pos, k.shape[1])
+    t0 = time.perf_counter()
+    out = _finish(*_local(q, k, v, q_pos.to(torch.int64), kp, softmax_scale, backend, window, softcap, kernel, work),
+                  q, sinks)
+    if work is not None:
+        work.blocks += 1
+        work.pairs += visible_pairs(q_pos, kp)
+        work.compute_s += time.perf_counter() - t0
+    return out
 
 
 def _finish(out, lse, q, sinks):
@@ -128,6 +219,8 @@ def ring_prefill(
     window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    kernel: str | None = None,
+    work: PrefillWork | None = None,
 ) -> torch.Tensor:
     """Causal attention of this rank's queries over all ranks' keys, KV passed around a ring.
 
@@ -141,19 +234,23 @@ def ring_prefill(
         softcap: score soft-capping; both as for ``ops.flash_decode``, the same on every rank
     sinks: (nheads_q,) one logit per query head joining the softmax once, after every block's
         merge (``reference.add_sink``); the same on every rank
+    kernel: the local kernel (``fused_prefill.KERNELS``; default ``fused_prefill.select_kernel``:
+        torch's fused CPU flash attention on CPU, flash / memory-efficient attention on CUDA; the
+        exact decode path for window, softcap or MLA); backend: the decode backend of the exact path
+    work: a :class:`PrefillWork` this call's counts are added to, or None
     returns out: (batch, seqlen_q, nheads_q, headdim_v) in q.dtype
 
-    Collectives: one all-gather of a fixed-size record (seqlen_k and the signature; see
-    the module docstring), then P-1 rounds of one batch of isend/irecv of (k, v, k_pos) to
+    Each ring step computes the current block while the next one is in flight; a block whose
+    keys are all after every query of this rank (causal: the later chunks) is skipped without
+    a kernel call or a merge. Collectives: one all-gather of a fixed-size record (seqlen_k and
+    the signature; see the module docstring), then P-1 rounds of one batch of isend/irecv of (k, v, k_pos) to
     the next/from the previous CP rank; recorded in ``stats`` (level ``"cp"``, ops
     ``all_gather`` and ``send``, one per message) when one is given.
     """
     if groups is None or groups.size == 1:
-        _check(q, k, v, q_pos, k_pos, window, softcap, sinks)
-        k, v, kp = _pad_keys(k, v, k_pos, k.shape[1])
-        return _finish(*_local(q, k, v, q_pos.to(torch.int64), kp, softmax_scale, backend, window, softcap), q, sinks)
+        return _alone(q, k, v, q_pos, k_pos, softmax_scale, backend, window, softcap, sinks, kernel, work)
     p, me = groups.size, groups.rank
-    length = _agree_and_length(q, k, v, q_pos, k_pos, "ring", backend, groups, stats, window, softcap, sinks)
+    length = _agree_and_length(q, k, v, q_pos, k_pos, "ring", backend, groups, stats, window, softcap, sinks, kernel)
     q_pos = q_pos.to(torch.int64)
     k, v, kp = _pad_keys(k, v, k_pos, length)
     nxt, prv = groups.cp_ranks[(me + 1) % p], groups.cp_ranks[(me - 1) % p]
@@ -167,15 +264,25 @@ def ring_prefill(
             incoming = tuple(torch.empty_like(t) for t in block)
             pending = collectives.p2p([(t, nxt) for t in block], [(t, prv) for t in incoming], groups.cp_group,
                                       level="cp", stats=stats, what=f"ring prefill, round {step}")
+        t0 = time.perf_counter()
         bk, bv, bp = block
-        if bp.numel() and int(bp.min()) <= q_last:  # else every key is in the future: skip
-            out, lse = _local(q, bk, bv, q_pos, bp, softmax_scale, backend, window, softcap)
+        if bp.numel() and int(bp.min()) <= q_last:
+            out, lse = _local(q, bk, bv, q_pos, bp, softmax_scale, backend, window, softcap, kernel, work)
             if acc_out is None:
                 acc_out, acc_lse = out, lse
             else:
                 acc_out, acc_lse = ops.merge_states(torch.stack([acc_out, out]), torch.stack([acc_lse, lse]))
+            if work is not None:
+                work.blocks += 1
+                work.pairs += visible_pairs(q_pos, bp)
+        elif work is not None:  # every key is in the future (or padding): skipped
+            work.skipped += 1
+        t1 = time.perf_counter()
         if pending is not None:
             pending.wait()
+        if work is not None:
+            work.compute_s += t1 - t0
+            work.wait_s += time.perf_counter() - t1
         if incoming is not None:
             block = incoming
     if acc_out is None:  # no visible key at all (e.g. only padded queries on this rank)
@@ -197,6 +304,8 @@ def allgather_prefill(
     window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    kernel: str | None = None,
+    work: PrefillWork | None = None,
 ) -> torch.Tensor:
     """Causal attention of this rank's queries over all ranks' keys, after an all-gather of KV.
 
@@ -205,10 +314,9 @@ def allgather_prefill(
     when one is given. Holds every rank's keys at once: P times ring's KV memory.
     """
     if groups is None or groups.size == 1:
-        _check(q, k, v, q_pos, k_pos, window, softcap, sinks)
-        k, v, kp = _pad_keys(k, v, k_pos, k.shape[1])
-        return _finish(*_local(q, k, v, q_pos.to(torch.int64), kp, softmax_scale, backend, window, softcap), q, sinks)
-    length = _agree_and_length(q, k, v, q_pos, k_pos, "allgather", backend, groups, stats, window, softcap, sinks)
+        return _alone(q, k, v, q_pos, k_pos, softmax_scale, backend, window, softcap, sinks, kernel, work)
+    length = _agree_and_length(q, k, v, q_pos, k_pos, "allgather", backend, groups, stats, window, softcap, sinks,
+                               kernel)
     q_pos = q_pos.to(torch.int64)
     k, v, kp = _pad_keys(k, v, k_pos, length)
     gathered = []
@@ -216,11 +324,18 @@ def allgather_prefill(
         parts = collectives.all_gather(t, groups.cp_group, level="cp", stats=stats, what="all-gather prefill")
         gathered.append(torch.cat(parts.unbind(0), dim=1))
     k_all, v_all, kp_all = gathered
-    return _finish(*_local(q, k_all, v_all, q_pos, kp_all, softmax_scale, backend, window, softcap), q, sinks)
+    t0 = time.perf_counter()
+    out = _finish(*_local(q, k_all, v_all, q_pos, kp_all, softmax_scale, backend, window, softcap, kernel, work),
+                  q, sinks)
+    if work is not None:
+        work.blocks += 1
+        work.pairs += visible_pairs(q_pos, kp_all)
+        work.compute_s += time.perf_counter() - t0
+    return out
 
 
 def cp_prefill(q, k, v, q_pos, k_pos, groups, *, method: str = "ring", softmax_scale=None, backend=None, stats=None,
-               window=None, softcap=None, sinks=None):
+               window=None, softcap=None, sinks=None, kernel=None, work=None):
     """Dispatch to :func:`ring_prefill` or :func:`allgather_prefill` by ``method`` (the same arguments)."""
     if method == "ring":
         fn = ring_prefill
@@ -229,7 +344,7 @@ def cp_prefill(q, k, v, q_pos, k_pos, groups, *, method: str = "ring", softmax_s
     else:
         raise ValueError(f"unknown prefill method {method!r}; expected one of {PREFILL_METHODS}")
     return fn(q, k, v, q_pos, k_pos, groups, softmax_scale=softmax_scale, backend=backend, stats=stats,
-              window=window, softcap=softcap, sinks=sinks)
+              window=window, softcap=softcap, sinks=sinks, kernel=kernel, work=work)
 
 
 # --------------------------------------------------------------------------- prefill logits

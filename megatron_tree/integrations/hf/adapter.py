@@ -135,7 +135,7 @@ def load_hf_model(path, groups: TreeGroups | None, dtype: torch.dtype = torch.fl
 
     path: a directory with ``config.json`` and safetensors weights (any architecture
         transformers knows whose attention goes through its AttentionInterface)
-    enable_kwargs: ``strategy``, ``prefill``, ``layout``, ``block_size``, ``stats`` of
+    enable_kwargs: ``strategy``, ``prefill``, ``layout``, ``block_size``, ``stats``, ``work`` of
         :func:`enable_tree_attention`
     Every CP rank loads the full weights. Returns an :class:`HFTreeModel` (``.hf`` is the
     transformers model, in eval mode).

@@ -60,9 +60,9 @@ def tree_attention_forward(module, query, key, value, attention_mask, scaling=No
     q = query.transpose(1, 2)  # (b, q_len, hq, d)
     k, v = key.transpose(1, 2), value.transpose(1, 2)
     if cache._phase == "prefill":
-        pos = cache._local_positions.to(q.device)
-        out = cp_prefill(q, k, v, pos, pos, binding.groups, method=binding.prefill, softmax_scale=scaling,
-                         stats=binding.stats, **variants)
+        qpos, kpos = cache._q_positions.to(q.device), cache._k_positions.to(q.device)
+        out = cp_prefill(q, k, v, qpos, kpos, binding.groups, method=binding.prefill, softmax_scale=scaling,
+                         stats=binding.stats, work=binding.work, **variants)
     else:  # the one attention call of every integration: the decode loop's step (or a plain one)
         step = binding.step if binding.step is not None else DecodeStep(binding.strategy, binding.stats)
         if window is not None:  # a window bounds global positions: the new tokens' and the shard's

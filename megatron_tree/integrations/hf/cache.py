@@ -115,6 +115,9 @@ class TreeCache(Cache):
         self._steps = 0
         self._phase: str | None = None
         self._local_positions: torch.Tensor | None = None
+        self._q_positions = self._k_positions = self._window_slots = None
+        self._kv_end: int | None = None
+        self._prefill_chunk: int | None = None
         self._slots: torch.Tensor | None = None
         self._decode_positions: torch.Tensor | None = None
         self._written: set[int] = set()
@@ -224,26 +227,52 @@ class TreeCache(Cache):
             )
         return need
 
-    def _begin_prefill(self, lengths: list[int], padded: int) -> torch.Tensor:
-        """Place the prompts; returns (batch, W) global (unpadded) positions of this rank's tokens, -1 = filler."""
+    def _begin_prefill(self, lengths: list[int], padded: int, chunk: int | None = None) -> torch.Tensor:
+        """Place the prompts; returns (batch, W) global (unpadded) positions of this rank's tokens, -1 = filler.
+
+        chunk: the most prompt tokens per forward (chunked prefill: :meth:`_begin_window` then runs
+        each window's forward), or None (one forward over every token)."""
         need = self._check_prefill(lengths)
         self.storage = self._allocate(len(lengths), need)
         self._nominal = need
-        local = self.storage.start_prefill(lengths)
+        local = self.storage.start_prefill(lengths, chunk)
         self._prompt_lengths = list(lengths)
+        self._prefill_chunk = chunk
         self._steps = 0
         self._padded_next = padded
         self._phase = "prefill"
         self._local_positions = local
+        self._q_positions = self._k_positions = local
+        self._window_slots = None
+        self._kv_end = None
         self._written = set()
         return local
+
+    def _begin_window(self, q_slots: torch.Tensor, kv_end: int, last: bool, padded: int) -> torch.Tensor:
+        """Start the forward of one window of a chunked prefill; returns its queries' global positions.
+
+        q_slots: (batch, S) this rank's storage slots of the window's tokens, -1 = filler; the
+        window's keys/values are written there, and its attention reads slots ``[0, kv_end)`` (every
+        earlier window's tokens; the later windows' slots in that range hold positions after every
+        query of this window, so the causal mask hides them). ``last``: the window ends the prompt
+        (the global length transformers sees becomes ``padded`` only then).
+        """
+        local = self._local_positions
+        self._window_slots = q_slots
+        self._q_positions = torch.where(q_slots >= 0, local.gather(1, q_slots.clamp(min=0)), -1)
+        self._k_positions = self.storage.positions[:, :kv_end]
+        self._kv_end = kv_end
+        self._padded_next = padded if last else 0
+        self._phase = "prefill"
+        self._written = set()
+        return self._q_positions
 
     def _reshape(self, heads: int, head_dim: int, head_dim_v: int) -> None:
         """Re-make the (still empty) storage for the shapes the layers store; the placement is replayed."""
         self.num_kv_heads, self.head_dim, self.head_dim_v = heads, head_dim, head_dim_v
         old = self.storage
         self.storage = self._allocate(old.batch_size, self._nominal)
-        local = self.storage.start_prefill(self._prompt_lengths)
+        local = self.storage.start_prefill(self._prompt_lengths, self._prefill_chunk)
         if not torch.equal(local.to(self._local_positions.device), self._local_positions):
             raise RuntimeError("TreeCache: replaying the prompt's placement gave other positions")  # a bug
 
@@ -251,7 +280,7 @@ class TreeCache(Cache):
         """Double the storage: replay the placement in a larger cache and copy this rank's tokens."""
         old = self.storage
         new = self._allocate(old.batch_size, 2 * self._nominal)
-        new.start_prefill(self._prompt_lengths)
+        new.start_prefill(self._prompt_lengths, self._prefill_chunk)
         for _ in range(self._steps):
             new.begin_decode_step()
         if new.shard_lengths != old.shard_lengths or not torch.equal(new.seqlens, old.seqlens):
@@ -310,7 +339,8 @@ class TreeCache(Cache):
         """Store this rank's new keys/values of one layer; return what the attention function reads.
 
         key_states, value_states: (batch, num_kv_heads, q_len, head_dim[_v]), transformers' layout.
-        Prefill returns them unchanged (this rank's chunk); decode returns this rank's whole
+        Prefill returns them unchanged (this rank's chunk), a window of a chunked prefill this
+        rank's stored keys up to the window's end; decode returns this rank's whole
         shard of the layer, (batch, num_kv_heads, n, head_dim) views, valid up to
         ``storage.seqlens`` per row.
         """
@@ -334,6 +364,11 @@ class TreeCache(Cache):
             )
         self._written.add(layer_idx)
         k, v = key_states.transpose(1, 2), value_states.transpose(1, 2)  # (b, s, h, d)
+        if self._phase == "prefill" and self._window_slots is not None:  # one window of a chunked prefill
+            self.storage.write_prefill_slots(layer_idx, k, v, self._window_slots)
+            end = self._kv_end
+            ks, vs = self.storage.k[layer_idx, :, :end], self.storage.v[layer_idx, :, :end]
+            return ks.transpose(1, 2), vs.transpose(1, 2)
         if self._phase == "prefill":
             self.storage.write_prefill(layer_idx, k, v)
             return key_states, value_states

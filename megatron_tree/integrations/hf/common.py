@@ -75,6 +75,10 @@ class _Binding:
     """The cache of the forward in progress (set by the forward wrapper, read by the attention function)."""
     new_tokens_hint: int | None = None
     """Tokens ``generate`` may append (sizes a cache it creates); set only while ``generate`` runs."""
+    max_prefill_tokens: int | None = None
+    """Most prompt tokens one forward computes (chunked prefill, in windows; ``forward.prefill_chunk``), or None."""
+    work: object = None
+    """A ``decode.prefill.PrefillWork`` every layer's prefill attention adds its counts to, or None."""
     settings_hint: tuple | None = None
     """``generate``'s sampling and stop settings (:func:`_generation_settings`), compared across CP ranks
     at the prefill; set only while ``generate`` runs."""

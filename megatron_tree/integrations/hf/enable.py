@@ -15,7 +15,7 @@ import transformers
 from ...collectives import CommStats
 from ...comm import STRATEGIES
 from ...decode.cache import LAYOUTS
-from ...decode.prefill import PREFILL_METHODS
+from ...decode.prefill import PREFILL_METHODS, PrefillWork
 from ...topology import TreeGroups
 
 
@@ -128,7 +128,8 @@ def check_model(model) -> None:
 
 
 def enable_tree_attention(model, groups: TreeGroups | None, *, strategy: str = "auto", prefill: str = "ring",
-                          layout: str = "load_balanced", block_size: int = 16, stats: CommStats | None = None):
+                          layout: str = "load_balanced", block_size: int = 16, stats: CommStats | None = None,
+                          work: PrefillWork | None = None, max_prefill_tokens: int | None = None):
     """Make ``model`` (a transformers causal LM) run CP-sharded over ``groups``; returns the same model.
 
     Every CP rank calls this on its own replica (same weights) and then runs the same
@@ -141,6 +142,12 @@ def enable_tree_attention(model, groups: TreeGroups | None, *, strategy: str = "
     prefill: ``"ring"`` or ``"allgather"`` CP attention over the prompt chunks
     layout, block_size: placement of the prompt and of decoded tokens (``cache.CacheConfig``)
     stats: a :class:`~megatron_tree.CommStats` that records every collective of the forwards
+    max_prefill_tokens: the most prompt tokens one forward computes (all CP ranks together); a longer
+        prompt is prefilled in windows of that many tokens (rounded down to a multiple of 2 x CP),
+        one forward each over the cache so far, each window load-balanced on its own: exact, and
+        the memory of a forward is bounded by the window (None: one forward over the whole prompt)
+    work: a :class:`~megatron_tree.decode.prefill.PrefillWork` that counts this rank's prefill
+        attention (visible pairs, blocks attended and skipped, kernel launches, un-hidden ring wait)
 
     Raises :class:`UnsupportedModelError`, before any collective, for a model it cannot run
     exactly: attention modules whose code does not go through ``AttentionInterface``,
@@ -155,6 +162,9 @@ def enable_tree_attention(model, groups: TreeGroups | None, *, strategy: str = "
         raise ValueError(f"unknown prefill method {prefill!r}; expected one of {PREFILL_METHODS}")
     if layout not in LAYOUTS:
         raise ValueError(f"unknown cache layout {layout!r}; expected one of {LAYOUTS}")
+    if max_prefill_tokens is not None and (not isinstance(max_prefill_tokens, int) or isinstance(max_prefill_tokens, bool)
+                                           or max_prefill_tokens < 1):
+        raise ValueError(f"max_prefill_tokens must be a positive integer or None, got {max_prefill_tokens!r}")
     if groups is not None and not isinstance(groups, TreeGroups):
         raise TypeError(f"groups must be a TreeGroups or None, got {type(groups).__name__}")
     existing = getattr(model, _MARK, None)
@@ -164,7 +174,8 @@ def enable_tree_attention(model, groups: TreeGroups | None, *, strategy: str = "
                 f"model already runs tree attention over {_describe(existing.groups)}; call disable_tree_attention "
                 "before enabling it on another group"
             )
-        existing.strategy, existing.prefill, existing.stats = strategy, prefill, stats
+        existing.strategy, existing.prefill, existing.stats, existing.work = strategy, prefill, stats, work
+        existing.max_prefill_tokens = max_prefill_tokens
         existing.layout, existing.block_size = layout, block_size
         return model
     _check_model(model)
@@ -178,6 +189,7 @@ def enable_tree_attention(model, groups: TreeGroups | None, *, strategy: str = "
     forward_params = inspect.signature(model.forward).parameters
     binding = _Binding(
         groups=groups, strategy=strategy, prefill=prefill, layout=layout, block_size=block_size, stats=stats,
+        work=work, max_prefill_tokens=max_prefill_tokens,
         num_layers=int(cfg.num_hidden_layers), windows=_layer_windows(cfg, type(model).__name__),
         rotary=_rotary_modules(model),
         cache_kwarg="cache" if "cache" in forward_params else "past_key_values",

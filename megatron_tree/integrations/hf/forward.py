@@ -209,6 +209,15 @@ def _prefill(model, orig, binding: _Binding, cache: TreeCache, call: dict, batch
             raise NotImplementedError(
                 f"position_ids of shape {tuple(pos.shape)} are not supported; expected (batch, seq) or (1, seq)"
             )
+        window = getattr(cfg, "max_position_embeddings", None)
+        rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+        if rope.get("rope_type", rope.get("type")) == "dynamic":  # dynamic NTK RoPE is built to run past it
+            window = None
+        if window is not None and max(lengths) > window:
+            raise ValueError(
+                f"a prompt has {max(lengths)} tokens, more than the model's window (max_position_embeddings = "
+                f"{window}); shorten it or use a model configured for longer contexts (nothing is truncated)"
+            )
         cache._check_prefill(lengths)
         # Which padded positions' logits to return.
         if isinstance(ltk, int):
@@ -219,42 +228,88 @@ def _prefill(model, orig, binding: _Binding, cache: TreeCache, call: dict, batch
         return (batch, seq, _checksum(ids), _checksum(embeds), _checksum(mask), _checksum(pos.expand(batch, seq)),
                 _checksum(wanted),
                 binding.strategy, binding.prefill, binding.layout, binding.block_size, binding.new_tokens_hint,
-                *(getattr(cfg, n, None) for n in _WIDTHS),
+                binding.max_prefill_tokens, *(getattr(cfg, n, None) for n in _WIDTHS),
                 *(binding.settings_hint or (None,) * len(_SETTINGS)))
 
     # The model's shape too: replicas whose attention shapes agree but whose widths do not would pass every
     # collective of the forward (chunks' keys, the logits' SUM) and return a mixture of two models.
     cfg = _text_config(model.config)
     names = ("batch", "seq", "input_ids", "inputs_embeds", "attention_mask", "position_ids", "logits_wanted",
-             "strategy", "prefill", "layout", "block_size", "max_new_tokens", *_WIDTHS, *_SETTINGS)
+             "strategy", "prefill", "layout", "block_size", "max_new_tokens", "max_prefill_tokens", *_WIDTHS,
+             *_SETTINGS)
     g = binding.groups
     group, ranks = (None, ()) if g is None else (g.cp_group, g.cp_ranks)
     agreement.agree("hf.prefill", names, signature, group, ranks, stats=binding.stats,
                     device=None if g is None else _comm_device(g, device))
     lengths, pos_ids, wanted = checked["lengths"], checked["pos_ids"], checked["wanted"]
-    local = cache._begin_prefill(lengths, seq).to(device)  # (B, W) unpadded positions, -1 = filler
+    chunk = prefill_chunk(binding.max_prefill_tokens, binding.cp_size)
+    local = cache._begin_prefill(lengths, seq, chunk).to(device)  # (B, W) unpadded positions, -1 = filler
     pad = seq - torch.as_tensor(lengths, device=device)
-    idx = pad[:, None] + local.clamp(min=0)  # index into the padded row
-    if ids is not None:
-        call["input_ids"] = ids.gather(1, idx)
-    else:
-        call["inputs_embeds"] = embeds.gather(1, idx[..., None].expand(-1, -1, embeds.shape[-1]))
-    call["position_ids"] = pos_ids.gather(1, idx)
-    call["attention_mask"] = None
-
-    # Which of the wanted positions this rank holds: the model computes logits only there.
     compact = wanted[None, :] - pad[:, None]  # (B, K) unpadded position, < 0 for a pad
-    needed = ((local[:, :, None] == compact[:, None, :]) & (compact[:, None, :] >= 0)).any(dim=2).any(dim=0)
-    local_pos = local
-    if binding.accepts_logits_to_keep:
-        rows_local = needed.nonzero().flatten()  # local slots some row needs
-        call["logits_to_keep"] = rows_local
-        local_pos = local[:, rows_local]
-    with _rope_sees(binding.rotary, pos_ids.max()):
-        out = _run(orig, binding, cache, call)
-    logits = out.logits  # (B, |rows_local| or W, V)
+    if chunk is None or max(lengths) <= chunk:
+        windows = [None]
+    else:
+        windows = _windows(local, chunk, -(-max(lengths) // chunk))
+    inputs = {name: call.get(name) for name in ("input_ids", "inputs_embeds")}
+    parts, part_pos = [], []
+    for w, window in enumerate(windows):
+        if window is None:
+            qpos = local
+        else:
+            slots, kv_end = window
+            qpos = cache._begin_window(slots, kv_end, last=w == len(windows) - 1, padded=seq)
+        idx = pad[:, None] + qpos.clamp(min=0)  # index into the padded row
+        if inputs["input_ids"] is not None:
+            call["input_ids"] = inputs["input_ids"].gather(1, idx)
+        else:
+            emb = inputs["inputs_embeds"]
+            call["inputs_embeds"] = emb.gather(1, idx[..., None].expand(-1, -1, emb.shape[-1]))
+        call["position_ids"] = pos_ids.gather(1, idx)
+        call["attention_mask"] = None
+        # Which of the wanted positions this rank holds: the model computes logits only there.
+        needed = ((qpos[:, :, None] == compact[:, None, :]) & (compact[:, None, :] >= 0)).any(dim=2).any(dim=0)
+        local_pos = qpos
+        if binding.accepts_logits_to_keep:
+            rows_local = needed.nonzero().flatten()  # local slots some row needs
+            call["logits_to_keep"] = rows_local
+            local_pos = qpos[:, rows_local]
+        with _rope_sees(binding.rotary, pos_ids.max()):
+            out = _run(orig, binding, cache, call)
+        parts.append(out.logits)  # (B, |rows_local| or W, V)
+        part_pos.append(local_pos)
+    logits = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+    local_pos = part_pos[0] if len(part_pos) == 1 else torch.cat(part_pos, dim=1)
     out.logits = assemble_logits(logits, local_pos, compact, g, stats=binding.stats,
                                  device=None if g is None else _comm_device(g, device)).to(logits.dtype)
+    return out
+
+
+def prefill_chunk(max_prefill_tokens: int | None, cp_size: int) -> int | None:
+    """The window a chunked prefill runs per forward: ``max_prefill_tokens`` rounded down to a multiple
+    of ``2 * cp_size`` (so every window's load-balanced chunks are equal and no rank holds more than
+    its share), or as it is when smaller than that; None: no chunking."""
+    if max_prefill_tokens is None:
+        return None
+    unit = 2 * cp_size
+    return max_prefill_tokens if max_prefill_tokens < unit else max_prefill_tokens - max_prefill_tokens % unit
+
+
+def _windows(local: torch.Tensor, chunk: int, count: int) -> list:
+    """Per window of a chunked prefill: this rank's storage slots of its tokens (B, S), -1 = filler, and
+    the slot end its attention reads. local: (B, W) positions in slot order (ascending), -1 = filler.
+
+    A window's tokens are consecutive slots of each row (the layout keeps positions ascending); S is
+    at least 1 so that every rank runs every window's forward (its collectives), with fillers."""
+    valid = local >= 0
+    out = []
+    for w in range(count):
+        lo, hi = w * chunk, (w + 1) * chunk
+        start = (valid & (local < lo)).sum(dim=1)  # (B,) first slot of the window
+        n = (valid & (local >= lo) & (local < hi)).sum(dim=1)
+        width = max(1, int(n.max()))
+        j = torch.arange(width, device=local.device)[None, :]
+        slots = torch.where(j < n[:, None], start[:, None] + j, -1)
+        out.append((slots, max(1, int((start + n).max()))))
     return out
 
 
