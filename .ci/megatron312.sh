@@ -7,15 +7,17 @@
 # so the shared Python 3.11 install is never re-pointed).
 #   MEGATRON312_PYTHON  interpreter to build the venv with (default: python3.12, else pyenv's 3.12.1)
 #   MEGATRON312_TESTS   test files to run (default below)
+#   MEGATRON312_SETUP_ONLY=1  build/check the environment and stop (.ci/run builds it beside the main suite)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VENV=${MEGATRON312_VENV:-/work/venv312}
+VENV=${MEGATRON312_VENV:-$HOME/.cache/megatron_tree/venv312}
 TESTS=${MEGATRON312_TESTS:-tests/test_megatron_slots.py tests/test_megatron_rollout.py tests/test_megatron_eval.py}
 if [ ! -x "$VENV/bin/python" ]; then
     PY=${MEGATRON312_PYTHON:-python3.12}
     if ! $PY -V >/dev/null 2>&1; then
         PY="env PYENV_VERSION=3.12.1 python"  # this machine kind: Python 3.12 through pyenv
     fi
+    mkdir -p "$(dirname "$VENV")"
     $PY -m venv "$VENV"
 fi
 if ! "$VENV/bin/python" -c "import megatron.core, torch, pytest_timeout, tqdm, einops, matplotlib, psutil" 2>/dev/null; then
@@ -28,4 +30,7 @@ assert sys.version_info[:2] >= (3, 12), sys.version
 assert package_info.__version__.startswith("0.19."), package_info.__version__
 print(f"python {sys.version.split()[0]}, megatron-core {package_info.__version__}")
 PY
+if [ "${MEGATRON312_SETUP_ONLY:-0}" = 1 ]; then
+    exit 0
+fi
 PYTHONPATH=$PWD "$VENV/bin/python" -m pytest $TESTS -q -W ignore::UserWarning
