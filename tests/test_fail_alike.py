@@ -394,7 +394,8 @@ def _dcp_checkpoint(path, *, untie=True):
 
     import torch.distributed.checkpoint as dcp
 
-    from megatron_tree.integrations.megatron.model import GPTShape, expected_tensor_shapes
+    from megatron_tree.integrations.megatron.checkpoint import expected_tensor_shapes
+    from megatron_tree.integrations.megatron.model import GPTShape
 
     dims = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                 num_key_value_heads=1, max_position_embeddings=128)
@@ -411,7 +412,8 @@ def _dcp_checkpoint(path, *, untie=True):
 
 
 def test_megatron_checkpoint_files_are_checked_before_any_collective(tmp_path):
-    from megatron_tree.integrations.megatron.model import CheckpointError, GPTShape, check_checkpoint
+    from megatron_tree.integrations.megatron.checkpoint import CheckpointError, check_checkpoint
+    from megatron_tree.integrations.megatron.model import GPTShape
 
     ckpt = tmp_path / "iter_0000004"
     ckpt.mkdir()

@@ -278,6 +278,7 @@ def decode_without_host_sync() -> dict:
     from megatron.core import parallel_state
 
     from megatron_tree.integrations import megatron as mt
+    from megatron_tree.integrations.megatron import checkpoint as mc
     from megatron_tree.integrations.megatron import model as mm
     from megatron_tree.sync_guard import HostSyncError, no_host_sync
 
@@ -287,7 +288,7 @@ def decode_without_host_sync() -> dict:
                         initializer_range=0.2)
     src = mm.build_gpt(shape, tree=False, pg_collection=mm.single_rank_groups(), seed=5)
     model = mm.build_gpt(shape, tree=True, cp=4, hierarchical=[2, 2], seed=5)
-    mm.fill_from_global(model, mm.global_tensors(src))
+    mc.fill_from_global(model, mc.global_tensors(src))
     lm = mm.MegatronLM(model, mt.tree_groups_from_megatron(model.pg_collection), shape)
     seqs = [[3, 1, 4, 1, 5, 9, 2], [6, 5]]
     cache = lm.new_cache(len(seqs), 32, block_size=2)
@@ -324,6 +325,7 @@ def mixed_length_batch(rank) -> dict:
 
     from megatron_tree.decode.generate import generate
     from megatron_tree.integrations import megatron as mt
+    from megatron_tree.integrations.megatron import checkpoint as mc
     from megatron_tree.integrations.megatron import model as mm
     from megatron_ckpt import engine_generate
 
@@ -334,7 +336,7 @@ def mixed_length_batch(rank) -> dict:
     single = mm.single_rank_groups()
     src = mm.build_gpt(shape, tree=False, pg_collection=single, seed=3)  # Megatron's own attention, CP = 1
     model = mm.build_gpt(shape, tree=True, cp=4, hierarchical=[2, 2], seed=3)
-    mm.fill_from_global(model, mm.global_tensors(src))
+    mc.fill_from_global(model, mc.global_tensors(src))
     lm = mm.MegatronLM(model, mt.tree_groups_from_megatron(model.pg_collection), shape)
     seen = []
 
@@ -639,7 +641,8 @@ def test_check_checkpoint_refuses_tensors_the_config_would_drop(tmp_path):
 
     import torch.distributed.checkpoint as dcp
 
-    from megatron_tree.integrations.megatron.model import CheckpointError, GPTShape, check_checkpoint, expected_tensor_shapes
+    from megatron_tree.integrations.megatron.checkpoint import CheckpointError, check_checkpoint, expected_tensor_shapes
+    from megatron_tree.integrations.megatron.model import GPTShape
 
     dims = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                 num_key_value_heads=1, max_position_embeddings=128)

@@ -211,6 +211,7 @@ def _build_megatron(m: ModelConfig, topo: TopologyConfig, *, cp_size, rank, devi
     import torch.distributed as dist
 
     from ..integrations import megatron as mtm
+    from ..integrations.megatron import checkpoint as mc
     from ..integrations.megatron import model as mm
     from ..topology import launcher_local_size
 
@@ -235,14 +236,14 @@ def _build_megatron(m: ModelConfig, topo: TopologyConfig, *, cp_size, rank, devi
         # Random weights: a seeded TP = 1 model on every rank is the source of truth; the run's
         # model takes its shards from it, rank 0 keeps it as the reference.
         src = mm.build_gpt(shape, tree=False, dtype=dtype, pg_collection=single, seed=m.seed)
-        mm.fill_from_global(model, mm.global_tensors(src))
+        mc.fill_from_global(model, mc.global_tensors(src))
         if not (want_reference and rank == 0):
             src = None
     else:
-        mm.load_checkpoint(model, checkpoint.dist_dir)
+        mc.load_checkpoint(model, checkpoint.dist_dir)
         if want_reference and rank == 0:
             src = mm.build_gpt(shape, tree=False, dtype=dtype, pg_collection=single, seed=m.seed)
-            mm.fill_from_global(src, mm.read_global_tensors(checkpoint.dist_dir, mm.expected_tensor_shapes(shape), dtype))
+            mc.fill_from_global(src, mc.read_global_tensors(checkpoint.dist_dir, mc.expected_tensor_shapes(shape), dtype))
     model = model.to(device)
     lm = mm.MegatronLM(model, groups, shape, tp_size=tp)
     ref = mm.MegatronReference(src.to(device)) if src is not None else None

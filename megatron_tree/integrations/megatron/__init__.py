@@ -4,7 +4,7 @@ Importing this package imports megatron-core (0.16.1 on Python 3.11, 0.19.x on P
 :mod:`.version`). Re-exported here: the groups (:mod:`.groups`), the attention slots
 (:mod:`.attention`) and the static engine's pieces (:mod:`.static`). The dynamic engine lives in
 :mod:`.dynamic`, 0.19's ``MegatronLLM`` in :mod:`.llm`, model building and checkpoints in
-:mod:`.model`, the source patches for models without the module slot in :mod:`.patches`, the CPU
+:mod:`.model` and :mod:`.checkpoint`, the source patches for models without the module slot in :mod:`.patches`, the CPU
 shim in :mod:`.cpu`.
 """
 
