@@ -301,15 +301,20 @@ def test_broken_checkpoints_are_clear_errors(tmp_path, clean_env, capsys):
     err = capsys.readouterr().err
     assert f"{tmp_path / 'model.safetensors'} is truncated" in err, err
     assert not torch.distributed.is_initialized()
-    # A readable checkpoint of an architecture tree attention cannot run exactly (Mistral's
-    # default 4096-token sliding window): refused before any process group, as one line (no
-    # traceback) and exit status 2. (What the loader refuses after the group exists -- weights
-    # that are not the class's -- is test_transformers_checkpoints_that_cannot_run_are_clear_errors.)
+    # Readable weights, none of them the model's: refused before any process group (transformers
+    # would otherwise build config.json's model with random weights -- a 7B one for a bare config).
     save_file({"w": torch.zeros(64, 64)}, str(tmp_path / "model.safetensors"))
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["MistralForCausalLM"], "model_type": "mistral"}))
     assert E.main(args) == 2
     err = capsys.readouterr().err
-    assert "error:" in err and "unsupported architecture" in err and "sliding_window=4096" in err, err
+    assert "none of the checkpoint's 1 tensors is a weight of LlamaForCausalLM" in err, err
+    # A readable checkpoint of an architecture tree attention cannot run exactly (Bloom's ALiBi
+    # attention bypasses transformers' attention interface): refused before any process group, as
+    # one line (no traceback) and exit status 2. (What the loader refuses after the group exists --
+    # weights that are not the class's -- is test_transformers_checkpoints_that_cannot_run_are_clear_errors.)
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["BloomForCausalLM"], "model_type": "bloom"}))
+    assert E.main(args) == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and "unsupported architecture" in err and "BloomForCausalLM does not route" in err, err
     assert "Traceback" not in err
     assert not torch.distributed.is_initialized()
 
@@ -338,13 +343,14 @@ def test_transformers_checkpoints_that_cannot_run_are_clear_errors(tmp_path, cle
             "no causal-LM class")
     tiny = dict(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
                 num_key_value_heads=1, max_position_embeddings=64)
-    refused(tf.MistralConfig(**tiny, sliding_window=32).to_dict(),
-            "unsupported architecture: " + str(tmp_path / "config.json") + ": MistralForCausalLM's config sets "
-            "sliding_window=32")
+    refused(tf.BloomConfig(vocab_size=16, hidden_size=8, n_layer=1, n_head=2).to_dict(),
+            "unsupported architecture: " + str(tmp_path / "config.json") + ": BloomForCausalLM does not route its "
+            "attention through transformers' AttentionInterface")
     # A supported class whose weights are not in the files: transformers would fill them randomly.
     refused(tf.Qwen3Config(**tiny, head_dim=4).to_dict(),
-            f"model.path: the *.safetensors in '{tmp_path}' do not hold Qwen3ForCausalLM's weights", before_group=False)
+            "model.path: none of the checkpoint's 1 tensors is a weight of Qwen3ForCausalLM")
     # and the context must fit the checkpoint's positions (its config.json, not model.*)
+    tf.Qwen3ForCausalLM(tf.Qwen3Config(**tiny, head_dim=4)).save_pretrained(tmp_path)
     refused(tf.Qwen3Config(**tiny, head_dim=4).to_dict() | {"max_position_embeddings": 16},
             "the model has max_position_embeddings 16")
 

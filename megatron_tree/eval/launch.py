@@ -189,23 +189,26 @@ def check_safetensors(file: str) -> dict:
     return header
 
 
-def _check_shapes_against_config(model, shapes: dict, file: str) -> None:
+def _check_shapes_against_config(model, shapes: dict, file: str) -> int:
     """Every tensor the checkpoint holds under one of ``model``'s parameter names has that parameter's
-    shape (``model``: built from config.json on the meta device; shapes: name -> (shape, file))."""
+    shape (``model``: built from config.json on the meta device; shapes: name -> (shape, file)).
+    Returns how many of the checkpoint's tensors are ``model``'s."""
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     prefix = getattr(model, "base_model_prefix", "") or ""
-    wrong = []
+    wrong, matched = [], 0
     for name, (shape, where) in sorted(shapes.items()):
         want = expected.get(name)
         if want is None and prefix:  # a base model's checkpoint loaded into its causal-LM class
             want = expected.get(f"{prefix}.{name}")
         if want is not None and tuple(shape) != want:
             wrong.append(f"{name} is {list(shape)} in {os.path.basename(where)}, config.json gives {list(want)}")
+        matched += want is not None
     if wrong:
         raise ConfigError(
             f"model.path: the tensors disagree with {file} ({len(wrong)} of other shapes): " + "; ".join(wrong[:4])
             + ("; ..." if len(wrong) > 4 else "") + ". The weights and config.json are from different models"
         )
+    return matched
 
 
 def _check_output_dir(output_dir: str) -> None:
@@ -261,11 +264,17 @@ def check_transformers_checkpoint(path: str, shapes: dict | None = None) -> int:
     except Exception as e:  # noqa: BLE001 -- a config transformers parsed but cannot build a model of
         raise ConfigError(f"model.path: transformers cannot build {cls.__name__} from {file}: "
                           f"{type(e).__name__}: {e}") from None
-    _check_shapes_against_config(model, shapes or {}, file)
+    matched = _check_shapes_against_config(model, shapes or {}, file)
     try:
         hf.check_model(model)
     except hf.UnsupportedModelError as e:
         raise ConfigError(f"model.path: unsupported architecture: {file}: {e}") from None
+    if shapes and not matched:  # else transformers would build config.json's model, randomly initialised
+        raise ConfigError(
+            f"model.path: none of the checkpoint's {len(shapes)} tensors is a weight of {cls.__name__} as {file} "
+            f"describes it (the checkpoint holds {', '.join(sorted(shapes)[:3])}{', ...' if len(shapes) > 3 else ''}; "
+            f"the model's weights are named like {next(iter(model.state_dict()))})"
+        )
     text = getattr(cfg, "get_text_config", lambda **_: cfg)(decoder=True)
     return int(getattr(text, "max_position_embeddings", None) or 2**31 - 1)
 
@@ -273,7 +282,7 @@ def check_transformers_checkpoint(path: str, shapes: dict | None = None) -> int:
 def check_model(m: ModelConfig):
     """The model's files, checked before launch: ``(checkpoint, max_position_embeddings)``.
 
-    checkpoint: the Megatron checkpoint's :class:`~megatron_tree.integrations.megatron_model.CheckpointInfo`
+    checkpoint: the Megatron checkpoint's :class:`~megatron_tree.integrations.megatron.checkpoint.CheckpointInfo`
     (``None`` for other sources or random weights).
     """
     max_pos = m.max_position_embeddings
@@ -289,7 +298,7 @@ def check_model(m: ModelConfig):
                            if k != "__metadata__" and isinstance(v, dict)})
         max_pos = check_transformers_checkpoint(m.path, shapes)
     elif m.source == "megatron" and m.path is not None:
-        from ..integrations.megatron.model import check_checkpoint
+        from ..integrations.megatron.checkpoint import check_checkpoint
         from .models import gpt_shape
 
         checkpoint = check_checkpoint(m.path, gpt_shape(m))
@@ -299,7 +308,7 @@ def check_model(m: ModelConfig):
 def check_inputs(cfg: RunConfig):
     """Files the run needs (checkpoint, tokenizer, text file, ds_config, output_dir), checked before launch.
 
-    Returns the Megatron checkpoint's :class:`~megatron_tree.integrations.megatron_model.CheckpointInfo`
+    Returns the Megatron checkpoint's :class:`~megatron_tree.integrations.megatron.checkpoint.CheckpointInfo`
     (``None`` for other sources or random weights).
     """
     m, ev = cfg.model, cfg.eval
@@ -524,7 +533,7 @@ def is_user_error(e: BaseException) -> bool:
 
     # Loaded only by the sources that raise them: model.source hf / random, megatron.
     hf = sys.modules.get("megatron_tree.integrations.hf")
-    megatron = sys.modules.get("megatron_tree.integrations.megatron.model")
+    megatron = sys.modules.get("megatron_tree.integrations.megatron.checkpoint")
     extra = ((hf.UnsupportedModelError,) if hf is not None else ()) + \
         ((megatron.CheckpointError,) if megatron is not None else ())
     return isinstance(e, (ConfigError, TopologyError, *extra))
