@@ -188,12 +188,17 @@ def _alone(q, k, v, q_pos, k_pos, softmax_scale, backend, window, softcap, sinks
     """Prefill without a CP group: one local call."""
     _check(q, k, v, q_pos, k_pos, window, softcap, sinks)
     k, v, kp = _pad_keys(k, v, k_pos, k.shape[1])
+    return _one_block(q, k, v, q_pos.to(torch.int64), kp, softmax_scale, backend, window, softcap, sinks, kernel,
+                      work)
+
+
+def _one_block(q, k, v, q_pos, k_pos, softmax_scale, backend, window, softcap, sinks, kernel, work):
+    """The queries over one block holding every key they see (no merge), counted in ``work``."""
     t0 = time.perf_counter()
-    out = _finish(*_local(q, k, v, q_pos.to(torch.int64), kp, softmax_scale, backend, window, softcap, kernel, work),
-                  q, sinks)
+    out = _finish(*_local(q, k, v, q_pos, k_pos, softmax_scale, backend, window, softcap, kernel, work), q, sinks)
     if work is not None:
         work.blocks += 1
-        work.pairs += visible_pairs(q_pos, kp)
+        work.pairs += visible_pairs(q_pos, k_pos)
         work.compute_s += time.perf_counter() - t0
     return out
 
@@ -324,14 +329,7 @@ def allgather_prefill(
         parts = collectives.all_gather(t, groups.cp_group, level="cp", stats=stats, what="all-gather prefill")
         gathered.append(torch.cat(parts.unbind(0), dim=1))
     k_all, v_all, kp_all = gathered
-    t0 = time.perf_counter()
-    out = _finish(*_local(q, k_all, v_all, q_pos, kp_all, softmax_scale, backend, window, softcap, kernel, work),
-                  q, sinks)
-    if work is not None:
-        work.blocks += 1
-        work.pairs += visible_pairs(q_pos, kp_all)
-        work.compute_s += time.perf_counter() - t0
-    return out
+    return _one_block(q, k_all, v_all, q_pos, kp_all, softmax_scale, backend, window, softcap, sinks, kernel, work)
 
 
 def cp_prefill(q, k, v, q_pos, k_pos, groups, *, method: str = "ring", softmax_scale=None, backend=None, stats=None,
