@@ -22,6 +22,8 @@ import time
 
 import pytest
 
+from launching import free_port, launch_env, run, train_checkpoint
+
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAKE_SLURM = os.path.join(ROOT, "tests", "fake_slurm")
@@ -38,23 +40,6 @@ SHORT = [5, 17, 3]
 MEGATRON_REFERENCE = "Megatron-Core GPTModel at CP=1, TP=1 with its own DotProductAttention, same weights"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "TORCHELASTIC"))}
-    env.update({"PYTHON": sys.executable, "CONFIG": "configs/cpu_tiny.yaml", **extra})
-    return env
-
-
-def _launch(cmd, env, timeout=300):
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-
-
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """(checkpoint dir, the CP = 1 tokens of Megatron's own engine for the eval's prompt and SHORT)."""
@@ -63,13 +48,8 @@ def trained(tmp_path_factory):
     ckpt = tmp_path_factory.mktemp("megatron_ckpt")
     result = tmp_path_factory.mktemp("megatron_ckpt_result") / "result.json"
     prompts = random_prompts(0, 40, 1, 512) + [SHORT]  # the eval's prompt for ctx 40, batch 1 (model.seed 0)
-    p = _launch([sys.executable, "tests/megatron_ckpt.py", str(ckpt), json.dumps(prompts), str(NEW_TOKENS),
-                 str(result)], _env(OMP_NUM_THREADS="1"), timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
-    out = json.loads(result.read_text())
+    out = train_checkpoint(ckpt, result, prompts, NEW_TOKENS, timeout=300)
     assert out["core_attention"] == "DotProductAttention"
-    assert out["losses"][-1] < out["losses"][0], out["losses"]  # the optimizer steps changed the weights
-    assert sorted(os.listdir(ckpt)) == ["iter_0000004", "latest_checkpointed_iteration.txt"]
     return ckpt, out["tokens"]
 
 
@@ -135,7 +115,7 @@ def _check_results(out_dir, p, *, launcher, levels, source="megatron", tp=1, tok
 
 def test_local_sh_default_is_megatron_at_cp4_as_2x2(tmp_path):
     out = tmp_path / "local"
-    p = _launch(["bash", "launch/local.sh", f"output_dir={out}", *MAIN_JOB, "eval.progress=true"], _env(NPROC="4"))
+    p = run(["bash", "launch/local.sh", f"output_dir={out}", *MAIN_JOB, "eval.progress=true"], launch_env(NPROC="4"))
     res = _check_results(out, p, launcher="torchrun", levels={"intra": 2, "inter": 2}, exact=True)
     assert res["model"]["checkpoint"] is None and res["model"]["hierarchical_context_parallel_sizes"] == [2, 2]
     # One progress bar over the sweep (rank 0's), finished.
@@ -147,8 +127,8 @@ def test_deepspeed_sh_evaluates_a_trained_checkpoint_at_cp4_as_2x2(tmp_path, tra
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=4\n")
     out = tmp_path / "ds"
-    p = _launch(["bash", "launch/deepspeed.sh", f"output_dir={out}", f"model.path={ckpt}", *LAUNCH_ONLY],
-                _env(HOSTFILE=str(hostfile), MASTER_PORT=str(_free_port())))
+    p = run(["bash", "launch/deepspeed.sh", f"output_dir={out}", f"model.path={ckpt}", *LAUNCH_ONLY],
+                launch_env(HOSTFILE=str(hostfile), MASTER_PORT=str(free_port())))
     res = _check_results(out, p, launcher="deepspeed", levels={"intra": 2, "inter": 2}, tokens=cp1_tokens[:1])
     assert res["launch"]["backend"] == "gloo"
     assert res["model"]["checkpoint"]["iteration"] == 4 and res["model"]["checkpoint"]["training_args"] is True
@@ -160,8 +140,8 @@ def test_torchrun_sh_evaluates_a_trained_checkpoint_at_tp2_x_cp2(tmp_path, train
     # the ranks of equal TP rank ([0, 2] and [1, 3]), one level each.
     ckpt, cp1_tokens = trained
     out = tmp_path / "torchrun"
-    p = _launch(["bash", "launch/torchrun.sh", f"output_dir={out}", f"model.path={ckpt}", "topology.tp_size=2",
-                 "topology.intra_size=null", *LAUNCH_ONLY], _env(NPROC_PER_NODE="4", MASTER_PORT=str(_free_port())))
+    p = run(["bash", "launch/torchrun.sh", f"output_dir={out}", f"model.path={ckpt}", "topology.tp_size=2",
+                 "topology.intra_size=null", *LAUNCH_ONLY], launch_env(NPROC_PER_NODE="4", MASTER_PORT=str(free_port())))
     res = _check_results(out, p, launcher="torchrun", levels={"intra": 2}, tp=2, tokens=cp1_tokens[:1])
     assert res["launch"]["topology"]["cp_ranks"] == [0, 2] and res["launch"]["num_cp_groups"] == 2
 
@@ -175,9 +155,9 @@ def test_generate_megatron_under_local_sh(tmp_path, trained):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text(" ".join(map(str, random_prompts(0, 40, 1, 512)[0])) + "\n" + " ".join(map(str, SHORT)) + "\n")
     out = tmp_path / "out.jsonl"
-    p = _launch(["bash", "launch/local.sh", "--sample-input-file", str(prompts), "--sample-output-file", str(out),
+    p = run(["bash", "launch/local.sh", "--sample-input-file", str(prompts), "--sample-output-file", str(out),
                  "--out-seq-length", str(NEW_TOKENS), f"model.path={ckpt}", "topology.intra_size=null"],
-                _env(NPROC="2", MODULE="megatron_tree.generate_megatron"))
+                launch_env(NPROC="2", MODULE="megatron_tree.generate_megatron"))
     assert p.returncode == 0, p.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 2 and rows[1]["prompt_tokens"] == SHORT and rows[1]["text"] is None
@@ -186,8 +166,8 @@ def test_generate_megatron_under_local_sh(tmp_path, trained):
 
 def _slurm_env(**extra) -> dict:
     # What sbatch would have set for `--nodes=2 --ntasks-per-node=2`.
-    extra.setdefault("MASTER_PORT", str(_free_port()))
-    return _env(PATH=FAKE_SLURM + os.pathsep + os.environ["PATH"], SLURM_JOB_NODELIST="fake-node[1-2]",
+    extra.setdefault("MASTER_PORT", str(free_port()))
+    return launch_env(PATH=FAKE_SLURM + os.pathsep + os.environ["PATH"], SLURM_JOB_NODELIST="fake-node[1-2]",
                 SLURM_JOB_NUM_NODES="2", SLURM_NTASKS_PER_NODE="2", SLURM_JOB_ID="77", SLURM_SUBMIT_DIR=ROOT,
                 **extra)
 
@@ -206,7 +186,7 @@ def test_slurm_sbatch_runs_a_transformers_qwen2_with_tiers_from_slurm(tmp_path):
     assert model.model.layers[0].self_attn.q_proj.bias.abs().sum() > 0  # the biases are in play
     model.save_pretrained(ckpt)
     out = tmp_path / "slurm"
-    p = _launch(["bash", "launch/slurm/eval.sbatch", f"output_dir={out}", "topology.intra_size=null", *LAUNCH_ONLY,
+    p = run(["bash", "launch/slurm/eval.sbatch", f"output_dir={out}", "topology.intra_size=null", *LAUNCH_ONLY,
                  "model.source=hf", f"model.path={ckpt}"], _slurm_env(CONFIG="configs/cpu_tiny_llama.yaml"))
     res = _check_results(out, p, launcher="slurm", levels={"intra": 2, "inter": 2}, source="hf")
     assert res["model"]["class"] == "transformers.Qwen2ForCausalLM" and res["model"]["model_type"] == "qwen2"
@@ -218,7 +198,7 @@ def test_slurm_torchrun_sbatch_runs_megatrons_dynamic_engine(tmp_path):
     paged KV cache sharded over CP 4 = 2 x 2 (test_megatron_dynamic holds its tokens to Megatron's
     own engine at CP = 1); the paged cache holds the request's blocks spread over the ranks."""
     out = tmp_path / "slurm_torchrun"
-    p = _launch(["bash", "launch/slurm/torchrun.sbatch", f"output_dir={out}", "topology.intra_size=null", *LAUNCH_ONLY,
+    p = run(["bash", "launch/slurm/torchrun.sbatch", f"output_dir={out}", "topology.intra_size=null", *LAUNCH_ONLY,
                  "eval.engine=dynamic", "eval.prefill_method=null"], _slurm_env(GPUS_PER_NODE="2"))
     res = _check_results(out, p, launcher="slurm+torchrun", levels={"intra": 2, "inter": 2}, engine="dynamic")
     for r in res["runs"]:
@@ -265,7 +245,7 @@ def test_bad_megatron_inputs_fail_on_every_rank_before_any_collective(tmp_path, 
         blocker.bind(("127.0.0.1", 0))
         blocker.listen(1)
         env = _slurm_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(blocker.getsockname()[1]))
-        p = _launch([os.path.join(FAKE_SLURM, "srun"), sys.executable, "-c", _BAD_RUNS, str(out), str(ckpt),
+        p = run([os.path.join(FAKE_SLURM, "srun"), sys.executable, "-c", _BAD_RUNS, str(out), str(ckpt),
                      str(plain), str(stripped)], env, timeout=120)
     assert p.returncode == 0, p.stderr[-3000:]
     assert p.stdout.split().count("exit") == 16 and set(p.stdout.split()) == {"exit", "2"}, p.stdout
@@ -292,15 +272,15 @@ def test_bad_launches_fail_on_every_rank(tmp_path):
     # A CP size that does not fit the launched world: refused before any collective; torchrun
     # stops the job at the first rank that exits, so at least one rank reports it.
     t0 = time.monotonic()
-    p = _launch(["bash", "launch/local.sh", f"output_dir={tmp_path}", "topology.cp_size=3", "topology.intra_size=null"],
-                _env(NPROC="4"), timeout=120)
+    p = run(["bash", "launch/local.sh", f"output_dir={tmp_path}", "topology.cp_size=3", "topology.intra_size=null"],
+                launch_env(NPROC="4"), timeout=120)
     assert p.returncode != 0
     assert "error: topology.cp_size: 3 does not divide the launched world of 4" in p.stderr, p.stderr[-3000:]
     # A random transformers Llama: an intra-node level wider than the real nodes (2 tasks per node), found
     # after the process group exists: without --kill-on-bad-exit every rank must still exit on
     # its own, none hangs.
     env = _slurm_env(MASTER_ADDR="127.0.0.1")
-    p = _launch([os.path.join(FAKE_SLURM, "srun"), sys.executable, "-m", "megatron_tree.eval", "--config",
+    p = run([os.path.join(FAKE_SLURM, "srun"), sys.executable, "-m", "megatron_tree.eval", "--config",
                  "configs/cpu_tiny_llama.yaml", f"output_dir={tmp_path}", "topology.intra_size=4"], env, timeout=120)
     assert p.returncode == 2
     for r in range(4):
@@ -315,11 +295,11 @@ def test_ranks_that_decode_different_tokens_fail_the_run(tmp_path):
     # Rank 1's output head is negated (tests/scripts/eval_rank1_diverges.py): the tokens
     # agreement across ranks must be recorded as false and the job must exit non-zero.
     out = tmp_path / "diverge"
-    p = _launch([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                 str(_free_port()), "tests/scripts/eval_rank1_diverges.py", "--config", "configs/cpu_tiny_llama.yaml",
+    p = run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                 str(free_port()), "tests/scripts/eval_rank1_diverges.py", "--config", "configs/cpu_tiny_llama.yaml",
                  f"output_dir={out}", "eval.context_lengths=[16]", "eval.batch_sizes=[1]",
                  "eval.strategies=[packed]", "eval.decode_steps=2", "eval.warmup_steps=0", "eval.progress=false",
-                 "topology.intra_size=null", "wandb.enabled=false"], _env(OMP_NUM_THREADS="1"), timeout=240)
+                 "topology.intra_size=null", "wandb.enabled=false"], launch_env(OMP_NUM_THREADS="1"), timeout=240)
     assert p.returncode != 0, p.stdout[-2000:]
     res = json.loads((out / "results.json").read_text())
     assert res["launch"]["world_size"] == 2

@@ -12,15 +12,10 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
-import os
-import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from launching import free_port, launch_env, run, train_checkpoint
 
 _RELEASE = importlib.metadata.version("megatron-core")
 pytestmark = pytest.mark.skipif(
@@ -33,24 +28,6 @@ ARGS = ["eval.context_lengths=[40]", "eval.batch_sizes=[1]", "eval.strategies=[t
         "eval.warmup_steps=1", "eval.progress=false", "eval.exactness.sample_rate=1.0", "wandb.enabled=false"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "TORCHELASTIC"))}
-    env.update({"PYTHON": sys.executable, "CONFIG": "configs/cpu_tiny.yaml", "OMP_NUM_THREADS": "1",
-                "PYTHONPATH": os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep), **extra})
-    return env
-
-
-def _run(cmd, env, timeout=600):
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-
-
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     from megatron_tree.eval.run import random_prompts
@@ -58,13 +35,7 @@ def trained(tmp_path_factory):
     ckpt = tmp_path_factory.mktemp("megatron_ckpt")
     result = tmp_path_factory.mktemp("megatron_ckpt_result") / "result.json"
     prompts = random_prompts(0, 40, 1, 512)  # the eval's prompt for ctx 40, batch 1 (model.seed 0)
-    p = _run([sys.executable, "tests/megatron_ckpt.py", str(ckpt), json.dumps(prompts), str(NEW_TOKENS),
-              str(result)], _env())
-    assert p.returncode == 0, p.stderr[-3000:]
-    out = json.loads(result.read_text())
-    assert out["losses"][-1] < out["losses"][0], out["losses"]
-    assert sorted(os.listdir(ckpt)) == ["iter_0000004", "latest_checkpointed_iteration.txt"]
-    return ckpt, out["tokens"]
+    return ckpt, train_checkpoint(ckpt, result, prompts, NEW_TOKENS, timeout=600)["tokens"]
 
 
 @pytest.mark.parametrize("engine", ["static", "dynamic"])
@@ -73,8 +44,8 @@ def test_eval_of_a_checkpoint_at_cp2_gives_megatrons_cp1_tokens(tmp_path, traine
 
     ckpt, cp1_tokens = trained
     out = tmp_path / engine
-    p = _run(["bash", "launch/local.sh", f"output_dir={out}", f"model.path={ckpt}", f"eval.engine={engine}", *ARGS],
-             _env(NPROC="2", MASTER_PORT=str(_free_port())))
+    p = run(["bash", "launch/local.sh", f"output_dir={out}", f"model.path={ckpt}", f"eval.engine={engine}", *ARGS],
+             launch_env(OMP_NUM_THREADS="1", NPROC="2", MASTER_PORT=str(free_port())), timeout=600)
     assert p.returncode == 0, f"stdout:\n{p.stdout[-3000:]}\nstderr:\n{p.stderr[-5000:]}"
     res = json.loads((out / "results.json").read_text())
     assert res["model"]["source"] == "megatron" and res["engine"] == engine
