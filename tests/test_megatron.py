@@ -10,12 +10,12 @@ chunks need padding and the decode shards grow unevenly) and the results must be
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
 
 from distributed import run_ranks
+from weights import seed_weights
 
 VOCAB = 96
 HIDDEN = 64
@@ -52,17 +52,7 @@ def _build_model(cp, hier, tree: bool, strategy="auto"):
         _config(cp, hier), spec, vocab_size=VOCAB, max_sequence_length=MAX_LEN,
         position_embedding_type="rope", share_embeddings_and_output_weights=False,
     )
-    # The same weights in every configuration: set them by name from one seeded generator,
-    # large enough that greedy choices are decided by clear margins, not float rounding.
-    gen = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for name, p in sorted(model.named_parameters()):
-            fan_in = p.shape[-1] if p.dim() > 1 else 1
-            if p.dim() == 1:
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) * (1.5 / math.sqrt(fan_in)))
-    return model.eval()
+    return seed_weights(model).eval()  # the same weights in every configuration, clear greedy margins
 
 
 def _prompts():

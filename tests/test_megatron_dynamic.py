@@ -22,12 +22,12 @@ bad setups fail with messages.
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
 
 from distributed import run_ranks
+from weights import seed_weights
 
 VOCAB, HIDDEN, HEADS, KV_HEADS = 96, 64, 4, 2
 MAX_LEN = 320
@@ -64,16 +64,7 @@ def _build_model(cp, hier, tree: bool, strategy="auto"):
     spec = get_gpt_layer_tree_spec(strategy=strategy) if tree else get_gpt_layer_local_spec()
     model = GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=MAX_LEN, position_embedding_type="rope",
                      share_embeddings_and_output_weights=False)
-    # The same weights everywhere, set by name from one generator, large enough that greedy
-    # choices are decided by clear margins rather than float rounding.
-    gen = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for _, p in sorted(model.named_parameters()):
-            if p.dim() == 1:
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) * (1.5 / math.sqrt(p.shape[-1])))
-    return model.eval()
+    return seed_weights(model).eval()  # the same weights everywhere, clear greedy margins
 
 
 def _IdTokenizer():

@@ -20,12 +20,12 @@ within 1e-4, on megatron-core 0.16.1 and 0.19.x alike.
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
 
 from distributed import run_ranks
+from weights import seed_weights
 
 VOCAB, HIDDEN, HEADS, KV_HEADS = 96, 64, 4, 2
 SEQ = 24  # a multiple of 2 * CP: get_batch_on_this_cp_rank's requirement
@@ -68,14 +68,7 @@ def _build(cp: int, tree: bool):
     spec = get_gpt_layer_tree_spec(strategy="packed") if tree else get_gpt_layer_local_spec()
     model = GPTModel(_config(cp), spec, vocab_size=VOCAB, max_sequence_length=MAX_LEN,
                      position_embedding_type="rope", share_embeddings_and_output_weights=False)
-    gen = torch.Generator().manual_seed(7)  # the same weights at both layouts
-    with torch.no_grad():
-        for _, p in sorted(model.named_parameters()):
-            if p.dim() == 1:
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) * (1.5 / math.sqrt(p.shape[-1])))
-    return model
+    return seed_weights(model)  # the same weights at both layouts
 
 
 def _batches():

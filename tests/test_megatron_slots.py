@@ -14,12 +14,12 @@ source) is fingerprinted before and after, and each rank's KV bytes are counted.
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
 
 from distributed import run_ranks
+from weights import seed_weights
 
 VOCAB = 96
 HIDDEN = 64
@@ -54,14 +54,7 @@ def _build(cp, slot: bool, hier=None):
     spec = get_gpt_layer_tree_spec(strategy="two_level" if hier else "packed") if slot else get_gpt_layer_local_spec()
     model = GPTModel(_config(cp, hier), spec, vocab_size=VOCAB, max_sequence_length=MAX_LEN,
                      position_embedding_type="rope", share_embeddings_and_output_weights=False)
-    gen = torch.Generator().manual_seed(7)  # the same weights at every layout, clear greedy margins
-    with torch.no_grad():
-        for _, p in sorted(model.named_parameters()):
-            if p.dim() == 1:
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) * (1.5 / math.sqrt(p.shape[-1])))
-    return model.eval()
+    return seed_weights(model).eval()  # the same weights at every layout, clear greedy margins
 
 
 def _prompts():
