@@ -36,6 +36,17 @@ class RankFailure(AssertionError):
     """A rank raised, died or timed out; the message holds its traceback."""
 
 
+def outcome(fn):
+    """(exception type name or "returned", message, seconds) of calling fn: what a rank reports of a
+    call that must fail, so the test can compare every rank's error and its time bound."""
+    start = time.monotonic()
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 -- the test asserts on type and message
+        return type(e).__name__, str(e), time.monotonic() - start
+    return "returned", "", time.monotonic() - start
+
+
 def _worker(rank, world_size, store_path, fn, args, kwargs, env, path, pg_timeout, results):
     try:
         os.environ.clear()

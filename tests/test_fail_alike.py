@@ -110,21 +110,11 @@ import os  # noqa: E402
 import pickle  # noqa: E402
 import time  # noqa: E402
 
-from distributed import run_ranks  # noqa: E402
+from distributed import outcome, run_ranks  # noqa: E402
 
 T = 3.0  # seconds: the TreeGroups timeout of the cases that must fail within a bound
 PG_TIMEOUT = 8.0  # the default group's: TreeGroups.build() without timeout= inherits it
 WORLD = 3
-
-
-def _outcome(fn):
-    """(exception type name or "returned", message, seconds) of calling fn."""
-    start = time.monotonic()
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 -- the test asserts on type and message
-        return type(e).__name__, str(e), time.monotonic() - start
-    return "returned", "", time.monotonic() - start
 
 
 def _shards(world, b=2, sq=1, hq=4, hkv=2, d=8, seed=0):
@@ -153,13 +143,13 @@ def fail_alike_body(rank, world, outdir):
     got, merged = mt.tree_decode(q, k, k, g, strategy="shifted", shift=lse.float(), return_lse=True)
     out["shift_same_err"] = float((got - want).abs().max())
     moved = lse.float() + (0.3 if rank == 1 else 0.0)  # finite, moderate: a wrong answer if unnoticed
-    out["shift_differ"] = _outcome(lambda: mt.tree_decode(q, k, k, g, strategy="shifted", shift=moved))
-    out["shift_differ_overlap"] = _outcome(
+    out["shift_differ"] = outcome(lambda: mt.tree_decode(q, k, k, g, strategy="shifted", shift=moved))
+    out["shift_differ_overlap"] = outcome(
         lambda: mt.tree_decode(q, k, k, g, strategy="shifted", shift=moved, overlap=True))
     one_row = lse.float().clone()
     if rank == 2:
         one_row[1, 3, 0] += 1e-3  # one value of one row, one rank
-    out["shift_one_value"] = _outcome(lambda: mt.tree_decode(q, k, k, g, strategy="shifted", shift=one_row))
+    out["shift_one_value"] = outcome(lambda: mt.tree_decode(q, k, k, g, strategy="shifted", shift=one_row))
     flags: list = []
     got = mt.tree_decode(q, k, k, g, strategy="shifted", shift=moved, deferred=flags)
     out["shift_deferred_flag"] = [bool(f) for f in flags]
@@ -199,9 +189,9 @@ def fail_alike_body(rank, world, outdir):
         r = mt.tree_decode(empty, torch.zeros(0, 2, 2, 8), torch.zeros(0, 2, 2, 8), g, strategy=strategy,
                            shift=torch.zeros(0, 4, 1) if strategy == "shifted" else None)
         out[f"b0_{strategy}"] = tuple(r.shape)
-    out["shift_meta"] = _outcome(lambda: mt.tree_decode(q, k, k, g, strategy="shifted",
+    out["shift_meta"] = outcome(lambda: mt.tree_decode(q, k, k, g, strategy="shifted",
                                                         shift=torch.zeros(2, 4, 1, device="meta")))
-    out["table_1d"] = _outcome(lambda: mt.tree_decode(
+    out["table_1d"] = outcome(lambda: mt.tree_decode(
         q, torch.zeros(3, 4, 2, 8), torch.zeros(3, 4, 2, 8), g, block_table=torch.zeros(2, dtype=torch.int32),
         cache_seqlens=torch.ones(2, dtype=torch.int32)))
 
@@ -224,12 +214,12 @@ def fail_alike_body(rank, world, outdir):
         "hf_eos": dict(eos_token_id=7 if rank == 1 else None),
     }
     for name, kw in hf_cases.items():
-        out[name] = _outcome(lambda: lm.generate(ids, max_new_tokens=3, pad_token_id=0, **kw))
+        out[name] = outcome(lambda: lm.generate(ids, max_new_tokens=3, pad_token_id=0, **kw))
     out["hf_same"] = lm.generate(ids, max_new_tokens=3, do_sample=True, top_k=5, pad_token_id=0).tolist()
     from megatron_tree.integrations.hf import TreeCache
 
     other = TreeCache(lm, mt.TreeGroups.build(timeout=T))  # the same ranks, another process group
-    out["hf_other_group"] = _outcome(lambda: lm.generate(ids, max_new_tokens=2, past_key_values=other))
+    out["hf_other_group"] = outcome(lambda: lm.generate(ids, max_new_tokens=2, past_key_values=other))
     out["hf_group_names"] = (other.groups.cp_group.group_name, g.cp_group.group_name)
 
     # -- one rank's bad cache_seqlens: that rank's error on every rank, never a bare timeout --
@@ -237,13 +227,13 @@ def fail_alike_body(rank, world, outdir):
     g = mt.TreeGroups.build(timeout=T)
     lens = torch.full((2,), rank, dtype=torch.int32)
     bad = torch.full((3,), rank, dtype=torch.int32) if rank == 1 else lens  # one row too many
-    out["local_first_call"] = _outcome(lambda: mt.tree_decode(q, k, k, g, cache_seqlens=bad, strategy="packed"))
-    out["local_every_rank"] = _outcome(lambda: mt.tree_decode(
+    out["local_first_call"] = outcome(lambda: mt.tree_decode(q, k, k, g, cache_seqlens=bad, strategy="packed"))
+    out["local_every_rank"] = outcome(lambda: mt.tree_decode(
         q, k, k, g, cache_seqlens=torch.full((2,), 99, dtype=torch.int32), strategy="packed"))
     got = mt.tree_decode(q, k, k, g, cache_seqlens=lens, strategy="packed")  # still in step: nobody waited
     out["local_then_exact"] = float((got - want).abs().max())
     mt.tree_decode(q, k, k, g, cache_seqlens=lens, strategy="packed")
-    out["local_steady"] = _outcome(lambda: mt.tree_decode(q, k, k, g, cache_seqlens=bad, strategy="packed"))
+    out["local_steady"] = outcome(lambda: mt.tree_decode(q, k, k, g, cache_seqlens=bad, strategy="packed"))
 
     # -- an absent (alive, not calling) peer: CommError within 1.5 T on every other rank --
     sync()
@@ -252,7 +242,7 @@ def fail_alike_body(rank, world, outdir):
     if rank == 2:
         time.sleep(1.5 * T + 1)
     else:
-        out["absent_steady"] = _outcome(lambda: mt.tree_decode(q, k, k, g, strategy="packed"))
+        out["absent_steady"] = outcome(lambda: mt.tree_decode(q, k, k, g, strategy="packed"))
     sync()
     g = mt.TreeGroups.build(timeout=T)
     mt.tree_decode(q, k, k, g, strategy="packed")
@@ -260,14 +250,14 @@ def fail_alike_body(rank, world, outdir):
         time.sleep(1.5 * T + 1)
     else:  # a new signature on the others: they compare through the store, rank 2 never answers
         q3, ks3 = _shards(world, b=3)
-        out["absent_changed"] = _outcome(lambda: mt.tree_decode(q3, ks3[rank], ks3[rank], g, strategy="packed"))
+        out["absent_changed"] = outcome(lambda: mt.tree_decode(q3, ks3[rank], ks3[rank], g, strategy="packed"))
     with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump(out, f)
     sync()
 
     # -- TreeGroups.build without timeout= takes the default group's (8 s here): bounded, not 30 min --
     if rank != 2:
-        out["absent_build"] = _outcome(lambda: mt.TreeGroups.build())
+        out["absent_build"] = outcome(lambda: mt.TreeGroups.build())
     else:
         time.sleep(1.5 * PG_TIMEOUT + 1)  # never calls; the default group is out of step afterwards
     return out

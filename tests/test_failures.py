@@ -21,20 +21,10 @@ import time
 import pytest
 import torch
 
-from distributed import run_ranks
+from distributed import outcome, run_ranks
 
 T = 3.0  # seconds: the TreeGroups timeout of the cases that must fail by timing out
 PG_TIMEOUT = 60.0  # the default group's: generous, so slow process start-up never trips it
-
-
-def _outcome(fn):
-    """(exception type name or "returned", message, seconds) of calling fn."""
-    start = time.monotonic()
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 -- the test asserts on type and message
-        return type(e).__name__, str(e), time.monotonic() - start
-    return "returned", "", time.monotonic() - start
 
 
 def _qkv(b, sq, hq, hkv, d, n, dtype=torch.float32, seed=0):
@@ -81,13 +71,13 @@ def failures_body(rank, world, outdir):
     out["timeouts"] = (g.timeout, [collectives.group_timeout(x).total_seconds()
                                    for x in (g.cp_group, *(lvl.group for lvl in g.levels))])
     env = lambda **kw: {k: str(v) for k, v in kw.items()}  # noqa: E731
-    out["local_size_differs"] = _outcome(lambda: mt.TreeGroups.from_env(
+    out["local_size_differs"] = outcome(lambda: mt.TreeGroups.from_env(
         env=env(LOCAL_WORLD_SIZE=4 if rank == 3 else 2, LOCAL_RANK=rank % 2)))
-    out["local_rank_x"] = _outcome(lambda: mt.TreeGroups.from_env(
+    out["local_rank_x"] = outcome(lambda: mt.TreeGroups.from_env(
         env=env(LOCAL_WORLD_SIZE=2, LOCAL_RANK="x" if rank == 1 else rank % 2)))
-    out["round_robin"] = _outcome(lambda: mt.TreeGroups.from_env(env=env(LOCAL_WORLD_SIZE=2, LOCAL_RANK=rank // 2)))
-    out["args_differ"] = _outcome(lambda: mt.TreeGroups.build(intra_size=2 if rank < 2 else None))
-    out["bad_timeout"] = _outcome(lambda: mt.TreeGroups.build(timeout=-1))
+    out["round_robin"] = outcome(lambda: mt.TreeGroups.from_env(env=env(LOCAL_WORLD_SIZE=2, LOCAL_RANK=rank // 2)))
+    out["args_differ"] = outcome(lambda: mt.TreeGroups.build(intra_size=2 if rank < 2 else None))
+    out["bad_timeout"] = outcome(lambda: mt.TreeGroups.build(timeout=-1))
 
     # -- merge: every rank changes at once (fresh groups): an immediate, identical error --
     g = mt.TreeGroups.build(timeout=T)
@@ -104,7 +94,7 @@ def failures_body(rank, world, outdir):
         (qq, kk, vv), kw = make()
         kw.setdefault("strategy", "packed")
         sync()
-        out["merge_" + name] = _outcome(lambda: mt.tree_decode(qq, kk, vv, g, **kw))
+        out["merge_" + name] = outcome(lambda: mt.tree_decode(qq, kk, vv, g, **kw))
     # the same groups still work, exactly, once the ranks agree (no collective was entered above)
     sync()
     full = torch.cat([_qkv(2, 4, 4, 2, 8, 5, seed=s)[1] for s in range(world)], dim=1)
@@ -128,11 +118,11 @@ def failures_body(rank, world, outdir):
     g = mt.TreeGroups.build(timeout=T)
     mt.tree_decode(q, k, v, g, strategy="packed")
     qq, kk = (q.reshape(4, 2, 4, 8), k.repeat(2, 1, 1, 1)) if rank == 1 else (q, k)
-    out["partial_b_sq"] = _outcome(lambda: mt.tree_decode(qq, kk, kk, g, strategy="packed"))
+    out["partial_b_sq"] = outcome(lambda: mt.tree_decode(qq, kk, kk, g, strategy="packed"))
     sync()
     g = mt.TreeGroups.build(intra_size=2, timeout=T)
     mt.tree_decode(q, k, v, g, strategy="packed")
-    out["partial_strategy"] = _outcome(
+    out["partial_strategy"] = outcome(
         lambda: mt.tree_decode(q, k, v, g, strategy="two_level" if rank == 0 else "packed"))
 
     # -- a stuck (alive) peer: CommError within 2T on the others, no 30-minute wait --
@@ -143,21 +133,21 @@ def failures_body(rank, world, outdir):
         time.sleep(2 * T + 1)
         out["stuck"] = None
     else:
-        out["stuck"] = _outcome(lambda: mt.tree_decode(q, k, v, g, strategy="packed"))
+        out["stuck"] = outcome(lambda: mt.tree_decode(q, k, v, g, strategy="packed"))
 
     # -- prefill and the baselines: one fixed-size exchange first, so even a partial change is immediate --
     sync()
     g = mt.TreeGroups.build(timeout=T)
     pos = torch.arange(rank * 3, rank * 3 + 3)[None].expand(2, 3)
     pq, pk, pv = _qkv(2, 3, 4, 1 if rank == 1 else 2, 8, 3)
-    out["prefill_heads"] = _outcome(lambda: ring_prefill(pq, pk, pv, pos, pos, g))
+    out["prefill_heads"] = outcome(lambda: ring_prefill(pq, pk, pv, pos, pos, g))
     pq, pk, pv = _qkv(2, 3, 4, 2, 8, 3)
     fn = allgather_prefill if rank == 0 else ring_prefill
-    out["prefill_method"] = _outcome(lambda: fn(pq, pk, pv, pos, pos, g))
-    out["shard_plan"] = _outcome(lambda: ShardPlan.build(_qkv(2, 1, 4, 2, 16 if rank == 3 else 8, 3)[1], g))
+    out["prefill_method"] = outcome(lambda: fn(pq, pk, pv, pos, pos, g))
+    out["shard_plan"] = outcome(lambda: ShardPlan.build(_qkv(2, 1, 4, 2, 16 if rank == 3 else 8, 3)[1], g))
     # models whose attention shapes agree but whose hidden size does not: the transformers prefill's check
     odd = _tiny_lm(g, hidden_size=32 if rank == 0 else 16, head_dim=8)  # built outside the timed call
-    out["model_hidden"] = _outcome(lambda: generate(odd, [[1, 2, 3]], 2, progress=False))
+    out["model_hidden"] = outcome(lambda: generate(odd, [[1, 2, 3]], 2, progress=False))
     # generate's one check per call: prompts (lengths, contents), budget, sampling; then the prefill's own
     lm = _tiny_lm(g)
     rows = [[1, 2, 3, 4, 5], [6, 7]]
@@ -168,15 +158,15 @@ def failures_body(rank, world, outdir):
         "gen_top_p": (rows, 2, {"do_sample": True, "top_p": 0.5 if rank == 0 else None}),
     }
     for name, (prompts, new, kw) in gen_cases.items():
-        out[name] = _outcome(lambda: generate(lm, prompts, new, progress=False, **kw))
+        out[name] = outcome(lambda: generate(lm, prompts, new, progress=False, **kw))
     uneven = rows if rank != 2 else [[1, 2, 3, 4], [6, 7]]
-    out["prefill_lengths"] = _outcome(lambda: lm.prefill(uneven, lm.new_cache(2, 8)))
+    out["prefill_lengths"] = outcome(lambda: lm.prefill(uneven, lm.new_cache(2, 8)))
     # one rank's own arguments fail its checks: every rank raises that error at once, naming the rank
     bad_rows = rows if rank != 2 else [[1, 2, 99], [6, 7]]
-    out["local_bad_prompt"] = _outcome(lambda: generate(lm, bad_rows, 2, progress=False))
+    out["local_bad_prompt"] = outcome(lambda: generate(lm, bad_rows, 2, progress=False))
     short = pos[:, :2] if rank == 1 else pos
-    out["local_bad_k_pos"] = _outcome(lambda: ring_prefill(pq, pk, pv, pos, short, g))
-    out["local_bad_everywhere"] = _outcome(lambda: generate(lm, rows, 0, progress=False))
+    out["local_bad_k_pos"] = outcome(lambda: ring_prefill(pq, pk, pv, pos, short, g))
+    out["local_bad_everywhere"] = outcome(lambda: generate(lm, rows, 0, progress=False))
     out["local_after_errors"] = generate(lm, rows, 2, progress=False).tokens  # the group is still in step
 
     # -- a dead peer: every helper, prefill and generation raise CommError on the survivors --
@@ -201,7 +191,7 @@ def failures_body(rank, world, outdir):
         "dead_merge": lambda: mt.tree_decode(q, k, v, g, strategy="packed"),
     }
     for name, fn in calls.items():
-        out[name] = _outcome(fn)
+        out[name] = outcome(fn)
     return out
 
 
