@@ -219,15 +219,12 @@ def main(argv=None) -> dict:
 
     meta.update(lm_eval=lm_eval.__version__, transformers=transformers.__version__)
     root = tempfile.mkdtemp(prefix="mt_niah_")
-    sys.path.insert(0, root)  # the task's dataset function module
     tok = build_tokenizer(os.path.join(root, "tok"))
     build_checkpoint(os.path.join(root, "model"), tok, args.layers, max(args.lengths) + 256)
     write_task(root)
     ctx = mp.get_context("spawn")
     commands = [ctx.Queue() for _ in range(args.cp)]
     results = ctx.Queue()
-    env_path = os.environ.get("PYTHONPATH", "")
-    os.environ["PYTHONPATH"] = os.pathsep.join(x for x in (root, env_path) if x)
     procs = [ctx.Process(target=_worker, args=(r, args.cp, os.path.join(root, "store"), root, args.cp, commands, results))
              for r in range(args.cp)]
     for pr in procs:
