@@ -244,13 +244,8 @@ def _hierarchical(args: ModelArgs) -> list[int] | None:
     return [intra, args.cp_size // intra] if intra is not None and 1 < intra < args.cp_size else None
 
 
-def _build_groups(args: ModelArgs, device: torch.device):
-    """(CP groups or None, DP group or None, DP rank, DP size); every rank calls it alike.
-
-    ``source=megatron``: Megatron's ``parallel_state`` is initialised (TP = PP = 1, CP =
-    ``cp_size``: its CP groups are the same consecutive ranks) and the CP groups are its own;
-    a one-process world gets a one-rank gloo group (Megatron's modules need one).
-    """
+def _check_world(args: ModelArgs) -> tuple[int, int]:
+    """(global rank, world size), refusing a CP layout the world cannot hold (no collective)."""
     rank, world = _world()
     if world % args.cp_size:
         raise ModelArgsError(
@@ -259,6 +254,17 @@ def _build_groups(args: ModelArgs, device: torch.device):
         )
     if args.intra_size is not None and args.cp_size % args.intra_size:
         raise ModelArgsError(f"intra_size={args.intra_size} does not divide cp_size={args.cp_size}")
+    return rank, world
+
+
+def _build_groups(args: ModelArgs, device: torch.device):
+    """(CP groups or None, DP group or None, DP rank, DP size); every rank calls it alike.
+
+    ``source=megatron``: Megatron's ``parallel_state`` is initialised (TP = PP = 1, CP =
+    ``cp_size``: its CP groups are the same consecutive ranks) and the CP groups are its own;
+    a one-process world gets a one-rank gloo group (Megatron's modules need one).
+    """
+    rank, world = _check_world(args)
     megatron = args.source == "megatron"
     if world == 1 and not megatron:
         return None, None, 0, 1
@@ -312,6 +318,7 @@ class TreeLM(TemplateLM):
         super().__init__()
         self.args = args = model_args_from(kwargs)
         megatron = check_checkpoint(args)
+        _check_world(args)
         self._device = _device(args)
         from transformers import AutoTokenizer
 
