@@ -11,13 +11,16 @@ same greedy flags, identical greedy generations and identical task metrics. The 
 the backend's request handling (tokenisation, rolling windows, stop strings) and replaces only
 the model: one full causal forward per row, greedy generation by re-running it. Bad input
 (unknown key, checkpoints that cannot load, a request beyond ``max_length``): the same error on
-both ranks, exit status 2 through the CLI, before any forward.
+both ranks, exit status 2 through the CLI, before any forward. Through the CLI, a good run
+writes one results file whose metrics are the oracle's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import glob
 import io
+import json
 import os
 import shutil
 
@@ -146,6 +149,10 @@ def _rank(rank, world, workdir):
     if oracle is not None:
         out["oracle"] = per_request(evaluate(oracle, None, tasks, tasks=TASKS))
     lm.close()
+    # The CLI end to end: a second backend in this process (Megatron's groups made again), one results file.
+    out["cli"] = _cli(["--model", "megatron_tree", "--model_args", f"{base},cp_size=2", "--tasks", "mt_choice",
+                       "--include_path", tasks, "--batch_size", "2", "--device", "cpu",
+                       "--output_path", os.path.join(workdir, "cli_out")])
     return out
 
 
@@ -170,3 +177,10 @@ def test_megatron_checkpoint_cp2_matches_megatron_cp1(workdir):
     for r in results:
         _close(oracle, r["tree"], f"CP 2 rank {r['cp_rank']} vs Megatron's own model at CP 1")
     assert results[0]["scored"] == results[1]["scored"] > 0
+    assert [r["cli"][0] for r in results] == [0, 0], [r["cli"][1][-2000:] for r in results]
+    files = glob.glob(os.path.join(workdir, "cli_out", "**", "results_*.json"), recursive=True)
+    assert len(files) == 1, f"results written {len(files)} times: {files}"
+    with open(files[0], encoding="utf-8") as f:
+        written = json.load(f)["results"]["mt_choice"]
+    assert written["acc,none"] == oracle["metrics"]["mt_choice"]["acc,none"]
+    assert written["acc_norm,none"] == oracle["metrics"]["mt_choice"]["acc_norm,none"]
