@@ -105,7 +105,8 @@ def train_and_save(out_dir: str, prompts: list[list[int]], new_tokens: int, chan
         model.eval()
         iter_dir = os.path.join(out_dir, f"iter_{STEPS:07d}")
         os.makedirs(iter_dir)
-        dist_checkpointing.save({"model": model.sharded_state_dict(), "args": training_args(**{_ARG_OF[k]: v for k, v in changes.items()}), "iteration": STEPS,
+        args = training_args(**{_ARG_OF[k]: v for k, v in changes.items()})
+        dist_checkpointing.save({"model": model.sharded_state_dict(), "args": args, "iteration": STEPS,
                                  "checkpoint_version": 3.0}, iter_dir)
         with open(os.path.join(out_dir, "latest_checkpointed_iteration.txt"), "w") as f:
             f.write(str(STEPS))

@@ -1,4 +1,4 @@
-"""``MegatronLM.prefill_logits`` (the lm-eval backend's scoring of ``source=megatron``) at CP 2 against Megatron at CP 1.
+"""``MegatronLM.prefill_logits`` (the lm-eval backend's ``source=megatron`` scoring) at CP 2 against Megatron at CP 1.
 
 Two gloo ranks build a tiny GPTModel with tree attention at CP 2 and Megatron's own model
 (``DotProductAttention``, CP = TP = 1) with the same weights; prompts of three lengths, two of

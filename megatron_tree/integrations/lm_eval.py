@@ -45,8 +45,10 @@ loaded at the CP layout with ``dist_checkpointing`` (Megatron's ``parallel_state
 ranks consecutive as in the ``hf`` path). Its prefill is ``allgather`` (``ring`` is refused).
 
 Not supported yet (refused with a message naming it): prefix sharing of a context across
-continuations of more than one token (each prefills it again), ``batch_size=auto``, chat templates, generation kwargs other than ``do_sample``,
-``temperature``, ``top_k``, ``top_p``, ``until``, ``max_gen_toks``. A request longer than
+continuations of more than one token (each prefills it again), ``batch_size=auto``, chat
+templates, generation kwargs other than ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
+``until``, ``max_gen_toks``; serving a Megatron model at TP or PP > 1 (it runs at TP = PP = 1;
+a checkpoint saved at another layout is resharded on load). A request longer than
 ``max_length`` is an error, never a truncation.
 
 Why it lives here: lm-eval is an integration like transformers; nothing below imports it.
@@ -447,7 +449,8 @@ class TreeLM(TemplateLM):
         return self.tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
 
     def get_model_info(self) -> dict:
-        return {"source": self.args.source, "cp_size": self.args.cp_size, "dp_size": self._world_size, "strategy": self.args.strategy,
+        return {"source": self.args.source, "cp_size": self.args.cp_size, "dp_size": self._world_size,
+                "strategy": self.args.strategy,
                 "prefill": self.args.prefill, "dtype": self.args.dtype, "max_length": self._max_length}
 
     # ------------------------------------------------------------------ scoring
