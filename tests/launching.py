@@ -33,10 +33,12 @@ def run(cmd, env, timeout=300):
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def train_checkpoint(ckpt, result, prompts, new_tokens, *, timeout) -> dict:
+def train_checkpoint(ckpt, result, prompts, new_tokens, *, timeout, shape: dict | None = None) -> dict:
     """Train a few steps at CP = 1 and save to ``ckpt`` (Megatron-LM's ``--save`` layout); returns
-    ``tests/megatron_ckpt.py``'s result: the losses, the core attention, Megatron's CP = 1 tokens."""
-    p = run([sys.executable, "tests/megatron_ckpt.py", str(ckpt), json.dumps(prompts), str(new_tokens), str(result)],
+    ``tests/megatron_ckpt.py``'s result: the losses, the core attention, Megatron's CP = 1 tokens.
+    shape: changes to its default model shape (``vocab_size``, ``max_position_embeddings``)."""
+    p = run([sys.executable, "tests/megatron_ckpt.py", str(ckpt), json.dumps(prompts), str(new_tokens), str(result),
+             *([json.dumps(shape)] if shape else [])],
             launch_env(OMP_NUM_THREADS="1"), timeout=timeout)
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads(result.read_text())

@@ -1,6 +1,6 @@
 """Test fixture: a Megatron-LM-style checkpoint written by a short training loop at CP = 1.
 
-``train_and_save`` (run as a script, ``python tests/megatron_ckpt.py OUT PROMPTS_JSON NEW RESULT_JSON``:
+``train_and_save`` (run as a script, ``python tests/megatron_ckpt.py OUT PROMPTS_JSON NEW RESULT_JSON [SHAPE_JSON]``:
 a process of its own, because ``dist_checkpointing.save`` starts helper processes, which the
 test harness's daemonic ranks may not) builds the eval's
 default GPTModel shape with Megatron's own local spec and ``DotProductAttention``, takes a
@@ -8,7 +8,8 @@ few Adam steps on random token sequences, and saves it the way Megatron-LM's ``-
 does: ``<dir>/iter_0000004/`` written by ``dist_checkpointing.save`` with the training
 arguments in ``common.pt``, and ``<dir>/latest_checkpointed_iteration.txt``. It then
 decodes the eval's prompts greedily with Megatron's own ``StaticInferenceEngine`` at CP = 1:
-the tokens every other layout must reproduce.
+the tokens every other layout must reproduce. ``SHAPE_JSON`` changes fields of :data:`SHAPE`
+(the lm-eval test takes a vocabulary its tokenizer fills and a short context).
 """
 
 from __future__ import annotations
@@ -68,7 +69,11 @@ def engine_generate(model, prompts, new_tokens: int, max_len: int) -> list[list[
         return [[int(t) for t in r.generated_tokens] for r in engine.generate(inference_requests=requests)]
 
 
-def train_and_save(out_dir: str, prompts: list[list[int]], new_tokens: int) -> dict:
+_ARG_OF = {"vocab_size": "padded_vocab_size", "max_position_embeddings": "max_position_embeddings"}
+"""The SHAPE fields a test may change, and their Megatron-LM argument names."""
+
+
+def train_and_save(out_dir: str, prompts: list[list[int]], new_tokens: int, changes: dict | None = None) -> dict:
     """Train a few steps at CP = 1, save as Megatron-LM does, decode ``prompts`` with Megatron's engine."""
     from megatron.core import dist_checkpointing
 
@@ -76,7 +81,10 @@ def train_and_save(out_dir: str, prompts: list[list[int]], new_tokens: int) -> d
     from megatron_tree.integrations.megatron import model as mm
     from megatron_tree.integrations.megatron.cpu import megatron_on_cpu
 
-    shape = mm.GPTShape(**SHAPE)
+    changes = dict(changes or {})
+    if set(changes) - set(_ARG_OF):
+        raise ValueError(f"shape changes {sorted(set(changes) - set(_ARG_OF))}: only {sorted(_ARG_OF)} may change")
+    shape = mm.GPTShape(**{**SHAPE, **changes})
     losses = []
     with megatron_on_cpu():
         mtm.initialize_model_parallel(1)
@@ -88,7 +96,7 @@ def train_and_save(out_dir: str, prompts: list[list[int]], new_tokens: int) -> d
         pos = torch.arange(n)[None].expand(2, n)
         mask = torch.triu(torch.ones(n, n, dtype=torch.bool), 1)[None, None]
         for _ in range(STEPS):
-            tokens = torch.randint(0, SHAPE["vocab_size"], (2, n + 1), generator=gen)
+            tokens = torch.randint(0, shape.vocab_size, (2, n + 1), generator=gen)
             loss = model(tokens[:, :-1], pos, mask, labels=tokens[:, 1:]).float().mean()
             loss.backward()
             opt.step()
@@ -97,7 +105,8 @@ def train_and_save(out_dir: str, prompts: list[list[int]], new_tokens: int) -> d
         model.eval()
         iter_dir = os.path.join(out_dir, f"iter_{STEPS:07d}")
         os.makedirs(iter_dir)
-        dist_checkpointing.save({"model": model.sharded_state_dict(), "args": training_args(), "iteration": STEPS,
+        args = training_args(**{_ARG_OF[k]: v for k, v in changes.items()})
+        dist_checkpointing.save({"model": model.sharded_state_dict(), "args": args, "iteration": STEPS,
                                  "checkpoint_version": 3.0}, iter_dir)
         with open(os.path.join(out_dir, "latest_checkpointed_iteration.txt"), "w") as f:
             f.write(str(STEPS))
@@ -112,10 +121,10 @@ if __name__ == "__main__":
 
     import torch.distributed as dist
 
-    out, prompts_json, new, result = sys.argv[1:]
+    out, prompts_json, new, result, *shape_json = sys.argv[1:]
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        res = train_and_save(out, json.loads(prompts_json), int(new))
+        res = train_and_save(out, json.loads(prompts_json), int(new), json.loads(shape_json[0]) if shape_json else None)
     finally:
         dist.destroy_process_group()
     with open(result, "w") as f:

@@ -326,7 +326,8 @@ def test_bad_input(workdir, capsys, monkeypatch):
         (f"pretrained={llama},dtype=float8", "dtype='float8' is not one of"),
         (f"pretrained={llama},batch_size=auto", "batch_size=auto is not supported"),
         (f"pretrained={workdir}/missing", "is not a transformers checkpoint directory"),
-        (f"pretrained={llama},source=megatron", "Megatron checkpoints are not served"),
+        (f"pretrained={llama},source=megatron", "source=megatron needs model_args tokenizer="),
+        (f"pretrained={llama},source=megatron,tokenizer={workdir}/tok", "is not a Megatron distributed checkpoint"),
     ]
     for args, message in cases:
         with pytest.raises(backend.ModelArgsError) as e:

@@ -1,8 +1,10 @@
-"""lm-evaluation-harness backend ``megatron_tree``: lm-eval's requests on a CP-sharded transformers model.
+"""lm-evaluation-harness backend ``megatron_tree``: lm-eval's requests on a CP-sharded transformers or Megatron model.
 
 Invariant: for every request, the score or text each rank returns is what lm-eval's own ``hf``
 backend returns for that request in one process on the same checkpoint (log-likelihoods to
-float rounding, greedy flags and greedy generations token for token), while each rank of a
+float rounding, greedy flags and greedy generations token for token) -- for a Megatron-Core
+checkpoint (``source=megatron``), what Megatron's own ``GPTModel`` at CP = 1 (its
+``DotProductAttention``) scores and greedily generates -- while each rank of a
 CP group holds 1/CP of the KV cache and runs the layers on 1/CP of every prompt. Nothing of
 lm-eval is rewritten: the class is an ``lm_eval.api.model.TemplateLM`` registered under
 ``"megatron_tree"``, and it overrides the model's own distributed slots (``rank``,
@@ -16,16 +18,18 @@ receive the same requests and run the same collectives; lm-eval's gathers of sam
 metrics run over the DP group. Results are kept by global rank 0 only (the launcher,
 ``megatron_tree.lm_eval``, drops them on every other rank).
 
-How each request type runs (the decode tier underneath, through ``integrations.hf``):
+How each request type runs (the decode tier underneath, through ``integrations.hf`` or, for
+``source=megatron``, ``integrations.megatron.model.MegatronLM``):
 
 * ``loglikelihood`` -- context + continuation (minus its last token) is prefilled CP-sharded
-  in one forward per batch of rows of different lengths (left-padded, pads never computed);
-  the forward returns the logits of the continuation positions only, assembled on every
-  rank; log-probs and the greedy flag are computed from them. Identical (context,
-  continuation) token pairs are scored once (lm-eval's padding of a DP rank's list repeats its
-  last request), and pairs with the same model input (the one-token choices of one question)
-  share one row: the context is prefilled once for all of them (``prefill_tokens`` against
-  ``prefill_tokens_unshared``).
+  in one forward per batch of rows of different lengths (left-padded, pads never computed;
+  a Megatron model prefills rows of equal length together, unpadded:
+  ``MegatronLM.prefill_logits``); the forward returns the logits of the continuation
+  positions only, assembled on every rank; log-probs and the greedy flag are computed from
+  them. Identical (context, continuation) token pairs are scored once (lm-eval's padding of a
+  DP rank's list repeats its last request), and pairs with the same model input (the
+  one-token choices of one question) share one row: the context is prefilled once for all of
+  them (``prefill_tokens`` against ``prefill_tokens_unshared``).
 * ``loglikelihood_rolling`` -- lm-eval's own rolling windows of ``max_length`` tokens
   (``utils.get_rolling_token_windows``), each scored as above.
 * ``generate_until`` -- CP prefill + tree-decoded steps (``decode.generate``: CP rank 0's token
@@ -33,10 +37,18 @@ How each request type runs (the decode tier underneath, through ``integrations.h
   EOS or at a token whose text contains a stop string; the text is cut at the first stop
   string as lm-eval's ``hf`` backend cuts it.
 
-Not supported yet (refused with a message naming it): Megatron checkpoints (``source=megatron``),
-prefix sharing of a context across continuations of more than one token (each prefills it again),
-``batch_size=auto``, chat templates, generation kwargs other than ``do_sample``,
-``temperature``, ``top_k``, ``top_p``, ``until``, ``max_gen_toks``. A request longer than
+A Megatron checkpoint (``source=megatron``): a ``dist_checkpointing`` directory or a Megatron-LM
+``--save`` directory whose ``common.pt`` holds the training arguments (the model's shape is read
+from them); the tokenizer is a transformers tokenizer directory (``tokenizer=``, required: the
+checkpoint holds none). It is checked from metadata before any process group is made, then
+loaded at the CP layout with ``dist_checkpointing`` (Megatron's ``parallel_state`` groups, CP
+ranks consecutive as in the ``hf`` path). Its prefill is ``allgather`` (``ring`` is refused).
+
+Not supported yet (refused with a message naming it): prefix sharing of a context across
+continuations of more than one token (each prefills it again), ``batch_size=auto``, chat
+templates, generation kwargs other than ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
+``until``, ``max_gen_toks``; serving a Megatron model at TP or PP > 1 (it runs at TP = PP = 1;
+a checkpoint saved at another layout is resharded on load). A request longer than
 ``max_length`` is an error, never a truncation.
 
 Why it lives here: lm-eval is an integration like transformers; nothing below imports it.
@@ -45,6 +57,7 @@ Importing this module imports lm-eval (>= 0.4.13) and registers the backend with
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import os
@@ -95,19 +108,21 @@ class ModelArgs:
     """What ``--model_args key=value,...`` (and lm-eval's ``--batch_size``/``--device``) may set."""
 
     pretrained: str
-    """A transformers checkpoint directory (``save_pretrained``: ``config.json`` + safetensors)."""
+    """A transformers checkpoint directory (``save_pretrained``: ``config.json`` + safetensors), or with
+    ``source=megatron`` a Megatron-Core distributed checkpoint (or Megatron-LM ``--save``) directory."""
     tokenizer: str | None = None
-    """Tokenizer directory (default: ``pretrained``)."""
+    """Tokenizer directory (default: ``pretrained``; required with ``source=megatron``)."""
     source: Literal["hf", "megatron"] = "hf"
-    """``hf``: through transformers' own classes. ``megatron`` is refused for now (no loader yet)."""
+    """``hf``: through transformers' own classes. ``megatron``: a Megatron-Core ``GPTModel`` with tree attention."""
     cp_size: int = 1
     """Ranks of one CP group; the world must be a multiple of it (DP = world / cp_size)."""
     intra_size: int | None = None
     """CP ranks per node (``None``: the real layout); a smaller divisor simulates nodes."""
     strategy: str = "auto"
     """The ``tree_decode`` merge of every decode step (one of ``comm.STRATEGIES``)."""
-    prefill: str = "ring"
-    """CP attention over the prompt chunks: ``ring`` or ``allgather``."""
+    prefill: str | None = None
+    """CP attention over the prompt chunks: ``ring`` or ``allgather`` (default: ``ring``; ``allgather``, the
+    only one, for ``source=megatron``)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Weights and activations."""
     max_length: int | None = None
@@ -157,22 +172,42 @@ def model_args_from(args: dict) -> ModelArgs:
             a[name] = str(a[name])
     if a.get("strategy", "auto") not in STRATEGIES:
         raise ModelArgsError(f"model_args strategy={a['strategy']!r} is not one of {list(STRATEGIES)}")
-    if a.get("prefill", "ring") not in PREFILL_METHODS:
+    if a.get("prefill") is not None and a["prefill"] not in PREFILL_METHODS:
         raise ModelArgsError(f"model_args prefill={a['prefill']!r} is not one of {list(PREFILL_METHODS)}")
     if a.get("dtype", "float32") not in _DTYPES:
         raise ModelArgsError(f"model_args dtype={a['dtype']!r} is not one of {sorted(_DTYPES)}")
     if a.get("source", "hf") not in ("hf", "megatron"):
         raise ModelArgsError(f"model_args source={a['source']!r} is not one of ['hf', 'megatron']")
+    if a.get("source") == "megatron":
+        if a.get("prefill") not in (None, "allgather"):
+            raise ModelArgsError(f"model_args prefill={a['prefill']!r} is not available with source=megatron (its "
+                                 "core attention all-gathers the prompt's keys); use prefill=allgather")
+        a["prefill"] = "allgather"
+        if not a.get("tokenizer"):
+            raise ModelArgsError("source=megatron needs model_args tokenizer=<transformers tokenizer directory> (a "
+                                 "Megatron checkpoint holds no tokenizer)")
+    elif a.get("prefill") is None:
+        a["prefill"] = "ring"
     return ModelArgs(**a)
 
 
-def check_checkpoint(args: ModelArgs) -> None:
-    """Refuse what cannot load before any process group is made (the same on every rank)."""
+def check_checkpoint(args: ModelArgs):
+    """Refuse what cannot load before any process group is made (the same on every rank).
+
+    returns, for ``source=megatron``, ``(GPTShape, CheckpointInfo)``: the shape read from the
+    stored training arguments and the checked checkpoint (metadata only, no tensor); else None.
+    """
     if args.source == "megatron":
-        raise ModelArgsError(
-            "source=megatron: Megatron checkpoints are not served by the lm-eval backend yet; convert the "
-            "checkpoint to a transformers directory (save_pretrained) and pass source=hf"
-        )
+        try:
+            from .megatron import checkpoint as mc
+        except ImportError as e:
+            raise ModelArgsError(f"source=megatron needs megatron-core (pip install 'megatron_tree[megatron]'); "
+                                 f"importing it failed: {e}") from None
+        try:
+            shape = mc.shape_from_checkpoint(args.pretrained)
+            return shape, mc.check_checkpoint(args.pretrained, shape)
+        except mc.CheckpointError as e:
+            raise ModelArgsError(f"pretrained={args.pretrained!r} (source=megatron) cannot be loaded: {e}") from None
     if not os.path.isdir(args.pretrained) or not os.path.isfile(os.path.join(args.pretrained, "config.json")):
         raise ModelArgsError(
             f"pretrained={args.pretrained!r} is not a transformers checkpoint directory (expected a directory "
@@ -205,8 +240,14 @@ def _device(args: ModelArgs) -> torch.device:
     raise ModelArgsError(f"device={want!r} is not supported; expected cpu or cuda")
 
 
-def _build_groups(args: ModelArgs, device: torch.device):
-    """(CP groups or None, DP group or None, DP rank, DP size); every rank calls it alike."""
+def _hierarchical(args: ModelArgs) -> list[int] | None:
+    """Megatron's ``hierarchical_context_parallel_sizes`` for ``intra_size`` (``None``: one level)."""
+    intra = args.intra_size
+    return [intra, args.cp_size // intra] if intra is not None and 1 < intra < args.cp_size else None
+
+
+def _check_world(args: ModelArgs) -> tuple[int, int]:
+    """(global rank, world size), refusing a CP layout the world cannot hold (no collective)."""
     rank, world = _world()
     if world % args.cp_size:
         raise ModelArgsError(
@@ -215,14 +256,35 @@ def _build_groups(args: ModelArgs, device: torch.device):
         )
     if args.intra_size is not None and args.cp_size % args.intra_size:
         raise ModelArgsError(f"intra_size={args.intra_size} does not divide cp_size={args.cp_size}")
-    if world == 1:
+    return rank, world
+
+
+def _build_groups(args: ModelArgs, device: torch.device):
+    """(CP groups or None, DP group or None, DP rank, DP size); every rank calls it alike.
+
+    ``source=megatron``: Megatron's ``parallel_state`` is initialised (TP = PP = 1, CP =
+    ``cp_size``: its CP groups are the same consecutive ranks) and the CP groups are its own;
+    a one-process world gets a one-rank gloo group (Megatron's modules need one).
+    """
+    rank, world = _check_world(args)
+    megatron = args.source == "megatron"
+    if world == 1 and not megatron:
         return None, None, 0, 1
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                timeout=datetime.timedelta(minutes=10))
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if world == 1 and "MASTER_ADDR" not in os.environ:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        else:
+            dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
     cp, dp_size = args.cp_size, world // args.cp_size
-    cp_lists = [list(range(d * cp, (d + 1) * cp)) for d in range(dp_size)]
-    groups = TreeGroups.build(cp_lists, args.intra_size) if cp > 1 else None
+    if megatron:
+        from .megatron import initialize_model_parallel
+
+        groups = initialize_model_parallel(
+            cp, _hierarchical(args), distributed_timeout_minutes=collectives.group_timeout().total_seconds() / 60)
+    else:
+        cp_lists = [list(range(d * cp, (d + 1) * cp)) for d in range(dp_size)]
+        groups = TreeGroups.build(cp_lists, args.intra_size) if cp > 1 else None
     dp_group = None
     if dp_size > 1:
         td = collectives.group_timeout()
@@ -231,6 +293,20 @@ def _build_groups(args: ModelArgs, device: torch.device):
             if rank % cp == c:
                 dp_group = g
     return groups, dp_group, rank // cp, dp_size
+
+
+def _load_megatron(args: ModelArgs, shape, info, groups, device: torch.device):
+    """A Megatron-Core ``GPTModel`` with tree attention at the CP layout, loaded from ``info``'s checkpoint.
+
+    Collective (``dist_checkpointing.load``); returns its :class:`~.megatron.model.MegatronLM`.
+    """
+    from .megatron import checkpoint as mc
+    from .megatron import model as mm
+
+    model = mm.build_gpt(shape, tree=True, dtype=_DTYPES[args.dtype], cp=args.cp_size, hierarchical=_hierarchical(args),
+                         strategy=args.strategy, seed=args.seed)
+    mc.load_checkpoint(model, info.dist_dir)
+    return mm.MegatronLM(model.to(device), groups, shape)
 
 
 # --------------------------------------------------------------------------- the backend
@@ -243,15 +319,31 @@ class TreeLM(TemplateLM):
     def __init__(self, **kwargs):
         super().__init__()
         self.args = args = model_args_from(kwargs)
-        check_checkpoint(args)
+        megatron = check_checkpoint(args)
+        _check_world(args)
         self._device = _device(args)
-        self.groups, self._dp_group, self._rank, self._world_size = _build_groups(args, self._device)
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.pretrained)
-        self.model = load_hf_model(args.pretrained, self.groups, dtype=_DTYPES[args.dtype], device=self._device,
-                                   strategy=args.strategy, prefill=args.prefill)
-        self._max_length = args.max_length or resolve_max_length(self.model.hf.config, self.tokenizer)
+        if megatron is not None and len(self.tokenizer) > megatron[0].vocab_size:
+            raise ModelArgsError(
+                f"tokenizer={args.tokenizer!r} has {len(self.tokenizer)} tokens but the checkpoint's vocabulary "
+                f"(padded_vocab_size) is {megatron[0].vocab_size}: its ids would fall outside the embedding"
+            )
+        self._stack = contextlib.ExitStack()
+        """What a Megatron model needs while it lives (the CPU shim of ``megatron_on_cpu``); see :meth:`close`."""
+        if megatron is not None and self._device.type == "cpu":
+            from .megatron.cpu import megatron_on_cpu
+
+            self._stack.enter_context(megatron_on_cpu())
+        self.groups, self._dp_group, self._rank, self._world_size = _build_groups(args, self._device)
+        if megatron is not None:
+            self.model = _load_megatron(args, *megatron, self.groups, self._device)
+            self._max_length = args.max_length or megatron[0].max_position_embeddings
+        else:
+            self.model = load_hf_model(args.pretrained, self.groups, dtype=_DTYPES[args.dtype], device=self._device,
+                                       strategy=args.strategy, prefill=args.prefill)
+            self._max_length = args.max_length or resolve_max_length(self.model.hf.config, self.tokenizer)
         self.batch_size = args.batch_size
         self.scored = 0
         """Requests (context, continuation token pairs) this rank scored: each unique pair once."""
@@ -260,6 +352,15 @@ class TreeLM(TemplateLM):
         self.prefill_tokens_unshared = 0
         """Tokens scoring would have prefilled with one row per (context, continuation) pair."""
         self._generations = 0
+
+    def close(self) -> None:
+        """Leave Megatron's CPU shim and destroy its model-parallel groups (``source=megatron``); idempotent."""
+        if self.args.source == "megatron" and getattr(self, "_stack", None) is not None:
+            from megatron.core import parallel_state
+
+            parallel_state.destroy_model_parallel()
+            self._stack.close()
+            self._stack = None
 
     @classmethod
     def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None):
@@ -348,7 +449,8 @@ class TreeLM(TemplateLM):
         return self.tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
 
     def get_model_info(self) -> dict:
-        return {"cp_size": self.args.cp_size, "dp_size": self._world_size, "strategy": self.args.strategy,
+        return {"source": self.args.source, "cp_size": self.args.cp_size, "dp_size": self._world_size,
+                "strategy": self.args.strategy,
                 "prefill": self.args.prefill, "dtype": self.args.dtype, "max_length": self._max_length}
 
     # ------------------------------------------------------------------ scoring
@@ -370,6 +472,10 @@ class TreeLM(TemplateLM):
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         dev = self._device
         cache = self.model.new_cache(len(rows), seq)
+        if self.args.source == "megatron":  # unpadded rows, only the last kmax positions' logits computed
+            logprobs = torch.log_softmax(self.model.prefill_logits([i for i, _ in rows], cache, kmax), dim=-1)
+            self.prefill_tokens += sum(len(i) for i, _ in rows)
+            return [logprobs[b, kmax - k:] for b, (_, k) in enumerate(rows)]
         with torch.no_grad():
             out = self.model.hf(input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev),
                                 past_key_values=cache, logits_to_keep=torch.arange(seq - kmax, seq, device=dev))
@@ -451,7 +557,7 @@ class TreeLM(TemplateLM):
     def _stop_ids(self, until: list[str]) -> list[int]:
         """EOS and every token whose own text contains a stop string (the row's text is cut there anyway)."""
         ids = {self.eot_token_id}
-        gc = getattr(self.model.hf, "generation_config", None)
+        gc = getattr(getattr(self.model, "hf", None), "generation_config", None)
         eos = getattr(gc, "eos_token_id", None)
         ids.update([eos] if isinstance(eos, int) else list(eos or []))
         terms = [t for t in until if t]
@@ -460,6 +566,10 @@ class TreeLM(TemplateLM):
             texts = self.tokenizer.batch_decode([[i] for i in range(len(self.tokenizer))])
             ids.update(i for i, s in enumerate(texts) if i not in special and any(t in s for t in terms))
         return sorted(i for i in ids if i is not None)
+
+    def _generate(self, prompts: list[list[int]], max_new_tokens: int, **kw) -> list[list[int]]:
+        """Each prompt's new tokens (up to and including a stop token): the decode tier's one loop."""
+        return generate(self.model, prompts, max_new_tokens, strategy=self.args.strategy, progress=False, **kw).tokens
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Greedy or sampled continuations, cut at the first stop string (every CP rank returns the same)."""
@@ -501,12 +611,12 @@ class TreeLM(TemplateLM):
             _, until, max_gen, sample, temp, top_k, top_p = plans[chunk[0]]
             seed = self.args.seed + self._generations
             self._generations += 1
-            out = generate(self.model, [plans[i][0] for i in chunk], max_gen, do_sample=sample, temperature=temp,
-                           top_k=None if top_k is None else int(top_k), top_p=None if top_p is None else float(top_p),
-                           stop_token_ids=self._stop_ids(until), seed=seed, strategy=self.args.strategy,
-                           progress=False)
+            out = self._generate([plans[i][0] for i in chunk], max_gen, do_sample=sample, temperature=temp,
+                                 top_k=None if top_k is None else int(top_k),
+                                 top_p=None if top_p is None else float(top_p),
+                                 stop_token_ids=self._stop_ids(until), seed=seed)
             self.prefill_tokens += sum(len(plans[i][0]) for i in chunk)
-            for i, toks in zip(chunk, out.tokens):
+            for i, toks in zip(chunk, out):
                 s = postprocess_generated_text(self.tok_decode(toks), until, None)
                 res[i] = s
                 self.cache_hook.add_partial("generate_until", args[i], s)

@@ -19,7 +19,7 @@ import torch
 
 __all__ = [
     "CheckpointError", "CheckpointInfo", "resolve_checkpoint", "check_checkpoint", "expected_tensor_shapes",
-    "global_tensors", "fill_from_global", "read_global_tensors", "load_checkpoint",
+    "global_tensors", "fill_from_global", "read_global_tensors", "load_checkpoint", "shape_from_checkpoint",
 ]
 
 
@@ -165,6 +165,39 @@ _ARGS = (  # (GPTShape field, Megatron-LM argument, how to read it)
     ("rms_norm_eps", "norm_epsilon", lambda a: float(a.norm_epsilon)),
     ("tie_word_embeddings", "untie_embeddings_and_output_weights", lambda a: not a.untie_embeddings_and_output_weights),
 )
+
+
+def shape_from_checkpoint(path: str):
+    """The :class:`.model.GPTShape` a Megatron-LM checkpoint was trained with, from its stored arguments.
+
+    For callers with no shape of their own (the lm-eval backend): ``common.pt``'s ``args``
+    name every field (Megatron-LM's names, :data:`_ARGS`). Reads metadata only (no collective);
+    :class:`CheckpointError` naming the file when the arguments are absent or incomplete.
+    """
+    from .model import GPTShape
+
+    dist_dir, _ = resolve_checkpoint(path)
+    args = _read_args(dist_dir)
+    where = os.path.join(dist_dir, "common.pt")
+    if args is None:
+        raise CheckpointError(
+            f"{where}: no training arguments stored with the checkpoint (Megatron-LM's --save writes them as "
+            "common.pt's 'args'); the model's shape cannot be read from it"
+        )
+    fields, missing = {}, []
+    for field_name, arg, read in _ARGS:
+        try:
+            fields[field_name] = read(args)
+        except AttributeError:
+            missing.append(arg)
+    if missing:
+        raise CheckpointError(f"{where}: the training arguments lack {missing}; the model's shape cannot be read")
+    max_pos = getattr(args, "max_position_embeddings", None) or getattr(args, "seq_length", None)
+    if max_pos:
+        fields["max_position_embeddings"] = int(max_pos)
+    shape = GPTShape(**fields)
+    _check_args(args, shape, where)  # the architecture (RMSNorm, SwiGLU, RoPE, no biases)
+    return shape
 
 
 def _check_args(args, shape: GPTShape, where: str) -> None:

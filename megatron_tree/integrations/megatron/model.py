@@ -190,7 +190,7 @@ class MegatronLM:
         self.shape = shape
         self.config = _Config(shape.vocab_size, shape.num_attention_heads // tp_size, shape.kv_channels)
         self._attention = [layer.self_attention.core_attention for layer in unwrap_model(model).decoder.layers]
-        self._last: list | None = None
+        self._last: torch.Tensor | None = None
         unwrap_model(model).decoder.register_forward_hook(self._keep_last_token)
         from .attention import check_tree_slots
 
@@ -214,10 +214,10 @@ class MegatronLM:
         return ctx
 
     def _keep_last_token(self, module, args, output):
-        """Decoder output [s, b, h] -> [1, b, h] at local index ``self._last`` (prefill only; rows share it)."""
+        """Decoder output [s, b, h] -> [n, b, h] at the local indices ``self._last`` (prefill only; rows share them)."""
         if self._last is None:
             return None
-        return output[self._last : self._last + 1]
+        return output.index_select(0, self._last.to(output.device))
 
     def _run(self, tokens, positions, ctx):
         return self.model(tokens, positions, None, inference_context=ctx, runtime_gather_output=True)
@@ -227,6 +227,19 @@ class MegatronLM:
         """Every prompt's full length CP-sharded, rows of equal length in one forward each.
 
         method: only ``"allgather"`` (the core attention all-gathers the prompt's keys/values).
+        returns (batch, vocab) float32: the logits after each prompt's last token, on every rank.
+        """
+        return self.prefill_logits(prompts, cache, 1, method=method, stats=stats)[:, 0]
+
+    @torch.no_grad()
+    def prefill_logits(self, prompts, cache, keep: int, method: str = "allgather", stats=None) -> torch.Tensor:
+        """:meth:`prefill`, returning the logits of each prompt's last ``keep`` positions (scoring).
+
+        returns (batch, keep, vocab) float32, identical on every CP rank; a prompt shorter than
+        ``keep`` gets zeros at the positions before its first token. The decoder's output is
+        cut to the local tokens holding those positions before the output layer (a hook), so
+        only ``keep`` positions' logits are computed and assembled, never the whole prompt's.
+        The cache is left in decode mode holding every prompt (``decode_step`` may continue it).
         """
         if method not in ("allgather", None):
             raise ValueError(f"prefill method {method!r} is not available for Megatron models; use 'allgather'")
@@ -239,25 +252,33 @@ class MegatronLM:
             b1 = b0
             while b1 < len(prompts) and lengths[b1] == lengths[b0]:
                 b1 += 1
-            plan = cache.plan_prefill(b0, b1, lengths[b0])
+            n = lengths[b0]
+            plan = cache.plan_prefill(b0, b1, n)
             tokens = torch.tensor([list(p) for p in prompts[b0:b1]], dtype=torch.long, device=self.device)
             local = tokens.index_select(1, plan.index.to(self.device))
-            last = (plan.positions[0] == lengths[b0] - 1).nonzero().flatten().tolist()
-            self._last = last[0] if last else 0
+            wanted = torch.arange(n - keep, n)  # negative: before the prompt (a pad, zeros)
+            held_idx = ((plan.positions[0][:, None] == wanted[None, :]) & (wanted[None, :] >= 0)).any(1)
+            idx = held_idx.nonzero().flatten()
+            if idx.numel() == 0:
+                idx = torch.zeros(1, dtype=torch.long)  # this rank holds none: one token, masked out below
+            self._last = idx
             cache.batch_size_offset = b0
+            only_last = cache.materialize_only_last_token_logits  # the hook already cut to the kept tokens
+            cache.materialize_only_last_token_logits = False
             try:
-                logits = self._run(local, plan.positions.clamp(min=0).to(self.device), cache)[:, -1]
+                logits = self._run(local, plan.positions.clamp(min=0).to(self.device), cache)
             finally:
                 self._last = None
+                cache.materialize_only_last_token_logits = only_last
                 cache.batch_size_offset = 0
                 cache.step = None
-            # The kept token's logits (rows, 1, vocab) -> the last prompt token's on every rank (exact).
-            held = plan.positions[:, last[0]:last[0] + 1] if last else torch.full((b1 - b0, 1), -1)
-            logits = assemble_logits(logits[:, None], held, torch.tensor([lengths[b0] - 1]), self.groups,
-                                     stats=stats, signature=("MegatronLM.prefill", ("batch", "vocab", "prompt_length"),
-                                                             (b1 - b0, logits.shape[-1], lengths[b0])))[:, 0]
+            # Each kept token's logits -> the wanted positions' on every rank (exact: one holder each).
+            held = plan.positions.index_select(1, idx) if held_idx.any() else torch.full((b1 - b0, 1), -1)
+            logits = assemble_logits(logits, held, wanted, self.groups, stats=stats,
+                                     signature=("MegatronLM.prefill", ("batch", "keep", "vocab", "prompt_length"),
+                                                (b1 - b0, keep, logits.shape[-1], n)))
             if out is None:
-                out = torch.empty(len(prompts), logits.shape[-1], dtype=torch.float32, device=logits.device)
+                out = torch.empty(len(prompts), keep, logits.shape[-1], dtype=torch.float32, device=logits.device)
             out[b0:b1] = logits
             b0 = b1
         cache.enable_decode_mode()
