@@ -23,6 +23,8 @@ bad setups fail with messages.
 from __future__ import annotations
 
 
+import time
+
 import pytest
 import torch
 
@@ -171,6 +173,15 @@ def dynamic_rank(rank, world):
                                      ctx.kv_cache.block_size, ctx.block_allocator.total_count, ctx.block_size_tokens)
             res[name + "_core"] = type(model.decoder.layers[0].self_attention.core_attention).__name__
             res[name + "_levels"] = [lvl.size for lvl in ctx.groups.levels]
+            if name in ("cp2", "cp2x2"):
+                # Each CP rank handed its own first prompt (cp2) or its own token budget (cp2x2): every
+                # rank raises the same error before any request is added, and the engine stays usable.
+                me = ctx.groups.rank
+                bad = dict(prompts=[[me, 5, 9], [3, 4]], counts=[4, 4]) if name == "cp2" else \
+                    dict(prompts=[[1, 5, 9], [3, 4]], counts=[4, 4 + me])
+                t0 = time.perf_counter()
+                res[name + "_disagree"] = (_error(_run, eng, arrivals=[0, 0], **bad), time.perf_counter() - t0)
+                res[name + "_after_disagree"] = _run(eng, prompts=[[1, 5, 9], [3, 4]], counts=[4, 4], arrivals=[0, 0])
             if name == "cp4":
                 res["cp4_small"] = _run(tree_engine(blocks=9, block=8, max_len=64, max_requests=4), **SMALL)
                 res["bad_pool"] = _error(tree_engine, blocks=4)
@@ -268,6 +279,25 @@ def test_dynamic_engine_cp2_cp4_cp2x2_equal_megatron_cp1(dyn):
     assert dyn[0]["cp4_stats"] == (2 * steps, {"cp": 4 * steps})
     assert dyn[0]["cp2x2_stats"] == (2 * steps, {"intra": 4 * steps, "inter": 4 * steps})
     assert dyn[0]["cp2_stats"] == (2 * steps, {"cp": 4 * steps})
+
+
+def test_ranks_with_different_requests_all_raise_the_same_error_promptly(dyn):
+    """Ranks of one CP group handed different prompts or token budgets would each run Megatron's
+    scheduler on their own requests and return tokens neither gives; every rank raises instead."""
+    for name, what in (("cp2", "prompt_ids"), ("cp2x2", "num_tokens_to_generate")):
+        messages = set()
+        for rank in range(4):
+            message, seconds = dyn[rank][name + "_disagree"]
+            assert message.startswith("DisagreementError") and "generate_dynamic" in message, (name, rank, message)
+            assert what in message, (name, message)
+            assert seconds < 10, (name, rank, seconds)
+            after = dyn[rank][name + "_after_disagree"]
+            assert after["status"] == {0: "COMPLETED", 1: "COMPLETED"} and len(after["tokens"][0]) == 4
+            messages.add(message)
+        # cp2: ranks {0, 1} and {2, 3} are two CP groups, each raising one message naming both of its ranks.
+        assert len(messages) == (2 if name == "cp2" else 1), messages
+    assert "[4, 4]" in dyn[0]["cp2x2_disagree"][0] or "(4, 4)" in dyn[0]["cp2x2_disagree"][0]
+    assert "(4, 7)" in dyn[0]["cp2x2_disagree"][0] or "[4, 7]" in dyn[0]["cp2x2_disagree"][0]
 
 
 def test_reference_equals_full_forward_with_megatron_attention(dyn):

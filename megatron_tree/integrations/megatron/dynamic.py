@@ -42,11 +42,13 @@ hook, the bookkeeping keywords) is asked of :mod:`.version`.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from ... import agreement
 from ...decode.generate import DecodeStep
 from ...decode.paged import PagedKVCache, TokenSlots
 from ...topology import TreeGroups
@@ -537,6 +539,52 @@ class DynamicRun:
     """Requests Megatron evicted (to be prefilled again) for lack of KV blocks."""
 
 
+DYNAMIC_SIGNATURE = ("requests", "prompt_lengths", "prompt_ids", "num_tokens_to_generate", "arrivals",
+                     "termination_id", "max_steps", "sampling")
+"""What every CP rank of one :func:`generate_dynamic` call must pass alike (checked once, before any request)."""
+
+
+def _digest(row) -> str:
+    """A short digest of one token-id row (equal rows, equal digests), as the error shows it."""
+    data = b"".join(int(t).to_bytes(8, "little", signed=True) for t in row)
+    return hashlib.blake2b(data, digest_size=6).hexdigest()
+
+
+def _agree_on_run(context, prompts, num_tokens_to_generate, arrivals, termination_id, max_steps):
+    """This rank's checks, then every CP rank must run the same requests; else all raise the same error.
+
+    Each rank runs Megatron's scheduler on its own arguments: ranks handed different prompts,
+    budgets, arrivals or stop token would schedule alike-sized steps (so the merges still match
+    in size) and return tokens that neither rank's requests give. One fixed-size all-gather
+    (``agreement.agree``) before any request is added; a rank whose own arguments are bad
+    fails every rank with its message. Returns (prompts, counts, arrivals) as lists.
+    """
+    checked = {}
+
+    def values():
+        rows = [[int(t) for t in p] for p in prompts]
+        n = len(rows)
+        arr = [int(a) for a in arrivals] if arrivals is not None else [0] * n
+        if isinstance(num_tokens_to_generate, int):
+            cnt = [int(num_tokens_to_generate)] * n
+        else:
+            cnt = [int(c) for c in num_tokens_to_generate]
+        if len(arr) != n or len(cnt) != n:
+            raise ValueError(f"{n} prompts but {len(arr)} arrival steps and {len(cnt)} token counts")
+        if any(a < 0 for a in arr) or any(c < 1 for c in cnt):
+            raise ValueError(f"arrival steps must be >= 0 and token counts >= 1, got {arr} and {cnt}")
+        checked.update(prompts=rows, counts=cnt, arrivals=arr)
+        return (n, tuple(len(r) for r in rows), tuple(_digest(r) for r in rows), tuple(cnt), tuple(arr),
+                int(termination_id), int(max_steps), "greedy top_k=1")
+
+    groups = getattr(context, "groups", None)
+    group, ranks = (None, ()) if groups is None else (groups.cp_group, groups.cp_ranks)
+    kv = getattr(context, "kv_cache", None)
+    device = kv.k.device if kv is not None else None
+    agreement.agree("generate_dynamic", DYNAMIC_SIGNATURE, values, group, ranks, device=device)
+    return checked["prompts"], checked["counts"], checked["arrivals"]
+
+
 def generate_dynamic(engine, prompts, *, num_tokens_to_generate, arrivals=None, termination_id: int = -1,
                      max_steps: int = 10_000, hook=None) -> DynamicRun:
     """Greedy continuous batching: request i (``prompts[i]``, token ids) joins before step ``arrivals[i]``.
@@ -548,12 +596,10 @@ def generate_dynamic(engine, prompts, *, num_tokens_to_generate, arrivals=None, 
     """
     from megatron.core.inference.sampling_params import SamplingParams
 
-    n = len(prompts)
-    arrivals = list(arrivals) if arrivals is not None else [0] * n
-    counts = [num_tokens_to_generate] * n if isinstance(num_tokens_to_generate, int) else list(num_tokens_to_generate)
-    if len(arrivals) != n or len(counts) != n:
-        raise ValueError(f"{n} prompts but {len(arrivals)} arrival steps and {len(counts)} token counts")
     context = engine.context
+    prompts, counts, arrivals = _agree_on_run(context, prompts, num_tokens_to_generate, arrivals, termination_id,
+                                              max_steps)
+    n = len(prompts)
     run = DynamicRun()
     step = 0
     while True:
