@@ -88,7 +88,7 @@ def _run(engine, prompts=None, counts=None, arrivals=None):
                          arrivals=arrivals or ARRIVALS)
     return {"tokens": r.tokens, "log_probs": r.log_probs, "finished": r.finished_step, "steps": r.steps,
             "status": r.status, "errors": r.errors, "blocks": r.blocks_per_rank, "spread": r.max_blocks_per_rank,
-            "evicted": r.evicted, "live": r.live_requests}
+            "evicted": r.evicted, "live": r.live_requests, "rewound": r.rewound_tokens}
 
 
 def _recompute(model, prompts, tokens):
@@ -119,6 +119,14 @@ SMALL = dict(prompts=[[5, 17, 3, 40, 2, 9, 77, 31, 8, 60], [12, 1, 88, 4, 23, 70
              counts=[20, 20, 20], arrivals=[0, 0, 1])
 
 
+# A stalled chunked prefill: 8-token blocks, 22 usable, 64 tokens a step; the 119-token prompt gets its
+# first chunk, then no chunk for two steps (its remaining blocks are not free), so Megatron runs a
+# placeholder token for it each step and rewinds it when the next chunk comes.
+STALL = dict(prompts=[[(7 * i + 3 * j) % 90 for j in range(n)] for i, n in enumerate([21, 16, 5, 119, 16, 5, 6])],
+             counts=[9, 8, 5, 9, 5, 5, 9], arrivals=[0, 0, 1, 3, 3, 3, 3])
+STALL_ENGINE = dict(blocks=23, block=8, max_len=136, max_tokens=64)
+
+
 def dynamic_rank(rank, world):
     from megatron.core import parallel_state
 
@@ -131,9 +139,10 @@ def dynamic_rank(rank, world):
     tok = _IdTokenizer()
     res = {"patched_before": patches.check_runtime(), "fingerprint_before": mt.megatron_attention_fingerprint()}
 
-    def megatron_engine(model, blocks=NUM_BLOCKS, block=LOGICAL_BLOCK, max_len=MAX_LEN, max_requests=8):
+    def megatron_engine(model, blocks=NUM_BLOCKS, block=LOGICAL_BLOCK, max_len=MAX_LEN, max_requests=8,
+                        max_tokens=MAX_TOKENS):
         return md.build_dynamic_engine(model, tok, max_sequence_length=max_len, buffer_size_gb=_gb(blocks, block),
-                                       block_size_tokens=block, max_tokens=MAX_TOKENS, max_requests=max_requests)
+                                       block_size_tokens=block, max_tokens=max_tokens, max_requests=max_requests)
 
     with megatron_on_cpu():
         # Reference: Megatron's own attention and dynamic context at CP = 1, on rank 0 only (the
@@ -149,6 +158,8 @@ def dynamic_rank(rank, world):
             res["ref_recompute"] = _recompute(model, _prompts(), res["ref"]["tokens"])
             for key, blocks in (("ref_small", 9), ("ref_small_free", 40)):
                 res[key] = _run(megatron_engine(model, blocks=blocks, block=8, max_len=64, max_requests=4), **SMALL)
+            res["ref_stall"] = _run(megatron_engine(model, **STALL_ENGINE), **STALL)
+            res["ref_stall_free"] = _run(megatron_engine(model, **dict(STALL_ENGINE, blocks=60)), **STALL)
         parallel_state.destroy_model_parallel()
 
         for name, cp, hier, strategy in (("cp2", 2, None, "packed"), ("cp4", 4, None, "packed"),
@@ -159,10 +170,11 @@ def dynamic_rank(rank, world):
             for layer in model.decoder.layers:
                 layer.self_attention.core_attention.comm_stats = stats
 
-            def tree_engine(blocks=NUM_BLOCKS, block=LOGICAL_BLOCK, max_len=MAX_LEN, max_requests=8, cp=cp):
+            def tree_engine(blocks=NUM_BLOCKS, block=LOGICAL_BLOCK, max_len=MAX_LEN, max_requests=8, cp=cp,
+                            max_tokens=MAX_TOKENS):
                 return md.build_dynamic_engine(model, tok, max_sequence_length=max_len,
                                                buffer_size_gb=_gb(blocks, block) / cp, block_size_tokens=block // cp,
-                                               max_tokens=MAX_TOKENS, max_requests=max_requests)
+                                               max_tokens=max_tokens, max_requests=max_requests)
 
             eng = tree_engine()
             # A fifth request longer than the context window arrives with the third.
@@ -174,6 +186,7 @@ def dynamic_rank(rank, world):
             res[name + "_core"] = type(model.decoder.layers[0].self_attention.core_attention).__name__
             res[name + "_levels"] = [lvl.size for lvl in ctx.groups.levels]
             if name in ("cp2", "cp2x2"):
+                res[name + "_stall"] = _run(tree_engine(**STALL_ENGINE), **STALL)
                 # Each CP rank handed its own first prompt (cp2) or its own token budget (cp2x2): every
                 # rank raises the same error before any request is added, and the engine stays usable.
                 me = ctx.groups.rank
@@ -349,6 +362,22 @@ def test_pool_pressure_pauses_and_evicts_without_changing_tokens(dyn):
         assert cp4["evicted"] == small["evicted"]
         assert max(max(u) for u in cp4["blocks"]) >= 7  # the per-rank pools (8 blocks) were nearly full
         assert any(sum(u) > sum(v) for u, v in zip(cp4["blocks"], cp4["blocks"][1:]))  # blocks were freed mid-run
+
+
+def test_stalled_chunked_prefill_follows_megatrons_rewind(dyn):
+    """A chunked prefill that gets no chunk for two steps runs Megatron's placeholder token, which
+    Megatron rewinds when the next chunk comes; the paged cache drops it alike on every rank, and
+    CP 2 and CP [2, 2] give Megatron's own CP = 1 tokens under the same stall (which are those of a
+    pool large enough never to stall: the reference is self-consistent)."""
+    ref, free = dyn[0]["ref_stall"], dyn[0]["ref_stall_free"]
+    assert ref["tokens"] == free["tokens"] and ref["steps"] > free["steps"]  # the stall cost steps, not tokens
+    assert set(ref["status"].values()) == {"COMPLETED"}
+    for rank in range(4):
+        for name in ("cp2", "cp2x2"):
+            got = dyn[rank][name + "_stall"]
+            assert got["rewound"] == 2, (rank, name, got["rewound"])  # two placeholder tokens dropped
+            _assert_same_run(got, ref, f"rank {rank} {name} stall")
+            assert got["errors"] == {} and got["blocks"][-1] == [0] * len(got["blocks"][-1])  # all freed
 
 
 def test_request_longer_than_context_fails_alone(dyn):

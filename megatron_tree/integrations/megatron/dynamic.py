@@ -176,6 +176,8 @@ class TreeDynamicInferenceContext(_dynamic_context_base()):
             dtype=self.params_dtype, device=torch.cuda.current_device(),
         )
         self.step: DynamicStep | None = None
+        self.rewound_tokens = 0
+        """Placeholder tokens dropped where Megatron rewound a chunked prefill (see initialize_attention_state)."""
         self.rope_table: torch.Tensor | None = None
 
     @staticmethod
@@ -248,6 +250,13 @@ class TreeDynamicInferenceContext(_dynamic_context_base()):
         placed: dict = {}
         for rid, offset, q_len in zip(rids, offsets, lengths):
             have = self.kv_cache.length(rid) if rid in self.kv_cache else 0
+            if have > offset and rid in self.kv_cache:
+                # Megatron rewound the request: a chunked prefill that got no chunk ran a placeholder
+                # token, which the next chunk overwrites (add_request resets its kv offset). Follow it:
+                # drop the tokens past Megatron's count, free the blocks alike on every rank.
+                self.kv_cache.truncate(rid, offset)
+                self.rewound_tokens += have - offset
+                have = offset
             if have != offset:
                 raise RuntimeError(
                     f"request {rid}: Megatron's context has {offset} cached tokens but the paged cache holds {have}"
@@ -537,6 +546,8 @@ class DynamicRun:
     """Per step, requests holding KV blocks (tree context only)."""
     evicted: int = 0
     """Requests Megatron evicted (to be prefilled again) for lack of KV blocks."""
+    rewound_tokens: int = 0
+    """Placeholder tokens of stalled chunked prefills the paged cache dropped to follow Megatron (tree context only)."""
 
 
 DYNAMIC_SIGNATURE = ("requests", "prompt_lengths", "prompt_ids", "num_tokens_to_generate", "arrivals",
@@ -645,4 +656,5 @@ def generate_dynamic(engine, prompts, *, num_tokens_to_generate, arrivals=None, 
             run.live_requests.append(len(context.kv_cache.requests))
     run.steps = step
     run.evicted = engine.evicted_request_count
+    run.rewound_tokens = getattr(context, "rewound_tokens", 0)
     return run
