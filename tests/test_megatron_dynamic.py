@@ -81,11 +81,11 @@ def _prompts(lengths=PROMPT_LENS, seed=11):
     return [torch.randint(0, VOCAB - 1, (n,), generator=gen).tolist() for n in lengths]
 
 
-def _run(engine, prompts=None, counts=None, arrivals=None):
+def _run(engine, prompts=None, counts=None, arrivals=None, hook=None):
     from megatron_tree.integrations.megatron.dynamic import generate_dynamic
 
     r = generate_dynamic(engine, prompts or _prompts(), num_tokens_to_generate=counts or NEW_TOKENS,
-                         arrivals=arrivals or ARRIVALS)
+                         arrivals=arrivals or ARRIVALS, hook=hook)
     return {"tokens": r.tokens, "log_probs": r.log_probs, "finished": r.finished_step, "steps": r.steps,
             "status": r.status, "errors": r.errors, "blocks": r.blocks_per_rank, "spread": r.max_blocks_per_rank,
             "evicted": r.evicted, "live": r.live_requests, "rewound": r.rewound_tokens}
@@ -125,6 +125,21 @@ SMALL = dict(prompts=[[5, 17, 3, 40, 2, 9, 77, 31, 8, 60], [12, 1, 88, 4, 23, 70
 STALL = dict(prompts=[[(7 * i + 3 * j) % 90 for j in range(n)] for i, n in enumerate([21, 16, 5, 119, 16, 5, 6])],
              counts=[9, 8, 5, 9, 5, 5, 9], arrivals=[0, 0, 1, 3, 3, 3, 3])
 STALL_ENGINE = dict(blocks=23, block=8, max_len=136, max_tokens=64)
+
+
+class _LoseAToken:
+    """Before step 5, drop request 0's last cached token from the paged cache (a mismatch the cache
+    cannot repair: Megatron counts one more token than it holds)."""
+
+    def __init__(self, context):
+        self.context = context
+
+    def before_step(self, step):
+        if step == 5:
+            self.context.kv_cache.truncate(0, self.context.kv_cache.length(0) - 1)
+
+    def after_step(self, step):
+        pass
 
 
 def dynamic_rank(rank, world):
@@ -187,6 +202,9 @@ def dynamic_rank(rank, world):
             res[name + "_levels"] = [lvl.size for lvl in ctx.groups.levels]
             if name in ("cp2", "cp2x2"):
                 res[name + "_stall"] = _run(tree_engine(**STALL_ENGINE), **STALL)
+                if name == "cp2":
+                    broken = tree_engine(**STALL_ENGINE)
+                    res["cp2_broken"] = _run(broken, hook=_LoseAToken(broken.context), **STALL)
                 # Each CP rank handed its own first prompt (cp2) or its own token budget (cp2x2): every
                 # rank raises the same error before any request is added, and the engine stays usable.
                 me = ctx.groups.rank
@@ -378,6 +396,20 @@ def test_stalled_chunked_prefill_follows_megatrons_rewind(dyn):
             assert got["rewound"] == 2, (rank, name, got["rewound"])  # two placeholder tokens dropped
             _assert_same_run(got, ref, f"rank {rank} {name} stall")
             assert got["errors"] == {} and got["blocks"][-1] == [0] * len(got["blocks"][-1])  # all freed
+
+
+def test_a_cache_mismatch_it_cannot_repair_fails_that_request_alone(dyn):
+    """A paged cache that lost a token of request 0 (one it cannot repair): request 0 fails with the
+    counts in its message on every rank; the other requests' tokens are Megatron's."""
+    ref = dyn[0]["ref_stall"]
+    for rank in range(4):
+        got = dyn[rank]["cp2_broken"]
+        assert got["status"][0] == "FAILED" and got["tokens"][0] == [], (rank, got["status"])
+        assert "request 0: Megatron's context has" in got["errors"][0] and "the other requests are unaffected" in \
+            got["errors"][0], got["errors"][0]
+        assert {k: v for k, v in got["tokens"].items() if k} == {k: v for k, v in ref["tokens"].items() if k}
+        assert all(got["status"][k] == "COMPLETED" for k in got["status"] if k)
+        assert got["blocks"][-1] == [0, 0]
 
 
 def test_request_longer_than_context_fails_alone(dyn):

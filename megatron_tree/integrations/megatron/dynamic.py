@@ -177,6 +177,8 @@ class TreeDynamicInferenceContext(_dynamic_context_base()):
         )
         self.step: DynamicStep | None = None
         self.rewound_tokens = 0
+        self.broken_requests: dict = {}
+        """Request id -> why it failed: its paged cache could not follow Megatron's (see _break_request)."""
         """Placeholder tokens dropped where Megatron rewound a chunked prefill (see initialize_attention_state)."""
         self.rope_table: torch.Tensor | None = None
 
@@ -235,6 +237,18 @@ class TreeDynamicInferenceContext(_dynamic_context_base()):
                 self.kv_cache.free(rid)
         super().release_memory_blocks_from_request_indexes(request_indexes)
 
+    def _break_request(self, rid, offset: int, message: str) -> None:
+        """Fail one request whose paged cache cannot follow Megatron's count (every rank alike: the
+        bookkeeping is identical): it gets ``offset`` slots of stale keys/values so the step runs,
+        and :func:`generate_dynamic` reports it FAILED with ``message`` and no tokens."""
+        if rid in self.kv_cache:
+            self.kv_cache.free(rid)
+        try:
+            self.kv_cache.extend_host(rid, offset)
+        except Exception as err:  # noqa: BLE001 -- no room even for that: the step cannot run
+            raise RuntimeError(f"{message}; and no blocks to keep it running: {err}") from err
+        self.broken_requests.setdefault(rid, message)
+
     # -- one step: where this step's tokens go and what each query row sees -------------------
 
     def initialize_attention_state(self, *, construct_graph_dimensions=None, **kwargs):
@@ -250,17 +264,21 @@ class TreeDynamicInferenceContext(_dynamic_context_base()):
         placed: dict = {}
         for rid, offset, q_len in zip(rids, offsets, lengths):
             have = self.kv_cache.length(rid) if rid in self.kv_cache else 0
+            why = ""
             if have > offset and rid in self.kv_cache:
                 # Megatron rewound the request: a chunked prefill that got no chunk ran a placeholder
                 # token, which the next chunk overwrites (add_request resets its kv offset). Follow it:
                 # drop the tokens past Megatron's count, free the blocks alike on every rank.
-                self.kv_cache.truncate(rid, offset)
-                self.rewound_tokens += have - offset
-                have = offset
+                try:
+                    self.kv_cache.truncate(rid, offset)
+                    self.rewound_tokens += have - offset
+                    have = offset
+                except ValueError as err:
+                    why = f" ({err})"
             if have != offset:
-                raise RuntimeError(
-                    f"request {rid}: Megatron's context has {offset} cached tokens but the paged cache holds {have}"
-                )
+                self._break_request(rid, offset, f"request {rid}: Megatron's context has {offset} cached tokens but "
+                                             f"the paged cache holds {have}{why}; its tokens are not computed "
+                                             "exactly, so it fails (the other requests are unaffected)")
             placed[rid] = [torch.as_tensor(x, dtype=torch.int64) for x in self.kv_cache.extend_host(rid, q_len)]
         req_of_token = self.request_ids[self.token_to_request_idx[:n]].tolist()
         positions = torch.zeros(padded, dtype=torch.int64)
@@ -608,6 +626,8 @@ def generate_dynamic(engine, prompts, *, num_tokens_to_generate, arrivals=None, 
     from megatron.core.inference.sampling_params import SamplingParams
 
     context = engine.context
+    if isinstance(context, TreeDynamicInferenceContext):
+        context.broken_requests.clear()
     prompts, counts, arrivals = _agree_on_run(context, prompts, num_tokens_to_generate, arrivals, termination_id,
                                               max_steps)
     n = len(prompts)
@@ -649,6 +669,10 @@ def generate_dynamic(engine, prompts, *, num_tokens_to_generate, arrivals=None, 
             run.finished_step[rid] = step
             if req.status.name == "FAILED":
                 run.errors.setdefault(rid, f"request {rid} failed: {[str(e) for e in req.events]}")
+            broken = getattr(context, "broken_requests", {}).pop(rid, None)
+            if broken is not None:
+                run.tokens[rid], run.log_probs[rid], run.status[rid] = [], [], "FAILED"
+                run.errors[rid] = broken
         if isinstance(context, TreeDynamicInferenceContext):
             run.blocks_per_rank.append(context.kv_cache.blocks_used())
             spread = [max(b) - min(b) for b in (context.kv_cache.request_blocks(r) for r in context.kv_cache.requests)]
