@@ -13,8 +13,11 @@ steps; greedy tokens must be identical and log-probabilities equal to fp32 noise
 The same run checks, against independent facts: the reference's tokens and log-probs are
 those of a plain full-sequence forward with Megatron's DotProductAttention (no cache); KV
 memory per rank is 1/CP of the reference's and blocks per rank stay within one of even;
-a pool so small that Megatron pauses and evicts a request changes no token; a request
-longer than the context window fails alone; the integration applies no patch and leaves
+a pool so small that Megatron pauses and evicts a request changes no token; a chunked
+prefill that stalls (no chunk for two steps: Megatron's placeholder tokens, then its rewind)
+gives Megatron CP = 1's tokens at CP 2 and [2, 2]; a paged-cache mismatch the cache cannot
+repair fails that request alone; ranks handed different requests all raise one
+DisagreementError within 10 s; a request longer than the context window fails alone; the integration applies no patch and leaves
 Megatron's attention module as installed (file bytes, method identity); Megatron's own engine
 is unchanged with the source patches (for models without the module slot) applied by hand;
 bad setups fail with messages.
