@@ -13,8 +13,11 @@ steps; greedy tokens must be identical and log-probabilities equal to fp32 noise
 The same run checks, against independent facts: the reference's tokens and log-probs are
 those of a plain full-sequence forward with Megatron's DotProductAttention (no cache); KV
 memory per rank is 1/CP of the reference's and blocks per rank stay within one of even;
-a pool so small that Megatron pauses and evicts a request changes no token; a request
-longer than the context window fails alone; the integration applies no patch and leaves
+a pool so small that Megatron pauses and evicts a request changes no token; a chunked
+prefill that stalls (no chunk for two steps: Megatron's placeholder tokens, then its rewind)
+gives Megatron CP = 1's tokens at CP 2 and [2, 2]; a paged-cache mismatch the cache cannot
+repair fails that request alone; ranks handed different requests all raise one
+DisagreementError within 10 s; a request longer than the context window fails alone; the integration applies no patch and leaves
 Megatron's attention module as installed (file bytes, method identity); Megatron's own engine
 is unchanged with the source patches (for models without the module slot) applied by hand;
 bad setups fail with messages.
@@ -22,6 +25,8 @@ bad setups fail with messages.
 
 from __future__ import annotations
 
+
+import time
 
 import pytest
 import torch
@@ -79,14 +84,14 @@ def _prompts(lengths=PROMPT_LENS, seed=11):
     return [torch.randint(0, VOCAB - 1, (n,), generator=gen).tolist() for n in lengths]
 
 
-def _run(engine, prompts=None, counts=None, arrivals=None):
+def _run(engine, prompts=None, counts=None, arrivals=None, hook=None):
     from megatron_tree.integrations.megatron.dynamic import generate_dynamic
 
     r = generate_dynamic(engine, prompts or _prompts(), num_tokens_to_generate=counts or NEW_TOKENS,
-                         arrivals=arrivals or ARRIVALS)
+                         arrivals=arrivals or ARRIVALS, hook=hook)
     return {"tokens": r.tokens, "log_probs": r.log_probs, "finished": r.finished_step, "steps": r.steps,
             "status": r.status, "errors": r.errors, "blocks": r.blocks_per_rank, "spread": r.max_blocks_per_rank,
-            "evicted": r.evicted, "live": r.live_requests}
+            "evicted": r.evicted, "live": r.live_requests, "rewound": r.rewound_tokens}
 
 
 def _recompute(model, prompts, tokens):
@@ -117,6 +122,29 @@ SMALL = dict(prompts=[[5, 17, 3, 40, 2, 9, 77, 31, 8, 60], [12, 1, 88, 4, 23, 70
              counts=[20, 20, 20], arrivals=[0, 0, 1])
 
 
+# A stalled chunked prefill: 8-token blocks, 22 usable, 64 tokens a step; the 119-token prompt gets its
+# first chunk, then no chunk for two steps (its remaining blocks are not free), so Megatron runs a
+# placeholder token for it each step and rewinds it when the next chunk comes.
+STALL = dict(prompts=[[(7 * i + 3 * j) % 90 for j in range(n)] for i, n in enumerate([21, 16, 5, 119, 16, 5, 6])],
+             counts=[9, 8, 5, 9, 5, 5, 9], arrivals=[0, 0, 1, 3, 3, 3, 3])
+STALL_ENGINE = dict(blocks=23, block=8, max_len=136, max_tokens=64)
+
+
+class _LoseAToken:
+    """Before step 5, drop request 0's last cached token from the paged cache (a mismatch the cache
+    cannot repair: Megatron counts one more token than it holds)."""
+
+    def __init__(self, context):
+        self.context = context
+
+    def before_step(self, step):
+        if step == 5:
+            self.context.kv_cache.truncate(0, self.context.kv_cache.length(0) - 1)
+
+    def after_step(self, step):
+        pass
+
+
 def dynamic_rank(rank, world):
     from megatron.core import parallel_state
 
@@ -129,9 +157,10 @@ def dynamic_rank(rank, world):
     tok = _IdTokenizer()
     res = {"patched_before": patches.check_runtime(), "fingerprint_before": mt.megatron_attention_fingerprint()}
 
-    def megatron_engine(model, blocks=NUM_BLOCKS, block=LOGICAL_BLOCK, max_len=MAX_LEN, max_requests=8):
+    def megatron_engine(model, blocks=NUM_BLOCKS, block=LOGICAL_BLOCK, max_len=MAX_LEN, max_requests=8,
+                        max_tokens=MAX_TOKENS):
         return md.build_dynamic_engine(model, tok, max_sequence_length=max_len, buffer_size_gb=_gb(blocks, block),
-                                       block_size_tokens=block, max_tokens=MAX_TOKENS, max_requests=max_requests)
+                                       block_size_tokens=block, max_tokens=max_tokens, max_requests=max_requests)
 
     with megatron_on_cpu():
         # Reference: Megatron's own attention and dynamic context at CP = 1, on rank 0 only (the
@@ -147,6 +176,8 @@ def dynamic_rank(rank, world):
             res["ref_recompute"] = _recompute(model, _prompts(), res["ref"]["tokens"])
             for key, blocks in (("ref_small", 9), ("ref_small_free", 40)):
                 res[key] = _run(megatron_engine(model, blocks=blocks, block=8, max_len=64, max_requests=4), **SMALL)
+            res["ref_stall"] = _run(megatron_engine(model, **STALL_ENGINE), **STALL)
+            res["ref_stall_free"] = _run(megatron_engine(model, **dict(STALL_ENGINE, blocks=60)), **STALL)
         parallel_state.destroy_model_parallel()
 
         for name, cp, hier, strategy in (("cp2", 2, None, "packed"), ("cp4", 4, None, "packed"),
@@ -157,10 +188,11 @@ def dynamic_rank(rank, world):
             for layer in model.decoder.layers:
                 layer.self_attention.core_attention.comm_stats = stats
 
-            def tree_engine(blocks=NUM_BLOCKS, block=LOGICAL_BLOCK, max_len=MAX_LEN, max_requests=8, cp=cp):
+            def tree_engine(blocks=NUM_BLOCKS, block=LOGICAL_BLOCK, max_len=MAX_LEN, max_requests=8, cp=cp,
+                            max_tokens=MAX_TOKENS):
                 return md.build_dynamic_engine(model, tok, max_sequence_length=max_len,
                                                buffer_size_gb=_gb(blocks, block) / cp, block_size_tokens=block // cp,
-                                               max_tokens=MAX_TOKENS, max_requests=max_requests)
+                                               max_tokens=max_tokens, max_requests=max_requests)
 
             eng = tree_engine()
             # A fifth request longer than the context window arrives with the third.
@@ -171,6 +203,19 @@ def dynamic_rank(rank, world):
                                      ctx.kv_cache.block_size, ctx.block_allocator.total_count, ctx.block_size_tokens)
             res[name + "_core"] = type(model.decoder.layers[0].self_attention.core_attention).__name__
             res[name + "_levels"] = [lvl.size for lvl in ctx.groups.levels]
+            if name in ("cp2", "cp2x2"):
+                res[name + "_stall"] = _run(tree_engine(**STALL_ENGINE), **STALL)
+                if name == "cp2":
+                    broken = tree_engine(**STALL_ENGINE)
+                    res["cp2_broken"] = _run(broken, hook=_LoseAToken(broken.context), **STALL)
+                # Each CP rank handed its own first prompt (cp2) or its own token budget (cp2x2): every
+                # rank raises the same error before any request is added, and the engine stays usable.
+                me = ctx.groups.rank
+                bad = dict(prompts=[[me, 5, 9], [3, 4]], counts=[4, 4]) if name == "cp2" else \
+                    dict(prompts=[[1, 5, 9], [3, 4]], counts=[4, 4 + me])
+                t0 = time.perf_counter()
+                res[name + "_disagree"] = (_error(_run, eng, arrivals=[0, 0], **bad), time.perf_counter() - t0)
+                res[name + "_after_disagree"] = _run(eng, prompts=[[1, 5, 9], [3, 4]], counts=[4, 4], arrivals=[0, 0])
             if name == "cp4":
                 res["cp4_small"] = _run(tree_engine(blocks=9, block=8, max_len=64, max_requests=4), **SMALL)
                 res["bad_pool"] = _error(tree_engine, blocks=4)
@@ -270,6 +315,25 @@ def test_dynamic_engine_cp2_cp4_cp2x2_equal_megatron_cp1(dyn):
     assert dyn[0]["cp2_stats"] == (2 * steps, {"cp": 4 * steps})
 
 
+def test_ranks_with_different_requests_all_raise_the_same_error_promptly(dyn):
+    """Ranks of one CP group handed different prompts or token budgets would each run Megatron's
+    scheduler on their own requests and return tokens neither gives; every rank raises instead."""
+    for name, what in (("cp2", "prompt_ids"), ("cp2x2", "num_tokens_to_generate")):
+        messages = set()
+        for rank in range(4):
+            message, seconds = dyn[rank][name + "_disagree"]
+            assert message.startswith("DisagreementError") and "generate_dynamic" in message, (name, rank, message)
+            assert what in message, (name, message)
+            assert seconds < 10, (name, rank, seconds)
+            after = dyn[rank][name + "_after_disagree"]
+            assert after["status"] == {0: "COMPLETED", 1: "COMPLETED"} and len(after["tokens"][0]) == 4
+            messages.add(message)
+        # cp2: ranks {0, 1} and {2, 3} are two CP groups, each raising one message naming both of its ranks.
+        assert len(messages) == (2 if name == "cp2" else 1), messages
+    assert "[4, 4]" in dyn[0]["cp2x2_disagree"][0] or "(4, 4)" in dyn[0]["cp2x2_disagree"][0]
+    assert "(4, 7)" in dyn[0]["cp2x2_disagree"][0] or "[4, 7]" in dyn[0]["cp2x2_disagree"][0]
+
+
 def test_reference_equals_full_forward_with_megatron_attention(dyn):
     """The CPU reference itself is right: Megatron's DotProductAttention over the whole
     sequence, without any cache, picks the same greedy tokens with the same log-probs."""
@@ -319,6 +383,36 @@ def test_pool_pressure_pauses_and_evicts_without_changing_tokens(dyn):
         assert cp4["evicted"] == small["evicted"]
         assert max(max(u) for u in cp4["blocks"]) >= 7  # the per-rank pools (8 blocks) were nearly full
         assert any(sum(u) > sum(v) for u, v in zip(cp4["blocks"], cp4["blocks"][1:]))  # blocks were freed mid-run
+
+
+def test_stalled_chunked_prefill_follows_megatrons_rewind(dyn):
+    """A chunked prefill that gets no chunk for two steps runs Megatron's placeholder token, which
+    Megatron rewinds when the next chunk comes; the paged cache drops it alike on every rank, and
+    CP 2 and CP [2, 2] give Megatron's own CP = 1 tokens under the same stall (which are those of a
+    pool large enough never to stall: the reference is self-consistent)."""
+    ref, free = dyn[0]["ref_stall"], dyn[0]["ref_stall_free"]
+    assert ref["tokens"] == free["tokens"] and ref["steps"] > free["steps"]  # the stall cost steps, not tokens
+    assert set(ref["status"].values()) == {"COMPLETED"}
+    for rank in range(4):
+        for name in ("cp2", "cp2x2"):
+            got = dyn[rank][name + "_stall"]
+            assert got["rewound"] == 2, (rank, name, got["rewound"])  # two placeholder tokens dropped
+            _assert_same_run(got, ref, f"rank {rank} {name} stall")
+            assert got["errors"] == {} and got["blocks"][-1] == [0] * len(got["blocks"][-1])  # all freed
+
+
+def test_a_cache_mismatch_it_cannot_repair_fails_that_request_alone(dyn):
+    """A paged cache that lost a token of request 0 (one it cannot repair): request 0 fails with the
+    counts in its message on every rank; the other requests' tokens are Megatron's."""
+    ref = dyn[0]["ref_stall"]
+    for rank in range(4):
+        got = dyn[rank]["cp2_broken"]
+        assert got["status"][0] == "FAILED" and got["tokens"][0] == [], (rank, got["status"])
+        assert "request 0: Megatron's context has" in got["errors"][0] and "the other requests are unaffected" in \
+            got["errors"][0], got["errors"][0]
+        assert {k: v for k, v in got["tokens"].items() if k} == {k: v for k, v in ref["tokens"].items() if k}
+        assert all(got["status"][k] == "COMPLETED" for k in got["status"] if k)
+        assert got["blocks"][-1] == [0, 0]
 
 
 def test_request_longer_than_context_fails_alone(dyn):

@@ -65,6 +65,38 @@ def test_free_returns_blocks_and_they_are_reused():
     assert c.blocks_used() == [0, 0] and c.requests == []
 
 
+def test_truncate_rewinds_a_request_like_a_shorter_one_and_frees_its_blocks():
+    """An engine's rewind (Megatron's stalled chunked prefill): the kept tokens stay where they
+    are, the blocks past them go back to their ranks, and growing again places tokens exactly
+    as a request that never held the dropped ones."""
+    for cp, hist, keep in ((3, [10, 1, 1], 10), (2, [7, 1, 1], 7), (3, [5, 3, 8, 1, 1], 16), (2, [9, 4], 0)):
+        c, fresh = _cache(cp=cp, blocks=12), _cache(cp=cp, blocks=12)
+        for n in hist:
+            c.extend("r", n)
+        before = [c.positions("r", rank)[:] for rank in range(cp)]
+        c.truncate("r", keep)
+        assert c.length("r") == keep and sum(c.shard_lengths("r")) == keep
+        if keep:
+            fresh.extend("r", keep)
+            assert c.shard_lengths("r") == fresh.shard_lengths("r") and c.blocks_used() == fresh.blocks_used()
+            for rank in range(cp):
+                assert c.positions("r", rank) == before[rank][:len(c.positions("r", rank))]
+            a, b = c.extend("r", 6), fresh.extend("r", 6)
+            assert a.positions.tolist() == b.positions.tolist() and a.owners.tolist() == b.owners.tolist()
+        else:
+            assert c.blocks_used() == [0] * cp
+        c.free("r")
+        assert c.blocks_used() == [0] * cp
+    c = _cache()
+    c.extend("a", 5)
+    for bad in (6, -1, 2.0, True):
+        with pytest.raises(ValueError, match="cannot truncate"):
+            c.truncate("a", bad)
+    assert c.length("a") == 5
+    with pytest.raises(KeyError, match="not in the paged cache"):
+        c.truncate("b", 0)
+
+
 def test_pool_exhaustion_names_request_rank_needed_free_and_changes_nothing():
     c = _cache(cp=2, blocks=3, bs=4, max_len=100)
     c.extend("long", 20)  # 5 blocks: 3 on rank 0, 2 on rank 1

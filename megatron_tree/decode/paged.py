@@ -313,6 +313,40 @@ class PagedKVCache:
         views, _ = to_device([store, *extra], self.k.device)
         return TokenSlots(positions, owners, slots, views[0]), views[1:]
 
+    def truncate(self, request, length: int) -> None:
+        """Keep only the request's first ``length`` tokens (a rewind: the engine will place the rest again).
+
+        The kept tokens stay in their slots; blocks no rank needs any more go back to their pools,
+        alike on every rank (every rank makes the same call). Raises ``ValueError`` -- changing
+        nothing -- if ``length`` exceeds what the request holds, or if a row of ``length`` tokens
+        would not lie where the kept tokens already are (the placement is a function of the
+        length alone for rows grown by ``extend``; this checks it rather than assumes it).
+        """
+        req = self._get(request)
+        if not isinstance(length, int) or isinstance(length, bool) or not 0 <= length <= req.row.total:
+            raise ValueError(f"request {request!r}: cannot truncate to {length!r} tokens; it holds {req.row.total}")
+        if length == req.row.total:
+            return
+        row = RowPlacement(self.cp_size, block_size=self.block_size)
+        if length:
+            row.append(length)
+        keep = []
+        for rank in range(self.cp_size):
+            v = self._virtual(req, rank) if req.shift is not None else rank
+            old, new = req.row.positions(v), row.positions(v)
+            if old[:len(new)] != new:
+                raise ValueError(
+                    f"request {request!r}: its first {length} tokens do not lie where a {length}-token row "
+                    f"would on CP rank {rank}; it cannot be truncated in place"
+                )
+            keep.append(math.ceil(len(new) / self.block_size))
+        for rank, n in enumerate(keep):
+            self.pools[rank].give_back(req.blocks[rank][n:])
+            del req.blocks[rank][n:]
+        req.row = row
+        if not length:
+            req.shift = None
+
     def free(self, request) -> None:
         """Return the request's blocks to every rank's pool and forget it."""
         req = self._requests.pop(request, None)

@@ -42,11 +42,13 @@ hook, the bookkeeping keywords) is asked of :mod:`.version`.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from ... import agreement
 from ...decode.generate import DecodeStep
 from ...decode.paged import PagedKVCache, TokenSlots
 from ...topology import TreeGroups
@@ -174,6 +176,10 @@ class TreeDynamicInferenceContext(_dynamic_context_base()):
             dtype=self.params_dtype, device=torch.cuda.current_device(),
         )
         self.step: DynamicStep | None = None
+        self.rewound_tokens = 0
+        self.broken_requests: dict = {}
+        """Request id -> why it failed: its paged cache could not follow Megatron's (see _break_request)."""
+        """Placeholder tokens dropped where Megatron rewound a chunked prefill (see initialize_attention_state)."""
         self.rope_table: torch.Tensor | None = None
 
     @staticmethod
@@ -231,6 +237,18 @@ class TreeDynamicInferenceContext(_dynamic_context_base()):
                 self.kv_cache.free(rid)
         super().release_memory_blocks_from_request_indexes(request_indexes)
 
+    def _break_request(self, rid, offset: int, message: str) -> None:
+        """Fail one request whose paged cache cannot follow Megatron's count (every rank alike: the
+        bookkeeping is identical): it gets ``offset`` slots of stale keys/values so the step runs,
+        and :func:`generate_dynamic` reports it FAILED with ``message`` and no tokens."""
+        if rid in self.kv_cache:
+            self.kv_cache.free(rid)
+        try:
+            self.kv_cache.extend_host(rid, offset)
+        except Exception as err:  # noqa: BLE001 -- no room even for that: the step cannot run
+            raise RuntimeError(f"{message}; and no blocks to keep it running: {err}") from err
+        self.broken_requests.setdefault(rid, message)
+
     # -- one step: where this step's tokens go and what each query row sees -------------------
 
     def initialize_attention_state(self, *, construct_graph_dimensions=None, **kwargs):
@@ -246,10 +264,21 @@ class TreeDynamicInferenceContext(_dynamic_context_base()):
         placed: dict = {}
         for rid, offset, q_len in zip(rids, offsets, lengths):
             have = self.kv_cache.length(rid) if rid in self.kv_cache else 0
+            why = ""
+            if have > offset and rid in self.kv_cache:
+                # Megatron rewound the request: a chunked prefill that got no chunk ran a placeholder
+                # token, which the next chunk overwrites (add_request resets its kv offset). Follow it:
+                # drop the tokens past Megatron's count, free the blocks alike on every rank.
+                try:
+                    self.kv_cache.truncate(rid, offset)
+                    self.rewound_tokens += have - offset
+                    have = offset
+                except ValueError as err:
+                    why = f" ({err})"
             if have != offset:
-                raise RuntimeError(
-                    f"request {rid}: Megatron's context has {offset} cached tokens but the paged cache holds {have}"
-                )
+                self._break_request(rid, offset, f"request {rid}: Megatron's context has {offset} cached tokens but "
+                                             f"the paged cache holds {have}{why}; its tokens are not computed "
+                                             "exactly, so it fails (the other requests are unaffected)")
             placed[rid] = [torch.as_tensor(x, dtype=torch.int64) for x in self.kv_cache.extend_host(rid, q_len)]
         req_of_token = self.request_ids[self.token_to_request_idx[:n]].tolist()
         positions = torch.zeros(padded, dtype=torch.int64)
@@ -535,6 +564,54 @@ class DynamicRun:
     """Per step, requests holding KV blocks (tree context only)."""
     evicted: int = 0
     """Requests Megatron evicted (to be prefilled again) for lack of KV blocks."""
+    rewound_tokens: int = 0
+    """Placeholder tokens of stalled chunked prefills the paged cache dropped to follow Megatron (tree context only)."""
+
+
+DYNAMIC_SIGNATURE = ("requests", "prompt_lengths", "prompt_ids", "num_tokens_to_generate", "arrivals",
+                     "termination_id", "max_steps", "sampling")
+"""What every CP rank of one :func:`generate_dynamic` call must pass alike (checked once, before any request)."""
+
+
+def _digest(row) -> str:
+    """A short digest of one token-id row (equal rows, equal digests), as the error shows it."""
+    data = b"".join(int(t).to_bytes(8, "little", signed=True) for t in row)
+    return hashlib.blake2b(data, digest_size=6).hexdigest()
+
+
+def _agree_on_run(context, prompts, num_tokens_to_generate, arrivals, termination_id, max_steps):
+    """This rank's checks, then every CP rank must run the same requests; else all raise the same error.
+
+    Each rank runs Megatron's scheduler on its own arguments: ranks handed different prompts,
+    budgets, arrivals or stop token would schedule alike-sized steps (so the merges still match
+    in size) and return tokens that neither rank's requests give. One fixed-size all-gather
+    (``agreement.agree``) before any request is added; a rank whose own arguments are bad
+    fails every rank with its message. Returns (prompts, counts, arrivals) as lists.
+    """
+    checked = {}
+
+    def values():
+        rows = [[int(t) for t in p] for p in prompts]
+        n = len(rows)
+        arr = [int(a) for a in arrivals] if arrivals is not None else [0] * n
+        if isinstance(num_tokens_to_generate, int):
+            cnt = [int(num_tokens_to_generate)] * n
+        else:
+            cnt = [int(c) for c in num_tokens_to_generate]
+        if len(arr) != n or len(cnt) != n:
+            raise ValueError(f"{n} prompts but {len(arr)} arrival steps and {len(cnt)} token counts")
+        if any(a < 0 for a in arr) or any(c < 1 for c in cnt):
+            raise ValueError(f"arrival steps must be >= 0 and token counts >= 1, got {arr} and {cnt}")
+        checked.update(prompts=rows, counts=cnt, arrivals=arr)
+        return (n, tuple(len(r) for r in rows), tuple(_digest(r) for r in rows), tuple(cnt), tuple(arr),
+                int(termination_id), int(max_steps), "greedy top_k=1")
+
+    groups = getattr(context, "groups", None)
+    group, ranks = (None, ()) if groups is None else (groups.cp_group, groups.cp_ranks)
+    kv = getattr(context, "kv_cache", None)
+    device = kv.k.device if kv is not None else None
+    agreement.agree("generate_dynamic", DYNAMIC_SIGNATURE, values, group, ranks, device=device)
+    return checked["prompts"], checked["counts"], checked["arrivals"]
 
 
 def generate_dynamic(engine, prompts, *, num_tokens_to_generate, arrivals=None, termination_id: int = -1,
@@ -548,12 +625,12 @@ def generate_dynamic(engine, prompts, *, num_tokens_to_generate, arrivals=None, 
     """
     from megatron.core.inference.sampling_params import SamplingParams
 
-    n = len(prompts)
-    arrivals = list(arrivals) if arrivals is not None else [0] * n
-    counts = [num_tokens_to_generate] * n if isinstance(num_tokens_to_generate, int) else list(num_tokens_to_generate)
-    if len(arrivals) != n or len(counts) != n:
-        raise ValueError(f"{n} prompts but {len(arrivals)} arrival steps and {len(counts)} token counts")
     context = engine.context
+    if isinstance(context, TreeDynamicInferenceContext):
+        context.broken_requests.clear()
+    prompts, counts, arrivals = _agree_on_run(context, prompts, num_tokens_to_generate, arrivals, termination_id,
+                                              max_steps)
+    n = len(prompts)
     run = DynamicRun()
     step = 0
     while True:
@@ -592,6 +669,10 @@ def generate_dynamic(engine, prompts, *, num_tokens_to_generate, arrivals=None, 
             run.finished_step[rid] = step
             if req.status.name == "FAILED":
                 run.errors.setdefault(rid, f"request {rid} failed: {[str(e) for e in req.events]}")
+            broken = getattr(context, "broken_requests", {}).pop(rid, None)
+            if broken is not None:
+                run.tokens[rid], run.log_probs[rid], run.status[rid] = [], [], "FAILED"
+                run.errors[rid] = broken
         if isinstance(context, TreeDynamicInferenceContext):
             run.blocks_per_rank.append(context.kv_cache.blocks_used())
             spread = [max(b) - min(b) for b in (context.kv_cache.request_blocks(r) for r in context.kv_cache.requests)]
@@ -599,4 +680,5 @@ def generate_dynamic(engine, prompts, *, num_tokens_to_generate, arrivals=None, 
             run.live_requests.append(len(context.kv_cache.requests))
     run.steps = step
     run.evicted = engine.evicted_request_count
+    run.rewound_tokens = getattr(context, "rewound_tokens", 0)
     return run
