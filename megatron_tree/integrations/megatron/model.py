@@ -223,13 +223,14 @@ class MegatronLM:
         return self.model(tokens, positions, None, inference_context=ctx, runtime_gather_output=True)
 
     @torch.no_grad()
-    def prefill(self, prompts, cache, method: str = "allgather", stats=None) -> torch.Tensor:
+    def prefill(self, prompts, cache, method: str = "ring", stats=None) -> torch.Tensor:
         """Every prompt's full length CP-sharded, rows of equal length in one forward each.
 
-        method: only ``"allgather"`` (the core attention all-gathers the prompt's keys/values).
+        method: only ``"ring"`` (the core attention runs ``decode.prefill.ring_prefill`` over every
+        rank's chunks of the prompt; no rank holds another's keys/values).
         """
-        if method not in ("allgather", None):
-            raise ValueError(f"prefill method {method!r} is not available for Megatron models; use 'allgather'")
+        if method not in ("ring", None):
+            raise ValueError(f"prefill method {method!r} is not available for Megatron models; use 'ring'")
         cache.reset()
         cache.enable_prefill_mode()
         lengths = [len(p) for p in prompts]

@@ -33,7 +33,7 @@ from ...decode.placement import RowPlacement
 from ...decode.plan import StepPlanner
 from ...decode.prefill import assemble_logits
 from ...topology import TreeGroups
-from .attention import NEVER, CorePlan, check_tree_slots, gather_seq
+from .attention import CorePlan, check_tree_slots
 from .groups import tree_groups_from_megatron
 from .version import (check_megatron_version, get_only_last_token_logits, init_gpt_wrapper, megatron_api,
                       prep_model_for_inference, set_only_last_token_logits)
@@ -323,8 +323,9 @@ class TreeInferenceContext(_static_context_base()):
         hook). query: [sq, b, hq, d]; key, value: [sq, b, hkv, d] for the tokens of this forward on
         this rank (see :class:`StepPlan`). Returns Megatron's tuple ``(query, key, value,
         rotary_pos_emb, attn_mask_type, block_table)`` with RoPE already applied at global
-        positions (so ``rotary_pos_emb`` is ``None``), and key/value either the all-gathered
-        prompt (prefill) or this rank's shard of the cache (decode); leaves ``core._pending``
+        positions (so ``rotary_pos_emb`` is ``None``), and key/value either this rank's chunks of the
+        prompt (prefill: the core attention passes them round the CP ring, ``decode.prefill.ring_prefill``)
+        or this rank's shard of the cache (decode); leaves ``core._pending``
         (a :class:`~.attention.CorePlan`) for the core attention's forward.
         """
         plan = self.step
@@ -349,11 +350,9 @@ class TreeInferenceContext(_static_context_base()):
         rows = torch.arange(b0, b1, device=key.device)[None, :].expand_as(slot)
         k_buf[slot, rows] = key.to(k_buf.dtype)
         v_buf[slot, rows] = value.to(v_buf.dtype)
-        if plan.mode == "prefill":
-            keys = gather_seq(key, core.groups, "prefill keys/values")
-            values = gather_seq(value, core.groups, "prefill keys/values")
-            kpos = plan.gathered_positions.masked_fill(plan.gathered_positions < 0, NEVER)
-            core._pending = CorePlan("prefill", plan.positions, kpos)
+        if plan.mode == "prefill":  # this rank's chunks only: the core attention runs decode.prefill's ring
+            keys, values = key, value
+            core._pending = CorePlan("prefill", plan.positions, plan.positions)
         else:
             lengths = plan.k_lengths if plan.k_lengths is not None else self.local_lengths(b0, b1)
             n = self.local_max(b0, b1)  # host bookkeeping: no read of lengths
