@@ -65,8 +65,6 @@ class StepPlan:
     """(batch, width) int64 slot of each token in this rank's shard; -1 where it is not stored here."""
     store: torch.Tensor
     """(batch, width) int64 where this rank writes each token: its slot, or the spare slot ``capacity``."""
-    gathered_positions: torch.Tensor | None
-    """prefill: (batch, width * cp) positions of the all-gathered window, in gather order (-1 = padding)."""
     k_lengths: torch.Tensor | None = None
     """decode: (batch,) int32 tokens of each row this rank holds after the step, on the cache's device."""
     same_positions: bool | None = None
@@ -254,8 +252,7 @@ class TreeInferenceContext(_static_context_base()):
         rows = end - start
         self.local_positions[start:end, :n_mine] = mine[:n_mine]
         plan = StepPlan("prefill", (start, end), mine.clamp(min=0), mine[None].expand(rows, -1),
-                        slots[None].expand(rows, -1), store[None].expand(rows, -1),
-                        padded.reshape(1, -1).expand(rows, -1), same_positions=True)
+                        slots[None].expand(rows, -1), store[None].expand(rows, -1), same_positions=True)
         self.step = plan
         return plan
 
@@ -282,7 +279,7 @@ class TreeInferenceContext(_static_context_base()):
             index = torch.arange(start, end, device=self.device)[:, None].expand(end - start, num_tokens)
             self.local_positions[index, step.store] = step.positions
             plan = StepPlan("decode", (start, end), torch.arange(num_tokens, device=self.device), step.positions,
-                            step.slots, step.store, None, k_lengths=step.counts.to(torch.int32),
+                            step.slots, step.store, k_lengths=step.counts.to(torch.int32),
                             same_positions=step.host.same_positions)
             self._decode = (step, plan)
         self.step = self._decode[1]
