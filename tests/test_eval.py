@@ -145,7 +145,7 @@ def test_exactness_catches_a_wrong_model(tmp_path, clean_env, capsys):
     (["model.source=random", "topology.tp_size=2"], {"WORLD_SIZE": "4", "RANK": "0"}, "topology.tp_size: 2 needs model.source megatron"),
     (["topology.tp_size=2", "topology.intra_size=2"], {"WORLD_SIZE": "8", "RANK": "0", "LOCAL_WORLD_SIZE": "2"},
      "topology.intra_size: 2 disagrees with the real layout: with tp_size 2 an intra-node CP group spans 4"),
-    (["eval.prefill_method=ring"], {}, "eval.prefill_method: 'ring' is not available for model.source megatron"),
+    (["eval.prefill_method=allgather"], {}, "eval.prefill_method: 'allgather' is not available for model.source megatron"),
     (["eval.passkey.enabled=true"], {}, "eval.passkey.enabled needs a tokenizer"),
     (["eval.context_lengths=[70000]"], {}, "eval.allow_beyond_max_position=true"),
     (["wandb.ds_config=/nonexistent/ds.json"], {}, "wandb.ds_config"),

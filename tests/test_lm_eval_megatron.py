@@ -128,7 +128,7 @@ def _rank(rank, world, workdir):
                         "no_args": f"pretrained={workdir}/no_args,source=megatron,tokenizer={tok},cp_size=2",
                         "truncated": f"pretrained={workdir}/truncated,source=megatron,tokenizer={tok},cp_size=2",
                         "no_tokenizer": f"pretrained={ckpt},source=megatron,cp_size=2",
-                        "ring": f"{base},cp_size=2,prefill=ring"}.items():
+                        "allgather": f"{base},cp_size=2,prefill=allgather"}.items():
         out["bad"][name] = _cli(["--model", "megatron_tree", "--model_args", margs, "--tasks", "mt_choice",
                                  "--include_path", tasks, "--device", "cpu"])
 
@@ -161,7 +161,7 @@ def test_megatron_checkpoint_cp2_matches_megatron_cp1(workdir):
     messages = {"unknown": "unknown model_args key(s) ['cp_sise']", "missing": "does not exist",
                 "no_args": "no training arguments stored with the checkpoint",
                 "truncated": "is truncated", "no_tokenizer": "source=megatron needs model_args tokenizer=",
-                "ring": "prefill='ring' is not available with source=megatron"}
+                "allgather": "prefill='allgather' is not available with source=megatron"}
     for rank, r in enumerate(results):
         for name, message in messages.items():
             code, err = r["bad"][name]

@@ -470,7 +470,7 @@ def test_prefill_in_training_layout_and_cache_shards_disjoint(megatron_results):
 
 def test_mixed_length_batch_is_prefilled_cp_sharded_then_decoded(megatron_results):
     """Prompts of 8 and 512 tokens: two prefill forwards (one per length), each rank's attention
-    sees its 2 and 128 query tokens against all 8 and 512 keys; then MIXED_NEW - 1 decode
+    gets its own 2 and 128 query and key tokens (the ring brings the others'); then MIXED_NEW - 1 decode
     forwards of both rows. Megatron's static controller at CP = 1 needs 1 + 504 + 3 forwards."""
     base = megatron_results[0]["mixed_batch"]["megatron_cp1"]
     assert [len(t) for t in base] == [MIXED_NEW, MIXED_NEW]
@@ -481,8 +481,9 @@ def test_mixed_length_batch_is_prefilled_cp_sharded_then_decoded(megatron_result
             calls = [(mode, q, k) for mode, ln, q, k in mixed["calls"] if ln == layer]
             prefill = [c for c in calls if c[0] == "prefill"]
             decode = [c for c in calls if c[0] == "decode"]
-            # [s, b] of the queries on this rank, and the keys they attend (the whole prompt)
-            assert prefill == [("prefill", (2, 1), 8), ("prefill", (128, 1), 512)], (r, layer, prefill)
+            # [s, b] of the queries on this rank, and the keys handed to the core attention: this rank's
+            # chunks only (ring_prefill passes the rest round the ring; no all-gather of the prompt)
+            assert prefill == [("prefill", (2, 1), 2), ("prefill", (128, 1), 128)], (r, layer, prefill)
             assert sum(q[0] for _, q, _ in prefill) == sum(MIXED_LENGTHS) // 4
             assert [q for _, q, _ in decode] == [(1, 2)] * (MIXED_NEW - 1)
             assert len(calls) == 2 + MIXED_NEW - 1

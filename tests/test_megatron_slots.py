@@ -178,6 +178,75 @@ def slot_rank(rank, world, hier=None):
     return out
 
 
+MIXED = [[7, 19, 33, 2, 61, 8, 45], [12, 3, 90, 27, 5, 66, 14, 38, 9, 71]]
+"""A batch of a 7- and a 10-token prompt (7 is divisible by no CP size here): the controller prefills 7."""
+
+
+def prefill_logits(model, ctx, slot: bool):
+    """Every prompt token's logits [b, PROMPT_LEN, vocab] of one prefill forward through the wrapper."""
+    from megatron_tree.integrations.megatron import version as compat
+
+    wrapper = _wrapper(model, ctx, slot)
+    if slot:
+        wrapper.prep_model_for_inference()
+    else:
+        compat.prep_model_for_inference(wrapper)
+    tokens = torch.zeros(2, MAX_LEN, dtype=torch.long)
+    tokens[:, :PROMPT_LEN] = _prompts()
+    inputs = wrapper.prep_inference_input(tokens)
+    compat.set_only_last_token_logits(ctx, False)
+    logits = wrapper.run_one_forward_step(wrapper.get_batch_for_context_window(inputs, 0, PROMPT_LEN))
+    return logits.float().tolist()
+
+
+def prefill_rank(rank, world, hier=None):
+    """The static engine's prefill at CP > 1 is ``decode.prefill.ring_prefill``: its PrefillWork and CommStats
+    are counted on every layer, and any all-gather of the prompt's keys (``gather_seq``) is counted too."""
+    from megatron.core import parallel_state
+    from megatron.core.inference.contexts import StaticInferenceContext
+
+    from megatron_tree.comm import CommStats
+    from megatron_tree.decode.prefill import PrefillWork
+    from megatron_tree.integrations import megatron as mt
+    from megatron_tree.integrations.megatron import TreeInferenceContext, attention, static
+    from megatron_tree.integrations.megatron.cpu import megatron_on_cpu
+
+    out, gathers = {}, []
+    with megatron_on_cpu():
+        mt.initialize_model_parallel(1)
+        ref = _build(1, slot=False)
+        out["ref_logits"] = prefill_logits(ref, StaticInferenceContext(2, MAX_LEN), False)
+        out["ref_mixed"] = engine_generate(ref, StaticInferenceContext(2, MAX_LEN), False, MIXED)
+        parallel_state.destroy_model_parallel()
+
+        groups = mt.initialize_model_parallel(world, hier)
+        model = _build(world, slot=True, hier=hier)
+        work, stats = PrefillWork(), CommStats()
+        for layer in model.decoder.layers:
+            layer.self_attention.core_attention.prefill_work = work
+            layer.self_attention.core_attention.prefill_stats = stats
+        saved = {m: m.gather_seq for m in (attention, static) if hasattr(m, "gather_seq")}
+        for m, fn in saved.items():  # count every all-gather of keys/values (the old prefill's way)
+            setattr(m, "gather_seq", lambda t, g, site, fn=fn: gathers.append(site) or fn(t, g, site))
+        try:
+            out["tree_logits"] = prefill_logits(model, TreeInferenceContext(2, MAX_LEN, groups=groups), True)
+            out["work"] = (work.pairs, work.blocks, work.skipped, dict(work.kernels))
+            out["stats"] = {k: dict(v.ops) for k, v in stats.levels.items()}
+            out["tree_mixed"] = engine_generate(model, TreeInferenceContext(2, MAX_LEN, groups=groups, block_size=4),
+                                                True, MIXED)
+            out["mixed_pairs"] = work.pairs - out["work"][0]
+        finally:
+            for m, fn in saved.items():
+                setattr(m, "gather_seq", fn)
+        out["gathers"] = list(gathers)
+        # A prompt longer than the context: the same clear error on every rank, before any forward.
+        long = [list(range(1, MAX_LEN + 4)), list(range(1, MAX_LEN + 4))]
+        out["too_long"] = _error(engine_generate, model, TreeInferenceContext(2, MAX_LEN, groups=groups), True, long)
+        out["too_long_plan"] = _error(TreeInferenceContext(2, MAX_LEN, groups=groups).plan_step, 0, MAX_LEN + 3)
+        parallel_state.destroy_model_parallel()
+    return out
+
+
 LAYOUTS = {"cp2": (2, None), "cp3": (3, None), "cp2x2": (4, [2, 2])}
 """CP 2 and CP 3 (flat; 3 is not a power of two) and CP 4 as 2 simulated nodes x 2 (the two-level merge)."""
 
@@ -186,7 +255,8 @@ def layout_rank(rank, world, hier=None):
     """One spawn per layout (imports cost ~15 s a rank): the static, dynamic and (CP 2, 0.19) LLM runs."""
     from megatron_tree.integrations.megatron import version as compat
 
-    out = {"static": slot_rank(rank, world, hier), "dynamic": dynamic_rank(rank, world, hier)}
+    out = {"static": slot_rank(rank, world, hier), "prefill": prefill_rank(rank, world, hier),
+           "dynamic": dynamic_rank(rank, world, hier)}
     if world in (2, 4) and compat.megatron_api().llm_api:  # CP 2 and CP 4 = 2 x 2
         out["llm"] = llm_rank(rank, world, hier)
     return out
@@ -229,6 +299,34 @@ def test_slot_static_cp_equals_megatron_cp1(slot_results):
         ctokens, _, clogits = out["slot_cp1_megatron_ctx"]
         assert ctokens == base_tokens
         torch.testing.assert_close(torch.tensor(clogits), torch.tensor(base_logits), rtol=1e-4, atol=1e-4)
+
+
+def test_slot_static_prefill_is_the_ring_prefill(layout_results):
+    """Prefill logits of an 11-token prompt (11 is divisible by no CP size here) within 1e-4 of Megatron's
+    own CP = 1 prefill; the engine's tokens for a 7- and a 10-token prompt equal Megatron's. Every layer's
+    prefill ran decode.prefill.ring_prefill (PrefillWork counted every visible pair of the causal prompt,
+    ring sends recorded) and no rank all-gathered keys/values (the old prefill's gather_seq, counted)."""
+    res = [r["prefill"] for r in layout_results]
+    world = len(res)
+    layers, rows, n = 2, 2, PROMPT_LEN
+    assert len(res[0]["ref_mixed"][0]) == NEW_TOKENS
+    for r, out in enumerate(res):
+        torch.testing.assert_close(torch.tensor(out["tree_logits"]), torch.tensor(out["ref_logits"]),
+                                   rtol=1e-4, atol=1e-4)
+        assert torch.tensor(out["tree_logits"]).shape == (rows, n, VOCAB)
+        assert out["tree_mixed"] == out["ref_mixed"], (r, out["tree_mixed"], out["ref_mixed"])
+        assert out["gathers"] == [], (r, out["gathers"])
+        pairs, blocks, skipped, kernels = out["work"]
+        assert blocks + skipped == layers * world, (r, out["work"])  # one ring of P blocks per layer
+        assert blocks > 0 and sum(kernels.values()) >= blocks, (r, out["work"])  # the fused prefill kernels ran
+        # P - 1 rounds of (k, v, k_pos) per layer
+        assert out["stats"]["cp"]["send"] == layers * (world - 1) * 3, (r, out["stats"])
+    # Over the ranks: every causal (query, key) pair of both rows, once (11 * 12 / 2 per row and layer; then 7 * 8 / 2).
+    assert sum(o["work"][0] for o in res) == layers * rows * n * (n + 1) // 2
+    assert sum(o["mixed_pairs"] for o in res) == layers * rows * 7 * 8 // 2
+    for out in res:  # too long: the same clear error on every rank
+        assert out["too_long"] == res[0]["too_long"] and out["too_long"] != "no error", out["too_long"]
+        assert out["too_long_plan"].startswith("ValueError") and "exceed max_sequence_length" in out["too_long_plan"]
 
 
 def test_slot_kv_cache_is_sharded(slot_results):

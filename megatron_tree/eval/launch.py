@@ -314,9 +314,9 @@ def check_inputs(cfg: RunConfig):
     m, ev = cfg.model, cfg.eval
     _check_output_dir(cfg.output_dir)
     checkpoint, max_pos = check_model(m)
-    if m.source == "megatron" and ev.prefill_method == "ring":
-        raise ConfigError("eval.prefill_method: 'ring' is not available for model.source megatron (its core "
-                          "attention all-gathers the prompt's keys); use allgather or null")
+    if m.source == "megatron" and ev.prefill_method == "allgather":
+        raise ConfigError("eval.prefill_method: 'allgather' is not available for model.source megatron (its core "
+                          "attention prefills by decode.prefill.ring_prefill); use ring or null")
     need = max(ev.context_lengths) + ev.warmup_steps + ev.decode_steps + 1
     if need > max_pos and not ev.allow_beyond_max_position:
         raise ConfigError(

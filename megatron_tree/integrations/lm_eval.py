@@ -42,7 +42,7 @@ A Megatron checkpoint (``source=megatron``): a ``dist_checkpointing`` directory 
 from them); the tokenizer is a transformers tokenizer directory (``tokenizer=``, required: the
 checkpoint holds none). It is checked from metadata before any process group is made, then
 loaded at the CP layout with ``dist_checkpointing`` (Megatron's ``parallel_state`` groups, CP
-ranks consecutive as in the ``hf`` path). Its prefill is ``allgather`` (``ring`` is refused).
+ranks consecutive as in the ``hf`` path). Its prefill is ``ring`` (``allgather`` is refused).
 
 Not supported yet (refused with a message naming it): prefix sharing of a context across
 continuations of more than one token (each prefills it again), ``batch_size=auto``, chat
@@ -121,8 +121,8 @@ class ModelArgs:
     strategy: str = "auto"
     """The ``tree_decode`` merge of every decode step (one of ``comm.STRATEGIES``)."""
     prefill: str | None = None
-    """CP attention over the prompt chunks: ``ring`` or ``allgather`` (default: ``ring``; ``allgather``, the
-    only one, for ``source=megatron``)."""
+    """CP attention over the prompt chunks: ``ring`` or ``allgather`` (default: ``ring``, the only one for
+    ``source=megatron``)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Weights and activations."""
     max_length: int | None = None
@@ -179,10 +179,10 @@ def model_args_from(args: dict) -> ModelArgs:
     if a.get("source", "hf") not in ("hf", "megatron"):
         raise ModelArgsError(f"model_args source={a['source']!r} is not one of ['hf', 'megatron']")
     if a.get("source") == "megatron":
-        if a.get("prefill") not in (None, "allgather"):
+        if a.get("prefill") not in (None, "ring"):
             raise ModelArgsError(f"model_args prefill={a['prefill']!r} is not available with source=megatron (its "
-                                 "core attention all-gathers the prompt's keys); use prefill=allgather")
-        a["prefill"] = "allgather"
+                                 "core attention runs the ring prefill over each rank's chunks); use prefill=ring")
+        a["prefill"] = "ring"
         if not a.get("tokenizer"):
             raise ModelArgsError("source=megatron needs model_args tokenizer=<transformers tokenizer directory> (a "
                                  "Megatron checkpoint holds no tokenizer)")

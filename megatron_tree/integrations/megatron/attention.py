@@ -39,6 +39,7 @@ import torch.distributed as dist
 from ... import collectives, ops, reference
 from ...comm import STRATEGIES
 from ...decode.generate import DecodeStep
+from ...decode.prefill import PrefillWork, ring_prefill
 from ...topology import TopologyError, TreeGroups
 from .groups import load_balanced_positions, tree_groups_from_megatron
 from .version import check_megatron_version, megatron_api, refuse_unsupported_features
@@ -101,7 +102,7 @@ class CorePlan:
     """What a context's ``store_key_value`` tells the core attention about the forward call that follows."""
 
     mode: str
-    """``"prefill"`` (local queries, all-gathered keys) or ``"decode"`` (replicated queries, local shard)."""
+    """``"prefill"`` (this rank's queries and keys, for the ring) or ``"decode"`` (replicated queries, local shard)."""
     q_positions: torch.Tensor
     """(batch, seqlen_q) global positions of the queries; -1 marks padding (it sees no key)."""
     k_positions: torch.Tensor
@@ -128,7 +129,9 @@ class TreeDotProductAttention(_megatron_module_base()):
 
     * inside :class:`TreeInferenceContext` decoding: ``tree_decode`` of the replicated
       query over this rank's KV shard, merged over the (hierarchical) CP groups;
-    * inside its prefill: local queries of the 2·CP chunks against the all-gathered keys;
+    * inside its prefill: this rank's 2·CP chunks (queries and keys), exact causal attention over
+      every rank's keys by ``decode.prefill.ring_prefill`` (KV blocks round the CP ring, masked
+      blocks skipped; counted in ``prefill_work``/``prefill_stats`` when set);
     * otherwise (training layout, no inference context): at CP > 1 the local chunks'
       keys/values are all-gathered and the mask follows global positions; at CP = 1 this is
       plain causal (or unmasked) attention. With gradients enabled the gather has a backward
@@ -194,6 +197,10 @@ class TreeDotProductAttention(_megatron_module_base()):
         self._pending: CorePlan | None = None
         self.comm_stats = None
         """A :class:`~megatron_tree.comm.CommStats` to record decode merges into (``None``: not recorded)."""
+        self.prefill_stats = None
+        """A :class:`~megatron_tree.comm.CommStats` the inference prefill's ring records its messages into."""
+        self.prefill_work: PrefillWork | None = None
+        """A :class:`~megatron_tree.decode.prefill.PrefillWork` the inference prefill's ring adds its counts to."""
         self.current_step = None
         """The decode loop's ``decode.generate.DecodeStep`` while ``MegatronLM.decode_step`` runs (its
         ``attend`` is the decode attention; ``None``: a plain step of ``strategy``/``comm_stats``)."""
@@ -270,26 +277,27 @@ class TreeDotProductAttention(_megatron_module_base()):
             out = step.attend(self.layer_number, q, k, v, self.groups, cache_seqlens=pending.k_lengths.to(q.device),
                               softmax_scale=self.softmax_scale, q_positions=pending.q_positions.to(q.device),
                               k_positions=pending.k_positions.to(q.device), backend=self.backend)
+        elif pending is not None:  # prefill: this rank's chunks, KV round the CP ring (the one prefill)
+            out = ring_prefill(q, k, v, pending.q_positions.to(q.device), pending.k_positions.to(q.device),
+                               self.groups, softmax_scale=self.softmax_scale, backend=self.backend,
+                               stats=self.prefill_stats, work=self.prefill_work)
         else:
-            if pending is not None:  # prefill: local queries over the gathered prompt
-                qpos, kpos = pending.q_positions, pending.k_positions
-            else:
-                qpos, kpos = self._training_positions(q, k, attn_mask_type)
-                grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-                if kpos is not None and self.cp_size > 1:
-                    gather = _GatherSeq.apply if grad else gather_seq
-                    k = gather(key, self.groups, "training-layout keys/values").transpose(0, 1)
-                    v = gather(value, self.groups, "training-layout keys/values").transpose(0, 1)
-                elif self.cp_size > 1:
-                    raise NotImplementedError("unmasked attention at CP > 1 outside inference is not supported")
-                if grad:  # training: the pure-torch partial attention, which autograd differentiates
-                    if qpos is not None and qpos.dim() == 1:
-                        qpos = qpos[None, :].expand(b, sq)
-                    out, _ = reference.partial_attention(
-                        q, k, v, softmax_scale=self.softmax_scale,
-                        q_positions=None if qpos is None else qpos.to(q.device),
-                        k_positions=None if kpos is None else kpos.to(q.device))
-                    return out.transpose(0, 1).reshape(sq, b, -1)
+            qpos, kpos = self._training_positions(q, k, attn_mask_type)
+            grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+            if kpos is not None and self.cp_size > 1:
+                gather = _GatherSeq.apply if grad else gather_seq
+                k = gather(key, self.groups, "training-layout keys/values").transpose(0, 1)
+                v = gather(value, self.groups, "training-layout keys/values").transpose(0, 1)
+            elif self.cp_size > 1:
+                raise NotImplementedError("unmasked attention at CP > 1 outside inference is not supported")
+            if grad:  # training: the pure-torch partial attention, which autograd differentiates
+                if qpos is not None and qpos.dim() == 1:
+                    qpos = qpos[None, :].expand(b, sq)
+                out, _ = reference.partial_attention(
+                    q, k, v, softmax_scale=self.softmax_scale,
+                    q_positions=None if qpos is None else qpos.to(q.device),
+                    k_positions=None if kpos is None else kpos.to(q.device))
+                return out.transpose(0, 1).reshape(sq, b, -1)
             if qpos is not None and qpos.dim() == 1:
                 qpos = qpos[None, :].expand(b, sq)
             out, _ = ops.flash_decode(

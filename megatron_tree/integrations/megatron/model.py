@@ -223,16 +223,17 @@ class MegatronLM:
         return self.model(tokens, positions, None, inference_context=ctx, runtime_gather_output=True)
 
     @torch.no_grad()
-    def prefill(self, prompts, cache, method: str = "allgather", stats=None) -> torch.Tensor:
+    def prefill(self, prompts, cache, method: str = "ring", stats=None) -> torch.Tensor:
         """Every prompt's full length CP-sharded, rows of equal length in one forward each.
 
-        method: only ``"allgather"`` (the core attention all-gathers the prompt's keys/values).
+        method: only ``"ring"`` (the core attention runs ``decode.prefill.ring_prefill`` over every
+        rank's chunks of the prompt; no rank holds another's keys/values).
         returns (batch, vocab) float32: the logits after each prompt's last token, on every rank.
         """
         return self.prefill_logits(prompts, cache, 1, method=method, stats=stats)[:, 0]
 
     @torch.no_grad()
-    def prefill_logits(self, prompts, cache, keep: int, method: str = "allgather", stats=None) -> torch.Tensor:
+    def prefill_logits(self, prompts, cache, keep: int, method: str = "ring", stats=None) -> torch.Tensor:
         """:meth:`prefill`, returning the logits of each prompt's last ``keep`` positions (scoring).
 
         returns (batch, keep, vocab) float32, identical on every CP rank; a prompt shorter than
@@ -241,8 +242,8 @@ class MegatronLM:
         only ``keep`` positions' logits are computed and assembled, never the whole prompt's.
         The cache is left in decode mode holding every prompt (``decode_step`` may continue it).
         """
-        if method not in ("allgather", None):
-            raise ValueError(f"prefill method {method!r} is not available for Megatron models; use 'allgather'")
+        if method not in ("ring", None):
+            raise ValueError(f"prefill method {method!r} is not available for Megatron models; use 'ring'")
         cache.reset()
         cache.enable_prefill_mode()
         lengths = [len(p) for p in prompts]

@@ -33,7 +33,7 @@ from ...decode.placement import RowPlacement
 from ...decode.plan import StepPlanner
 from ...decode.prefill import assemble_logits
 from ...topology import TreeGroups
-from .attention import NEVER, CorePlan, check_tree_slots, gather_seq
+from .attention import CorePlan, check_tree_slots
 from .groups import tree_groups_from_megatron
 from .version import (check_megatron_version, get_only_last_token_logits, init_gpt_wrapper, megatron_api,
                       prep_model_for_inference, set_only_last_token_logits)
@@ -65,8 +65,6 @@ class StepPlan:
     """(batch, width) int64 slot of each token in this rank's shard; -1 where it is not stored here."""
     store: torch.Tensor
     """(batch, width) int64 where this rank writes each token: its slot, or the spare slot ``capacity``."""
-    gathered_positions: torch.Tensor | None
-    """prefill: (batch, width * cp) positions of the all-gathered window, in gather order (-1 = padding)."""
     k_lengths: torch.Tensor | None = None
     """decode: (batch,) int32 tokens of each row this rank holds after the step, on the cache's device."""
     same_positions: bool | None = None
@@ -254,8 +252,7 @@ class TreeInferenceContext(_static_context_base()):
         rows = end - start
         self.local_positions[start:end, :n_mine] = mine[:n_mine]
         plan = StepPlan("prefill", (start, end), mine.clamp(min=0), mine[None].expand(rows, -1),
-                        slots[None].expand(rows, -1), store[None].expand(rows, -1),
-                        padded.reshape(1, -1).expand(rows, -1), same_positions=True)
+                        slots[None].expand(rows, -1), store[None].expand(rows, -1), same_positions=True)
         self.step = plan
         return plan
 
@@ -282,7 +279,7 @@ class TreeInferenceContext(_static_context_base()):
             index = torch.arange(start, end, device=self.device)[:, None].expand(end - start, num_tokens)
             self.local_positions[index, step.store] = step.positions
             plan = StepPlan("decode", (start, end), torch.arange(num_tokens, device=self.device), step.positions,
-                            step.slots, step.store, None, k_lengths=step.counts.to(torch.int32),
+                            step.slots, step.store, k_lengths=step.counts.to(torch.int32),
                             same_positions=step.host.same_positions)
             self._decode = (step, plan)
         self.step = self._decode[1]
@@ -323,8 +320,9 @@ class TreeInferenceContext(_static_context_base()):
         hook). query: [sq, b, hq, d]; key, value: [sq, b, hkv, d] for the tokens of this forward on
         this rank (see :class:`StepPlan`). Returns Megatron's tuple ``(query, key, value,
         rotary_pos_emb, attn_mask_type, block_table)`` with RoPE already applied at global
-        positions (so ``rotary_pos_emb`` is ``None``), and key/value either the all-gathered
-        prompt (prefill) or this rank's shard of the cache (decode); leaves ``core._pending``
+        positions (so ``rotary_pos_emb`` is ``None``), and key/value either this rank's chunks of the
+        prompt (prefill: the core attention passes them round the CP ring, ``decode.prefill.ring_prefill``)
+        or this rank's shard of the cache (decode); leaves ``core._pending``
         (a :class:`~.attention.CorePlan`) for the core attention's forward.
         """
         plan = self.step
@@ -349,11 +347,9 @@ class TreeInferenceContext(_static_context_base()):
         rows = torch.arange(b0, b1, device=key.device)[None, :].expand_as(slot)
         k_buf[slot, rows] = key.to(k_buf.dtype)
         v_buf[slot, rows] = value.to(v_buf.dtype)
-        if plan.mode == "prefill":
-            keys = gather_seq(key, core.groups, "prefill keys/values")
-            values = gather_seq(value, core.groups, "prefill keys/values")
-            kpos = plan.gathered_positions.masked_fill(plan.gathered_positions < 0, NEVER)
-            core._pending = CorePlan("prefill", plan.positions, kpos)
+        if plan.mode == "prefill":  # this rank's chunks only: the core attention runs decode.prefill's ring
+            keys, values = key, value
+            core._pending = CorePlan("prefill", plan.positions, plan.positions)
         else:
             lengths = plan.k_lengths if plan.k_lengths is not None else self.local_lengths(b0, b1)
             n = self.local_max(b0, b1)  # host bookkeeping: no read of lengths
