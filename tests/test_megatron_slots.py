@@ -74,8 +74,8 @@ def _wrapper(model, ctx, slot: bool):
     return w
 
 
-def greedy(model, ctx, slot: bool):
-    """Megatron's controller loop by hand (prefill, then one token a step), logits read back."""
+def _prepared(model, ctx, slot: bool):
+    """The wrapper, prepared for inference, and its inputs for the two prompts (Megatron's controller's first steps)."""
     from megatron_tree.integrations.megatron import version as compat
 
     wrapper = _wrapper(model, ctx, slot)
@@ -85,7 +85,12 @@ def greedy(model, ctx, slot: bool):
         compat.prep_model_for_inference(wrapper)
     tokens = torch.zeros(2, MAX_LEN, dtype=torch.long)
     tokens[:, :PROMPT_LEN] = _prompts()
-    inputs = wrapper.prep_inference_input(tokens)
+    return wrapper, wrapper.prep_inference_input(tokens)
+
+
+def greedy(model, ctx, slot: bool):
+    """Megatron's controller loop by hand (prefill, then one token a step), logits read back."""
+    wrapper, inputs = _prepared(model, ctx, slot)
     start, end, margins = 0, PROMPT_LEN, []
     for step in range(NEW_TOKENS):
         if step:
@@ -186,14 +191,7 @@ def prefill_logits(model, ctx, slot: bool):
     """Every prompt token's logits [b, PROMPT_LEN, vocab] of one prefill forward through the wrapper."""
     from megatron_tree.integrations.megatron import version as compat
 
-    wrapper = _wrapper(model, ctx, slot)
-    if slot:
-        wrapper.prep_model_for_inference()
-    else:
-        compat.prep_model_for_inference(wrapper)
-    tokens = torch.zeros(2, MAX_LEN, dtype=torch.long)
-    tokens[:, :PROMPT_LEN] = _prompts()
-    inputs = wrapper.prep_inference_input(tokens)
+    wrapper, inputs = _prepared(model, ctx, slot)
     compat.set_only_last_token_logits(ctx, False)
     logits = wrapper.run_one_forward_step(wrapper.get_batch_for_context_window(inputs, 0, PROMPT_LEN))
     return logits.float().tolist()
