@@ -37,7 +37,7 @@ from ..comm import CommStats
 from ..topology import TreeGroups
 
 __all__ = ["generate", "GenerationResult", "GenerationHook", "sample_next", "DecodeModel", "DecodeCache",
-           "DecodeStep", "StepRunner"]
+           "DecodeStep", "StepRunner", "row_digest"]
 
 
 # --------------------------------------------------------------------------- the model protocol
@@ -345,7 +345,7 @@ GENERATE_SIGNATURE = ("batch", "prompt_lengths", "prompt_ids", "max_new_tokens",
 """What every CP rank of one :func:`generate` call must pass alike (checked once per call)."""
 
 
-def _digest(row) -> str:
+def row_digest(row) -> str:
     """A short digest of one token-id row (equal rows, equal digests), as the error shows it."""
     data = b"".join(int(t).to_bytes(8, "little", signed=True) for t in row)
     return hashlib.blake2b(data, digest_size=6).hexdigest()
@@ -382,8 +382,8 @@ def _agree_on_call(model, prompts, max_new_tokens, stop_token_ids, do_sample, te
 
     def values():
         _check_call(model, prompts, max_new_tokens, do_sample, temperature, top_k, top_p, forced_tokens, cache)
-        forced = None if forced_tokens is None else tuple(_digest(r) for r in forced_tokens.detach().cpu().tolist())
-        return (len(prompts), tuple(len(p) for p in prompts), tuple(_digest(p) for p in prompts), max_new_tokens,
+        forced = None if forced_tokens is None else tuple(row_digest(r) for r in forced_tokens.detach().cpu().tolist())
+        return (len(prompts), tuple(len(p) for p in prompts), tuple(row_digest(p) for p in prompts), max_new_tokens,
                 tuple(sorted(set(stop_token_ids or ()))), bool(do_sample), float(temperature), top_k,
                 None if top_p is None else float(top_p), seed, strategy, prefill_method, bool(broadcast), forced)
 

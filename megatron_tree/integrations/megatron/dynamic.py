@@ -42,14 +42,13 @@ hook, the bookkeeping keywords) is asked of :mod:`.version`.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from ... import agreement
-from ...decode.generate import DecodeStep
+from ...decode.generate import DecodeStep, row_digest
 from ...decode.paged import PagedKVCache, TokenSlots
 from ...topology import TreeGroups
 from .attention import check_tree_slots
@@ -177,9 +176,9 @@ class TreeDynamicInferenceContext(_dynamic_context_base()):
         )
         self.step: DynamicStep | None = None
         self.rewound_tokens = 0
+        """Placeholder tokens dropped where Megatron rewound a chunked prefill (see initialize_attention_state)."""
         self.broken_requests: dict = {}
         """Request id -> why it failed: its paged cache could not follow Megatron's (see _break_request)."""
-        """Placeholder tokens dropped where Megatron rewound a chunked prefill (see initialize_attention_state)."""
         self.rope_table: torch.Tensor | None = None
 
     @staticmethod
@@ -573,12 +572,6 @@ DYNAMIC_SIGNATURE = ("requests", "prompt_lengths", "prompt_ids", "num_tokens_to_
 """What every CP rank of one :func:`generate_dynamic` call must pass alike (checked once, before any request)."""
 
 
-def _digest(row) -> str:
-    """A short digest of one token-id row (equal rows, equal digests), as the error shows it."""
-    data = b"".join(int(t).to_bytes(8, "little", signed=True) for t in row)
-    return hashlib.blake2b(data, digest_size=6).hexdigest()
-
-
 def _agree_on_run(context, prompts, num_tokens_to_generate, arrivals, termination_id, max_steps):
     """This rank's checks, then every CP rank must run the same requests; else all raise the same error.
 
@@ -603,7 +596,7 @@ def _agree_on_run(context, prompts, num_tokens_to_generate, arrivals, terminatio
         if any(a < 0 for a in arr) or any(c < 1 for c in cnt):
             raise ValueError(f"arrival steps must be >= 0 and token counts >= 1, got {arr} and {cnt}")
         checked.update(prompts=rows, counts=cnt, arrivals=arr)
-        return (n, tuple(len(r) for r in rows), tuple(_digest(r) for r in rows), tuple(cnt), tuple(arr),
+        return (n, tuple(len(r) for r in rows), tuple(row_digest(r) for r in rows), tuple(cnt), tuple(arr),
                 int(termination_id), int(max_steps), "greedy top_k=1")
 
     groups = getattr(context, "groups", None)
