@@ -259,14 +259,15 @@ def _check_world(args: ModelArgs) -> tuple[int, int]:
     return rank, world
 
 
-def _build_groups(args: ModelArgs, device: torch.device):
+def _build_groups(args: ModelArgs, device: torch.device, rank: int, world: int):
     """(CP groups or None, DP group or None, DP rank, DP size); every rank calls it alike.
+
+    rank, world: from :func:`_check_world` (the layout already checked against the world).
 
     ``source=megatron``: Megatron's ``parallel_state`` is initialised (TP = PP = 1, CP =
     ``cp_size``: its CP groups are the same consecutive ranks) and the CP groups are its own;
     a one-process world gets a one-rank gloo group (Megatron's modules need one).
     """
-    rank, world = _check_world(args)
     megatron = args.source == "megatron"
     if world == 1 and not megatron:
         return None, None, 0, 1
@@ -320,7 +321,7 @@ class TreeLM(TemplateLM):
         super().__init__()
         self.args = args = model_args_from(kwargs)
         megatron = check_checkpoint(args)
-        _check_world(args)
+        rank, world = _check_world(args)
         self._device = _device(args)
         from transformers import AutoTokenizer
 
@@ -336,7 +337,7 @@ class TreeLM(TemplateLM):
             from .megatron.cpu import megatron_on_cpu
 
             self._stack.enter_context(megatron_on_cpu())
-        self.groups, self._dp_group, self._rank, self._world_size = _build_groups(args, self._device)
+        self.groups, self._dp_group, self._rank, self._world_size = _build_groups(args, self._device, rank, world)
         if megatron is not None:
             self.model = _load_megatron(args, *megatron, self.groups, self._device)
             self._max_length = args.max_length or megatron[0].max_position_embeddings
