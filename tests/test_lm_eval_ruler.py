@@ -62,9 +62,7 @@ def _rank(rank, world, root):
 
     lm = TreeLM(pretrained=os.path.join(root, "model"), tokenizer=os.path.join(root, "tok"), cp_size=world,
                 max_length=LENGTH, device="cpu", batch_size=1)
-    caches = []
-    new_cache = lm.model.new_cache
-    lm.model.new_cache = lambda *a, **k: caches.append(new_cache(*a, **k)) or caches[-1]
+    caches = niah.record_caches(lm)
     out = niah.evaluate(lm, root, LENGTH, SAMPLES)
     out["shards"] = [c.shard_lengths for c in caches]
     return out

@@ -48,7 +48,7 @@ import time
 
 import torch
 
-__all__ = ["TASK", "write_task", "build_tokenizer", "build_checkpoint", "evaluate", "main"]
+__all__ = ["TASK", "write_task", "build_tokenizer", "build_checkpoint", "record_caches", "evaluate", "main"]
 
 TASK = "mt_niah_single_1"
 
@@ -143,6 +143,14 @@ def _timed(lm, record: list):
     return lm
 
 
+def record_caches(lm) -> list:
+    """Wrap a ``TreeLM``'s ``model.new_cache`` to keep every cache it makes (for their KV bytes and shards)."""
+    caches = []
+    new_cache = lm.model.new_cache
+    lm.model.new_cache = lambda *a, **k: caches.append(new_cache(*a, **k)) or caches[-1]
+    return caches
+
+
 def evaluate(lm, root: str, length: int, samples: int) -> dict:
     """lm-eval's ``simple_evaluate`` of the task at one length; (generations, metric, seconds per sample)."""
     import lm_eval
@@ -182,9 +190,7 @@ def _worker(rank, world, store_path, root, cp, commands, results):
             length, samples = cmd
             lm = TreeLM(pretrained=os.path.join(root, "model"), tokenizer=os.path.join(root, "tok"), cp_size=cp,
                         max_length=length, device="cpu", batch_size=1)
-            caches = []
-            new_cache = lm.model.new_cache
-            lm.model.new_cache = lambda *a, **k: caches.append(new_cache(*a, **k)) or caches[-1]
+            caches = record_caches(lm)
             out = evaluate(lm, root, length, samples)
             biggest = max(caches, key=lambda c: c.kv_nbytes)
             out.update(kv_bytes_per_rank=biggest.kv_nbytes, kv_bytes_unsharded=biggest.storage.unsharded_kv_nbytes())
