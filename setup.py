@@ -39,9 +39,9 @@ setup(
     entry_points={
         "console_scripts": [
             "megatron-tree-eval=megatron_tree.eval:main",
-            "megatron-tree-generate=megatron_tree.generate_megatron:main",
-            "megatron-tree-demo=megatron_tree.demo:main",
-            "megatron-tree-lm-eval=megatron_tree.lm_eval:main",
+            "megatron-tree-generate=megatron_tree.eval.generate:main",
+            "megatron-tree-demo=megatron_tree.eval.demo:main",
+            "megatron-tree-lm-eval=megatron_tree.eval.lm_eval:main",
         ],
     },
 )

@@ -4,7 +4,7 @@
 # per line); the launcher reaches the nodes over pdsh/ssh.
 #   NUM_GPUS=8 CONFIG=configs/llama31_8b_1node.yaml bash launch/deepspeed.sh model.path=/ckpt/Llama-3.1-8B
 # Extra arguments are key=value config overrides. The eval ignores the --local_rank the
-# launcher appends and reads LOCAL_RANK/LOCAL_SIZE from the environment. MODULE=megatron_tree.generate_megatron
+# launcher appends and reads LOCAL_RANK/LOCAL_SIZE from the environment. MODULE=megatron_tree.eval.generate
 # generates instead of evaluating.
 set -euo pipefail
 cd "$(dirname "$0")/.."

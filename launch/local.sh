@@ -4,7 +4,7 @@
 # key=value config overrides, e.g.
 #   bash launch/local.sh eval.context_lengths=[512,2048] output_dir=outputs/mine
 #   CONFIG=configs/cpu_tiny_llama.yaml bash launch/local.sh          # a random transformers Llama instead
-#   MODULE=megatron_tree.generate_megatron bash launch/local.sh --prompt "5 17 3"   # generation
+#   MODULE=megatron_tree.eval.generate bash launch/local.sh --prompt "5 17 3"   # generation
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}

@@ -2,7 +2,7 @@
 # torchrun on one or more nodes (run this same line on every node). Single node:
 #   NPROC_PER_NODE=8 CONFIG=configs/llama31_8b_1node.yaml bash launch/torchrun.sh model.path=/ckpt/Llama-3.1-8B
 # Multi-node: NNODES=2 MASTER_ADDR=<node 0> on every node (c10d rendezvous, any node rank order).
-# Extra arguments are key=value config overrides; MODULE=megatron_tree.generate_megatron generates instead.
+# Extra arguments are key=value config overrides; MODULE=megatron_tree.eval.generate generates instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}

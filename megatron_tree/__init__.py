@@ -23,11 +23,11 @@ transformers nor megatron-core and has no side effects:
 
 import importlib
 
-from .comm import STRATEGIES, CommError, CommStats, DisagreementError
+from .comm.merge import STRATEGIES, CommError, CommStats, DisagreementError
 from .decode.attention import tree_decode
 from .decode.cache import CacheOverflowError
-from .ops import flash_decode, merge_states
-from .topology import Level, TopologyError, TreeGroups
+from .ops.dispatch import flash_decode, merge_states
+from .distributed.topology import Level, TopologyError, TreeGroups
 
 __version__ = "0.1.0"
 

@@ -35,6 +35,19 @@ def read_table(path: str) -> list[tuple[str, list[str]]]:
     return rows
 
 
+def row_of(module: str, table) -> list[int]:
+    """The rows whose most specific (longest) matching pattern is the longest of any row's: one row, or a tie."""
+    best = {}
+    for i, (_, patterns) in enumerate(table):
+        lengths = [len(p) for p in patterns if fnmatch.fnmatchcase(module, p)]
+        if lengths:
+            best[i] = max(lengths)
+    if not best:
+        return []
+    top = max(best.values())
+    return [i for i, n in best.items() if n == top]
+
+
 def modules_of(package_dir: str) -> dict[str, tuple[str, bool]]:
     """Dotted module name -> (file, is a package ``__init__``) of every ``.py`` under ``package_dir``."""
     base = os.path.dirname(package_dir)
@@ -88,7 +101,7 @@ def check(package_dir: str, table_path: str) -> list[str]:
     known = modules_of(package_dir)
     layer_of, problems = {}, []
     for module in sorted(known):
-        rows = [i for i, (_, patterns) in enumerate(table) if any(fnmatch.fnmatchcase(module, p) for p in patterns)]
+        rows = row_of(module, table)
         if len(rows) != 1:
             where = "no row" if not rows else f"rows {[table[i][0] for i in rows]}"
             problems.append(f"{module}: matched by {where} of the layer table {table_path}")
@@ -166,10 +179,23 @@ def test_megatron_tree_keeps_its_layers_and_has_no_import_cycle():
 
 def test_the_table_names_the_layers_in_order():
     layers = [name for name, _ in read_table(os.path.join(PACKAGE, "LAYERS.md"))]
-    assert layers[0] == "base" and layers[-1] == "entry points"
-    for lower, upper in (("kernels", "reference"), ("reference", "ops"), ("ops", "comm"), ("comm", "decode tier"),
-                         ("decode tier", "integrations"), ("integrations", "entry points")):
-        assert layers.index(lower) < layers.index(upper)
+    assert layers == ["utils", "kernels", "ops", "distributed", "comm", "decode", "integrations", "eval",
+                      "front door"], layers
+
+
+def test_the_folder_tree_is_the_table():
+    """One row per folder: every sub-package of megatron_tree is named by exactly one row, as itself, and
+    nothing but the front door's ``__init__`` sits at the package's top level."""
+    table = read_table(os.path.join(PACKAGE, "LAYERS.md"))
+    named = {p for _, patterns in table for p in patterns if "*" not in p}
+    folders = sorted(m for m, (_, is_pkg) in modules_of(PACKAGE).items() if is_pkg)
+    for folder in folders:
+        rows = [name for name, patterns in table if folder in patterns]
+        if folder == "megatron_tree" or folder.count(".") == 1 or folder == "megatron_tree.ops.triton":
+            assert len(rows) == 1, f"{folder}: named by rows {rows}; each tier folder is one row of LAYERS.md"
+    top_level = [m for m, (_, is_pkg) in modules_of(PACKAGE).items() if m.count(".") == 1 and not is_pkg]
+    assert top_level == [], f"modules at the package's top level, outside every tier folder: {top_level}"
+    assert named <= set(folders), f"rows name modules that do not exist: {sorted(named - set(folders))}"
 
 
 # --------------------------------------------------------------------------- the checker can fail
@@ -218,6 +244,20 @@ def test_checker_fails_on_a_cycle_and_names_each_import(tmp_path):
     for needle in ("planted.low.a (planted/low/a.py:1 `from . import b`)", "planted.low.b (planted/low/b.py:1 "
                    "`import planted.low.c`)", "planted.low.c (planted/low/c.py:2 `from .a import x`)"):
         assert needle in cycles[0], cycles[0]
+
+
+def test_checker_fails_on_an_upward_import_between_nested_folders(tmp_path):
+    """A folder nested in another's row (``low.inner`` below ``low``) is its own row by the longer pattern."""
+    table = TABLE.replace("| low |", "| inner | `planted.low.inner`, `planted.low.inner.*` | below low |\n| low |")
+    pkg, table = _plant(tmp_path, {
+        "__init__.py": "",
+        "low/__init__.py": "",
+        "low/core.py": "x = 1\n",
+        "low/inner/__init__.py": "",
+        "low/inner/k.py": "from .. import core\n",
+    }, table)
+    problems = check(pkg, table)
+    assert any("planted.low.inner.k (inner) imports planted.low.core (low)" in p for p in problems), problems
 
 
 def test_checker_fails_on_a_module_outside_the_table(tmp_path):

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import torch
 
-from .. import comm, ops
-from ..comm import CommStats
-from ..reference import acc_dtype, add_sink, check_decode_inputs, check_variants, lse_acc_dtype
-from ..topology import TreeGroups
+from ..comm import merge as comm
+from ..ops import dispatch as ops
+from ..comm.merge import CommStats
+from ..ops.reference import acc_dtype, add_sink, check_decode_inputs, check_variants, lse_acc_dtype
+from ..distributed.topology import TreeGroups
 
 __all__ = ["tree_decode"]
 

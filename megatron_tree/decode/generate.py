@@ -30,11 +30,11 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from .. import agreement, collectives
+from ..distributed import agreement, collectives
 from .attention import tree_decode
 from .cache import CacheOverflowError
-from ..comm import CommStats
-from ..topology import TreeGroups
+from ..comm.merge import CommStats
+from ..distributed.topology import TreeGroups
 
 __all__ = ["generate", "GenerationResult", "GenerationHook", "sample_next", "DecodeModel", "DecodeCache",
            "DecodeStep", "StepRunner", "row_digest"]

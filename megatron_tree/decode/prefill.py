@@ -39,9 +39,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import agreement, collectives, fused_prefill, ops, reference
-from ..comm import CommStats
-from ..topology import TreeGroups
+from ..distributed import agreement, collectives
+from ..ops import fused_prefill, dispatch as ops, reference
+from ..comm.merge import CommStats
+from ..distributed.topology import TreeGroups
 
 __all__ = ["ring_prefill", "allgather_prefill", "cp_prefill", "assemble_logits", "PREFILL_METHODS", "PrefillWork",
            "visible_pairs"]
@@ -372,7 +373,7 @@ def assemble_logits(
     returns (batch, K, vocab) float32 on local_logits' device, identical on every CP rank
 
     Collectives (CP > 1): one all-reduce SUM of (batch, K, vocab) float32 inside the CP group's
-    :class:`~megatron_tree.agreement.Agreement` on ``signature``. The rank holding a position
+    :class:`~megatron_tree.distributed.agreement.Agreement` on ``signature``. The rank holding a position
     contributes its logits, every other rank zeros, so the sum is exact (x + 0 = x) and
     bitwise identical on every rank; each position is held by exactly one rank (the placement
     rule's prompt chunks), so no rank's logits are added twice. This is the one assembly of

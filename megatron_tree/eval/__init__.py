@@ -2,7 +2,7 @@
 
 Invariant: one process per rank, launched by torchrun, the deepspeed launcher or Slurm
 (or none, for a single process); everything the run does is in the resolved
-:class:`~megatron_tree.config.RunConfig`. A configuration that cannot run -- an unknown
+:class:`~megatron_tree.eval.config.RunConfig`. A configuration that cannot run -- an unknown
 key, a wrong type, a TP x CP layout that does not fit the launched world, a topology that
 does not factor, a checkpoint that is missing, unreadable or of another shape, an
 ``output_dir`` that is a file -- fails on *every* rank with the same one-line message and

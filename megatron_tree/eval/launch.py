@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..config import ConfigError, ModelConfig, RunConfig, load_config, to_dict
+from .config import ConfigError, ModelConfig, RunConfig, load_config, to_dict
 
 __all__ = ["main", "run_eval", "map_slurm_env", "launcher_name", "check_launch", "single_process_topology", "check_model", "check_inputs",
            "init_distributed", "parse_args", "is_user_error", "remove_stale_results", "ExactnessError"]
@@ -118,7 +118,7 @@ def check_launch(cfg: RunConfig, world: int, env=None) -> int:
                             ("num_key_value_heads", m.num_key_value_heads), ("vocab_size", m.vocab_size)):
             if value % tp:
                 raise ConfigError(f"model.{name}: {value} is not divisible by topology.tp_size {tp}")
-        from ..topology import launcher_local_size
+        from ..distributed.topology import launcher_local_size
         from .models import megatron_layout
 
         per_node, _ = launcher_local_size(os.environ if env is None else env)
@@ -402,7 +402,7 @@ def run_eval(cfg: RunConfig, env=None) -> dict | None:
     import torch.distributed as dist
     from tqdm.auto import tqdm
 
-    from ..tracking import make_tracker
+    from .tracking import make_tracker
     from . import models, report, run
 
     backend, device = init_distributed(cfg, env)
@@ -529,7 +529,7 @@ def parse_args(argv):
 
 def is_user_error(e: BaseException) -> bool:
     """Config, topology and checkpoint errors: reported as one line, not a traceback."""
-    from ..topology import TopologyError
+    from ..distributed.topology import TopologyError
 
     # Loaded only by the sources that raise them: model.source hf / random, megatron.
     hf = sys.modules.get("megatron_tree.integrations.hf")

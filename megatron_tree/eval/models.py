@@ -31,7 +31,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from ..config import ConfigError, ModelConfig, TopologyConfig, to_dict
+from .config import ConfigError, ModelConfig, TopologyConfig, to_dict
 
 __all__ = ["EvalModel", "HFReference", "gpt_shape", "megatron_layout", "build", "load_hf", "random_llama"]
 
@@ -101,7 +101,7 @@ def _cp_groups(topo: TopologyConfig, cp_size: int, env):
     """This rank's ``TreeGroups``: consecutive blocks of ``cp_size`` ranks, levels from the launcher."""
     import torch.distributed as dist
 
-    from ..topology import TreeGroups
+    from ..distributed.topology import TreeGroups
 
     world = dist.get_world_size()
     ranks = [list(range(i, i + cp_size)) for i in range(0, world, cp_size)]
@@ -213,7 +213,7 @@ def _build_megatron(m: ModelConfig, topo: TopologyConfig, *, cp_size, rank, devi
     from ..integrations import megatron as mtm
     from ..integrations.megatron import checkpoint as mc
     from ..integrations.megatron import model as mm
-    from ..topology import launcher_local_size
+    from ..distributed.topology import launcher_local_size
 
     if device.type == "cpu":
         from ..integrations.megatron.cpu import megatron_on_cpu

@@ -23,7 +23,7 @@ import math
 import random
 import time
 
-from ..config import ConfigError, EvalConfig
+from .config import ConfigError, EvalConfig
 from ..decode.generate import GenerationHook, generate
 
 __all__ = ["percentile", "peak_memory", "random_prompts", "StepTimer", "decode", "run_one", "warm_up",
@@ -123,7 +123,7 @@ def decode(em, prompts, n_steps: int, ev: EvalConfig, device, strategy: str, *, 
     import torch
     import torch.distributed as dist
 
-    from ..comm import CommStats
+    from ..comm.merge import CommStats
 
     stats = CommStats()
     timer = StepTimer(em.groups, device, timed_from=timed_from, stats=stats, keep=keep, keep_all=forced is not None,
@@ -238,7 +238,7 @@ def run_one(em, ev: EvalConfig, seed: int, device, ctx: int, batch: int, strateg
         exact = compare_with_reference(em, prompts, toks, out, sampled, ex.tolerance, device, ref_cache)
     resolved = strategy
     if strategy == "auto":  # what the cost model picks for this step's merge state (fp32 partials)
-        from ..comm import choose_strategy
+        from ..comm.merge import choose_strategy
 
         resolved = "none (CP 1)" if em.groups.size == 1 else choose_strategy(
             em.groups, (batch, 1, em.heads, em.head_dim), 4)
@@ -330,7 +330,7 @@ def decode_dynamic(em, prompts, n_steps: int, ev: EvalConfig, device, strategy: 
     import torch.distributed as dist
     from megatron.core.utils import unwrap_model
 
-    from ..comm import CommStats
+    from ..comm.merge import CommStats
     from ..integrations.megatron.dynamic import build_dynamic_engine, generate_dynamic
     from ..integrations.megatron.model import IdTokenizer
     from ..integrations.megatron.version import inference_mode_off

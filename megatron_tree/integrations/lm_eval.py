@@ -16,7 +16,7 @@ World = DP x CP: ``cp_size`` consecutive global ranks form a CP group (``TreeGro
 group. ``lm.rank`` / ``lm.world_size`` are the DP rank and size, so the CP peers of one DP rank
 receive the same requests and run the same collectives; lm-eval's gathers of samples and
 metrics run over the DP group. Results are kept by global rank 0 only (the launcher,
-``megatron_tree.lm_eval``, drops them on every other rank).
+``megatron_tree.eval.lm_eval``, drops them on every other rank).
 
 How each request type runs (the decode tier underneath, through ``integrations.hf`` or, for
 ``source=megatron``, ``integrations.megatron.model.MegatronLM``):
@@ -79,10 +79,10 @@ except ImportError as e:  # pragma: no cover -- exercised only where lm-eval is 
         f"(pip install 'megatron_tree[lmeval]' or 'lm-eval[ruler]==0.4.13'); importing it failed: {e}"
     ) from e
 
-from .. import collectives
-from ..comm import STRATEGIES
+from ..distributed import collectives
+from ..comm.merge import STRATEGIES
 from ..decode import PREFILL_METHODS, generate
-from ..topology import TreeGroups
+from ..distributed.topology import TreeGroups
 from .hf import load_hf_model
 
 __all__ = ["BACKEND_NAME", "ModelArgs", "ModelArgsError", "RequestError", "TreeLM", "check_checkpoint",

@@ -1,18 +1,18 @@
 """strategy="auto" on real gloo ranks: the policy runs once per shape, the merge is exact, and
-no ``megatron_tree.bench`` module is ever imported.
+no ``benchmarks`` module is ever imported.
 
-Run by tests/test_cost_model.py in a fresh interpreter (pytest itself imports bench/); prints
+Run by tests/comm/test_cost_model.py in a fresh interpreter (pytest itself imports bench/); prints
 one JSON line with every rank's report. 2 ranks: a flat group (the policy is the same
-arithmetic on any layout; tests/test_cost_model.py checks layouts without processes).
+arithmetic on any layout; tests/comm/test_cost_model.py checks layouts without processes).
 """
 
 import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository
 
-from distributed import run_ranks  # noqa: E402
+from tests.helpers.ranks import run_ranks  # noqa: E402
 
 SHAPES = ((2, 1, 4, 16), (3, 2, 8, 8))  # (B, Sq, Hq, D)
 CALLS = 20
@@ -31,8 +31,9 @@ def _states(shape, world, seed):
 
 def rank_fn(rank, world):
     import megatron_tree  # noqa: F401 -- the package import path a user takes
-    from megatron_tree import comm, cost, reference
-    from megatron_tree.topology import TreeGroups
+    from megatron_tree.comm import merge as comm, cost
+    from megatron_tree.ops import reference
+    from megatron_tree.distributed.topology import TreeGroups
 
     calls = []
     real = cost.policy
@@ -52,7 +53,7 @@ def rank_fn(rank, world):
             err = max(err, float((o - want_o).abs().max()), float((l - want_l).abs().max()))
         chosen.append(comm.choose_strategy(groups, shape, 4))
     return {"rank": rank, "policy_calls": len(calls), "max_err": err, "chosen": chosen,
-            "bench_modules": sorted(m for m in sys.modules if m.startswith("megatron_tree.bench"))}
+            "bench_modules": sorted(m for m in sys.modules if m.startswith("benchmarks"))}
 
 
 if __name__ == "__main__":

@@ -9,9 +9,9 @@ from .common import _MARK, _Binding, _text_config
 from .cache import TreeCache
 from .enable import enable_tree_attention
 
-from ...collectives import CommStats
+from ...distributed.collectives import CommStats
 from ...decode.generate import DecodeStep
-from ...topology import TreeGroups
+from ...distributed.topology import TreeGroups
 
 
 class HFTreeModel:

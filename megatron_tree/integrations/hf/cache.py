@@ -9,7 +9,7 @@ from .common import UnsupportedModelError, _text_config
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ...decode.cache import CacheConfig, CacheOverflowError, ShardedKVCache
-from ...topology import TreeGroups
+from ...distributed.topology import TreeGroups
 
 _HEADROOM = 256  # tokens per row an unsized cache makes room for beyond the prompt before it first grows
 

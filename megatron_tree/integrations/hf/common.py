@@ -19,8 +19,8 @@ except ImportError as e:  # pragma: no cover -- exercised only where transformer
         f"importing it failed: {e}"
     ) from e
 
-from ...collectives import CommStats
-from ...topology import TreeGroups
+from ...distributed.collectives import CommStats
+from ...distributed.topology import TreeGroups
 
 ATTN_IMPLEMENTATION = "megatron_tree"
 """The name registered with transformers' ``AttentionInterface``."""

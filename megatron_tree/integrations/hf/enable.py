@@ -12,11 +12,11 @@ from .forward import _sharded_forward
 from .generate import _sharded_generate
 import transformers
 
-from ...collectives import CommStats
-from ...comm import STRATEGIES
+from ...distributed.collectives import CommStats
+from ...comm.merge import STRATEGIES
 from ...decode.cache import LAYOUTS
 from ...decode.prefill import PREFILL_METHODS, PrefillWork
-from ...topology import TreeGroups
+from ...distributed.topology import TreeGroups
 
 
 def _attention_modules(model) -> list:

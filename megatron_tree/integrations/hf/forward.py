@@ -12,7 +12,7 @@ import torch
 from .common import _SETTINGS, UnsupportedModelError, _Binding, _comm_device, _describe, _same_groups, _text_config
 from .cache import TreeCache
 
-from ... import agreement
+from ...distributed import agreement
 from ...decode.prefill import assemble_logits
 
 

@@ -9,9 +9,9 @@ import torch
 from .common import _Binding, _comm_device, _generation_settings
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
-from ... import collectives
-from ...collectives import CommStats
-from ...topology import TreeGroups
+from ...distributed import collectives
+from ...distributed.collectives import CommStats
+from ...distributed.topology import TreeGroups
 
 
 class _RankZeroDraws(LogitsProcessor):

@@ -36,11 +36,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ... import collectives, ops, reference
-from ...comm import STRATEGIES
+from ...distributed import collectives
+from ...ops import dispatch as ops, reference
+from ...comm.merge import STRATEGIES
 from ...decode.generate import DecodeStep
 from ...decode.prefill import PrefillWork, ring_prefill
-from ...topology import TopologyError, TreeGroups
+from ...distributed.topology import TopologyError, TreeGroups
 from .groups import load_balanced_positions, tree_groups_from_megatron
 from .version import check_megatron_version, megatron_api, refuse_unsupported_features
 

@@ -47,10 +47,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ... import agreement
+from ...distributed import agreement
 from ...decode.generate import DecodeStep, row_digest
 from ...decode.paged import PagedKVCache, TokenSlots
-from ...topology import TreeGroups
+from ...distributed.topology import TreeGroups
 from .attention import check_tree_slots
 from .groups import tree_groups_from_megatron
 from .static import unsharded_rope_table

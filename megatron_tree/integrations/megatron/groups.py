@@ -18,8 +18,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from ... import collectives
-from ...topology import TopologyError, TreeGroups
+from ...distributed import collectives
+from ...distributed.topology import TopologyError, TreeGroups
 
 __all__ = ["tree_groups_from_megatron", "initialize_model_parallel", "load_balanced_positions"]
 

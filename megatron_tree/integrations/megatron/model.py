@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ... import collectives
+from ...distributed import collectives
 from ...decode.prefill import assemble_logits
 
 __all__ = [

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from ...decode.placement import RowPlacement
 from ...decode.plan import StepPlanner
 from ...decode.prefill import assemble_logits
-from ...topology import TreeGroups
+from ...distributed.topology import TreeGroups
 from .attention import CorePlan, check_tree_slots
 from .groups import tree_groups_from_megatron
 from .version import (check_megatron_version, get_only_last_token_logits, init_gpt_wrapper, megatron_api,

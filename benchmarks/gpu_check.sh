@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# GPU check for the Triton kernels, one run of at most 8 minutes on one GPU (an H200 with
+# torch + triton, no network). Run from the repository root:
+#
+#   bash benchmarks/gpu_check.sh            # results in $OUT (default ./gpu_out)
+#   OUT=/some/dir PY=python3 bash benchmarks/gpu_check.sh
+#
+# Steps (benchmarks/gpu_check.py; each configuration isolated, gpu_check.json rewritten after
+# each): environment -> kernel benchmark (eager, CUDA-graph replay, split vs merge device
+# time, GB/s vs the 4.8 TB/s peak and a measured copy, torch SDPA and its backend) ->
+# BLOCK_N x warps x stages sweep -> merge micro-benchmark -> a small model's decode step
+# captured in a CUDA graph. Then benchmarks/precision.py on the GPU kernels, then the CUDA tests,
+# with tests/ops/test_prefill_kernel.py's, then the prefill section (benchmarks/prefill_gpu.py). Each part has its own time limit and a
+# failing part does not stop the others. Needs python3 with torch + triton + pytest, and
+# transformers for the model step (no deepspeed, megatron-core, wandb or flash-attn). Ahead-of-time compilation checks stay
+# on the CPU (tests/ops/test_aot.py, benchmarks/aot_triton36.sh).
+set -uo pipefail
+
+OUT=${OUT:-./gpu_out}
+PY=${PY:-python3}
+mkdir -p "$OUT"
+
+# tests/conftest.py defaults TRITON_INTERPRET to 1 (for CPU machines); here the kernels must
+# be compiled for the GPU, so set it to 0 explicitly. Backend choice: by device (triton).
+export TRITON_INTERPRET=0
+unset MEGATRON_TREE_BACKEND
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+{
+  date -u
+  nvidia-smi --query-gpu=name,memory.total,clocks.max.memory,clocks.max.sm --format=csv || true
+  "$PY" -c "import sys, torch, triton; print(sys.version.split()[0], torch.__version__, triton.__version__, torch.version.cuda, torch.cuda.get_device_name())"
+} > "$OUT/env.txt" 2>&1
+
+# 260 s for the measurements (the script keeps per-step budgets inside this), 2 min for tests,
+# 40 s for the prefill kernels: 7.5 minutes in all.
+timeout 260 "$PY" -m benchmarks.gpu_check --out "$OUT" --budget-s 240 > "$OUT/gpu_check.log" 2>&1
+check_rc=$?
+
+# Exactness at large logits: fp32 vs fp64 partial lse through the kernels.
+timeout 30 "$PY" -m benchmarks.precision --backend triton --device cuda --tokens 4096 --out "$OUT" \
+  > "$OUT/precision.md" 2>&1
+prec_rc=$?
+
+timeout 120 "$PY" -m pytest tests/ops/test_kernels.py tests/ops/test_prefill_kernel.py -k cuda -q -rA -p no:cacheprovider \
+  --junitxml="$OUT/cuda_tests.xml" > "$OUT/cuda_tests.log" 2>&1
+cuda_rc=$?
+
+# Prefill: the fused CUDA prefill kernels (which one each piece of a ring step launches, error
+# against fp64 vs same-dtype SDPA, time vs one causal SDPA over the whole prompt); their tests
+# ran with the CUDA tests above (tests/ops/test_prefill_kernel.py -k cuda).
+timeout 40 "$PY" -m benchmarks.prefill_gpu --tokens 16384 --cp 2 --out "$OUT" > "$OUT/prefill_gpu.log" 2>&1
+prefill_rc=$?
+
+echo "gpu_check=$check_rc precision=$prec_rc cuda_tests=$cuda_rc prefill=$prefill_rc (0 = ok, 124 = timed out)" \
+  | tee "$OUT/status.txt"
+tail -n 40 "$OUT/gpu_check.log"
+tail -n 15 "$OUT/cuda_tests.log"
+tail -n 8 "$OUT/prefill_gpu.log"
+[ "$check_rc" -eq 0 ] && [ "$prec_rc" -eq 0 ] && [ "$cuda_rc" -eq 0 ] && [ "$prefill_rc" -eq 0 ]

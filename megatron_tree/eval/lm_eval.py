@@ -1,0 +1,111 @@
+"""``python -m megatron_tree.eval.lm_eval``: lm-evaluation-harness's own CLI with the ``megatron_tree`` backend.
+
+Takes lm-eval's own flags (``--model megatron_tree --model_args pretrained=...,cp_size=... --tasks ...
+--batch_size ... --output_path ... --log_samples --wandb_args ...``), registers the backend
+(``integrations.lm_eval``) and runs ``lm_eval``'s CLI in every process the launcher started
+(torchrun, the deepspeed launcher -- its ``--local_rank`` argument is dropped --, ``srun torchrun``:
+``launch/slurm/lm_eval.sbatch``). Two things differ from a plain ``lm-eval`` run, both so
+that one evaluation is recorded once whatever the world:
+
+* results (and samples) are returned, printed and written by global rank 0 only: lm-eval keeps
+  them on every process whose ``lm.rank`` is 0 (all CP peers of DP rank 0);
+* ``--wandb_args`` / ``--wandb_config_args`` reach lm-eval's ``WandbLogger`` on global rank 0 only
+  (one run); ``WANDB_MODE`` defaults to ``offline``.
+
+Bad input exits with status 2 and one line naming the problem, on every rank that sees it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+
+__all__ = ["main"]
+
+_RANK0_ONLY_FLAGS = ("--wandb_args", "--wandb_config_args")
+_LAUNCHER_FLAGS = ("--local_rank", "--local-rank")
+"""What the deepspeed launcher appends to every process's argv (it sets LOCAL_RANK too); not lm-eval's."""
+
+
+def _global_rank() -> int:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
+def _strip_flags(argv: list[str], flags) -> list[str]:
+    """argv without ``flags`` and their values (``--flag value`` or ``--flag=value``)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            if not a.startswith("--"):
+                continue
+        name = a.split("=", 1)[0]
+        if name in flags:
+            skip = "=" not in a
+            continue
+        out.append(a)
+    return out
+
+
+def _flag(argv: list[str], name: str) -> str | None:
+    """The value of ``--name value`` / ``--name=value`` in argv (the last one), else None."""
+    value = None
+    for i, a in enumerate(argv):
+        if a == name and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif a.startswith(name + "="):
+            value = a.split("=", 1)[1]
+    return value
+
+
+def _check_model_args(argv: list[str], backend) -> None:
+    """Refuse bad ``--model_args`` of this backend before lm-eval indexes its tasks (the same on every rank)."""
+    if _flag(argv, "--model") != backend.BACKEND_NAME:
+        return
+    from lm_eval import utils as lm_utils
+
+    args = backend.model_args_from(lm_utils.simple_parse_args_string(_flag(argv, "--model_args") or ""))
+    backend.check_checkpoint(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run lm-eval's CLI on ``argv`` (default ``sys.argv[1:]``) with the backend registered; returns 0."""
+    argv = _strip_flags(list(sys.argv[1:] if argv is None else argv), _LAUNCHER_FLAGS)
+    os.environ.setdefault("WANDB_MODE", "offline")
+    import lm_eval
+    import lm_eval.models  # noqa: F401 -- lm-eval's own backends stay available beside ours
+    from lm_eval.__main__ import cli_evaluate
+
+    from ..integrations import lm_eval as backend
+
+    if _global_rank() != 0:
+        argv = _strip_flags(argv, _RANK0_ONLY_FLAGS)
+    original = lm_eval.simple_evaluate
+
+    @functools.wraps(original)
+    def simple_evaluate(*args, **kwargs):
+        results = original(*args, **kwargs)
+        return results if _global_rank() == 0 else None
+
+    saved_argv = sys.argv
+    sys.argv = ["lm-eval", *argv]
+    lm_eval.simple_evaluate = simple_evaluate
+    try:
+        _check_model_args(argv, backend)
+        cli_evaluate()
+    except (backend.ModelArgsError, backend.RequestError) as e:
+        print(f"megatron_tree.eval.lm_eval: rank {_global_rank()}: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from e
+    finally:
+        lm_eval.simple_evaluate = original
+        sys.argv = saved_argv
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,269 @@
+"""Backend choice for the local decode and the local merge, registered as torch custom ops.
+
+Invariant: callers above this layer never name a backend implementation; they call
+:func:`flash_decode` / :func:`merge_states` here and get the same contract (DESIGN.md
+section 3) from the Triton kernels (``kernels/``) on CUDA tensors and from the torch path
+(``torch_decode.py``, checked against ``reference.py``) on CPU. The environment variable
+``MEGATRON_TREE_BACKEND`` (``torch`` or ``triton``) forces a backend, as does the
+``backend=`` argument; ``triton`` on CPU tensors runs the Triton interpreter and needs
+``TRITON_INTERPRET=1`` set before ``megatron_tree.ops.triton`` is imported.
+
+Both entry points go through ``torch.library`` custom ops (``megatron_tree::flash_decode``,
+``megatron_tree::merge_states``) with fake implementations, so ``torch.compile`` captures a
+decode step as one opaque node (no graph break) and CUDA graphs can record it: on CUDA
+the launch path does no host-device synchronisation (``cache_seqlens`` values are clamped
+in the kernel rather than checked on the host). On CPU tensors the values are checked inside
+the op, where the torch path reads ``cache_seqlens`` to slice rows anyway, so the code around
+the op never reads a tensor's values either (``megatron_tree.utils.sync_guard``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Literal, Optional
+
+import torch
+
+from . import fused_prefill, reference, torch_decode
+
+__all__ = ["flash_decode", "merge_states", "prefill_attention", "resolve_backend", "BACKENDS", "ENV_BACKEND"]
+
+Backend = Literal["torch", "triton"]
+BACKENDS = ("torch", "triton")
+ENV_BACKEND = "MEGATRON_TREE_BACKEND"
+
+
+def resolve_backend(device: torch.device, backend: str | None = None) -> str:
+    """The backend that will run on ``device``: the argument, else the environment, else by device."""
+    choice = backend if backend is not None else os.environ.get(ENV_BACKEND) or None
+    if choice is not None and choice not in BACKENDS:
+        source = "backend argument" if backend is not None else f"${ENV_BACKEND}"
+        raise ValueError(f"unknown {source} {choice!r}; expected one of {BACKENDS}")
+    if choice is None:
+        return "triton" if device.type == "cuda" else "torch"
+    if choice == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(
+            f"backend='triton' needs CUDA tensors (got {device}) or TRITON_INTERPRET=1 set before "
+            "megatron_tree.ops.triton is imported; use backend='torch' or backend=None on CPU"
+        )
+    return choice
+
+
+def _check(q, k, v, cache_seqlens, q_positions, k_positions, block_table, out_dtype, lse_dtype, **variants) -> None:
+    # Shapes, dtypes and devices only: nothing here reads a tensor's values, so a decode step
+    # stays free of host syncs. The value checks (cache_seqlens and cache_starts within [0, N],
+    # block ids within the cache) run inside the op on CPU tensors, where the torch path reads
+    # cache_seqlens anyway; on CUDA the kernel clamps instead.
+    reference.check_decode_inputs(q, k, v, cache_seqlens, q_positions, k_positions, block_table, out_dtype,
+                                  by_value=False, lse_dtype=lse_dtype, **variants)
+
+
+def _check_values(q, k, cache_seqlens, block_table, cache_starts=None) -> None:
+    """The value checks of the contract, for CPU inputs (host memory: reading it syncs nothing)."""
+    b = q.shape[0]
+    n = reference.kv_length(k, block_table)
+    if cache_seqlens is not None:
+        reference.check_cache_seqlens(cache_seqlens, b, n, q.device)
+    if cache_starts is not None:
+        reference.check_cache_seqlens(cache_starts, b, n, q.device, name="cache_starts")
+    if block_table is not None:
+        reference.check_block_table(block_table, b, k.shape[0], k.shape[1], cache_seqlens, q.device,
+                                    cache_starts=cache_starts)
+
+
+# New arguments go at the end with defaults, so positional calls of the op stay valid.
+@torch.library.custom_op("megatron_tree::flash_decode", mutates_args=())
+def _flash_decode_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache_seqlens: Optional[torch.Tensor],
+    softmax_scale: Optional[float],
+    q_positions: Optional[torch.Tensor],
+    k_positions: Optional[torch.Tensor],
+    backend: str,
+    block_table: Optional[torch.Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
+    lse_dtype: Optional[torch.dtype] = None,
+    cache_starts: Optional[torch.Tensor] = None,
+    window: Optional[int] = None,
+    softcap: Optional[float] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if q.device.type == "cpu":
+        _check_values(q, k, cache_seqlens, block_table, cache_starts)
+    kwargs = dict(block_table=block_table, cache_seqlens=cache_seqlens, softmax_scale=softmax_scale,
+                  q_positions=q_positions, k_positions=k_positions, out_dtype=out_dtype, lse_dtype=lse_dtype,
+                  cache_starts=cache_starts, window=window, softcap=softcap)
+    if backend == "triton":
+        from .triton import flash_decode as kernel  # imported lazily: needs triton
+
+        return kernel.flash_decode(q, k, v, **kwargs)
+    return torch_decode.flash_decode(q, k, v, **kwargs)
+
+
+@_flash_decode_op.register_fake
+def _flash_decode_fake(q, k, v, cache_seqlens, softmax_scale, q_positions, k_positions, backend, block_table=None,
+                       out_dtype=None, lse_dtype=None, cache_starts=None, window=None, softcap=None):
+    b, sq, hq, _ = q.shape
+    out = q.new_empty((b, sq, hq, v.shape[-1]), dtype=q.dtype if out_dtype is None else out_dtype)
+    return out, q.new_empty((b, hq, sq), dtype=reference.lse_acc_dtype(lse_dtype, q.dtype))
+
+
+@torch.library.custom_op("megatron_tree::merge_states", mutates_args=())
+def _merge_states_op(outs: torch.Tensor, lses: torch.Tensor, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if backend == "triton":
+        from .triton import merge as kernel
+
+        out, lse = kernel.merge_states(outs, lses)
+    else:
+        out, lse = reference.merge_states(outs, lses)
+    if outs.shape[0] == 1:  # P = 1 returns views of the inputs; a custom op may not alias them
+        out, lse = out.clone(), lse.clone()
+    # The fake implementation promises contiguous outputs; the reference's may be transposed views.
+    return out.contiguous(), lse.contiguous()
+
+
+@_merge_states_op.register_fake
+def _merge_states_fake(outs, lses, backend):
+    _, b, sq, hq, d = outs.shape
+    lse_dtype = torch.promote_types(lses.dtype, reference.acc_dtype(outs.dtype))
+    return outs.new_empty((b, sq, hq, d)), lses.new_empty((b, hq, sq), dtype=lse_dtype)
+
+
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _kernel_backend(name: str, dtype: torch.dtype, forced: bool, headdim: int = 0, out_dtype=None) -> str:
+    # The kernels cover fp16/bf16/fp32 (in and out) and head dims up to 256; anything else on
+    # CUDA quietly takes the torch path unless a backend was forced (then the kernel's error
+    # names it).
+    if name == "triton" and not forced and (
+            dtype not in _KERNEL_DTYPES or headdim > 256 or (out_dtype is not None and out_dtype not in _KERNEL_DTYPES)):
+        return "torch"
+    return name
+
+
+def flash_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    block_table: torch.Tensor | None = None,
+    cache_seqlens: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    q_positions: torch.Tensor | None = None,
+    k_positions: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    backend: str | None = None,
+    lse_dtype: torch.dtype | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    cache_starts: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Local attention of q over one KV shard; see :func:`reference.partial_attention` for details.
+
+    q: (batch, seqlen_q, nheads_q, headdim)
+    k: (batch, seqlen_k, nheads_kv, headdim), v: (batch, seqlen_k, nheads_kv, headdim_v), or with
+        block_table a paged cache (num_blocks, block_size, nheads_kv, headdim[_v]); headdim_v
+        may differ from headdim (MLA: out has V's head dim)
+    block_table: (batch, max_blocks) int32; row b's key j lives in block block_table[b, j // block_size]
+    cache_seqlens: (batch,) int32 keys per row in [0, N] (N = seqlen_k, or max_blocks * block_size)
+    cache_starts: (batch,) int32 in [0, N]: keys before it are not valid, nor read (left
+        padding; on a shard whose slots follow positions, the first slot a sliding window
+        still shows -- the window as a slot range, with no positions needed)
+    q_positions: (batch, seqlen_q), k_positions: (batch, N) or (N,): causal by global position
+    window: sliding window, with positions only: query at position p sees keys j with
+        ``p - window < j <= p`` (transformers' ``sliding_window``, its
+        ``sliding_window_causal_mask_function``; flash-attn's and Megatron's
+        ``window_size=(window - 1, 0)``); a shard with no key inside is an empty partial.
+        The kernel still reads every key up to cache_seqlens and masks by position; a caller
+        that knows the first slot inside the window may pass it as cache_starts too (same
+        result), and the tiles before it are skipped
+    softcap: scores -> ``softcap * tanh(scores / softcap)`` before the softmax (Gemma 2's
+        ``attn_logit_softcapping``); the lse is over the capped scores
+    sinks: (nheads_q,) float, one logit per query head joining the softmax with a zero value
+        (GPT-OSS), by :func:`reference.add_sink` after the local attention: for this shard as
+        the whole sequence. Over CP shards pass it to ``tree_decode`` instead (it joins once,
+        after the merge), never to each rank's ``flash_decode``.
+    out_dtype: dtype of out (default q.dtype); float32 leaves a bf16/fp16 partial unrounded
+    lse_dtype: dtype of lse: float32 (the default) or float64, never narrower than the
+        accumulation (float64 input always gives float64); float64 carries a partial that will
+        be merged again whole, so the merge stays exact at large scores (|s| = 1e5 tested;
+        ``reference``'s module docstring)
+    returns out: (batch, seqlen_q, nheads_q, headdim_v) in out_dtype,
+            lse: (batch, nheads_q, seqlen_q) in lse_dtype, natural log, -inf where no key is visible
+            (and no sink), NaN where a visible score (or the sink) is NaN
+    """
+    _check(q, k, v, cache_seqlens, q_positions, k_positions, block_table, out_dtype, lse_dtype, window=window,
+           softcap=softcap, cache_starts=cache_starts, sinks=sinks)
+    forced = backend is not None or bool(os.environ.get(ENV_BACKEND))
+    name = _kernel_backend(resolve_backend(q.device, backend), q.dtype, forced, max(q.shape[-1], v.shape[-1]),
+                           out_dtype)
+    window = None if window is None else int(window)
+    softcap = None if softcap is None else float(softcap)
+    if sinks is None:
+        return _flash_decode_op(q, k, v, cache_seqlens, softmax_scale, q_positions, k_positions, name, block_table,
+                                out_dtype, lse_dtype, cache_starts, window, softcap)
+    # The sink joins the finished state: unrounded partial and whole lse first, one rounding after.
+    out, lse = _flash_decode_op(q, k, v, cache_seqlens, softmax_scale, q_positions, k_positions, name, block_table,
+                                reference.acc_dtype(q.dtype), torch.float64, cache_starts, window, softcap)
+    out, lse = reference.add_sink(out, lse, sinks)
+    return (out.to(q.dtype if out_dtype is None else out_dtype),
+            lse.to(reference.lse_acc_dtype(lse_dtype, q.dtype)))
+
+
+def merge_states(outs: torch.Tensor, lses: torch.Tensor, *, backend: str | None = None):
+    """Merge P partial states: outs (P, B, Sq, Hq, D), lses (P, B, Hq, Sq) -> (out, lse).
+
+    out: (B, Sq, Hq, D) in outs.dtype; lse: (B, Hq, Sq) float32, or float64 for float64 outs
+    or lses (float64 lses are used whole: the merge is then exact at large score magnitudes).
+    """
+    reference.check_merge_inputs(outs, lses)
+    forced = backend is not None or bool(os.environ.get(ENV_BACKEND))
+    name = _kernel_backend(resolve_backend(outs.device, backend), outs.dtype, forced, outs.shape[-1])
+    return _merge_states_op(outs, lses, name)
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    q_positions: torch.Tensor,
+    k_positions: torch.Tensor,
+    softmax_scale: float | None = None,
+    kernel: str | None = None,
+    backend: str | None = None,
+    calls: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Local causal attention of a prefill query chunk over one KV block, on fused kernels that return the lse.
+
+    q: (batch, seqlen_q, nheads_q, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim), GQA/MQA
+        without repeating KV (Hq % Hkv == 0)
+    q_positions: (batch, seqlen_q), k_positions: (batch, seqlen_k) or (seqlen_k,), integer global
+        positions: key j is visible to query i iff k_pos[j] <= q_pos[i]; a negative position is
+        padding (a padded key is never visible, a padded query gets out 0 / lse -inf)
+    kernel: force one of ``fused_prefill.KERNELS`` (default: ``fused_prefill.select_kernel`` for the
+        device, dtype and head dim); backend: the decode backend (``torch``/``triton``) of the exact
+        fallback (``flash_decode`` with positions); calls: a dict counting the kernel launches by name
+    returns out: (batch, seqlen_q, nheads_q, headdim) float32 (float64 for float64 input): a partial
+            that will be merged again stays unrounded (bf16 is rounded once, after the last merge);
+            lse: (batch, nheads_q, seqlen_q) float64, natural log, -inf where no key is visible:
+            exact for the merge at any score magnitude (``fused_prefill``'s module docstring)
+
+    Memory: one kernel tile of scores at a time (an explicit mask of at most
+    ``fused_prefill.TILE`` x seqlen_k only for irregular position sets), never seqlen_q x seqlen_k.
+    Reads the positions on the host to plan the kernel calls (one sync per call on CUDA).
+    """
+    if not isinstance(q_positions, torch.Tensor) or not isinstance(k_positions, torch.Tensor):
+        raise TypeError("prefill_attention needs q_positions and k_positions as integer tensors, got "
+                        f"{type(q_positions).__name__} and {type(k_positions).__name__}")
+    if q_positions.dtype == torch.bool or k_positions.dtype == torch.bool:
+        raise TypeError("q_positions and k_positions must be integer positions, not bool masks")
+    reference.check_decode_inputs(q, k, v, None, q_positions, k_positions, by_value=False)
+    if kernel is not None and kernel not in fused_prefill.KERNELS:
+        raise ValueError(f"unknown prefill kernel {kernel!r}; expected one of {fused_prefill.KERNELS}")
+    return fused_prefill.prefill_attention(q, k, v, q_positions=q_positions, k_positions=k_positions,
+                                           softmax_scale=softmax_scale, kernel=kernel, backend=backend,
+                                           exact_attention=flash_decode, calls=calls)

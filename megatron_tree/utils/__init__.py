@@ -1,0 +1,3 @@
+"""Aids any tier may use: the host-sync guard (``sync_guard``) and the multi-rank harness
+(``testing``) that the tests and the benchmarks share. They import torch only.
+"""

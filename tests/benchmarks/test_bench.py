@@ -1,0 +1,91 @@
+"""The decode benchmark runs a tiny sweep end to end (P=2 flat and a 2x2 two-level group) and
+its measured byte counts equal the cost model's formulas for every strategy."""
+
+import json
+import os
+
+from benchmarks import cost_model as cm
+from benchmarks import decode
+
+
+def test_tiny_sweep_end_to_end(tmp_path):
+    out = tmp_path / "out"
+    argv = ["--ranks", "2,4", "--intra", "4:2", "--contexts", "96", "--batch", "2", "--heads", "4/2",
+            "--head-dim", "16", "--iters", "1", "--warmup", "1", "--no-progress", "--probe-tokens", "256",
+            "--out-dir", str(out)]
+    assert decode.main(argv) == 0
+    data = json.loads((out / "bench_results.json").read_text())
+    rows = data["rows"]
+    assert data["meta"]["command"].endswith(" ".join(argv))
+    assert {(r["ranks"], r["intra"]) for r in rows} == {(2, 2), (4, 2)}
+    for p, intra in ((2, 2), (4, 2)):
+        got = {r["strategy"]: r for r in rows if r["ranks"] == p}
+        assert set(got) == set(decode.ALL), (p, set(decode.ALL) - set(got))
+        dims = cm.Dims(batch=2, heads_q=4, heads_kv=2, head_dim=16)
+        for name, r in got.items():
+            assert "skipped" not in r, r
+            assert r["iters"] == 1 and r["median_ms"] > 0 and r["p90_ms"] >= r["median_ms"]
+            # every strategy computed the same attention as tree decode (fp32)
+            assert r["max_abs_err_vs_tree"] is not None and r["max_abs_err_vs_tree"] < 1e-5, (name, r)
+            kind = name.split(":")[-1]
+            model = r["resolved"] if kind == "auto" else kind
+            expected = {} if kind == "single" else cm.sent_bytes(
+                model, dims, p, intra if intra < p else p, shard_tokens=96 // p)
+            # measured (CommStats / baseline accounting) == formula, on rank 0 and on the busiest rank
+            assert r["bytes_per_level_rank0"] == expected, (p, name, r["bytes_per_level_rank0"], expected)
+            assert r["bytes_per_level_max_rank"] == expected, (p, name)
+            assert r["peak_analytic_bytes"] > 0 and r["peak_measured_bytes"] > 0
+        assert got["tree:two_level"]["levels"] == (["intra", "inter"] if intra < p else ["intra"])
+        if intra < p:
+            assert set(got["tree:two_level"]["bytes_per_level_rank0"]) == {"intra", "inter"}
+        assert got["tree:auto"]["resolved"] in cm.TREE_STRATEGIES
+        assert got["ring"]["ratio_vs_ring"] == 1.0
+        assert all(r["host_lanes"] > 0 for r in got.values())  # the parallel-lanes probe ran
+        # ring keeps min(2, P-1) receive buffers of a shard; tree none
+        assert got["tree:packed"]["peak_analytic_bytes"] < got["ring"]["peak_analytic_bytes"]
+    md = (out / "bench_results.md").read_text()
+    assert "| 4 (2×2) | 96 | 2 | 4/2 |" in md  # 2 nodes × 2 ranks
+    assert "| 2 | 96 | 2 | 4/2 |" in md
+    assert " NO " not in md  # every byte count matched its formula ...
+    assert md.count(" | yes | ") == len(rows)  # ... and every row was compared
+    for png in ("bench_latency.png", "bench_ratio_vs_ring.png", "bench_bytes.png"):
+        assert os.path.getsize(out / png) > 5000, png
+
+
+def test_cold_start_bench_measures_first_and_warm_calls(tmp_path):
+    """One fresh launch per strategy (P=2, tiny shards): the first call is slower than the
+    warm ones for tree and ring alike, both decode the same attention, and the summary's
+    ratios are the measured medians' ratios."""
+    from benchmarks import cold_start
+
+    out = tmp_path / "cold.json"
+    argv = ["--ranks", "2", "--context", "256", "--heads", "4/2", "--head-dim", "16", "--repeat", "1", "--warm", "3",
+            "--modes", "cold", "--quiet", "--out", str(out)]
+    assert cold_start.main(argv) == 0
+    data = json.loads(out.read_text())
+    assert data["command"].endswith(" ".join(argv))
+    recs = data["records"]
+    assert sorted(r["strategy"] for r in recs) == sorted(cold_start.STRATEGIES)
+    for r in recs:
+        assert r["mode"] == "cold" and len(r["warm_s"]) == 3 and r["setup_s"] > 0
+        assert r["first_s"] > max(r["warm_s"]), r  # the first call pays one-time costs
+    s = data["summary"]
+    assert s["max_abs_diff_between_runs"] < 1e-5
+    med = s["modes"]["cold"]["medians"]
+    assert s["modes"]["cold"]["ratio_first_call"] == med["ring"]["first_s"] / med["tree:allreduce3"]["first_s"]
+    assert s["ratio_warm"] == med["ring"]["warm_median_s"] / med["tree:allreduce3"]["warm_median_s"]
+    assert s["predicted_warm_s"]["ring"] > 0
+
+
+def test_precision_bench_side_by_side(tmp_path, capsys):
+    """bench.precision: at |s| = 1e5 a merge with an fp32 lse is off by more
+    than 1e-5 and one with an fp64 lse is not; main writes precision.json and a markdown table."""
+    from benchmarks import precision
+
+    rows = precision.measure(magnitudes=(1e5,), worlds=(3,), n=48)
+    assert [(r["magnitude"], r["P"]) for r in rows] == [(1e5, 3)]
+    assert rows[0]["one_call"] <= 1e-6 and rows[0]["merge_lse64"] <= 1e-5 < rows[0]["merge_lse32"], rows
+    assert precision.main(["--tokens", "32", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "precision.json").read_text())
+    assert data["meta"]["tokens"] == 32 and len(data["rows"]) == 6 * 3
+    assert "| 100000 | 4 |" in capsys.readouterr().out

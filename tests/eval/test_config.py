@@ -1,0 +1,220 @@
+"""Run configs: YAML maps 1:1 onto frozen dataclasses; unknown keys, wrong types and bad
+combinations are errors that name the key; dotted overrides go through the same checks."""
+
+import ast
+import dataclasses
+import inspect
+import json
+import os
+import textwrap
+
+import pytest
+
+from megatron_tree.eval import config as C
+from megatron_tree.eval.config import ConfigError, RunConfig, load_config
+from megatron_tree.eval.tracking import NullTracker, make_tracker, resolve_wandb_settings
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CONFIGS = os.path.join(ROOT, "configs")
+
+
+def _yaml(tmp_path, text: str) -> str:
+    p = tmp_path / "c.yaml"
+    p.write_text(textwrap.dedent(text))
+    return str(p)
+
+
+def _err(path=None, overrides=()) -> str:
+    with pytest.raises(ConfigError) as e:
+        load_config(path, list(overrides))
+    return str(e.value)
+
+
+def test_cpu_tiny_yaml_is_exactly_the_defaults():
+    # The embedded default and the shipped file must not drift apart.
+    assert load_config(os.path.join(CONFIGS, "cpu_tiny.yaml")) == RunConfig()
+    d = RunConfig()
+    assert d.topology.intra_size == 2 and d.model.source == "megatron" and d.wandb.mode == "offline"
+    assert d.model.path is None and d.topology.tp_size == 1 and d.eval.prefill_method is None
+    # A random transformers Llama is one CONFIG= away and otherwise the same run.
+    llama = load_config(os.path.join(CONFIGS, "cpu_tiny_llama.yaml"))
+    assert llama.model.source == "random" and llama.eval.prefill_method == "ring"
+    assert llama.model.__class__(**{**vars(llama.model), "source": "megatron"}) == d.model
+    assert llama.topology == d.topology and llama.wandb == d.wandb
+    assert llama.eval.__class__(**{**vars(llama.eval), "prefill_method": None}) == d.eval
+
+
+def test_shipped_configs_load_with_the_intended_topology():
+    one = load_config(os.path.join(CONFIGS, "llama31_8b_1node.yaml"))
+    many = load_config(os.path.join(CONFIGS, "llama31_8b_16nodes.yaml"))
+    qwen = load_config(os.path.join(CONFIGS, "qwen3_8b_hf_1node.yaml"))
+    assert qwen.model.source == "hf" and qwen.eval.engine == "static"  # transformers' own Qwen3 class
+    for cfg in (one, many, qwen):
+        assert cfg.model.source == "hf" and cfg.model.dtype == "bfloat16"  # transformers' own classes
+        assert cfg.topology.intra_size is None  # tiers come from the launcher
+        assert cfg.eval.exactness.max_context is not None
+    assert max(many.eval.context_lengths) > max(one.eval.context_lengths)
+    assert many.eval.allow_beyond_max_position and not one.eval.allow_beyond_max_position
+
+
+def test_unknown_key_names_its_path(tmp_path):
+    msg = _err(_yaml(tmp_path, """
+        eval:
+          exactness:
+            sample_rat: 0.5
+    """))
+    assert "eval.exactness.sample_rat" in msg and "sample_rate" in msg
+    assert "'topologyy'" in _err(_yaml(tmp_path, "topologyy: {}\n"))
+
+
+@pytest.mark.parametrize("text, path, expected", [
+    ("eval: {decode_steps: four}", "eval.decode_steps", "an integer"),
+    ("eval: {decode_steps: true}", "eval.decode_steps", "an integer"),
+    ("eval: {context_lengths: 256}", "eval.context_lengths", "a list of an integer"),
+    ("eval: {context_lengths: [256, x]}", "eval.context_lengths[1]", "an integer"),
+    ("eval: {strategies: [tree]}", "eval.strategies[0]", "'two_level'"),
+    ("model: {dtype: fp8}", "model.dtype", "'bfloat16'"),
+    ("wandb: {enabled: 1}", "wandb.enabled", "true/false"),
+    ("topology: {intra_size: 2.5}", "topology.intra_size", "an integer or null"),
+    ("model: {rms_norm_eps: tiny}", "model.rms_norm_eps", "a number"),
+    ("eval: 3", "eval", "a mapping (EvalConfig)"),
+])
+def test_wrong_type_names_path_and_expected_type(tmp_path, text, path, expected):
+    msg = _err(_yaml(tmp_path, text + "\n"))
+    assert msg.startswith(path + ":"), msg
+    assert expected in msg, msg
+
+
+def test_values_are_read_not_guessed(tmp_path):
+    cfg = load_config(_yaml(tmp_path, """
+        model: {source: random, rms_norm_eps: 1e-6, rope_scaling: {rope_type: llama3, factor: 8.0}}
+        topology: {timeout_s: 30}
+        eval: {context_lengths: [64, 128]}
+    """))
+    assert cfg.model.rms_norm_eps == 1e-6  # YAML 1.1 reads "1e-6" as a string
+    assert isinstance(cfg.topology.timeout_s, float) and cfg.topology.timeout_s == 30.0
+    assert cfg.eval.context_lengths == (64, 128)  # tuples: the config is hashable and frozen
+    assert cfg.model.rope_scaling == {"rope_type": "llama3", "factor": 8.0}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.eval.decode_steps = 3
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (["topology.cp_size=4", "topology.intra_size=3"], "topology.intra_size: 3 does not factor cp_size 4"),
+    (["eval.exactness.sample_rate=1.5"], "eval.exactness.sample_rate: must be in [0, 1]"),
+    (["eval.context_lengths=[]"], "eval.context_lengths: must not be empty"),
+    (["eval.batch_sizes=[0]"], "eval.batch_sizes: must be positive"),
+    (["model.source=hf"], "model.path: source 'hf' needs a checkpoint directory"),
+    (["model.source=llama"], "model.source: 'llama' (the library's own Llama) was retired; use model.source=hf"),
+    (["model.source=random", "eval.engine=dynamic"], "eval.engine: 'dynamic' is Megatron-Core's DynamicInferenceEngine"),
+    (["model.rope_scaling={rope_type: linear, factor: 2.0}"], "model.rope_scaling: not supported for source 'megatron'"),
+    (["topology.tp_size=0"], "topology.tp_size: must be a positive integer"),
+    (["model.num_key_value_heads=3"], "model.num_key_value_heads: 3 does not divide"),
+    (["eval.decode_steps=0"], "eval.decode_steps: must be a positive integer"),
+    (["eval.warmup_steps=-1"], "eval.warmup_steps: must be >= 0"),
+    (["eval.exactness.tolerance=-1e-3"], "eval.exactness.tolerance: must be >= 0"),
+    (["eval.exactness.max_context=0"], "eval.exactness.max_context: must be a positive integer"),
+    (["eval.passkey.context_lengths=[64, 0]"], "eval.passkey.context_lengths: must be positive"),
+    (["topology.timeout_s=0"], "topology.timeout_s: must be positive"),
+])
+def test_combinations_that_cannot_run(overrides, fragment):
+    assert fragment in _err(None, overrides)
+
+
+def test_overrides_nested_lists_null_and_unknown():
+    cfg = load_config(None, ["eval.context_lengths=[32, 64]", "topology.intra_size=null",
+                             "eval.exactness.enabled=false", "wandb.tags=[a, b]", "name=x=y",
+                             "model.path=/some/dir"])
+    assert cfg.eval.context_lengths == (32, 64) and cfg.topology.intra_size is None
+    assert not cfg.eval.exactness.enabled and cfg.wandb.tags == ("a", "b")
+    assert cfg.name == "x=y" and cfg.model.path == "/some/dir"
+    assert cfg.eval.decode_steps == RunConfig().eval.decode_steps  # untouched keys keep defaults
+    assert "'eval.exactnes'" in _err(None, ["eval.exactnes.enabled=false"])
+    assert "expected key=value" in _err(None, ["eval.decode_steps"])
+    assert "has no sub-keys" in _err(None, ["eval.decode_steps.x=1"])
+    assert "eval.decode_steps: expected an integer" in _err(None, ["eval.decode_steps=4.5"])
+
+
+def test_override_wins_over_yaml(tmp_path):
+    p = _yaml(tmp_path, "eval: {decode_steps: 7, warmup_steps: 1}\n")
+    cfg = load_config(p, ["eval.decode_steps=3"])
+    assert (cfg.eval.decode_steps, cfg.eval.warmup_steps) == (3, 1)
+
+
+def test_missing_or_malformed_file(tmp_path):
+    assert "does not exist" in _err(str(tmp_path / "nope.yaml"))
+    assert "expected a mapping at the top level" in _err(_yaml(tmp_path, "- a\n- b\n"))
+    assert "not valid YAML" in _err(_yaml(tmp_path, "eval: {a: [\n"))
+
+
+def test_round_trip_through_plain_data():
+    cfg = load_config(None, ["eval.strategies=[packed]", "model.source=random", "model.rope_scaling={rope_type: linear, factor: 2.0}"])
+    data = C.to_dict(cfg)
+    json.dumps(data)  # plain data only
+    assert C.from_dict(RunConfig, data) == cfg
+
+
+def test_every_field_has_a_docstring_and_choices_are_literals():
+    classes = [obj for _, obj in inspect.getmembers(C, inspect.isclass)
+               if dataclasses.is_dataclass(obj) and obj.__module__ == C.__name__]
+    assert len(classes) >= 9
+    tree = ast.parse(inspect.getsource(C))
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and any(node.name == c.__name__ for c in classes):
+            body = node.body
+            for i, stmt in enumerate(body):
+                if isinstance(stmt, ast.AnnAssign):
+                    nxt = body[i + 1] if i + 1 < len(body) else None
+                    assert isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant), \
+                        f"{node.name}.{stmt.target.id} has no docstring"
+    for cls in classes:
+        assert cls.__dataclass_params__.frozen, cls
+
+
+# ----------------------------------------------------------------------------- wandb settings
+
+
+def test_ds_config_fills_only_what_yaml_leaves_open(tmp_path):
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"train_batch_size": 1,
+                              "wandb": {"enabled": True, "project": "ds-proj", "team": "ds-team", "group": "g1"}}))
+    cfg = load_config(None, [f"wandb.ds_config={ds}", "wandb.project=yaml-proj"]).wandb
+    s = resolve_wandb_settings(cfg, "run")
+    assert (s["project"], s["entity"], s["group"], s["name"]) == ("yaml-proj", "ds-team", "g1", "run")
+    ds.write_text(json.dumps({"wandb": {"enabled": False}}))
+    assert not resolve_wandb_settings(cfg, "run")["enabled"]
+    assert resolve_wandb_settings(RunConfig().wandb, "r")["project"] == "megatron-tree"
+    ds.write_text("{not json")
+    with pytest.raises(ConfigError, match="wandb.ds_config"):
+        resolve_wandb_settings(cfg, "run")
+    ds.write_text(json.dumps({"wandb": {"entity": "x"}}))  # DeepSpeed's name is team
+    with pytest.raises(ConfigError, match=r"wandb.ds_config: .*unknown key.*'entity'"):
+        resolve_wandb_settings(cfg, "run")
+
+
+@pytest.mark.parametrize("ds", [{}, {"wandb": {}}, {"wandb": {"project": "p"}}, {"wandb": {"enabled": True}},
+                                {"wandb": {"enabled": False, "team": "t"}}])
+def test_the_eval_reads_a_ds_config_wandb_section_as_deepspeed_does(tmp_path, ds):
+    """One reader of the section (integrations.deepspeed.wandb_settings): a section without
+    ``enabled`` is off for the eval as it is for DeepSpeed, and its project default is DeepSpeed's."""
+    from megatron_tree.integrations.deepspeed import wandb_settings
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(ds))
+    got = resolve_wandb_settings(load_config(None, [f"wandb.ds_config={path}"]).wandb, "run")
+    theirs = wandb_settings(ds)
+    assert (got["enabled"], got["project"], got["entity"], got["group"]) == \
+        (theirs.enabled, theirs.project, theirs.entity, theirs.group)
+    assert got["enabled"] == (ds.get("wandb", {}).get("enabled") is True)
+
+
+def test_ranks_other_than_zero_get_a_silent_tracker(tmp_path):
+    t = make_tracker(RunConfig().wandb, rank=1, output_dir=str(tmp_path), config={}, default_name="x")
+    assert isinstance(t, NullTracker) and t.run_dir is None
+    t.log({"a": 1}, step=0)
+    t.table("t", ["a"], [[1]])
+    t.summary({"a": 1})
+    t.finish()
+    assert list(tmp_path.iterdir()) == []  # nothing written by a non-zero rank
+    off = load_config(None, ["wandb.enabled=false"]).wandb
+    assert isinstance(make_tracker(off, rank=0, output_dir=str(tmp_path), config={}, default_name="x"), NullTracker)

@@ -1,0 +1,482 @@
+"""The eval entry point in one process: results.json schema, exactness against the reference
+(unmodified transformers in one process; Megatron's own GPTModel at CP = 1), wandb offline run inside the output
+dir, passkey/perplexity with a real (tiny) checkpoint and tokenizer for both sources, and
+every bad-config path failing fast with a clear message.
+
+Multi-process runs through the real launchers are in test_launch.py.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron_tree import eval as E
+from megatron_tree.eval.config import load_config
+from megatron_tree.eval import models as M
+from megatron_tree.eval import run as R
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+LLAMA = os.path.join(ROOT, "configs/cpu_tiny_llama.yaml")
+TINY = ["eval.context_lengths=[24, 40]", "eval.batch_sizes=[2]", "eval.strategies=[packed, allgather]",
+        "eval.decode_steps=3", "eval.warmup_steps=1", "eval.progress=false", "topology.intra_size=null"]
+
+
+@pytest.fixture(autouse=True)
+def _quiet_transformers():
+    """transformers' warnings (a load report) off while the eval runs here: its log handler keeps the
+    stream it first wrote to, which under pytest's capture can be a stream closed since, and the
+    resulting "Logging error" traceback would read as the eval's own."""
+    import logging
+
+    logger = logging.getLogger("transformers")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    yield
+    logger.setLevel(level)
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    """No launcher variables: the eval runs as a single process."""
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR",
+                "MASTER_PORT", "TORCHELASTIC_RUN_ID", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_NTASKS_PER_NODE"):
+        monkeypatch.delenv(var, raising=False)
+    return monkeypatch
+
+
+def test_single_process_run_writes_results_plot_and_wandb(tmp_path, clean_env, capsys):
+    out = tmp_path / "run"
+    assert E.main(["--config", LLAMA, f"output_dir={out}", *TINY, "eval.exactness.sample_rate=1.0"]) == 0
+    printed = capsys.readouterr().out
+    res = json.loads((out / "results.json").read_text())
+    assert res["schema_version"] == 3 and res["engine"] == "static"
+    assert res["model"]["source"] == "random" and res["model"]["class"] == "transformers.LlamaForCausalLM"
+    assert res["exactness_reference"].startswith("unmodified transformers LlamaForCausalLM in one process")
+    assert res["launch"]["world_size"] == 1 and res["launch"]["cp_size"] == 1
+    assert res["launch"]["level_sizes"] == {"intra": 1}
+    assert [(r["context_length"], r["strategy"]) for r in res["runs"]] == [
+        (24, "packed"), (24, "allgather"), (40, "packed"), (40, "allgather")]
+    for r in res["runs"]:
+        assert len(r["step_latency_ms"]) == 3
+        lat = r["decode_latency_ms"]
+        assert 0 < lat["min"] <= lat["p50"] <= lat["p90"] <= lat["p99"] <= lat["max"]
+        steps = r["step_latency_ms"]  # the summary is computed from the recorded steps
+        assert [lat[f"p{q}"] for q in (50, 90, 99)] == [E.percentile(steps, q) for q in (50, 90, 99)]
+        assert (lat["min"], lat["max"]) == (min(steps), max(steps))
+        assert r["tokens_per_s"] == pytest.approx(2 * 3 / (sum(steps) / 1e3)) and r["prefill_s"] > 0
+        assert r["comm_per_step"]["collectives"] == 0  # CP = 1: nothing to merge
+        assert r["peak_memory_kind"] == "cpu_peak_rss" and r["peak_memory_bytes"][0] > 10 * 2**20
+        ex = r["exactness"]
+        assert ex["checked_steps"] == [0, 1, 2, 3]  # sample_rate 1: warmup + timed steps
+        # fp32 rounding gives ~7e-6 here; 1e-4 (not the config's 1e-3) leaves room for it and no more
+        assert ex["within_tolerance"] and ex["max_abs_dlogits"] < 1e-4
+        assert r["tokens_agree_across_ranks"]
+        # the generated ids (prefill's token + 4 steps per row), and the reference chose the same
+        assert [len(row) for row in r["tokens"]] == [5, 5] and ex["reference_tokens"] == r["tokens"]
+    assert res["exact"] is True and res["max_abs_dlogits"] < 1e-4 and res["tokens_match_reference"] is True
+    run_dir = res["wandb"]["run_dir"]
+    assert run_dir.startswith(str(out / "wandb")) and any(f.startswith("run-") and f.endswith(".wandb")
+                                                          for f in os.listdir(run_dir))
+    # what was logged: per-step metrics and the summary (in the run's record), a table per
+    # context length and the plot as an image (media files)
+    record = open(os.path.join(run_dir, [f for f in os.listdir(run_dir) if f.endswith(".wandb")][0]), "rb").read()
+    assert b"decode_latency_ms/packed" in record and b"decode_latency_ms/allgather" in record
+    assert b"max_abs_dlogits" in record
+    tables = sorted(os.listdir(os.path.join(run_dir, "files", "media", "table", "runs")))
+    assert [t.split("_")[1] for t in tables] == ["24", "40"], tables
+    assert os.listdir(os.path.join(run_dir, "files", "media", "images"))
+    assert os.path.getsize(res["plot"]) > 1000 and res["plot"].endswith(".png")
+    assert f"results: {out / 'results.json'}" in printed and "plot:" in printed and run_dir in printed
+    assert printed.count("max|dlogits|") == 4  # one summary line per run
+
+
+def test_exactness_catches_a_wrong_model(tmp_path, clean_env, capsys):
+    """The check can fail: a replica with different weights must exceed the tolerance."""
+    real = M.build
+
+    def perturbed(*args, **kwargs):
+        em = real(*args, **kwargs)
+        ref = em.reference.model.model  # shares the model's tensors: replace, do not modify
+        ref.norm.weight = torch.nn.Parameter(ref.norm.weight.detach() * 1.5)
+        return em
+
+    clean_env.setattr(M, "build", perturbed)
+    rc = E.main(["--config", LLAMA, f"output_dir={tmp_path}", *TINY, "eval.context_lengths=[24]",
+                 "eval.strategies=[packed]", "eval.exactness.sample_rate=0.0"])
+    assert rc == 3
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert res["exact"] is False and res["max_abs_dlogits"] > 1e-2
+    # sample_rate 0 still compares the last decode step (warmup 1 + 3 timed: step 3), and that
+    # comparison itself (not only the prefill's) sees the wrong replica
+    ex = res["runs"][0]["exactness"]
+    assert ex["checked_steps"] == [3] and ex["step_max_abs_dlogits"][0] > 1e-2
+    assert ex["prefill_max_abs_dlogits"] > 1e-2 and not ex["within_tolerance"]
+    assert "FAILED" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, env, fragment", [
+    (["eval.bogus=1"], {}, "unknown key 'eval.bogus'"),
+    (["eval.decode_steps=many"], {}, "eval.decode_steps: expected an integer, got 'many'"),
+    (["topology.intra_size=3"], {"WORLD_SIZE": "4", "RANK": "0"}, "topology.intra_size: 3 does not factor the CP size 4"),
+    (["topology.cp_size=8"], {"WORLD_SIZE": "4", "RANK": "0"}, "topology.cp_size: 8 does not fit the launched world of 4"),
+    (["topology.cp_size=3", "topology.intra_size=null"], {"WORLD_SIZE": "4", "RANK": "0"},
+     "topology.cp_size: 3 does not divide the launched world of 4"),
+    (["model.source=hf", "model.path=/nonexistent/ckpt"], {}, "model.path: checkpoint directory '/nonexistent/ckpt' does not exist"),
+    (["model.source=llama", "model.path=/x"], {},
+     "model.source: 'llama' (the library's own Llama) was retired; use model.source=hf with the same model.path"),
+    (["model.source=bogus"], {}, "model.source: expected one of 'megatron', 'random', 'hf', got 'bogus'"),
+    (["model.source=hf", "model.path=/x", "eval.engine=dynamic"], {},
+     "eval.engine: 'dynamic' is Megatron-Core's DynamicInferenceEngine and needs model.source megatron, got 'hf'"),
+    (["model.source=random", "eval.engine=dynamic"], {}, "needs model.source megatron, got 'random'"),
+    (["eval.engine=dynamic", "eval.prefill_method=allgather"], {}, "eval.prefill_method: 'allgather' does not apply to eval.engine dynamic"),
+    (["eval.engine=dynamic", "eval.cache_layout=contiguous"], {}, "eval.cache_layout: 'contiguous' does not apply to eval.engine dynamic"),
+    (["eval.engine=dynamic", "topology.tp_size=2"], {"WORLD_SIZE": "4", "RANK": "0"}, "eval.engine: 'dynamic' runs at topology.tp_size 1"),
+    (["eval.engine=paged"], {}, "eval.engine: expected one of 'static', 'dynamic', got 'paged'"),
+    (["model.path=/nonexistent/ckpt"], {}, "model.path: checkpoint directory '/nonexistent/ckpt' does not exist"),
+    (["model.path=/"], {}, "model.path: '/' is not a Megatron distributed checkpoint"),
+    (["topology.tp_size=2", "topology.cp_size=4"], {"WORLD_SIZE": "4", "RANK": "0"},
+     "topology.tp_size x topology.cp_size: 2 x 4 = 8 does not fit the launched world of 4"),
+    (["topology.tp_size=3"], {"WORLD_SIZE": "6", "RANK": "0"}, "model.num_attention_heads: 4 is not divisible by topology.tp_size 3"),
+    (["model.source=random", "topology.tp_size=2"], {"WORLD_SIZE": "4", "RANK": "0"}, "topology.tp_size: 2 needs model.source megatron"),
+    (["topology.tp_size=2", "topology.intra_size=2"], {"WORLD_SIZE": "8", "RANK": "0", "LOCAL_WORLD_SIZE": "2"},
+     "topology.intra_size: 2 disagrees with the real layout: with tp_size 2 an intra-node CP group spans 4"),
+    (["eval.prefill_method=allgather"], {}, "eval.prefill_method: 'allgather' is not available for model.source megatron"),
+    (["eval.passkey.enabled=true"], {}, "eval.passkey.enabled needs a tokenizer"),
+    (["eval.context_lengths=[70000]"], {}, "eval.allow_beyond_max_position=true"),
+    (["wandb.ds_config=/nonexistent/ds.json"], {}, "wandb.ds_config"),
+])
+def test_bad_config_fails_before_any_process_group(clean_env, capsys, args, env, fragment):
+    for k, v in env.items():
+        clean_env.setenv(k, v)
+    assert E.main(args if env else ["topology.intra_size=null", *args]) == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and fragment in err, err
+    assert not torch.distributed.is_initialized()
+
+
+def test_output_dir_that_is_a_file_fails_before_any_process_group(tmp_path, clean_env, capsys):
+    (tmp_path / "taken").write_text("a file")
+    for out in (tmp_path / "taken", tmp_path / "taken" / "sub"):
+        assert E.main([f"output_dir={out}", "topology.intra_size=null"]) == 2
+        err = capsys.readouterr().err
+        assert f"output_dir: '{out}' cannot be created: '{tmp_path / 'taken'}' is a file" in err, err
+    assert not torch.distributed.is_initialized()
+
+
+def test_bad_config_exit_status_from_the_command_line(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "results.json").write_text('{"exact": true}')  # an earlier run's: must not survive a failed run
+    p = subprocess.run([sys.executable, "-m", "megatron_tree.eval", "--config", "configs/cpu_tiny.yaml",
+                        "model.source=hf", f"model.path={tmp_path}", "topology.intra_size=null", f"output_dir={out}"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "has no config.json" in p.stderr
+    assert "Traceback" not in p.stderr
+    assert not (out / "results.json").exists()
+
+
+def test_helpers():
+    assert E.percentile([3.0, 1.0, 2.0], 50) == 2.0
+    assert E.percentile([1.0, 2.0], 90) == pytest.approx(1.9)
+    env = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_NTASKS_PER_NODE": "2(x2)"}
+    assert E.map_slurm_env(env) == {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
+    assert E.map_slurm_env({**env, "RANK": "0"}) == {}  # torchrun inside srun: leave it alone
+    assert E.check_launch(load_config(None, ["topology.intra_size=2"]), 8) == 8
+    assert E.check_launch(load_config(None, ["topology.tp_size=2", "topology.intra_size=null"]), 8, {}) == 4
+    # Megatron's CP groups at TP 2 are strided by 2, so an intra-node level of 2 spans 4 ranks
+    topo = load_config(None, ["topology.tp_size=2", "topology.intra_size=null"]).topology
+    assert M.megatron_layout(topo, 16, 8, 8) == [4, 2] and M.megatron_layout(topo, 8, 4, 8) is None
+    assert E.parse_args(["--local_rank=2", "eval.decode_steps=2"]).overrides == ["eval.decode_steps=2"]
+
+
+# ----------------------------------------------------------------------------- real checkpoint
+
+
+HF_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 320, "hidden_size": 32,
+             "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 2048, "hidden_act": "silu",
+             "tie_word_embeddings": False, "bos_token_id": 1, "initializer_range": 0.2}
+
+
+def _tiny_checkpoint(path):
+    """A random transformers Llama saved with ``save_pretrained``, with a byte-level BPE tokenizer.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = ["The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.",
+              "What is the pass key? The pass key is 12345. Remember it."] * 20
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(path / "tokenizer.json"))
+    torch.manual_seed(0)
+    shape = {k: v for k, v in HF_CONFIG.items() if k not in ("architectures", "model_type")}
+    model = LlamaForCausalLM(LlamaConfig(**shape)).eval()
+    model.save_pretrained(str(path))
+    assert json.loads((path / "config.json").read_text())["architectures"] == HF_CONFIG["architectures"]
+    return model, tok
+
+
+def test_passkey_and_perplexity_with_a_checkpoint(tmp_path, clean_env):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    model, tok = _tiny_checkpoint(ckpt)
+    text = tmp_path / "book.txt"
+    text.write_text("The sky is blue and the grass is green. " * 40)
+    out = tmp_path / "out"
+    seen = []  # the passkey prompts and what the sharded decode generated for them
+    real_greedy_n = R.greedy_n
+
+    def spy(em, prompts, n, *args, **kw):
+        got = real_greedy_n(em, prompts, n, *args, **kw)
+        seen.append((prompts, got.tolist()))
+        return got
+
+    clean_env.setattr(R, "greedy_n", spy)
+    rc = E.main(["model.source=hf", f"model.path={ckpt}", f"output_dir={out}", *TINY, "eval.context_lengths=[64]",
+                 "eval.strategies=[packed]", "eval.passkey.enabled=true", "eval.passkey.trials=2",
+                 "eval.passkey.new_tokens=4", f"eval.perplexity.text_file={text}", "eval.perplexity.prefix_tokens=40",
+                 "eval.perplexity.eval_tokens=6", "wandb.enabled=false"])
+    assert rc == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["wandb"]["run_dir"] is None and res["exact"] is True
+    (pk,) = res["passkey"]
+    assert pk["context_length"] == 64 and pk["trials"] == 2 and 0.0 <= pk["accuracy"] <= 1.0
+    assert len(pk["answers"]) == 2 and all(isinstance(a, str) for a in pk["answers"])
+    assert pk["accuracy"] == sum(str(k) in a for k, a in zip(pk["keys"], pk["answers"])) / 2
+    # Each prompt is 64 tokens holding its own key's needle at its own depth, and the answer
+    # is the unsharded model's greedy continuation of it.
+    ((prompts, generated),) = seen
+    depths = []
+    for key, prompt, gen, answer in zip(pk["keys"], prompts, generated, pk["answers"]):
+        assert len(prompt) == 64 and prompt[0] == 1  # bos_token_id
+        needle = tok.encode(f" The pass key is {key}. Remember it. {key} is the pass key. ",
+                            add_special_tokens=False).ids
+        depths += [i for i in range(len(prompt)) if prompt[i:i + len(needle)] == needle]
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(4):
+                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+        assert gen == ids[64:] and answer == tok.decode(gen)
+    assert len(depths) == 2 and depths[0] < depths[1], depths
+    # Perplexity through CP prefill + decode steps equals the unsharded forward's.
+    ppl = res["perplexity"]
+    ids = [1] + tok.encode(text.read_text(), add_special_tokens=False).ids
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([ids[:46]])).logits.float()[0], -1)
+    nll = -torch.stack([logp[39 + i, ids[40 + i]] for i in range(6)]).mean().item()
+    assert ppl["eval_tokens"] == 6
+    assert ppl["nll"] == pytest.approx(nll, abs=1e-4)
+    assert ppl["perplexity"] == pytest.approx(math.exp(nll), rel=1e-4)
+
+
+def test_broken_checkpoints_are_clear_errors(tmp_path, clean_env, capsys):
+    args = ["model.source=hf", f"model.path={tmp_path}", "topology.intra_size=null", "wandb.enabled=false"]
+    (tmp_path / "config.json").write_text("{}")
+    assert E.main(args) == 2
+    assert "has no *.safetensors weights" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text("{not json")
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    assert E.main(args) == 2
+    assert "config.json is not valid JSON" in capsys.readouterr().err
+    # Unreadable or truncated weights: named, before any process group (a complete config, so
+    # that a check of the config could not be what refuses it).
+    (tmp_path / "config.json").write_text(json.dumps(HF_CONFIG))
+    assert E.main(args) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'model.safetensors'} is 0 bytes, too short for a safetensors header" in err, err
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.zeros(64, 64)}, str(tmp_path / "model.safetensors"))
+    data = (tmp_path / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(data[: len(data) - 100])
+    assert E.main(args) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'model.safetensors'} is truncated" in err, err
+    assert not torch.distributed.is_initialized()
+    # Readable weights, none of them the model's: refused before any process group (transformers
+    # would otherwise build config.json's model with random weights -- a 7B one for a bare config).
+    save_file({"w": torch.zeros(64, 64)}, str(tmp_path / "model.safetensors"))
+    assert E.main(args) == 2
+    err = capsys.readouterr().err
+    assert "none of the checkpoint's 1 tensors is a weight of LlamaForCausalLM" in err, err
+    # A readable checkpoint of an architecture tree attention cannot run exactly (Bloom's ALiBi
+    # attention bypasses transformers' attention interface): refused before any process group, as
+    # one line (no traceback) and exit status 2. (What the loader refuses after the group exists --
+    # weights that are not the class's -- is test_transformers_checkpoints_that_cannot_run_are_clear_errors.)
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["BloomForCausalLM"], "model_type": "bloom"}))
+    assert E.main(args) == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and "unsupported architecture" in err and "BloomForCausalLM does not route" in err, err
+    assert "Traceback" not in err
+    assert not torch.distributed.is_initialized()
+
+
+def test_transformers_checkpoints_that_cannot_run_are_clear_errors(tmp_path, clean_env, capsys):
+    """model.source hf: what transformers cannot load, or tree attention cannot run exactly, is
+    refused before any process group (architecture) or before any collective (weights), as one line."""
+    import transformers as tf
+    from safetensors.torch import save_file
+
+    args = ["model.source=hf", f"model.path={tmp_path}", "topology.intra_size=null", "wandb.enabled=false",
+            "eval.context_lengths=[24]"]
+    save_file({"w": torch.zeros(4, 4)}, str(tmp_path / "model.safetensors"))
+
+    def refused(config: dict, fragment: str, *, before_group: bool = True):
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        assert E.main(args) == 2
+        err = capsys.readouterr().err
+        assert "error:" in err and fragment in err and "Traceback" not in err, err
+        if before_group:
+            assert not torch.distributed.is_initialized()
+
+    refused({"model_type": "no_such_model"}, "model.path: transformers cannot read")
+    refused(tf.T5Config(num_layers=1, d_model=8, d_ff=8, num_heads=1, d_kv=8, vocab_size=16).to_dict(),
+            "unsupported architecture: " + str(tmp_path / "config.json") + " describes model_type 't5', which has "
+            "no causal-LM class")
+    tiny = dict(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1, max_position_embeddings=64)
+    refused(tf.BloomConfig(vocab_size=16, hidden_size=8, n_layer=1, n_head=2).to_dict(),
+            "unsupported architecture: " + str(tmp_path / "config.json") + ": BloomForCausalLM does not route its "
+            "attention through transformers' AttentionInterface")
+    # A supported class whose weights are not in the files: transformers would fill them randomly.
+    refused(tf.Qwen3Config(**tiny, head_dim=4).to_dict(),
+            "model.path: none of the checkpoint's 1 tensors is a weight of Qwen3ForCausalLM")
+    # and the context must fit the checkpoint's positions (its config.json, not model.*)
+    tf.Qwen3ForCausalLM(tf.Qwen3Config(**tiny, head_dim=4)).save_pretrained(tmp_path)
+    refused(tf.Qwen3Config(**tiny, head_dim=4).to_dict() | {"max_position_embeddings": 16},
+            "the model has max_position_embeddings 16")
+
+
+def test_megatron_source_in_one_process_passkey_perplexity_and_a_wrong_reference(tmp_path, clean_env):
+    """The default source (a Megatron-Core GPTModel, random weights) at CP = 1: exact against
+    Megatron's own model, and with a tokenizer the passkey and perplexity tasks run on it; the
+    perplexity equals the reference model's. A perturbed reference fails the run (exit 3)."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    _, tok = _tiny_checkpoint(ckpt)  # only its tokenizer.json is used
+    text = tmp_path / "book.txt"
+    text.write_text("The sky is blue and the grass is green. " * 40)
+    seen = {}
+    real_ppl = R.perplexity_eval
+
+    def spy(em, ev, device, tok_):
+        got = real_ppl(em, ev, device, tok_)
+        ids = tok_.encode(text.read_text(), add_special_tokens=False).ids
+        with torch.no_grad():  # the reference (Megatron's DotProductAttention, CP = 1) over the same tokens
+            logp = torch.log_softmax(em.reference(torch.tensor([ids[:46]])).float()[0], -1)
+        seen["nll"] = -torch.stack([logp[39 + i, ids[40 + i]] for i in range(6)]).mean().item()
+        seen["reference"] = type(em.reference.model.decoder.layers[0].self_attention.core_attention).__name__
+        return got
+
+    clean_env.setattr(R, "perplexity_eval", spy)
+    out = tmp_path / "out"
+    rc = E.main([f"output_dir={out}", *TINY, "topology.intra_size=null", "eval.context_lengths=[64]",
+                 "eval.strategies=[packed]", "eval.exactness.sample_rate=1.0", f"model.tokenizer={ckpt / 'tokenizer.json'}",
+                 "eval.passkey.enabled=true", "eval.passkey.trials=2", "eval.passkey.new_tokens=3",
+                 f"eval.perplexity.text_file={text}", "eval.perplexity.prefix_tokens=40",
+                 "eval.perplexity.eval_tokens=6", "wandb.enabled=false"])
+    assert rc == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["model"]["source"] == "megatron" and res["model"]["class"].endswith("GPTModel")
+    assert res["exactness_reference"].endswith("with its own DotProductAttention, same weights")
+    assert res["exact"] is True and res["max_abs_dlogits"] < 1e-4 and res["tokens_match_reference"] is True
+    (run,) = res["runs"]
+    assert run["exactness"]["reference_tokens"] == run["tokens"] and len(run["tokens"][0]) == 5
+    (pk,) = res["passkey"]
+    assert pk["trials"] == 2 and pk["accuracy"] == sum(str(k) in a for k, a in zip(pk["keys"], pk["answers"])) / 2
+    assert seen["reference"] == "DotProductAttention"
+    assert res["perplexity"]["nll"] == pytest.approx(seen["nll"], abs=1e-4)
+
+    real_build = M.build
+
+    def perturbed(*args, **kwargs):
+        em = real_build(*args, **kwargs)
+        with torch.no_grad():  # the reference is a separate TP = 1 model: scale its final norm
+            em.reference.model.decoder.final_layernorm.weight.mul_(1.5)
+        return em
+
+    clean_env.setattr(M, "build", perturbed)
+    rc = E.main([f"output_dir={out}", *TINY, "topology.intra_size=null", "eval.context_lengths=[24]",
+                 "eval.strategies=[packed]", "wandb.enabled=false"])
+    assert rc == 3
+    res = json.loads((out / "results.json").read_text())
+    assert res["exact"] is False and res["max_abs_dlogits"] > 1e-2
+
+
+def test_dynamic_engine_comparison_reads_the_right_positions():
+    """compare_dynamic_with_reference: the engine's token t of row b (t = 0 from the prefill) is
+    scored by the reference's logits at position ctx - 1 + t over prompt + tokens[:, :-1]; a
+    log-prob off by 0.01 at one step, or a token the reference would not choose, is caught."""
+    from types import SimpleNamespace
+
+    torch.manual_seed(3)
+    ctx, new, vocab = 5, 4, 11
+    prompts = [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]]
+    table = torch.randn(vocab, vocab) * 3  # logits depend on the last token and its position
+
+    def reference(ids):
+        pos = torch.arange(ids.shape[1], dtype=torch.float32)[None, :, None]
+        return table[ids] + 0.1 * pos
+
+    ids = torch.tensor(prompts)
+    for _ in range(new):  # the reference's own greedy continuation: what an exact engine generates
+        ids = torch.cat([ids, reference(ids)[:, -1].argmax(-1, keepdim=True)], 1)
+    tokens = ids[:, ctx:]
+    lp = torch.log_softmax(reference(ids[:, :-1])[:, ctx - 1:].double(), -1).gather(-1, tokens[..., None])[..., 0]
+    em = SimpleNamespace(reference=reference, reference_name="ref")
+    ok = R.compare_dynamic_with_reference(em, prompts, tokens, lp, 1e-3, "cpu")
+    assert ok["quantity"] == "log_probs" and ok["checked_steps"] == [0, 1, 2]
+    assert ok["max_abs_dlogprobs"] < 1e-6 and ok["tokens_match_reference"] and ok["within_tolerance"]
+    assert ok["max_abs_dlogits"] is None and ok["reference_tokens"] == tokens.tolist()
+    off = lp.clone()
+    off[1, 2] += 0.01  # decode step 1 of row 1
+    bad = R.compare_dynamic_with_reference(em, prompts, tokens, off, 1e-3, "cpu")
+    assert bad["step_max_abs_dlogprobs"][1] == pytest.approx(0.01) and bad["prefill_max_abs_dlogprobs"] < 1e-6
+    assert not bad["within_tolerance"] and bad["tokens_match_reference"]
+    other = tokens.clone()
+    other[0, 3] = (other[0, 3] + 1) % vocab
+    wrong = R.compare_dynamic_with_reference(em, prompts, other, lp, 1.0, "cpu")
+    assert not wrong["tokens_match_reference"] and not wrong["within_tolerance"]
+    # a token the reference would not choose fails the run even when its log-prob is the
+    # reference's own (the last token does not change the reference's context)
+    ids_other = torch.cat([torch.tensor(prompts), other[:, :-1]], 1)
+    lp_other = torch.log_softmax(reference(ids_other)[:, ctx - 1:].double(), -1).gather(-1, other[..., None])[..., 0]
+    chosen_badly = R.compare_dynamic_with_reference(em, prompts, other, lp_other, 1e-3, "cpu")
+    assert chosen_badly["max_abs_dlogprobs"] < 1e-6
+    assert not chosen_badly["tokens_match_reference"] and not chosen_badly["within_tolerance"]
+
+
+@pytest.mark.parametrize("flags, fragment", [
+    (["--top_p", "2.0"], "--top_p must lie in (0, 1], got 2.0"),
+    (["--top_k", "-1"], "--top_k must be >= 0 (0: no top-k), got -1"),
+    (["--temperature", "-0.5"], "--temperature must be >= 0 (0: greedy), got -0.5"),
+    (["--out-seq-length", "0"], "--out-seq-length must be a positive integer, got 0"),
+])
+def test_generate_megatron_refuses_bad_sampling_flags_before_building(clean_env, capsys, flags, fragment):
+    from megatron_tree.eval import generate as G
+
+    with pytest.raises(SystemExit) as exc:
+        G.main(["--prompt", "5 17 3", *flags])
+    assert exc.value.code == 2
+    assert fragment in capsys.readouterr().err
+    assert not torch.distributed.is_initialized()
+
+
+def test_single_process_ignores_the_simulated_node_layout(clean_env, capsys):
+    # configs/cpu_tiny.yaml's intra_size 2 (a 4-rank layout) does not apply to one process: a note, not an error
+    cfg = load_config(os.path.join(ROOT, "configs/cpu_tiny.yaml"), [])
+    one = E.single_process_topology(cfg, 1)
+    assert one.topology.intra_size is None and E.check_launch(one, 1) == 1
+    assert "topology.intra_size 2 ignored" in capsys.readouterr().err
+    assert E.single_process_topology(cfg, 4) is cfg  # launched ranks keep it (and its checks)
+    from megatron_tree.eval.generate import parse_args
+
+    assert parse_args(["--prompt", "1", "--top_k", "0"]).top_k is None  # Megatron-LM's 0 = no top-k

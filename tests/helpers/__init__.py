@@ -1,0 +1,1 @@
+"""What the tests share: the multi-rank harness with the tests' preload, checkpoints, launch helpers."""

@@ -1,0 +1,104 @@
+"""Chunked CP prefill through the transformers integration, against unmodified transformers in one process.
+
+One 4-rank gloo launch: CP 2 (two groups side by side), CP 3 (rank 3 alone, CP 1) and CP 4 as
+2 simulated nodes x 2. Every rank runs a tiny random Llama (GQA) enabled with
+``max_prefill_tokens`` far below the prompts (so each prompt takes several windows, each over the
+cache the earlier windows filled), on a left-padded batch of ragged rows (one of a single token),
+and returns the logits of every prompt position and the greedy tokens; the parent holds them to
+single-process transformers within 1e-5 (fp32) and to its greedy tokens. The ring's own
+counts (``PrefillWork``) show every window's causal work done exactly once. Ranks that disagree on
+the layout or on ``max_prefill_tokens`` get the same ``DisagreementError``; a prompt past the
+model's window is refused on every rank.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tests.helpers.ranks import run_ranks
+from tests.integrations.hf.test_hf import LENGTHS, batch, hf_model
+
+NEW = 6
+TOPOLOGIES = {"cp2": ([[0, 1], [2, 3]], None), "cp3": ([[0, 1, 2], [3]], None), "cp2x2": (None, 2)}
+CHUNK = 7  # windows of 4 tokens at CP 2, 6 at CP 1 and 3, 7 at CP 4 (prefill_chunk: a multiple of 2 x CP)
+
+
+def _rank_fn(rank, world):
+    from megatron_tree.decode.prefill import PrefillWork
+    from megatron_tree.integrations.hf import HFTreeModel
+    from megatron_tree.integrations.hf.forward import prefill_chunk
+    from megatron_tree.distributed.topology import TreeGroups
+
+    ids, mask = batch()
+    out = {}
+    for name, (ranks, intra) in TOPOLOGIES.items():
+        groups = TreeGroups.build(ranks, intra)
+        for layout in ("load_balanced", "contiguous"):
+            work = PrefillWork()
+            m = HFTreeModel(hf_model("llama"), groups, layout=layout, block_size=4, work=work,
+                            max_prefill_tokens=CHUNK)
+            with torch.no_grad():
+                logits = m.hf(input_ids=ids, attention_mask=mask).logits  # every position, pads 0
+            pairs, blocks = work.pairs, work.blocks + work.skipped
+            tokens = m.hf.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+            out[f"{name}/{layout}"] = dict(
+                p=groups.size, chunk=prefill_chunk(CHUNK, groups.size), logits=logits.numpy(),
+                tokens=tokens.tolist(), pairs=pairs, kernels=dict(work.kernels), blocks=blocks)
+        # a prompt past the model's window: the same clear error on every rank, nothing truncated
+        m = HFTreeModel(hf_model("llama", max_position_embeddings=16), groups, max_prefill_tokens=CHUNK)
+        try:
+            m.hf(input_ids=ids, attention_mask=mask)
+            out[f"{name}/window"] = None
+        except Exception as e:  # noqa: BLE001 -- the message is checked
+            out[f"{name}/window"] = f"{type(e).__name__}: {e}"
+    # ranks that disagree on the layout, or on the window of a chunked prefill: the same
+    # DisagreementError on every rank of the group, before any KV moves
+    groups = TreeGroups.build(None, 2)
+    for what, kw in (("layout", dict(layout="contiguous" if rank == 0 else "load_balanced")),
+                     ("max_prefill_tokens", dict(max_prefill_tokens=8 if rank == 3 else CHUNK))):
+        m = HFTreeModel(hf_model("llama"), groups, **kw)
+        try:
+            m.hf(input_ids=ids, attention_mask=mask)
+            out[f"disagree/{what}"] = None
+        except Exception as e:  # noqa: BLE001 -- the type and message are checked
+            out[f"disagree/{what}"] = (type(e).__name__, str(e))
+    return out
+
+
+def test_chunked_prefill_is_exact_on_every_topology():
+    results = run_ranks(_rank_fn, 4, timeout=400)
+    ids, mask = batch()
+    ref_model = hf_model("llama")
+    with torch.no_grad():
+        want = ref_model(input_ids=ids, attention_mask=mask).logits.double()
+        ref_tokens = ref_model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
+                                        pad_token_id=0).tolist()
+    real = mask.bool()
+    layers = ref_model.config.num_hidden_layers
+    for name in TOPOLOGIES:
+        for layout in ("load_balanced", "contiguous"):
+            case = f"{name}/{layout}"
+            rows = [r[case] for r in results]
+            for rank, row in enumerate(rows):
+                assert row["chunk"] < max(LENGTHS), case  # several windows per prompt
+                got = torch.from_numpy(row["logits"]).double()
+                err = float((got[real] - want[real]).abs().max())
+                assert err <= 1e-5, f"rank {rank} {case}: chunked prefill logits off by {err:.2e} > 1e-5"
+                assert torch.all(got[~real] == 0), case
+                assert row["tokens"] == ref_tokens, f"rank {rank} {case}: tokens differ from transformers"
+                windows = -(-max(LENGTHS) // row["chunk"])  # one forward per window, each a whole ring
+                assert row["blocks"] == windows * layers * row["p"], (case, row["blocks"], windows)
+                assert set(row["kernels"]) <= {"cpu_flash"}, (case, row["kernels"])
+            # each group's ranks together did every (query, key) pair of every row once per layer
+            p = rows[0]["p"]
+            group = rows[:p]
+            total = sum(n * (n + 1) // 2 for n in LENGTHS) * layers
+            assert sum(r["pairs"] for r in group) == total, (case, [r["pairs"] for r in group], total)
+    for what in ("layout", "max_prefill_tokens"):
+        seen = [r[f"disagree/{what}"] for r in results]
+        assert all(x is not None and x[0] == "DisagreementError" and what in x[1] for x in seen), (what, seen)
+        assert len({x[1] for x in seen}) == 1, f"{what}: the ranks' messages differ: {seen}"
+    for name in TOPOLOGIES:
+        for rank, r in enumerate(results):
+            msg = r[f"{name}/window"]
+            assert msg is not None and "max_position_embeddings = 16" in msg and "29 tokens" in msg, (rank, msg)

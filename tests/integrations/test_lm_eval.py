@@ -1,0 +1,352 @@
+"""lm-evaluation-harness backend ``megatron_tree`` against lm-eval's own ``hf`` backend.
+
+Tiny random Llama (llama3 RoPE scaling) and Qwen2 (QKV biases) checkpoints, saved with
+``save_pretrained`` beside a word-level tokenizer built here offline, are evaluated on the task
+files shipped in ``tests/lm_eval_tasks`` (multiple choice with four continuations, greedy and
+sampled ``generate_until`` cut at stop strings, rolling perplexity over documents longer than
+``max_length``): once in this process by lm-eval's ``hf`` backend, and by the backend on gloo
+ranks at CP 2, CP 3 and CP 4 = 2 x 2 (one launch per world; the 4-rank launch also runs
+DP 2 x CP 2 through the CLI entry point). Per request: log-likelihoods within 1e-4, the same
+greedy flags, identical greedy generations and identical task metrics; sampled generations the
+same on every rank. DP x CP: every request scored once, one results file, one wandb run.
+Bad input is checked in this process where it needs no process group.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from tests.helpers.ranks import run_ranks
+
+pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install 'megatron_tree[lmeval]')")
+
+HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
+TASK_DIR = os.path.join(HERE, "lm_eval_tasks")
+TASKS = ["mt_choice", "mt_gen", "mt_sample", "mt_ppl"]
+SHARED = "mt_letters"  # one-token choices: the four continuations of a question share one prefilled row
+MAX_LENGTH = 64
+BATCH = 3
+WORDS = ("the a one two red blue green cat dog bird fish tree house river sun moon star is was has sees likes "
+         "eats runs big small old new fast slow and or but then here there now so very my your our it they we you")
+
+
+# --------------------------------------------------------------------------- fixtures (built offline)
+
+
+def build_tokenizer(path: str):
+    """A word-level tokenizer over WORDS (+ '.', ',', <unk>, <pad>, </s>), saved as PreTrainedTokenizerFast."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(["<unk>", "<pad>", "</s>", ".", ","] + WORDS.split())}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="</s>")
+    fast.save_pretrained(path)
+    return fast
+
+
+def build_model(arch: str, path: str, tok, seed: int = 0):
+    """A tiny random transformers causal LM over ``tok``'s vocabulary; biases and norms randomised."""
+    import transformers as tf
+
+    common = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2,
+                  rms_norm_eps=1e-6, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                  bos_token_id=None, tie_word_embeddings=False)
+    if arch == "llama":
+        cfg = tf.LlamaConfig(**common, head_dim=16, rope_theta=10000.0, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64})
+        cls = tf.LlamaForCausalLM
+    else:
+        cfg, cls = tf.Qwen2Config(**common), tf.Qwen2ForCausalLM
+    torch.manual_seed(seed)
+    model = cls(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.normal_(1.0 if "norm" in name else 0.0, 0.2)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.save_pretrained(path)  # the tokenizer stays in its own directory (transformers would load a Qwen2
+    # checkpoint's tokenizer files as its Qwen2Tokenizer class)
+
+
+def write_tasks(out_dir: str) -> str:
+    """The shipped task YAMLs with their data files made absolute (lm-eval reads them relative to the cwd)."""
+    os.makedirs(out_dir, exist_ok=True)
+    for name in [*TASKS, SHARED]:
+        with open(os.path.join(TASK_DIR, f"{name}.yaml"), encoding="utf-8") as f:
+            text = f.read().replace("tests/lm_eval_tasks/", TASK_DIR + "/")
+        with open(os.path.join(out_dir, f"{name}.yaml"), "w", encoding="utf-8") as f:
+            f.write(text)
+    return out_dir
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("lm_eval"))
+    tok = build_tokenizer(os.path.join(root, "tok"))
+    for arch in ("llama", "qwen2"):
+        build_model(arch, os.path.join(root, arch), tok, seed={"llama": 0, "qwen2": 1}[arch])
+    write_tasks(os.path.join(root, "tasks"))
+    return root
+
+
+# --------------------------------------------------------------------------- running lm-eval
+
+
+def evaluate(model, model_args, tasks_dir: str, tasks=TASKS, **kw):
+    """lm-eval's ``simple_evaluate`` on the shipped tasks; returns its results (None off rank 0)."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    return lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=list(tasks), batch_size=BATCH,
+                                   device="cpu", log_samples=True, task_manager=TaskManager(include_path=tasks_dir, include_defaults=False),
+                                   **kw)
+
+
+def per_request(results) -> dict:
+    """{(task, doc_id, request index): response} and {task: metrics} from simple_evaluate's results."""
+    reqs = {}
+    for task, samples in results["samples"].items():
+        for s in samples:
+            for j, r in enumerate(s["resps"]):
+                reqs[(task, s["doc_id"], j)] = r[0]
+    metrics = {t: {k: v for k, v in m.items() if "stderr" not in k and k != "alias"}
+               for t, m in results["results"].items()}
+    return {"requests": reqs, "metrics": metrics}
+
+
+def hf_reference(workdir: str, arch: str) -> dict:
+    import lm_eval.models.huggingface  # noqa: F401 -- registers "hf"
+
+    res = evaluate("hf", f"pretrained={os.path.join(workdir, arch)},tokenizer={os.path.join(workdir, 'tok')},max_length={MAX_LENGTH},dtype=float32",
+                   os.path.join(workdir, "tasks"), tasks=[t for t in TASKS if t != "mt_sample"] + [SHARED])
+    return per_request(res)
+
+
+# --------------------------------------------------------------------------- ranks
+
+
+def _offline_env():
+    os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+
+
+def _rank_eval(rank, world, workdir, runs, cli=None, bad_cp=None):
+    """Each run: (arch, extra model_args, tasks) through simple_evaluate with a TreeLM made here.
+
+    Returns per run: the DP rank's per-request responses and metrics (None off DP rank 0), and
+    this rank's (DP rank, CP rank, scored, prefill tokens). ``cli``: argv for the launcher's
+    ``main`` after the runs; ``bad_cp``: a cp_size that does not divide the world, tried first.
+    """
+    _offline_env()
+    torch.manual_seed(100 + rank)  # ranks seeded differently: sampled tokens must still agree
+    from megatron_tree.integrations import lm_eval as backend
+
+    out = {}
+    if bad_cp is not None:
+        try:
+            backend.TreeLM.create_from_arg_string(f"pretrained={os.path.join(workdir, 'llama')},cp_size={bad_cp}")
+            out["bad_cp"] = None
+        except backend.ModelArgsError as e:
+            out["bad_cp"] = str(e)
+    runs_out = []
+    for arch, extra, tasks in runs:
+        lm = backend.TreeLM.create_from_arg_string(
+            f"pretrained={os.path.join(workdir, arch)},tokenizer={os.path.join(workdir, 'tok')},max_length={MAX_LENGTH},{extra}",
+            {"batch_size": BATCH, "device": "cpu"})
+        res = evaluate(lm, None, os.path.join(workdir, "tasks"), tasks=tasks)
+        runs_out.append({"result": None if res is None else per_request(res), "dp": (lm.rank, lm.world_size),
+                         "cp_rank": lm.cp_rank, "scored": lm.scored, "prefill_tokens": lm.prefill_tokens,
+                         "prefill_tokens_unshared": lm.prefill_tokens_unshared})
+    out["runs"] = runs_out
+    if cli is not None:
+        from megatron_tree.eval.lm_eval import main
+
+        out["cli"] = main(cli)
+    return out
+
+
+def _close(ref, got, what):
+    assert set(got["requests"]) >= set(ref["requests"]), f"{what}: requests missing"
+    for key, r in ref["requests"].items():
+        g = got["requests"][key]
+        if isinstance(r, str):
+            assert g == r, f"{what} {key}: generated {g!r}, lm-eval's hf generated {r!r}"
+        elif isinstance(r, (list, tuple)):
+            assert abs(g[0] - r[0]) <= 1e-4 and g[1] == r[1], f"{what} {key}: {g} vs hf {r}"
+        else:
+            assert abs(g - r) <= 1e-4, f"{what} {key}: rolling log-likelihood {g} vs hf {r}"
+    for task, m in ref["metrics"].items():
+        for k, v in m.items():
+            if isinstance(v, float) and "perplexity" in k or k.startswith("bits_per_byte"):
+                assert math.isclose(got["metrics"][task][k], v, rel_tol=1e-5), f"{what} {task} {k}"
+            else:
+                assert got["metrics"][task][k] == v, f"{what} {task} {k}: {got['metrics'][task][k]} vs hf {v}"
+
+
+@pytest.fixture(scope="module")
+def references(workdir):
+    _offline_env()
+    return {arch: hf_reference(workdir, arch) for arch in ("llama", "qwen2")}
+
+
+def _check_cp_runs(results, references, runs, what):
+    """Every CP rank of DP rank 0 returns the hf backend's responses; sampled text equal on every rank."""
+    for i, (arch, extra, tasks) in enumerate(runs):
+        per_rank = [r["runs"][i] for r in results if r["runs"][i]["dp"][0] == 0]
+        ref = {"requests": {k: v for k, v in references[arch]["requests"].items() if k[0] in tasks},
+               "metrics": {t: m for t, m in references[arch]["metrics"].items() if t in tasks}}
+        for r in per_rank:
+            _close(ref, r["result"], f"{what} {arch} ({extra}), CP rank {r['cp_rank']}")
+        samples = [{k: v for k, v in r["result"]["requests"].items() if k[0] == "mt_sample"} for r in per_rank]
+        if any(samples):
+            assert all(s == samples[0] for s in samples), f"{what}: sampled generations differ between CP ranks"
+            assert len(samples[0]) == 5 and any(samples[0].values()), "mt_sample produced nothing"
+
+
+ALL = TASKS
+GREEDY = [t for t in TASKS if t != "mt_sample"]  # sampling is checked on Llama (its logits are the greedy path's)
+
+
+def test_cp2_llama_qwen2(workdir, references):
+    runs = [("llama", "cp_size=2,strategy=auto,prefill=ring", ALL), ("qwen2", "cp_size=2,strategy=packed", GREEDY),
+            ("llama", "cp_size=2", [SHARED])]
+    results = run_ranks(_rank_eval, 2, workdir, runs, timeout=600)
+    _check_cp_runs(results, references, runs, "CP 2")
+    # Prefix sharing, counted: 4 questions x 4 one-token choices prefill each context once, not 4 times.
+    with open(os.path.join(TASK_DIR, "letters.jsonl"), encoding="utf-8") as f:
+        contexts = [len(json.loads(line)["question"].split()) for line in f]
+    for r in results:
+        shared = r["runs"][2]
+        assert shared["scored"] == 16
+        assert shared["prefill_tokens"] == sum(contexts), shared
+        assert shared["prefill_tokens_unshared"] == 4 * sum(contexts), shared
+
+
+def test_cp3(workdir, references):
+    runs = [("qwen2", "cp_size=3,strategy=shifted,prefill=allgather", GREEDY)]
+    results = run_ranks(_rank_eval, 3, workdir, runs, bad_cp=2, timeout=600)
+    for r in results:  # refused on every rank, before any collective
+        assert r["bad_cp"] and "cp_size=2 does not divide the world of 3 ranks" in r["bad_cp"]
+    _check_cp_runs(results, references, runs, "CP 3")
+
+
+def test_cp2x2_and_dp2_cp2(workdir, references, tmp_path):
+    """CP 4 = 2 x 2 on Llama; then DP 2 x CP 2: every request scored once, one results file, one wandb run."""
+    out = str(tmp_path / "out")
+    wandb_dir = tmp_path / "wandb"
+    wandb_dir.mkdir()
+    runs = [("llama", "cp_size=4,intra_size=2,strategy=two_level", ALL),
+            ("llama", "cp_size=2,strategy=auto", ["mt_choice", "mt_ppl"])]
+    cli = ["--model", "megatron_tree", "--model_args",
+           f"pretrained={os.path.join(workdir, 'llama')},tokenizer={os.path.join(workdir, 'tok')},cp_size=2,"
+           f"max_length={MAX_LENGTH}",
+           "--tasks", "mt_choice,mt_gen", "--include_path", os.path.join(workdir, "tasks"), "--batch_size", "2",
+           "--device", "cpu", "--output_path", out, "--log_samples", "--wandb_args", "project=mt_lmeval,mode=offline"]
+    results = run_ranks(_rank_eval, 4, workdir, runs, cli=cli, timeout=900, env={"WANDB_DIR": str(wandb_dir)})
+    _check_cp_runs(results, references, runs[:1], "CP 2x2")
+
+    dp = [r["runs"][1] for r in results]
+    assert sorted(r["dp"] for r in dp) == [(0, 2), (0, 2), (1, 2), (1, 2)]
+    ref = references["llama"]["requests"]
+    # lm-eval pads DP rank 1's list (2 of 5 documents) with copies of its last request: scored once.
+    unique = {k for k in ref if k[0] == "mt_choice"}
+    ppl_windows = None
+    for r in dp:
+        assert r["result"] is None or r["dp"][0] == 0
+    by_dp = {d: [r for r in dp if r["dp"][0] == d] for d in (0, 1)}
+    for d, rs in by_dp.items():
+        assert len({r["scored"] for r in rs}) == 1, f"CP peers of DP rank {d} scored different counts"
+    total = sum(rs[0]["scored"] for rs in by_dp.values())
+    ppl_windows = total - len(unique)
+    assert ppl_windows == sum(_windows(workdir)), f"scored {total}: requests scored more or less than once"
+    _close({"requests": {k: v for k, v in ref.items() if k[0] in ("mt_choice", "mt_ppl")},
+            "metrics": {t: references["llama"]["metrics"][t] for t in ("mt_choice", "mt_ppl")}},
+           by_dp[0][0]["result"], "DP 2 x CP 2")
+
+    files = glob.glob(os.path.join(out, "**", "results_*.json"), recursive=True)
+    assert len(files) == 1, f"results written {len(files)} times: {files}"
+    samples = glob.glob(os.path.join(out, "**", "samples_*.jsonl"), recursive=True)
+    assert sorted(os.path.basename(s).split("_2")[0] for s in samples) == ["samples_mt_choice", "samples_mt_gen"]
+    with open(files[0], encoding="utf-8") as f:
+        written = json.load(f)
+    assert written["results"]["mt_choice"]["acc,none"] == references["llama"]["metrics"]["mt_choice"]["acc,none"]
+    for s in samples:
+        with open(s, encoding="utf-8") as f:
+            docs = [json.loads(line)["doc_id"] for line in f]
+        assert sorted(docs) == list(range(5)), f"{s}: documents {docs}, expected each of 5 once"
+    runs_dirs = glob.glob(str(wandb_dir / "**" / "offline-run-*"), recursive=True)
+    assert len(runs_dirs) == 1, f"wandb runs: {runs_dirs}"
+
+
+def _windows(workdir):
+    """Rolling windows lm-eval makes of each mt_ppl document at MAX_LENGTH (what the backend scores)."""
+    from lm_eval import utils as lm_utils
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(os.path.join(workdir, "tok"))
+    with open(os.path.join(TASK_DIR, "ppl.jsonl"), encoding="utf-8") as f:
+        docs = [json.loads(line)["text"] for line in f]
+    return [len(list(lm_utils.get_rolling_token_windows(tok.encode(d), tok.eos_token_id, MAX_LENGTH, 1)))
+            for d in docs]
+
+
+# --------------------------------------------------------------------------- bad input (one process)
+
+
+class _Req:
+    """What the backend reads of lm-eval's ``Instance``: ``args``."""
+
+    def __init__(self, *args):
+        self.args = args
+
+
+def test_bad_input(workdir, capsys, monkeypatch):
+    _offline_env()
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    from megatron_tree.integrations import lm_eval as backend
+    from megatron_tree.eval.lm_eval import main
+
+    llama, tok = os.path.join(workdir, "llama"), os.path.join(workdir, "tok")
+    cases = [
+        (f"pretrained={llama},cp_sise=2", "unknown model_args key(s) ['cp_sise']"),
+        ("cp_size=2", "needs model_args pretrained="),
+        (f"pretrained={llama},cp_size=2", "cp_size=2 does not divide the world of 1 ranks"),
+        (f"pretrained={llama},cp_size=two", "cp_size must be an integer, got 'two'"),
+        (f"pretrained={llama},strategy=ring", "strategy='ring' is not one of"),
+        (f"pretrained={llama},dtype=float8", "dtype='float8' is not one of"),
+        (f"pretrained={llama},batch_size=auto", "batch_size=auto is not supported"),
+        (f"pretrained={workdir}/missing", "is not a transformers checkpoint directory"),
+        (f"pretrained={llama},source=megatron", "source=megatron needs model_args tokenizer="),
+        (f"pretrained={llama},source=megatron,tokenizer={workdir}/tok", "is not a Megatron distributed checkpoint"),
+    ]
+    for args, message in cases:
+        with pytest.raises(backend.ModelArgsError) as e:
+            backend.TreeLM.create_from_arg_string(args)
+        assert message in str(e.value), (args, str(e.value))
+
+    lm = backend.TreeLM.create_from_arg_string(f"pretrained={llama},tokenizer={tok},max_length=16", {"device": "cpu"})
+    with pytest.raises(backend.RequestError, match="needs 18 tokens .* beyond max_length=16; this backend never"):
+        lm.loglikelihood([_Req("the cat " * 8, " sees the dog")])
+    with pytest.raises(backend.RequestError, match="context of 12 tokens; with max_gen_toks=8 it needs 20"):
+        lm.generate_until([_Req("the cat " * 6, {"until": ["."], "max_gen_toks": 8})])
+    with pytest.raises(backend.RequestError, match=r"generation kwargs \['num_beams'\]"):
+        lm.generate_until([_Req("the cat", {"until": ["."], "max_gen_toks": 2, "num_beams": 4})])
+    assert lm.scored == 0 and lm.prefill_tokens == 0, "a refused batch must not run"
+    # A request that fits runs, and a rolling document longer than max_length is windowed, not refused.
+    assert len(lm.loglikelihood_rolling([_Req("the cat sees the dog " * 8)])) == 1
+
+    with pytest.raises(SystemExit) as e:
+        main(["--model", "megatron_tree", "--model_args", f"pretrained={llama},bogus=1", "--tasks", "mt_choice",
+              "--include_path", os.path.join(workdir, "tasks"), "--device", "cpu"])
+    assert e.value.code == 2
+    assert "rank 0: unknown model_args key(s) ['bogus']" in capsys.readouterr().err

@@ -1,0 +1,233 @@
+"""Single-process checks of the torch reference, the merge formula and input validation."""
+
+import math
+
+import pytest
+import torch
+
+import megatron_tree as mt
+from megatron_tree.ops import reference
+
+
+def naive_attention(q, k, v, seqlens=None, q_pos=None, k_pos=None, scale=None):
+    """Loop-by-loop fp64 attention: the independent oracle for reference.partial_attention."""
+    b, sq, hq, d = q.shape
+    n, hkv = k.shape[1], k.shape[2]
+    scale = scale if scale is not None else 1 / math.sqrt(d)
+    out = torch.zeros(b, sq, hq, d, dtype=torch.float64)
+    lse = torch.full((b, hq, sq), float("-inf"), dtype=torch.float64)
+    for bi in range(b):
+        for h in range(hq):
+            kh = h // (hq // hkv)
+            for i in range(sq):
+                keys = [
+                    j for j in range(n)
+                    if (seqlens is None or j < int(seqlens[bi]))
+                    and (q_pos is None or int(k_pos[j]) <= int(q_pos[bi, i]))
+                ]
+                if not keys:
+                    continue
+                s = torch.stack([q[bi, i, h].double() @ k[bi, j, kh].double() * scale for j in keys])
+                p = torch.softmax(s, 0)
+                out[bi, i, h] = sum(p[t] * v[bi, j, kh].double() for t, j in enumerate(keys))
+                lse[bi, h, i] = torch.logsumexp(s, 0)
+    return out, lse
+
+
+@pytest.mark.parametrize("hq,hkv", [(8, 2), (4, 1), (4, 4)])
+@pytest.mark.parametrize("sq", [1, 3])
+def test_partial_attention_matches_naive(hq, hkv, sq):
+    g = torch.Generator().manual_seed(hq * 10 + sq)
+    b, n, d = 3, 11, 8
+    q = torch.randn(b, sq, hq, d, generator=g, dtype=torch.float64)
+    k = torch.randn(b, n, hkv, d, generator=g, dtype=torch.float64)
+    v = torch.randn(b, n, hkv, d, generator=g, dtype=torch.float64)
+    seqlens = torch.tensor([11, 0, 6], dtype=torch.int32)
+    q_pos = torch.tensor([[10 - sq + 1 + i for i in range(sq)]] * b)
+    k_pos = torch.arange(n)
+    for kwargs, args in (
+        ({}, ()),
+        ({"cache_seqlens": seqlens}, (seqlens,)),
+        ({"cache_seqlens": seqlens, "q_positions": q_pos, "k_positions": k_pos}, (seqlens, q_pos, k_pos)),
+    ):
+        out, lse = reference.partial_attention(q, k, v, **kwargs)
+        want_out, want_lse = naive_attention(q, k, v, *args)
+        torch.testing.assert_close(out, want_out, atol=1e-12, rtol=0)
+        torch.testing.assert_close(lse, want_lse, atol=1e-12, rtol=0)
+    # a row with no keys: zero output, -inf lse, no NaN
+    out, lse = reference.partial_attention(q, k, v, cache_seqlens=seqlens)
+    assert torch.all(out[1] == 0) and torch.all(lse[1] == float("-inf"))
+    assert not torch.isnan(out).any()
+
+
+def test_lse_dtype_and_output_dtype():
+    q = torch.randn(2, 1, 4, 16, dtype=torch.bfloat16)
+    k = torch.randn(2, 9, 2, 16, dtype=torch.bfloat16)
+    out, lse = mt.flash_decode(q, k, k.clone())
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    assert out.shape == (2, 1, 4, 16) and lse.shape == (2, 4, 1)
+
+
+def test_merge_states_of_any_split_equals_whole():
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 2, 6, 8, generator=g, dtype=torch.float64)
+    k = torch.randn(2, 20, 3, 8, generator=g, dtype=torch.float64)
+    v = torch.randn(2, 20, 3, 8, generator=g, dtype=torch.float64)
+    whole_out, whole_lse = mt.flash_decode(q, k, v)
+    cuts = [0, 0, 7, 7, 13, 20]  # empty shards in the middle and at the front
+    parts = [mt.flash_decode(q, k[:, a:b], v[:, a:b]) for a, b in zip(cuts, cuts[1:])]
+    out, lse = mt.merge_states(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]))
+    torch.testing.assert_close(out, whole_out, atol=1e-13, rtol=0)
+    torch.testing.assert_close(lse, whole_lse, atol=1e-13, rtol=0)
+
+
+def test_merge_all_empty_gives_zero_not_nan():
+    outs = torch.zeros(3, 1, 1, 2, 4)
+    lses = torch.full((3, 1, 2, 1), float("-inf"))
+    out, lse = mt.merge_states(outs, lses)
+    assert torch.all(out == 0) and torch.all(lse == float("-inf"))
+
+
+def test_empty_shard_and_nan_lse_in_the_reference_and_torch_path():
+    # A shard with no keys at all (N = 0): zeros and -inf, from the oracle and the torch path.
+    q, k = torch.randn(2, 1, 4, 16), torch.randn(2, 0, 2, 16)
+    for out, lse in (reference.partial_attention(q, k, k), mt.flash_decode(q, k, k, lse_dtype=torch.float64)):
+        assert torch.all(out == 0) and torch.all(torch.isneginf(lse)) and out.shape == (2, 1, 4, 16)
+    # A NaN partial lse is garbage in: it comes out NaN, never as a row with "no keys" (0, -inf).
+    outs = torch.randn(2, 1, 1, 1, 4)
+    out, lse = mt.merge_states(outs, torch.tensor([float("nan"), 0.0]).view(2, 1, 1, 1))
+    assert torch.isnan(out).all() and torch.isnan(lse).all()
+    with pytest.raises(TypeError, match="lses must be float32 or float64, got torch.float16"):
+        mt.merge_states(outs, torch.tensor([7e4, 6.9e4]).half().view(2, 1, 1, 1))
+
+
+def test_merge_states_shape_errors():
+    with pytest.raises(ValueError, match="lses must have shape"):
+        mt.merge_states(torch.zeros(2, 1, 1, 2, 4), torch.zeros(2, 1, 1, 2))
+    with pytest.raises(ValueError, match=r"outs \(P, B, Sq, Hq, D\)"):
+        mt.merge_states(torch.zeros(2, 1, 2, 4), torch.zeros(2, 1, 2, 1))
+
+
+def _qkv(dtype=torch.float32):
+    return torch.randn(2, 1, 8, 16, dtype=dtype), torch.randn(2, 5, 2, 16, dtype=dtype), torch.randn(2, 5, 2, 16, dtype=dtype)
+
+
+@pytest.mark.parametrize(
+    "mutate,exc,pattern",
+    [
+        (lambda q, k, v: (q[0], k, v), ValueError, "q must be 4-D"),
+        (lambda q, k, v: (q, k.double(), v), TypeError, "share one dtype"),
+        (lambda q, k, v: (q, k, v[:, :4]), ValueError, "same shape"),
+        (lambda q, k, v: (q, k[:1], v[:1]), ValueError, "batch size of k/v"),
+        (lambda q, k, v: (q, k[..., :8], v[..., :8]), ValueError, "head dim"),
+        (lambda q, k, v: (q[:, :, :7], k, v), ValueError, r"multiple of the number of KV heads \(2\)"),
+        (lambda q, k, v: (q, k.to("meta"), v.to("meta")), ValueError, "one device"),
+        (lambda q, k, v: (q.long(), k, v), TypeError, "floating-point"),
+    ],
+)
+def test_bad_inputs_raise_clear_errors(mutate, exc, pattern):
+    q, k, v = mutate(*_qkv())
+    with pytest.raises(exc, match=pattern):
+        mt.flash_decode(q, k, v)
+    with pytest.raises(exc, match=pattern):
+        mt.tree_decode(q, k, v, None)
+
+
+@pytest.mark.parametrize(
+    "seqlens,exc,pattern",
+    [
+        (torch.tensor([1, 2], dtype=torch.int64), TypeError, "must be int32"),
+        (torch.tensor([1, 2, 3], dtype=torch.int32), ValueError, r"shape \(2,\)"),
+        (torch.tensor([1, 6], dtype=torch.int32), ValueError, r"\[0, 5\]"),
+        (torch.tensor([-1, 2], dtype=torch.int32), ValueError, r"\[0, 5\]"),
+        ([1, 2], TypeError, "int32 tensor"),
+    ],
+)
+def test_bad_cache_seqlens(seqlens, exc, pattern):
+    q, k, v = _qkv()
+    with pytest.raises(exc, match=pattern):
+        mt.tree_decode(q, k, v, None, cache_seqlens=seqlens)
+
+
+def test_positions_must_come_in_pairs_and_shapes():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="both q_positions and k_positions"):
+        mt.flash_decode(q, k, v, q_positions=torch.zeros(2, 1, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"k_positions must be .* shape \(2, 5\) or \(5,\)"):
+        mt.flash_decode(q, k, v, q_positions=torch.zeros(2, 1, dtype=torch.long), k_positions=torch.arange(4))
+
+
+def test_unknown_strategy_and_backend():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="unknown merge strategy 'ring'"):
+        mt.tree_decode(q, k, v, None, strategy="ring")
+    with pytest.raises(ValueError, match="unknown backend argument 'cuda'"):
+        mt.flash_decode(q, k, v, backend="cuda")
+
+
+# ---- paged KV cache (block_table) ---------------------------------------------------------
+
+def test_paged_reference_equals_naive_on_the_rows_it_names():
+    from tests.helpers.paged import to_paged
+
+    g = torch.Generator().manual_seed(7)
+    b, n, hq, hkv, d, page = 3, 13, 6, 2, 8, 4
+    q = torch.randn(b, 2, hq, d, generator=g, dtype=torch.float64)
+    k = torch.randn(b, n, hkv, d, generator=g, dtype=torch.float64)
+    v = torch.randn(b, n, hkv, d, generator=g, dtype=torch.float64)
+    seqlens = torch.tensor([13, 0, 6], dtype=torch.int32)
+    kp, vp, table = to_paged(k, v, seqlens, page)
+    assert table.shape == (3, 4) and table[1].eq(-1).all() and torch.isnan(kp).any()
+    # Causal by per-row positions over the table's 16 logical slots (rows start at different offsets).
+    k_pos = torch.stack([torch.arange(16) + off for off in (0, 5, 100)])
+    q_pos = torch.tensor([[11, 12], [3, 4], [103, 104]])
+    out, lse = reference.partial_attention(q, kp, vp, block_table=table, cache_seqlens=seqlens,
+                                           q_positions=q_pos, k_positions=k_pos)
+    for bi in range(b):
+        want_o, want_l = naive_attention(q[bi:bi + 1], k[bi:bi + 1], v[bi:bi + 1], seqlens[bi:bi + 1],
+                                         q_pos[bi:bi + 1], k_pos[bi, :n])
+        torch.testing.assert_close(out[bi:bi + 1], want_o, atol=1e-12, rtol=0)
+        torch.testing.assert_close(lse[bi:bi + 1], want_l, atol=1e-12, rtol=0)
+    assert torch.all(out[1] == 0) and torch.isneginf(lse[1]).all()
+
+
+def test_gather_pages_reads_only_used_blocks_and_zeroes_the_tail():
+    pool = torch.arange(5 * 2, dtype=torch.float32).reshape(5, 2, 1, 1)  # 5 blocks of 2 slots
+    table = torch.tensor([[4, 0, -1], [2, 3, 1]], dtype=torch.int32)
+    got = reference.gather_pages(pool, table, torch.tensor([3, 5], dtype=torch.int32))
+    assert got[..., 0, 0].tolist() == [[8, 9, 0, 0, 0, 0], [4, 5, 6, 7, 2, 0]]
+
+
+@pytest.mark.parametrize(
+    "mutate,exc,pattern",
+    [
+        (lambda t, s: (t.long(), s), TypeError, "block_table must be int32"),
+        (lambda t, s: (t[:1], s), ValueError, r"block_table must have shape \(2, max_blocks\)"),
+        (lambda t, s: (t.clone().fill_(9), s), ValueError, r"block_table\[0, 0\] = 9 is not a block .* num_blocks = 4"),
+        (lambda t, s: (t, torch.tensor([3, 7], dtype=torch.int32)), ValueError, r"cache_seqlens must lie in \[0, 6\]"),
+    ],
+)
+def test_bad_block_table_raises_clear_errors(mutate, exc, pattern):
+    q = torch.randn(2, 1, 4, 8)
+    pool = torch.randn(4, 2, 2, 8)  # 4 blocks of 2 slots
+    table = torch.tensor([[0, 1, -1], [2, 3, 3]], dtype=torch.int32)  # -1 past row 0's 3 keys: fine
+    seqlens = torch.tensor([3, 6], dtype=torch.int32)
+    mt.flash_decode(q, pool, pool, block_table=table, cache_seqlens=seqlens)
+    t, s = mutate(table, seqlens)
+    with pytest.raises(exc, match=pattern):
+        mt.flash_decode(q, pool, pool, block_table=t, cache_seqlens=s)
+    with pytest.raises(ValueError, match=r"k_positions must be .* shape \(2, 6\) or \(6,\) \(max_blocks \* block_size\)"):
+        mt.flash_decode(q, pool, pool, block_table=table, cache_seqlens=seqlens,
+                        q_positions=torch.zeros(2, 1, dtype=torch.long), k_positions=torch.arange(4))
+
+
+def test_out_dtype_keeps_the_partial_unrounded():
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 1, 4, 16, generator=g).bfloat16()
+    k, v = (torch.randn(2, 9, 2, 16, generator=g).bfloat16() for _ in range(2))
+    full, lse = reference.partial_attention(q, k, v, out_dtype=torch.float32)
+    rounded, lse2 = reference.partial_attention(q, k, v)
+    assert full.dtype == torch.float32 and rounded.dtype == torch.bfloat16 and torch.equal(lse, lse2)
+    assert torch.equal(full.bfloat16(), rounded) and not torch.equal(full, rounded.float())
+    with pytest.raises(TypeError, match="out_dtype must be a floating-point torch.dtype"):
+        mt.flash_decode(q, k, v, out_dtype=torch.int32)
