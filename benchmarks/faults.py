@@ -27,7 +27,7 @@ world size; a kill ends its launch, so each kill case has a launch of its own; a
 (a native crash) or stops advancing (a hang) is restarted after the case in progress, which is
 counted as such.
 
-    python -m benchmarks.faults --seed 0 --cases 300 --ranks 2,3,4 --out docs/faults.json
+    python -m benchmarks.faults --seed 0 --cases 300 --ranks 2,3,4 --out benchmarks/results/faults.json
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """RULER ``niah_single_1`` through lm-evaluation-harness: the ``megatron_tree`` backend at CP vs lm-eval's ``hf``.
 
     python -m benchmarks.niah [--lengths 4096 8192 16384] [--samples 2] [--cp 2] [--layers 2]
-        [--out docs/niah.json] [--markdown docs/niah.md]
+        [--out benchmarks/results/niah.json] [--markdown docs/niah.md]
 
 Invariant: both backends evaluate the same task (RULER's ``niah_single_1`` template, haystack, needle
 and scorer, from lm-eval's own ``tasks/ruler``) on the same checkpoint and tokenizer, in the same

@@ -10,4 +10,4 @@ PYTHON=${PYTHON:-python3}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 TRITON_SPEC=${TRITON_SPEC:-triton==3.7.1}
 $PYTHON -m pip install -q --disable-pip-version-check "$TORCH_SPEC" "$TRITON_SPEC" numpy
-$PYTHON -m pip install -q --disable-pip-version-check -e ".[test]"
+$PYTHON -m pip install -q --disable-pip-version-check -e ".[all,test]"

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from .config import ConfigError, WandbConfig
 from ..integrations.deepspeed import wandb_settings
+from ..utils.extras import require
 
 __all__ = ["NullTracker", "WandbTracker", "make_tracker", "resolve_wandb_settings"]
 
@@ -90,7 +91,7 @@ class WandbTracker:
         # The YAML's mode wins over an inherited WANDB_MODE: an offline default must stay offline.
         os.environ["WANDB_MODE"] = cfg.mode
         os.environ.setdefault("WANDB_SILENT", "true")
-        import wandb
+        wandb = require("wandb", "wandb tracking (tracking.mode online or offline)")
 
         self._wandb = wandb
         self.run = wandb.init(

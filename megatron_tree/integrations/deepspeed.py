@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from ..utils.extras import require
+
 __all__ = ["init_distributed", "MegatronMPU", "WandbSettings", "wandb_settings", "load_ds_config"]
 
 log = logging.getLogger("megatron_tree.integrations")
@@ -56,7 +58,7 @@ def init_distributed(
     naming the missing variables when neither a group nor a launcher environment exists
     (no silent single-process fallback).
     """
-    import deepspeed
+    deepspeed = require("deepspeed", "megatron_tree.integrations.deepspeed")
     from deepspeed.accelerator import get_accelerator
 
     env = os.environ if env is None else env

@@ -67,6 +67,9 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from ..utils.extras import require
+
+require("lmeval", "megatron_tree.integrations.lm_eval")
 try:
     from lm_eval import utils as lm_utils
     from lm_eval.api.model import TemplateLM

@@ -319,7 +319,7 @@ def test_calibration_fit_recovers_model_parameters():
 
 def test_published_sweep_within_30_percent_as_documented():
     """docs/benchmarks.md's ±30% claim, recomputed from the recorded sweep (no re-measuring):
-    the calibrated cpu_gloo preset against docs/bench_results.json, with each configuration's
+    the calibrated cpu_gloo preset against benchmarks/results/bench_results.json, with each configuration's
     probed lanes. A change to the model or the preset that loses agreement fails here."""
     rows = json.loads((ROOT / "docs" / "bench_results.json").read_text())["rows"]
     preset = cost.load_preset("cpu_gloo")

@@ -11,13 +11,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-try:
-    import transformers
-except ImportError as e:  # pragma: no cover -- exercised only where transformers is absent
-    raise ImportError(
-        "megatron_tree.integrations.hf needs transformers >= 5.17 (pip install 'transformers>=5.17'); "
-        f"importing it failed: {e}"
-    ) from e
+from ...utils.extras import require
+
+transformers = require("hf", "megatron_tree.integrations.hf")
 
 from ...distributed.collectives import CommStats
 from ...distributed.topology import TreeGroups

@@ -8,6 +8,10 @@ Importing this package imports megatron-core (0.16.1 on Python 3.11, 0.19.x on P
 shim in :mod:`.cpu`.
 """
 
+from ...utils.extras import require
+
+require("megatron", "megatron_tree.integrations.megatron")
+
 from .attention import (MARKER, SLOT_MARKER, TreeDotProductAttention, TreeSelfAttention,  # noqa: F401
                         get_gpt_layer_tree_spec, megatron_attention_fingerprint, restore_core_attention,
                         use_tree_attention)
