@@ -186,7 +186,7 @@ def predict_all(preset: Preset, dims: Dims, p: int, context: int, intra_size: in
 
 
 def _paper_dims(kv_bytes: int = 2) -> Dims:
-    """The paper's microbenchmark block: B=1, 16 heads x 128, no GQA, fp16 (PAPER.md;
+    """The paper's microbenchmark block: B=1, 16 heads x 128, no GQA, fp16 (arXiv 2408.04093;
     Zyphra/tree_attention ``tree_shard_test.py`` builds q, k, v in float16)."""
     return Dims(batch=1, heads_q=16, heads_kv=16, head_dim=128, kv_bytes=kv_bytes)
 

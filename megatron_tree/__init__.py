@@ -1,6 +1,6 @@
 """megatron_tree: exact, topology-aware context-parallel decoding (Tree Attention).
 
-The front door is one tier, the functional API (DESIGN.md section 3)::
+The front door is one tier, the functional API (docs/design.md §3)::
 
     import megatron_tree as mt
     groups = mt.TreeGroups.from_env()                      # the CP group and its node levels

@@ -4,7 +4,7 @@ import os
 import sys
 
 # The Triton interpreter is read when @triton.jit decorates a kernel, so it must be set
-# before megatron_tree.ops.triton is imported (ENV.md). It does not change the default backend.
+# before megatron_tree.ops.triton is imported (docs/design.md, platform facts). It does not change the default backend.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")

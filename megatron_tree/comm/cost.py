@@ -1,6 +1,6 @@
 """The merge policy: machine presets, the α–β price of each merge strategy, ``choose_strategy``.
 
-Why it lives here (comm layer, DESIGN.md section 2): ``strategy="auto"`` picks a merge in
+Why it lives here (comm layer, docs/design.md §2): ``strategy="auto"`` picks a merge in
 every process that decodes, so the policy is part of the core. ``comm`` imports this module
 and nothing here imports another megatron_tree module (arithmetic and YAML only);
 ``bench/cost_model.py`` builds whole-step predictions, plots and the calibration check on
@@ -53,7 +53,7 @@ PRESET_DIR = Path(__file__).with_name("presets")
 ENV_PRESET = "MEGATRON_TREE_COST_PRESET"
 
 MERGE_STRATEGIES = MERGES
-"""Every merge this module prices (DESIGN.md section 4)."""
+"""Every merge this module prices (docs/design.md §4)."""
 AUTO_CANDIDATES = MERGES
 """What ``auto`` may pick (``shifted`` only for a call that passes a shift: without one it is ``packed``)."""
 UNSHIFTED_CANDIDATES = tuple(c for c in AUTO_CANDIDATES if c != "shifted")

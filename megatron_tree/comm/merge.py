@@ -1,6 +1,6 @@
 """Merge collectives: partial states of every CP rank into the exact result on every rank.
 
-Invariant: every strategy computes DESIGN.md section 1 with the two halves of the one
+Invariant: every strategy computes docs/design.md §1 with the two halves of the one
 merge formula in ``reference.py`` (``lse_weights`` and ``normalize``), with collectives in
 between; partial outputs and weights travel in float32 (float64 for float64 input) and are
 cast once, by the caller. A partial lse arrives in float64 from ``tree_decode`` and stays
@@ -12,7 +12,7 @@ runs on the lse rounded to float32, and the weights ``exp(lse_u - m)`` are forme
 whole lse. Every collective issued is recorded in a :class:`CommStats` when one is given,
 so tests and benchmarks read counts and bytes instead of assuming them.
 
-Strategies (DESIGN.md section 4):
+Strategies (docs/design.md §4):
 
 ==============  ===========================================================  ===========
 name            collectives per call                                         levels

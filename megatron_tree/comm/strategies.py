@@ -12,7 +12,7 @@ read must sit below both; it imports nothing, so the run config can read it with
 __all__ = ["MERGES", "STRATEGIES"]
 
 MERGES = ("allreduce3", "packed", "two_level", "allgather", "shifted")
-"""The merges ``comm`` implements and ``cost`` prices: every strategy but ``auto`` (DESIGN.md section 4)."""
+"""The merges ``comm`` implements and ``cost`` prices: every strategy but ``auto`` (docs/design.md §4)."""
 
 STRATEGIES = MERGES + ("auto",)
 """Every value ``tree_decode(strategy=...)`` takes: the merges, and ``auto`` (the cost model's pick)."""

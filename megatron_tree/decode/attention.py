@@ -2,7 +2,7 @@
 
 Invariant: the local half (``ops.flash_decode`` on this rank's shard) and the global half
 (``comm.merge`` over the CP group's levels) are the only two steps; everything else here
-is checking the contract of DESIGN.md section 3 so that bad input fails before any rank
+is checking the contract of docs/design.md §3 so that bad input fails before any rank
 enters a collective. The algorithm, like the paper's JAX ``tree_decode``::
 
     out, lse = flash_decode(q, k_shard, v_shard)        # local partial state
@@ -111,7 +111,7 @@ def tree_decode(
         out, lse = _decode_overlapped(q, k, v, groups, cache_seqlens, softmax_scale, strategy, q_positions,
                                       k_positions, stats, backend, shift, deferred, block_table, variants)
     else:
-        # fp32 partials (DESIGN.md section 1): a bf16/fp16 result is rounded once, below. The
+        # fp32 partials (docs/design.md §1): a bf16/fp16 result is rounded once, below. The
         # partial lse is float64 so the merge is exact at large score magnitudes (comm's docstring).
         try:
             out, lse = ops.flash_decode(

@@ -7,7 +7,7 @@ tokens, in a buffer of ``ceil(max_seq_len / cp_size)`` slots per row (plus the o
 that takes the tokens other ranks keep): memory per rank is 1/CP of an unsharded cache
 (rounded up to a whole token, plus one).
 
-Placement (DESIGN.md section 6) is decided by :mod:`.placement`, the rule every
+Placement (docs/design.md §6) is decided by :mod:`.placement`, the rule every
 sequence-sharded cache shares: the prompt in Megatron-Core's load-balanced 2·CP chunks (or
 contiguous chunks), decoded tokens in blocks of ``block_size`` that open on the least-loaded
 rank, round-robin on ties; a decode step is planned and written by :mod:`.plan`, the one step

@@ -7,7 +7,7 @@ imports neither torch nor torch.distributed; the one step planner (``plan.py``) 
 answers into a step's device tensors for every cache that stores tokens (``cache.py`` and
 through it the transformers ``Cache``, Megatron's static context in
 ``integrations/megatron/static.py``, ``paged.py`` and through it Megatron's dynamic context).
-Having one rule and one planner is what keeps them in agreement (DESIGN.md section 6).
+Having one rule and one planner is what keeps them in agreement (docs/design.md §6).
 
 The rule:
 

@@ -11,7 +11,7 @@ over the whole prompt returns for these queries (up to float rounding):
   flash attention with lse on CPU, flash / memory-efficient attention on CUDA; memory one
   kernel tile, never seqlen_q x seqlen_k) -- is folded into the running one with the project's
   single merge formula (``ops.merge_states`` -> ``reference.lse_weights``/``normalize``,
-  DESIGN.md section 1). With the load-balanced layout (``placement.prefill_ranges``) every
+  docs/design.md §1). With the load-balanced layout (``placement.prefill_ranges``) every
   rank does the same causal work; :class:`PrefillWork` counts it.
 * :func:`allgather_prefill` -- one all-gather of every rank's keys/values/positions, then
   one local attention: P times the memory, the simplest baseline.

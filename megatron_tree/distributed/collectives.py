@@ -10,7 +10,7 @@ assumed.
 Why it lives here, below ``topology``: building ``TreeGroups`` exchanges topology facts
 (host names, launcher variables) before any CP group exists, and ``comm``'s merges need the
 same helpers. So this module imports nothing from the package, takes every process group
-as an argument (no module global ever *supplies* a group; STYLE.md rule 4) and keeps no
+as an argument (no module global ever *supplies* a group; docs/design.md, "How the code is written") and keeps no
 state. The cross-rank agreement check that guards the calls built on these helpers is
 :mod:`megatron_tree.distributed.agreement`, one step above.
 

@@ -1,8 +1,8 @@
 """``TreeGroups``: a context-parallel group and its reduction levels, innermost first.
 
 Invariant: groups are built once, from the launch environment or from explicit sizes, and
-then passed down to every function that communicates (no process-group globals; STYLE.md
-rule 4). A layout that does not factor, or an "intra-node" level whose ranks are not on one
+then passed down to every function that communicates (no process-group globals;
+docs/design.md, "How the code is written"). A layout that does not factor, or an "intra-node" level whose ranks are not on one
 node, is an error that says what was found and what was expected -- never a silent
 fallback to a flat group.
 

@@ -5,7 +5,7 @@ group exists. Every key of a YAML file names a dataclass field (an unknown key i
 error naming its dotted path and the keys that exist), every value has the field's type
 (a wrong type is an error naming the path and the expected type), and ``key=value``
 overrides from the command line go through the same checks. Keeping every knob in one
-place is what lets the launch scripts stay thin (STYLE.md rules 6 and 8).
+place is what lets the launch scripts stay thin (docs/design.md, "How the code is written").
 
 The defaults of :class:`RunConfig` are the tiny CPU eval (4 processes as 2 simulated
 nodes x 2, a random-weight Megatron-Core GPTModel, wandb offline); ``configs/cpu_tiny.yaml``
@@ -233,7 +233,7 @@ class EvalConfig:
     batch_sizes: tuple[int, ...] = (1, 2)
     """Sequences decoded together."""
     strategies: tuple[StrategyName, ...] = STRATEGIES
-    """Merge strategies (DESIGN.md section 4), by default every one; ``auto`` is the cost model's
+    """Merge strategies (docs/design.md §4), by default every one; ``auto`` is the cost model's
     pick, recorded per run; ``shifted`` runs one SUM per layer per step after the first, a step
     whose check fails is run again with ``packed`` (the dynamic engine runs it as ``packed``)."""
     decode_steps: int = 16

@@ -4,7 +4,7 @@ Invariant: exactly one process per run talks to wandb, and every wandb directory
 cache, artifacts staging, settings) lives inside the run's output directory, so a run
 never writes under ``~`` and never needs the network unless ``mode: online`` is asked for.
 Callers do not branch on the rank: they call the same methods on whatever
-:func:`make_tracker` returns (STYLE.md rule 10, nanochat's ``DummyWandb``).
+:func:`make_tracker` returns (docs/design.md, "How the code is written", nanochat's ``DummyWandb``).
 
 wandb is imported lazily inside :class:`WandbTracker`, so importing this module is cheap
 and has no side effects. A ds_config's ``wandb`` section is read by the one reader,

@@ -1,8 +1,7 @@
 """Backend choice for the local decode and the local merge, registered as torch custom ops.
 
 Invariant: callers above this layer never name a backend implementation; they call
-:func:`flash_decode` / :func:`merge_states` here and get the same contract (DESIGN.md
-section 3) from the Triton kernels (``kernels/``) on CUDA tensors and from the torch path
+:func:`flash_decode` / :func:`merge_states` here and get the same contract (docs/design.md §3) from the Triton kernels (``kernels/``) on CUDA tensors and from the torch path
 (``torch_decode.py``, checked against ``reference.py``) on CPU. The environment variable
 ``MEGATRON_TREE_BACKEND`` (``torch`` or ``triton``) forces a backend, as does the
 ``backend=`` argument; ``triton`` on CPU tensors runs the Triton interpreter and needs

@@ -26,7 +26,7 @@ rows into segments of that staircase:
 A head/tail CP layout's pair of chunks is therefore one causal call on its own block and one
 unmasked call (or a skip) on every other block.
 
-Precision (DESIGN.md section 1; docs/kernels.md "Precision at large logits"): the kernels form
+Precision (docs/design.md §1; docs/kernels.md "Precision at large logits"): the kernels form
 ``lse = m + log l`` in float32, and a merge weighs a partial by ``exp(lse_u - M)``, so the
 lse's rounding ``|lse| * 2^-24`` becomes a relative error of the weights. While every row of
 a piece has ``|lse| < lse_bound`` (default :data:`LSE_BOUND` = 64 for float32: a rounding of at

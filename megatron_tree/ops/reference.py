@@ -2,7 +2,7 @@
 
 This module is the CPU path of :func:`megatron_tree.flash_decode` and the oracle every
 kernel and every distributed strategy is tested against. It holds the project's single
-merge formula (DESIGN.md section 1), split into two halves so that the distributed merges
+merge formula (docs/design.md §1), split into two halves so that the distributed merges
 in ``comm.py`` can put collectives between them:
 
 * :func:`lse_weights` -- ``w_u = exp(lse_u - m)`` with empty shards and an all-empty

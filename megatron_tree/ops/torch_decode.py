@@ -13,7 +13,7 @@ matmuls over the KV heads do all the work:
     out    = softmax(scores) @ V_h
 
 torch SDPA on the same input reads the cache at about half the bandwidth on this CPU
-(ENV.md), and with ``enable_gqa`` or expanded KV it materialises more. Slicing each row to
+(docs/design.md, platform facts), and with ``enable_gqa`` or expanded KV it materialises more. Slicing each row to
 its ``cache_seqlens`` also skips the padded tail entirely instead of masking it.
 
 A paged cache (``block_table``) is the exception to "no copy": a row's blocks are gathered

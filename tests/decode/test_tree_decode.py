@@ -65,7 +65,7 @@ def oracle(q, k, v, lens, q_pos):
 
 
 def same_dtype_torch(q, k, v, lens, q_pos, dtype):
-    """Unsharded attention computed entirely in ``dtype`` (the STYLE.md yardstick)."""
+    """Unsharded attention computed entirely in ``dtype`` (flash-attention's yardstick)."""
     b, sq, hq, d = q.shape
     n, hkv = k.shape[1], k.shape[2]
     qd, kd, vd = (t.to(dtype) for t in (q, k, v))

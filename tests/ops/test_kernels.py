@@ -2,7 +2,7 @@
 
 Interpreter tests need TRITON_INTERPRET=1 before the kernels are imported (conftest.py sets
 it). Shapes are tiny and KV tiles large: the interpreter costs ~10-25 ms per loop iteration.
-Low precision follows STYLE.md's rule: the kernel's error against a float64 oracle is at
+Low precision follows flash-attention's rule: the kernel's error against a float64 oracle is at
 most 2x that of a plain same-dtype torch implementation.
 """
 
@@ -37,7 +37,7 @@ def _oracle(q, k, v, **kw):
 
 
 def _naive_same_dtype(q, k, v, *, cache_seqlens=None, q_positions=None, k_positions=None, softmax_scale=None):
-    """Attention computed entirely in q.dtype (no upcast): the STYLE.md baseline for low precision."""
+    """Attention computed entirely in q.dtype (no upcast): flash-attention's baseline for low precision."""
     b, sq, hq, d = q.shape
     n, hkv = k.shape[1], k.shape[2]
     g = hq // hkv

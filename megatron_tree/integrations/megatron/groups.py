@@ -1,7 +1,7 @@
 """Megatron-Core's process groups as ``TreeGroups``, and the CP layouts Megatron's training uses.
 
 Invariant: this is the only module of the package that reads ``megatron.core.parallel_state``
-(STYLE.md rule 4), and only when no ``pg_collection`` was given. A CP layout that does not fit
+(docs/design.md, "How the code is written"), and only when no ``pg_collection`` was given. A CP layout that does not fit
 the launched world, or whose hierarchical sizes do not multiply to the CP size, is a
 :class:`TopologyError` raised on every rank before any group is created; nothing falls back
 to CP = 1.

@@ -14,7 +14,7 @@ was expected:
 * **files** (``python -m megatron_tree.integrations.patches apply|check|revert --root DIR``):
   ``git apply`` on a source tree (a copy of site-packages, a vendored checkout).
 
-Why it lives here: patches are the integration's last resort (STYLE.md rule 7); keeping
+Why it lives here: patches are the integration's last resort (docs/design.md, "How the code is written"); keeping
 them in one module with one metadata format keeps each one auditable.
 """
 

@@ -2,7 +2,7 @@
 
 Invariant: a :class:`~megatron_tree.ops.triton.merge.Launch` built by a launcher for CPU
 tensors compiles here exactly as the JIT would compile it on a GPU of the given
-architecture (Triton's own binder specialises the arguments), with no GPU present (ENV.md).
+architecture (Triton's own binder specialises the arguments), with no GPU present (docs/design.md, platform facts).
 The SASS is read with the ``cuobjdump`` bundled in Triton, and :func:`sass_facts` counts the
 instructions that decide a decode kernel's speed: 16-bit scalar loads (``LDG.E.U16``) versus
 128-bit ones (``LDG.E.128``, asynchronous ``LDGSTS...128``), the tensor-core MMA kind

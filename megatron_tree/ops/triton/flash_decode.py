@@ -28,7 +28,7 @@ What makes it fast on a GPU (each fact is asserted from the SASS by ``tests/ops/
 * the split count fills whole waves of the GPU, computed from the compiled kernel's
   registers, shared memory and warps and the device's limits (:func:`waves`).
 
-The Triton interpreter computes bf16 arithmetic and bf16 ``tl.dot`` wrongly (ENV.md), so
+The Triton interpreter computes bf16 arithmetic and bf16 ``tl.dot`` wrongly (docs/design.md, platform facts), so
 under it (``EXACT_INPUTS``) inputs are converted to fp32 right after loading, and the
 probabilities and the output are rounded to their dtype by integer arithmetic
 (``merge.round_like_gpu``: round to nearest even, what the GPU's conversion does; the

@@ -1,4 +1,4 @@
-"""Triton kernel: merge P partial attention states (DESIGN.md section 1).
+"""Triton kernel: merge P partial attention states (docs/design.md §1).
 
 Invariant: this is the only Triton implementation of the merge formula, and it follows
 ``reference.merge_states`` exactly -- ``m = max_u lse_u``, ``w_u = exp(lse_u - m)`` (0 for an
