@@ -16,7 +16,7 @@ import torch
 import megatron_tree as mt
 from megatron_tree.comm import merge as comm
 from tests.helpers.ranks import run_ranks
-from tests.decode.test_tree_decode import CASES, local_view, make_case, oracle
+from tests.helpers.cases import CASES, local_view, make_case, oracle
 
 PG_TIMEOUT = 20
 

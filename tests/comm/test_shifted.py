@@ -174,7 +174,7 @@ def generate_body(groups, path):
 
     from megatron_tree.decode.generate import GenerationHook, StepRunner, generate
     from megatron_tree.integrations.hf import load_hf_model
-    from tests.decode.test_generate_cp1 import NEW_TOKENS, PROMPTS
+    from tests.helpers.hf_models import NEW_TOKENS, PROMPTS
 
     model = load_hf_model(path, groups)
 
@@ -251,7 +251,7 @@ def generate_body(groups, path):
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    from tests.decode.test_generate_cp1 import NEW_TOKENS, PROMPTS, hf_greedy, make_checkpoint
+    from tests.helpers.hf_models import NEW_TOKENS, PROMPTS, hf_greedy, make_checkpoint
 
     path = tmp_path_factory.mktemp("llama_shifted")
     hf = make_checkpoint(path)
@@ -262,7 +262,7 @@ def test_shifted_exact_one_collective_and_generate(ckpt):
     """Worlds 2, 3, 2 x 2, 2 x 4: exact within 1e-5 of fp64 for every shift, one SUM when the
     shift is in range; at 2 x 2 generate's tokens equal transformers', one SUM per layer per
     step after the first, and a raised deferred flag redoes the step exactly."""
-    from tests.decode.test_generate_cp1 import NEW_TOKENS
+    from tests.helpers.hf_models import NEW_TOKENS
 
     path, expected = ckpt
     results = run_ranks(run_all, 8, path, timeout=600)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.helpers.ranks import run_ranks
-from tests.decode.test_generate_cp1 import NEW_TOKENS, PROMPTS, hf_greedy, make_checkpoint
+from tests.helpers.hf_models import NEW_TOKENS, PROMPTS, hf_greedy, make_checkpoint
 
 # name -> (CP rank lists for TreeGroups.build, intra_size, cache layout, prefill, merge strategy)
 CASES = {

@@ -15,43 +15,7 @@ import torch
 
 from megatron_tree.decode.cache import CacheOverflowError
 from megatron_tree.decode.generate import generate
-
-ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 64}
-PROMPTS = [[5, 17, 99, 3, 42], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]]
-NEW_TOKENS = 16
-
-
-def hf_config(tie=False, **over):
-    from transformers import LlamaConfig
-
-    kw = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, max_position_embeddings=256, initializer_range=0.2,
-              rope_scaling=dict(ROPE), rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=tie)
-    kw.update(over)
-    return LlamaConfig(**kw)
-
-
-def make_checkpoint(path, *, tie=False, max_shard_size=None, seed=0):
-    """Save a tiny random transformers Llama into ``path``; return the HF model (eval mode)."""
-    from transformers import LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(hf_config(tie)).eval()
-    kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
-    model.save_pretrained(str(path), safe_serialization=True, **kw)
-    return model
-
-
-def hf_greedy(model, prompts, new_tokens):
-    """transformers' greedy generate, one prompt at a time (no padding), never stopping early."""
-    out = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = model.generate(torch.tensor([p]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                 do_sample=False, pad_token_id=0)
-            out.append(ids[0, len(p):].tolist())
-    return out
+from tests.helpers.hf_models import NEW_TOKENS, PROMPTS, hf_greedy, make_checkpoint  # noqa: F401
 
 
 @pytest.fixture(scope="module")

@@ -179,7 +179,7 @@ def test_slurm_sbatch_runs_a_transformers_qwen2_with_tiers_from_slurm(tmp_path):
     (model.source random builds its transformers Llama the same way, through the same
     HFTreeModel and models._cp_groups; test_bad_launches and test_ranks_that_decode_different_tokens
     run it.)"""
-    from tests.integrations.hf.test_hf import hf_model
+    from tests.helpers.hf_models import hf_model
 
     ckpt = tmp_path / "qwen2"
     model = hf_model("qwen2")

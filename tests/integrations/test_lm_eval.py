@@ -23,33 +23,15 @@ import pytest
 import torch
 
 from tests.helpers.ranks import run_ranks
+from tests.helpers.lm_eval import BATCH, SHARED, TASK_DIR, TASKS, Req, close_enough, offline_env, build_tokenizer, evaluate, per_request, write_tasks  # noqa: F401
 
 pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install 'megatron_tree[lmeval]')")
 
-HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
-TASK_DIR = os.path.join(HERE, "lm_eval_tasks")
-TASKS = ["mt_choice", "mt_gen", "mt_sample", "mt_ppl"]
-SHARED = "mt_letters"  # one-token choices: the four continuations of a question share one prefilled row
 MAX_LENGTH = 64
-BATCH = 3
-WORDS = ("the a one two red blue green cat dog bird fish tree house river sun moon star is was has sees likes "
-         "eats runs big small old new fast slow and or but then here there now so very my your our it they we you")
 
 
 # --------------------------------------------------------------------------- fixtures (built offline)
 
-
-def build_tokenizer(path: str):
-    """A word-level tokenizer over WORDS (+ '.', ',', <unk>, <pad>, </s>), saved as PreTrainedTokenizerFast."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {t: i for i, t in enumerate(["<unk>", "<pad>", "</s>", ".", ","] + WORDS.split())}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="</s>")
-    fast.save_pretrained(path)
-    return fast
 
 
 def build_model(arch: str, path: str, tok, seed: int = 0):
@@ -79,16 +61,6 @@ def build_model(arch: str, path: str, tok, seed: int = 0):
     # checkpoint's tokenizer files as its Qwen2Tokenizer class)
 
 
-def write_tasks(out_dir: str) -> str:
-    """The shipped task YAMLs with their data files made absolute (lm-eval reads them relative to the cwd)."""
-    os.makedirs(out_dir, exist_ok=True)
-    for name in [*TASKS, SHARED]:
-        with open(os.path.join(TASK_DIR, f"{name}.yaml"), encoding="utf-8") as f:
-            text = f.read().replace("tests/lm_eval_tasks/", TASK_DIR + "/")
-        with open(os.path.join(out_dir, f"{name}.yaml"), "w", encoding="utf-8") as f:
-            f.write(text)
-    return out_dir
-
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
@@ -103,27 +75,6 @@ def workdir(tmp_path_factory):
 # --------------------------------------------------------------------------- running lm-eval
 
 
-def evaluate(model, model_args, tasks_dir: str, tasks=TASKS, **kw):
-    """lm-eval's ``simple_evaluate`` on the shipped tasks; returns its results (None off rank 0)."""
-    import lm_eval
-    from lm_eval.tasks import TaskManager
-
-    return lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=list(tasks), batch_size=BATCH,
-                                   device="cpu", log_samples=True, task_manager=TaskManager(include_path=tasks_dir, include_defaults=False),
-                                   **kw)
-
-
-def per_request(results) -> dict:
-    """{(task, doc_id, request index): response} and {task: metrics} from simple_evaluate's results."""
-    reqs = {}
-    for task, samples in results["samples"].items():
-        for s in samples:
-            for j, r in enumerate(s["resps"]):
-                reqs[(task, s["doc_id"], j)] = r[0]
-    metrics = {t: {k: v for k, v in m.items() if "stderr" not in k and k != "alias"}
-               for t, m in results["results"].items()}
-    return {"requests": reqs, "metrics": metrics}
-
 
 def hf_reference(workdir: str, arch: str) -> dict:
     import lm_eval.models.huggingface  # noqa: F401 -- registers "hf"
@@ -136,9 +87,6 @@ def hf_reference(workdir: str, arch: str) -> dict:
 # --------------------------------------------------------------------------- ranks
 
 
-def _offline_env():
-    os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-
 
 def _rank_eval(rank, world, workdir, runs, cli=None, bad_cp=None):
     """Each run: (arch, extra model_args, tasks) through simple_evaluate with a TreeLM made here.
@@ -147,7 +95,7 @@ def _rank_eval(rank, world, workdir, runs, cli=None, bad_cp=None):
     this rank's (DP rank, CP rank, scored, prefill tokens). ``cli``: argv for the launcher's
     ``main`` after the runs; ``bad_cp``: a cp_size that does not divide the world, tried first.
     """
-    _offline_env()
+    offline_env()
     torch.manual_seed(100 + rank)  # ranks seeded differently: sampled tokens must still agree
     from megatron_tree.integrations import lm_eval as backend
 
@@ -175,27 +123,10 @@ def _rank_eval(rank, world, workdir, runs, cli=None, bad_cp=None):
     return out
 
 
-def _close(ref, got, what):
-    assert set(got["requests"]) >= set(ref["requests"]), f"{what}: requests missing"
-    for key, r in ref["requests"].items():
-        g = got["requests"][key]
-        if isinstance(r, str):
-            assert g == r, f"{what} {key}: generated {g!r}, lm-eval's hf generated {r!r}"
-        elif isinstance(r, (list, tuple)):
-            assert abs(g[0] - r[0]) <= 1e-4 and g[1] == r[1], f"{what} {key}: {g} vs hf {r}"
-        else:
-            assert abs(g - r) <= 1e-4, f"{what} {key}: rolling log-likelihood {g} vs hf {r}"
-    for task, m in ref["metrics"].items():
-        for k, v in m.items():
-            if isinstance(v, float) and "perplexity" in k or k.startswith("bits_per_byte"):
-                assert math.isclose(got["metrics"][task][k], v, rel_tol=1e-5), f"{what} {task} {k}"
-            else:
-                assert got["metrics"][task][k] == v, f"{what} {task} {k}: {got['metrics'][task][k]} vs hf {v}"
-
 
 @pytest.fixture(scope="module")
 def references(workdir):
-    _offline_env()
+    offline_env()
     return {arch: hf_reference(workdir, arch) for arch in ("llama", "qwen2")}
 
 
@@ -206,7 +137,7 @@ def _check_cp_runs(results, references, runs, what):
         ref = {"requests": {k: v for k, v in references[arch]["requests"].items() if k[0] in tasks},
                "metrics": {t: m for t, m in references[arch]["metrics"].items() if t in tasks}}
         for r in per_rank:
-            _close(ref, r["result"], f"{what} {arch} ({extra}), CP rank {r['cp_rank']}")
+            close_enough(ref, r["result"], f"{what} {arch} ({extra}), CP rank {r['cp_rank']}")
         samples = [{k: v for k, v in r["result"]["requests"].items() if k[0] == "mt_sample"} for r in per_rank]
         if any(samples):
             assert all(s == samples[0] for s in samples), f"{what}: sampled generations differ between CP ranks"
@@ -269,7 +200,7 @@ def test_cp2x2_and_dp2_cp2(workdir, references, tmp_path):
     total = sum(rs[0]["scored"] for rs in by_dp.values())
     ppl_windows = total - len(unique)
     assert ppl_windows == sum(_windows(workdir)), f"scored {total}: requests scored more or less than once"
-    _close({"requests": {k: v for k, v in ref.items() if k[0] in ("mt_choice", "mt_ppl")},
+    close_enough({"requests": {k: v for k, v in ref.items() if k[0] in ("mt_choice", "mt_ppl")},
             "metrics": {t: references["llama"]["metrics"][t] for t in ("mt_choice", "mt_ppl")}},
            by_dp[0][0]["result"], "DP 2 x CP 2")
 
@@ -303,15 +234,9 @@ def _windows(workdir):
 # --------------------------------------------------------------------------- bad input (one process)
 
 
-class _Req:
-    """What the backend reads of lm-eval's ``Instance``: ``args``."""
-
-    def __init__(self, *args):
-        self.args = args
-
 
 def test_bad_input(workdir, capsys, monkeypatch):
-    _offline_env()
+    offline_env()
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     from megatron_tree.integrations import lm_eval as backend
     from megatron_tree.eval.lm_eval import main
@@ -336,14 +261,14 @@ def test_bad_input(workdir, capsys, monkeypatch):
 
     lm = backend.TreeLM.create_from_arg_string(f"pretrained={llama},tokenizer={tok},max_length=16", {"device": "cpu"})
     with pytest.raises(backend.RequestError, match="needs 18 tokens .* beyond max_length=16; this backend never"):
-        lm.loglikelihood([_Req("the cat " * 8, " sees the dog")])
+        lm.loglikelihood([Req("the cat " * 8, " sees the dog")])
     with pytest.raises(backend.RequestError, match="context of 12 tokens; with max_gen_toks=8 it needs 20"):
-        lm.generate_until([_Req("the cat " * 6, {"until": ["."], "max_gen_toks": 8})])
+        lm.generate_until([Req("the cat " * 6, {"until": ["."], "max_gen_toks": 8})])
     with pytest.raises(backend.RequestError, match=r"generation kwargs \['num_beams'\]"):
-        lm.generate_until([_Req("the cat", {"until": ["."], "max_gen_toks": 2, "num_beams": 4})])
+        lm.generate_until([Req("the cat", {"until": ["."], "max_gen_toks": 2, "num_beams": 4})])
     assert lm.scored == 0 and lm.prefill_tokens == 0, "a refused batch must not run"
     # A request that fits runs, and a rolling document longer than max_length is windowed, not refused.
-    assert len(lm.loglikelihood_rolling([_Req("the cat sees the dog " * 8)])) == 1
+    assert len(lm.loglikelihood_rolling([Req("the cat sees the dog " * 8)])) == 1
 
     with pytest.raises(SystemExit) as e:
         main(["--model", "megatron_tree", "--model_args", f"pretrained={llama},bogus=1", "--tasks", "mt_choice",

@@ -33,7 +33,7 @@ from tests.helpers.launching import train_checkpoint
 pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install 'megatron_tree[lmeval]')")
 pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 
-from tests.integrations.test_lm_eval import _close, _offline_env, _Req, build_tokenizer, evaluate, per_request, write_tasks  # noqa: E402
+from tests.helpers.lm_eval import close_enough, offline_env, Req, build_tokenizer, evaluate, per_request, write_tasks  # noqa: E402
 
 TASKS = ["mt_choice", "mt_gen", "mt_ppl", "mt_letters"]
 MAX_LENGTH = 64
@@ -117,7 +117,7 @@ def _cli(argv) -> tuple[int, str]:
 
 
 def _rank(rank, world, workdir):
-    _offline_env()
+    offline_env()
     from megatron_tree.integrations import lm_eval as backend
 
     ckpt, tok, tasks = (os.path.join(workdir, n) for n in ("ckpt", "tok", "tasks"))
@@ -134,8 +134,8 @@ def _rank(rank, world, workdir):
 
     lm = backend.TreeLM.create_from_arg_string(f"{base},cp_size=2,strategy=auto", {"batch_size": 3, "device": "cpu"})
     too_long = []
-    for call in (lambda: lm.loglikelihood([_Req("the cat " * 40, " sees the dog")]),
-                 lambda: lm.generate_until([_Req("the cat " * 30, {"until": ["."], "max_gen_toks": 8})])):
+    for call in (lambda: lm.loglikelihood([Req("the cat " * 40, " sees the dog")]),
+                 lambda: lm.generate_until([Req("the cat " * 30, {"until": ["."], "max_gen_toks": 8})])):
         try:
             call()
             too_long.append(None)
@@ -175,7 +175,7 @@ def test_megatron_checkpoint_cp2_matches_megatron_cp1(workdir):
     gens = [v for k, v in oracle["requests"].items() if k[0] == "mt_gen"]
     assert len(gens) == 5 and any(gens), f"the oracle generated nothing: {gens}"
     for r in results:
-        _close(oracle, r["tree"], f"CP 2 rank {r['cp_rank']} vs Megatron's own model at CP 1")
+        close_enough(oracle, r["tree"], f"CP 2 rank {r['cp_rank']} vs Megatron's own model at CP 1")
     assert results[0]["scored"] == results[1]["scored"] > 0
     assert [r["cli"][0] for r in results] == [0, 0], [r["cli"][1][-2000:] for r in results]
     files = glob.glob(os.path.join(workdir, "cli_out", "**", "results_*.json"), recursive=True)

@@ -21,12 +21,12 @@ import pytest
 import torch
 
 from tests.helpers.ranks import run_ranks
+from tests.helpers.hf_models import LENGTHS, batch, hf_model  # noqa: F401
 
 NEW = 16
 SAMPLED_NEW = 8  # sampling is checked on fewer steps (its own logits are the greedy run's code path)
 # Two prompts of different lengths (odd: chunks of different sizes; the shorter is
 # left-padded by 12) plus a 1-token one: at CP > 1 some ranks hold an empty shard of that row.
-LENGTHS = (29, 17, 1)
 SEED_SAMPLE = 1234
 SAMPLING = dict(do_sample=True, temperature=1.3, top_k=40, top_p=0.95)
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
@@ -36,48 +36,6 @@ TOPOLOGIES = {
     "cp2x2": (None, 2, dict(strategy="two_level", prefill="allgather", layout="contiguous", block_size=4)),
 }
 
-
-def hf_model(arch: str, seed: int = 0, **over):
-    """A tiny random transformers causal LM; biases and norm weights are randomised too."""
-    import transformers as tf
-
-    common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                  initializer_range=0.2, rms_norm_eps=1e-6, pad_token_id=0, tie_word_embeddings=False)
-    if arch == "llama":
-        cfg = tf.LlamaConfig(**common, head_dim=16, rope_scaling={
-            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64}, rope_theta=10000.0)
-        cls = tf.LlamaForCausalLM
-    elif arch == "qwen2":
-        cfg, cls = tf.Qwen2Config(**common), tf.Qwen2ForCausalLM
-    elif arch == "qwen3":
-        cfg, cls = tf.Qwen3Config(**common, head_dim=16), tf.Qwen3ForCausalLM
-    elif arch == "mistral":
-        cfg, cls = tf.MistralConfig(**common, head_dim=16, sliding_window=None), tf.MistralForCausalLM
-    else:
-        raise ValueError(arch)
-    for k, v in over.items():
-        setattr(cfg, k, v)
-    torch.manual_seed(seed)
-    model = cls(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 1:  # norms (weight ~1) and biases (~0)
-                p.normal_(1.0 if "norm" in name else 0.0, 0.2)
-    return model
-
-
-def batch():
-    """A left-padded batch of the prompts of LENGTHS, identical on every rank."""
-    g = torch.Generator().manual_seed(5)
-    seq = max(LENGTHS)
-    ids = torch.zeros(len(LENGTHS), seq, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for b, n in enumerate(LENGTHS):
-        ids[b, seq - n:] = torch.randint(1, 128, (n,), generator=g)
-        mask[b, seq - n:] = 1
-    return ids, mask
 
 
 def _cache_of(out):

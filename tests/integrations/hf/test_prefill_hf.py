@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from tests.helpers.ranks import run_ranks
-from tests.integrations.hf.test_hf import LENGTHS, batch, hf_model
+from tests.helpers.hf_models import LENGTHS, batch, hf_model
 
 NEW = 6
 TOPOLOGIES = {"cp2": ([[0, 1], [2, 3]], None), "cp3": ([[0, 1, 2], [3]], None), "cp2x2": (None, 2)}

@@ -33,65 +33,12 @@ import torch
 
 from tests.helpers.ranks import run_ranks
 from tests.helpers.weights import seed_weights
+from tests.helpers.megatron_dynamic import ARRIVALS, BYTES_PER_TOKEN, HEADS, HIDDEN, KV_HEADS, MAX_LEN, NEW_TOKENS, VOCAB, stall_prompts, STALL, STALL_ENGINE, IdTokenizer, build_dynamic_model, error_text, gb, run_dynamic  # noqa: F401
 
-VOCAB, HIDDEN, HEADS, KV_HEADS = 96, 64, 4, 2
-MAX_LEN = 320
 LOGICAL_BLOCK = 64  # Megatron's block: CP x our per-rank block, the same at every CP size
 MAX_TOKENS = 128
-PROMPT_LENS = (5, 64, 300, 1)
-NEW_TOKENS = [12, 7, 9, 5]
-ARRIVALS = [0, 0, 3, 4]
-BYTES_PER_TOKEN = 2 * 2 * KV_HEADS * (HIDDEN // HEADS) * 4  # k+v, layers, heads, dim, fp32
 NUM_BLOCKS = 12  # Megatron's block count (one is its dummy): room for every request at once
 
-
-def _gb(blocks: int, block_tokens: int) -> float:
-    """A buffer size that Megatron turns into exactly ``blocks`` blocks of ``block_tokens`` tokens."""
-    return (blocks + 0.5) * block_tokens * BYTES_PER_TOKEN / 2**30
-
-
-def _build_model(cp, hier, tree: bool, strategy="auto"):
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from megatron.core.transformer.enums import AttnBackend
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    from megatron_tree.integrations.megatron import get_gpt_layer_tree_spec
-
-    model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True)
-    config = TransformerConfig(
-        attention_backend=AttnBackend.local, num_layers=2, hidden_size=HIDDEN, num_attention_heads=HEADS,
-        num_query_groups=KV_HEADS, ffn_hidden_size=4 * HIDDEN, use_cpu_initialization=True,
-        context_parallel_size=cp, hierarchical_context_parallel_sizes=hier, params_dtype=torch.float32,
-        attention_dropout=0.0, hidden_dropout=0.0, add_bias_linear=False,
-    )
-    spec = get_gpt_layer_tree_spec(strategy=strategy) if tree else get_gpt_layer_local_spec()
-    model = GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=MAX_LEN, position_embedding_type="rope",
-                     share_embeddings_and_output_weights=False)
-    return seed_weights(model).eval()  # the same weights everywhere, clear greedy margins
-
-
-def _IdTokenizer():
-    """Token ids as text: all the engine needs from a tokenizer."""
-    from megatron_tree.integrations.megatron.model import IdTokenizer
-
-    return IdTokenizer(eod=VOCAB - 1)
-
-
-def _prompts(lengths=PROMPT_LENS, seed=11):
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB - 1, (n,), generator=gen).tolist() for n in lengths]
-
-
-def _run(engine, prompts=None, counts=None, arrivals=None, hook=None):
-    from megatron_tree.integrations.megatron.dynamic import generate_dynamic
-
-    r = generate_dynamic(engine, prompts or _prompts(), num_tokens_to_generate=counts or NEW_TOKENS,
-                         arrivals=arrivals or ARRIVALS, hook=hook)
-    return {"tokens": r.tokens, "log_probs": r.log_probs, "finished": r.finished_step, "steps": r.steps,
-            "status": r.status, "errors": r.errors, "blocks": r.blocks_per_rank, "spread": r.max_blocks_per_rank,
-            "evicted": r.evicted, "live": r.live_requests, "rewound": r.rewound_tokens}
 
 
 def _recompute(model, prompts, tokens):
@@ -109,13 +56,6 @@ def _recompute(model, prompts, tokens):
     return out
 
 
-def _error(fn, *args, **kwargs) -> str:
-    try:
-        fn(*args, **kwargs)
-    except Exception as err:  # noqa: BLE001 -- the test asserts on type and message
-        return f"{type(err).__name__}: {err}"
-    return "no error"
-
 
 # Pool pressure: blocks of 8 tokens, 8 usable; three requests that need 12 together.
 SMALL = dict(prompts=[[5, 17, 3, 40, 2, 9, 77, 31, 8, 60], [12, 1, 88, 4, 23, 70, 6, 14, 50, 33, 2, 71], [9] * 9],
@@ -125,9 +65,6 @@ SMALL = dict(prompts=[[5, 17, 3, 40, 2, 9, 77, 31, 8, 60], [12, 1, 88, 4, 23, 70
 # A stalled chunked prefill: 8-token blocks, 22 usable, 64 tokens a step; the 119-token prompt gets its
 # first chunk, then no chunk for two steps (its remaining blocks are not free), so Megatron runs a
 # placeholder token for it each step and rewinds it when the next chunk comes.
-STALL = dict(prompts=[[(7 * i + 3 * j) % 90 for j in range(n)] for i, n in enumerate([21, 16, 5, 119, 16, 5, 6])],
-             counts=[9, 8, 5, 9, 5, 5, 9], arrivals=[0, 0, 1, 3, 3, 3, 3])
-STALL_ENGINE = dict(blocks=23, block=8, max_len=136, max_tokens=64)
 
 
 class _LoseAToken:
@@ -154,12 +91,12 @@ def dynamic_rank(rank, world):
     from megatron_tree.integrations.megatron import patches
     from megatron_tree.integrations.megatron.cpu import megatron_on_cpu
 
-    tok = _IdTokenizer()
+    tok = IdTokenizer()
     res = {"patched_before": patches.check_runtime(), "fingerprint_before": mt.megatron_attention_fingerprint()}
 
     def megatron_engine(model, blocks=NUM_BLOCKS, block=LOGICAL_BLOCK, max_len=MAX_LEN, max_requests=8,
                         max_tokens=MAX_TOKENS):
-        return md.build_dynamic_engine(model, tok, max_sequence_length=max_len, buffer_size_gb=_gb(blocks, block),
+        return md.build_dynamic_engine(model, tok, max_sequence_length=max_len, buffer_size_gb=gb(blocks, block),
                                        block_size_tokens=block, max_tokens=max_tokens, max_requests=max_requests)
 
     with megatron_on_cpu():
@@ -167,23 +104,23 @@ def dynamic_rank(rank, world):
         # other ranks go on to the next collective group creation and wait there).
         mt.initialize_model_parallel(1)
         if rank == 0:
-            model = _build_model(1, None, tree=False)
+            model = build_dynamic_model(1, None, tree=False)
             eng = megatron_engine(model)
-            res["ref"] = _run(eng)
+            res["ref"] = run_dynamic(eng)
             res["ref_core"] = type(model.decoder.layers[0].self_attention.core_attention).__name__
             res["ref_buffer"] = (eng.context.memory_buffer.numel() * eng.context.memory_buffer.element_size(),
                                  eng.context.block_allocator.total_count)
-            res["ref_recompute"] = _recompute(model, _prompts(), res["ref"]["tokens"])
+            res["ref_recompute"] = _recompute(model, stall_prompts(), res["ref"]["tokens"])
             for key, blocks in (("ref_small", 9), ("ref_small_free", 40)):
-                res[key] = _run(megatron_engine(model, blocks=blocks, block=8, max_len=64, max_requests=4), **SMALL)
-            res["ref_stall"] = _run(megatron_engine(model, **STALL_ENGINE), **STALL)
-            res["ref_stall_free"] = _run(megatron_engine(model, **dict(STALL_ENGINE, blocks=60)), **STALL)
+                res[key] = run_dynamic(megatron_engine(model, blocks=blocks, block=8, max_len=64, max_requests=4), **SMALL)
+            res["ref_stall"] = run_dynamic(megatron_engine(model, **STALL_ENGINE), **STALL)
+            res["ref_stall_free"] = run_dynamic(megatron_engine(model, **dict(STALL_ENGINE, blocks=60)), **STALL)
         parallel_state.destroy_model_parallel()
 
         for name, cp, hier, strategy in (("cp2", 2, None, "packed"), ("cp4", 4, None, "packed"),
                                          ("cp2x2", 4, [2, 2], "two_level")):
             mt.initialize_model_parallel(cp, hier)
-            model = _build_model(cp, hier, tree=True, strategy=strategy)
+            model = build_dynamic_model(cp, hier, tree=True, strategy=strategy)
             stats = CommStats()
             for layer in model.decoder.layers:
                 layer.self_attention.core_attention.comm_stats = stats
@@ -191,12 +128,12 @@ def dynamic_rank(rank, world):
             def tree_engine(blocks=NUM_BLOCKS, block=LOGICAL_BLOCK, max_len=MAX_LEN, max_requests=8, cp=cp,
                             max_tokens=MAX_TOKENS):
                 return md.build_dynamic_engine(model, tok, max_sequence_length=max_len,
-                                               buffer_size_gb=_gb(blocks, block) / cp, block_size_tokens=block // cp,
+                                               buffer_size_gb=gb(blocks, block) / cp, block_size_tokens=block // cp,
                                                max_tokens=max_tokens, max_requests=max_requests)
 
             eng = tree_engine()
             # A fifth request longer than the context window arrives with the third.
-            res[name] = _run(eng, _prompts() + [[7] * (MAX_LEN - 4)], NEW_TOKENS + [8], ARRIVALS + [3])
+            res[name] = run_dynamic(eng, stall_prompts() + [[7] * (MAX_LEN - 4)], NEW_TOKENS + [8], ARRIVALS + [3])
             res[name + "_stats"] = (stats.calls, {k: v.collectives for k, v in stats.levels.items()})
             ctx = eng.context
             res[name + "_memory"] = (ctx.kv_cache.nbytes, ctx.memory_buffer.numel(), ctx.kv_cache.blocks_per_rank,
@@ -204,38 +141,38 @@ def dynamic_rank(rank, world):
             res[name + "_core"] = type(model.decoder.layers[0].self_attention.core_attention).__name__
             res[name + "_levels"] = [lvl.size for lvl in ctx.groups.levels]
             if name in ("cp2", "cp2x2"):
-                res[name + "_stall"] = _run(tree_engine(**STALL_ENGINE), **STALL)
+                res[name + "_stall"] = run_dynamic(tree_engine(**STALL_ENGINE), **STALL)
                 if name == "cp2":
                     broken = tree_engine(**STALL_ENGINE)
-                    res["cp2_broken"] = _run(broken, hook=_LoseAToken(broken.context), **STALL)
+                    res["cp2_broken"] = run_dynamic(broken, hook=_LoseAToken(broken.context), **STALL)
                 # Each CP rank handed its own first prompt (cp2) or its own token budget (cp2x2): every
                 # rank raises the same error before any request is added, and the engine stays usable.
                 me = ctx.groups.rank
                 bad = dict(prompts=[[me, 5, 9], [3, 4]], counts=[4, 4]) if name == "cp2" else \
                     dict(prompts=[[1, 5, 9], [3, 4]], counts=[4, 4 + me])
                 t0 = time.perf_counter()
-                res[name + "_disagree"] = (_error(_run, eng, arrivals=[0, 0], **bad), time.perf_counter() - t0)
-                res[name + "_after_disagree"] = _run(eng, prompts=[[1, 5, 9], [3, 4]], counts=[4, 4], arrivals=[0, 0])
+                res[name + "_disagree"] = (error_text(run_dynamic, eng, arrivals=[0, 0], **bad), time.perf_counter() - t0)
+                res[name + "_after_disagree"] = run_dynamic(eng, prompts=[[1, 5, 9], [3, 4]], counts=[4, 4], arrivals=[0, 0])
             if name == "cp4":
-                res["cp4_small"] = _run(tree_engine(blocks=9, block=8, max_len=64, max_requests=4), **SMALL)
-                res["bad_pool"] = _error(tree_engine, blocks=4)
-                res["bad_megatron_context_at_cp4"] = _error(_run, megatron_engine_at(model, tok))
+                res["cp4_small"] = run_dynamic(tree_engine(blocks=9, block=8, max_len=64, max_requests=4), **SMALL)
+                res["bad_pool"] = error_text(tree_engine, blocks=4)
+                res["bad_megatron_context_at_cp4"] = error_text(run_dynamic, megatron_engine_at(model, tok))
             parallel_state.destroy_model_parallel()
 
         res["patched_after"] = patches.check_runtime()
         res["fingerprint_after"] = mt.megatron_attention_fingerprint()
         mt.initialize_model_parallel(1)
         if rank == 0:
-            model = _build_model(1, None, tree=False)
-            res["bad_wrapper"] = _error(wrap_megatron_model_in_tree_wrapper, model)
+            model = build_dynamic_model(1, None, tree=False)
+            res["bad_wrapper"] = error_text(wrap_megatron_model_in_tree_wrapper, model)
             # Megatron's local attention cannot be built at CP > 1 (TE's can): such a model's config.
             model.config.context_parallel_size = 2
-            res["bad_megatron_spec_at_cp2"] = _error(md.build_dynamic_engine, model, tok,
+            res["bad_megatron_spec_at_cp2"] = error_text(md.build_dynamic_engine, model, tok,
                                                      max_sequence_length=MAX_LEN, buffer_size_gb=0.01)
             model.config.context_parallel_size = 1
             # Megatron's own engine with both source patches applied by hand: bit-identical to the first run.
             patches.apply_runtime()
-            res["ref_patched"] = _run(megatron_engine(model))
+            res["ref_patched"] = run_dynamic(megatron_engine(model))
         parallel_state.destroy_model_parallel()
         patches.revert_runtime()
     return res
@@ -253,7 +190,7 @@ def megatron_engine_at(model, tok):
 
     ctx = DynamicInferenceContext(params_dtype=torch.float32, num_layers=2, kv_channels=HIDDEN // HEADS,
                                   num_attention_heads=KV_HEADS, max_sequence_length=MAX_LEN,
-                                  buffer_size_gb=_gb(NUM_BLOCKS, LOGICAL_BLOCK), block_size_tokens=LOGICAL_BLOCK,
+                                  buffer_size_gb=gb(NUM_BLOCKS, LOGICAL_BLOCK), block_size_tokens=LOGICAL_BLOCK,
                                   max_tokens=MAX_TOKENS, max_requests=8)
     cfg = InferenceWrapperConfig(hidden_size=HIDDEN, params_dtype=torch.float32,
                                  inference_batch_times_seqlen_threshold=-1, padded_vocab_size=VOCAB,
@@ -269,7 +206,7 @@ def wrap_megatron_model_in_tree_wrapper(model):
 
     ctx = md.TreeDynamicInferenceContext(
         pg_collection=model.pg_collection, params_dtype=torch.float32, num_layers=2, kv_channels=HIDDEN // HEADS,
-        num_attention_heads=KV_HEADS, max_sequence_length=MAX_LEN, buffer_size_gb=_gb(NUM_BLOCKS, LOGICAL_BLOCK),
+        num_attention_heads=KV_HEADS, max_sequence_length=MAX_LEN, buffer_size_gb=gb(NUM_BLOCKS, LOGICAL_BLOCK),
         block_size_tokens=LOGICAL_BLOCK, max_tokens=MAX_TOKENS, max_requests=8,
     )
     cfg = InferenceWrapperConfig(hidden_size=HIDDEN, params_dtype=torch.float32,

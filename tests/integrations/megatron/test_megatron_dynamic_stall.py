@@ -15,7 +15,7 @@ import time
 import pytest
 
 from tests.helpers.ranks import run_ranks
-from tests.integrations.megatron.test_megatron_dynamic import STALL, STALL_ENGINE, _build_model, _error, _gb, _IdTokenizer, _run
+from tests.helpers.megatron_dynamic import STALL, STALL_ENGINE, build_dynamic_model, error_text, gb, IdTokenizer, run_dynamic
 
 
 def _stall_rank(rank, world):
@@ -25,27 +25,27 @@ def _stall_rank(rank, world):
     from megatron_tree.integrations.megatron import dynamic as md
     from megatron_tree.integrations.megatron.cpu import megatron_on_cpu
 
-    tok, res = _IdTokenizer(), {}
+    tok, res = IdTokenizer(), {}
     e = STALL_ENGINE
 
     def engine(model, cp, blocks=e["blocks"]):
         return md.build_dynamic_engine(model, tok, max_sequence_length=e["max_len"],
-                                       buffer_size_gb=_gb(blocks, e["block"]) / cp, block_size_tokens=e["block"] // cp,
+                                       buffer_size_gb=gb(blocks, e["block"]) / cp, block_size_tokens=e["block"] // cp,
                                        max_tokens=e["max_tokens"], max_requests=8)
 
     with megatron_on_cpu():
         mt.initialize_model_parallel(1)
         if rank == 0:
-            model = _build_model(1, None, tree=False)
-            res["ref"] = _run(engine(model, 1), **STALL)
-            res["free"] = _run(engine(model, 1, blocks=60), **STALL)
+            model = build_dynamic_model(1, None, tree=False)
+            res["ref"] = run_dynamic(engine(model, 1), **STALL)
+            res["free"] = run_dynamic(engine(model, 1, blocks=60), **STALL)
         parallel_state.destroy_model_parallel()
         mt.initialize_model_parallel(2)
-        model = _build_model(2, None, tree=True, strategy="packed")
+        model = build_dynamic_model(2, None, tree=True, strategy="packed")
         eng = engine(model, 2)
-        res["cp2"] = _run(eng, **STALL)
+        res["cp2"] = run_dynamic(eng, **STALL)
         t0 = time.perf_counter()
-        res["disagree"] = (_error(_run, eng, prompts=[[rank, 5, 9], [3, 4]], counts=[4, 4], arrivals=[0, 0]),
+        res["disagree"] = (error_text(run_dynamic, eng, prompts=[[rank, 5, 9], [3, 4]], counts=[4, 4], arrivals=[0, 0]),
                            time.perf_counter() - t0)
         parallel_state.destroy_model_parallel()
     return res
