@@ -32,20 +32,19 @@ import dataclasses
 import os
 
 from megatron_tree.comm.cost import (  # noqa: F401 -- re-exported: the benchmarks' one import for the model
-    AUTO_CANDIDATES, UNSHIFTED_CANDIDATES, ENV_PRESET, MERGE_STRATEGIES, PRESET_DIR, Dims, Link, Preset, allgather_time,
+    UNSHIFTED_CANDIDATES, ENV_PRESET, MERGES, PRESET_DIR, Dims, Link, Preset, allgather_time,
     allreduce_time, choose_strategy, default_preset, kernel_time, load_preset, local_merge_time, merge_cost,
     node_layout, preset_names,
 )
 
 __all__ = [
-    "Link", "Preset", "Dims", "TREE_STRATEGIES", "BASELINES", "ALL_STRATEGIES", "load_preset", "default_preset",
+    "Link", "Preset", "Dims", "MERGES", "BASELINES", "ALL_STRATEGIES", "load_preset", "default_preset",
     "sent_bytes", "predict", "predict_all", "peak_memory_bytes", "choose_strategy", "merge_cost",
     "speedup_table", "paper_reproduction", "compare_with_bench", "PAPER_GPUS", "PAPER_CONTEXT", "PAPER_RATIO",
 ]
 
-TREE_STRATEGIES = MERGE_STRATEGIES
 BASELINES = ("ring", "paper_ring", "passq_ring", "allgather_kv", "single")
-ALL_STRATEGIES = TREE_STRATEGIES + BASELINES
+ALL_STRATEGIES = MERGES + BASELINES
 PAPER_GPUS, PAPER_CONTEXT, PAPER_RATIO = 128, 5_120_000, 8.0
 """The paper's headline: close to 8x faster than Ring Attention at 128 GPUs and 5.12M tokens."""
 COLD_STARTS = (0.0, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0)
@@ -113,7 +112,7 @@ def peak_memory_bytes(strategy: str, dims: Dims, p: int, context: int) -> int:
         return 2 * dims.batch * dims.heads_q * dims.seqlen_q * tokens * 4 + state
 
     base = q + dims.kv_shard(shard)
-    if strategy in MERGE_STRATEGIES and strategy != "allgather":  # the merges that reduce in place
+    if strategy in MERGES and strategy != "allgather":  # the merges that reduce in place
         return base + kernel_ws(shard) + 2 * state
     if strategy == "allgather":
         return base + kernel_ws(shard) + (p + 1) * state
@@ -150,7 +149,7 @@ def predict(strategy: str, preset: Preset, dims: Dims, p: int, context: int,
     first = preset.cold_start if cold else 0.0
     shard = -(-context // p)
     k, nodes = node_layout(preset, p, intra_size)
-    if strategy in TREE_STRATEGIES:
+    if strategy in MERGES:
         return first + kernel_time(preset, dims, shard, p) + merge_cost(strategy, preset, dims, p, k)
     if strategy == "single" or p == 1:
         if strategy not in ALL_STRATEGIES:

@@ -8,6 +8,7 @@ integration packages themselves once touched.
 import json
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -56,3 +57,33 @@ def test_integrations_are_reached_lazily():
         "from megatron_tree.integrations import megatron as direct\n"
         "print(json.dumps([mt.megatron is direct, callable(mt.megatron.get_gpt_layer_tree_spec)]))\n")
     assert out == [True, True]
+
+
+@pytest.mark.parametrize("module, blocked, extra", [
+    ("megatron_tree.integrations.megatron", "megatron", "megatron"),
+    ("megatron_tree.integrations.hf", "transformers", "hf"),
+    ("megatron_tree.integrations.lm_eval", "lm_eval", "lmeval"),
+    ("megatron_tree.integrations.deepspeed:init_distributed", "deepspeed", "deepspeed"),
+])
+def test_a_missing_framework_names_the_extra_that_installs_it(module, blocked, extra):
+    """With the framework absent (its import made to fail), the core still imports and runs, and the
+    integration's import (or first use) is an ImportError naming ``megatron_tree[<extra>]``."""
+    name, _, func = module.partition(":")
+    script = textwrap.dedent(f"""
+        import sys
+        sys.modules[{blocked!r}] = None  # `import {blocked}` now raises ImportError
+        import torch, megatron_tree as mt
+        out, lse = mt.flash_decode(torch.randn(1, 1, 2, 8), torch.randn(1, 5, 1, 8), torch.randn(1, 5, 1, 8))
+        assert out.shape == (1, 1, 2, 8)
+        try:
+            import importlib
+            m = importlib.import_module({name!r})
+            if {func!r}:
+                getattr(m, {func!r})(env={{}})
+        except ImportError as e:
+            print("IMPORTERROR", e)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("IMPORTERROR")), "")
+    assert f"pip install 'megatron_tree[{extra}]'" in line and name.rsplit(".", 1)[-1] in line, proc.stdout

@@ -8,7 +8,7 @@ top of it.
 
 Invariant: every price is one line of arithmetic over one :class:`Preset` (per-level α and
 β, the local kernel's bandwidth and fixed costs), and ``auto`` returns the cheapest of
-:data:`AUTO_CANDIDATES` by exactly these prices, resolved once per (topology, state shape,
+:data:`MERGES` by exactly these prices, resolved once per (topology, state shape,
 dtype, preset) and then served from a cache.
 
 Collectives over ``p`` ranks on ``nodes`` nodes (``k = p / nodes`` per node), ``n`` bytes
@@ -43,7 +43,7 @@ from typing import Literal
 from .strategies import MERGES
 
 __all__ = [
-    "Link", "Preset", "Dims", "PRESET_DIR", "ENV_PRESET", "MERGE_STRATEGIES", "AUTO_CANDIDATES", "UNSHIFTED_CANDIDATES",
+    "Link", "Preset", "Dims", "PRESET_DIR", "ENV_PRESET", "UNSHIFTED_CANDIDATES",
     "SHIFTED_FALLBACK", "load_preset", "preset_names", "default_preset", "node_layout", "allreduce_time",
     "allgather_time", "kernel_time", "local_merge_time", "merge_cost", "policy", "choose_strategy",
     "clear_cache",
@@ -52,11 +52,9 @@ __all__ = [
 PRESET_DIR = Path(__file__).with_name("presets")
 ENV_PRESET = "MEGATRON_TREE_COST_PRESET"
 
-MERGE_STRATEGIES = MERGES
 """Every merge this module prices (docs/design.md §4)."""
-AUTO_CANDIDATES = MERGES
 """What ``auto`` may pick (``shifted`` only for a call that passes a shift: without one it is ``packed``)."""
-UNSHIFTED_CANDIDATES = tuple(c for c in AUTO_CANDIDATES if c != "shifted")
+UNSHIFTED_CANDIDATES = tuple(c for c in MERGES if c != "shifted")
 """What ``auto`` may pick for a call without a shift (a first decode step, a single call)."""
 SHIFTED_FALLBACK = 0.01
 """Expected fraction of ``shifted`` calls whose weights overflow or all underflow and are
@@ -284,8 +282,8 @@ def merge_cost(strategy: str, preset: Preset, dims: Dims, p: int, intra_size: in
     collective per call is its point and NCCL's all-reduce already follows the node
     hierarchy -- plus, with probability ``fallback``, the MAX + SUM redo.
     """
-    if strategy not in MERGE_STRATEGIES:
-        raise ValueError(f"unknown merge strategy {strategy!r}; expected one of {MERGE_STRATEGIES}")
+    if strategy not in MERGES:
+        raise ValueError(f"unknown merge strategy {strategy!r}; expected one of {MERGES}")
     if p <= 1:
         return 0.0
     k, nodes = node_layout(preset, p, intra_size)
@@ -381,7 +379,7 @@ def choose_strategy(groups, out_shape, dtype_bytes: int = 4, shifted: bool = Fal
     """The merge ``auto`` runs for a state of ``out_shape`` on ``groups``.
 
     groups: a ``TreeGroups`` (``.size``, ``.intra_size``, ``.is_hierarchical``);
-    out_shape: (batch, seqlen_q, nheads_q, headdim). Returns one of :data:`AUTO_CANDIDATES`;
+    out_shape: (batch, seqlen_q, nheads_q, headdim). Returns one of :data:`MERGES`;
     ``shifted`` only when ``shifted`` is true (the call has a shift to pass).
     The :func:`policy` runs once per (layout, shape, dtype, preset); every later call, e.g.
     every layer of every decode step, is a dictionary lookup.
@@ -391,7 +389,7 @@ def choose_strategy(groups, out_shape, dtype_bytes: int = 4, shifted: bool = Fal
     key = (name, groups.size, groups.intra_size, bool(groups.is_hierarchical), shape, int(dtype_bytes), bool(shifted))
     choice = _RESOLVED.get(key)
     if choice is None:
-        cands = AUTO_CANDIDATES if shifted else UNSHIFTED_CANDIDATES
+        cands = MERGES if shifted else UNSHIFTED_CANDIDATES
         choice = policy(_cached_preset(name), groups.size, groups.intra_size, bool(groups.is_hierarchical),
                         shape, int(dtype_bytes), cands)
         _RESOLVED[key] = choice

@@ -38,7 +38,7 @@ Each strategy is written once, as a generator of stages (its collectives, with t
 between them); :func:`merge` runs it on synchronous collectives and :func:`merge_overlapped` on
 asynchronous ones for a batch split in parts, so that one part's collectives travel while the
 next part's local attention computes (``tree_decode(..., overlap=True)``; every strategy,
-:data:`SPLIT_STRATEGIES`).
+:data:`STRATEGIES`).
 
 ``shifted``: one SUM suffices when every rank weights its partial by
 ``w_u = exp(lse_u - r)`` for a shift ``r`` that every rank holds bit-identically without
@@ -105,7 +105,7 @@ from ..distributed.topology import TreeGroups
 
 __all__ = ["CommStats", "LevelStats", "STRATEGIES", "merge", "choose_strategy", "CommError",
            "DisagreementError", "MERGE_SIGNATURE", "SHIFT_MIN_DEN", "SHIFT_MAX_DEN", "check_shift",
-           "SPLIT_STRATEGIES", "SPLIT_SIGNATURE", "merge_overlapped", "shift_digest"]
+           "SPLIT_SIGNATURE", "merge_overlapped", "shift_digest"]
 
 Strategy = Literal[STRATEGIES]  # the names are listed once, in strategies.py
 
@@ -430,7 +430,6 @@ def _settle_shifted(result, o, lse, groups: TreeGroups, stats, deferred):
 
 # --------------------------------------------------------------------------- overlapped merge
 
-SPLIT_STRATEGIES = STRATEGIES
 """Strategies :func:`merge_overlapped` runs in stages (every collective asynchronous)."""
 
 SPLIT_SIGNATURE = ("batch", "seqlen_q", "heads_q", "headdim_v", "dtype", "strategy", "backend", "shift", "split")
@@ -485,7 +484,7 @@ def merge_overlapped(
         (rows, nheads_q, seqlen_q) natural log, -inf for an empty shard
     parts: slices that tile ``range(batch)`` in order (e.g. two halves)
     out_shape: (batch, seqlen_q, nheads_q, headdim) of the whole batch
-    strategy: one of :data:`SPLIT_STRATEGIES`; dtype: the caller's input dtype (default float32);
+    strategy: one of :data:`STRATEGIES`; dtype: the caller's input dtype (default float32);
         backend: the kernel backend (both part of what every rank must agree on)
     shift, deferred: as for :func:`merge` (``shifted``): shift (batch, nheads_q, seqlen_q) for the
         whole batch, each part weighted by its rows; when any part's check fails the whole
@@ -511,8 +510,8 @@ def merge_overlapped(
     One merge call in ``stats`` (``calls``), every part's collectives in its levels; one
     agreement check on :data:`SPLIT_SIGNATURE`.
     """
-    if strategy not in SPLIT_STRATEGIES:
-        raise ValueError(f"an overlapped merge supports the strategies {SPLIT_STRATEGIES}, got {strategy!r}")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"an overlapped merge supports the strategies {STRATEGIES}, got {strategy!r}")
     b, sq, hq, d = (int(x) for x in out_shape)
     check_shift(shift, (b, hq, sq))
     rows = [range(b)[p] for p in parts]

@@ -24,8 +24,8 @@ EXTRAS = {
 def require(extra: str, what: str):
     """Import and return the framework module of ``extra``; ``what`` names the part of megatron_tree that needs it.
 
-    Raises ImportError: ``<what> needs <distribution> (pip install 'megatron_tree[<extra>]'); importing
-    <module> failed: <the original error>``.
+    Raises ImportError: ``<what> needs <distribution>: pip install 'megatron_tree[<extra>]' (importing
+    <module> failed: <the original error>)``.
     """
     if extra not in EXTRAS:
         raise ValueError(f"unknown extra {extra!r}; the extras are {sorted(EXTRAS)}")
@@ -33,5 +33,5 @@ def require(extra: str, what: str):
     try:
         return importlib.import_module(module)
     except ImportError as e:
-        raise ImportError(f"{what} needs {dist}, which is not installed here (pip install 'megatron_tree[{extra}]'); "
-                          f"importing {module} failed: {e}") from e
+        raise ImportError(f"{what} needs {dist}: pip install 'megatron_tree[{extra}]' (importing {module} "
+                          f"failed: {e})") from e

@@ -200,8 +200,8 @@ def test_shifted_priced_as_one_sum_and_chosen_only_with_a_shift():
             assert cost.merge_cost("shifted", pr, dims, p, k, fallback=1.0) == pytest.approx(one + packed, rel=1e-12)
             assert cost.merge_cost("shifted", pr, dims, p, k) < packed
     assert cm.sent_bytes("shifted", dims, 8) == {"cp": 2 * 7 * (o + 2 * l + 2 * 8 * 4) // 8}  # + digests
-    assert set(cost.AUTO_CANDIDATES) <= set(comm.STRATEGIES) - {"auto"}
-    assert "shifted" in cost.MERGE_STRATEGIES and "shifted" in cost.AUTO_CANDIDATES
+    assert set(cost.MERGES) <= set(comm.STRATEGIES) - {"auto"}
+    assert "shifted" in cost.MERGES and "shifted" in cost.MERGES
     cost.clear_cache()
     for size, intra in ((8, 8), (16, 8)):  # where one SUM beats the others on this preset
         without = cost.choose_strategy(_groups(size, intra), (1, 1, 32, 128), 4)

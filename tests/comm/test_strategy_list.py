@@ -23,8 +23,7 @@ def test_every_reader_takes_the_one_list():
     assert comm.STRATEGIES is strategies.STRATEGIES
     assert set(strategies.STRATEGIES) == set(strategies.MERGES) | {"auto"}
     assert typing.get_args(StrategyName) == strategies.STRATEGIES
-    assert cost.MERGE_STRATEGIES == cost.AUTO_CANDIDATES == strategies.MERGES
-    assert comm.SPLIT_STRATEGIES == strategies.STRATEGIES
+    assert cost.MERGES is strategies.MERGES and comm.STRATEGIES is strategies.STRATEGIES
     from benchmarks import decode
 
     assert decode.TREE == strategies.STRATEGIES

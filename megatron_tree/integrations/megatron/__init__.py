@@ -16,12 +16,12 @@ from .attention import (MARKER, SLOT_MARKER, TreeDotProductAttention, TreeSelfAt
                         get_gpt_layer_tree_spec, megatron_attention_fingerprint, restore_core_attention,
                         use_tree_attention)
 from .groups import initialize_model_parallel, load_balanced_positions, tree_groups_from_megatron  # noqa: F401
-from .static import StepPlan, TreeGPTInferenceWrapper, TreeInferenceContext  # noqa: F401
+from .static import ForwardPlan, TreeGPTInferenceWrapper, TreeInferenceContext  # noqa: F401
 from .version import SUPPORTED_RANGES, check_megatron_version, megatron_api, megatron_version  # noqa: F401
 
 __all__ = [
     "SUPPORTED_RANGES", "megatron_version", "megatron_api", "check_megatron_version", "tree_groups_from_megatron",
     "initialize_model_parallel", "load_balanced_positions", "MARKER", "SLOT_MARKER", "TreeDotProductAttention",
     "TreeSelfAttention", "use_tree_attention", "restore_core_attention", "get_gpt_layer_tree_spec",
-    "megatron_attention_fingerprint", "TreeInferenceContext", "TreeGPTInferenceWrapper", "StepPlan",
+    "megatron_attention_fingerprint", "TreeInferenceContext", "TreeGPTInferenceWrapper", "ForwardPlan",
 ]

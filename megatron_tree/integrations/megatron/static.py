@@ -38,14 +38,14 @@ from .groups import tree_groups_from_megatron
 from .version import (check_megatron_version, get_only_last_token_logits, init_gpt_wrapper, megatron_api,
                       prep_model_for_inference, set_only_last_token_logits)
 
-__all__ = ["TreeInferenceContext", "TreeGPTInferenceWrapper", "StepPlan", "unsharded_rope_table"]
+__all__ = ["TreeInferenceContext", "TreeGPTInferenceWrapper", "ForwardPlan", "unsharded_rope_table"]
 
 
 # --------------------------------------------------------------------------- inference context
 
 
 @dataclass(frozen=True)
-class StepPlan:
+class ForwardPlan:
     """Which tokens of one forward this CP rank processes and where it stores them.
 
     The forward covers rows ``rows[0]:rows[1]`` of the context's batch and a window of
@@ -135,10 +135,10 @@ class TreeInferenceContext(_static_context_base()):
         self.capacity = -(-max_sequence_length // self.cp_size)
         self.local_positions = torch.full((max_batch_size, self.capacity + 1), -1, dtype=torch.long)  # + a spare
         self.rows: list[RowPlacement] = []
-        self.step: StepPlan | None = None
+        self.step: ForwardPlan | None = None
         self.rope_table: torch.Tensor | None = None
         self._planner = StepPlanner([], self.cp_rank, spare=self.capacity, device="cpu")
-        self._decode: tuple | None = None  # (the planner's plan, the StepPlan made from it)
+        self._decode: tuple | None = None  # (the planner's plan, the ForwardPlan made from it)
         self._new_rows()
 
     def _new_rows(self) -> None:
@@ -233,7 +233,7 @@ class TreeInferenceContext(_static_context_base()):
         if not 0 <= start < end <= self.max_batch_size:
             raise ValueError(f"rows [{start}, {end}) are outside the context's batch of {self.max_batch_size}")
 
-    def plan_prefill(self, start: int, end: int, length: int) -> StepPlan:
+    def plan_prefill(self, start: int, end: int, length: int) -> ForwardPlan:
         """Plan the prefill of rows ``[start, end)``, each an empty row receiving a ``length``-token prompt."""
         self._check_rows(start, end)
         if length > self.max_sequence_length:
@@ -251,12 +251,12 @@ class TreeInferenceContext(_static_context_base()):
         store = torch.where(slots >= 0, slots, torch.full_like(slots, self.capacity))  # padding: the spare slot
         rows = end - start
         self.local_positions[start:end, :n_mine] = mine[:n_mine]
-        plan = StepPlan("prefill", (start, end), mine.clamp(min=0), mine[None].expand(rows, -1),
+        plan = ForwardPlan("prefill", (start, end), mine.clamp(min=0), mine[None].expand(rows, -1),
                         slots[None].expand(rows, -1), store[None].expand(rows, -1), same_positions=True)
         self.step = plan
         return plan
 
-    def plan_decode(self, start: int, end: int, num_tokens: int = 1) -> StepPlan:
+    def plan_decode(self, start: int, end: int, num_tokens: int = 1) -> ForwardPlan:
         """Plan ``num_tokens`` new tokens at the end of every row in ``[start, end)`` (rows may differ in length).
 
         The step planner (``decode.plan``) places them and sends the plan to the device in one
@@ -278,7 +278,7 @@ class TreeInferenceContext(_static_context_base()):
             # the spare column ``capacity`` (never read), so no host read of which tokens are ours.
             index = torch.arange(start, end, device=self.device)[:, None].expand(end - start, num_tokens)
             self.local_positions[index, step.store] = step.positions
-            plan = StepPlan("decode", (start, end), torch.arange(num_tokens, device=self.device), step.positions,
+            plan = ForwardPlan("decode", (start, end), torch.arange(num_tokens, device=self.device), step.positions,
                             step.slots, step.store, k_lengths=step.counts.to(torch.int32),
                             same_positions=step.host.same_positions)
             self._decode = (step, plan)
@@ -291,7 +291,7 @@ class TreeInferenceContext(_static_context_base()):
         rows returns its plan again; the stored keys stay (rewriting them is idempotent)."""
         self._planner.rewind()
 
-    def plan_step(self, start: int, num_tokens: int, batch_size: int | None = None) -> StepPlan:
+    def plan_step(self, start: int, num_tokens: int, batch_size: int | None = None) -> ForwardPlan:
         """Plan the forward of tokens at global positions ``[start, start + num_tokens)`` of every row.
 
         Megatron's controller path: rows ``batch_size_offset .. + batch_size`` (default: the
@@ -318,7 +318,7 @@ class TreeInferenceContext(_static_context_base()):
 
         Asked by :class:`~.attention.TreeDotProductAttention` (from ``TreeSelfAttention``'s KV-cache
         hook). query: [sq, b, hq, d]; key, value: [sq, b, hkv, d] for the tokens of this forward on
-        this rank (see :class:`StepPlan`). Returns Megatron's tuple ``(query, key, value,
+        this rank (see :class:`ForwardPlan`). Returns Megatron's tuple ``(query, key, value,
         rotary_pos_emb, attn_mask_type, block_table)`` with RoPE already applied at global
         positions (so ``rotary_pos_emb`` is ``None``), and key/value either this rank's chunks of the
         prompt (prefill: the core attention passes them round the CP ring, ``decode.prefill.ring_prefill``)
