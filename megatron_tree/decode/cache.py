@@ -28,7 +28,7 @@ from typing import Literal
 import torch
 
 from .placement import LAYOUTS, RowPlacement, prefill_ranges
-from .plan import StepPlanner
+from .plan import StepPlanner, place_prompts
 
 __all__ = ["CacheConfig", "CacheOverflowError", "ShardedKVCache", "prefill_ranges", "LAYOUTS"]
 
@@ -173,13 +173,8 @@ class ShardedKVCache:
                     "create the cache with a larger max_seq_len"
                 )
         self.reset()
-        plans = [row.place_prompt(n, chunk) for row, n in zip(self._rows, lengths)]
-        width = max(sum(e - s for s, e in ranges) for plan in plans for ranges in plan)
-        local = torch.full((self.batch_size, width), -1, dtype=torch.int64)
-        for b, plan in enumerate(plans):
-            mine = torch.cat([torch.arange(s, e, dtype=torch.int64) for s, e in plan[self.cp_rank]])
-            local[b, : mine.numel()] = mine
-        local = local.to(self.positions.device)
+        local = place_prompts(self._rows, lengths, self.cp_rank, chunk).to(self.positions.device)
+        width = local.shape[1]
         n_local = min(width, self.capacity)
         self.positions[:, :n_local] = local[:, :n_local]
         self.seqlens.copy_(torch.tensor([row.counts[self.cp_rank] for row in self._rows], dtype=torch.int32))

@@ -35,7 +35,7 @@ import torch
 
 from .placement import RowPlacement
 
-__all__ = ["StepPlan", "HostPlan", "place", "to_device", "StepPlanner"]
+__all__ = ["StepPlan", "HostPlan", "place", "place_prompts", "to_device", "StepPlanner"]
 
 
 @dataclass(frozen=True)
@@ -83,6 +83,27 @@ def place(rows: Sequence[RowPlacement], n: int | Sequence[int], rank: int | Sequ
         slots.append([s if o == r else -1 for s, o in zip(at, who)])
         counts.append(row.counts[r])
     return HostPlan(positions, owners, owner_slots, slots, counts)
+
+
+def place_prompts(rows: Sequence[RowPlacement], lengths: Sequence[int], rank: int,
+                  chunk: int | None = None) -> torch.Tensor:
+    """Place each row's prompt by the placement rule and return the positions this rank keeps.
+
+    rows: the rows' bookkeeping, each empty (``RowPlacement.place_prompt`` records the prompt in it);
+    lengths: prompt tokens per row; chunk: the most prompt tokens per forward (chunked prefill).
+    returns (len(rows), width) int64 on the CPU: row b's global positions this rank keeps, in storage
+    order, padded with -1. ``width`` is the largest share of any rank and row, so it is the same on
+    every CP rank (the width of the prefill forward every rank runs). Every sharded cache's prefill
+    goes through here: the contiguous cache (and transformers' ``TreeCache``) and Megatron's static
+    context.
+    """
+    plans = [row.place_prompt(n, chunk) for row, n in zip(rows, lengths)]
+    width = max(sum(e - s for s, e in ranges) for plan in plans for ranges in plan)
+    local = torch.full((len(plans), width), -1, dtype=torch.int64)
+    for b, plan in enumerate(plans):
+        mine = [t for s, e in plan[rank] for t in range(s, e)]
+        local[b, :len(mine)] = torch.tensor(mine, dtype=torch.int64)
+    return local
 
 
 def to_device(host: Sequence, device, *, out: torch.Tensor | None = None) -> tuple[list[torch.Tensor], torch.Tensor]:

@@ -276,7 +276,7 @@ def test_auto_merges_resolve_once_and_never_import_bench(monkeypatch):
     was ever imported (comm imports megatron_tree.comm.cost, never bench/). The ranks are fresh
     spawned interpreters whose rank function lives outside this (bench-importing) module."""
     from tests.helpers.ranks import run_ranks
-    from scripts import auto_policy_once
+    from tests.scripts import auto_policy_once
 
     monkeypatch.delenv(cost.ENV_PRESET, raising=False)
     per_rank = run_ranks(auto_policy_once.rank_fn, 2, timeout=200)
@@ -321,7 +321,7 @@ def test_published_sweep_within_30_percent_as_documented():
     """docs/benchmarks.md's ±30% claim, recomputed from the recorded sweep (no re-measuring):
     the calibrated cpu_gloo preset against benchmarks/results/bench_results.json, with each configuration's
     probed lanes. A change to the model or the preset that loses agreement fails here."""
-    rows = json.loads((ROOT / "docs" / "bench_results.json").read_text())["rows"]
+    rows = json.loads((ROOT / "benchmarks" / "results" / "bench_results.json").read_text())["rows"]
     preset = cost.load_preset("cpu_gloo")
     out = cm.compare_with_bench(rows, preset)
     assert len(out) == sum("skipped" not in r for r in rows) == 262

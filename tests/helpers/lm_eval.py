@@ -6,7 +6,7 @@ import math
 import os
 
 
-HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/
 
 
 TASK_DIR = os.path.join(HERE, "lm_eval_tasks")

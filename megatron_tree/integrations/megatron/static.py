@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ...decode.placement import RowPlacement
-from ...decode.plan import StepPlanner
+from ...decode.plan import StepPlanner, place_prompts
 from ...decode.prefill import assemble_logits
 from ...distributed.topology import TreeGroups
 from .attention import CorePlan, check_tree_slots
@@ -241,12 +241,10 @@ class TreeInferenceContext(_static_context_base()):
         for b in range(start, end):
             if self.rows[b].total:
                 raise RuntimeError(f"row {b} already holds {self.rows[b].total} tokens; prefill needs an empty row")
-        ranges = [self.rows[b].place_prompt(length) for b in range(start, end)][0]
-        per_rank = [[t for s, e in rr for t in range(s, e)] for rr in ranges]
-        width = max(len(p) for p in per_rank)
-        padded = torch.tensor([p + [-1] * (width - len(p)) for p in per_rank], dtype=torch.long)  # [cp, width]
-        mine = padded[self.cp_rank]
-        n_mine = len(per_rank[self.cp_rank])
+        # Every row gets the same prompt length, so every row's positions on this rank are the same.
+        mine = place_prompts(self.rows[start:end], [length] * (end - start), self.cp_rank)[0]
+        width = mine.shape[0]
+        n_mine = int((mine >= 0).sum())
         slots = torch.where(mine >= 0, torch.arange(width), torch.full_like(mine, -1))
         store = torch.where(slots >= 0, slots, torch.full_like(slots, self.capacity))  # padding: the spare slot
         rows = end - start
