@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..distributed import agreement, collectives
-from ..ops import fused_prefill, dispatch as ops, reference
+from ..ops import dispatch as ops, reference
 from ..comm.merge import CommStats
 from ..distributed.topology import TreeGroups
 
@@ -143,7 +143,7 @@ def _agree_and_length(q, k, v, q_pos, k_pos, method: str, backend, groups: TreeG
         b, _, hq, d = q.shape
         sink = None if sinks is None else tuple(sinks.double().tolist())
         return (b, hq, k.shape[2], d, v.shape[-1], q.dtype, method, name, window, softcap, sink,
-                _kernel(q, v, kernel, window, softcap))
+                ops.prefill_kernel(q, v, kernel, window=window, softcap=softcap))
 
     length = k.shape[1] if isinstance(k, torch.Tensor) and k.dim() == 4 else 0
     rows = agreement.agree("CP prefill", PREFILL_SIGNATURE, signature, groups.cp_group, groups.cp_ranks,
@@ -151,38 +151,16 @@ def _agree_and_length(q, k, v, q_pos, k_pos, method: str, backend, groups: TreeG
     return max(row[0] for row in rows)
 
 
-def _kernel(q, v, kernel, window=None, softcap=None):
-    """The local kernel a prefill of q runs: the one asked for, else the fused kernel for its device and
-    dtype; ``decode`` (the exact path) for what the fused kernels do not take: a sliding window,
-    soft-capping, or V with another head dim than K (MLA)."""
-    if kernel is not None:
-        if kernel not in fused_prefill.KERNELS:
-            raise ValueError(f"unknown prefill kernel {kernel!r}; expected one of {fused_prefill.KERNELS}")
-        return kernel
-    if window is not None or softcap is not None or v.shape[-1] != q.shape[-1]:
-        return "decode"
-    return fused_prefill.select_kernel(q.device, q.dtype, q.shape[-1])
-
-
 def _local(q, k, v, q_pos, k_pos, softmax_scale, backend, window=None, softcap=None, kernel=None, work=None):
     """Partial state of q over one KV block: out (B, Sq, Hq, Dv) float32 (float64 for float64
     input) and lse (B, Hq, Sq) float64, so that partials accumulate in full precision (a ring
-    merges them again: ``reference``'s docstring). On the fused prefill kernels
-    (``ops.prefill_attention``); ``window``/``softcap``/MLA's V head dim on the exact decode path
-    (``ops.flash_decode`` with positions; a block with no key inside a query's window is an empty
+    merges them again: ``reference``'s docstring). The kernel is ``ops``' one choice
+    (``ops.prefill_kernel``: the fused prefill kernels, or the exact decode path for a window,
+    soft-capping or MLA's V head dim; a block with no key inside a query's window is an empty
     partial for it)."""
-    name = _kernel(q, v, kernel, window, softcap)
-    if name != "decode" or (window is None and softcap is None and v.shape[-1] == q.shape[-1]):
-        calls = None if work is None else work.kernels
-        return ops.prefill_attention(q, k, v, q_positions=q_pos, k_positions=k_pos, softmax_scale=softmax_scale,
-                                     kernel=name, backend=backend, calls=calls)
-    if work is not None:
-        work.kernels["decode"] = work.kernels.get("decode", 0) + 1
-    acc = reference.acc_dtype(q.dtype)
-    return ops.flash_decode(
-        q, k, v, softmax_scale=softmax_scale, q_positions=q_pos, k_positions=k_pos, backend=backend,
-        out_dtype=acc, lse_dtype=torch.float64, window=window, softcap=softcap,
-    )
+    return ops.prefill_attention(q, k, v, q_positions=q_pos, k_positions=k_pos, softmax_scale=softmax_scale,
+                                 kernel=kernel, backend=backend, window=window, softcap=softcap,
+                                 calls=None if work is None else work.kernels)
 
 
 def _alone(q, k, v, q_pos, k_pos, softmax_scale, backend, window, softcap, sinks, kernel, work):
@@ -240,7 +218,7 @@ def ring_prefill(
         softcap: score soft-capping; both as for ``ops.flash_decode``, the same on every rank
     sinks: (nheads_q,) one logit per query head joining the softmax once, after every block's
         merge (``reference.add_sink``); the same on every rank
-    kernel: the local kernel (``fused_prefill.KERNELS``; default ``fused_prefill.select_kernel``:
+    kernel: the local kernel (``fused_prefill.KERNELS``; default ``ops.prefill_kernel``:
         torch's fused CPU flash attention on CPU, flash / memory-efficient attention on CUDA; the
         exact decode path for window, softcap or MLA); backend: the decode backend of the exact path
     work: a :class:`PrefillWork` this call's counts are added to, or None

@@ -25,7 +25,8 @@ import torch
 
 from . import fused_prefill, reference, torch_decode
 
-__all__ = ["flash_decode", "merge_states", "prefill_attention", "resolve_backend", "BACKENDS", "ENV_BACKEND"]
+__all__ = ["flash_decode", "merge_states", "prefill_attention", "prefill_kernel", "resolve_backend", "BACKENDS",
+           "ENV_BACKEND"]
 
 Backend = Literal["torch", "triton"]
 BACKENDS = ("torch", "triton")
@@ -224,6 +225,20 @@ def merge_states(outs: torch.Tensor, lses: torch.Tensor, *, backend: str | None 
     return _merge_states_op(outs, lses, name)
 
 
+def prefill_kernel(q: torch.Tensor, v: torch.Tensor, kernel: str | None = None, *, window: int | None = None,
+                   softcap: float | None = None) -> str:
+    """The local kernel a prefill of ``q`` over values ``v`` runs: ``kernel`` when given (checked against
+    ``fused_prefill.KERNELS``), else ``fused_prefill.select_kernel``'s choice for the device, dtype, head
+    dims and variants. The decode tier asks this before a CP prefill (every rank's choice joins the
+    cross-rank agreement) and :func:`prefill_attention` runs what it returns."""
+    if kernel is not None:
+        if kernel not in fused_prefill.KERNELS:
+            raise ValueError(f"unknown prefill kernel {kernel!r}; expected one of {fused_prefill.KERNELS}")
+        return kernel
+    return fused_prefill.select_kernel(q.device, q.dtype, q.shape[-1], head_dim_v=v.shape[-1], window=window,
+                                       softcap=softcap)
+
+
 def prefill_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -234,6 +249,8 @@ def prefill_attention(
     softmax_scale: float | None = None,
     kernel: str | None = None,
     backend: str | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
     calls: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Local causal attention of a prefill query chunk over one KV block, on fused kernels that return the lse.
@@ -243,9 +260,10 @@ def prefill_attention(
     q_positions: (batch, seqlen_q), k_positions: (batch, seqlen_k) or (seqlen_k,), integer global
         positions: key j is visible to query i iff k_pos[j] <= q_pos[i]; a negative position is
         padding (a padded key is never visible, a padded query gets out 0 / lse -inf)
-    kernel: force one of ``fused_prefill.KERNELS`` (default: ``fused_prefill.select_kernel`` for the
-        device, dtype and head dim); backend: the decode backend (``torch``/``triton``) of the exact
-        fallback (``flash_decode`` with positions); calls: a dict counting the kernel launches by name
+    kernel: force one of ``fused_prefill.KERNELS`` (default: :func:`prefill_kernel`); backend: the decode
+        backend (``torch``/``triton``) of the exact path (``flash_decode`` with positions); window,
+        softcap: as for :func:`flash_decode` (they, and a V head dim other than K's, run the exact path);
+        calls: a dict counting the kernel launches by name
     returns out: (batch, seqlen_q, nheads_q, headdim) float32 (float64 for float64 input): a partial
             that will be merged again stays unrounded (bf16 is rounded once, after the last merge);
             lse: (batch, nheads_q, seqlen_q) float64, natural log, -inf where no key is visible:
@@ -260,9 +278,15 @@ def prefill_attention(
                         f"{type(q_positions).__name__} and {type(k_positions).__name__}")
     if q_positions.dtype == torch.bool or k_positions.dtype == torch.bool:
         raise TypeError("q_positions and k_positions must be integer positions, not bool masks")
+    kernel = prefill_kernel(q, v, kernel, window=window, softcap=softcap)
+    if window is not None or softcap is not None or v.shape[-1] != q.shape[-1]:
+        # what the fused kernels cannot take: the exact decode path with positions, one launch
+        if calls is not None:
+            calls["decode"] = calls.get("decode", 0) + 1
+        return flash_decode(q, k, v, softmax_scale=softmax_scale, q_positions=q_positions, k_positions=k_positions,
+                            backend=backend, out_dtype=reference.acc_dtype(q.dtype), lse_dtype=torch.float64,
+                            window=window, softcap=softcap)
     reference.check_decode_inputs(q, k, v, None, q_positions, k_positions, by_value=False)
-    if kernel is not None and kernel not in fused_prefill.KERNELS:
-        raise ValueError(f"unknown prefill kernel {kernel!r}; expected one of {fused_prefill.KERNELS}")
     return fused_prefill.prefill_attention(q, k, v, q_positions=q_positions, k_positions=k_positions,
                                            softmax_scale=softmax_scale, kernel=kernel, backend=backend,
                                            exact_attention=flash_decode, calls=calls)

@@ -77,9 +77,15 @@ _NEG_INF = float("-inf")
 
 
 def select_kernel(device: torch.device | str, dtype: torch.dtype, head_dim: int, *,
+                  head_dim_v: int | None = None, window: int | None = None, softcap: float | None = None,
                   flash_attn_importable: bool | None = None) -> str:
-    """The fused kernel a local prefill step runs for (device, dtype, head dim); one of :data:`KERNELS`.
+    """The kernel a local prefill step runs for (device, dtype, head dims, variants); one of :data:`KERNELS`.
 
+    This is the one prefill kernel choice of the package (``ops.prefill_kernel`` adds a caller's
+    forced choice; the CP prefill of the decode tier asks it, never decides itself):
+
+    * a sliding window, soft-capping, or V with another head dim than K (MLA): ``decode``, the
+      exact decode path with positions (the fused kernels take none of them);
     * CPU, any floating dtype: ``cpu_flash`` (``aten._scaled_dot_product_flash_attention_for_cpu``;
       GQA natively, lse float32, float64 for float64 input);
     * CUDA fp16/bf16, head dim a multiple of 8 up to 256: ``flash_attn`` when the package imports,
@@ -89,6 +95,8 @@ def select_kernel(device: torch.device | str, dtype: torch.dtype, head_dim: int,
       KV head into its batch axis over stride-0 KV: no copy);
     * anything else (float64 on CUDA, head dim > 256): ``decode``.
     """
+    if window is not None or softcap is not None or (head_dim_v is not None and head_dim_v != head_dim):
+        return "decode"
     kind = torch.device(device).type
     if kind == "cpu":
         return "cpu_flash"

@@ -314,6 +314,12 @@ def test_cuda_dispatch_of_a_prefill_step_without_a_gpu(monkeypatch):
 
     assert fused_prefill.select_kernel("cuda", torch.bfloat16, 64, flash_attn_importable=False) == "cuda_flash"
     assert fused_prefill.select_kernel("cuda", torch.float32, 64) == "cuda_efficient"
+    # the one choice also routes what no fused kernel takes to the exact path, on every device
+    for device in ("cpu", "cuda"):
+        assert fused_prefill.select_kernel(device, torch.bfloat16, 64, window=8) == "decode"
+        assert fused_prefill.select_kernel(device, torch.bfloat16, 64, softcap=30.0) == "decode"
+        assert fused_prefill.select_kernel(device, torch.bfloat16, 192, head_dim_v=128) == "decode"  # MLA
+        assert fused_prefill.select_kernel(device, torch.bfloat16, 64, head_dim_v=64) != "decode"
     g = torch.Generator().manual_seed(2)
     n = 48
     q, k, v = (torch.randn(1, n, h, 16, generator=g) for h in (4, 2, 2))
