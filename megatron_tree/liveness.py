@@ -28,6 +28,7 @@ the operating system, imports nothing from the package, and ``collectives``, ``a
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import socket
@@ -73,6 +74,7 @@ def _stat_fields(pid: int) -> list | None:
     return text[text.rindex(")") + 2:].split()
 
 
+@functools.lru_cache(maxsize=1)
 def _machine() -> str | None:
     """This machine and pid namespace (pids are comparable only inside one), or None off Linux."""
     boot = _read("/proc/sys/kernel/random/boot_id")

@@ -214,6 +214,7 @@ def test_sharded_checkpoint_with_an_index_naming_a_missing_file(tmp_path):
     msg = _error(path)
     assert f"model.safetensors.index.json names {files[-1]}, which is not in {path}" in msg, msg
     assert f"it should hold {len(held)} tensors: {held[0]}" in msg, msg
+    assert "problems with" not in msg, msg  # its tensors are not also listed as missing weights
 
 
 def test_the_check_reads_no_tensor(good, monkeypatch):

@@ -376,8 +376,9 @@ def check_checkpoint(path) -> CheckedCheckpoint:
         raw, cfg, cls = _config(path)
     except CheckpointError as e:
         problems.append(str(e))
+    before = len(problems)
     files, weight_map = _weight_files(path, problems)
-    tensors, readable = {}, True
+    tensors, readable = {}, len(problems) == before  # a weight file missing: its tensors are unknown
     for full in files:
         found, bad = read_header(full)
         problems += bad
