@@ -147,6 +147,11 @@ class TreeGroups:
 
         Collectives: one all-gather of this rank's facts (arguments, host name) over the
         default group, then ``new_group`` for every CP group and level.
+
+        A peer that is gone is a ``CommError`` naming it: each rank first writes its liveness
+        record (rank, host, pid) to the default store (:mod:`megatron_tree.liveness`), and the
+        waits here probe the others' -- a rank that exited is named at once, one that never
+        wrote its record once the exchange fails.
         """
         _require_initialised("TreeGroups.build")
         facts = _exchange_facts(ranks, intra_size, node_of, timeout)

@@ -144,11 +144,9 @@ def check_transformers_checkpoint(path: str) -> int:
     from ..integrations import hf
 
     try:
-        checked = hf.check_checkpoint(path)
+        checked = hf.check_checkpoint(path, check_model=hf.check_model)  # the architecture before the tensors
     except hf.CheckpointError as e:
         raise ConfigError(f"model.path: {e}") from None
-    try:
-        hf.check_model(checked.meta_model)
     except hf.UnsupportedModelError as e:
         raise ConfigError(f"model.path: unsupported architecture: {os.path.join(path, 'config.json')}: {e}") from None
     return checked.max_position_embeddings

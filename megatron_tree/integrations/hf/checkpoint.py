@@ -330,6 +330,12 @@ def _compare(model, cls_name: str, tensors: dict, file: str, path: str) -> list:
                and not (n in tied and tied[n] in present) and not (miss_re and miss_re.search(n))]
     unexpected = [u for u in unexpected if not (unexp_re and unexp_re.search(u[0]))]
     problems = []
+    if tensors and not present:  # another model's weights altogether: one line says so, not two long lists
+        names = sorted(tensors)
+        return [f"none of the checkpoint's {len(tensors)} tensors is a weight of {cls_name} as {file} describes it "
+                f"(the checkpoint holds {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}; the model's "
+                f"weights are named like {next(iter(expected))}); transformers would build it with every weight "
+                "re-initialised"]
     if wrong:
         problems.append(f"the tensors disagree with {file} ({len(wrong)} of other shapes): {_listed(wrong)}. The "
                         "weights and config.json are from different models")
@@ -355,11 +361,13 @@ def _raise(path: str, problems: list):
     raise CheckpointError(f"{len(problems)} problems with the checkpoint {path!r}: {listed}{more}", problems, path)
 
 
-def check_checkpoint(path) -> CheckedCheckpoint:
+def check_checkpoint(path, *, check_model=None) -> CheckedCheckpoint:
     """Check the transformers checkpoint directory ``path`` (module docstring); no tensor is read.
 
     Returns a :class:`CheckedCheckpoint`; raises :class:`CheckpointError` listing every problem.
     Runs on this rank alone, without any collective (see :func:`check_checkpoint_alike`).
+    check_model: called with the meta-device model before its tensors are compared; what it raises
+    (e.g. ``UnsupportedModelError``: an architecture tree attention cannot run) is raised as it is.
     """
     try:
         path = os.fspath(path)
@@ -400,6 +408,8 @@ def check_checkpoint(path) -> CheckedCheckpoint:
             model = _meta_model(cls, cfg, file)
         except CheckpointError as e:
             problems.append(str(e))
+        if model is not None and check_model is not None:
+            check_model(model)
         if model is not None and files and readable:  # a file's tensors unknown: comparing would list noise
             problems += _compare(model, cls.__name__, tensors, file, path)
     if problems:
