@@ -39,7 +39,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from . import collectives
+from . import collectives, liveness
 from .collectives import CommError, CommStats, DisagreementError
 from .collectives import _seconds as _seconds_text
 
@@ -347,21 +347,27 @@ class Agreement:
             if k >= 2:
                 store.delete_key(f"{self._prefix}/{k - 2}/{me}")
             try:
-                _wait_for(store, keys, wait)
+                _wait_for(store, keys, wait, self.ranks)
                 blobs = [store.get(key) for key in keys]
-            except _NoAnswer:
+            except _NoAnswer as e:
                 if not partial:
+                    if isinstance(e, _Gone):  # a peer's process is gone: name it now, not after the wait
+                        raise collectives.peer_gone(
+                            f"{site}: rank {me} compared its arguments with the other {len(self.ranks) - 1} rank(s)",
+                            e.gone) from None
                     raise
                 blobs = [store.get(key) if store.check([key]) else None for key in keys]
         except RuntimeError as e:  # DistStoreError: "Wait timeout", or the store's server is gone
+            if isinstance(e, CommError):  # a peer named gone (liveness)
+                raise
             mine = ", ".join(f"{n}={_plain(v)!r}" for n, v in zip(names, values))
             before = ("this is its first call there" if last is None else
                       "previous call: " + ", ".join(f"{n}={_plain(v)!r}" for n, v in zip(names, last)))
             raise CommError(
                 f"{site}: rank {me} called it with {mine} ({before}); comparing arguments with the other "
-                f"{len(self.ranks) - 1} rank(s) got no answer within {_seconds_text(wait)}: they most likely are "
-                "still in the call's collectives with other (e.g. the previous) arguments, or died. "
-                f"Store error: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}"
+                f"{len(self.ranks) - 1} rank(s) got no answer within {_seconds_text(wait)}{_silent(store, keys, self.ranks)}: "
+                "they most likely are still in the call's collectives with other (e.g. the previous) arguments, or "
+                f"died. Store error: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}"
             ) from e
         table, status_of = {}, {}
         for rank, blob in zip(self.ranks, blobs):
@@ -393,16 +399,45 @@ EXPLAIN_WAIT = 0.4
 timed out beside it answer within their skew; a dead or stuck rank never does."""
 
 
+def _silent(store, keys: list[str], ranks: Sequence[int]) -> str:
+    """`` from rank 2 (host h, pid 7)``: the ranks whose record is not in the store, or ``""``."""
+    try:
+        missing = [r for r, key in zip(ranks, keys) if not store.check([key])]
+    except Exception:  # noqa: BLE001 -- the store itself failed
+        return ""
+    return f" from {liveness.who(missing)}" if missing else ""
+
+
 class _NoAnswer(RuntimeError):
     """Some records were not in the store within the wait."""
 
 
-def _wait_for(store, keys: list[str], wait: datetime.timedelta) -> None:
-    """Return once every key of ``keys`` is in ``store``; :class:`_NoAnswer` after ``wait``."""
-    deadline = time.monotonic() + wait.total_seconds()
-    pause = 0.005
+class _Gone(_NoAnswer):
+    """A rank whose record is missing has exited (``gone``: :func:`liveness.exited`)."""
+
+    def __init__(self, gone: dict):
+        super().__init__(liveness.describe(gone))
+        self.gone = gone
+
+
+def _wait_for(store, keys: list[str], wait: datetime.timedelta, ranks: Sequence[int] = ()) -> None:
+    """Return once every key of ``keys`` is in ``store``; :class:`_NoAnswer` after ``wait``.
+
+    ranks: the rank of each key; every :data:`liveness.POLL_S` the ranks whose record is missing are
+    probed, and one whose process has exited ends the wait at once (:class:`_Gone`).
+    """
+    start = time.monotonic()
+    deadline = start + wait.total_seconds()
+    pause, probed = 0.005, start
     while not store.check(keys):
-        if time.monotonic() >= deadline:
+        now = time.monotonic()
+        if ranks and now - probed >= liveness.POLL_S:
+            probed = now
+            missing = [r for r, key in zip(ranks, keys) if not store.check([key])]
+            dead = liveness.exited(missing)
+            if dead:
+                raise _Gone(dead)
+        if now >= deadline:
             raise _NoAnswer(f"Wait timeout after {_seconds_text(wait)} for {len(keys)} record(s)")
         time.sleep(pause)
         pause = min(2 * pause, 0.05)
@@ -457,4 +492,5 @@ def agreement_for(group, ranks: Sequence[int], timeout) -> Agreement:
             name = dist.distributed_c10d._get_process_group_name(group)
         ag = Agreement(ranks, collectives.as_timedelta(timeout) or collectives.group_timeout(group), str(name))
         _AGREEMENTS[group] = ag
+        liveness.register()  # (idempotent) so that a peer gone while the others wait is named
     return ag

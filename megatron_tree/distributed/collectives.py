@@ -34,17 +34,20 @@ root (0 elsewhere). Object exchanges are bookkeeping and are not recorded.
 from __future__ import annotations
 
 import datetime
+import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
+from . import liveness
+
 __all__ = [
     "CommError", "DisagreementError", "CommStats", "LevelStats", "DEFAULT_TIMEOUT", "group_timeout",
     "as_timedelta", "new_group", "all_reduce", "all_gather", "broadcast", "p2p", "Pending",
     "all_reduce_async", "all_gather_async",
-    "exchange_objects",
+    "exchange_objects", "peer_gone",
 ]
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
@@ -201,10 +204,15 @@ def _failure(what: str, op: str, level: str, group, err: BaseException) -> CommE
         size, timeout = "?", "?"
     text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     low = str(err).lower()
-    if "timed out" in low or "timeout" in low:
+    closed = any(s in low for s in ("closed", "reset by peer", "broken pipe", "crash"))
+    dead = _exited_in(group, settle=1.0 if closed else 0.0)
+    if dead:  # the liveness records say who: name the rank, whatever the backend's words
+        kind, cause = "closed", liveness.describe(dead)
+        liveness.note_failure(dead)
+    elif "timed out" in low or "timeout" in low:
         kind, cause = "timeout", (f"no answer within the group's timeout of {timeout}: a peer is stuck, died, or "
                                   "is waiting in a different collective (ranks that disagree on what to call)")
-    elif any(s in low for s in ("closed", "reset by peer", "broken pipe", "crash")):
+    elif closed:
         # a peer that gave up on its own timeout closes its connections too: under load the
         # slowest ranks see "closed" from the first rank to time out rather than their own timeout
         kind, cause = "closed", (f"a peer's connection closed: it most likely died, or gave up first on its own "
@@ -216,6 +224,40 @@ def _failure(what: str, op: str, level: str, group, err: BaseException) -> CommE
         f"timed out -- {cause}. Backend error: {text}"
     )
     error.cause = kind
+    return error
+
+
+def _exited_in(group, settle: float = 0.0) -> dict:
+    """The ranks of ``group`` whose process has certainly exited (:func:`liveness.exited`), or {}.
+
+    settle: seconds to keep probing when none is found yet (a peer's connection closes while its
+    process is still tearing down, a few milliseconds before the system shows it gone).
+    """
+    try:
+        ranks = list(dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size()))
+        deadline = time.monotonic() + settle
+        while True:
+            dead = liveness.exited(ranks)
+            if dead or time.monotonic() >= deadline:
+                return dead
+            time.sleep(liveness.POLL_S)
+    except Exception:  # noqa: BLE001 -- a group torn down under us: the backend's words alone
+        return {}
+
+
+def peer_gone(what: str, found: dict, err: BaseException | None = None) -> CommError:
+    """The CommError for peers known to be gone (``found``: :func:`liveness.gone`), naming each rank.
+
+    Leaves a notice in the store (:func:`liveness.note_failure`), so a rank that probes later names
+    the peer that went first, not this rank once it has exited on this error."""
+    liveness.note_failure(found)
+    text = ""
+    if err is not None:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        text = f" Error seen: {first}"
+    error = CommError(f"{what}: {liveness.describe(found)}; the others cannot go on without it (restart, or build "
+                      f"new groups without it).{text}")
+    error.cause = "closed"
     return error
 
 

@@ -26,6 +26,7 @@ is 30 minutes for gloo, 10 for NCCL), never ``None``.
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import socket
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ from typing import Sequence
 
 import torch.distributed as dist
 
-from . import collectives
+from . import collectives, liveness
 from .agreement import Agreement, agreement_for
 
 __all__ = ["Level", "TreeGroups", "TopologyError", "launcher_local_size", "LAUNCHER_VARIABLES"]
@@ -146,6 +147,11 @@ class TreeGroups:
 
         Collectives: one all-gather of this rank's facts (arguments, host name) over the
         default group, then ``new_group`` for every CP group and level.
+
+        A peer that is gone is a ``CommError`` naming it: each rank first writes its liveness
+        record (rank, host, pid) to the default store (:mod:`megatron_tree.distributed.liveness`), and the
+        waits here probe the others' -- a rank that exited is named at once, one that never
+        wrote its record once the exchange fails.
         """
         _require_initialised("TreeGroups.build")
         facts = _exchange_facts(ranks, intra_size, node_of, timeout)
@@ -165,15 +171,16 @@ class TreeGroups:
         layouts = [(cp_ranks, _intra_size_for(cp_ranks, node_of, intra_size)) for cp_ranks in cp_lists]
 
         mine = None
+        new_group = functools.partial(_new_group_watched, world, td)
         for cp_ranks, size_intra in layouts:
-            cp_group = collectives.new_group(cp_ranks, timeout=td)
+            cp_group = new_group(cp_ranks)
             blocks = [cp_ranks[i : i + size_intra] for i in range(0, len(cp_ranks), size_intra)]
             strides = [tuple(b[j] for b in blocks) for j in range(size_intra)]
             levels: list[Level] = []
             if 1 < size_intra < len(cp_ranks):
                 for name, parts in (("intra", blocks), ("inter", strides)):
                     for part in parts:
-                        g = collectives.new_group(part, timeout=td)
+                        g = new_group(part)
                         if me in part:
                             levels.append(Level(name, g, tuple(part)))
             if me in cp_ranks:
@@ -224,6 +231,7 @@ class TreeGroups:
         the CP size.
         """
         cp_ranks = tuple(dist.get_process_group_ranks(cp_group))
+        liveness.register()
         level_groups = list(level_groups)
         timeout = max(collectives.group_timeout(g).total_seconds() for g in [cp_group, *level_groups])
         if len(level_groups) in (0, 1):
@@ -346,9 +354,48 @@ def _exchange_facts(ranks, intra_size, node_of, timeout, launcher: dict | None =
             f"timeout_s={timeout_s!r})")
     mine = {"call": call, "timeout_error": timeout_error, "launcher": launcher,
             "host": os.environ.get(ENV_HOSTNAME) or socket.gethostname()}
-    facts = collectives.exchange_objects(mine, None, what="TreeGroups: exchanging topology facts")
+    liveness.register()  # before the first collective: a peer that dies from here on is named
+    what = "TreeGroups: exchanging topology facts"
+    world = range(dist.get_world_size())
+    try:
+        facts = liveness.watched(lambda: collectives.exchange_objects(mine, None, what=what), world)
+    except liveness.PeerGone as e:
+        raise collectives.peer_gone(what, e.gone) from None
+    except collectives.CommError as e:
+        # who is gone: exited, or never checked in (a live rank gets a moment to write its record)
+        found = liveness.gone(world, grace=min(1.0, 0.25 * (_timeout_s(timeout) or 4.0)))
+        if found:
+            raise collectives.peer_gone(what, found, e) from e
+        raise
     _check_same_call(facts)
     return facts
+
+
+def _timeout_s(timeout) -> float | None:
+    try:
+        return (collectives.as_timedelta(timeout) or collectives.group_timeout()).total_seconds()
+    except (TypeError, ValueError):
+        return None
+
+
+def _new_group_watched(world: int, td: datetime.timedelta, ranks):
+    """``collectives.new_group(ranks)`` with every rank of the world probed while it waits: a peer that
+    has exited is a CommError naming it at once, not a raw "Wait timeout" after ``td``."""
+    what = f"TreeGroups: creating the process group of ranks {list(ranks)}"
+    try:
+        return liveness.watched(lambda: collectives.new_group(ranks, timeout=td), range(world))
+    except liveness.PeerGone as e:
+        raise collectives.peer_gone(what, e.gone) from None
+    except RuntimeError as e:  # torch's store wait ("Wait timeout") or the backend's connect
+        if isinstance(e, collectives.CommError):
+            raise
+        found = liveness.gone(range(world))
+        if found:
+            raise collectives.peer_gone(what, found, e) from e
+        raise collectives.CommError(
+            f"{what}: torch.distributed.new_group failed within the groups' timeout of {td.total_seconds():g} s: a "
+            f"peer is stuck or died before creating it. Error seen: {str(e).strip() or type(e).__name__}"
+        ) from e
 
 
 def _check_same_call(facts: list[dict]) -> None:

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
-import struct
 import sys
 import time
 from pathlib import Path
@@ -126,91 +124,6 @@ def check_launch(cfg: RunConfig, world: int, env=None) -> int:
     return cp
 
 
-def _json_object(file: str, what: str) -> dict:
-    """The JSON object in ``file``; anything else is a ConfigError naming the file."""
-    try:
-        with open(file, encoding="utf-8") as f:
-            data = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"model.path: {file} is not valid JSON: {e}") from None
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"model.path: {file} is not UTF-8 text ({e.reason} at byte {e.start}); expected "
-                          f"{what} (JSON)") from None
-    except OSError as e:
-        raise ConfigError(f"model.path: {file} cannot be read: {e}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"model.path: {file} must hold a JSON object, got {type(data).__name__}")
-    return data
-
-
-def _hf_config(path: str) -> dict:
-    return _json_object(os.path.join(path, "config.json"), "a Hugging Face config.json")
-
-
-def _check_index(path: str) -> None:
-    """A sharded checkpoint's ``model.safetensors.index.json``: a weight map whose every file is in ``path``."""
-    index = os.path.join(path, "model.safetensors.index.json")
-    if not os.path.isfile(index):
-        return
-    weight_map = _json_object(index, "a safetensors index").get("weight_map")
-    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-        raise ConfigError(f"model.path: {index} has no 'weight_map' object of tensor name -> file name")
-    for fname in sorted(set(weight_map.values())):
-        if not os.path.isfile(os.path.join(path, fname)):
-            raise ConfigError(f"model.path: {index} names {fname}, which is not in {path}")
-
-
-def check_safetensors(file: str) -> dict:
-    """A cheap header check of one safetensors file: readable, a JSON header, data as long as it says.
-
-    Returns the header (tensor name -> {"dtype", "shape", "data_offsets"}, and ``__metadata__``)."""
-    try:
-        size = os.path.getsize(file)
-        with open(file, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise ConfigError(f"model.path: {file} is {size} bytes, too short for a safetensors header "
-                                  "(truncated or empty)")
-            (n,) = struct.unpack("<Q", head)
-            if 8 + n > size:
-                raise ConfigError(f"model.path: {file} announces a {n}-byte header but the file has {size} bytes: "
-                                  "not a safetensors file, or truncated")
-            header = json.loads(f.read(n))
-    except (OSError, ValueError, UnicodeDecodeError) as e:
-        if isinstance(e, ConfigError):
-            raise
-        raise ConfigError(f"model.path: {file} is not a readable safetensors file: {e}") from None
-    if not isinstance(header, dict):
-        raise ConfigError(f"model.path: {file} is not a readable safetensors file: the header is not a JSON object")
-    end = max((v["data_offsets"][1] for k, v in header.items()
-               if k != "__metadata__" and isinstance(v, dict) and "data_offsets" in v), default=0)
-    if 8 + n + end > size:
-        raise ConfigError(f"model.path: {file} is truncated: its tensors end at byte {8 + n + end}, the file has {size}")
-    return header
-
-
-def _check_shapes_against_config(model, shapes: dict, file: str) -> int:
-    """Every tensor the checkpoint holds under one of ``model``'s parameter names has that parameter's
-    shape (``model``: built from config.json on the meta device; shapes: name -> (shape, file)).
-    Returns how many of the checkpoint's tensors are ``model``'s."""
-    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    prefix = getattr(model, "base_model_prefix", "") or ""
-    wrong, matched = [], 0
-    for name, (shape, where) in sorted(shapes.items()):
-        want = expected.get(name)
-        if want is None and prefix:  # a base model's checkpoint loaded into its causal-LM class
-            want = expected.get(f"{prefix}.{name}")
-        if want is not None and tuple(shape) != want:
-            wrong.append(f"{name} is {list(shape)} in {os.path.basename(where)}, config.json gives {list(want)}")
-        matched += want is not None
-    if wrong:
-        raise ConfigError(
-            f"model.path: the tensors disagree with {file} ({len(wrong)} of other shapes): " + "; ".join(wrong[:4])
-            + ("; ..." if len(wrong) > 4 else "") + ". The weights and config.json are from different models"
-        )
-    return matched
-
-
 def _check_output_dir(output_dir: str) -> None:
     p = Path(output_dir)
     for parent in [p, *p.parents]:
@@ -222,61 +135,21 @@ def _check_output_dir(output_dir: str) -> None:
             return
 
 
-def _check_files(path: str) -> None:
-    p = Path(path)
-    if not p.is_dir():
-        raise ConfigError(f"model.path: checkpoint directory {path!r} does not exist")
-    if not (p / "config.json").is_file():
-        raise ConfigError(f"model.path: {path!r} has no config.json (expected a Hugging Face checkpoint)")
-    if not sorted(p.glob("*.safetensors")):
-        raise ConfigError(f"model.path: {path!r} has no *.safetensors weights")
-
-
-def check_transformers_checkpoint(path: str, shapes: dict | None = None) -> int:
-    """``model.source: hf`` before launch: transformers knows the architecture, it has a causal-LM
-    class, tree attention can replace that class's attention, and the tensors of ``shapes`` (name ->
-    (shape, file), from the safetensors headers) have the shapes config.json gives them (checked on
-    a meta-device instance: no weights read). Returns the model's ``max_position_embeddings``.
+def check_transformers_checkpoint(path: str) -> int:
+    """``model.source: hf`` before launch: the checkpoint check every transformers loader runs
+    (``integrations.hf.checkpoint``: config.json, the safetensors headers, the tensors against a
+    meta-device model, no tensor read), then whether tree attention can replace that class's
+    attention. Returns the model's ``max_position_embeddings``.
     """
-    _hf_config(path)  # valid JSON, an object: named errors before transformers parses it
-    import torch
-    from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
     from ..integrations import hf
 
-    file = os.path.join(path, "config.json")
     try:
-        cfg = AutoConfig.from_pretrained(path)
-    except Exception as e:  # noqa: BLE001 -- transformers' config errors (validation, unknown type) vary by release
-        raise ConfigError(f"model.path: transformers cannot read {file}: {e}") from None
-    try:
-        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg)]
-    except KeyError:
-        raise ConfigError(
-            f"model.path: unsupported architecture: {file} describes model_type {cfg.model_type!r}, which has no "
-            "causal-LM class in transformers (AutoModelForCausalLM); model.source hf runs decoder-only causal LMs "
-            "such as Llama, Qwen2, Qwen3, Mistral"
-        ) from None
-    try:
-        with torch.device("meta"):
-            model = cls(cfg)
-    except Exception as e:  # noqa: BLE001 -- a config transformers parsed but cannot build a model of
-        raise ConfigError(f"model.path: transformers cannot build {cls.__name__} from {file}: "
-                          f"{type(e).__name__}: {e}") from None
-    matched = _check_shapes_against_config(model, shapes or {}, file)
-    try:
-        hf.check_model(model)
+        checked = hf.check_checkpoint(path, check_model=hf.check_model)  # the architecture before the tensors
+    except hf.CheckpointError as e:
+        raise ConfigError(f"model.path: {e}") from None
     except hf.UnsupportedModelError as e:
-        raise ConfigError(f"model.path: unsupported architecture: {file}: {e}") from None
-    if shapes and not matched:  # else transformers would build config.json's model, randomly initialised
-        raise ConfigError(
-            f"model.path: none of the checkpoint's {len(shapes)} tensors is a weight of {cls.__name__} as {file} "
-            f"describes it (the checkpoint holds {', '.join(sorted(shapes)[:3])}{', ...' if len(shapes) > 3 else ''}; "
-            f"the model's weights are named like {next(iter(model.state_dict()))})"
-        )
-    text = getattr(cfg, "get_text_config", lambda **_: cfg)(decoder=True)
-    return int(getattr(text, "max_position_embeddings", None) or 2**31 - 1)
+        raise ConfigError(f"model.path: unsupported architecture: {os.path.join(path, 'config.json')}: {e}") from None
+    return checked.max_position_embeddings
 
 
 def check_model(m: ModelConfig):
@@ -288,15 +161,7 @@ def check_model(m: ModelConfig):
     max_pos = m.max_position_embeddings
     checkpoint = None
     if m.source == "hf":
-        _check_files(m.path)
-        _hf_config(m.path)  # the config first: a broken one is named before any weight file
-        _check_index(m.path)
-        shapes = {}
-        for f in sorted(Path(m.path).glob("*.safetensors")):
-            header = check_safetensors(str(f))
-            shapes.update({k: (v.get("shape", ()), str(f)) for k, v in header.items()
-                           if k != "__metadata__" and isinstance(v, dict)})
-        max_pos = check_transformers_checkpoint(m.path, shapes)
+        max_pos = check_transformers_checkpoint(m.path)
     elif m.source == "megatron" and m.path is not None:
         from ..integrations.megatron.checkpoint import check_checkpoint
         from .models import gpt_shape

@@ -133,25 +133,24 @@ class HFReference:
 def load_hf(m: ModelConfig):
     """transformers' model for the checkpoint at ``m.path``, every tensor read from its files.
 
-    A class whose weights are not all in the ``*.safetensors`` (missing, or of other shapes) is a
-    ConfigError naming the directory and the tensors: transformers would run them with random
-    initial values. Called on every rank before any collective, so every rank fails alike.
+    The directory is checked first (``integrations.hf.checkpoint``: config.json, the safetensors
+    headers, every tensor against the class's weights), alike on every rank of the default group
+    when one exists: a weight missing from the files (transformers would re-initialise it), a
+    tensor of another shape or one the class has no place for is a ConfigError naming the
+    tensors, on every rank. Called before any CP group exists.
     """
     import torch
-    from transformers import AutoModelForCausalLM
+    import torch.distributed as dist
 
-    # ignore_mismatched_sizes: transformers then lists tensors of other shapes instead of raising, and
-    # the check below names them with the missing ones.
-    model, info = AutoModelForCausalLM.from_pretrained(m.path, dtype=getattr(torch, m.dtype),
-                                                       output_loading_info=True, ignore_mismatched_sizes=True)
-    missing, mismatched = list(info.get("missing_keys") or []), list(info.get("mismatched_keys") or [])
-    if missing or mismatched:
-        what = [f"missing {sorted(missing)[:6]}"] if missing else []
-        what += [f"of other shapes {[k for k, *_ in mismatched][:6]}"] if mismatched else []
-        raise ConfigError(
-            f"model.path: the *.safetensors in {m.path!r} do not hold {type(model).__name__}'s weights: "
-            f"{len(missing) + len(mismatched)} tensors {'; '.join(what)}"
-        )
+    from ..integrations.hf.checkpoint import CheckpointError, load_checked
+
+    group, ranks = None, ()
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        group, ranks = dist.group.WORLD, tuple(range(dist.get_world_size()))
+    try:
+        model, _ = load_checked(m.path, getattr(torch, m.dtype), group, ranks, site="model.source hf")
+    except CheckpointError as e:
+        raise ConfigError(f"model.path: {e}") from None
     return model
 
 

@@ -211,11 +211,14 @@ def check_checkpoint(args: ModelArgs):
             return shape, mc.check_checkpoint(args.pretrained, shape)
         except mc.CheckpointError as e:
             raise ModelArgsError(f"pretrained={args.pretrained!r} (source=megatron) cannot be loaded: {e}") from None
-    if not os.path.isdir(args.pretrained) or not os.path.isfile(os.path.join(args.pretrained, "config.json")):
-        raise ModelArgsError(
-            f"pretrained={args.pretrained!r} is not a transformers checkpoint directory (expected a directory "
-            "with config.json and safetensors weights; hub names are not downloaded here)"
-        )
+    # the check load_hf_model repeats on every rank of the CP group; here before any process group exists
+    from .hf.checkpoint import CheckpointError, check_checkpoint as check_hf
+
+    try:
+        check_hf(args.pretrained)
+    except CheckpointError as e:
+        raise ModelArgsError(f"pretrained={args.pretrained!r} is not a transformers checkpoint directory that loads as "
+                             f"saved: {e}") from None
 
 
 # --------------------------------------------------------------------------- process groups

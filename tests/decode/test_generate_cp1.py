@@ -139,8 +139,8 @@ def _rewrite(src, dst, edit):
 
 def test_missing_and_misshapen_tensors_are_listed(ckpt, tmp_path):
     """The eval's loader refuses a class whose weights are not all in the files (transformers would
-    fill them randomly), naming the tensors; tensors the class has no place for are transformers'
-    to ignore (it warns), as its own from_pretrained does."""
+    re-initialise them), naming the tensors, and tensors the class has no place for (transformers
+    would drop them): the checkpoint check every loader runs (integrations.hf.checkpoint)."""
     from megatron_tree.eval.config import ConfigError, ModelConfig
     from megatron_tree.eval.models import load_hf
 
@@ -155,14 +155,16 @@ def test_missing_and_misshapen_tensors_are_listed(ckpt, tmp_path):
     with pytest.raises(ConfigError) as e:
         load_hf(ModelConfig(source="hf", path=str(tmp_path / "a")))
     msg = str(e.value)
-    assert f"the *.safetensors in '{tmp_path / 'a'}' do not hold LlamaForCausalLM's weights: 2 tensors" in msg, msg
-    assert "missing ['model.layers.1.mlp.up_proj.weight', 'model.norm.weight']" in msg, msg
+    assert f"'{tmp_path / 'a'}' holds no tensor for 2 weight(s) of LlamaForCausalLM" in msg, msg
+    assert "would re-initialise them" in msg and "model.layers.1.mlp.up_proj.weight [" in msg, msg
+    assert "model.norm.weight [" in msg and "model.layers.0.self_attn.q_norm.weight [16] in model.safetensors" in msg
 
     def misshape(t):
         t["model.embed_tokens.weight"] = torch.zeros(100, 64)
 
     _rewrite(path, tmp_path / "b", misshape)
-    with pytest.raises(ConfigError, match=r"1 tensors of other shapes \['model.embed_tokens.weight'\]"):
+    with pytest.raises(ConfigError, match=r"\(1 of other shapes\): model.embed_tokens.weight is \[100, 64\] in "
+                                          r"model.safetensors, config.json gives \["):
         load_hf(ModelConfig(source="hf", path=str(tmp_path / "b")))
 
 

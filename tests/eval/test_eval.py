@@ -281,7 +281,7 @@ def test_broken_checkpoints_are_clear_errors(tmp_path, clean_env, capsys):
     args = ["model.source=hf", f"model.path={tmp_path}", "topology.intra_size=null", "wandb.enabled=false"]
     (tmp_path / "config.json").write_text("{}")
     assert E.main(args) == 2
-    assert "has no *.safetensors weights" in capsys.readouterr().err
+    assert "has neither model.safetensors nor model.safetensors.index.json" in capsys.readouterr().err
     (tmp_path / "config.json").write_text("{not json")
     (tmp_path / "model.safetensors").write_bytes(b"")
     assert E.main(args) == 2

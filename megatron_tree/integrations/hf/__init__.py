@@ -42,7 +42,8 @@ is itself imported and says so clearly when it is missing or older.
 The package, one concept a module: ``common`` (the transformers import, names, the binding),
 ``cache`` (:class:`TreeCache`), ``attention`` (the registered attention function), ``forward``
 (the sharded forward), ``generate`` (the generate wrapper), ``enable`` (enabling, the model
-checks), ``adapter`` (:class:`HFTreeModel`, :func:`load_hf_model`).
+checks), ``adapter`` (:class:`HFTreeModel`, :func:`load_hf_model`), ``checkpoint`` (the check of a
+checkpoint directory every loader runs first).
 """
 
 from .common import ATTN_IMPLEMENTATION, MIN_TRANSFORMERS, UnsupportedModelError
@@ -50,9 +51,11 @@ from .cache import TreeCache
 from .attention import tree_attention_forward
 from .enable import check_model, disable_tree_attention, enable_tree_attention
 from .adapter import HFTreeModel, load_hf_model
+from .checkpoint import CheckpointError, check_checkpoint
 
 __all__ = [
     "ATTN_IMPLEMENTATION", "MIN_TRANSFORMERS", "UnsupportedModelError", "TreeCache", "tree_attention_forward",
     "check_model",
     "enable_tree_attention", "disable_tree_attention", "HFTreeModel", "load_hf_model",
+    "CheckpointError", "check_checkpoint",
 ]

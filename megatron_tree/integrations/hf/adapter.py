@@ -139,8 +139,14 @@ def load_hf_model(path, groups: TreeGroups | None, dtype: torch.dtype = torch.fl
         :func:`enable_tree_attention`
     Every CP rank loads the full weights. Returns an :class:`HFTreeModel` (``.hf`` is the
     transformers model, in eval mode).
-    """
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-    return HFTreeModel(model, groups, **enable_kwargs)
+    The directory is checked first (:func:`.checkpoint.check_checkpoint`: config.json, the
+    safetensors headers, the tensors against the model's), on every rank of ``groups`` alike:
+    a missing, unexpected or misshapen tensor, a truncated file or a bad config.json is a
+    :class:`~.checkpoint.CheckpointError` on every rank, naming it, before a tensor is read.
+    """
+    from .checkpoint import load_checked
+
+    group, ranks = (None, ()) if groups is None else (groups.cp_group, groups.cp_ranks)
+    model, _ = load_checked(path, dtype, group, ranks, site="load_hf_model")
+    return HFTreeModel(model.to(device).eval(), groups, **enable_kwargs)

@@ -1,0 +1,77 @@
+"""A peer whose process is gone is named at once: ``CommError`` naming the rank, its host and pid.
+
+Three real gloo ranks; rank 2 leaves with ``os._exit`` (no cleanup, no goodbye) at five points:
+before ``TreeGroups.build``, inside it or ``TreeGroups.from_env`` (as it starts creating the process groups), after it
+and before the first merge (``mt.tree_decode``: the merge's first agreement check waits in the
+store), and in steady state (after an agreed merge: the next merge goes straight to gloo's
+collectives). The survivors must raise ``CommError`` naming rank 2 -- never a raw backend
+``RuntimeError``, never another survivor -- well before the group's timeout ``T``. Before the
+liveness records (``megatron_tree.distributed.liveness``) the inside-build case was a raw ``RuntimeError:
+Wait timeout`` after T, and the first-merge case a CommError naming no rank after 1.35 T.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from tests.helpers.ranks import outcome, run_ranks
+
+T = 10.0
+"""The groups' collective timeout in these runs (seconds); the default group's is twice that."""
+HOST = "node-a"
+
+
+def _survivors_see(rank, world, where):
+    import torch
+
+    import megatron_tree as mt
+    from megatron_tree.distributed import collectives
+
+    if where == "before_build" and rank == 2:
+        os._exit(0)
+    if where in ("inside_build", "inside_from_env") and rank == 2:
+        def die(*args, **kwargs):
+            os._exit(0)
+
+        collectives.new_group = die  # rank 2 dies as it starts creating the first process group
+    if where in ("before_build", "inside_build"):
+        return outcome(lambda: mt.TreeGroups.build(timeout=T))
+    if where == "inside_from_env":
+        env = {"LOCAL_WORLD_SIZE": "3", "LOCAL_RANK": str(rank)}
+        return outcome(lambda: mt.TreeGroups.from_env(timeout=T, env=env))
+    groups = mt.TreeGroups.build(timeout=T)
+    torch.manual_seed(rank)
+    q = torch.randn(2, 1, 4, 8)
+    k, v = torch.randn(2, 5 + rank, 2, 8), torch.randn(2, 5 + rank, 2, 8)
+    if where == "steady_merge":
+        mt.tree_decode(q, k, v, groups)  # the merge's signature is agreed: the next call goes straight to gloo
+        collectives.all_reduce(torch.ones(1), groups.cp_group, what="test: every rank past the first merge")
+    if rank == 2:
+        os._exit(0)
+    return outcome(lambda: mt.tree_decode(q, k, v, groups))
+
+
+@pytest.mark.parametrize("where,bound,needles", [
+    ("before_build", 5.0, ["TreeGroups: exchanging topology facts: rank 2 (host unknown) never checked in"]),
+    ("inside_build", 3.0, ["TreeGroups: creating the process group of ranks [0, 1, 2]: rank 2 (host node-a, pid "]),
+    ("inside_from_env", 3.0, ["TreeGroups: creating the process group of ranks [0, 1, 2]: rank 2 (host node-a, pid "]),
+    ("first_merge", 3.0, ["merge: rank ", "compared its arguments with the other 2 rank(s): rank 2 (host node-a, pid "]),
+    ("steady_merge", 3.0, ["tree merge", "rank 2 (host node-a, pid "]),
+])
+def test_dead_peer_is_a_comm_error_naming_it_at_once(where, bound, needles):
+    start = time.monotonic()
+    results = run_ranks(_survivors_see, 3, where, timeout=120, pg_timeout=2 * T, expect_dead=(2,),
+                        env={"MEGATRON_TREE_HOSTNAME": HOST})
+    assert results[2] is None  # rank 2 died as planned
+    for rank in (0, 1):
+        kind, message, seconds = results[rank]
+        assert kind == "CommError", (rank, kind, message)
+        for needle in needles:
+            assert needle in message, (rank, message)
+        assert "is gone: its process has exited" in message or "never checked in" in message, message
+        assert "rank 0 (" not in message and "rank 1 (" not in message, message  # the survivors are not blamed
+        assert seconds < bound, (where, rank, seconds, message)  # T is 10 s; before: T (build) and 1.35 T (merge)
+    assert time.monotonic() - start < 120
