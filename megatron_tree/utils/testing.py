@@ -31,6 +31,11 @@ PRELOAD = ("torch", "torch.distributed")
 """Imported once by the fork server unless a caller names its own ``preload``."""
 
 
+GROUP_INIT_SECONDS: float | None = None
+"""In a rank: wall seconds its ``init_process_group`` took (benchmarks that count group creation
+as part of a first call add it to their own clock)."""
+
+
 class RankFailure(AssertionError):
     """A rank raised, died or timed out; the message holds its traceback."""
 
@@ -57,11 +62,16 @@ def _worker(rank, world_size, store_path, fn, args, kwargs, env, path, pg_timeou
 
         if threads:
             torch.set_num_threads(threads)
+        if backend == "nccl":  # NCCL binds its communicators to the current device: one GPU per rank
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        global GROUP_INIT_SECONDS
+        start = time.perf_counter()
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group(
             backend, store=store, rank=rank, world_size=world_size,
             timeout=datetime.timedelta(seconds=pg_timeout),
         )
+        GROUP_INIT_SECONDS = time.perf_counter() - start
         try:
             value = fn(rank, world_size, *args, **kwargs)
         finally:
@@ -83,6 +93,7 @@ def run_ranks(
     backend: str = "gloo",
     threads: int | None = 1,
     preload: tuple[str, ...] | None = None,
+    watch=None,
     **kwargs,
 ) -> list:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks.
@@ -94,10 +105,14 @@ def run_ranks(
     env: extra environment variables for every rank.
     expect_dead: ranks allowed to exit without a result (tests of a rank dying mid-run);
         their slot in the returned list is ``None``.
-    backend: the process group's backend; threads: ``torch.set_num_threads`` in every rank
+    backend: the process group's backend (``"nccl"``: each rank first takes GPU
+        ``rank % device_count``); threads: ``torch.set_num_threads`` in every rank
         (``None`` leaves torch's default).
     preload: modules the fork server imports once, read only by the first call of a Python
         session (default :data:`PRELOAD`).
+    watch: called in the parent about five times a second while ranks run; a non-empty string
+        it returns stops the run as a failure with that text (a run whose length is not known
+        ahead, e.g. a soak, judges "stalled" by its own progress instead of one ``timeout``).
     """
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(PRELOAD if preload is None else preload))  # read when the server starts: the first call of the session
@@ -142,6 +157,10 @@ def run_ranks(
                     drain(2)  # its result may still be in flight through the queue
                     if not settled(r):
                         errors[r] = f"rank {r} exited with code {p.exitcode} without a result"
+            why = watch() if watch is not None and not errors else None
+            if why:
+                errors[-1] = str(why)
+                break
             if time.monotonic() > deadline:
                 missing = [r for r in range(world_size) if not settled(r)]
                 errors[-1] = f"timed out after {timeout:.0f}s; ranks still running: {missing}"
