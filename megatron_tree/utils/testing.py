@@ -23,6 +23,7 @@ import queue as queue_mod
 import shutil
 import sys
 import tempfile
+import threading
 import time
 import traceback
 
@@ -114,7 +115,7 @@ def run_ranks(
         it returns stops the run as a failure with that text (a run whose length is not known
         ahead, e.g. a soak, judges "stalled" by its own progress instead of one ``timeout``).
     """
-    ctx = mp.get_context("forkserver")
+    ctx = context()
     ctx.set_forkserver_preload(list(PRELOAD if preload is None else preload))  # read when the server starts: the first call of the session
     tmp = tempfile.mkdtemp(prefix="mt_store_")
     results = ctx.Queue()
@@ -178,3 +179,58 @@ def run_ranks(
         )
         raise RankFailure(f"{len(errors)} rank(s) failed in a {world_size}-rank run of {fn.__name__}:\n{msg}")
     return [out.get(r) for r in range(world_size)]
+
+
+def context():
+    """The multiprocessing context the ranks start from: a queue handed to ``fn`` as an argument
+    must be made by it (``context().Queue()``)."""
+    return mp.get_context("forkserver")
+
+
+class RanksInBackground:
+    """:func:`run_ranks` in a daemon thread, for ranks that serve requests while this process
+    works (a benchmark timing a one-process path between requests to the CP ranks).
+
+    Arguments are :func:`run_ranks`'s. The ranks and the caller talk through queues made by
+    :func:`context`; :meth:`get` reads one and raises the ranks' failure if they stop first.
+    """
+
+    def __init__(self, fn, world_size: int, *args, **kwargs):
+        self._value = self._error = None
+
+        def target():
+            try:
+                self._value = run_ranks(fn, world_size, *args, **kwargs)
+            except BaseException as e:  # noqa: BLE001 -- handed to result()
+                self._error = e
+
+        self._thread = threading.Thread(target=target, name=f"run_ranks:{fn.__name__}", daemon=True)
+        self._thread.start()
+
+    def result(self, timeout: float | None = None) -> list:
+        """The per-rank return values once the ranks have finished; their failure if they failed."""
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"the ranks were still running after {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def get(self, q, timeout: float = float("inf")):
+        """``q.get()``; the ranks' failure instead if they end before anything arrives, a
+        ``TimeoutError`` after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return q.get(timeout=0.5)
+            except queue_mod.Empty:
+                pass
+            if not self._thread.is_alive():
+                try:
+                    return q.get_nowait()  # put just before the ranks ended
+                except queue_mod.Empty:
+                    pass
+                self.result()
+                raise RankFailure("the ranks finished without putting anything on the queue")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"nothing from the ranks within {timeout:.0f} s")
