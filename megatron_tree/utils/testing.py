@@ -6,6 +6,8 @@ to collide between calls), runs ``fn(rank, world_size, *args)`` in each with the
 group initialised, and returns the per-rank results in rank order. Any rank that raises, exits
 without a result, or outlives ``timeout`` fails the call with that rank's traceback; the remaining
 ranks are killed, so a broken collective can never hang a test run or a benchmark.
+:class:`RanksInBackground` runs the same harness in a thread, for ranks that serve requests
+while the calling process does its own work.
 
 The processes are forked by multiprocessing's fork server, which imports the ``preload`` modules
 once per Python session: importing torch (and transformers) costs seconds of CPU per process, more
@@ -33,7 +35,7 @@ PRELOAD = ("torch", "torch.distributed")
 
 
 GROUP_INIT_SECONDS: float | None = None
-"""In a rank: wall seconds its ``init_process_group`` took (benchmarks that count group creation
+"""In a rank: wall seconds the harness took to create its default group (benchmarks that count group creation
 as part of a first call add it to their own clock)."""
 
 
