@@ -20,10 +20,7 @@ Run (CPU, about a minute; writes the table to ``docs/architectures.md`` and ``.j
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import tempfile
 from dataclasses import dataclass, field
 
 import torch
@@ -231,27 +228,12 @@ def table(names, ranks: list[dict]) -> list[dict]:
     return rows
 
 
-def _worker(rank: int, store: str, names, results):
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store, WORLD), rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=300))
-    try:
-        results[rank] = rank_run(rank, WORLD, names)
-    finally:
-        dist.destroy_process_group()
-
-
 def run(names) -> list[dict]:
-    """Launch :func:`rank_run` on a 4-process gloo world (this machine) and build the table."""
-    import torch.multiprocessing as mp
+    """Run :func:`rank_run` on a 4-process gloo world (this machine, ``run_ranks``) and build the table."""
+    from megatron_tree.utils.testing import run_ranks
 
-    with tempfile.TemporaryDirectory(prefix="mt_arch_") as tmp:
-        with mp.Manager() as manager:
-            results = manager.dict()
-            mp.spawn(_worker, args=(os.path.join(tmp, "store"), list(names), results), nprocs=WORLD, join=True)
-            ranks = [results[r] for r in range(WORLD)]
+    # No bound on the whole run (a minute here, more on a loaded host); each collective has 300 s.
+    ranks = run_ranks(rank_run, WORLD, list(names), timeout=float("inf"), pg_timeout=300)
     return table(names, ranks)
 
 

@@ -5,9 +5,13 @@ The paper's microbenchmark (Zyphra/tree_attention ``tree_shard_test.py`` and
 the communicators' first use are inside the timed window. This benchmark measures both
 methodologies here, tree vs ring, on the same shards:
 
-* every (strategy, repetition) runs in freshly spawned processes, so a first call is
-  really the first in its process (nothing warmed by the other strategy); repetitions
-  alternate the order of the strategies;
+* every (strategy, repetition) runs in fresh processes (one ``run_ranks`` call each), so a
+  first call is really the first in its process (nothing warmed by the other strategy);
+  repetitions alternate the order of the strategies. ``run_ranks`` forks its ranks from a
+  server that imported modules once; here it imports torch alone (:data:`PRELOAD`) -- the
+  import, which the paper's scripts also leave outside the clock. The server never makes a
+  group, runs a kernel or imports ``torch._dynamo`` or this package, so each rank still pays
+  every first use itself;
 * ``setup``: process-group and ``TreeGroups`` creation (+ the ring's ``ShardPlan``), the part
   of the paper's first call that gloo does eagerly at group creation where NCCL does it on
   first use; ``first``: the first decode step; ``warm``: the median of the next steps. Each
@@ -26,27 +30,28 @@ docs/benchmarks.md has the published command.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
 import statistics
 import sys
-import tempfile
 import time
 
 STRATEGIES = ("tree:allreduce3", "ring")
+PRELOAD = ("torch",)
+"""What the harness's fork server imports: torch only (see the module docstring)."""
 
 
-def _rank_main(rank: int, world: int, store_path: str, opts: dict, out_path: str) -> None:
+def _rank_main(rank: int, world: int, opts: dict) -> dict | None:
+    """One rank of a fresh launch; rank 0 returns the record. The harness made the group already:
+    its creation time (``testing.GROUP_INIT_SECONDS``) is added to ``setup``."""
     import torch
     import torch.distributed as dist
 
     from megatron_tree.decode.attention import tree_decode
     from megatron_tree.comm.baselines import ShardPlan, ring_decode
     from megatron_tree.distributed.topology import TreeGroups
+    from megatron_tree.utils import testing
     from .decode import Config, _make_shard, _shard_lengths
 
-    torch.set_num_threads(opts["threads"])
     cfg = Config(world, opts["intra"], opts["context"], opts["batch"], opts["heads_q"], opts["heads_kv"],
                  opts["head_dim"])
     lens = _shard_lengths(cfg.context, world)
@@ -57,60 +62,50 @@ def _rank_main(rank: int, world: int, store_path: str, opts: dict, out_path: str
         import torch._dynamo  # noqa: F401 -- what the first custom-op call would import
 
     t0 = time.perf_counter()
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=opts["timeout_s"]))
-    try:
-        groups = TreeGroups.build(intra_size=opts["intra"] if opts["intra"] < world else None)
-        if strategy == "ring":
-            plan = ShardPlan.build(k, groups)
+    groups = TreeGroups.build(intra_size=opts["intra"] if opts["intra"] < world else None)
+    if strategy == "ring":
+        plan = ShardPlan.build(k, groups)
 
-            def step():
-                return ring_decode(q, k, v, groups, plan=plan)
-        else:
-            kind = strategy.split(":")[-1]
+        def step():
+            return ring_decode(q, k, v, groups, plan=plan)
+    else:
+        kind = strategy.split(":")[-1]
 
-            def step():
-                return tree_decode(q, k, v, groups, strategy=kind)
-        setup = time.perf_counter() - t0
+        def step():
+            return tree_decode(q, k, v, groups, strategy=kind)
+    setup = testing.GROUP_INIT_SECONDS + time.perf_counter() - t0
 
-        def slowest(seconds: float) -> float:
-            t = torch.tensor([seconds], dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            return float(t)
+    def slowest(seconds: float) -> float:
+        t = torch.tensor([seconds], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t)
 
-        def timed():
-            dist.barrier()
-            start = time.perf_counter()
-            out = step()
-            return out, slowest(time.perf_counter() - start)
+    def timed():
+        dist.barrier()
+        start = time.perf_counter()
+        out = step()
+        return out, slowest(time.perf_counter() - start)
 
-        setup = slowest(setup)
-        out, first = timed()
-        warm = [timed()[1] for _ in range(opts["warm"])]
-        if rank == 0:
-            with open(out_path, "w") as f:
-                json.dump({"setup_s": setup, "first_s": first, "warm_s": warm,
-                           "out": out.double().flatten().tolist()}, f)
-    finally:
-        dist.destroy_process_group()
+    setup = slowest(setup)
+    out, first = timed()
+    warm = [timed()[1] for _ in range(opts["warm"])]
+    if rank == 0:
+        return {"setup_s": setup, "first_s": first, "warm_s": warm, "out": out.double().flatten().tolist()}
+    return None
 
 
 def run(opts: dict) -> list[dict]:
     """Every (repetition, strategy) in fresh processes; returns one record per launch."""
-    import torch.multiprocessing as tmp
+    from megatron_tree.utils.testing import run_ranks
 
     records = []
     for rep in range(opts["repeat"]):
         for mode in opts["modes"]:
             order = STRATEGIES if (rep + opts["modes"].index(mode)) % 2 == 0 else STRATEGIES[::-1]
             for strategy in order:
-                with tempfile.TemporaryDirectory(prefix="mt_cold_") as d:
-                    out = os.path.join(d, "rank0.json")
-                    o = {**opts, "strategy": strategy, "mode": mode}
-                    tmp.spawn(_rank_main, args=(opts["ranks"], os.path.join(d, "store"), o, out),
-                              nprocs=opts["ranks"], join=True)
-                    with open(out) as f:
-                        rec = json.load(f)
+                o = {**opts, "strategy": strategy, "mode": mode}
+                rec = run_ranks(_rank_main, opts["ranks"], o, timeout=float("inf"), pg_timeout=opts["timeout_s"],
+                                threads=opts["threads"], preload=PRELOAD)[0]
                 rec.update({"strategy": strategy, "mode": mode, "rep": rep,
                             "warm_median_s": statistics.median(rec["warm_s"])})
                 records.append(rec)

@@ -136,46 +136,40 @@ def _estimate_host_bytes(cfg: Config, strategies, kv_bytes: int) -> dict:
     return {"resident": resident, "extra": extra}
 
 
-def _rank_main(rank: int, world: int, store_path: str, cfgs: list, opts: dict, out_path: str) -> None:
+def _rank_main(rank: int, world: int, cfgs: list, opts: dict, out_path: str) -> None:
+    """One rank of a P-rank run (``run_ranks`` made the group): every config, rank 0 saving rows as it goes."""
     import torch
-    import torch.distributed as dist
 
-    torch.set_num_threads(opts["threads"])
     if opts["device"] == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group(opts["dist_backend"], store=dist.FileStore(store_path, world), rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=opts["pg_timeout"]))
-    try:
-        results = []
-        groups_by_intra = {}
-        bar = None
-        if rank == 0 and opts["progress"]:
-            try:
-                from tqdm import tqdm
+    results = []
+    groups_by_intra = {}
+    bar = None
+    if rank == 0 and opts["progress"]:
+        try:
+            from tqdm import tqdm
 
-                bar = tqdm(total=len(cfgs), desc=f"P={world}", file=sys.stderr, dynamic_ncols=True)
-            except ImportError:
-                bar = None
-        for cfg in cfgs:
-            if cfg["intra"] not in groups_by_intra:
-                from megatron_tree.distributed.topology import TreeGroups
+            bar = tqdm(total=len(cfgs), desc=f"P={world}", file=sys.stderr, dynamic_ncols=True)
+        except ImportError:
+            bar = None
+    for cfg in cfgs:
+        if cfg["intra"] not in groups_by_intra:
+            from megatron_tree.distributed.topology import TreeGroups
 
-                groups_by_intra[cfg["intra"]] = TreeGroups.build(intra_size=cfg["intra"], node_of=[0] * world)
-            lanes = _probe_lanes(opts, opts["probe_tokens"]) if opts["probe_tokens"] > 0 else None
-            res = _run_config(Config(**cfg), groups_by_intra[cfg["intra"]], opts)
-            if rank == 0:
-                for r in res:
-                    r["host_lanes"] = lanes
-                results.extend(res)
-                with open(out_path, "w") as f:  # after every config: a crash later keeps these rows
-                    json.dump(results, f)
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix_str(f"ctx={cfg['context']} B={cfg['batch']} H={cfg['heads_q']}/{cfg['heads_kv']}")
-        if bar is not None:
-            bar.close()
-    finally:
-        dist.destroy_process_group()
+            groups_by_intra[cfg["intra"]] = TreeGroups.build(intra_size=cfg["intra"], node_of=[0] * world)
+        lanes = _probe_lanes(opts, opts["probe_tokens"]) if opts["probe_tokens"] > 0 else None
+        res = _run_config(Config(**cfg), groups_by_intra[cfg["intra"]], opts)
+        if rank == 0:
+            for r in res:
+                r["host_lanes"] = lanes
+            results.extend(res)
+            with open(out_path, "w") as f:  # after every config: a crash later keeps these rows
+                json.dump(results, f)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix_str(f"ctx={cfg['context']} B={cfg['batch']} H={cfg['heads_q']}/{cfg['heads_kv']}")
+    if bar is not None:
+        bar.close()
 
 
 def _probe_lanes(opts: dict, tokens: int, reps: int = 3):
@@ -426,12 +420,12 @@ def add_ratios(rows: list[dict]) -> list[dict]:
 
 
 def run_sweep(cfgs: list[Config], opts: dict, on_rows=None) -> list[dict]:
-    """Spawn P local ranks per distinct P and run their configs; returns the result rows.
+    """Run the configs of each distinct P on P fresh local ranks (``run_ranks``); returns the result rows.
 
     ``on_rows(rows)`` is called after each P with every row so far (to save partial results).
     If a run fails, the rows it finished are kept, reported, and the error is raised after.
     """
-    import torch.multiprocessing as tmp
+    from megatron_tree.utils.testing import run_ranks
 
     rows = []
     by_p: dict[int, list] = {}
@@ -442,7 +436,9 @@ def run_sweep(cfgs: list[Config], opts: dict, on_rows=None) -> list[dict]:
             out = os.path.join(d, "rank0.json")
             error = None
             try:
-                tmp.spawn(_rank_main, args=(p, os.path.join(d, "store"), group, opts, out), nprocs=p, join=True)
+                # A sweep has no fixed length: collectives are bounded by pg_timeout, the whole run is not.
+                run_ranks(_rank_main, p, group, opts, out, timeout=float("inf"), pg_timeout=opts["pg_timeout"],
+                          backend=opts["dist_backend"], threads=opts["threads"])
             except Exception as e:  # noqa: BLE001 -- keep the finished rows, then re-raise
                 error = e
             if os.path.exists(out):

@@ -33,9 +33,7 @@ counted as such.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import multiprocessing as mp
 import os
 import random
 import signal
@@ -320,17 +318,14 @@ def _line_up(store, key: str, world: int, wait: float) -> None:
         time.sleep(0.01)
 
 
-def _rank_main(rank: int, world: int, store_path: str, cases: list, opts: dict, out_dir: str) -> None:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-    import torch
+def _rank_main(rank: int, world: int, cases: list, opts: dict, out_dir: str) -> None:
+    """One rank of a launch (``run_ranks`` made the default group, one thread, ``TRITON_INTERPRET``
+    in its environment): every case in order, one JSON record per line in ``out_dir/rank{rank}.jsonl``."""
     import torch.distributed as dist
 
     from megatron_tree.distributed.topology import TreeGroups
     from megatron_tree.integrations import hf  # noqa: F401 -- import transformers before the timed calls
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=opts["pg_timeout"]))
     store = dist.distributed_c10d._get_default_store()
     T = opts["timeout"]
     open(os.path.join(out_dir, f"ready{rank}"), "w").close()  # imports and rendezvous done: the cases' clock starts
@@ -353,8 +348,7 @@ def _rank_main(rank: int, world: int, store_path: str, cases: list, opts: dict, 
                 except Exception:  # noqa: BLE001 -- a group a failed collective left broken
                     pass
     if cases and cases[-1]["fault"] == "kill":
-        os._exit(0)  # a peer is gone: no orderly teardown of the default group
-    dist.destroy_process_group()
+        os._exit(0)  # a peer is gone: no orderly teardown of the default group (the launch expects no result)
 
 
 def _kill_case(case, rank, world, groups, T) -> dict:
@@ -415,48 +409,50 @@ def classify(case: dict, recs: dict, world: int, T: float) -> tuple[str, bool]:
 
 
 def _launch(world: int, cases: list, opts: dict, out_dir: str) -> dict:
-    """Run ``cases`` on ``world`` fresh ranks; returns {index: {rank: record}} and each rank's exit code."""
-    ctx = mp.get_context("spawn")
+    """Run ``cases`` on ``world`` fresh ranks (``run_ranks``); returns {index: {rank: record}} and
+    whether the launch was stopped as stalled."""
+    from megatron_tree.utils.testing import RankFailure, run_ranks
+
     for r in range(world):
         open(os.path.join(out_dir, f"rank{r}.jsonl"), "w").close()
         if os.path.exists(os.path.join(out_dir, f"ready{r}")):
             os.remove(os.path.join(out_dir, f"ready{r}"))
-    store = os.path.join(out_dir, "store")
-    if os.path.exists(store):
-        os.remove(store)
-    procs = [ctx.Process(target=_rank_main, args=(r, world, store, cases, opts, out_dir)) for r in range(world)]
-    for p in procs:
-        p.start()
     # Once every rank is ready (start-up on a loaded machine takes minutes, not a case's time): no rank
     # finished a case for ``stall`` seconds means the case in progress hangs.
     stall = 3 * opts["timeout"] + 60
     startup = time.monotonic() + opts.get("startup_s", 600)
-    last, seen, ready, stalled = time.monotonic(), -1, False, False
-    while any(p.is_alive() for p in procs):
-        time.sleep(0.2)
-        if not ready:
-            ready = all(os.path.exists(os.path.join(out_dir, f"ready{r}")) for r in range(world))
-            last = time.monotonic()
-            stalled = not ready and last > startup
+    state = {"last": time.monotonic(), "seen": -1, "ready": False, "stalled": False}
+
+    def watch():  # the harness calls it while the ranks run; a text stops them
+        now = time.monotonic()
+        if not state["ready"]:
+            state["ready"] = all(os.path.exists(os.path.join(out_dir, f"ready{r}")) for r in range(world))
+            state["last"] = now
+            state["stalled"] = not state["ready"] and now > startup
         else:
             done = sum(_count_lines(os.path.join(out_dir, f"rank{r}.jsonl")) for r in range(world))
-            if done != seen:
-                seen, last = done, time.monotonic()
-            stalled = time.monotonic() - last > stall
-        if stalled:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-            break
-    for p in procs:
-        p.join()
+            if done != state["seen"]:
+                state["seen"], state["last"] = done, now
+            state["stalled"] = now - state["last"] > stall
+        if state["stalled"]:
+            return f"stalled: no case finished for {stall:.0f} s" if state["ready"] else "stalled in start-up"
+        return None
+
+    # A kill launch ends with the culprit dead and the survivors leaving without a result (os._exit).
+    kill = any(c["fault"] == "kill" for c in cases)
+    try:
+        run_ranks(_rank_main, world, cases, opts, out_dir, timeout=float("inf"), pg_timeout=opts["pg_timeout"],
+                  env={"TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "1")},
+                  expect_dead=tuple(range(world)) if kill else (), watch=watch)
+    except RankFailure as e:  # a crash or a stall: the records say which case was in progress
+        print(f"CP {world} launch ended early:\n{e}", file=sys.stderr)
     results: dict = {}
     for r in range(world):
         with open(os.path.join(out_dir, f"rank{r}.jsonl")) as f:
             for line in f:
                 rec = json.loads(line)
                 results.setdefault(rec["index"], {})[r] = rec
-    return {"records": results, "exit": [p.exitcode for p in procs], "stalled": stalled}
+    return {"records": results, "stalled": state["stalled"]}
 
 
 def _count_lines(path: str) -> int:

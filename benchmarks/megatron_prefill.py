@@ -14,77 +14,55 @@ after a change).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
-import tempfile
 import time
 
 import torch
 
 
-def _worker(rank, world, store_path, args, results):
-    torch.set_num_threads(1)
+def _worker(rank, world, args) -> dict:
+    """One CP rank (``run_ranks`` made the gloo group, one thread): its timings, tokens and ring counts."""
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=600))
-    try:
-        from megatron_tree.decode.prefill import PrefillWork
-        from megatron_tree.integrations import megatron as mt
-        from megatron_tree.integrations.megatron import model as mm
-        from megatron_tree.integrations.megatron.cpu import megatron_on_cpu
+    from megatron_tree.decode.prefill import PrefillWork
+    from megatron_tree.integrations import megatron as mt
+    from megatron_tree.integrations.megatron import model as mm
+    from megatron_tree.integrations.megatron.cpu import megatron_on_cpu
 
-        with megatron_on_cpu():
-            mt.initialize_model_parallel(world)
-            shape = mm.GPTShape(vocab_size=1024, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
-                                num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                                num_key_value_heads=args.heads // 2,
-                                max_position_embeddings=args.length + args.new_tokens + 8, initializer_range=0.02)
-            model = mm.build_gpt(shape, tree=True, cp=world, seed=7)
-            work = PrefillWork()
-            for layer in model.decoder.layers:
-                layer.self_attention.core_attention.prefill_work = work  # read only where the ring exists
-            lm = mm.MegatronLM(model, mt.tree_groups_from_megatron(model.pg_collection), shape)
-            ids = torch.randint(0, 1024, (args.length,), generator=torch.Generator().manual_seed(11)).tolist()
-            cache = lm.new_cache(1, args.length + args.new_tokens + 1)
-            dist.barrier()
-            with torch.no_grad():
-                t0 = time.perf_counter()
-                tok = lm.prefill([ids], cache).argmax(-1)
-                prefill = time.perf_counter() - t0
-                tokens, steps = [int(tok[0])], []
-                for _ in range(args.new_tokens - 1):
-                    t = time.perf_counter()
-                    tok = lm.decode_step(tok, cache).argmax(-1)
-                    tokens.append(int(tok[0]))
-                    steps.append(time.perf_counter() - t)
-        results.put((rank, {"prefill_s": prefill, "decode_s": steps, "tokens": tokens,
-                            "work": {"pairs": work.pairs, "blocks": work.blocks, "skipped": work.skipped}}))
-    except BaseException as e:  # noqa: BLE001 -- the parent reports it
-        import traceback
-
-        results.put((rank, {"error": f"{e!r}\n{traceback.format_exc()}"}))
-    finally:
-        dist.destroy_process_group()
+    with megatron_on_cpu():
+        mt.initialize_model_parallel(world)
+        shape = mm.GPTShape(vocab_size=1024, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
+                            num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                            num_key_value_heads=args.heads // 2,
+                            max_position_embeddings=args.length + args.new_tokens + 8, initializer_range=0.02)
+        model = mm.build_gpt(shape, tree=True, cp=world, seed=7)
+        work = PrefillWork()
+        for layer in model.decoder.layers:
+            layer.self_attention.core_attention.prefill_work = work  # read only where the ring exists
+        lm = mm.MegatronLM(model, mt.tree_groups_from_megatron(model.pg_collection), shape)
+        ids = torch.randint(0, 1024, (args.length,), generator=torch.Generator().manual_seed(11)).tolist()
+        cache = lm.new_cache(1, args.length + args.new_tokens + 1)
+        dist.barrier()
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            tok = lm.prefill([ids], cache).argmax(-1)
+            prefill = time.perf_counter() - t0
+            tokens, steps = [int(tok[0])], []
+            for _ in range(args.new_tokens - 1):
+                t = time.perf_counter()
+                tok = lm.decode_step(tok, cache).argmax(-1)
+                tokens.append(int(tok[0]))
+                steps.append(time.perf_counter() - t)
+    return {"prefill_s": prefill, "decode_s": steps, "tokens": tokens,
+            "work": {"pairs": work.pairs, "blocks": work.blocks, "skipped": work.skipped}}
 
 
 def run(args) -> dict:
-    import multiprocessing as mp
+    from megatron_tree.utils.testing import run_ranks
 
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    store = os.path.join(tempfile.mkdtemp(prefix="bench_mprefill_"), "store")
-    procs = [ctx.Process(target=_worker, args=(r, args.cp, store, args, results), daemon=True) for r in range(args.cp)]
-    for p in procs:
-        p.start()
-    per_rank = dict(results.get(timeout=900) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-    for r, res in per_rank.items():
-        if "error" in res:
-            raise RuntimeError(f"rank {r} failed:\n{res['error']}")
+    per_rank = dict(enumerate(run_ranks(_worker, args.cp, args, timeout=900, pg_timeout=600)))
     if any(per_rank[r]["tokens"] != per_rank[0]["tokens"] for r in per_rank):
         raise RuntimeError("ranks generated different tokens")
     import megatron_tree

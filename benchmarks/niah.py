@@ -172,34 +172,24 @@ def evaluate(lm, root: str, length: int, samples: int) -> dict:
             "prompt_tokens": sorted(x for _, _, xs in record for x in xs)}
 
 
-def _worker(rank, world, store_path, root, cp, commands, results):
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                       "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"})
-    torch.set_num_threads(1)
-    import torch.distributed as dist
+def _worker(rank, world, root, cp, commands, results) -> None:
+    """One CP rank (``run_ranks`` made the gloo group, one thread): a ``TreeLM`` evaluation per command
+    until ``None``. A failure ends the ranks; the parent raises their tracebacks."""
+    os.environ["LOCAL_RANK"] = str(rank)
+    from megatron_tree.integrations.lm_eval import TreeLM
 
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=3600))
-    try:
-        from megatron_tree.integrations.lm_eval import TreeLM
-
-        while True:
-            cmd = commands[rank].get()
-            if cmd is None:
-                break
-            length, samples = cmd
-            lm = TreeLM(pretrained=os.path.join(root, "model"), tokenizer=os.path.join(root, "tok"), cp_size=cp,
-                        max_length=length, device="cpu", batch_size=1)
-            caches = record_caches(lm)
-            out = evaluate(lm, root, length, samples)
-            biggest = max(caches, key=lambda c: c.kv_nbytes)
-            out.update(kv_bytes_per_rank=biggest.kv_nbytes, kv_bytes_unsharded=biggest.storage.unsharded_kv_nbytes())
-            results.put(("done", rank, out))
-    except BaseException as e:  # noqa: BLE001 - reported to the parent, which stops the run
-        results.put(("error", rank, f"{type(e).__name__}: {e}"))
-        raise
-    finally:
-        dist.destroy_process_group()
+    while True:
+        cmd = commands[rank].get()
+        if cmd is None:
+            break
+        length, samples = cmd
+        lm = TreeLM(pretrained=os.path.join(root, "model"), tokenizer=os.path.join(root, "tok"), cp_size=cp,
+                    max_length=length, device="cpu", batch_size=1)
+        caches = record_caches(lm)
+        out = evaluate(lm, root, length, samples)
+        biggest = max(caches, key=lambda c: c.kv_nbytes)
+        out.update(kv_bytes_per_rank=biggest.kv_nbytes, kv_bytes_unsharded=biggest.storage.unsharded_kv_nbytes())
+        results.put(("done", rank, out))
 
 
 def main(argv=None) -> dict:
@@ -214,7 +204,7 @@ def main(argv=None) -> dict:
     p.add_argument("--markdown", default=None)
     args = p.parse_args(argv)
     os.environ.update({"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
-    import torch.multiprocessing as mp
+    from megatron_tree.utils import testing
 
     meta = {"command": "python -m benchmarks.niah " + " ".join(sys.argv[1:] if argv is None else argv),
             "torch": torch.__version__, "python": platform.python_version(), "cores": os.cpu_count(),
@@ -228,13 +218,12 @@ def main(argv=None) -> dict:
     tok = build_tokenizer(os.path.join(root, "tok"))
     build_checkpoint(os.path.join(root, "model"), tok, args.layers, max(args.lengths) + 256)
     write_task(root)
-    ctx = mp.get_context("spawn")
+    ctx = testing.context()
     commands = [ctx.Queue() for _ in range(args.cp)]
     results = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, args.cp, os.path.join(root, "store"), root, args.cp, commands, results))
-             for r in range(args.cp)]
-    for pr in procs:
-        pr.start()
+    # The ranks (environment above: offline) serve one length per command while this process runs hf.
+    ranks = testing.RanksInBackground(_worker, args.cp, root, args.cp, commands, results, timeout=float("inf"),
+                                      pg_timeout=3600)
     rows = []
     try:
         from lm_eval.models.huggingface import HFLM
@@ -254,9 +243,7 @@ def main(argv=None) -> dict:
                         q.put((length, samples))
                     outs = {}
                     while len(outs) < args.cp:
-                        kind, rank, out = results.get(timeout=7200)
-                        if kind == "error":
-                            raise RuntimeError(f"CP rank {rank} failed: {out}")
+                        _, rank, out = ranks.get(results, timeout=7200)  # a failed rank: its traceback
                         outs[rank] = out
                     row["tree"] = outs[0]
                     row["tree"]["kv_bytes_each_rank"] = [outs[r]["kv_bytes_per_rank"] for r in range(args.cp)]
@@ -273,10 +260,7 @@ def main(argv=None) -> dict:
     finally:
         for q in commands:
             q.put(None)
-        for pr in procs:
-            pr.join(timeout=60)
-            if pr.is_alive():
-                pr.kill()
+        ranks.result(timeout=60)
     meta["load_average_end"] = os.getloadavg()
     report = {"meta": meta, "rows": rows}
     if args.out:

@@ -20,7 +20,6 @@ command and numbers.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -33,7 +32,8 @@ from megatron_tree.comm.strategies import STRATEGIES
 VARIANTS = ("unsplit", "split")
 
 
-def _rank_main(rank: int, world: int, store_path: str, cfgs: list, opts: dict, out_path: str) -> None:
+def _rank_main(rank: int, world: int, cfgs: list, opts: dict, out_path: str) -> None:
+    """One rank of a P-rank run (``run_ranks`` made the group); rank 0 saves rows after every config."""
     import torch
     import torch.distributed as dist
 
@@ -41,58 +41,52 @@ def _rank_main(rank: int, world: int, store_path: str, cfgs: list, opts: dict, o
     from megatron_tree.distributed.topology import TreeGroups
     from .decode import Config, _make_shard, _shard_lengths
 
-    torch.set_num_threads(opts["threads"])
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=opts["pg_timeout"]))
     rows = []
-    try:
-        groups = {}
-        for c in cfgs:
-            cfg = Config(**{k: c[k] for k in ("ranks", "intra", "context", "batch", "heads_q", "heads_kv",
-                                                "head_dim")})
-            if cfg.intra not in groups:
-                groups[cfg.intra] = TreeGroups.build(intra_size=cfg.intra, node_of=[0] * world)
-            g = groups[cfg.intra]
-            lens = _shard_lengths(cfg.context, world)
-            k, v = _make_shard(cfg, rank, lens[rank], opts["seed"], torch.float32, torch.device("cpu"))
-            q = torch.randn(cfg.batch, 1, cfg.heads_q, cfg.head_dim,
-                            generator=torch.Generator().manual_seed(opts["seed"]))
-            outs, times = {}, {v_: [] for v_ in VARIANTS}
+    groups = {}
+    for c in cfgs:
+        cfg = Config(**{k: c[k] for k in ("ranks", "intra", "context", "batch", "heads_q", "heads_kv",
+                                            "head_dim")})
+        if cfg.intra not in groups:
+            groups[cfg.intra] = TreeGroups.build(intra_size=cfg.intra, node_of=[0] * world)
+        g = groups[cfg.intra]
+        lens = _shard_lengths(cfg.context, world)
+        k, v = _make_shard(cfg, rank, lens[rank], opts["seed"], torch.float32, torch.device("cpu"))
+        q = torch.randn(cfg.batch, 1, cfg.heads_q, cfg.head_dim,
+                        generator=torch.Generator().manual_seed(opts["seed"]))
+        outs, times = {}, {v_: [] for v_ in VARIANTS}
 
-            def timed(variant):
-                dist.barrier(group=g.cp_group)
-                t0 = time.perf_counter()
-                out = tree_decode(q, k, v, g, strategy=c["strategy"], overlap=variant == "split")
-                dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-                dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=g.cp_group)
-                return out, float(dt)
+        def timed(variant):
+            dist.barrier(group=g.cp_group)
+            t0 = time.perf_counter()
+            out = tree_decode(q, k, v, g, strategy=c["strategy"], overlap=variant == "split")
+            dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=g.cp_group)
+            return out, float(dt)
 
-            for _ in range(opts["warmup"]):
-                for variant in VARIANTS:
-                    outs[variant], _ = timed(variant)
-            for i in range(opts["iters"]):
-                for j in range(len(VARIANTS)):
-                    variant = VARIANTS[(i + j) % len(VARIANTS)]
-                    outs[variant], dt = timed(variant)
-                    times[variant].append(dt)
-            if rank == 0:
-                med = {v_: statistics.median(times[v_]) for v_ in VARIANTS}
-                rows.append({
-                    **c,
-                    "iters": opts["iters"],
-                    "median_ms": {v_: med[v_] * 1e3 for v_ in VARIANTS},
-                    "p90_ms": {v_: sorted(times[v_])[int(0.9 * (len(times[v_]) - 1))] * 1e3 for v_ in VARIANTS},
-                    "times_ms": {v_: [t * 1e3 for t in times[v_]] for v_ in VARIANTS},
-                    "min_ms": {v_: min(times[v_]) * 1e3 for v_ in VARIANTS},
-                    "ratio_unsplit_over_split": med["unsplit"] / med["split"],
-                    # round i ran both variants back to back: the median of per-round ratios cancels slow drifts
-                    "paired_ratio": statistics.median(u / s_ for u, s_ in zip(times["unsplit"], times["split"])),
-                    "max_abs_diff": float((outs["split"] - outs["unsplit"]).abs().max()),
-                })
-                with open(out_path, "w") as f:  # after every config: a crash later keeps these rows
-                    json.dump(rows, f)
-    finally:
-        dist.destroy_process_group()
+        for _ in range(opts["warmup"]):
+            for variant in VARIANTS:
+                outs[variant], _ = timed(variant)
+        for i in range(opts["iters"]):
+            for j in range(len(VARIANTS)):
+                variant = VARIANTS[(i + j) % len(VARIANTS)]
+                outs[variant], dt = timed(variant)
+                times[variant].append(dt)
+        if rank == 0:
+            med = {v_: statistics.median(times[v_]) for v_ in VARIANTS}
+            rows.append({
+                **c,
+                "iters": opts["iters"],
+                "median_ms": {v_: med[v_] * 1e3 for v_ in VARIANTS},
+                "p90_ms": {v_: sorted(times[v_])[int(0.9 * (len(times[v_]) - 1))] * 1e3 for v_ in VARIANTS},
+                "times_ms": {v_: [t * 1e3 for t in times[v_]] for v_ in VARIANTS},
+                "min_ms": {v_: min(times[v_]) * 1e3 for v_ in VARIANTS},
+                "ratio_unsplit_over_split": med["unsplit"] / med["split"],
+                # round i ran both variants back to back: the median of per-round ratios cancels slow drifts
+                "paired_ratio": statistics.median(u / s_ for u, s_ in zip(times["unsplit"], times["split"])),
+                "max_abs_diff": float((outs["split"] - outs["unsplit"]).abs().max()),
+            })
+            with open(out_path, "w") as f:  # after every config: a crash later keeps these rows
+                json.dump(rows, f)
 
 
 def predict(row: dict, preset_name: str) -> dict:
@@ -108,8 +102,8 @@ def predict(row: dict, preset_name: str) -> dict:
 
 
 def run(cfgs: list[dict], opts: dict) -> list[dict]:
-    """Spawn P local gloo ranks per distinct P, run their configurations, return rank 0's rows."""
-    import torch.multiprocessing as tmp
+    """Run each distinct P's configurations on P fresh local gloo ranks (``run_ranks``); return rank 0's rows."""
+    from megatron_tree.utils.testing import run_ranks
 
     rows = []
     by_p: dict[int, list] = {}
@@ -118,7 +112,8 @@ def run(cfgs: list[dict], opts: dict) -> list[dict]:
     for p, group in by_p.items():
         with tempfile.TemporaryDirectory(prefix="mt_overlap_") as d:
             out = os.path.join(d, "rank0.json")
-            tmp.spawn(_rank_main, args=(p, os.path.join(d, "store"), group, opts, out), nprocs=p, join=True)
+            run_ranks(_rank_main, p, group, opts, out, timeout=float("inf"), pg_timeout=opts["pg_timeout"],
+                      threads=opts["threads"])
             with open(out) as f:
                 rows.extend(json.load(f))
     return rows

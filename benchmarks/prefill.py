@@ -41,7 +41,6 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
@@ -114,88 +113,74 @@ def run_single(model, ids: list[int], new_tokens: int) -> dict:
     return {"prefill_s": prefill, "decode_s": steps, "tokens": tokens}
 
 
-def _worker(rank, world, store_path, args, commands, results):
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world)})
-    torch.set_num_threads(1)
+def _worker(rank, world, args, commands, results) -> None:
+    """One CP rank (``run_ranks`` made the gloo group, one thread): builds the model, then runs one
+    request per command until ``None``. A failure ends the ranks; the parent raises their tracebacks."""
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=1800))
-    try:
-        from megatron_tree.decode.prefill import PrefillWork, visible_pairs
-        from megatron_tree.integrations.hf import HFTreeModel
-        from megatron_tree.distributed.topology import TreeGroups
+    from megatron_tree.decode.prefill import PrefillWork, visible_pairs
+    from megatron_tree.integrations.hf import HFTreeModel
+    from megatron_tree.distributed.topology import TreeGroups
 
-        groups = TreeGroups.build()
-        work = PrefillWork()
-        model = HFTreeModel(build_model(args.checkpoint, args.layers), groups, prefill="ring", work=work)
-        results.put(("ready", rank, None))
-        while True:
-            cmd = commands[rank].get()
-            if cmd is None:
-                break
-            ids, new_tokens = cmd
-            cache = model.new_cache(1, len(ids) + new_tokens)
-            dist.barrier()
-            with torch.no_grad():
-                t0 = time.perf_counter()
-                counted = PrefillWork()
-                work.__dict__.update(counted.__dict__)  # counts of this request's prefill only
-                work.kernels = {}
-                logits = model.prefill([ids], cache)
-                tok = int(logits[0].argmax())
-                prefill = time.perf_counter() - t0
-                tokens, steps = [tok], []
-                for _ in range(new_tokens - 1):
-                    t = time.perf_counter()
-                    tok = int(model.decode_step([tok], cache)[0].argmax())
-                    steps.append(time.perf_counter() - t)
-                    tokens.append(tok)
-            store = cache.storage
-            n_mine = int(store.seqlens[0])
-            mine = store.positions[0, :n_mine]
-            prompt_mine = mine[mine < len(ids)]
-            layers = model.config.num_hidden_layers
-            layout_pairs = visible_pairs(prompt_mine[None], torch.arange(len(ids))[None])
-            if work.pairs != layers * layout_pairs:
-                raise RuntimeError(f"rank {rank}: the ring counted {work.pairs} visible pairs over {layers} layers, "
-                                   f"the stored layout implies {layers} x {layout_pairs}")
-            results.put(("done", rank, {"prefill_s": prefill, "decode_s": steps, "tokens": tokens,
-                                        "pairs": work.pairs // layers, "prompt_tokens": int(prompt_mine.numel()),
-                                        "blocks": work.blocks, "skipped": work.skipped, "kernels": dict(work.kernels),
-                                        "attention_s": work.compute_s, "ring_wait_s": work.wait_s}))
-    except BaseException as e:  # noqa: BLE001 -- the parent reports it
-        import traceback
-
-        results.put(("error", rank, f"{e!r}\n{traceback.format_exc()}"))
-    finally:
-        dist.destroy_process_group()
+    groups = TreeGroups.build()
+    work = PrefillWork()
+    model = HFTreeModel(build_model(args.checkpoint, args.layers), groups, prefill="ring", work=work)
+    results.put(("ready", rank, None))
+    while True:
+        cmd = commands[rank].get()
+        if cmd is None:
+            break
+        ids, new_tokens = cmd
+        cache = model.new_cache(1, len(ids) + new_tokens)
+        dist.barrier()
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            counted = PrefillWork()
+            work.__dict__.update(counted.__dict__)  # counts of this request's prefill only
+            work.kernels = {}
+            logits = model.prefill([ids], cache)
+            tok = int(logits[0].argmax())
+            prefill = time.perf_counter() - t0
+            tokens, steps = [tok], []
+            for _ in range(new_tokens - 1):
+                t = time.perf_counter()
+                tok = int(model.decode_step([tok], cache)[0].argmax())
+                steps.append(time.perf_counter() - t)
+                tokens.append(tok)
+        store = cache.storage
+        n_mine = int(store.seqlens[0])
+        mine = store.positions[0, :n_mine]
+        prompt_mine = mine[mine < len(ids)]
+        layers = model.config.num_hidden_layers
+        layout_pairs = visible_pairs(prompt_mine[None], torch.arange(len(ids))[None])
+        if work.pairs != layers * layout_pairs:
+            raise RuntimeError(f"rank {rank}: the ring counted {work.pairs} visible pairs over {layers} layers, "
+                               f"the stored layout implies {layers} x {layout_pairs}")
+        results.put(("done", rank, {"prefill_s": prefill, "decode_s": steps, "tokens": tokens,
+                                    "pairs": work.pairs // layers, "prompt_tokens": int(prompt_mine.numel()),
+                                    "blocks": work.blocks, "skipped": work.skipped, "kernels": dict(work.kernels),
+                                    "attention_s": work.compute_s, "ring_wait_s": work.wait_s}))
 
 
 class _CPRanks:
     """``cp`` worker processes that hold the enabled model and run one request per command."""
 
     def __init__(self, args):
-        import multiprocessing as mp
+        from megatron_tree.utils import testing
 
-        ctx = mp.get_context("spawn")
         self.world = args.cp
-        self._dir = tempfile.mkdtemp(prefix="bench_prefill_")
+        ctx = testing.context()
         self.commands = [ctx.Queue() for _ in range(self.world)]
         self.results = ctx.Queue()
-        self.procs = [ctx.Process(target=_worker, args=(r, self.world, os.path.join(self._dir, "store"), args,
-                                                        self.commands, self.results), daemon=True)
-                      for r in range(self.world)]
-        for p in self.procs:
-            p.start()
+        # The harness runs in a thread of this process, which times the single path meanwhile.
+        self.ranks = testing.RanksInBackground(_worker, self.world, args, self.commands, self.results,
+                                               timeout=float("inf"), pg_timeout=1800)
         self._collect("ready")
 
     def _collect(self, what):
         got = {}
         while len(got) < self.world:
-            kind, rank, value = self.results.get(timeout=3600)
-            if kind == "error":
-                raise RuntimeError(f"CP rank {rank} failed:\n{value}")
+            kind, rank, value = self.ranks.get(self.results, timeout=3600)  # a failed rank: its traceback
             if kind != what:
                 raise RuntimeError(f"CP rank {rank} said {kind!r}, expected {what!r}")
             got[rank] = value
@@ -217,10 +202,7 @@ class _CPRanks:
     def close(self):
         for q in self.commands:
             q.put(None)
-        for p in self.procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
+        self.ranks.result(timeout=60)
 
 
 def _summary(entries, length):

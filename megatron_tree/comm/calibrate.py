@@ -27,10 +27,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import statistics
-import tempfile
 import time
 
 SCORE_PASSES = 5  # the torch decode path on CPU materialises its fp32 scores (written into the preset)
@@ -45,115 +43,108 @@ def _median_time(fn, reps: int) -> float:
     return statistics.median(ts)
 
 
-def _rank_main(rank: int, world: int, store_path: str, opts: dict, out_path: str) -> None:
+def _rank_main(rank: int, world: int, opts: dict) -> list | None:
+    """One rank's measurements (``run_ranks`` made the gloo group); rank 0 returns every rank's."""
     import torch
     import torch.distributed as dist
 
     from ..ops.dispatch import flash_decode
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=600))
     res = {}
-    try:
-        reps = opts["reps"]
-        # Kernel on rank 0 alone (the others wait in a barrier).
-        if rank == 0:
-            q = torch.randn(1, 1, 8, 128)
-            pts = []
-            for n in opts["kernel_tokens"]:
-                k = torch.randn(1, n, 8, 128)
-                v = torch.randn(1, n, 8, 128)
-                flash_decode(q, k, v)
-                t = _median_time(lambda: flash_decode(q, k, v), reps)
-                # KV once + the torch path's fp32 score passes (cost.Dims.kernel_bytes)
-                nbytes = 2 * k.numel() * 4 + SCORE_PASSES * 8 * n * 4
-                pts.append((nbytes, t))
-            (b1, t1), (b2, t2) = pts  # a tiny shard gives the fixed cost, a large one the bandwidth
-            res["kernel_overhead"] = t1
-            res["kernel_bw"] = (b2 - b1) / max(t2 - t1, 1e-9)
-            res["kernel_points"] = pts
+    reps = opts["reps"]
+    # Kernel on rank 0 alone (the others wait in a barrier).
+    if rank == 0:
+        q = torch.randn(1, 1, 8, 128)
+        pts = []
+        for n in opts["kernel_tokens"]:
+            k = torch.randn(1, n, 8, 128)
+            v = torch.randn(1, n, 8, 128)
+            flash_decode(q, k, v)
+            t = _median_time(lambda: flash_decode(q, k, v), reps)
+            # KV once + the torch path's fp32 score passes (cost.Dims.kernel_bytes)
+            nbytes = 2 * k.numel() * 4 + SCORE_PASSES * 8 * n * 4
+            pts.append((nbytes, t))
+        (b1, t1), (b2, t2) = pts  # a tiny shard gives the fixed cost, a large one the bandwidth
+        res["kernel_overhead"] = t1
+        res["kernel_bw"] = (b2 - b1) / max(t2 - t1, 1e-9)
+        res["kernel_points"] = pts
+    dist.barrier()
+    # Every rank runs the kernel on the large shard at once: how many run truly in parallel.
+    n_big = opts["kernel_tokens"][-1]
+    qc = torch.randn(1, 1, 8, 128)
+    kc, vc = torch.randn(1, n_big, 8, 128), torch.randn(1, n_big, 8, 128)
+    flash_decode(qc, kc, vc)
+
+    def concurrent():
         dist.barrier()
-        # Every rank runs the kernel on the large shard at once: how many run truly in parallel.
-        n_big = opts["kernel_tokens"][-1]
-        qc = torch.randn(1, 1, 8, 128)
-        kc, vc = torch.randn(1, n_big, 8, 128), torch.randn(1, n_big, 8, 128)
+        t0 = time.perf_counter()
         flash_decode(qc, kc, vc)
+        t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t)
 
-        def concurrent():
-            dist.barrier()
-            t0 = time.perf_counter()
-            flash_decode(qc, kc, vc)
-            t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            return float(t)
+    res["kernel_concurrent"] = statistics.median([concurrent() for _ in range(reps)])
+    del kc, vc
+    # α: ping-pong 0 <-> 1.
+    x = torch.zeros(1, dtype=torch.float32)
+    if rank in (0, 1):
+        def pingpong():
+            if rank == 0:
+                dist.send(x, 1)
+                dist.recv(x, 1)
+            else:
+                dist.recv(x, 0)
+                dist.send(x, 0)
+        pingpong()
+        res["rtt"] = _median_time(pingpong, 10 * reps)
+    dist.barrier()
+    # Small all-reduce over ranks {0, 1} (the others idle), then over everyone.
+    pair = dist.new_group([0, 1])
+    if rank in (0, 1):
+        dist.all_reduce(x, group=pair)
+        res["allreduce_small_2"] = _median_time(lambda: dist.all_reduce(x, group=pair), 10 * reps)
+    dist.barrier()
 
-        res["kernel_concurrent"] = statistics.median([concurrent() for _ in range(reps)])
-        del kc, vc
-        # α: ping-pong 0 <-> 1.
-        x = torch.zeros(1, dtype=torch.float32)
-        if rank in (0, 1):
-            def pingpong():
-                if rank == 0:
-                    dist.send(x, 1)
-                    dist.recv(x, 1)
-                else:
-                    dist.recv(x, 0)
-                    dist.send(x, 0)
-            pingpong()
-            res["rtt"] = _median_time(pingpong, 10 * reps)
+    def ar():
+        dist.all_reduce(x)
+    ar()
+    dist.barrier()
+    res["allreduce_small"] = _median_time(ar, 10 * reps)
+    # Ring send of a large message by every rank at once.
+    n = opts["ring_bytes"] // 4
+    buf_s = torch.randn(n)
+    buf_r = torch.empty(n)
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+
+    def ring():
         dist.barrier()
-        # Small all-reduce over ranks {0, 1} (the others idle), then over everyone.
-        pair = dist.new_group([0, 1])
-        if rank in (0, 1):
-            dist.all_reduce(x, group=pair)
-            res["allreduce_small_2"] = _median_time(lambda: dist.all_reduce(x, group=pair), 10 * reps)
+        t0 = time.perf_counter()
+        w = [dist.isend(buf_s, nxt), dist.irecv(buf_r, prv)]
+        for h in w:
+            h.wait()
+        t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t)
+
+    ring()
+    res["ring_send"] = statistics.median([ring() for _ in range(reps)])
+    # A large all-gather over everyone (all-gather-KV decode's collective).
+    parts = [torch.empty(n // world) for _ in range(world)]
+    src = buf_s[: n // world]
+
+    def gather():
         dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_gather(parts, src)
+        t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t)
 
-        def ar():
-            dist.all_reduce(x)
-        ar()
-        dist.barrier()
-        res["allreduce_small"] = _median_time(ar, 10 * reps)
-        # Ring send of a large message by every rank at once.
-        n = opts["ring_bytes"] // 4
-        buf_s = torch.randn(n)
-        buf_r = torch.empty(n)
-        nxt, prv = (rank + 1) % world, (rank - 1) % world
-
-        def ring():
-            dist.barrier()
-            t0 = time.perf_counter()
-            w = [dist.isend(buf_s, nxt), dist.irecv(buf_r, prv)]
-            for h in w:
-                h.wait()
-            t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            return float(t)
-
-        ring()
-        res["ring_send"] = statistics.median([ring() for _ in range(reps)])
-        # A large all-gather over everyone (all-gather-KV decode's collective).
-        parts = [torch.empty(n // world) for _ in range(world)]
-        src = buf_s[: n // world]
-
-        def gather():
-            dist.barrier()
-            t0 = time.perf_counter()
-            dist.all_gather(parts, src)
-            t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            return float(t)
-
-        gather()
-        res["allgather_large"] = statistics.median([gather() for _ in range(reps)])
-        gathered = [None] * world
-        dist.all_gather_object(gathered, res)
-        if rank == 0:
-            with open(out_path, "w") as f:
-                json.dump(gathered, f)
-    finally:
-        dist.destroy_process_group()
+    gather()
+    res["allgather_large"] = statistics.median([gather() for _ in range(reps)])
+    gathered = [None] * world
+    dist.all_gather_object(gathered, res)
+    return gathered if rank == 0 else None
 
 
 def fit(measured: list[dict], world: int, host_cores: int, ring_bytes: int) -> dict:
@@ -196,20 +187,17 @@ def main(argv=None) -> int:
     ap.add_argument("--name", default="cpu_gloo")
     ap.add_argument("--out", default=None, help="YAML to write (default: megatron_tree/comm/presets/NAME.yaml)")
     args = ap.parse_args(argv)
-    import torch.multiprocessing as tmp
     import yaml
 
+    from ..utils.testing import run_ranks
     from .cost import PRESET_DIR, Preset
 
     opts = {"reps": args.reps, "ring_bytes": int(args.ring_mb * 2**20),
             "kernel_tokens": [int(x) for x in args.kernel_tokens.split(",")]}
     runs = []
     for _ in range(args.repeat):  # a shared machine is noisy: the median of several runs per quantity
-        with tempfile.TemporaryDirectory(prefix="mt_calib_") as d:
-            out = os.path.join(d, "calib.json")
-            tmp.spawn(_rank_main, args=(args.ranks, os.path.join(d, "store"), opts, out), nprocs=args.ranks, join=True)
-            with open(out) as f:
-                runs.append(json.load(f)[0])
+        gathered = run_ranks(_rank_main, args.ranks, opts, timeout=float("inf"), pg_timeout=600)[0]
+        runs.append(gathered[0])
     measured = [{k: (statistics.median(r[k] for r in runs) if k != "kernel_points" else
                      [[runs[0][k][i][0], statistics.median(r[k][i][1] for r in runs)] for i in range(2)])
                  for k in runs[0]}]

@@ -6,6 +6,8 @@ to collide between calls), runs ``fn(rank, world_size, *args)`` in each with the
 group initialised, and returns the per-rank results in rank order. Any rank that raises, exits
 without a result, or outlives ``timeout`` fails the call with that rank's traceback; the remaining
 ranks are killed, so a broken collective can never hang a test run or a benchmark.
+:class:`RanksInBackground` runs the same harness in a thread, for ranks that serve requests
+while the calling process does its own work.
 
 The processes are forked by multiprocessing's fork server, which imports the ``preload`` modules
 once per Python session: importing torch (and transformers) costs seconds of CPU per process, more
@@ -23,12 +25,18 @@ import queue as queue_mod
 import shutil
 import sys
 import tempfile
+import threading
 import time
 import traceback
 
 
 PRELOAD = ("torch", "torch.distributed")
 """Imported once by the fork server unless a caller names its own ``preload``."""
+
+
+GROUP_INIT_SECONDS: float | None = None
+"""In a rank: wall seconds the harness took to create its default group (benchmarks that count group creation
+as part of a first call add it to their own clock)."""
 
 
 class RankFailure(AssertionError):
@@ -57,11 +65,16 @@ def _worker(rank, world_size, store_path, fn, args, kwargs, env, path, pg_timeou
 
         if threads:
             torch.set_num_threads(threads)
+        if backend == "nccl":  # NCCL binds its communicators to the current device: one GPU per rank
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        global GROUP_INIT_SECONDS
+        start = time.perf_counter()
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group(
             backend, store=store, rank=rank, world_size=world_size,
             timeout=datetime.timedelta(seconds=pg_timeout),
         )
+        GROUP_INIT_SECONDS = time.perf_counter() - start
         try:
             value = fn(rank, world_size, *args, **kwargs)
         finally:
@@ -83,6 +96,7 @@ def run_ranks(
     backend: str = "gloo",
     threads: int | None = 1,
     preload: tuple[str, ...] | None = None,
+    watch=None,
     **kwargs,
 ) -> list:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks.
@@ -94,12 +108,16 @@ def run_ranks(
     env: extra environment variables for every rank.
     expect_dead: ranks allowed to exit without a result (tests of a rank dying mid-run);
         their slot in the returned list is ``None``.
-    backend: the process group's backend; threads: ``torch.set_num_threads`` in every rank
+    backend: the process group's backend (``"nccl"``: each rank first takes GPU
+        ``rank % device_count``); threads: ``torch.set_num_threads`` in every rank
         (``None`` leaves torch's default).
     preload: modules the fork server imports once, read only by the first call of a Python
         session (default :data:`PRELOAD`).
+    watch: called in the parent about five times a second while ranks run; a non-empty string
+        it returns stops the run as a failure with that text (a run whose length is not known
+        ahead, e.g. a soak, judges "stalled" by its own progress instead of one ``timeout``).
     """
-    ctx = mp.get_context("forkserver")
+    ctx = context()
     ctx.set_forkserver_preload(list(PRELOAD if preload is None else preload))  # read when the server starts: the first call of the session
     tmp = tempfile.mkdtemp(prefix="mt_store_")
     results = ctx.Queue()
@@ -142,6 +160,10 @@ def run_ranks(
                     drain(2)  # its result may still be in flight through the queue
                     if not settled(r):
                         errors[r] = f"rank {r} exited with code {p.exitcode} without a result"
+            why = watch() if watch is not None and not errors else None
+            if why:
+                errors[-1] = str(why)
+                break
             if time.monotonic() > deadline:
                 missing = [r for r in range(world_size) if not settled(r)]
                 errors[-1] = f"timed out after {timeout:.0f}s; ranks still running: {missing}"
@@ -159,3 +181,58 @@ def run_ranks(
         )
         raise RankFailure(f"{len(errors)} rank(s) failed in a {world_size}-rank run of {fn.__name__}:\n{msg}")
     return [out.get(r) for r in range(world_size)]
+
+
+def context():
+    """The multiprocessing context the ranks start from: a queue handed to ``fn`` as an argument
+    must be made by it (``context().Queue()``)."""
+    return mp.get_context("forkserver")
+
+
+class RanksInBackground:
+    """:func:`run_ranks` in a daemon thread, for ranks that serve requests while this process
+    works (a benchmark timing a one-process path between requests to the CP ranks).
+
+    Arguments are :func:`run_ranks`'s. The ranks and the caller talk through queues made by
+    :func:`context`; :meth:`get` reads one and raises the ranks' failure if they stop first.
+    """
+
+    def __init__(self, fn, world_size: int, *args, **kwargs):
+        self._value = self._error = None
+
+        def target():
+            try:
+                self._value = run_ranks(fn, world_size, *args, **kwargs)
+            except BaseException as e:  # noqa: BLE001 -- handed to result()
+                self._error = e
+
+        self._thread = threading.Thread(target=target, name=f"run_ranks:{fn.__name__}", daemon=True)
+        self._thread.start()
+
+    def result(self, timeout: float | None = None) -> list:
+        """The per-rank return values once the ranks have finished; their failure if they failed."""
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"the ranks were still running after {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def get(self, q, timeout: float = float("inf")):
+        """``q.get()``; the ranks' failure instead if they end before anything arrives, a
+        ``TimeoutError`` after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return q.get(timeout=0.5)
+            except queue_mod.Empty:
+                pass
+            if not self._thread.is_alive():
+                try:
+                    return q.get_nowait()  # put just before the ranks ended
+                except queue_mod.Empty:
+                    pass
+                self.result()
+                raise RankFailure("the ranks finished without putting anything on the queue")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"nothing from the ranks within {timeout:.0f} s")
