@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import os
 from dataclasses import dataclass, field
 
@@ -101,11 +100,11 @@ def _cp_groups(topo: TopologyConfig, cp_size: int, env):
     """This rank's ``TreeGroups``: consecutive blocks of ``cp_size`` ranks, levels from the launcher."""
     import torch.distributed as dist
 
-    from ..distributed.topology import TreeGroups
+    from ..integrations.loading import model_groups
 
     world = dist.get_world_size()
     ranks = [list(range(i, i + cp_size)) for i in range(0, world, cp_size)]
-    return TreeGroups.from_env(ranks, intra_size=topo.intra_size, timeout=topo.timeout_s, env=env)
+    return model_groups("hf", cp_size, cp_ranks=ranks, intra_size=topo.intra_size, timeout_s=topo.timeout_s, env=env)
 
 
 def _bos(path: str) -> list:
@@ -176,7 +175,7 @@ def random_llama(m: ModelConfig):
 
 
 def _build_hf(m: ModelConfig, topo: TopologyConfig, *, cp_size, rank, device, env, want_reference) -> EvalModel:
-    from ..integrations.hf import HFTreeModel
+    from ..integrations.loading import load_model
 
     if m.source == "random":
         model, bos = random_llama(m), []
@@ -188,7 +187,7 @@ def _build_hf(m: ModelConfig, topo: TopologyConfig, *, cp_size, rank, device, en
         # Loaded before any group exists: every rank reads the same files and fails alike.
         model, bos = load_hf(m), _bos(m.path)
     groups = _cp_groups(topo, cp_size, env)
-    lm = HFTreeModel(model.to(device).eval(), groups)
+    lm = load_model("hf", groups, model=model, device=device)
     ref, attn = None, "its own"
     if want_reference and rank == 0:
         ref = HFReference(lm.unsharded())  # same weight tensors, the attention the model had before (sdpa/eager)
@@ -209,7 +208,7 @@ def _build_megatron(m: ModelConfig, topo: TopologyConfig, *, cp_size, rank, devi
     import torch
     import torch.distributed as dist
 
-    from ..integrations import megatron as mtm
+    from ..integrations.loading import load_model, model_groups
     from ..integrations.megatron import checkpoint as mc
     from ..integrations.megatron import model as mm
     from ..distributed.topology import launcher_local_size
@@ -225,26 +224,23 @@ def _build_megatron(m: ModelConfig, topo: TopologyConfig, *, cp_size, rank, devi
     tp = topo.tp_size
     per_node, _ = launcher_local_size(env)
     hier = megatron_layout(topo, dist.get_world_size(), cp_size, per_node)
-    groups = mtm.initialize_model_parallel(cp_size, hier, tensor_model_parallel_size=tp,
-                                           distributed_timeout_minutes=max(1, math.ceil(topo.timeout_s / 60)))
+    groups = model_groups("megatron", cp_size, hierarchical=hier, tp=tp, timeout_s=topo.timeout_s)
     stack.callback(parallel_state.destroy_model_parallel)
     single = mm.single_rank_groups()  # collective: every rank creates every size-1 group
-    model = mm.build_gpt(shape, tree=True, dtype=dtype, tp=tp, cp=cp_size, hierarchical=hier, seed=m.seed)
+    layout = dict(device=device, dtype=dtype, shape=shape, cp_size=cp_size, hierarchical=hier, tp=tp, seed=m.seed)
     src = None
     if checkpoint is None:
         # Random weights: a seeded TP = 1 model on every rank is the source of truth; the run's
         # model takes its shards from it, rank 0 keeps it as the reference.
         src = mm.build_gpt(shape, tree=False, dtype=dtype, pg_collection=single, seed=m.seed)
-        mc.fill_from_global(model, mc.global_tensors(src))
+        lm = load_model("megatron", groups, global_tensors=mc.global_tensors(src), **layout)
         if not (want_reference and rank == 0):
             src = None
     else:
-        mc.load_checkpoint(model, checkpoint.dist_dir)
+        lm = load_model("megatron", groups, dist_dir=checkpoint.dist_dir, **layout)
         if want_reference and rank == 0:
             src = mm.build_gpt(shape, tree=False, dtype=dtype, pg_collection=single, seed=m.seed)
             mc.fill_from_global(src, mc.read_global_tensors(checkpoint.dist_dir, mc.expected_tensor_shapes(shape), dtype))
-    model = model.to(device)
-    lm = mm.MegatronLM(model, groups, shape, tp_size=tp)
     ref = mm.MegatronReference(src.to(device)) if src is not None else None
     info = {"source": "megatron", "class": "megatron.core.models.gpt.GPTModel", "tp_size": tp, "cp_size": cp_size,
             "hierarchical_context_parallel_sizes": hier, "checkpoint": None if checkpoint is None else {

@@ -85,8 +85,7 @@ except ImportError as e:  # pragma: no cover -- exercised only where lm-eval is 
 from ..distributed import collectives
 from ..comm.merge import STRATEGIES
 from ..decode import PREFILL_METHODS, generate
-from ..distributed.topology import TreeGroups
-from .hf import load_hf_model
+from .loading import load_model, model_groups
 
 __all__ = ["BACKEND_NAME", "ModelArgs", "ModelArgsError", "RequestError", "TreeLM", "check_checkpoint",
            "model_args_from"]
@@ -284,14 +283,9 @@ def _build_groups(args: ModelArgs, device: torch.device, rank: int, world: int):
         else:
             dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
     cp, dp_size = args.cp_size, world // args.cp_size
-    if megatron:
-        from .megatron import initialize_model_parallel
-
-        groups = initialize_model_parallel(
-            cp, _hierarchical(args), distributed_timeout_minutes=collectives.group_timeout().total_seconds() / 60)
-    else:
-        cp_lists = [list(range(d * cp, (d + 1) * cp)) for d in range(dp_size)]
-        groups = TreeGroups.build(cp_lists, args.intra_size) if cp > 1 else None
+    groups = model_groups(args.source, cp, hierarchical=_hierarchical(args), intra_size=args.intra_size,
+                          timeout_s=collectives.group_timeout().total_seconds(),
+                          cp_ranks=[list(range(d * cp, (d + 1) * cp)) for d in range(dp_size)])
     dp_group = None
     if dp_size > 1:
         td = collectives.group_timeout()
@@ -300,20 +294,6 @@ def _build_groups(args: ModelArgs, device: torch.device, rank: int, world: int):
             if rank % cp == c:
                 dp_group = g
     return groups, dp_group, rank // cp, dp_size
-
-
-def _load_megatron(args: ModelArgs, shape, info, groups, device: torch.device):
-    """A Megatron-Core ``GPTModel`` with tree attention at the CP layout, loaded from ``info``'s checkpoint.
-
-    Collective (``dist_checkpointing.load``); returns its :class:`~.megatron.model.MegatronLM`.
-    """
-    from .megatron import checkpoint as mc
-    from .megatron import model as mm
-
-    model = mm.build_gpt(shape, tree=True, dtype=_DTYPES[args.dtype], cp=args.cp_size, hierarchical=_hierarchical(args),
-                         strategy=args.strategy, seed=args.seed)
-    mc.load_checkpoint(model, info.dist_dir)
-    return mm.MegatronLM(model.to(device), groups, shape)
 
 
 # --------------------------------------------------------------------------- the backend
@@ -345,11 +325,14 @@ class TreeLM(TemplateLM):
             self._stack.enter_context(megatron_on_cpu())
         self.groups, self._dp_group, self._rank, self._world_size = _build_groups(args, self._device, rank, world)
         if megatron is not None:
-            self.model = _load_megatron(args, *megatron, self.groups, self._device)
+            shape, info = megatron
+            self.model = load_model("megatron", self.groups, device=self._device, dtype=_DTYPES[args.dtype],
+                                    shape=shape, dist_dir=info.dist_dir, cp_size=args.cp_size,
+                                    hierarchical=_hierarchical(args), strategy=args.strategy, seed=args.seed)
             self._max_length = args.max_length or megatron[0].max_position_embeddings
         else:
-            self.model = load_hf_model(args.pretrained, self.groups, dtype=_DTYPES[args.dtype], device=self._device,
-                                       strategy=args.strategy, prefill=args.prefill)
+            self.model = load_model("hf", self.groups, path=args.pretrained, dtype=_DTYPES[args.dtype],
+                                    device=self._device, strategy=args.strategy, prefill=args.prefill)
             self._max_length = args.max_length or resolve_max_length(self.model.hf.config, self.tokenizer)
         self.batch_size = args.batch_size
         self.scored = 0
