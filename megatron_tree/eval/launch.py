@@ -41,19 +41,12 @@ def map_slurm_env(env) -> dict:
 
     Returns the variables to add (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE); empty
     when RANK is already set or this is not a Slurm task. MASTER_ADDR/PORT come from the
-    sbatch script (first host of the node list).
+    sbatch script (first host of the node list). The mapping is the one
+    ``TreeGroups.from_env`` uses (:func:`megatron_tree.topology.slurm_torch_env`).
     """
-    if "RANK" in env or "SLURM_PROCID" not in env:
-        return {}
-    out = {
-        "RANK": env["SLURM_PROCID"],
-        "WORLD_SIZE": env.get("SLURM_NTASKS", "1"),
-        "LOCAL_RANK": env.get("SLURM_LOCALID", "0"),
-    }
-    per_node = env.get("SLURM_NTASKS_PER_NODE")
-    if per_node:
-        out["LOCAL_WORLD_SIZE"] = per_node.split("(")[0].split(",")[0]
-    return out
+    from ..topology import slurm_torch_env
+
+    return slurm_torch_env(env)
 
 
 def launcher_name(env) -> str:
