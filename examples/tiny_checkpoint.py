@@ -41,10 +41,23 @@ SENTENCES = [
 ]
 
 
+def _stamp(steps: int, seed: int) -> str:
+    """What the checkpoint was made from (the sentences, steps, seed): a changed recipe is rewritten."""
+    import hashlib
+
+    return hashlib.sha256(repr((SENTENCES, steps, seed, 1)).encode()).hexdigest()[:16]
+
+
 def ensure(path: str = DEFAULT_DIR, *, steps: int = 300, seed: int = 0) -> str:
     """Write the tokenizer and the trained model to ``path`` unless a finished one is there; returns ``path``."""
-    if os.path.isfile(os.path.join(path, "DONE")):
+    stamp = _stamp(steps, seed)
+    done = os.path.join(path, "DONE")
+    if os.path.isfile(done) and open(done).read().startswith(stamp):
         return path
+    if os.path.isdir(path):  # an older recipe's checkpoint, or an unfinished one
+        import shutil
+
+        shutil.rmtree(path)
     import torch
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -83,7 +96,7 @@ def ensure(path: str = DEFAULT_DIR, *, steps: int = 300, seed: int = 0) -> str:
     model.save_pretrained(tmp)
     fast.save_pretrained(tmp)
     with open(os.path.join(tmp, "DONE"), "w") as f:
-        f.write(f"trained {steps} steps, final loss {loss.item():.4f}\n")
+        f.write(f"{stamp}: trained {steps} steps, final loss {loss.item():.4f}\n")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     try:
         os.rename(tmp, path)
