@@ -63,9 +63,10 @@ def test_progress_only_on_a_terminal():
         def isatty(self):
             return True
 
-    assert progress_enabled(True, 0, Tty()) is True
-    assert progress_enabled(True, 0, io.StringIO()) is False  # a pipe, a file, CI
-    assert progress_enabled(True, 1, Tty()) is False and progress_enabled(False, 0, Tty()) is False
+    assert progress_enabled(True, 0, Tty(), Tty()) is True
+    assert progress_enabled(True, 0, io.StringIO(), Tty()) is False  # a pipe, a file, CI
+    assert progress_enabled(True, 0, Tty(), io.StringIO()) is False  # stdout saved to a log
+    assert progress_enabled(True, 1, Tty(), Tty()) is False and progress_enabled(False, 0, Tty(), Tty()) is False
 
 
 def _results(exact=True, tokens_match=True):

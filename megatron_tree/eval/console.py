@@ -14,7 +14,7 @@ import os
 import sys
 import warnings
 
-__all__ = ["quiet_third_party", "progress_enabled", "THIRD_PARTY_LOGGERS"]
+__all__ = ["quiet_third_party", "progress_enabled", "quiet_library_bars", "THIRD_PARTY_LOGGERS"]
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -72,8 +72,18 @@ def _origin(filename: str) -> str:
     return os.path.basename(filename)
 
 
-def progress_enabled(requested: bool, rank: int, stream=None) -> bool:
-    """Progress bars when asked for, on rank 0, and only when they draw on a terminal (a saved log or a
-    CI transcript gets the table and the verdict instead of carriage-return redraws)."""
+def progress_enabled(requested: bool, rank: int, stream=None, out=None) -> bool:
+    """Progress bars when asked for, on rank 0, and only in a terminal session: the bars' stream
+    (stderr) and stdout both terminals. A saved log (``> log``, ``| tee``), Slurm's output file or a CI
+    transcript gets the table and the verdict instead of carriage-return redraws."""
     stream = sys.stderr if stream is None else stream
-    return bool(requested) and rank == 0 and bool(getattr(stream, "isatty", lambda: False)())
+    out = sys.stdout if out is None else out
+    tty = all(bool(getattr(s, "isatty", lambda: False)()) for s in (stream, out))
+    return bool(requested) and rank == 0 and tty
+
+
+def quiet_library_bars() -> None:
+    """Outside a terminal session, other libraries' tqdm bars too (transformers' "Loading weights"):
+    tqdm takes ``TQDM_DISABLE`` as the default of its ``disable`` argument (tqdm >= 4.66)."""
+    if not progress_enabled(True, 0):
+        os.environ.setdefault("TQDM_DISABLE", "1")

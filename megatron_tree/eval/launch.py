@@ -563,9 +563,10 @@ def main(argv=None) -> int:
     os.environ.update(mapped)
     env.update(mapped)
     rank = env.get("RANK", "0")
-    from .console import quiet_third_party
+    from .console import quiet_library_bars, quiet_third_party
 
     quiet_third_party(int(rank) if rank.isdigit() else 0)  # before Megatron-Core / transformers are imported
+    quiet_library_bars()
     try:
         cfg = load_config(args.config, args.overrides)
         if args.print_config:
