@@ -27,7 +27,7 @@ from .comm.merge import STRATEGIES, CommError, CommStats, DisagreementError
 from .decode.attention import tree_decode
 from .decode.cache import CacheOverflowError
 from .ops.dispatch import flash_decode, merge_states
-from .distributed.topology import Level, TopologyError, TreeGroups
+from .distributed.topology import LauncherEnvError, Level, TopologyError, TreeGroups
 
 __version__ = "0.1.0"
 
@@ -37,7 +37,7 @@ __all__ = [
     "tree_decode", "flash_decode", "merge_states",
     "TreeGroups", "Level",
     "CommStats", "STRATEGIES",
-    "CommError", "DisagreementError", "TopologyError", "CacheOverflowError",
+    "CommError", "DisagreementError", "TopologyError", "LauncherEnvError", "CacheOverflowError",
     "hf", "megatron", "__version__",
 ]
 

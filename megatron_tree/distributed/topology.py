@@ -28,7 +28,10 @@ from __future__ import annotations
 import datetime
 import functools
 import os
+import shutil
 import socket
+import subprocess
+import sys
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -37,7 +40,8 @@ import torch.distributed as dist
 from . import collectives, liveness
 from .agreement import Agreement, agreement_for
 
-__all__ = ["Level", "TreeGroups", "TopologyError", "launcher_local_size", "LAUNCHER_VARIABLES"]
+__all__ = ["Level", "TreeGroups", "TopologyError", "launcher_local_size", "LAUNCHER_VARIABLES", "slurm_torch_env",
+           "init_from_launcher", "LauncherEnvError", "DEFAULT_INIT_TIMEOUT_S"]
 
 ENV_HOSTNAME = "MEGATRON_TREE_HOSTNAME"  # override the host name, to test multi-host validation
 
@@ -48,6 +52,14 @@ LAUNCHER_VARIABLES = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "SLURM_NTASKS_PER_NODE",
 
 class TopologyError(ValueError):
     """A CP layout that does not factor or disagrees with where the ranks really are."""
+
+
+class LauncherEnvError(TopologyError):
+    """The launcher's variables are half set or unreadable, or there are none and no process group."""
+
+
+DEFAULT_INIT_TIMEOUT_S = 300.0
+"""Rendezvous and collective timeout of a default group :meth:`TreeGroups.from_env` creates itself."""
 
 
 @dataclass(frozen=True)
@@ -209,12 +221,19 @@ class TreeGroups:
         ``LOCAL_RANK``/``SLURM_LOCALID``. ``intra_size`` may only split real nodes further.
         timeout: as :meth:`build` (default: the default process group's own timeout).
 
+        Without a default process group, a launcher's variables create one first
+        (:func:`init_from_launcher`: torchrun's or the deepspeed launcher's ``RANK``,
+        ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``; srun's ``SLURM_PROCID``,
+        ``SLURM_NTASKS``, ``SLURM_LOCALID`` and the job's first host), so a script needs no
+        ``init_process_group`` of its own. Half-set variables are a :class:`LauncherEnvError`
+        naming the variable, raised before any rendezvous wait.
+
         Every rank's launcher variables are gathered once and checked on every rank, so a
         variable that differs between ranks, is not an integer, or numbers ranks
         round-robin across nodes is the same :class:`TopologyError` everywhere.
         """
-        _require_initialised("TreeGroups.from_env")
         env = os.environ if env is None else env
+        init_from_launcher(env, timeout)
         launcher = {v: env.get(v) for v in LAUNCHER_VARIABLES}
         facts = _exchange_facts(ranks, intra_size, "launcher", timeout, launcher=launcher)
         world = dist.get_world_size()
@@ -333,9 +352,173 @@ def _intra_size_for(cp_ranks: Sequence[int], node_of: Sequence, intra_size: int 
 def _require_initialised(what: str) -> None:
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
-            f"{what} needs torch.distributed to be initialised "
-            "(init_process_group, torchrun, the deepspeed launcher or srun)"
+            f"{what} needs the default process group: call torch.distributed.init_process_group(...) first "
+            "(a launcher such as torchrun only sets variables, it does not create the group), or use "
+            "TreeGroups.from_env(), which creates it from torchrun's, the deepspeed launcher's or srun's variables"
         )
+
+
+def slurm_torch_env(env) -> dict:
+    """torch's variables from Slurm's for a task that ``srun`` started without torchrun.
+
+    Returns the variables to add (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE); empty
+    when RANK is already set (torchrun inside srun) or this is not a Slurm task. The
+    rendezvous address is not among them (see :func:`init_from_launcher`).
+    """
+    if "RANK" in env or "SLURM_PROCID" not in env:
+        return {}
+    out = {
+        "RANK": env["SLURM_PROCID"],
+        "WORLD_SIZE": env.get("SLURM_NTASKS", "1"),
+        "LOCAL_RANK": env.get("SLURM_LOCALID", "0"),
+    }
+    per_node = env.get("SLURM_NTASKS_PER_NODE")
+    if per_node:
+        out["LOCAL_WORLD_SIZE"] = per_node.split("(")[0].split(",")[0]
+    return out
+
+
+_ANNOUNCED = False
+
+
+def _int_var(env, name: str, low: int, high: int | None, what: str) -> int:
+    raw = env.get(name)
+    try:
+        value = int(str(raw).strip())
+    except ValueError:
+        raise LauncherEnvError(f"{name}={raw!r} is not an integer; expected {what}") from None
+    if value < low or (high is not None and value > high):
+        bound = f"{low}..{high}" if high is not None else f">= {low}"
+        raise LauncherEnvError(f"{name}={raw!r} is out of range; expected {what} ({bound})")
+    return value
+
+
+def _first_slurm_host(env) -> str:
+    """The first host of the job's node list, as ``scontrol show hostnames`` expands it."""
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    if not nodelist:
+        raise LauncherEnvError(
+            "SLURM_PROCID is set but MASTER_ADDR and SLURM_JOB_NODELIST are not; set MASTER_ADDR to the job's "
+            "first host (the sbatch scripts in launch/slurm do: scontrol show hostnames | head -n 1)")
+    scontrol = shutil.which("scontrol", path=env.get("PATH"))
+    if scontrol is None:
+        raise LauncherEnvError(
+            f"MASTER_ADDR is not set and scontrol is not on PATH to expand SLURM_JOB_NODELIST={nodelist!r}; "
+            "set MASTER_ADDR to the job's first host")
+    try:
+        p = subprocess.run([scontrol, "show", "hostnames", nodelist], capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        raise LauncherEnvError(f"scontrol show hostnames {nodelist} did not answer in 30 s; set MASTER_ADDR") from None
+    hosts = p.stdout.split()
+    if p.returncode != 0 or not hosts:
+        raise LauncherEnvError(f"scontrol show hostnames {nodelist} failed (exit {p.returncode}: "
+                               f"{p.stderr.strip()[:200]}); set MASTER_ADDR to the job's first host")
+    return hosts[0]
+
+
+def launcher_rendezvous(env) -> dict | None:
+    """The default group's rendezvous from the launcher's variables, checked; ``None``: no launcher.
+
+    Returns ``{"rank", "world_size", "master_addr", "master_port", "local_rank", "launcher"}``
+    (``master_addr``/``master_port`` ``None`` for a world of one). Every half-set or unreadable
+    variable is a :class:`LauncherEnvError` naming it; nothing here waits on another process
+    (under Slurm without MASTER_ADDR, ``scontrol show hostnames`` is run, bounded to 30 s).
+    """
+    slurm = slurm_torch_env(env)
+    launcher = "slurm" if slurm else ("deepspeed" if "CROSS_RANK" in env and "LOCAL_SIZE" in env else "torchrun")
+    if slurm and "SLURM_NTASKS" not in env:
+        raise LauncherEnvError("SLURM_PROCID is set but SLURM_NTASKS is not; expected both from srun "
+                               "(the number of tasks of the job step)")
+    merged = {**env, **slurm}
+    present = [v for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK") if merged.get(v) not in (None, "")]
+    if not present:
+        return None
+    for var in ("RANK", "WORLD_SIZE"):
+        if merged.get(var) in (None, ""):
+            raise LauncherEnvError(
+                f"{var} is not set but {', '.join(v for v in present)} is; a launcher sets RANK and WORLD_SIZE "
+                "together (torchrun, the deepspeed launcher), or srun sets SLURM_PROCID and SLURM_NTASKS")
+    src = {"RANK": "SLURM_PROCID", "WORLD_SIZE": "SLURM_NTASKS", "LOCAL_RANK": "SLURM_LOCALID"} if slurm else {}
+    world = _int_var({src.get("WORLD_SIZE", "WORLD_SIZE"): merged["WORLD_SIZE"]}, src.get("WORLD_SIZE", "WORLD_SIZE"),
+                     1, None, "the number of processes of the job")
+    rank = _int_var({src.get("RANK", "RANK"): merged["RANK"]}, src.get("RANK", "RANK"), 0, world - 1,
+                    f"this process's rank in the world of {world}")
+    per_node, source = launcher_local_size(merged)
+    if per_node is not None and world % per_node:
+        raise LauncherEnvError(f"{source} does not divide WORLD_SIZE={world}; expected the processes per node, "
+                               f"a divisor of the world size")
+    local_rank = None
+    if merged.get("LOCAL_RANK") not in (None, ""):
+        name = src.get("LOCAL_RANK", "LOCAL_RANK")
+        local_rank = _int_var({name: merged["LOCAL_RANK"]}, name, 0, (per_node or world) - 1,
+                              "this process's index on its node")
+    addr, port = env.get("MASTER_ADDR") or None, env.get("MASTER_PORT") or None
+    if world > 1:
+        if addr is None:
+            if not slurm:
+                raise LauncherEnvError(f"MASTER_ADDR is not set but RANK={rank} and WORLD_SIZE={world} are; "
+                                       "expected the rendezvous host (torchrun and the deepspeed launcher set it)")
+        if port is None:
+            if not slurm:
+                raise LauncherEnvError(f"MASTER_PORT is not set but RANK={rank} and WORLD_SIZE={world} are; "
+                                       "expected the rendezvous port (torchrun and the deepspeed launcher set it)")
+            job = env.get("SLURM_JOB_ID")
+            if job is None:
+                raise LauncherEnvError("MASTER_PORT is not set and SLURM_JOB_ID is not either; set MASTER_PORT")
+            port = str(20000 + _int_var(env, "SLURM_JOB_ID", 0, None, "the Slurm job id") % 20000)
+        port = str(_int_var({"MASTER_PORT": port}, "MASTER_PORT", 1, 65535, "a TCP port"))
+        if addr is None:
+            addr = _first_slurm_host(env)
+    return {"rank": rank, "world_size": world, "master_addr": addr, "master_port": port,
+            "local_rank": local_rank, "launcher": launcher}
+
+
+def init_from_launcher(env=None, timeout: float | datetime.timedelta | None = None) -> bool:
+    """Create the default process group from the launcher's variables when none exists.
+
+    Returns ``True`` when it created one, ``False`` when one existed. Backend: ``nccl`` when
+    CUDA is available (this process's device set to its local rank), else ``gloo``; timeout:
+    ``timeout`` else :data:`DEFAULT_INIT_TIMEOUT_S` (the rendezvous and every collective of the
+    default group). Global rank 0 says what it created, once, on stderr. Without a launcher
+    and without a group: a :class:`LauncherEnvError` that says what to do.
+    """
+    if dist.is_available() and dist.is_initialized():
+        return False
+    env = os.environ if env is None else env
+    if not dist.is_available():
+        raise RuntimeError("torch.distributed is not available in this torch build; TreeGroups needs it")
+    rdv = launcher_rendezvous(env)
+    if rdv is None:
+        raise LauncherEnvError(
+            "TreeGroups.from_env found no process group and no launcher variables (RANK and WORLD_SIZE, or "
+            "SLURM_PROCID and SLURM_NTASKS). Start the script under a launcher, e.g. "
+            "`torchrun --nproc_per_node 2 script.py`, `deepspeed --num_gpus 2 script.py` or `srun python script.py` "
+            "(from_env then creates the group), or call torch.distributed.init_process_group(...) before it")
+    import torch
+
+    td = collectives.as_timedelta(timeout) or datetime.timedelta(seconds=DEFAULT_INIT_TIMEOUT_S)
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl" and rdv["local_rank"] is not None:
+        torch.cuda.set_device(rdv["local_rank"])
+    world, rank = rdv["world_size"], rdv["rank"]
+    if world == 1 and rdv["master_addr"] is None:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=td)
+    else:
+        url = f"tcp://{_url_host(rdv['master_addr'])}:{rdv['master_port']}"
+        dist.init_process_group(backend, init_method=url, rank=rank, world_size=world, timeout=td)
+    global _ANNOUNCED
+    if rank == 0 and not _ANNOUNCED:
+        _ANNOUNCED = True
+        where = f"{rdv['master_addr']}:{rdv['master_port']}" if rdv["master_addr"] else "in process"
+        sys.stderr.write(f"megatron_tree: created the default process group from the {rdv['launcher']} launcher's "
+                         f"variables: {backend}, world {world}, rendezvous {where}, timeout "
+                         f"{td.total_seconds():g} s\n")
+        sys.stderr.flush()
+    return True
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 def _exchange_facts(ranks, intra_size, node_of, timeout, launcher: dict | None = None) -> list[dict]:

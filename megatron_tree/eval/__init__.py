@@ -19,7 +19,11 @@ The package is split the way a run goes:
 * :mod:`.run` -- the sweep over (context length, batch size, merge strategy), each a
   CP prefill and timed decode steps through :func:`megatron_tree.decode.generate` (the
   one decode loop) with a timing hook; exactness; passkey; perplexity;
-* :mod:`.report` -- results.json (schema: docs/eval.md), the plot, wandb, the summary lines.
+* :mod:`.baselines` -- the decode step's attention alone beside the ring and all-gather
+  baselines, and where tree decode overtakes each;
+* :mod:`.report` -- results.json (schema: docs/eval.md), the plot, wandb, what is printed
+  (the plan, the table, the verdict line);
+* :mod:`.console` -- third-party warnings once, progress bars only on a terminal (entry point only).
 """
 
 from .launch import ExactnessError, check_launch, launcher_name, main, map_slurm_env, parse_args, run_eval, single_process_topology

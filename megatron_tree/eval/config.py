@@ -265,7 +265,11 @@ class EvalConfig:
     perplexity: PerplexityConfig = field(default_factory=PerplexityConfig)
     """Perplexity on a text file (real checkpoints)."""
     progress: bool = True
-    """tqdm bars on rank 0 over the sweep and the decode steps."""
+    """tqdm bars on rank 0 over the sweep and the decode steps, in a terminal session only (stdout and stderr terminals)."""
+    attention_baselines: bool = True
+    """After the sweep, time the decode step's attention alone at each context length and at 4x and 16x
+    the longest (up to 64K): tree decode, its all-gather merge, the ring and all-gather-KV baselines
+    (``eval.baselines``; the plot's right panel, the crossovers)."""
     log_all_ranks: bool = False
     """Also print every other rank's summary lines (rank 0 alone prints by default)."""
 

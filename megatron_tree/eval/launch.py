@@ -39,19 +39,12 @@ def map_slurm_env(env) -> dict:
 
     Returns the variables to add (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE); empty
     when RANK is already set or this is not a Slurm task. MASTER_ADDR/PORT come from the
-    sbatch script (first host of the node list).
+    sbatch script (first host of the node list). The mapping is the one
+    ``TreeGroups.from_env`` uses (:func:`megatron_tree.distributed.topology.slurm_torch_env`).
     """
-    if "RANK" in env or "SLURM_PROCID" not in env:
-        return {}
-    out = {
-        "RANK": env["SLURM_PROCID"],
-        "WORLD_SIZE": env.get("SLURM_NTASKS", "1"),
-        "LOCAL_RANK": env.get("SLURM_LOCALID", "0"),
-    }
-    per_node = env.get("SLURM_NTASKS_PER_NODE")
-    if per_node:
-        out["LOCAL_WORLD_SIZE"] = per_node.split("(")[0].split(",")[0]
-    return out
+    from ..distributed.topology import slurm_torch_env
+
+    return slurm_torch_env(env)
 
 
 def launcher_name(env) -> str:
@@ -268,7 +261,7 @@ def run_eval(cfg: RunConfig, env=None) -> dict | None:
     from tqdm.auto import tqdm
 
     from .tracking import make_tracker
-    from . import models, report, run
+    from . import baselines, console, models, report, run
 
     backend, device = init_distributed(cfg, env)
     stack = contextlib.ExitStack()
@@ -306,7 +299,9 @@ def run_eval(cfg: RunConfig, env=None) -> dict | None:
             raise ConfigError(err[0] + " (set wandb.mode=offline or wandb.enabled=false)")
         phases["wandb_init_s"] = time.perf_counter() - t0
         combos = [(c, b, s) for c in ev.context_lengths for b in ev.batch_sizes for s in ev.strategies]
-        show = rank == 0 and ev.progress
+        show = console.progress_enabled(ev.progress, rank)
+        if rank == 0:
+            report.print_plan(cfg, launch, em, len(combos), out_dir)
         every = 0.1 if sys.stderr.isatty() else 5.0  # keep non-terminal logs (Slurm, CI) short
         t0 = time.perf_counter()
         run.warm_up(em, ev, cfg.model.seed, device)
@@ -326,6 +321,18 @@ def run_eval(cfg: RunConfig, env=None) -> dict | None:
                 step += 1
         sweep.close()
         phases["sweep_s"] = time.perf_counter() - t0
+        attention = attn_dims = None
+        if ev.attention_baselines:
+            t0 = time.perf_counter()
+            m = cfg.model
+            kv = max(1, m.num_key_value_heads // cfg.topology.tp_size)
+            attn_dims = (em.heads, kv if em.heads % kv == 0 else em.heads, em.head_dim)
+            longest = max(ev.context_lengths)  # attention alone is cheap: reach past the sweep, to 16x (<= 64K)
+            contexts = sorted(set(ev.context_lengths) | {c for c in (4 * longest, 16 * longest) if c <= 65536})
+            attention = baselines.attention_sweep(
+                em.groups, contexts, batch=1, heads_q=attn_dims[0], heads_kv=attn_dims[1],
+                head_dim=attn_dims[2], layers=m.num_hidden_layers, device=device, dtype=getattr(torch, m.dtype))
+            phases["attention_baselines_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         tok = load_tokenizer(cfg) if (ev.passkey.enabled or ev.perplexity.text_file) else None
         passkey = run.passkey_eval(em, ev, cfg.model.seed, device, tok) if ev.passkey.enabled else None
@@ -338,12 +345,14 @@ def run_eval(cfg: RunConfig, env=None) -> dict | None:
                                            runs=runs, passkey=passkey, perplexity=ppl,
                                            reference=em.reference_name if ev.exactness.enabled else None,
                                            engine=ev.engine)
+            results["attention_baselines"] = report.attention_summary(attention, launch, attn_dims)
             ok = report.passed(results)
             levels = " x ".join(f"{k} {v}" for k, v in launch["level_sizes"].items())
             tp = f"TP {cfg.topology.tp_size} x " if cfg.topology.tp_size > 1 else ""
             results["plot"] = report.save_plot(
                 runs, out_dir / "decode_latency.png",
-                f"{cfg.name}: decode latency, {tp}CP {cp_size} ({levels}), {backend}/{device.type}")
+                f"{cfg.name}: decode latency, {tp}CP {cp_size} ({levels}), {backend}/{device.type}",
+                attention=results["attention_baselines"])
             report.track(tracker, results, ev.context_lengths, results["plot"])
             results["wandb"] = {"enabled": tracker.run_dir is not None, "mode": cfg.wandb.mode,
                                 "run_dir": tracker.run_dir}
@@ -419,6 +428,10 @@ def main(argv=None) -> int:
     os.environ.update(mapped)
     env.update(mapped)
     rank = env.get("RANK", "0")
+    from .console import quiet_library_bars, quiet_third_party
+
+    quiet_third_party(int(rank) if rank.isdigit() else 0)  # before Megatron-Core / transformers are imported
+    quiet_library_bars()
     try:
         cfg = load_config(args.config, args.overrides)
         if args.print_config:

@@ -12,16 +12,23 @@ that one evaluation is recorded once whatever the world:
 * ``--wandb_args`` / ``--wandb_config_args`` reach lm-eval's ``WandbLogger`` on global rank 0 only
   (one run); ``WANDB_MODE`` defaults to ``offline``.
 
+A local task's relative ``dataset_kwargs.data_files`` are read relative to its task file
+(:func:`resolve_data_files`), so ``--include_path`` tasks run from any working directory (lm-eval
+alone reads them relative to the working directory; a path that is not found beside the task file
+keeps that meaning).
+
 Bad input exits with status 2 and one line naming the problem, on every rank that sees it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
+from pathlib import Path
 
-__all__ = ["main"]
+__all__ = ["main", "resolve_data_files"]
 
 _RANK0_ONLY_FLAGS = ("--wandb_args", "--wandb_config_args")
 _LAUNCHER_FLAGS = ("--local_rank", "--local-rank")
@@ -73,6 +80,56 @@ def _check_model_args(argv: list[str], backend) -> None:
     backend.check_checkpoint(args)
 
 
+def resolve_data_files(cfg: dict, task_dir) -> dict:
+    """``cfg`` (a task YAML's dict) with each relative ``dataset_kwargs.data_files`` path that exists
+    beside the task file (in ``task_dir``) made absolute; other paths (absolute, URLs, not found
+    there) unchanged. ``data_files`` may be a string, a list, or a split -> string/list mapping."""
+    kwargs = cfg.get("dataset_kwargs") if isinstance(cfg, dict) else None
+    if not isinstance(kwargs, dict) or kwargs.get("data_files") is None:
+        return cfg
+
+    def fix(p):
+        if isinstance(p, list):
+            return [fix(x) for x in p]
+        if not isinstance(p, str) or os.path.isabs(p) or "://" in p:
+            return p
+        beside = Path(task_dir) / p
+        return str(beside) if beside.exists() else p
+
+    files = kwargs["data_files"]
+    files = {k: fix(v) for k, v in files.items()} if isinstance(files, dict) else fix(files)
+    return {**cfg, "dataset_kwargs": {**kwargs, "data_files": files}}
+
+
+@contextlib.contextmanager
+def _task_files_beside_yaml():
+    """While lm-eval reads task YAMLs, resolve their data files relative to each YAML (lm-eval 0.4.x's
+    ``tasks._yaml_loader.load_yaml``, imported by name into the modules that read tasks)."""
+    import importlib
+
+    patched = []
+    try:
+        loader = importlib.import_module("lm_eval.tasks._yaml_loader")
+    except ImportError:  # another lm-eval layout: its own cwd-relative reading applies
+        yield
+        return
+    original = loader.load_yaml
+
+    @functools.wraps(original)
+    def load_yaml(path, *args, **kwargs):
+        return resolve_data_files(original(path, *args, **kwargs), Path(path).expanduser().resolve().parent)
+
+    for name, module in list(sys.modules.items()):
+        if name.startswith("lm_eval") and getattr(module, "load_yaml", None) is original:
+            module.load_yaml = load_yaml
+            patched.append(module)
+    try:
+        yield
+    finally:
+        for module in patched:
+            module.load_yaml = original
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run lm-eval's CLI on ``argv`` (default ``sys.argv[1:]``) with the backend registered; returns 0."""
     argv = _strip_flags(list(sys.argv[1:] if argv is None else argv), _LAUNCHER_FLAGS)
@@ -97,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     lm_eval.simple_evaluate = simple_evaluate
     try:
         _check_model_args(argv, backend)
-        cli_evaluate()
+        with _task_files_beside_yaml():
+            cli_evaluate()
     except (backend.ModelArgsError, backend.RequestError) as e:
         print(f"megatron_tree.eval.lm_eval: rank {_global_rank()}: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2) from e

@@ -83,6 +83,7 @@ class WandbTracker:
 
     def __init__(self, cfg: WandbConfig, settings: dict, output_dir: str, config: dict):
         root = Path(output_dir).resolve() / "wandb"
+        self.root = root
         dirs = {"WANDB_DIR": root, "WANDB_CACHE_DIR": root / "cache",
                 "WANDB_DATA_DIR": root / "data", "WANDB_CONFIG_DIR": root / "config"}
         for var, d in dirs.items():
@@ -122,6 +123,25 @@ class WandbTracker:
         # after the eval returned); teardown waits for it, so the run file is complete when
         # the eval prints its path.
         self._wandb.teardown()
+        remove_empty_dirs(self.root)
+
+
+def remove_empty_dirs(root: Path) -> list[str]:
+    """Remove every empty directory under ``root`` (deepest first; ``root`` too if it ends up empty):
+    wandb creates config, staging and ``tmp/code`` folders it may never fill. Files are never touched.
+    Returns the removed paths."""
+    removed = []
+    root = Path(root)
+    if not root.is_dir():
+        return removed
+    for dirpath, _, _ in sorted(os.walk(root), key=lambda w: -len(Path(w[0]).parts)):
+        try:
+            if not any(os.scandir(dirpath)):
+                os.rmdir(dirpath)
+                removed.append(dirpath)
+        except OSError:  # in use or not ours to remove: leave it
+            pass
+    return removed
 
 
 def make_tracker(cfg: WandbConfig, *, rank: int, output_dir: str, config: dict, default_name: str):

@@ -92,7 +92,9 @@ def test_single_process_run_writes_results_plot_and_wandb(tmp_path, clean_env, c
     assert os.listdir(os.path.join(run_dir, "files", "media", "images"))
     assert os.path.getsize(res["plot"]) > 1000 and res["plot"].endswith(".png")
     assert f"results: {out / 'results.json'}" in printed and "plot:" in printed and run_dir in printed
-    assert printed.count("max|dlogits|") == 4  # one summary line per run
+    assert printed.count("max|dlogits|") == 2  # the table's header and the verdict line
+    assert sum(line.rstrip().endswith(" same") for line in printed.splitlines()) == 4  # one table row per run
+    assert printed.splitlines()[-1].startswith("verdict: EXACT: CP 1 (intra 1) vs unmodified transformers")
 
 
 def test_exactness_catches_a_wrong_model(tmp_path, clean_env, capsys):

@@ -96,7 +96,10 @@ def _check_results(out_dir, p, *, launcher, levels, source="megatron", tp=1, tok
                         "allreduce3": {"cp": {"all_reduce_max": LAYERS, "all_reduce_sum": 2 * LAYERS}},
                         "allgather": {"cp": {"all_gather": LAYERS}}}
         assert {k: v["ops"] for k, v in by["auto"]["comm_per_step"]["levels"].items()} == expected_ops[chosen], chosen
-        assert p.stdout.count(f"max|{what}|") == 2 and p.stdout.count("tokens = reference") == 2
+        # the table's header and the verdict line name the quantity; every row's tokens equal the reference's
+        assert p.stdout.count(f"max|{what}|") == 2
+        rows = [l for l in p.stdout.splitlines() if l.lstrip().startswith("40 ") and len(l.split()) > 5]  # not the attention table's
+        assert len(rows) == 2 and all(l.rstrip().endswith("same") for l in rows), rows
     else:
         assert res["exact"] is None and res["exactness_reference"] is None
     # Collectives per decode step, per level, from the launcher's layout: one merge per layer.
@@ -118,8 +121,40 @@ def test_local_sh_default_is_megatron_at_cp4_as_2x2(tmp_path):
     p = run(["bash", "launch/local.sh", f"output_dir={out}", *MAIN_JOB, "eval.progress=true"], launch_env(NPROC="4"))
     res = _check_results(out, p, launcher="torchrun", levels={"intra": 2, "inter": 2}, exact=True)
     assert res["model"]["checkpoint"] is None and res["model"]["hierarchical_context_parallel_sizes"] == [2, 2]
-    # One progress bar over the sweep (rank 0's), finished.
-    assert p.stderr.count("sweep: 100%") == 1, p.stderr[-2000:]
+    _check_reads_like_a_report(p, out, res)
+
+
+def _check_reads_like_a_report(p, out, res):
+    """The main job's log: what it runs first, a headed table, one verdict line last; third-party
+    warnings one line each on rank 0 only; no progress bars in a captured (non-terminal) log."""
+    lines = p.stdout.splitlines()
+    assert lines[0].startswith("megatron-tree-eval: cpu_tiny: megatron.core.models.gpt.GPTModel (random weights"), lines[:3]
+    assert "CP 4 = intra 2 x inter 2 on 4 processes (torchrun, gloo/cpu)" in lines[0]
+    header = next(i for i, l in enumerate(lines) if l.startswith("ctx  batch  strategy"))
+    assert lines[header].split() == ["ctx", "batch", "strategy", "prefill_s", "p50_ms", "p90_ms", "p99_ms", "tok/s",
+                                     "collectives/bytes", "per", "step", "max|dlogits|", "tokens", "vs", "ref"]
+    assert set(lines[header + 1].replace(" ", "")) == {"-"}
+    assert [l.split()[2] for l in lines[header + 2: header + 4]] == ["two_level", f"auto->{res['runs'][1]['resolved_strategy']}"]
+    verdicts = [l for l in lines if l.startswith("verdict:")]
+    assert verdicts == [lines[-1]], lines[-6:]
+    assert lines[-1].startswith("verdict: EXACT: CP 4 (intra 2 x inter 2) vs Megatron-Core GPTModel at CP=1")
+    tokens = sum(len(row) for r in res["runs"] for row in r["exactness"]["reference_tokens"])
+    assert f"max|dlogits| {res['max_abs_dlogits']:.2e} (tolerance 0.001), {tokens} tokens compared in 2 runs, identical" \
+        in lines[-1]
+    assert f"results in {out}/ (results.json, decode_latency.png, wandb)" in lines[-1]
+    # attention alone beside the ring and all-gather baselines, crossovers stated
+    assert any(l.startswith("crossover here (measured): tree ") for l in lines)
+    assert any(l.startswith("crossover on dgx_h100 (modelled, CP 4, bf16") for l in lines)
+    assert {p_["method"] for p_ in res["attention_baselines"]["points"]} == {"tree", "allgather", "ring", "allgather_kv"}
+    # Megatron-Core's 7 warnings per rank (28 lines + 28 source lines before): one line per kind, rank 0 only
+    warns = [l for l in p.stderr.splitlines() if "warn" in l.lower()]
+    assert all(l.startswith("megatron-tree-eval: warning (") for l in warns), warns
+    assert len(warns) == len(set(warns)) <= 3, warns
+    assert sum("Apex" in l for l in warns) == 1, warns
+    assert "sweep:" not in p.stderr and "decode:" not in p.stderr  # no progress bars: stderr is not a terminal
+    # wandb left no empty folders in the output directory
+    empty = [d for d, subdirs, files in os.walk(out) if not subdirs and not files]
+    assert empty == [], empty
 
 
 def test_deepspeed_sh_evaluates_a_trained_checkpoint_at_cp4_as_2x2(tmp_path, trained):

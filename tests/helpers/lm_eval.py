@@ -39,11 +39,12 @@ def build_tokenizer(path: str):
 
 
 def write_tasks(out_dir: str) -> str:
-    """The shipped task YAMLs with their data files made absolute (lm-eval reads them relative to the cwd)."""
+    """The shipped task YAMLs with their data files made absolute (lm-eval's own loader reads them relative
+    to the cwd; ``python -m megatron_tree.eval.lm_eval`` reads them relative to the task file)."""
     os.makedirs(out_dir, exist_ok=True)
     for name in [*TASKS, SHARED]:
         with open(os.path.join(TASK_DIR, f"{name}.yaml"), encoding="utf-8") as f:
-            text = f.read().replace("tests/lm_eval_tasks/", TASK_DIR + "/")
+            text = f.read().replace("    test: ", f"    test: {TASK_DIR}/")
         with open(os.path.join(out_dir, f"{name}.yaml"), "w", encoding="utf-8") as f:
             f.write(text)
     return out_dir
