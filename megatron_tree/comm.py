@@ -98,7 +98,8 @@ from . import collectives, ops
 from .agreement import disagreement
 from .collectives import CommError, CommStats, DisagreementError, LevelStats
 from .cost import choose_strategy  # the policy of auto, resolved once per (groups, shape, dtype)
-from .reference import acc_dtype, lse_weights, normalize, weighted
+from .contract import acc_dtype
+from .reference import lse_weights, normalize, weighted
 from .strategies import STRATEGIES
 from .topology import TreeGroups
 

@@ -24,7 +24,7 @@ from typing import Literal, Optional
 
 import torch
 
-from . import fused_prefill, reference, torch_decode
+from . import contract, fused_prefill, reference, torch_decode
 
 __all__ = ["flash_decode", "merge_states", "prefill_attention", "resolve_backend", "BACKENDS", "ENV_BACKEND"]
 
@@ -54,20 +54,20 @@ def _check(q, k, v, cache_seqlens, q_positions, k_positions, block_table, out_dt
     # stays free of host syncs. The value checks (cache_seqlens and cache_starts within [0, N],
     # block ids within the cache) run inside the op on CPU tensors, where the torch path reads
     # cache_seqlens anyway; on CUDA the kernel clamps instead.
-    reference.check_decode_inputs(q, k, v, cache_seqlens, q_positions, k_positions, block_table, out_dtype,
+    contract.check_decode_inputs(q, k, v, cache_seqlens, q_positions, k_positions, block_table, out_dtype,
                                   by_value=False, lse_dtype=lse_dtype, **variants)
 
 
 def _check_values(q, k, cache_seqlens, block_table, cache_starts=None) -> None:
     """The value checks of the contract, for CPU inputs (host memory: reading it syncs nothing)."""
     b = q.shape[0]
-    n = reference.kv_length(k, block_table)
+    n = contract.kv_length(k, block_table)
     if cache_seqlens is not None:
-        reference.check_cache_seqlens(cache_seqlens, b, n, q.device)
+        contract.check_cache_seqlens(cache_seqlens, b, n, q.device)
     if cache_starts is not None:
-        reference.check_cache_seqlens(cache_starts, b, n, q.device, name="cache_starts")
+        contract.check_cache_seqlens(cache_starts, b, n, q.device, name="cache_starts")
     if block_table is not None:
-        reference.check_block_table(block_table, b, k.shape[0], k.shape[1], cache_seqlens, q.device,
+        contract.check_block_table(block_table, b, k.shape[0], k.shape[1], cache_seqlens, q.device,
                                     cache_starts=cache_starts)
 
 
@@ -106,7 +106,7 @@ def _flash_decode_fake(q, k, v, cache_seqlens, softmax_scale, q_positions, k_pos
                        out_dtype=None, lse_dtype=None, cache_starts=None, window=None, softcap=None):
     b, sq, hq, _ = q.shape
     out = q.new_empty((b, sq, hq, v.shape[-1]), dtype=q.dtype if out_dtype is None else out_dtype)
-    return out, q.new_empty((b, hq, sq), dtype=reference.lse_acc_dtype(lse_dtype, q.dtype))
+    return out, q.new_empty((b, hq, sq), dtype=contract.lse_acc_dtype(lse_dtype, q.dtype))
 
 
 @torch.library.custom_op("megatron_tree::merge_states", mutates_args=())
@@ -126,7 +126,7 @@ def _merge_states_op(outs: torch.Tensor, lses: torch.Tensor, backend: str) -> tu
 @_merge_states_op.register_fake
 def _merge_states_fake(outs, lses, backend):
     _, b, sq, hq, d = outs.shape
-    lse_dtype = torch.promote_types(lses.dtype, reference.acc_dtype(outs.dtype))
+    lse_dtype = torch.promote_types(lses.dtype, contract.acc_dtype(outs.dtype))
     return outs.new_empty((b, sq, hq, d)), lses.new_empty((b, hq, sq), dtype=lse_dtype)
 
 
@@ -207,10 +207,10 @@ def flash_decode(
                                 out_dtype, lse_dtype, cache_starts, window, softcap)
     # The sink joins the finished state: unrounded partial and whole lse first, one rounding after.
     out, lse = _flash_decode_op(q, k, v, cache_seqlens, softmax_scale, q_positions, k_positions, name, block_table,
-                                reference.acc_dtype(q.dtype), torch.float64, cache_starts, window, softcap)
+                                contract.acc_dtype(q.dtype), torch.float64, cache_starts, window, softcap)
     out, lse = reference.add_sink(out, lse, sinks)
     return (out.to(q.dtype if out_dtype is None else out_dtype),
-            lse.to(reference.lse_acc_dtype(lse_dtype, q.dtype)))
+            lse.to(contract.lse_acc_dtype(lse_dtype, q.dtype)))
 
 
 def merge_states(outs: torch.Tensor, lses: torch.Tensor, *, backend: str | None = None):
@@ -219,7 +219,7 @@ def merge_states(outs: torch.Tensor, lses: torch.Tensor, *, backend: str | None 
     out: (B, Sq, Hq, D) in outs.dtype; lse: (B, Hq, Sq) float32, or float64 for float64 outs
     or lses (float64 lses are used whole: the merge is then exact at large score magnitudes).
     """
-    reference.check_merge_inputs(outs, lses)
+    contract.check_merge_inputs(outs, lses)
     forced = backend is not None or bool(os.environ.get(ENV_BACKEND))
     name = _kernel_backend(resolve_backend(outs.device, backend), outs.dtype, forced, outs.shape[-1])
     return _merge_states_op(outs, lses, name)
@@ -261,7 +261,7 @@ def prefill_attention(
                         f"{type(q_positions).__name__} and {type(k_positions).__name__}")
     if q_positions.dtype == torch.bool or k_positions.dtype == torch.bool:
         raise TypeError("q_positions and k_positions must be integer positions, not bool masks")
-    reference.check_decode_inputs(q, k, v, None, q_positions, k_positions, by_value=False)
+    contract.check_decode_inputs(q, k, v, None, q_positions, k_positions, by_value=False)
     if kernel is not None and kernel not in fused_prefill.KERNELS:
         raise ValueError(f"unknown prefill kernel {kernel!r}; expected one of {fused_prefill.KERNELS}")
     return fused_prefill.prefill_attention(q, k, v, q_positions=q_positions, k_positions=k_positions,

@@ -31,7 +31,7 @@ import math
 
 import torch
 
-from . import reference
+from . import contract
 
 __all__ = ["flash_decode"]
 
@@ -72,13 +72,13 @@ def flash_decode(
     """
     b, sq, hq, d = q.shape
     hkv, dv = k.shape[2], v.shape[3]
-    n = reference.kv_length(k, block_table)
+    n = contract.kv_length(k, block_table)
     page = k.shape[1]
     g = hq // hkv
-    acc = reference.acc_dtype(q.dtype)
+    acc = contract.acc_dtype(q.dtype)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     out = torch.empty((b, sq, hq, dv), dtype=q.dtype if out_dtype is None else out_dtype, device=q.device)
-    ld = reference.lse_acc_dtype(lse_dtype, q.dtype)
+    ld = contract.lse_acc_dtype(lse_dtype, q.dtype)
     lse = torch.empty((b, hq, sq), dtype=ld, device=q.device)
     lens = cache_seqlens.tolist() if cache_seqlens is not None else [n] * b
     starts = cache_starts.tolist() if cache_starts is not None else [0] * b

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import megatron_tree as mt
-from megatron_tree import comm, ops, reference
+from megatron_tree import comm, contract, ops, reference
 from megatron_tree.bench import precision
 from distributed import run_ranks
 
@@ -336,7 +336,7 @@ def test_bad_variant_arguments_raise_clear_errors(kwargs, exc, pattern):
     with pytest.raises(exc, match=pattern):
         mt.tree_decode(q, k, v, None, **pos, **kwargs)
     with pytest.raises(exc, match=pattern):  # the overlapped path checks before its first collective too
-        reference.check_decode_inputs(q, k, v, **pos, **kwargs)
+        contract.check_decode_inputs(q, k, v, **pos, **kwargs)
 
 
 def test_window_needs_positions_and_k_v_must_agree_but_for_the_head_dim():

@@ -20,7 +20,8 @@ import torch
 
 from .. import comm, ops
 from ..comm import CommStats
-from ..reference import acc_dtype, add_sink, check_decode_inputs, check_variants, lse_acc_dtype
+from ..contract import acc_dtype, check_decode_inputs, check_variants, lse_acc_dtype
+from ..reference import add_sink
 from ..topology import TreeGroups
 
 __all__ = ["tree_decode"]

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import agreement, collectives, fused_prefill, ops, reference
+from .. import agreement, collectives, contract, fused_prefill, ops, reference
 from ..comm import CommStats
 from ..topology import TreeGroups
 
@@ -59,7 +59,7 @@ def _check(q, k, v, q_pos, k_pos, window=None, softcap=None, sinks=None) -> None
         raise ValueError(f"q_pos must have shape {tuple(q.shape[:2])} (batch, seqlen_q), got {tuple(q_pos.shape)}")
     if tuple(k_pos.shape) != tuple(k.shape[:2]):
         raise ValueError(f"k_pos must have shape {tuple(k.shape[:2])} (batch, seqlen_k), got {tuple(k_pos.shape)}")
-    reference.check_variants(q, window=window, softcap=softcap, sinks=sinks)
+    contract.check_variants(q, window=window, softcap=softcap, sinks=sinks)
 
 
 def _pad_keys(k, v, k_pos, length: int):
@@ -177,7 +177,7 @@ def _local(q, k, v, q_pos, k_pos, softmax_scale, backend, window=None, softcap=N
                                      kernel=name, backend=backend, calls=calls)
     if work is not None:
         work.kernels["decode"] = work.kernels.get("decode", 0) + 1
-    acc = reference.acc_dtype(q.dtype)
+    acc = contract.acc_dtype(q.dtype)
     return ops.flash_decode(
         q, k, v, softmax_scale=softmax_scale, q_positions=q_pos, k_positions=k_pos, backend=backend,
         out_dtype=acc, lse_dtype=torch.float64, window=window, softcap=softcap,
