@@ -50,8 +50,8 @@ import torch
 from .contract import _used_blocks, acc_dtype, check_decode_inputs, check_merge_inputs, lse_acc_dtype
 
 __all__ = [
-    "partial_attention", "merge_states", "lse_weights", "normalize", "weighted", "add_sink", "gather_pages",
-    "soft_cap",
+    "partial_attention", "merge_states", "merge_stacked", "lse_weights", "normalize", "weighted", "add_sink",
+    "gather_pages", "soft_cap",
 ]
 
 def _rowwise_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -231,7 +231,7 @@ def lse_weights(lse: torch.Tensor, m: torch.Tensor, dtype: torch.dtype | None = 
     whatever ``|lse - m|`` is (in float32, ``lse - m = 40`` alone would be off by 2e-6).
     """
     dtype = lse.dtype if dtype is None else dtype
-    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    m_safe = torch.nan_to_num(m, nan=0.0, posinf=0.0, neginf=0.0)  # non-finite -> 0, in one op
     return torch.exp(lse.double() - m_safe.double()).to(dtype)
 
 
@@ -249,12 +249,11 @@ def normalize(num: torch.Tensor, den: torch.Tensor, m: torch.Tensor,
     """
     ld = torch.promote_types(m.dtype, den.dtype) if lse_dtype is None else lse_dtype
     # Only den == 0 means "no key": a NaN den (a NaN partial lse upstream) stays NaN, visibly.
-    den_o = den.transpose(1, 2).unsqueeze(-1)  # (b, sq, hq, 1)
-    out = torch.where(den_o == 0, torch.zeros_like(num), num / torch.where(den_o == 0, torch.ones_like(den_o), den_o))
-    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m)).to(ld)
     empty = den == 0
-    lse = torch.where(empty, torch.full_like(den, float("-inf"), dtype=ld),
-                      m_safe + torch.log(torch.where(empty, torch.ones_like(den), den).to(ld)))
+    den1 = den.masked_fill(empty, 1)  # the divisor, 1 where there is no key
+    out = (num / den1.transpose(1, 2).unsqueeze(-1)).masked_fill_(empty.transpose(1, 2).unsqueeze(-1), 0)
+    m_safe = torch.nan_to_num(m, nan=0.0, posinf=0.0, neginf=0.0).to(ld)
+    lse = (m_safe + torch.log(den1.to(ld))).masked_fill_(empty, float("-inf"))
     return out, lse
 
 
@@ -272,13 +271,20 @@ def merge_states(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, 
     in float32, or float64 for float64 outs or lses.
     """
     check_merge_inputs(outs, lses)
+    return merge_stacked(outs, lses)
+
+
+def merge_stacked(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`merge_states` on inputs the caller has checked (``ops.merge_states`` checks once per
+    signature): the one merge formula, :func:`lse_weights` and :func:`normalize` around a local
+    max and sum. P = 1 returns views of the inputs (lse widened)."""
     p = outs.shape[0]
     acc = acc_dtype(outs.dtype)
     ld = torch.promote_types(lses.dtype, acc)
     if p == 1:
         return outs[0], lses[0].to(ld)
     lses = lses.to(ld)
-    m = lses.max(dim=0).values
+    m = lses.amax(dim=0)
     w = lse_weights(lses, m, acc)
     num = weighted(outs.to(acc), w).sum(dim=0)
     out, lse = normalize(num, w.sum(dim=0), m, ld)

@@ -114,17 +114,19 @@ def tree_decode(
         # fp32 partials (DESIGN.md section 1): a bf16/fp16 result is rounded once, below. The
         # partial lse is float64 so the merge is exact at large score magnitudes (comm's docstring).
         try:
-            out, lse = ops.flash_decode(
+            # the backend is resolved once, with the checks (ops remembers both per signature)
+            out, lse, resolved = ops.flash_decode_resolved(
                 q, k, v, cache_seqlens=cache_seqlens, block_table=block_table, softmax_scale=softmax_scale,
                 q_positions=q_positions, k_positions=k_positions, out_dtype=acc_dtype(q.dtype), backend=backend,
                 lse_dtype=torch.float64, **variants,
             )
             comm.check_shift(shift, tuple(lse.shape), q.device)
-            resolved = ops.resolve_backend(q.device, backend)
         except Exception as e:  # noqa: BLE001 -- this rank's own checks: every rank raises it (_tell)
             _tell(groups, e)
             raise
-        if groups is not None:
+        # One rank without stats: the partial state is the result (comm.merge would check again
+        # what was checked above and widen what is wide already).
+        if groups is not None and (groups.size > 1 or stats is not None):
             out, lse = comm.merge(out, lse, groups, strategy, stats, dtype=q.dtype, backend=resolved, shift=shift,
                                   deferred=deferred)
     if sinks is not None:  # once, on the merged state (every rank holds the same)
