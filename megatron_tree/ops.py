@@ -212,7 +212,7 @@ def _decode_signature(q, k, v, cache_seqlens, q_positions, k_positions, block_ta
     checks of the contract, remembered per signature (:func:`_remember`). The value checks run
     inside the op, on every call (``_check_values``)."""
     env = os.environ.get(ENV_BACKEND) or None, os.environ.get("TRITON_INTERPRET")
-    key = ("decode", _meta(q), _meta(k), _meta(v), _meta(cache_seqlens), _meta(q_positions), _meta(k_positions),
+    key = None if torch.compiler.is_compiling() else ("decode", _meta(q), _meta(k), _meta(v), _meta(cache_seqlens), _meta(q_positions), _meta(k_positions),
            _meta(block_table), out_dtype, lse_dtype, type(window), window, type(softcap), softcap,
            _meta(cache_starts), _meta(sinks), backend, env)
 
@@ -230,7 +230,7 @@ def _merge_signature(outs, lses, backend) -> str:
     """The kernel backend of a :func:`merge_states` call, after its (shape-only) checks, remembered
     per signature (:func:`_remember`)."""
     env = os.environ.get(ENV_BACKEND) or None, os.environ.get("TRITON_INTERPRET")
-    key = ("merge", _meta(outs), _meta(lses), backend, env)
+    key = None if torch.compiler.is_compiling() else ("merge", _meta(outs), _meta(lses), backend, env)
 
     def check():
         contract.check_merge_inputs(outs, lses)
