@@ -100,6 +100,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--shapes", default="1,4,2,16,32;1,4,2,64,128;1,4,2,64,256",
                     help="B,Hq,Hkv,D,N;... (fp32, one query token)")
     ap.add_argument("--states", type=int, default=2, help="P, partial states merged by merge_states")
+    ap.add_argument("--before", default=None,
+                    help="a JSON this script wrote for other code (e.g. the commit before a change): its "
+                         "times and ratios go beside this run's in the markdown and under 'before' in the JSON")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     groups = _world1_groups()
@@ -123,6 +126,10 @@ def main(argv=None) -> dict:
                   "ratios of medians from the same run (wall-clock medians beside them)",
         "targets": TARGETS, "rows": rows,
     }
+    if args.before:
+        with open(args.before) as f:
+            before = json.load(f)
+        result["before"] = {"file": args.before, "command": before["command"], "rows": before["rows"]}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
@@ -144,6 +151,14 @@ def _markdown(result: dict) -> str:
         lines.append(f"| {s['B']}, {s['Hq']}/{s['Hkv']}, {s['D']}, {s['N']} | {t['sdpa']['median_us']:.1f} | "
                      + " | ".join(cells) + " |")
     lines += ["", "Targets (issue 31): " + ", ".join(f"{k} <= {v:g}x" for k, v in result["targets"].items()), ""]
+    if "before" in result:
+        lines += [f"Before (`{result['before']['command']}`), x SDPA in its own run -> this run:", "",
+                  "| B, Hq/Hkv, D, N | " + " | ".join(TARGETS) + " |", "|---|---|---|---|"]
+        for old, new in zip(result["before"]["rows"], result["rows"]):
+            s = new["shape"]
+            cells = [f"{old['ratio_to_sdpa'][name]:.1f}x -> {new['ratio_to_sdpa'][name]:.1f}x" for name in TARGETS]
+            lines.append(f"| {s['B']}, {s['Hq']}/{s['Hkv']}, {s['D']}, {s['N']} | " + " | ".join(cells) + " |")
+        lines.append("")
     return "\n".join(lines)
 
 

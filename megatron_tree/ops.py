@@ -131,7 +131,7 @@ def _merge_states_impl(outs: torch.Tensor, lses: torch.Tensor, backend: str) -> 
     if outs.shape[0] == 1:  # P = 1 returns views of the inputs; a custom op may not alias them
         out, lse = out.clone(), lse.clone()
     # The fake implementation promises contiguous outputs; the reference's may be transposed views.
-    return out.contiguous(), lse.contiguous()
+    return (out if out.is_contiguous() else out.contiguous()), (lse if lse.is_contiguous() else lse.contiguous())
 
 
 @torch.library.register_fake("megatron_tree::merge_states")

@@ -166,7 +166,7 @@ def test_direct_eager_path_gives_the_ops_bits_and_no_host_sync_around_them(fresh
         out = mt.tree_decode(q, k, v, None, cache_seqlens=lens)
     assert all(torch.equal(a, b) for a, b in zip(direct, guarded))
     assert all(torch.equal(a, b) for a, b in zip(merged, guarded_merge))
-    assert torch.equal(out, direct[0].to(q.dtype))
+    assert torch.equal(out, mt.flash_decode(q, k, v, cache_seqlens=lens)[0])
 
 
 def _world1_rank(rank, world):
@@ -196,10 +196,11 @@ def _world1_rank(rank, world):
         lens = torch.tensor([step, 20 - step], dtype=torch.int32)
         with no_host_sync("tree_decode at world 1"):
             out, lse = mt.tree_decode(q, k, v, groups, cache_seqlens=lens, return_lse=True)
-        # the local call tree_decode makes: float32 partial, float64 lse (one signature with it)
+        # the local call tree_decode makes alone: float32 partial, lse in the dtype returned (one
+        # signature with it)
         want, want_lse = mt.flash_decode(q, k, v, cache_seqlens=lens, out_dtype=torch.float32,
-                                         lse_dtype=torch.float64)
-        exact &= torch.equal(out, want) and torch.equal(lse, want_lse.float())
+                                         lse_dtype=torch.float32)
+        exact &= torch.equal(out, want) and torch.equal(lse, want_lse)
     stats = mt.CommStats()
     mt.tree_decode(q, k, v, groups, cache_seqlens=lens, stats=stats)  # with stats: merge counts the call
     return counts, exact, stats.calls
@@ -207,9 +208,48 @@ def _world1_rank(rank, world):
 
 def test_tree_decode_at_world_1_is_the_local_kernel():
     """One real gloo rank: 8 steps of tree_decode check the signature and resolve the backend once
-    (the flash_decode call beside each step is the same signature), never enter comm.merge, read
-    no value on the host, and equal flash_decode bit for bit."""
+    (the flash_decode call beside each step is the same signature), never enter comm.merge (only
+    a call that asks for stats does), read no value on the host, and equal flash_decode bit for bit."""
     [(counts, exact, calls)] = run_ranks(_world1_rank, 1)
     assert exact
-    assert counts["check"] == 1 and counts["resolve"] == 1, counts
+    # the 8 steps and their flash_decode calls: one signature; the call with stats merges (at
+    # world 1 the merge only counts it), so its partial lse is float64: a second one
+    assert counts["check"] == 2 and counts["resolve"] == 2, counts
     assert counts["merge"] == 1 and calls == 1, counts  # only the call that asked for stats
+
+
+def test_fused_cpu_kernel_equals_the_loop_and_the_reference(monkeypatch):
+    """The unmasked float32 rows on ATen's fused kernel: the contract of the loop it stands in for
+    -- ragged and empty rows, a first valid key (cache_starts), GQA, several queries, a NaN key
+    (NaN in its KV head's rows only, never taken for "no key") -- against the loop and the oracle."""
+    from megatron_tree import reference, torch_decode
+
+    q, k, v = _inputs(b=4, hq=6, hkv=2, n=20, seed=3)
+    q = torch.cat([q, q.flip(0)], dim=1)  # two queries per row
+    k[2, 4, 1, 0] = float("nan")
+    lens = torch.tensor([20, 0, 11, 7], dtype=torch.int32)
+    starts = torch.tensor([0, 0, 3, 7], dtype=torch.int32)  # row 3: empty, its start at its length
+    for kw in ({}, {"cache_seqlens": lens}, {"cache_seqlens": lens, "cache_starts": starts}):
+        fused = torch_decode.flash_decode(q, k, v, **kw)
+        with monkeypatch.context() as m:
+            m.setattr(torch_decode, "_FUSED", None)
+            loop = torch_decode.flash_decode(q, k, v, **kw)
+        want = reference.partial_attention(q.double(), k.double(), v.double(), **kw)
+        for got in (fused, loop):
+            assert got[0].dtype == torch.float32 and got[0].is_contiguous() and got[1].is_contiguous()
+            assert torch.equal(torch.isnan(got[0]), torch.isnan(want[0]))
+            assert torch.equal(torch.isnan(got[1]), torch.isnan(want[1]))
+            assert torch.equal(torch.isneginf(got[1]), torch.isneginf(want[1]))
+            ok = ~torch.isnan(want[0])
+            assert (got[0].double()[ok] - want[0][ok]).abs().max() < 2e-6
+            fin = torch.isfinite(want[1])
+            assert (got[1].double()[fin] - want[1][fin]).abs().max() < 2e-6
+        if kw:
+            assert torch.isneginf(fused[1][1]).all() and (fused[0][1] == 0).all()  # no key: out 0, lse -inf
+            assert torch.isnan(fused[1][2, 3:]).all() and not torch.isnan(fused[1][2, :3]).any()  # KV head 1
+    # past FUSED_MAX_KEYS a row takes the loop: same contract
+    n = torch_decode.FUSED_MAX_KEYS + 5
+    q, k, v = _inputs(b=1, n=n, seed=4)
+    got = torch_decode.flash_decode(q, k, v)
+    want = reference.partial_attention(q.double(), k.double(), v.double())
+    assert (got[0].double() - want[0]).abs().max() < 2e-6 and (got[1].double() - want[1]).abs().max() < 2e-6
