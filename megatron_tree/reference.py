@@ -232,7 +232,9 @@ def lse_weights(lse: torch.Tensor, m: torch.Tensor, dtype: torch.dtype | None = 
     """
     dtype = lse.dtype if dtype is None else dtype
     m_safe = torch.nan_to_num(m, nan=0.0, posinf=0.0, neginf=0.0)  # non-finite -> 0, in one op
-    return torch.exp(lse.double() - m_safe.double()).to(dtype)
+    # float64 - float32 widens the float32 operand exactly: the same difference as two .double()
+    w = torch.exp((lse if lse.dtype == torch.float64 else lse.double()) - m_safe)
+    return w if w.dtype == dtype else w.to(dtype)
 
 
 def normalize(num: torch.Tensor, den: torch.Tensor, m: torch.Tensor,
@@ -252,8 +254,9 @@ def normalize(num: torch.Tensor, den: torch.Tensor, m: torch.Tensor,
     empty = den == 0
     den1 = den.masked_fill(empty, 1)  # the divisor, 1 where there is no key
     out = (num / den1.transpose(1, 2).unsqueeze(-1)).masked_fill_(empty.transpose(1, 2).unsqueeze(-1), 0)
-    m_safe = torch.nan_to_num(m, nan=0.0, posinf=0.0, neginf=0.0).to(ld)
-    lse = (m_safe + torch.log(den1.to(ld))).masked_fill_(empty, float("-inf"))
+    m_safe = torch.nan_to_num(m, nan=0.0, posinf=0.0, neginf=0.0)
+    lse = torch.log(den1 if den1.dtype == ld else den1.to(ld))
+    lse = (lse + m_safe if m_safe.dtype == ld else lse + m_safe.to(ld)).masked_fill_(empty, float("-inf"))
     return out, lse
 
 
@@ -283,9 +286,9 @@ def merge_stacked(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor,
     ld = torch.promote_types(lses.dtype, acc)
     if p == 1:
         return outs[0], lses[0].to(ld)
-    lses = lses.to(ld)
+    lses = lses if lses.dtype == ld else lses.to(ld)
     m = lses.amax(dim=0)
     w = lse_weights(lses, m, acc)
-    num = weighted(outs.to(acc), w).sum(dim=0)
+    num = weighted(outs if outs.dtype == acc else outs.to(acc), w).sum(dim=0)
     out, lse = normalize(num, w.sum(dim=0), m, ld)
-    return out.to(outs.dtype), lse
+    return (out if out.dtype == outs.dtype else out.to(outs.dtype)), lse
