@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..distributed import agreement, collectives
-from ..ops import dispatch as ops, reference
+from ..ops import contract, dispatch as ops
 from .merge import CommStats
 from ..distributed.topology import TreeGroups
 
@@ -126,7 +126,7 @@ def _signature(q, k, backend, lengths) -> tuple:
 def _finish(outs, lses, q_dtype, return_lse, lse_dtype=None):
     out, lse = ops.merge_states(torch.stack(outs), torch.stack(lses))
     out = out.to(q_dtype)
-    return (out, lse.to(reference.lse_acc_dtype(lse_dtype, q_dtype))) if return_lse else out
+    return (out, lse.to(contract.lse_acc_dtype(lse_dtype, q_dtype))) if return_lse else out
 
 
 def ring_decode(
@@ -157,7 +157,7 @@ def ring_decode(
     receives CP rank r-h-1's shard from r-1 while the kernel runs on the shard in hand.
     Receive buffers are two flat workspaces of the largest shard (double buffering).
     """
-    reference.lse_acc_dtype(lse_dtype, q.dtype)  # a bad lse_dtype fails before any message
+    contract.lse_acc_dtype(lse_dtype, q.dtype)  # a bad lse_dtype fails before any message
     p, r = groups.size, groups.rank
     plan = plan if plan is not None else ShardPlan.build(k, groups)
     plan.check(k, groups)
@@ -213,11 +213,11 @@ def passq_ring_decode(
     the state that arrived at hop h-1 (its own at hop 0) to r+1 and receives the next one
     from r-1. After P-1 hops every rank holds all P states and merges them in shard order.
     """
-    reference.lse_acc_dtype(lse_dtype, q.dtype)  # a bad lse_dtype fails before any message
+    contract.lse_acc_dtype(lse_dtype, q.dtype)  # a bad lse_dtype fails before any message
     p, r = groups.size, groups.rank
     out, lse = ops.flash_decode(q, k, v, cache_seqlens=cache_seqlens, softmax_scale=softmax_scale, backend=backend,
                                 lse_dtype=torch.float64)
-    acc = reference.acc_dtype(out.dtype)
+    acc = contract.acc_dtype(out.dtype)
     lse_words = lse.reshape(-1).view(acc)  # the float64 lse's bytes, travelling whole
     no, nl = out.numel(), lse_words.numel()
     plan = plan if plan is not None else ShardPlan(tuple([k.shape[1]] * p), r)
@@ -236,7 +236,7 @@ def passq_ring_decode(
     lses = states[:, no:].contiguous().view(lse.dtype).reshape(p, *lse.shape)
     res, res_lse = ops.merge_states(outs, lses)
     res = res.to(q.dtype)
-    return (res, res_lse.to(reference.lse_acc_dtype(lse_dtype, q.dtype))) if return_lse else res
+    return (res, res_lse.to(contract.lse_acc_dtype(lse_dtype, q.dtype))) if return_lse else res
 
 
 def allgather_kv_decode(
@@ -260,7 +260,7 @@ def allgather_kv_decode(
     gathered cache, (P, batch, max_len, nheads_kv, headdim) for k and for v, lives in
     reusable workspaces of the plan: P times a shard on every rank.
     """
-    reference.lse_acc_dtype(lse_dtype, q.dtype)  # a bad lse_dtype fails before any message
+    contract.lse_acc_dtype(lse_dtype, q.dtype)  # a bad lse_dtype fails before any message
     p = groups.size
     plan = plan if plan is not None else ShardPlan.build(k, groups)
     plan.check(k, groups)

@@ -99,7 +99,8 @@ from ..ops import dispatch as ops
 from ..distributed.agreement import disagreement
 from ..distributed.collectives import CommError, CommStats, DisagreementError, LevelStats
 from .cost import choose_strategy  # the policy of auto, resolved once per (groups, shape, dtype)
-from ..ops.reference import acc_dtype, lse_weights, normalize, weighted
+from ..ops.contract import acc_dtype
+from ..ops.reference import lse_weights, normalize, weighted
 from .strategies import STRATEGIES
 from ..distributed.topology import TreeGroups
 

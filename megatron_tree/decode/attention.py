@@ -21,7 +21,8 @@ import torch
 from ..comm import merge as comm
 from ..ops import dispatch as ops
 from ..comm.merge import CommStats
-from ..ops.reference import acc_dtype, add_sink, check_decode_inputs, check_variants, lse_acc_dtype
+from ..ops.contract import acc_dtype, check_decode_inputs, check_variants, lse_acc_dtype
+from ..ops.reference import add_sink
 from ..distributed.topology import TreeGroups
 
 __all__ = ["tree_decode"]
@@ -84,7 +85,8 @@ def tree_decode(
     lse_dtype: dtype of the returned lse: float32 by default (float64 for float64 input);
         ``torch.float64`` returns it whole, for merging the result again (e.g. with a chunk of
         keys held elsewhere) exactly at large score magnitudes -- partials and every merge level
-        carry float64 either way
+        carry float64 either way (a partial no merge follows -- one rank, no stats -- is formed
+        in lse_dtype directly)
     window, softcap: the local attention's sliding window (with positions: a query at global
         position p sees keys p - window < j <= p; a rank with none is an empty shard) and score
         soft-capping, as for ``ops.flash_decode``; the same on every rank
@@ -113,18 +115,21 @@ def tree_decode(
     else:
         # fp32 partials (docs/design.md §1): a bf16/fp16 result is rounded once, below. The
         # partial lse is float64 so the merge is exact at large score magnitudes (comm's docstring).
+        # One rank without stats: the partial state is the result, nothing merges it again, so its
+        # lse is formed in the dtype returned (a float64 partial lse is for exact merges).
+        alone = groups is None or (groups.size == 1 and stats is None)
         try:
-            out, lse = ops.flash_decode(
+            # the backend is resolved once, with the checks (ops remembers both per signature)
+            out, lse, resolved = ops.flash_decode_resolved(
                 q, k, v, cache_seqlens=cache_seqlens, block_table=block_table, softmax_scale=softmax_scale,
                 q_positions=q_positions, k_positions=k_positions, out_dtype=acc_dtype(q.dtype), backend=backend,
-                lse_dtype=torch.float64, **variants,
+                lse_dtype=ld if alone and sinks is None else torch.float64, **variants,
             )
             comm.check_shift(shift, tuple(lse.shape), q.device)
-            resolved = ops.resolve_backend(q.device, backend)
         except Exception as e:  # noqa: BLE001 -- this rank's own checks: every rank raises it (_tell)
             _tell(groups, e)
             raise
-        if groups is not None:
+        if not alone:  # (alone, comm.merge would check again what was checked above and widen nothing)
             out, lse = comm.merge(out, lse, groups, strategy, stats, dtype=q.dtype, backend=resolved, shift=shift,
                                   deferred=deferred)
     if sinks is not None:  # once, on the merged state (every rank holds the same)

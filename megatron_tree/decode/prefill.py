@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..distributed import agreement, collectives
-from ..ops import dispatch as ops, reference
+from ..ops import contract, dispatch as ops, reference
 from ..comm.merge import CommStats
 from ..distributed.topology import TreeGroups
 
@@ -60,7 +60,7 @@ def _check(q, k, v, q_pos, k_pos, window=None, softcap=None, sinks=None) -> None
         raise ValueError(f"q_pos must have shape {tuple(q.shape[:2])} (batch, seqlen_q), got {tuple(q_pos.shape)}")
     if tuple(k_pos.shape) != tuple(k.shape[:2]):
         raise ValueError(f"k_pos must have shape {tuple(k.shape[:2])} (batch, seqlen_k), got {tuple(k_pos.shape)}")
-    reference.check_variants(q, window=window, softcap=softcap, sinks=sinks)
+    contract.check_variants(q, window=window, softcap=softcap, sinks=sinks)
 
 
 def _pad_keys(k, v, k_pos, length: int):

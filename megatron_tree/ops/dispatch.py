@@ -23,7 +23,7 @@ from typing import Literal, Optional
 
 import torch
 
-from . import fused_prefill, reference, torch_decode
+from . import contract, fused_prefill, reference, torch_decode
 
 __all__ = ["flash_decode", "merge_states", "prefill_attention", "prefill_kernel", "resolve_backend", "BACKENDS",
            "ENV_BACKEND"]
@@ -54,26 +54,38 @@ def _check(q, k, v, cache_seqlens, q_positions, k_positions, block_table, out_dt
     # stays free of host syncs. The value checks (cache_seqlens and cache_starts within [0, N],
     # block ids within the cache) run inside the op on CPU tensors, where the torch path reads
     # cache_seqlens anyway; on CUDA the kernel clamps instead.
-    reference.check_decode_inputs(q, k, v, cache_seqlens, q_positions, k_positions, block_table, out_dtype,
+    contract.check_decode_inputs(q, k, v, cache_seqlens, q_positions, k_positions, block_table, out_dtype,
                                   by_value=False, lse_dtype=lse_dtype, **variants)
 
 
 def _check_values(q, k, cache_seqlens, block_table, cache_starts=None) -> None:
     """The value checks of the contract, for CPU inputs (host memory: reading it syncs nothing)."""
     b = q.shape[0]
-    n = reference.kv_length(k, block_table)
+    n = contract.kv_length(k, block_table)
     if cache_seqlens is not None:
-        reference.check_cache_seqlens(cache_seqlens, b, n, q.device)
+        contract.check_cache_seqlens(cache_seqlens, b, n, q.device)
     if cache_starts is not None:
-        reference.check_cache_seqlens(cache_starts, b, n, q.device, name="cache_starts")
+        contract.check_cache_seqlens(cache_starts, b, n, q.device, name="cache_starts")
     if block_table is not None:
-        reference.check_block_table(block_table, b, k.shape[0], k.shape[1], cache_seqlens, q.device,
+        contract.check_block_table(block_table, b, k.shape[0], k.shape[1], cache_seqlens, q.device,
                                     cache_starts=cache_starts)
 
 
-# New arguments go at the end with defaults, so positional calls of the op stay valid.
-@torch.library.custom_op("megatron_tree::flash_decode", mutates_args=())
-def _flash_decode_op(
+# The two ops are defined on a torch.library.Library with one CompositeExplicitAutograd kernel
+# each, not with torch.library.custom_op: custom_op wraps every call in a Python autograd
+# function (about 10 us of host time per call on CPU, measured by benchmarks/host_path.py);
+# a decode step needs no gradient, and without an autograd kernel a backward through the op
+# raises. New arguments go at the end with defaults, so positional calls of the op stay valid.
+torch.library.define(
+    "megatron_tree::flash_decode",
+    "(Tensor q, Tensor k, Tensor v, Tensor? cache_seqlens, float? softmax_scale, Tensor? q_positions, "
+    "Tensor? k_positions, str backend, Tensor? block_table=None, ScalarType? out_dtype=None, "
+    "ScalarType? lse_dtype=None, Tensor? cache_starts=None, SymInt? window=None, float? softcap=None) "
+    "-> (Tensor, Tensor)")
+torch.library.define("megatron_tree::merge_states", "(Tensor outs, Tensor lses, str backend) -> (Tensor, Tensor)")
+
+
+def _flash_decode_impl(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -101,34 +113,38 @@ def _flash_decode_op(
     return torch_decode.flash_decode(q, k, v, **kwargs)
 
 
-@_flash_decode_op.register_fake
+@torch.library.register_fake("megatron_tree::flash_decode")
 def _flash_decode_fake(q, k, v, cache_seqlens, softmax_scale, q_positions, k_positions, backend, block_table=None,
                        out_dtype=None, lse_dtype=None, cache_starts=None, window=None, softcap=None):
     b, sq, hq, _ = q.shape
     out = q.new_empty((b, sq, hq, v.shape[-1]), dtype=q.dtype if out_dtype is None else out_dtype)
-    return out, q.new_empty((b, hq, sq), dtype=reference.lse_acc_dtype(lse_dtype, q.dtype))
+    return out, q.new_empty((b, hq, sq), dtype=contract.lse_acc_dtype(lse_dtype, q.dtype))
 
 
-@torch.library.custom_op("megatron_tree::merge_states", mutates_args=())
-def _merge_states_op(outs: torch.Tensor, lses: torch.Tensor, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _merge_states_impl(outs: torch.Tensor, lses: torch.Tensor, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     if backend == "triton":
         from .triton import merge as kernel
 
         out, lse = kernel.merge_states(outs, lses)
     else:
-        out, lse = reference.merge_states(outs, lses)
+        out, lse = reference.merge_stacked(outs, lses)  # checked by the caller (or opcheck's own inputs)
     if outs.shape[0] == 1:  # P = 1 returns views of the inputs; a custom op may not alias them
         out, lse = out.clone(), lse.clone()
     # The fake implementation promises contiguous outputs; the reference's may be transposed views.
-    return out.contiguous(), lse.contiguous()
+    return (out if out.is_contiguous() else out.contiguous()), (lse if lse.is_contiguous() else lse.contiguous())
 
 
-@_merge_states_op.register_fake
+@torch.library.register_fake("megatron_tree::merge_states")
 def _merge_states_fake(outs, lses, backend):
     _, b, sq, hq, d = outs.shape
-    lse_dtype = torch.promote_types(lses.dtype, reference.acc_dtype(outs.dtype))
+    lse_dtype = torch.promote_types(lses.dtype, contract.acc_dtype(outs.dtype))
     return outs.new_empty((b, sq, hq, d)), lses.new_empty((b, hq, sq), dtype=lse_dtype)
 
+
+torch.library.impl("megatron_tree::flash_decode", "CompositeExplicitAutograd", _flash_decode_impl)
+torch.library.impl("megatron_tree::merge_states", "CompositeExplicitAutograd", _merge_states_impl)
+_flash_decode_op = torch.ops.megatron_tree.flash_decode.default
+_merge_states_op = torch.ops.megatron_tree.merge_states.default
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -141,6 +157,87 @@ def _kernel_backend(name: str, dtype: torch.dtype, forced: bool, headdim: int = 
             dtype not in _KERNEL_DTYPES or headdim > 256 or (out_dtype is not None and out_dtype not in _KERNEL_DTYPES)):
         return "torch"
     return name
+
+
+SIGNATURE_CACHE_SIZE = 256
+"""Signatures (shapes, dtypes, devices, variant arguments, backend settings) whose validation and
+backend resolution are remembered; past that many the memory starts afresh."""
+_signatures: dict = {}
+
+
+def _meta(t):
+    """What the shape-only checks read of an argument: a tensor's shape, dtype and device; of
+    anything else its type (such an argument either always fails its check or is None)."""
+    if isinstance(t, torch.Tensor):
+        return t.shape, t.dtype, t.device
+    return None if t is None else ("not a tensor", type(t))
+
+
+def _remember(key, check):
+    """``check()``'s result for ``key``, computed once per key while the key is remembered.
+
+    ``check`` raises for bad input (nothing is remembered then) and depends only on what ``key``
+    holds. While ``torch.compile`` traces, the checks run every time and nothing is remembered:
+    they are shape-only, so Dynamo evaluates them at trace time and its guards recompile on a
+    new signature."""
+    if torch.compiler.is_compiling():
+        return check()
+    try:
+        return _signatures[key]
+    except KeyError:
+        pass
+    except TypeError:  # an unhashable argument (e.g. a list as out_dtype): its check raises
+        return check()
+    value = check()
+    if len(_signatures) >= SIGNATURE_CACHE_SIZE:
+        _signatures.clear()
+    _signatures[key] = value
+    return value
+
+
+def _plain_eager(t: torch.Tensor) -> bool:
+    """Whether a call on ``t`` may run the op's body directly: plain eager work on a plain CPU
+    tensor, where the op boundary (there for ``torch.compile``, CUDA graphs and the host-sync
+    guard, which treat the op as one opaque node) would only cost host time. Under tracing, a
+    torch function or dispatch mode (``sync_guard.no_host_sync``, fake tensors), a tensor
+    subclass, CUDA, or an input that records gradients, the call goes through the op."""
+    return (type(t) is torch.Tensor and t.device.type == "cpu" and not torch.compiler.is_compiling()
+            and not torch._C._is_torch_function_mode_enabled() and torch._C._len_torch_dispatch_stack() == 0
+            and not (t.requires_grad and torch.is_grad_enabled()))
+
+
+def _decode_signature(q, k, v, cache_seqlens, q_positions, k_positions, block_table, out_dtype, lse_dtype, window,
+                      softcap, cache_starts, sinks, backend) -> tuple[str, str]:
+    """(kernel backend, resolved backend) of a :func:`flash_decode` call, after the shape-only
+    checks of the contract, remembered per signature (:func:`_remember`). The value checks run
+    inside the op, on every call (``_check_values``)."""
+    env = os.environ.get(ENV_BACKEND) or None, os.environ.get("TRITON_INTERPRET")
+    key = None if torch.compiler.is_compiling() else ("decode", _meta(q), _meta(k), _meta(v), _meta(cache_seqlens), _meta(q_positions), _meta(k_positions),
+           _meta(block_table), out_dtype, lse_dtype, type(window), window, type(softcap), softcap,
+           _meta(cache_starts), _meta(sinks), backend, env)
+
+    def check():
+        _check(q, k, v, cache_seqlens, q_positions, k_positions, block_table, out_dtype, lse_dtype, window=window,
+               softcap=softcap, cache_starts=cache_starts, sinks=sinks)
+        resolved = resolve_backend(q.device, backend)
+        forced = backend is not None or env[0] is not None
+        return _kernel_backend(resolved, q.dtype, forced, max(q.shape[-1], v.shape[-1]), out_dtype), resolved
+
+    return _remember(key, check)
+
+
+def _merge_signature(outs, lses, backend) -> str:
+    """The kernel backend of a :func:`merge_states` call, after its (shape-only) checks, remembered
+    per signature (:func:`_remember`)."""
+    env = os.environ.get(ENV_BACKEND) or None, os.environ.get("TRITON_INTERPRET")
+    key = None if torch.compiler.is_compiling() else ("merge", _meta(outs), _meta(lses), backend, env)
+
+    def check():
+        contract.check_merge_inputs(outs, lses)
+        forced = backend is not None or env[0] is not None
+        return _kernel_backend(resolve_backend(outs.device, backend), outs.dtype, forced, outs.shape[-1])
+
+    return _remember(key, check)
 
 
 def flash_decode(
@@ -195,22 +292,32 @@ def flash_decode(
             lse: (batch, nheads_q, seqlen_q) in lse_dtype, natural log, -inf where no key is visible
             (and no sink), NaN where a visible score (or the sink) is NaN
     """
-    _check(q, k, v, cache_seqlens, q_positions, k_positions, block_table, out_dtype, lse_dtype, window=window,
-           softcap=softcap, cache_starts=cache_starts, sinks=sinks)
-    forced = backend is not None or bool(os.environ.get(ENV_BACKEND))
-    name = _kernel_backend(resolve_backend(q.device, backend), q.dtype, forced, max(q.shape[-1], v.shape[-1]),
-                           out_dtype)
+    return flash_decode_resolved(q, k, v, block_table=block_table, cache_seqlens=cache_seqlens,
+                                 softmax_scale=softmax_scale, q_positions=q_positions, k_positions=k_positions,
+                                 out_dtype=out_dtype, backend=backend, lse_dtype=lse_dtype, window=window,
+                                 softcap=softcap, sinks=sinks, cache_starts=cache_starts)[:2]
+
+
+def flash_decode_resolved(q, k, v, *, block_table=None, cache_seqlens=None, softmax_scale=None, q_positions=None,
+                          k_positions=None, out_dtype=None, backend=None, lse_dtype=None, window=None, softcap=None,
+                          sinks=None, cache_starts=None):
+    """:func:`flash_decode`, returning also the backend it resolved (``resolve_backend``'s answer,
+    before the kernels' dtype fallback): ``(out, lse, backend)``, so a caller that needs the
+    name (``tree_decode``, for the merge's signature) does not resolve it a second time."""
+    name, resolved = _decode_signature(q, k, v, cache_seqlens, q_positions, k_positions, block_table, out_dtype,
+                                       lse_dtype, window, softcap, cache_starts, sinks, backend)
     window = None if window is None else int(window)
     softcap = None if softcap is None else float(softcap)
+    op = _flash_decode_impl if _plain_eager(q) else _flash_decode_op
     if sinks is None:
-        return _flash_decode_op(q, k, v, cache_seqlens, softmax_scale, q_positions, k_positions, name, block_table,
-                                out_dtype, lse_dtype, cache_starts, window, softcap)
+        return (*op(q, k, v, cache_seqlens, softmax_scale, q_positions, k_positions, name, block_table, out_dtype,
+                    lse_dtype, cache_starts, window, softcap), resolved)
     # The sink joins the finished state: unrounded partial and whole lse first, one rounding after.
-    out, lse = _flash_decode_op(q, k, v, cache_seqlens, softmax_scale, q_positions, k_positions, name, block_table,
-                                reference.acc_dtype(q.dtype), torch.float64, cache_starts, window, softcap)
+    out, lse = op(q, k, v, cache_seqlens, softmax_scale, q_positions, k_positions, name, block_table,
+                  contract.acc_dtype(q.dtype), torch.float64, cache_starts, window, softcap)
     out, lse = reference.add_sink(out, lse, sinks)
     return (out.to(q.dtype if out_dtype is None else out_dtype),
-            lse.to(reference.lse_acc_dtype(lse_dtype, q.dtype)))
+            lse.to(contract.lse_acc_dtype(lse_dtype, q.dtype)), resolved)
 
 
 def merge_states(outs: torch.Tensor, lses: torch.Tensor, *, backend: str | None = None):
@@ -219,10 +326,12 @@ def merge_states(outs: torch.Tensor, lses: torch.Tensor, *, backend: str | None 
     out: (B, Sq, Hq, D) in outs.dtype; lse: (B, Hq, Sq) float32, or float64 for float64 outs
     or lses (float64 lses are used whole: the merge is then exact at large score magnitudes).
     """
-    reference.check_merge_inputs(outs, lses)
-    forced = backend is not None or bool(os.environ.get(ENV_BACKEND))
-    name = _kernel_backend(resolve_backend(outs.device, backend), outs.dtype, forced, outs.shape[-1])
-    return _merge_states_op(outs, lses, name)
+    name = _merge_signature(outs, lses, backend)
+    if outs.shape[0] == 1:  # one state is the result: a copy (never a view of the input), lse widened
+        return (torch.clone(outs[0], memory_format=torch.contiguous_format),
+                lses[0].to(torch.promote_types(lses.dtype, contract.acc_dtype(outs.dtype)),
+                           memory_format=torch.contiguous_format, copy=True))
+    return (_merge_states_impl if _plain_eager(outs) else _merge_states_op)(outs, lses, name)
 
 
 def prefill_kernel(q: torch.Tensor, v: torch.Tensor, kernel: str | None = None, *, window: int | None = None,
@@ -284,9 +393,9 @@ def prefill_attention(
         if calls is not None:
             calls["decode"] = calls.get("decode", 0) + 1
         return flash_decode(q, k, v, softmax_scale=softmax_scale, q_positions=q_positions, k_positions=k_positions,
-                            backend=backend, out_dtype=reference.acc_dtype(q.dtype), lse_dtype=torch.float64,
+                            backend=backend, out_dtype=contract.acc_dtype(q.dtype), lse_dtype=torch.float64,
                             window=window, softcap=softcap)
-    reference.check_decode_inputs(q, k, v, None, q_positions, k_positions, by_value=False)
+    contract.check_decode_inputs(q, k, v, None, q_positions, k_positions, by_value=False)
     return fused_prefill.prefill_attention(q, k, v, q_positions=q_positions, k_positions=k_positions,
                                            softmax_scale=softmax_scale, kernel=kernel, backend=backend,
                                            exact_attention=flash_decode, calls=calls)

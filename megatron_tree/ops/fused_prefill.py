@@ -47,7 +47,7 @@ from typing import Literal
 
 import torch
 
-from . import reference
+from . import contract, reference
 
 __all__ = [
     "prefill_attention", "select_kernel", "plan", "Segment", "KERNELS", "LSE_BOUND", "LSE_BOUND_16BIT",
@@ -412,7 +412,7 @@ def prefill_attention(
     """
     b, sq, hq, d = q.shape
     n = k.shape[1]
-    acc = reference.acc_dtype(q.dtype)
+    acc = contract.acc_dtype(q.dtype)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     name = kernel if kernel is not None else select_kernel(q.device, q.dtype, d)
     if name not in KERNELS:

@@ -20,7 +20,7 @@ import torch
 
 import megatron_tree as mt
 from megatron_tree.comm import merge as comm
-from megatron_tree.ops import dispatch as ops, reference
+from megatron_tree.ops import contract, dispatch as ops, reference
 from benchmarks import precision
 from tests.helpers.ranks import run_ranks
 
@@ -337,7 +337,7 @@ def test_bad_variant_arguments_raise_clear_errors(kwargs, exc, pattern):
     with pytest.raises(exc, match=pattern):
         mt.tree_decode(q, k, v, None, **pos, **kwargs)
     with pytest.raises(exc, match=pattern):  # the overlapped path checks before its first collective too
-        reference.check_decode_inputs(q, k, v, **pos, **kwargs)
+        contract.check_decode_inputs(q, k, v, **pos, **kwargs)
 
 
 def test_window_needs_positions_and_k_v_must_agree_but_for_the_head_dim():

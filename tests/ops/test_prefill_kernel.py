@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from megatron_tree.ops import fused_prefill, dispatch as ops, reference
+from megatron_tree.ops import contract, fused_prefill, dispatch as ops, reference
 from benchmarks import precision
 
 _HIDDEN = torch.iinfo(torch.int64).max
@@ -38,7 +38,7 @@ def _check(q, k, v, qpos, kpos, tol=1e-5, **kw):
     out, lse = fused_prefill.prefill_attention(q, k, v, q_positions=qpos, k_positions=kpos,
                                                exact_attention=ops.flash_decode, **kw)
     want_o, want_l = _want(q, k, v, qpos, kpos, kw.get("softmax_scale"))
-    assert out.shape == q.shape and out.dtype == reference.acc_dtype(q.dtype)
+    assert out.shape == q.shape and out.dtype == contract.acc_dtype(q.dtype)
     assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == torch.float64
     seen = torch.isfinite(want_l)
     assert torch.equal(torch.isfinite(lse), seen), "rows with no visible key must get lse -inf (and only they)"
