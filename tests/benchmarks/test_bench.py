@@ -38,7 +38,7 @@ def test_tiny_sweep_end_to_end(tmp_path):
         assert got["tree:two_level"]["levels"] == (["intra", "inter"] if intra < p else ["intra"])
         if intra < p:
             assert set(got["tree:two_level"]["bytes_per_level_rank0"]) == {"intra", "inter"}
-        assert got["tree:auto"]["resolved"] in cm.TREE_STRATEGIES
+        assert got["tree:auto"]["resolved"] in cm.MERGES
         assert got["ring"]["ratio_vs_ring"] == 1.0
         assert all(r["host_lanes"] > 0 for r in got.values())  # the parallel-lanes probe ran
         # ring keeps min(2, P-1) receive buffers of a shard; tree none
