@@ -324,20 +324,18 @@ def prompt_lookup_drafts(seq: list[int], width: int, depth: int, max_ngram: int 
 @torch.no_grad()
 def _draft_model_drafts(model, seqs: list[list[int]], width: int, depth: int) -> list[list[list[int]]]:
     """Per row: ``width`` chains of ``depth`` greedy tokens of ``model``, chain c starting from the
-    c-th most likely next token. One full forward per token (no cache: the draft model is small)."""
+    c-th most likely next token. The row's chains run as one batch; one full forward per depth
+    (no cache: the draft model is small)."""
     dev = next(model.parameters()).device
     out = []
     for seq in seqs:
         first = model(torch.tensor([seq], device=dev)).logits[0, -1].float()
-        tops = torch.topk(first, width).indices.tolist()
-        chains = []
-        for tok in tops:
-            chain = [tok]
-            while len(chain) < depth:
-                logits = model(torch.tensor([seq + chain], device=dev)).logits[0, -1]
-                chain.append(int(logits.float().argmax()))
-            chains.append(chain)
-        out.append(chains)
+        chains = torch.topk(first, width).indices.to(dev)[:, None]  # (width, 1)
+        ctx = torch.tensor([seq], device=dev).expand(width, -1)
+        while chains.shape[1] < depth:
+            logits = model(torch.cat([ctx, chains], dim=1)).logits[:, -1].float()
+            chains = torch.cat([chains, logits.argmax(-1, keepdim=True)], dim=1)
+        out.append(chains.tolist())
     return out
 
 
@@ -440,6 +438,10 @@ class SpeculativeResult:
     step_times: list[float] = field(default_factory=list)
 
     @property
+    def decode_time(self) -> float:
+        return sum(self.step_times)
+
+    @property
     def mean_accepted(self) -> float:
         """Mean tokens gained per verification step (1: no draft accepted)."""
         return sum(self.accepted) / len(self.accepted) if self.accepted else float("nan")
@@ -485,6 +487,10 @@ def generate_speculative(model, prompts: list[list[int]], max_new_tokens: int, *
     (one small all-gather: ``agreement.agree``), so ranks never verify different drafts.
     """
     cfg = speculative or SpeculativeConfig()
+    if not (hasattr(model, "hf") and hasattr(model, "_binding")):
+        raise NotImplementedError(
+            f"speculative generation runs on a transformers model (integrations.hf.HFTreeModel), got "
+            f"{type(model).__name__}: its decode step must take T draft rows with a tree mask")
     groups = model.groups
     vocab = model.vocab_size
     stops = set(stop_token_ids or ())
@@ -576,7 +582,7 @@ def generate_speculative(model, prompts: list[list[int]], max_new_tokens: int, *
             offered += depth
             result.step_times.append(time.perf_counter() - t0)
             bar.update((max_new_tokens if all(done) else produced()) - bar.n)
-            bar.set_postfix(accepted=f"{result.mean_accepted:.2f}/step")
+            bar.set_postfix_str(f"accepted {result.mean_accepted:.2f} tok/step")
     finally:
         bar.close()
     result.tokens = out

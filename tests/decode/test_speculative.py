@@ -10,6 +10,8 @@ through ``HFTreeModel`` and compares it token for token with non-speculative gre
 with the unmodified single-process transformers model. Assertions run in the parent.
 """
 
+import contextlib
+import io
 import time
 
 import pytest
@@ -234,6 +236,10 @@ def test_draft_model_with_another_vocabulary_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match=r"draft model's vocabulary has 96 tokens but the target model's has 128"):
         generate_speculative(target, [[1, 2, 3]], 4, progress=False,
                              speculative=SpeculativeConfig(method="draft_model", draft_model=small))
+    from megatron_tree.decode.generate import generate
+
+    with pytest.raises(NotImplementedError, match=r"greedy and takes none of \['do_sample'\]"):
+        generate(target, [[1, 2, 3]], 4, do_sample=True, speculative=SpeculativeConfig())
 
 
 # --------------------------------------------------------------------------- generation through transformers
@@ -258,13 +264,12 @@ def _gen_body(rank, world, path, copy_path, draft_path, loop_prompt):
         groups = TreeGroups.build(ranks, intra)
         model = load_hf_model(path, groups)
         copier = load_hf_model(copy_path, groups)
-        entry = {"cp": groups.size, "group": groups.cp_ranks}
+        entry = {"cp": groups.size, "cp_rank": groups.rank, "group": groups.cp_ranks}
         entry["greedy"] = generate(model, COPY_PROMPTS, NEW, progress=False).tokens
         entry["copy_greedy"] = generate(copier, COPY_PROMPTS, NEW, progress=False).tokens
         entry["loop_greedy"] = generate(copier, [loop_prompt], NEW, progress=False).tokens
         runs = {
             ("lookup", 1): (copier, SpeculativeConfig(width=1, depth=4)),
-            ("lookup", 3): (copier, SpeculativeConfig(width=3, depth=3)),
             ("draft", 1): (model, SpeculativeConfig(method="draft_model", draft_model=draft, width=1, depth=3)),
             ("draft", 2): (model, SpeculativeConfig(method="draft_model", draft_model=draft, width=2, depth=3)),
             ("self", 2): (model, SpeculativeConfig(method="draft_model", draft_model=model.unsharded(), width=2,
@@ -275,7 +280,13 @@ def _gen_body(rank, world, path, copy_path, draft_path, loop_prompt):
         for key, (m, cfg) in runs.items():
             stats = CommStats()
             prompts = [loop_prompt] if key[0] == "loop" else COPY_PROMPTS
-            r = generate_speculative(m, prompts, NEW, speculative=cfg, stats=stats, progress=False)
+            if key == ("loop", 3):  # through generate(speculative=), with its progress line
+                bar = io.StringIO()
+                with contextlib.redirect_stderr(bar):
+                    r = generate(m, prompts, NEW, speculative=cfg, stats=stats, progress=True)
+                entry["bar"] = bar.getvalue()
+            else:
+                r = generate_speculative(m, prompts, NEW, speculative=cfg, stats=stats, progress=False)
             entry[key] = {"tokens": r.tokens, "mean": r.mean_accepted, "rate": r.acceptance_rate, "steps": r.steps,
                           "merges": stats.calls}
         # the verification forward's logits against transformers in one process (chain and tree),
@@ -323,7 +334,11 @@ def test_speculative_generation_equals_greedy_generate(generated):
     for name in GROUPINGS:
         for rank, e in enumerate(r[name] for r in results):
             where = f"{name} rank {rank} (CP {e['cp']})"
-            for key in (("lookup", 1), ("lookup", 3)):
+            if e["cp_rank"] == 0:  # the progress line shows the acceptance, on CP rank 0 only
+                assert f"{NEW}/{NEW}" in e["bar"] and "accepted" in e["bar"] and "tok/step" in e["bar"], e["bar"]
+            else:
+                assert e["bar"] == "", where
+            for key in (("lookup", 1),):
                 assert e[key]["tokens"] == e["copy_greedy"], (where, key)
                 assert e[key]["mean"] > 1.0, (where, key, e[key])  # drafts were accepted (rows share steps)
                 assert e[key]["merges"] == 2 * e[key]["steps"]  # one merge per layer per verification step
@@ -343,6 +358,14 @@ def test_verification_logits_and_commit_match_transformers(generated):
     from megatron_tree.decode.speculative import tree_mask
 
     mask = tree_mask(2, 3)
+    memo = {}
+
+    def single(ids):  # transformers in one process: the last position's logits (memoised: ranks share inputs)
+        if tuple(ids) not in memo:
+            with torch.no_grad():
+                memo[tuple(ids)] = hf(torch.tensor([ids])).logits[0, -1]
+        return memo[tuple(ids)]
+
     for name in GROUPINGS:
         for rank, e in enumerate(r[name] for r in results):
             toks, logits = e["verify_tokens"], torch.tensor(e["verify_logits"])
@@ -350,12 +373,12 @@ def test_verification_logits_and_commit_match_transformers(generated):
                 for b, p in enumerate(COPY_PROMPTS):
                     for i in range(mask.shape[0]):
                         branch = [toks[b][j] for j in range(mask.shape[0]) if mask[i, j]]
-                        want = hf(torch.tensor([p + branch])).logits[0, -1]
+                        want = single(p + branch)
                         err = float((logits[b, i] - want).abs().max())
                         assert err < 5e-5, f"{name} rank {rank} row {b} draft {i}: max |dlogits| {err}"
                     # after committing the path, a decode step sees exactly prompt + path + the new token
                     path = {0: [0, 4, 5], 1: [0, 1, 2], 2: [0, 4, 5]}[b]
-                    want = hf(torch.tensor([p + [toks[b][j] for j in path] + [9]])).logits[0, -1]
+                    want = single(p + [toks[b][j] for j in path] + [9])
                     err = float((torch.tensor(e["after_commit"][b]) - want).abs().max())
                     assert err < 5e-5, f"{name} rank {rank} row {b} after commit: {err}"
             assert e["after_lengths"] == [len(p) + 4 for p in COPY_PROMPTS]
