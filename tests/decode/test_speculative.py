@@ -87,6 +87,24 @@ def _shard(k, v, size, rank):
     return ks, vs, torch.tensor(lens, dtype=torch.int32)
 
 
+def _paged(ks, vs, seed, block=4):
+    """A contiguous shard (batch, width, heads, dim) as a pool of blocks in shuffled order and its block table."""
+    b, width = ks.shape[:2]
+    per = -(-width // block)
+    perm = torch.randperm(b * per + 1, generator=torch.Generator().manual_seed(seed))
+    kp = torch.full((b * per + 1, block, *ks.shape[2:]), 7e3)
+    vp = torch.full((b * per + 1, block, *vs.shape[2:]), float("nan"))
+    table = torch.zeros(b, per, dtype=torch.int32)
+    for row in range(b):
+        for j in range(per):
+            blk = int(perm[row * per + j])
+            table[row, j] = blk
+            n = min(block, width - j * block)
+            kp[blk, :n] = ks[row, j * block:j * block + n]
+            vp[blk, :n] = vs[row, j * block:j * block + n]
+    return kp, vp, table
+
+
 def reference(q, k, v, dk, dv, mask):
     """fp64 attention of each draft row over every committed key of its row and its ancestors."""
     b, t = q.shape[:2]
@@ -118,6 +136,12 @@ def _verify_body(rank, world):
                                    stats=stats, room=mask.shape[0])
             res[(name, mname)] = {"out": out.tolist(), "cp": groups.size, "group": groups.cp_ranks,
                                   "merges": stats.calls, "levels": sorted(stats.as_dict()["levels"])}
+            # the same shard as a paged cache: blocks of 4 in a shuffled pool
+            kp, vp, table = _paged(ks, vs, seed=groups.rank)
+            paged = verify_attention(q, kp, vp, dk, dv, mask, groups, cache_seqlens=lens, block_table=table,
+                                     strategy="packed")
+            res[(name, mname + "_paged")] = {"out": paged.tolist(), "cp": groups.size, "group": groups.cp_ranks,
+                                             "merges": 1, "levels": res[(name, mname)]["levels"]}
     # bad input: the same clear error on every rank, before any merge collective
     groups = TreeGroups.build(intra_size=None)
     mask = _masks()["tree"]
@@ -158,9 +182,9 @@ def verified():
 
 
 @pytest.mark.parametrize("case", list(GROUPINGS))
-@pytest.mark.parametrize("mname", ["chain", "tree", "irregular"])
+@pytest.mark.parametrize("mname", ["chain", "tree", "irregular", "chain_paged", "tree_paged", "irregular_paged"])
 def test_verify_attention_matches_single_process(verified, case, mname):
-    mask = _masks()[mname]
+    mask = _masks()[mname.replace("_paged", "")]
     q, k, v, dk, dv = _tensors(mask.shape[0])
     want = reference(q, k, v, dk, dv, mask)
     for rank, r in enumerate(verified):
@@ -275,6 +299,12 @@ def _gen_body(rank, world, path, copy_path, draft_path, loop_prompt):
             ("self", 2): (model, SpeculativeConfig(method="draft_model", draft_model=model.unsharded(), width=2,
                                                    depth=4)),
         }
+        # a stop token met inside an accepted run of drafts: the row ends where greedy generate ends it
+        stop = [entry["loop_greedy"][0][9]]
+        entry["stop_greedy"] = generate(copier, [loop_prompt, COPY_PROMPTS[1]], NEW, stop_token_ids=stop,
+                                        progress=False).tokens
+        entry["stop_spec"] = generate_speculative(copier, [loop_prompt, COPY_PROMPTS[1]], NEW, stop_token_ids=stop,
+                                                  progress=False).tokens
         runs[("loop", 1)] = (copier, SpeculativeConfig(width=1, depth=4))
         runs[("loop", 3)] = (copier, SpeculativeConfig(width=3, depth=4))
         for key, (m, cfg) in runs.items():
@@ -338,6 +368,8 @@ def test_speculative_generation_equals_greedy_generate(generated):
                 assert f"{NEW}/{NEW}" in e["bar"] and "accepted" in e["bar"] and "tok/step" in e["bar"], e["bar"]
             else:
                 assert e["bar"] == "", where
+            assert e["stop_spec"] == e["stop_greedy"], where
+            assert len(e["stop_greedy"][0]) < NEW, where  # the stop token did end row 0 early
             for key in (("lookup", 1),):
                 assert e[key]["tokens"] == e["copy_greedy"], (where, key)
                 assert e[key]["mean"] > 1.0, (where, key, e[key])  # drafts were accepted (rows share steps)
