@@ -448,11 +448,12 @@ def generate(
                                               ("broadcast=False", broadcast)) if not off]
         if unsupported:
             raise NotImplementedError(f"speculative generation is greedy and takes none of {unsupported}")
-        from .speculative import generate_speculative
-
-        return generate_speculative(model, prompts, max_new_tokens, speculative=speculative,
-                                    stop_token_ids=stop_token_ids, cache=cache, strategy=strategy, stats=stats,
-                                    progress=progress)
+        if not callable(getattr(speculative, "generate", None)):
+            raise TypeError(f"speculative must be a decode.speculative.SpeculativeConfig, got "
+                            f"{type(speculative).__name__}")
+        # (the config runs its own loop: decode.speculative sits above this module, which never imports it)
+        return speculative.generate(model, prompts, max_new_tokens, stop_token_ids=stop_token_ids, cache=cache,
+                                    strategy=strategy, stats=stats, progress=progress)
     _agree_on_call(model, prompts, max_new_tokens, stop_token_ids, do_sample, temperature, top_k, top_p, seed,
                    strategy, prefill_method, broadcast, forced_tokens, cache)
     prompts = [list(p) for p in prompts]

@@ -266,6 +266,10 @@ class SpeculativeConfig:
     min_ngram: int = 1
     draft_model: object = None
 
+    def generate(self, model, prompts, max_new_tokens: int, **kwargs) -> "SpeculativeResult":
+        """:func:`generate_speculative` with this config (what ``decode.generate(speculative=)`` calls)."""
+        return generate_speculative(model, prompts, max_new_tokens, speculative=self, **kwargs)
+
     def check(self, vocab: int) -> None:
         if self.method not in ("prompt_lookup", "draft_model"):
             raise ValueError(f"speculative method must be 'prompt_lookup' or 'draft_model', got {self.method!r}")
