@@ -372,6 +372,10 @@ class TreeCache(Cache):
         if self._phase == "prefill":
             self.storage.write_prefill(layer_idx, k, v)
             return key_states, value_states
+        if self._phase == "verify":  # speculative verification: drafts are kept aside, never stored
+            self._drafts[layer_idx] = (k, v)  # (decode.speculative.commit appends the accepted ones)
+            ks, vs = self.storage.layer_kv(layer_idx)
+            return ks.transpose(1, 2), vs.transpose(1, 2)
         self.storage.append(layer_idx, k, v, self._slots)
         ks, vs = self.storage.layer_kv(layer_idx)
         return ks.transpose(1, 2), vs.transpose(1, 2)

@@ -1,0 +1,599 @@
+"""Exact speculative decoding across the CP group: draft trees verified in one decode step.
+
+Invariant: a verification step is a decode step with T query rows (the last chosen token, the
+tree's root, and T - 1 draft tokens) whose attention is exact and whose one cross-rank merge per
+layer carries all T rows. Each row sees the whole committed cache (sharded over the CP ranks) and
+its own ancestors among the T rows (``mask``, T x T bool: ``mask[i, j]`` iff row j is row i or
+one of its ancestors). The attention of one layer is split in three exact parts::
+
+    o_c, lse_c = flash_decode(q, k_shard, v_shard)      # every row over this rank's committed keys
+    o_d, lse_d = draft_attention(q, k_draft, v_draft, mask)   # CP rank 0 only; elsewhere empty
+    o, lse = merge_states([o_c, o_d], [lse_c, lse_d])   # local
+    o, lse = comm.merge(o, lse, groups)                  # the one collective of the layer
+
+The draft keys/values are computed by every rank alike (the same tokens through the same
+weights), so counting them on one rank only makes them join the softmax exactly once. Drafts are
+never written into the cache while they are verified: after acceptance the accepted tokens'
+keys/values go through the cache's ordinary decode-step path (``begin_decode_step`` + ``append``,
+the placement rule unchanged, every rank alike), so the cache never holds a rejected draft and
+needs no rollback.
+
+The loop (:func:`generate_speculative`) drafts with prompt lookup (n-gram matches in the prompt
+and generated text) or a draft model (a small causal LM run replicated on every rank), in a tree
+of ``width`` chains of ``depth`` tokens under the root, and accepts greedily: the tokens it
+returns are exactly those of non-speculative greedy :func:`decode.generate.generate`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..comm import merge as comm
+from ..comm.merge import CommStats
+from ..distributed import agreement
+from ..distributed.topology import TreeGroups
+from ..ops import dispatch as ops
+from ..ops.reference import acc_dtype, add_sink, merge_states, soft_cap
+from .generate import DecodeStep, row_digest
+
+__all__ = ["check_draft_tree", "draft_attention", "verify_attention", "tree_mask", "SpeculativeConfig",
+           "SpeculativeResult", "prompt_lookup_drafts", "generate_speculative", "VERIFY_SIGNATURE"]
+
+
+# --------------------------------------------------------------------------- the draft tree
+
+
+def check_draft_tree(mask, rows: int | None = None) -> None:
+    """Raise ``ValueError``/``TypeError`` unless ``mask`` is the ancestor mask of a draft tree.
+
+    mask: (T, T) bool, ``mask[i, j]`` iff row j is row i itself or one of its ancestors. A tree:
+    the diagonal is true, no row sees a later row (``mask[i, j]`` only for ``j <= i``), and each
+    row's ancestors are its parent's ancestors plus the parent (the parent is the latest row it
+    sees before itself; a row that sees no earlier row is a root). rows: the T it must have.
+    """
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"draft mask must be a (T, T) bool tensor, got {type(mask).__name__}")
+    if mask.dtype != torch.bool:
+        raise TypeError(f"draft mask must be a bool tensor (True: row j is row i or its ancestor), got {mask.dtype}")
+    if mask.dim() != 2 or mask.shape[0] != mask.shape[1]:
+        raise ValueError(f"draft mask must be square (T, T), got shape {tuple(mask.shape)}")
+    t = mask.shape[0]
+    if rows is not None and t != rows:
+        raise ValueError(f"draft mask is ({t}, {t}) but there are {rows} draft query rows")
+    if t == 0:
+        raise ValueError("draft mask is (0, 0): a verification step needs at least one query row")
+    m = mask.detach().cpu()
+    if not bool(m.diagonal().all()):
+        i = int((~m.diagonal()).nonzero()[0])
+        raise ValueError(f"draft mask is not a tree: row {i} does not see itself (mask[{i}, {i}] must be True)")
+    later = torch.triu(m, diagonal=1)
+    if bool(later.any()):
+        i, j = (int(x) for x in later.nonzero()[0])
+        raise ValueError(f"draft mask is not a tree: row {i} sees the later row {j} (mask[{i}, {j}] is True; "
+                         "a row sees only itself and earlier rows, its ancestors)")
+    for i in range(t):
+        seen = m[i, :i].nonzero().flatten()
+        if seen.numel() == 0:
+            continue  # a root
+        parent = int(seen[-1])
+        want = m[parent].clone()
+        want[i] = True
+        if not torch.equal(m[i], want):
+            bad = int((m[i] != want).nonzero()[0])
+            raise ValueError(
+                f"draft mask is not a tree: row {i}'s ancestors are not a chain to a root (its parent is row "
+                f"{parent}, the latest row it sees, but mask[{i}, {bad}] = {bool(m[i, bad])} while row {parent} "
+                f"{'sees' if bool(m[parent, bad]) else 'does not see'} row {bad})")
+
+
+def tree_mask(width: int, depth: int) -> torch.Tensor:
+    """The mask of a root with ``width`` chains of ``depth`` draft tokens under it: T = 1 + width * depth.
+
+    Row 0 is the root; chain c's token at depth d (1-based) is row ``1 + c * depth + d - 1``.
+    ``width=1`` is a chain (lower-triangular mask)."""
+    t = 1 + width * depth
+    m = torch.zeros(t, t, dtype=torch.bool)
+    m[:, 0] = True
+    for c in range(width):
+        for d in range(depth):
+            i = 1 + c * depth + d
+            m[i, 1 + c * depth: i + 1] = True
+    return m
+
+
+def tree_depths(mask: torch.Tensor) -> torch.Tensor:
+    """(T,) int64: each row's depth below its root (the number of ancestors)."""
+    return mask.sum(dim=1).to(torch.int64) - 1
+
+
+# --------------------------------------------------------------------------- the attention
+
+
+def draft_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, *,
+                    softmax_scale: float | None = None, softcap: float | None = None):
+    """Attention of each draft row over its ancestors among the drafts (pure torch), as a partial state.
+
+    q: (batch, T, nheads_q, headdim); k: (batch, T, nheads_kv, headdim); v: (batch, T, nheads_kv,
+    headdim_v); mask: (T, T) bool (:func:`check_draft_tree`). GQA: query head h reads KV head
+    ``h // (nheads_q // nheads_kv)``.
+    returns out: (batch, T, nheads_q, headdim_v) float32 (float64 for float64 input), lse:
+    (batch, nheads_q, T) float64, natural log (every row sees at least itself)
+    """
+    b, t, hq, d = q.shape
+    hkv = k.shape[2]
+    g = hq // hkv
+    acc = acc_dtype(q.dtype)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    qf = q.to(acc).reshape(b, t, hkv, g, d)
+    s = torch.einsum("bihgd,bjhd->bhgij", qf, k.to(acc)) * scale  # (b, hkv, g, T, T)
+    s = soft_cap(s, softcap)
+    s = s.masked_fill(~mask.to(s.device), float("-inf"))
+    m = s.amax(dim=-1, keepdim=True)
+    p = torch.exp(s - m)
+    den = p.sum(dim=-1, keepdim=True)
+    out = torch.einsum("bhgij,bjhd->bihgd", p / den, v.to(acc)).reshape(b, t, hq, v.shape[3])
+    lse = (m.double() + torch.log(den.double())).reshape(b, hkv * g, t)
+    return out, lse
+
+
+def _tensor_digest(*ts) -> str:
+    """A short digest of tensors' bytes (equal tensors, equal digests)."""
+    h = hashlib.blake2b(digest_size=8)
+    for t in ts:
+        c = t.detach().contiguous().cpu()
+        h.update(str((tuple(c.shape), c.dtype)).encode())
+        h.update(c.view(torch.uint8).numpy().tobytes() if c.numel() else b"")
+    return h.hexdigest()
+
+
+VERIFY_SIGNATURE = ("batch", "rows", "heads_q", "headdim", "dtype", "mask", "drafts", "strategy")
+"""What every CP rank of one :func:`verify_attention` call must pass alike (checked when ``check=True``)."""
+
+
+def verify_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    draft_k: torch.Tensor,
+    draft_v: torch.Tensor,
+    mask: torch.Tensor,
+    groups: TreeGroups | None,
+    *,
+    cache_seqlens: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    strategy: str = "auto",
+    stats: CommStats | None = None,
+    backend: str | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    room: int | None = None,
+    check: bool = True,
+    return_lse: bool = False,
+):
+    """Exact attention of T draft rows over the sharded committed cache plus their ancestors among the drafts.
+
+    Per rank (every rank passes the same q, draft_k, draft_v and mask; its own shard):
+
+    q: (batch, T, nheads_q, headdim) -- the draft rows' queries, replicated
+    k, v: this rank's committed shard, as for :func:`~megatron_tree.decode.tree_decode` (contiguous
+        (batch, shard_len, nheads_kv, headdim[_v]), or paged pools with ``block_table``); every
+        draft row sees every valid committed key (``cache_seqlens``)
+    draft_k, draft_v: (batch, T, nheads_kv, headdim[_v]) -- the draft rows' own keys/values,
+        replicated (every rank computes them alike; only CP rank 0 counts them)
+    mask: (T, T) bool ancestor mask of the draft tree (:func:`check_draft_tree`)
+    room: with it, T must be at most ``room`` (the slots the cache has left per row)
+    check: compare the call across the CP group first (one all-gather of a small record and a
+        digest of the drafts and mask: ``agreement.agree``), so a bad mask, drafts that differ
+        between ranks or a bad shard give the same error on every rank before any merge
+        collective; a loop that checked its step's drafts once passes ``False`` for its layers
+    returns out: (batch, T, nheads_q, headdim_v) in q.dtype, identical on every CP rank (and with
+        ``return_lse`` the lse (batch, nheads_q, T) float64)
+
+    Collectives: the check's all-gather (``check=True``) and one ``comm.merge`` for all T rows.
+    """
+    if strategy not in comm.STRATEGIES:
+        raise ValueError(f"unknown merge strategy {strategy!r}; expected one of {comm.STRATEGIES}")
+    rank0 = groups is None or groups.rank == 0
+
+    def values():
+        for name, t in (("q", q), ("draft_k", draft_k), ("draft_v", draft_v)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4:
+                raise ValueError(f"{name} must be a 4-D tensor (batch, T, heads, headdim), got "
+                                 f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+        b, t, hq, d = q.shape
+        check_draft_tree(mask, t)
+        if tuple(draft_k.shape[:2]) != (b, t) or tuple(draft_v.shape[:3]) != tuple(draft_k.shape[:3]) \
+                or draft_k.shape[3] != d or draft_k.shape[2] != k.shape[2] or draft_v.shape[3] != v.shape[3]:
+            raise ValueError(
+                f"draft_k/draft_v must be (batch, T, nheads_kv, headdim[_v]) = ({b}, {t}, {k.shape[2]}, {d}/"
+                f"{v.shape[3]}) like q and the cache, got {tuple(draft_k.shape)} and {tuple(draft_v.shape)}")
+        if room is not None and t > room:
+            raise ValueError(f"{t} draft rows do not fit: the cache has room for {room} more token(s) per row")
+        if q.dtype != draft_k.dtype or q.dtype != draft_v.dtype:
+            raise TypeError(f"q and the drafts must share one dtype, got q={q.dtype}, draft_k={draft_k.dtype}, "
+                            f"draft_v={draft_v.dtype}")
+        digest = _tensor_digest(draft_k, draft_v) if check else None
+        return (b, t, hq, d, str(q.dtype), _tensor_digest(mask), digest, strategy)
+
+    if check and groups is not None and groups.size > 1:
+        agreement.agree("speculative.verify", VERIFY_SIGNATURE, values, groups.cp_group, groups.cp_ranks,
+                        stats=stats)
+    else:
+        values()
+    try:
+        out, lse = ops.flash_decode(q, k, v, cache_seqlens=cache_seqlens, block_table=block_table,
+                                    softmax_scale=softmax_scale, out_dtype=acc_dtype(q.dtype), backend=backend,
+                                    lse_dtype=torch.float64, softcap=softcap)
+        resolved = ops.resolve_backend(q.device, backend)
+    except Exception as e:  # noqa: BLE001 -- this rank's own failure: every rank raises it (as tree_decode)
+        if groups is not None and groups.size > 1 and not isinstance(e, comm.CommError):
+            groups.agreement.fail("merge", e)
+        raise
+    if rank0:  # the drafts join the softmax once: on CP rank 0 (the others' partial for them is empty)
+        do, dl = draft_attention(q, draft_k, draft_v, mask, softmax_scale=softmax_scale, softcap=softcap)
+        out, lse = merge_states(torch.stack([out, do.to(out.dtype)]), torch.stack([lse.double(), dl]))
+    if groups is not None:
+        out, lse = comm.merge(out, lse, groups, strategy, stats, dtype=q.dtype, backend=resolved)
+    if sinks is not None:
+        out, lse = add_sink(out, lse, sinks)
+    out = out.to(q.dtype)
+    return (out, lse) if return_lse else out
+
+
+# --------------------------------------------------------------------------- drafting
+
+
+@dataclass
+class SpeculativeConfig:
+    """How :func:`generate_speculative` drafts.
+
+    method: ``"prompt_lookup"`` (n-gram matches in the prompt and generated text) or
+        ``"draft_model"`` (``draft_model``: a transformers causal LM, run replicated on every rank)
+    width: chains under the root (tree branching; 1: a chain); depth: draft tokens per chain
+    max_ngram, min_ngram: the n-gram lengths prompt lookup tries, longest first
+    """
+
+    method: str = "prompt_lookup"
+    width: int = 1
+    depth: int = 4
+    max_ngram: int = 3
+    min_ngram: int = 1
+    draft_model: object = None
+
+    def generate(self, model, prompts, max_new_tokens: int, **kwargs) -> "SpeculativeResult":
+        """:func:`generate_speculative` with this config (what ``decode.generate(speculative=)`` calls)."""
+        return generate_speculative(model, prompts, max_new_tokens, speculative=self, **kwargs)
+
+    def check(self, vocab: int) -> None:
+        if self.method not in ("prompt_lookup", "draft_model"):
+            raise ValueError(f"speculative method must be 'prompt_lookup' or 'draft_model', got {self.method!r}")
+        for name in ("width", "depth", "max_ngram", "min_ngram"):
+            val = getattr(self, name)
+            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+                raise ValueError(f"speculative {name} must be a positive integer, got {val!r}")
+        if self.min_ngram > self.max_ngram:
+            raise ValueError(f"speculative min_ngram ({self.min_ngram}) exceeds max_ngram ({self.max_ngram})")
+        if self.method == "draft_model":
+            if self.draft_model is None:
+                raise ValueError("speculative method 'draft_model' needs draft_model= (a causal LM)")
+            dv = _vocab_of(self.draft_model)
+            if dv != vocab:
+                raise ValueError(f"the draft model's vocabulary has {dv} tokens but the target model's has {vocab}: "
+                                 "draft tokens must be the target's token ids (use a draft model of the same "
+                                 "tokenizer)")
+
+
+def _vocab_of(model) -> int:
+    cfg = getattr(model, "config", None)
+    cfg = getattr(cfg, "get_text_config", lambda: cfg)() if cfg is not None else None
+    v = getattr(cfg, "vocab_size", None) if cfg is not None else getattr(model, "vocab_size", None)
+    if v is None:
+        raise ValueError(f"cannot tell the draft model's vocabulary size ({type(model).__name__} has no "
+                         "config.vocab_size)")
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if out is not None and getattr(out, "weight", None) is not None:
+        return int(out.weight.shape[0])
+    return int(v)
+
+
+def prompt_lookup_drafts(seq: list[int], width: int, depth: int, max_ngram: int = 3, min_ngram: int = 1) -> list:
+    """Up to ``width`` distinct continuations (each up to ``depth`` tokens) of ``seq``'s last n-gram.
+
+    For n from ``max_ngram`` down to ``min_ngram``: every earlier occurrence of ``seq[-n:]``
+    (latest first) proposes the tokens that followed it; continuations whose first token is
+    already proposed are skipped, so the chains branch at the root. Returns a list of token lists.
+    """
+    found: list[list[int]] = []
+    firsts: set[int] = set()
+    n_seq = len(seq)
+    for n in range(min(max_ngram, n_seq - 1), min_ngram - 1, -1):
+        tail = seq[n_seq - n:]
+        for start in range(n_seq - n - 1, -1, -1):
+            if seq[start:start + n] == tail:
+                cont = seq[start + n:start + n + depth]
+                if cont and cont[0] not in firsts:
+                    firsts.add(cont[0])
+                    found.append(cont)
+                    if len(found) == width:
+                        return found
+    return found
+
+
+@torch.no_grad()
+def _draft_model_drafts(model, seqs: list[list[int]], width: int, depth: int) -> list[list[list[int]]]:
+    """Per row: ``width`` chains of ``depth`` greedy tokens of ``model``, chain c starting from the
+    c-th most likely next token. The row's chains run as one batch; one full forward per depth
+    (no cache: the draft model is small)."""
+    dev = next(model.parameters()).device
+    out = []
+    for seq in seqs:
+        first = model(torch.tensor([seq], device=dev)).logits[0, -1].float()
+        chains = torch.topk(first, width).indices.to(dev)[:, None]  # (width, 1)
+        ctx = torch.tensor([seq], device=dev).expand(width, -1)
+        while chains.shape[1] < depth:
+            logits = model(torch.cat([ctx, chains], dim=1)).logits[:, -1].float()
+            chains = torch.cat([chains, logits.argmax(-1, keepdim=True)], dim=1)
+        out.append(chains.tolist())
+    return out
+
+
+# --------------------------------------------------------------------------- the verification step (transformers)
+
+
+class _VerifyStep(DecodeStep):
+    """The step ``HFTreeModel``'s layers call during verification: :func:`verify_attention` of the layer's
+    queries over its committed shard and the drafts' own keys/values (kept aside by the TreeCache)."""
+
+    def __init__(self, cache, mask, strategy, stats):
+        super().__init__(strategy, stats)
+        self.cache, self.mask = cache, mask
+
+    def attend(self, layer_key, q, k, v, groups, **kwargs):
+        if kwargs.get("window") is not None or kwargs.get("q_positions") is not None:
+            raise NotImplementedError("speculative verification does not support sliding-window layers yet")
+        kwargs.pop("window", None)
+        kwargs.pop("cache_starts", None)
+        dk, dv = self.cache._drafts[layer_key]
+        return verify_attention(q, k, v, dk, dv, self.mask, groups, strategy=self.strategy, stats=self.stats,
+                                check=False, **kwargs)
+
+
+@torch.no_grad()
+def verify_forward(model, cache, tokens: torch.Tensor, mask: torch.Tensor, *, strategy: str = "auto",
+                   stats: CommStats | None = None) -> torch.Tensor:
+    """Run T draft rows per batch row through ``model`` (an ``HFTreeModel``) without storing them.
+
+    tokens: (batch, T) int64, the same on every rank; row 0 of each is the root (the last chosen
+    token, not yet in the cache); mask: (T, T) tree mask. Positions are each row's length plus the
+    row's depth (siblings share one). Returns (batch, T, vocab) logits, identical on every rank;
+    the drafts' keys/values of every layer stay in ``cache._drafts`` for :func:`commit`.
+    """
+    binding = model._binding
+    if any(w is not None for w in binding.windows):
+        raise NotImplementedError("speculative verification does not support sliding-window layers yet")
+    if cache.storage is None:
+        raise ValueError("TreeCache is empty: run the prompt's prefill before verifying drafts")
+    b, t = tokens.shape
+    depths = tree_depths(mask)
+    pos = torch.tensor(cache.lengths, dtype=torch.long)[:, None] + depths[None, :]
+    cache._drafts = {}
+    cache._phase = "verify"
+    cache._padded_next = cache._padded
+    cache._written = set()
+    binding.active = cache
+    binding.step = _VerifyStep(cache, mask.to(model.device), strategy, stats)
+    orig = type(model.hf).forward.__get__(model.hf)
+    try:
+        out = orig(input_ids=tokens.to(model.device), position_ids=pos.to(model.device),
+                   **{binding.cache_kwarg: cache}, use_cache=True, return_dict=True)
+        cache._finish()
+    finally:
+        binding.active = None
+        binding.step = None
+        cache._phase = None
+    return out.logits
+
+
+def commit(cache, nodes: torch.Tensor) -> None:
+    """Append the chosen draft rows' keys/values (kept by :func:`verify_forward`) to ``cache``.
+
+    nodes: (batch, n) int64, the rows of each batch row to append, in order (the accepted path,
+    root first). Each token goes through the cache's ordinary decode step (``begin_decode_step``
+    places it, ``append`` stores it where the placement says), every rank alike.
+    """
+    layers = cache.num_layers
+    b = nodes.shape[0]
+    for j in range(nodes.shape[1]):
+        cache._begin_decode(b)
+        idx = nodes[:, j]
+        for layer in range(layers):
+            dk, dv = cache._drafts[layer]
+            at = idx.to(dk.device)[:, None, None, None]
+            kj = dk.gather(1, at.expand(-1, 1, *dk.shape[2:]))
+            vj = dv.gather(1, at.expand(-1, 1, *dv.shape[2:]))
+            cache.storage.append(layer, kj, vj, cache._slots)
+        cache._written = set(range(layers))
+        cache._finish()
+    cache._drafts = {}
+
+
+# --------------------------------------------------------------------------- the loop
+
+
+@dataclass
+class SpeculativeResult:
+    """What :func:`generate_speculative` returns (the same on every CP rank)."""
+
+    tokens: list[list[int]]
+    """New tokens of each prompt: exactly non-speculative greedy ``generate``'s."""
+    steps: int = 0
+    """Verification steps run (each one decode forward with one merge per layer)."""
+    accepted: list[int] = field(default_factory=list)
+    """Per step: tokens committed per row (accepted drafts plus the step's own token, >= 1)."""
+    drafted: int = 0
+    """Draft tokens proposed per row, summed over steps (the tree's non-root rows)."""
+    prefill_time: float = 0.0
+    step_times: list[float] = field(default_factory=list)
+
+    @property
+    def decode_time(self) -> float:
+        return sum(self.step_times)
+
+    @property
+    def mean_accepted(self) -> float:
+        """Mean tokens gained per verification step (1: no draft accepted)."""
+        return sum(self.accepted) / len(self.accepted) if self.accepted else float("nan")
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft tokens over the chain depth offered (per step, ``accepted - 1`` of ``depth``)."""
+        return self._rate
+
+    _rate: float = float("nan")
+
+
+SPECULATIVE_SIGNATURE = ("batch", "prompt_lengths", "prompt_ids", "max_new_tokens", "stop_token_ids", "method",
+                         "width", "depth", "max_ngram", "min_ngram", "draft_vocab", "strategy")
+
+
+def _build_tree(row_chains: list, width: int, depth: int, fill: int) -> list[int]:
+    """One batch row's T - 1 draft tokens in :func:`tree_mask`'s order (missing chains and tokens filled)."""
+    toks = []
+    for c in range(width):
+        chain = list(row_chains[c]) if c < len(row_chains) else []
+        chain = chain[:depth] + [fill] * (depth - len(chain[:depth]))
+        toks += chain
+    return toks
+
+
+@torch.no_grad()
+def generate_speculative(model, prompts: list[list[int]], max_new_tokens: int, *,
+                         speculative: SpeculativeConfig | None = None, stop_token_ids=None, cache=None,
+                         strategy: str = "auto", stats: CommStats | None = None,
+                         progress: bool = True) -> SpeculativeResult:
+    """Greedy generation with drafts verified in one step each; the tokens equal greedy ``generate``'s.
+
+    model: an ``integrations.hf.HFTreeModel``; prompts, max_new_tokens, stop_token_ids, cache,
+    strategy, stats, progress: as for :func:`decode.generate.generate` (greedy only).
+    speculative: a :class:`SpeculativeConfig` (default: prompt lookup, one chain of 4).
+
+    Each step feeds the last chosen token (the root) and the draft tree's tokens (the same tree
+    shape for every row; positions are the row's length plus the depth), takes the target's
+    greedy token at the root, walks down while a child holds the target's greedy token, and
+    commits ``n`` tokens per row: the fewest any unfinished row accepted plus one (rows share the
+    cache's steps). Before each step every CP rank compares the step's draft tokens and tree
+    (one small all-gather: ``agreement.agree``), so ranks never verify different drafts.
+    """
+    cfg = speculative or SpeculativeConfig()
+    if not (hasattr(model, "hf") and hasattr(model, "_binding")):
+        raise NotImplementedError(
+            f"speculative generation runs on a transformers model (integrations.hf.HFTreeModel), got "
+            f"{type(model).__name__}: its decode step must take T draft rows with a tree mask")
+    groups = model.groups
+    vocab = model.vocab_size
+    stops = set(stop_token_ids or ())
+
+    def call_values():
+        from .generate import _check_args
+
+        _check_args(prompts, max_new_tokens, False, 1.0, None, None, vocab)
+        cfg.check(vocab)
+        dv = _vocab_of(cfg.draft_model) if cfg.method == "draft_model" else None
+        return (len(prompts), tuple(len(p) for p in prompts), tuple(row_digest(p) for p in prompts),
+                max_new_tokens, tuple(sorted(stops)), cfg.method, cfg.width, cfg.depth, cfg.max_ngram,
+                cfg.min_ngram, dv, strategy)
+
+    group, ranks = (None, ()) if groups is None else (groups.cp_group, groups.cp_ranks)
+    agreement.agree("generate_speculative", SPECULATIVE_SIGNATURE, call_values, group, ranks, device=model.device)
+    prompts = [list(p) for p in prompts]
+    if cache is None:
+        cache = model.new_cache(len(prompts), max(len(p) for p in prompts) + max_new_tokens)
+    rank0 = groups is None or groups.rank == 0
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=max_new_tokens, desc="generate (speculative)", unit="tok",
+               disable=not (progress and rank0))
+    result = SpeculativeResult(tokens=[])
+    try:
+        t0 = time.perf_counter()
+        logits = model.prefill(prompts, cache)
+        cur = logits.float().argmax(-1).cpu()  # identical on every rank (the prefill's assembled logits)
+        result.prefill_time = time.perf_counter() - t0
+        out = [[t] for t in cur.tolist()]
+        done = [t in stops for t in cur.tolist()]
+        bar.update(1)
+        offered = 0
+        def produced() -> int:  # tokens of the unfinished rows (they advance together)
+            return max(len(out[b]) for b in range(len(out)) if not done[b])
+
+        while not all(done) and produced() < max_new_tokens:
+            t0 = time.perf_counter()
+            remaining = max_new_tokens - produced()
+            depth = min(cfg.depth, remaining - 1)
+            seqs = [p + o for p, o in zip(prompts, out)]
+            if depth >= 1:
+                if cfg.method == "prompt_lookup":
+                    chains = [prompt_lookup_drafts(s, cfg.width, depth, cfg.max_ngram, cfg.min_ngram) for s in seqs]
+                else:
+                    chains = _draft_model_drafts(cfg.draft_model, seqs, cfg.width, depth)
+                width = cfg.width
+            else:
+                chains, width = [[] for _ in seqs], 0
+            mask = tree_mask(width, depth) if width else torch.ones(1, 1, dtype=torch.bool)
+            tokens = torch.tensor([[s[-1]] + _build_tree(c, width, depth, s[-1]) for s, c in zip(seqs, chains)],
+                                  dtype=torch.long)
+            agreement.agree("generate_speculative.step", ("rows", "drafts", "mask"),
+                            lambda: (tokens.shape[1], row_digest(tokens.flatten().tolist()),
+                                     _tensor_digest(mask)), group, ranks, device=model.device)
+            logits = verify_forward(model, cache, tokens, mask, strategy=strategy, stats=stats)
+            pred = logits.float().argmax(-1).cpu()  # (B, T): the target's greedy token after each row
+            paths = []
+            for b in range(len(prompts)):
+                node, path = 0, [0]
+                while True:
+                    kids = [1 + c * depth + _depth_of(node, depth) for c in range(width)
+                            if _depth_of(node, depth) < depth and (node == 0 or (node - 1) // depth == c)]
+                    nxt = next((k for k in kids if int(tokens[b, k]) == int(pred[b, node])), None)
+                    if nxt is None:
+                        break
+                    node = nxt
+                    path.append(node)
+                paths.append(path)
+            active = [b for b in range(len(prompts)) if not done[b]]
+            n = min(len(paths[b]) for b in active)
+            nodes = torch.tensor([p[:n] if len(p) >= n else p + [p[-1]] * (n - len(p)) for p in paths])
+            commit(cache, nodes)
+            gained = []
+            for b in range(len(prompts)):
+                new = [int(tokens[b, k]) for k in nodes[b, 1:].tolist()] + [int(pred[b, int(nodes[b, -1])])]
+                take = 0
+                for tok in new:
+                    if done[b] or len(out[b]) >= max_new_tokens:
+                        break
+                    out[b].append(tok)
+                    take += 1
+                    done[b] = tok in stops
+                gained.append(take)
+            result.steps += 1
+            result.accepted.append(n)
+            result.drafted += depth
+            offered += depth
+            result.step_times.append(time.perf_counter() - t0)
+            bar.update((max_new_tokens if all(done) else produced()) - bar.n)
+            bar.set_postfix_str(f"accepted {result.mean_accepted:.2f} tok/step")
+    finally:
+        bar.close()
+    result.tokens = out
+    result._rate = (sum(a - 1 for a in result.accepted) / offered) if offered else float("nan")
+    return result
+
+
+def _depth_of(node: int, depth: int) -> int:
+    """Depth of ``node`` in :func:`tree_mask`'s order (the root is 0)."""
+    return 0 if node == 0 else (node - 1) % depth + 1

@@ -1,0 +1,416 @@
+"""Speculative decoding across the CP group (``decode.speculative``), on real gloo ranks.
+
+Two 4-rank launches. The first checks ``verify_attention`` (T draft rows of a tree over the
+sharded committed cache plus their ancestors) against fp64 single-process attention over all keys
+at CP 1, 2, 3 and 2 x 2: chain, branching and irregular trees, GQA, ragged rows, uneven and empty
+shards, a row with no committed key; and that a bad mask or drafts that differ between ranks give
+the same error on every rank. The second runs ``generate_speculative`` on a transformers Llama
+through ``HFTreeModel`` and compares it token for token with non-speculative greedy ``generate``
+(prompt lookup and draft models, trees of width 1 and > 1), and the verification forward's logits
+with the unmodified single-process transformers model. Assertions run in the parent.
+"""
+
+import contextlib
+import io
+import time
+
+import pytest
+import torch
+
+from tests.helpers.ranks import run_ranks
+from tests.helpers.hf_models import make_checkpoint
+
+# CP rank lists per case (TreeGroups.build(ranks, intra_size)); a rank outside the listed group runs its own
+GROUPINGS = {
+    "cp2": ([[0, 1], [2, 3]], None),
+    "cp3": ([[0, 1, 2], [3]], None),
+    "2x2": (None, 2),
+}
+LENGTHS = (13, 6, 0, 9)  # committed keys per row; row 2 has none
+HQ, HKV, D, DV = 4, 2, 16, 8
+
+
+def _parents_mask(parents):
+    t = len(parents)
+    m = torch.zeros(t, t, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        m[i, i] = True
+        if p >= 0:
+            m[i] |= m[p]
+    return m
+
+
+def _masks():
+    from megatron_tree.decode.speculative import tree_mask
+
+    return {
+        "chain": tree_mask(1, 4),                       # T = 5, lower triangular
+        "tree": tree_mask(3, 2),                        # T = 7: three chains of two
+        "irregular": _parents_mask([-1, 0, 0, 1, 1, 2, 5, 3]),  # T = 8, uneven branching
+    }
+
+
+def _tensors(t):
+    g = torch.Generator().manual_seed(100 + t)
+    b = len(LENGTHS)
+    n = max(LENGTHS)
+    q = torch.randn(b, t, HQ, D, generator=g)
+    k = torch.randn(b, n, HKV, D, generator=g) * 2
+    v = torch.randn(b, n, HKV, DV, generator=g)
+    dk = torch.randn(b, t, HKV, D, generator=g) * 2
+    dv = torch.randn(b, t, HKV, DV, generator=g)
+    return q, k, v, dk, dv
+
+
+def _cuts(size, rank_of_case):
+    """Per row, the [lo, hi) of the committed keys each of ``size`` ranks holds: uneven, some empty."""
+    g = torch.Generator().manual_seed(7 + size)
+    out = []
+    for row, n in enumerate(LENGTHS):
+        inner = sorted(torch.randint(0, n + 1, (size - 1,), generator=g).tolist())
+        bounds = [0] + inner + [n]
+        if row == 0 and size > 1:  # rank 1 holds nothing of row 0, rank 0 all but the last rank's
+            bounds = [0] + [n - 2] * (size - 1) + [n]
+        out.append([(bounds[r], bounds[r + 1]) for r in range(size)])
+    return out
+
+
+def _shard(k, v, size, rank):
+    cuts = _cuts(size, None)
+    lens = [cuts[b][rank][1] - cuts[b][rank][0] for b in range(len(LENGTHS))]
+    width = max(lens) + 2  # slots past a row's length hold garbage that must never be read
+    ks = torch.full((k.shape[0], width, HKV, D), 1e4)
+    vs = torch.full((v.shape[0], width, HKV, DV), float("nan"))
+    for b, (lo, hi) in enumerate(c[rank] for c in cuts):
+        ks[b, :hi - lo] = k[b, lo:hi]
+        vs[b, :hi - lo] = v[b, lo:hi]
+    return ks, vs, torch.tensor(lens, dtype=torch.int32)
+
+
+def _paged(ks, vs, seed, block=4):
+    """A contiguous shard (batch, width, heads, dim) as a pool of blocks in shuffled order and its block table."""
+    b, width = ks.shape[:2]
+    per = -(-width // block)
+    perm = torch.randperm(b * per + 1, generator=torch.Generator().manual_seed(seed))
+    kp = torch.full((b * per + 1, block, *ks.shape[2:]), 7e3)
+    vp = torch.full((b * per + 1, block, *vs.shape[2:]), float("nan"))
+    table = torch.zeros(b, per, dtype=torch.int32)
+    for row in range(b):
+        for j in range(per):
+            blk = int(perm[row * per + j])
+            table[row, j] = blk
+            n = min(block, width - j * block)
+            kp[blk, :n] = ks[row, j * block:j * block + n]
+            vp[blk, :n] = vs[row, j * block:j * block + n]
+    return kp, vp, table
+
+
+def reference(q, k, v, dk, dv, mask):
+    """fp64 attention of each draft row over every committed key of its row and its ancestors."""
+    b, t = q.shape[:2]
+    g = HQ // HKV
+    out = torch.zeros(b, t, HQ, DV, dtype=torch.float64)
+    for row in range(b):
+        for i in range(t):
+            keys = torch.cat([k[row, :LENGTHS[row]], dk[row][mask[i]]]).double()
+            vals = torch.cat([v[row, :LENGTHS[row]], dv[row][mask[i]]]).double()
+            for h in range(HQ):
+                s = keys[:, h // g] @ q[row, i, h].double() * D ** -0.5
+                out[row, i, h] = torch.softmax(s, 0) @ vals[:, h // g]
+    return out
+
+
+def _verify_body(rank, world):
+    from megatron_tree.comm import CommStats
+    from megatron_tree.decode.speculative import verify_attention
+    from megatron_tree.distributed.topology import TreeGroups
+
+    res = {}
+    for name, (ranks, intra) in GROUPINGS.items():
+        groups = TreeGroups.build(ranks, intra)
+        for mname, mask in _masks().items():
+            q, k, v, dk, dv = _tensors(mask.shape[0])
+            ks, vs, lens = _shard(k, v, groups.size, groups.rank)
+            stats = CommStats()
+            out = verify_attention(q, ks, vs, dk, dv, mask, groups, cache_seqlens=lens, strategy="packed",
+                                   stats=stats, room=mask.shape[0])
+            res[(name, mname)] = {"out": out.tolist(), "cp": groups.size, "group": groups.cp_ranks,
+                                  "merges": stats.calls, "levels": sorted(stats.as_dict()["levels"])}
+            # the same shard as a paged cache: blocks of 4 in a shuffled pool
+            kp, vp, table = _paged(ks, vs, seed=groups.rank)
+            paged = verify_attention(q, kp, vp, dk, dv, mask, groups, cache_seqlens=lens, block_table=table,
+                                     strategy="packed")
+            res[(name, mname + "_paged")] = {"out": paged.tolist(), "cp": groups.size, "group": groups.cp_ranks,
+                                             "merges": 1, "levels": res[(name, mname)]["levels"]}
+    # bad input: the same clear error on every rank, before any merge collective
+    groups = TreeGroups.build(intra_size=None)
+    mask = _masks()["tree"]
+    q, k, v, dk, dv = _tensors(mask.shape[0])
+    ks, vs, lens = _shard(k, v, groups.size, groups.rank)
+    errors = {}
+
+    def attempt(what, **over):
+        kw = dict(q=q, k=ks, v=vs, draft_k=dk, draft_v=dv, mask=mask, groups=groups, cache_seqlens=lens)
+        kw.update(over)
+        t0 = time.monotonic()
+        try:
+            verify_attention(**kw)
+            errors[what] = (None, "no error", time.monotonic() - t0)
+        except Exception as e:  # noqa: BLE001 -- the parent compares the texts
+            errors[what] = (type(e).__name__, str(e), time.monotonic() - t0)
+
+    later = mask.clone()
+    later[2, 3] = True  # row 2 sees the later row 3
+    attempt("later_row", mask=later)
+    # only rank 2's mask is bad: every rank raises rank 2's error, naming it
+    attempt("one_rank", mask=later if rank == 2 else mask)
+    broken = mask.clone()
+    broken[4, 0] = False  # row 4's ancestors skip the root its parent sees
+    attempt("not_chain", mask=broken)
+    attempt("too_many", room=mask.shape[0] - 1)
+    other = dk.clone()
+    if rank == 3:
+        other[0, 1, 0, 0] += 1e-3  # drafts that differ on one rank
+    attempt("drafts_differ", draft_k=other)
+    res["errors"] = errors
+    return res
+
+
+@pytest.fixture(scope="module")
+def verified():
+    return run_ranks(_verify_body, 4, timeout=300)
+
+
+@pytest.mark.parametrize("case", list(GROUPINGS))
+@pytest.mark.parametrize("mname", ["chain", "tree", "irregular", "chain_paged", "tree_paged", "irregular_paged"])
+def test_verify_attention_matches_single_process(verified, case, mname):
+    mask = _masks()[mname.replace("_paged", "")]
+    q, k, v, dk, dv = _tensors(mask.shape[0])
+    want = reference(q, k, v, dk, dv, mask)
+    for rank, r in enumerate(verified):
+        e = r[(case, mname)]
+        got = torch.tensor(e["out"], dtype=torch.float64)
+        err = float((got - want).abs().max())
+        assert err < 1e-5, f"{case}/{mname} rank {rank} (CP {e['cp']}): max |dout| {err}"
+        assert e["merges"] == 1  # one merge collective for all T rows
+        if e["cp"] > 1:
+            assert e["levels"], e
+        for other in verified:  # bitwise identical within a CP group
+            if other[(case, mname)]["group"] == e["group"]:
+                assert other[(case, mname)]["out"] == e["out"]
+
+
+def test_verify_attention_bad_input_same_error_on_every_rank(verified):
+    errs = [r["errors"] for r in verified]
+    expect = {
+        "later_row": ("ValueError", "row 2 sees the later row 3"),
+        "one_rank": ("ValueError", "rank 2: draft mask is not a tree: row 2 sees the later row 3"),
+        "not_chain": ("ValueError", "row 4's ancestors are not a chain to a root"),
+        "too_many": ("ValueError", "7 draft rows do not fit: the cache has room for 6"),
+        "drafts_differ": ("DisagreementError", "drafts: "),
+    }
+    for what, (kind, needle) in expect.items():
+        texts = {e[what][1] for e in errs}
+        assert len(texts) == 1, f"{what}: ranks raised different texts: {texts}"
+        for rank, e in enumerate(errs):
+            assert e[what][0] == kind, (what, rank, e[what])
+            assert needle in e[what][1], (what, e[what][1])
+            assert e[what][2] < 20, f"{what}: rank {rank} took {e[what][2]:.1f} s"
+    assert "on rank 3" in errs[0]["drafts_differ"][1]
+
+
+# --------------------------------------------------------------------------- single process
+
+
+def test_check_draft_tree_accepts_trees_and_names_what_is_wrong():
+    from megatron_tree.decode.speculative import check_draft_tree, tree_mask
+
+    for m in _masks().values():
+        check_draft_tree(m)
+    assert torch.equal(tree_mask(1, 3), torch.tril(torch.ones(4, 4, dtype=torch.bool)))
+    with pytest.raises(TypeError, match="bool"):
+        check_draft_tree(tree_mask(1, 3).int())
+    with pytest.raises(ValueError, match="square"):
+        check_draft_tree(torch.ones(2, 3, dtype=torch.bool))
+    no_diag = tree_mask(2, 2)
+    no_diag[3, 3] = False
+    with pytest.raises(ValueError, match=r"row 3 does not see itself"):
+        check_draft_tree(no_diag)
+    with pytest.raises(ValueError, match=r"is \(5, 5\) but there are 4 draft query rows"):
+        check_draft_tree(tree_mask(1, 4), 4)
+
+
+def test_prompt_lookup_drafts_branch_on_distinct_continuations():
+    from megatron_tree.decode.speculative import prompt_lookup_drafts
+
+    seq = [1, 2, 3, 9, 1, 2, 4, 8, 1, 2, 3, 7, 5, 1, 2]
+    # the latest match of (1, 2) first: 3 7 5, then 4 8 (3 is already proposed), longest n-gram first
+    assert prompt_lookup_drafts(seq, 3, 3, max_ngram=2) == [[3, 7, 5], [4, 8, 1]]
+    assert prompt_lookup_drafts(seq, 1, 2, max_ngram=2) == [[3, 7]]
+    assert prompt_lookup_drafts([5, 6, 7], 2, 3) == []
+
+
+def test_draft_model_with_another_vocabulary_is_a_clear_error(tmp_path):
+    from megatron_tree.decode.speculative import SpeculativeConfig, generate_speculative
+    from megatron_tree.integrations.hf import HFTreeModel
+    from tests.helpers.hf_models import hf_model
+
+    target = HFTreeModel(make_checkpoint(tmp_path), None)
+    small = hf_model("llama", vocab_size=96)
+    with pytest.raises(ValueError, match=r"draft model's vocabulary has 96 tokens but the target model's has 128"):
+        generate_speculative(target, [[1, 2, 3]], 4, progress=False,
+                             speculative=SpeculativeConfig(method="draft_model", draft_model=small))
+    from megatron_tree.decode.generate import generate
+
+    with pytest.raises(NotImplementedError, match=r"greedy and takes none of \['do_sample'\]"):
+        generate(target, [[1, 2, 3]], 4, do_sample=True, speculative=SpeculativeConfig())
+
+
+# --------------------------------------------------------------------------- generation through transformers
+
+NEW = 24
+COPY_PROMPTS = [[5, 17, 99, 3, 42, 5, 17, 99, 3, 42, 7], [1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 6, 1, 2], [77]]
+
+
+def _gen_body(rank, world, path, copy_path, draft_path, loop_prompt):
+    from transformers import AutoModelForCausalLM
+
+    from megatron_tree.comm import CommStats
+    from megatron_tree.decode.generate import generate
+    from megatron_tree.decode.speculative import (SpeculativeConfig, commit, generate_speculative, tree_mask,
+                                                  verify_forward)
+    from megatron_tree.distributed.topology import TreeGroups
+    from megatron_tree.integrations.hf import load_hf_model
+
+    draft = AutoModelForCausalLM.from_pretrained(draft_path).eval()
+    res = {}
+    for name, (ranks, intra) in GROUPINGS.items():
+        groups = TreeGroups.build(ranks, intra)
+        model = load_hf_model(path, groups)
+        copier = load_hf_model(copy_path, groups)
+        entry = {"cp": groups.size, "cp_rank": groups.rank, "group": groups.cp_ranks}
+        entry["greedy"] = generate(model, COPY_PROMPTS, NEW, progress=False).tokens
+        entry["copy_greedy"] = generate(copier, COPY_PROMPTS, NEW, progress=False).tokens
+        entry["loop_greedy"] = generate(copier, [loop_prompt], NEW, progress=False).tokens
+        runs = {
+            ("lookup", 1): (copier, SpeculativeConfig(width=1, depth=4)),
+            ("draft", 1): (model, SpeculativeConfig(method="draft_model", draft_model=draft, width=1, depth=3)),
+            ("draft", 2): (model, SpeculativeConfig(method="draft_model", draft_model=draft, width=2, depth=3)),
+            ("self", 2): (model, SpeculativeConfig(method="draft_model", draft_model=model.unsharded(), width=2,
+                                                   depth=4)),
+        }
+        # a stop token met inside an accepted run of drafts: the row ends where greedy generate ends it
+        stop = [entry["loop_greedy"][0][9]]
+        entry["stop_greedy"] = generate(copier, [loop_prompt, COPY_PROMPTS[1]], NEW, stop_token_ids=stop,
+                                        progress=False).tokens
+        entry["stop_spec"] = generate_speculative(copier, [loop_prompt, COPY_PROMPTS[1]], NEW, stop_token_ids=stop,
+                                                  progress=False).tokens
+        runs[("loop", 1)] = (copier, SpeculativeConfig(width=1, depth=4))
+        runs[("loop", 3)] = (copier, SpeculativeConfig(width=3, depth=4))
+        for key, (m, cfg) in runs.items():
+            stats = CommStats()
+            prompts = [loop_prompt] if key[0] == "loop" else COPY_PROMPTS
+            if key == ("loop", 3):  # through generate(speculative=), with its progress line
+                bar = io.StringIO()
+                with contextlib.redirect_stderr(bar):
+                    r = generate(m, prompts, NEW, speculative=cfg, stats=stats, progress=True)
+                entry["bar"] = bar.getvalue()
+            else:
+                r = generate_speculative(m, prompts, NEW, speculative=cfg, stats=stats, progress=False)
+            entry[key] = {"tokens": r.tokens, "mean": r.mean_accepted, "rate": r.acceptance_rate, "steps": r.steps,
+                          "merges": stats.calls}
+        # the verification forward's logits against transformers in one process (chain and tree),
+        # and the cache after committing a path equals one that never saw the other drafts
+        cache = model.new_cache(len(COPY_PROMPTS), 40)
+        model.prefill(COPY_PROMPTS, cache)
+        mask = tree_mask(2, 3)
+        g = torch.Generator().manual_seed(3)
+        toks = torch.randint(1, 128, (len(COPY_PROMPTS), mask.shape[0]), generator=g)
+        entry["verify_tokens"] = toks.tolist()
+        entry["verify_logits"] = verify_forward(model, cache, toks, mask).tolist()
+        path_nodes = torch.tensor([[0, 4, 5], [0, 1, 2], [0, 4, 5]])
+        commit(cache, path_nodes)
+        entry["after_commit"] = model.decode_step(torch.tensor([9, 9, 9]), cache).tolist()
+        entry["after_lengths"] = cache.lengths
+        res[name] = entry
+    return res
+
+
+@pytest.fixture(scope="module")
+def generated(tmp_path_factory):
+    path = tmp_path_factory.mktemp("spec_target")
+    hf = make_checkpoint(path)
+    copy_path = tmp_path_factory.mktemp("spec_copy")
+    copier = make_checkpoint(copy_path)
+    # A model whose next token depends almost only on the last one (attention scaled down, not off):
+    # its greedy text cycles, so prompt lookup finds the continuation in the text seen so far.
+    with torch.no_grad():
+        for layer in copier.model.layers:
+            layer.self_attn.o_proj.weight.mul_(1e-3)
+    copier.save_pretrained(str(copy_path), safe_serialization=True)
+    draft_path = tmp_path_factory.mktemp("spec_draft")
+    make_checkpoint(draft_path, seed=1)
+    # A prompt that ends in the copier's own greedy text: once that text cycles, its continuation
+    # repeats a span of the prompt (what prompt lookup drafts from).
+    with torch.no_grad():
+        seed = [11, 22, 33]
+        text = copier.generate(torch.tensor([seed]), max_new_tokens=36, min_new_tokens=36, do_sample=False,
+                               pad_token_id=0)[0].tolist()
+    return hf, copier, run_ranks(_gen_body, 4, str(path), str(copy_path), str(draft_path), text, timeout=540)
+
+
+def test_speculative_generation_equals_greedy_generate(generated):
+    _, _, results = generated
+    for name in GROUPINGS:
+        for rank, e in enumerate(r[name] for r in results):
+            where = f"{name} rank {rank} (CP {e['cp']})"
+            if e["cp_rank"] == 0:  # the progress line shows the acceptance, on CP rank 0 only
+                assert f"{NEW}/{NEW}" in e["bar"] and "accepted" in e["bar"] and "tok/step" in e["bar"], e["bar"]
+            else:
+                assert e["bar"] == "", where
+            assert e["stop_spec"] == e["stop_greedy"], where
+            assert len(e["stop_greedy"][0]) < NEW, where  # the stop token did end row 0 early
+            for key in (("lookup", 1),):
+                assert e[key]["tokens"] == e["copy_greedy"], (where, key)
+                assert e[key]["mean"] > 1.0, (where, key, e[key])  # drafts were accepted (rows share steps)
+                assert e[key]["merges"] == 2 * e[key]["steps"]  # one merge per layer per verification step
+            for key in (("loop", 1), ("loop", 3)):
+                assert e[key]["tokens"] == e["loop_greedy"], (where, key)
+                assert e[key]["mean"] > 2.5, (where, key, e[key])  # one row on a repeating text: most accepted
+                assert e[key]["merges"] == 2 * e[key]["steps"]
+            for key in (("draft", 1), ("draft", 2), ("self", 2)):
+                assert e[key]["tokens"] == e["greedy"], (where, key)
+            # the model as its own draft: every draft accepted
+            assert e[("self", 2)]["rate"] == 1.0, (where, e[("self", 2)])
+            assert e[("self", 2)]["steps"] <= -(-(NEW - 1) // 5) + 1
+
+
+def test_verification_logits_and_commit_match_transformers(generated):
+    hf, _, results = generated
+    from megatron_tree.decode.speculative import tree_mask
+
+    mask = tree_mask(2, 3)
+    memo = {}
+
+    def single(ids):  # transformers in one process: the last position's logits (memoised: ranks share inputs)
+        if tuple(ids) not in memo:
+            with torch.no_grad():
+                memo[tuple(ids)] = hf(torch.tensor([ids])).logits[0, -1]
+        return memo[tuple(ids)]
+
+    for name in GROUPINGS:
+        for rank, e in enumerate(r[name] for r in results):
+            toks, logits = e["verify_tokens"], torch.tensor(e["verify_logits"])
+            with torch.no_grad():
+                for b, p in enumerate(COPY_PROMPTS):
+                    for i in range(mask.shape[0]):
+                        branch = [toks[b][j] for j in range(mask.shape[0]) if mask[i, j]]
+                        want = single(p + branch)
+                        err = float((logits[b, i] - want).abs().max())
+                        assert err < 5e-5, f"{name} rank {rank} row {b} draft {i}: max |dlogits| {err}"
+                    # after committing the path, a decode step sees exactly prompt + path + the new token
+                    path = {0: [0, 4, 5], 1: [0, 1, 2], 2: [0, 4, 5]}[b]
+                    want = single(p + [toks[b][j] for j in path] + [9])
+                    err = float((torch.tensor(e["after_commit"][b]) - want).abs().max())
+                    assert err < 5e-5, f"{name} rank {rank} row {b} after commit: {err}"
+            assert e["after_lengths"] == [len(p) + 4 for p in COPY_PROMPTS]
