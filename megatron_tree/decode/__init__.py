@@ -3,7 +3,8 @@
 ``tree_decode`` over a contiguous or paged shard (``attention``), the one placement rule
 (``placement``) and step planner (``plan``), the sharded caches (``cache``: contiguous,
 ``paged``), CP prefill and the one assembly of its logits (``prefill``), and the one
-generation loop with its written model protocol and the ``shifted`` redo (``generate``).
+generation loop with its written model protocol and the ``shifted`` redo (``generate``), and exact
+speculative decoding across the CP group (``speculative``: draft trees verified in one step).
 Every integration (Megatron-Core, transformers, the lm-eval backend) is a thin adapter over it.
 """
 
@@ -15,10 +16,12 @@ from .paged import PagedKVCache, PoolExhaustedError
 from .placement import LAYOUTS, PlacementError, RowPlacement, prefill_ranges
 from .plan import StepPlan, StepPlanner
 from .prefill import PREFILL_METHODS, allgather_prefill, assemble_logits, cp_prefill, ring_prefill
+from .speculative import SpeculativeConfig, SpeculativeResult, generate_speculative, verify_attention
 
 __all__ = [
     "tree_decode", "CacheConfig", "CacheOverflowError", "ShardedKVCache", "GenerationHook",
     "GenerationResult", "generate", "DecodeModel", "DecodeCache", "DecodeStep", "StepRunner", "PagedKVCache",
     "PoolExhaustedError", "LAYOUTS", "PlacementError", "RowPlacement", "prefill_ranges", "StepPlan",
     "StepPlanner", "PREFILL_METHODS", "allgather_prefill", "assemble_logits", "cp_prefill", "ring_prefill",
+    "SpeculativeConfig", "SpeculativeResult", "generate_speculative", "verify_attention",
 ]

@@ -38,7 +38,8 @@ from ..comm.merge import CommStats
 from ..distributed import agreement
 from ..distributed.topology import TreeGroups
 from ..ops import dispatch as ops
-from ..ops.reference import acc_dtype, add_sink, merge_states, soft_cap
+from ..ops.contract import acc_dtype
+from ..ops.reference import add_sink, merge_states, soft_cap
 from .generate import DecodeStep, row_digest
 
 __all__ = ["check_draft_tree", "draft_attention", "verify_attention", "tree_mask", "SpeculativeConfig",
