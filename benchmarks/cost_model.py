@@ -32,9 +32,9 @@ import dataclasses
 import os
 
 from megatron_tree.comm.cost import (  # noqa: F401 -- re-exported: the benchmarks' one import for the model
-    UNSHIFTED_CANDIDATES, ENV_PRESET, MERGES, PRESET_DIR, Dims, Link, Preset, allgather_time,
-    allreduce_time, choose_strategy, default_preset, kernel_time, load_preset, local_merge_time, merge_cost,
-    node_layout, preset_names,
+    ALL_STRATEGIES, BASELINES, UNSHIFTED_CANDIDATES, ENV_PRESET, MERGES, PRESET_DIR, Dims, Link, Preset,
+    allgather_time, allreduce_time, choose_strategy, default_preset, kernel_time, load_preset, local_merge_time,
+    merge_cost, node_layout, predict, preset_names,
 )
 
 __all__ = [
@@ -43,8 +43,6 @@ __all__ = [
     "speedup_table", "paper_reproduction", "compare_with_bench", "PAPER_GPUS", "PAPER_CONTEXT", "PAPER_RATIO",
 ]
 
-BASELINES = ("ring", "paper_ring", "passq_ring", "allgather_kv", "single")
-ALL_STRATEGIES = MERGES + BASELINES
 PAPER_GPUS, PAPER_CONTEXT, PAPER_RATIO = 128, 5_120_000, 8.0
 """The paper's headline: close to 8x faster than Ring Attention at 128 GPUs and 5.12M tokens."""
 COLD_STARTS = (0.0, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0)
@@ -130,49 +128,6 @@ def peak_memory_bytes(strategy: str, dims: Dims, p: int, context: int) -> int:
 
 
 # ---------------------------------------------------------------------------- time
-
-
-def _p2p_link(preset: Preset, p: int, nodes: int) -> Link:
-    """The link a ring step waits for: the slowest pair's (inter-node once the group spans nodes)."""
-    s = preset.oversub(p)
-    link = preset.inter if nodes > 1 else preset.intra
-    return Link(link.alpha * s, link.beta / s)
-
-
-def predict(strategy: str, preset: Preset, dims: Dims, p: int, context: int,
-            intra_size: int | None = None, cold: bool = False) -> float:
-    """Predicted seconds of one decode step of ``strategy`` over ``context`` tokens on ``p`` ranks.
-
-    intra_size: ranks per node (``None`` fills nodes of the preset's size, 1 puts each rank
-    on its own node). cold: a first call, which pays the preset's ``cold_start`` once.
-    """
-    first = preset.cold_start if cold else 0.0
-    shard = -(-context // p)
-    k, nodes = node_layout(preset, p, intra_size)
-    if strategy in MERGES:
-        return first + kernel_time(preset, dims, shard, p) + merge_cost(strategy, preset, dims, p, k)
-    if strategy == "single" or p == 1:
-        if strategy not in ALL_STRATEGIES:
-            raise ValueError(f"unknown strategy {strategy!r}; expected one of {ALL_STRATEGIES}")
-        return first + kernel_time(preset, dims, context, 1)
-    link = _p2p_link(preset, p, nodes)
-    c = kernel_time(preset, dims, shard, p)
-    if strategy == "ring":
-        m = 3 * link.alpha + (dims.kv_shard(shard) + dims.batch * 4) / link.beta
-        hop = max(c, m) if preset.overlap else c + m
-        return first + (p - 1) * hop + c + local_merge_time(preset, dims, p, p)
-    if strategy == "paper_ring":
-        s = preset.oversub(p)
-        move = 3 * (preset.launch * s + link.alpha) + (dims.kv_shard(shard) + 4) / link.beta
-        return first + p * (c + local_merge_time(preset, dims, 2, p) + move)
-    if strategy == "passq_ring":
-        m = link.alpha + (dims.out_bytes + dims.lse_wire_bytes) / link.beta
-        return first + c + (p - 1) * m + local_merge_time(preset, dims, p, p)
-    if strategy == "allgather_kv":
-        kv = dims.kv_shard(shard)
-        t = 2 * allgather_time(preset, p, nodes, kv // 2) + allgather_time(preset, p, nodes, dims.batch * 4)
-        return first + t + kernel_time(preset, dims, context, p) + local_merge_time(preset, dims, p, p)
-    raise ValueError(f"unknown strategy {strategy!r}; expected one of {ALL_STRATEGIES}")
 
 
 def predict_all(preset: Preset, dims: Dims, p: int, context: int, intra_size: int | None = None,

@@ -488,3 +488,56 @@ def overlap_step_times(strategy: str, preset: Preset, dims: Dims, p: int, intra_
     if dims.batch < 2:
         return whole, whole
     return whole, _replay([part((dims.batch + 1) // 2), part(dims.batch // 2)], preset.shared_host)
+
+
+# ---------------------------------------------------------------------------- a whole step, every method
+
+BASELINES = ("ring", "paper_ring", "passq_ring", "allgather_kv", "single")
+"""The comparisons priced beside the merges: ring decode (KV rotated, send overlapped where the preset
+overlaps), the paper's ring harness, pass-Q ring, all-gather-KV, and one rank over the whole context."""
+ALL_STRATEGIES = MERGES + BASELINES
+
+__all__ += ["BASELINES", "ALL_STRATEGIES", "predict"]
+
+
+def _p2p_link(preset: Preset, p: int, nodes: int) -> Link:
+    """The link a ring step waits for: the slowest pair's (inter-node once the group spans nodes)."""
+    s = preset.oversub(p)
+    link = preset.inter if nodes > 1 else preset.intra
+    return Link(link.alpha * s, link.beta / s)
+
+
+def predict(strategy: str, preset: Preset, dims: Dims, p: int, context: int,
+            intra_size: int | None = None, cold: bool = False) -> float:
+    """Predicted seconds of one decode step of ``strategy`` over ``context`` tokens on ``p`` ranks.
+
+    intra_size: ranks per node (``None`` fills nodes of the preset's size, 1 puts each rank
+    on its own node). cold: a first call, which pays the preset's ``cold_start`` once.
+    """
+    first = preset.cold_start if cold else 0.0
+    shard = -(-context // p)
+    k, nodes = node_layout(preset, p, intra_size)
+    if strategy in MERGES:
+        return first + kernel_time(preset, dims, shard, p) + merge_cost(strategy, preset, dims, p, k)
+    if strategy == "single" or p == 1:
+        if strategy not in ALL_STRATEGIES:
+            raise ValueError(f"unknown strategy {strategy!r}; expected one of {ALL_STRATEGIES}")
+        return first + kernel_time(preset, dims, context, 1)
+    link = _p2p_link(preset, p, nodes)
+    c = kernel_time(preset, dims, shard, p)
+    if strategy == "ring":
+        m = 3 * link.alpha + (dims.kv_shard(shard) + dims.batch * 4) / link.beta
+        hop = max(c, m) if preset.overlap else c + m
+        return first + (p - 1) * hop + c + local_merge_time(preset, dims, p, p)
+    if strategy == "paper_ring":
+        s = preset.oversub(p)
+        move = 3 * (preset.launch * s + link.alpha) + (dims.kv_shard(shard) + 4) / link.beta
+        return first + p * (c + local_merge_time(preset, dims, 2, p) + move)
+    if strategy == "passq_ring":
+        m = link.alpha + (dims.out_bytes + dims.lse_wire_bytes) / link.beta
+        return first + c + (p - 1) * m + local_merge_time(preset, dims, p, p)
+    if strategy == "allgather_kv":
+        kv = dims.kv_shard(shard)
+        t = 2 * allgather_time(preset, p, nodes, kv // 2) + allgather_time(preset, p, nodes, dims.batch * 4)
+        return first + t + kernel_time(preset, dims, context, p) + local_merge_time(preset, dims, p, p)
+    raise ValueError(f"unknown strategy {strategy!r}; expected one of {ALL_STRATEGIES}")

@@ -151,8 +151,7 @@ def modelled_crossovers(launch: dict, points: list[dict], dims: tuple | None = N
     """Where the alpha-beta cost model puts tree decode's crossover against ring and the all-gather
     merge on a GPU preset, for this job's CP layout and ``dims`` (heads_q, heads_kv, head_dim) in bf16
     (contexts 2^8 .. 2^24)."""
-    from ..bench.cost_model import predict
-    from ..cost import Dims, load_preset
+    from ..comm.cost import Dims, load_preset, predict
 
     pr = load_preset(preset)
     cp = launch["cp_size"]
