@@ -21,7 +21,7 @@ transformers nor megatron-core and has no side effects:
 * ``mt.megatron`` -- Megatron-Core (``mt.megatron.get_gpt_layer_tree_spec()``, its engines).
 """
 
-import importlib
+import importlib as _importlib
 
 from .comm.merge import STRATEGIES, CommError, CommStats, DisagreementError
 from .decode.attention import tree_decode
@@ -45,7 +45,7 @@ __all__ = [
 def __getattr__(name):
     """Import an integration on first use (``mt.hf``, ``mt.megatron``)."""
     if name in _LAZY:
-        module = importlib.import_module(_LAZY[name])
+        module = _importlib.import_module(_LAZY[name])
         globals()[name] = module
         return module
     raise AttributeError(

@@ -198,6 +198,49 @@ def test_the_folder_tree_is_the_table():
     assert named <= set(folders), f"rows name modules that do not exist: {sorted(named - set(folders))}"
 
 
+FORBIDDEN = [
+    # (modules matching, may not import, why)
+    ("megatron_tree.ops.triton*", "torch.distributed", "kernels never communicate"),
+    ("megatron_tree.comm*", "megatron_tree.ops.triton", "comm merges partial states and never calls a kernel"),
+]
+
+
+def forbidden_imports(package_dir: str) -> list[str]:
+    """Imports the tiers' two extra rules forbid (docs/design.md §2), as readable lines."""
+    known = modules_of(package_dir)
+    found = []
+    for module, (path, is_pkg) in sorted(known.items()):
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), path)
+        names = [(n.lineno, a.name) for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        names += [(n.lineno, n.module or "") for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and not n.level]
+        names += [(line, target) for line, target, _ in imports_of(module, path, is_pkg, known)]
+        for pattern, banned, why in FORBIDDEN:
+            if fnmatch.fnmatchcase(module, pattern):
+                for line, name in names:
+                    if name == banned or name.startswith(banned + "."):
+                        found.append(f"{os.path.relpath(path, os.path.dirname(package_dir))}:{line}: {module} "
+                                     f"imports {name}: {why}")
+    return found
+
+
+def test_kernels_never_communicate_and_comm_never_calls_a_kernel():
+    problems = forbidden_imports(PACKAGE)
+    assert not problems, "\n".join(problems)
+
+
+def test_the_extra_rules_can_fail(tmp_path):
+    pkg = tmp_path / "megatron_tree"
+    for rel, text in {"__init__.py": "", "ops/__init__.py": "", "ops/triton/__init__.py": "",
+                      "ops/triton/k.py": "def f():\n    import torch.distributed as dist\n",
+                      "comm/__init__.py": "", "comm/m.py": "from ..ops.triton import k\n"}.items():
+        (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / rel).write_text(text)
+    problems = forbidden_imports(str(pkg))
+    assert any("megatron_tree.ops.triton.k imports torch.distributed" in p for p in problems), problems
+    assert any("megatron_tree.comm.m imports megatron_tree.ops.triton" in p for p in problems), problems
+
+
 # --------------------------------------------------------------------------- the checker can fail
 
 

@@ -28,7 +28,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--intra-size", type=int, default=None, help="simulate nodes of this many ranks")
-    args, _ = parser.parse_known_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    stray = [a for a in unknown if not a.startswith("--local_rank")]  # the deepspeed launcher appends --local_rank
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
+        parser.error("run it under a launcher, e.g. torchrun --standalone --nproc_per_node 4 -m megatron_tree.eval.demo")
 
     dist.init_process_group("gloo")
     try:

@@ -134,7 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     """Run lm-eval's CLI on ``argv`` (default ``sys.argv[1:]``) with the backend registered; returns 0."""
     argv = _strip_flags(list(sys.argv[1:] if argv is None else argv), _LAUNCHER_FLAGS)
     os.environ.setdefault("WANDB_MODE", "offline")
-    import lm_eval
+    from ..utils.extras import require
+
+    lm_eval = require("lmeval", "megatron-tree-lm-eval")
     import lm_eval.models  # noqa: F401 -- lm-eval's own backends stay available beside ours
     from lm_eval.__main__ import cli_evaluate
 

@@ -343,6 +343,11 @@ def prefill_kernel(q: torch.Tensor, v: torch.Tensor, kernel: str | None = None, 
     if kernel is not None:
         if kernel not in fused_prefill.KERNELS:
             raise ValueError(f"unknown prefill kernel {kernel!r}; expected one of {fused_prefill.KERNELS}")
+        variants = [n for n, on in (("a sliding window", window is not None), ("soft-capping", softcap is not None),
+                                    ("a V head dim other than K's", v.shape[-1] != q.shape[-1])) if on]
+        if kernel != "decode" and variants:
+            raise ValueError(f"prefill kernel {kernel!r} takes no {' or '.join(variants)}; leave kernel unset or "
+                             "pass kernel='decode' (the exact path)")
         return kernel
     return fused_prefill.select_kernel(q.device, q.dtype, q.shape[-1], head_dim_v=v.shape[-1], window=window,
                                        softcap=softcap)
@@ -388,8 +393,8 @@ def prefill_attention(
     if q_positions.dtype == torch.bool or k_positions.dtype == torch.bool:
         raise TypeError("q_positions and k_positions must be integer positions, not bool masks")
     kernel = prefill_kernel(q, v, kernel, window=window, softcap=softcap)
-    if window is not None or softcap is not None or v.shape[-1] != q.shape[-1]:
-        # what the fused kernels cannot take: the exact decode path with positions, one launch
+    if kernel == "decode":
+        # the exact decode path with positions (what the fused kernels cannot take), one launch
         if calls is not None:
             calls["decode"] = calls.get("decode", 0) + 1
         return flash_decode(q, k, v, softmax_scale=softmax_scale, q_positions=q_positions, k_positions=k_positions,

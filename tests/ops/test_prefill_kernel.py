@@ -302,3 +302,23 @@ def test_cuda_efficient_head_folding_and_bias_on_cpu(monkeypatch):
     for kp in (qp[0], _ar(20, 50), torch.randperm(90, generator=g)[:37]):
         q, k, v = _inputs(2, qp.shape[1], kp.numel(), 6, 2, dtype=torch.float32)
         _check(q, k, v, qp, kp, kernel="cuda_efficient", min_run=4, tile=8)
+
+
+def test_the_kernel_choice_is_made_once_and_refuses_a_fused_kernel_with_variants():
+    """ops.prefill_kernel is the one choice: the variants the fused kernels cannot take route to the exact
+    path when no kernel is forced, and a forced fused kernel with one of them is refused by name (not run
+    without the window, which would be a silent wrong answer)."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 6, h, 8, generator=g) for h in (2, 1, 1))
+    pos = _ar(0, 6)[None]
+    assert ops.prefill_kernel(q, v) == "cpu_flash"
+    assert ops.prefill_kernel(q, v, window=3) == ops.prefill_kernel(q, v, softcap=5.0) == "decode"
+    for kw, what in ((dict(window=3), "a sliding window"), (dict(softcap=5.0), "soft-capping")):
+        with pytest.raises(ValueError, match=f"prefill kernel 'cpu_flash' takes no {what}"):
+            ops.prefill_attention(q, k, v, q_positions=pos, k_positions=pos, kernel="cpu_flash", **kw)
+    calls = {}
+    out, lse = ops.prefill_attention(q, k, v, q_positions=pos, k_positions=pos, window=3, calls=calls)
+    ref_o, ref_l = reference.partial_attention(q.double(), k.double(), v.double(), q_positions=pos,
+                                               k_positions=pos, window=3)
+    assert calls == {"decode": 1}
+    assert torch.allclose(out.double(), ref_o, atol=1e-5) and torch.allclose(lse, ref_l, atol=1e-5)

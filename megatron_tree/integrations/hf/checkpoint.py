@@ -57,7 +57,7 @@ INDEX = "model.safetensors.index.json"
 
 # safetensors dtype name -> (torch dtype attribute, bytes per element)
 _DTYPES = {
-    "BOOL": ("bool", 1), "U8": ("uint8", 1), "I8": ("int8", 1), "I16": ("int16", 1), "U16": ("uint16", 2),
+    "BOOL": ("bool", 1), "U8": ("uint8", 1), "I8": ("int8", 1), "I16": ("int16", 2), "U16": ("uint16", 2),
     "F16": ("float16", 2), "BF16": ("bfloat16", 2), "I32": ("int32", 4), "U32": ("uint32", 4),
     "F32": ("float32", 4), "F64": ("float64", 8), "I64": ("int64", 8), "U64": ("uint64", 8),
     "F8_E4M3": ("float8_e4m3fn", 1), "F8_E5M2": ("float8_e5m2", 1),
@@ -303,10 +303,13 @@ def _renamer(model, expected: dict):
 
 def _compare(model, cls_name: str, tensors: dict, file: str, path: str) -> list:
     """Problems of the checkpoint's tensors against ``model``'s: other shapes, missing, unexpected."""
-    expected = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+    state = model.state_dict()
+    expected = {n: tuple(t.shape) for n, t in state.items()}
+    floating = {n for n, t in state.items() if t.is_floating_point()}
+    quantized = getattr(model.config, "quantization_config", None) is not None
     buffers = {n for n, _ in model.named_buffers()}
     rename = _renamer(model, expected)
-    present, wrong, unexpected = set(), [], []
+    present, wrong, kinds, unexpected = set(), [], [], []
     for key in sorted(tensors):
         dtype, shape, where = tensors[key]
         target, converted = rename(key)
@@ -317,6 +320,10 @@ def _compare(model, cls_name: str, tensors: dict, file: str, path: str) -> list:
         if not converted and tuple(shape) != expected[target]:
             renamed = f" (loaded as {target})" if target != key else ""
             wrong.append(f"{key}{renamed} is {list(shape)} in {where}, config.json gives {list(expected[target])}")
+        elif target in floating and not quantized and not _DTYPES[dtype][0].startswith(("float", "bfloat")):
+            # an integer tensor for a floating weight: from_pretrained casts it (an int32 bit pattern of
+            # small floats becomes zeros); only a quantized checkpoint stores integers on purpose
+            kinds.append(f"{key} is {dtype} in {where}")
     tied = dict(getattr(model, "all_tied_weights_keys", None) or {})
     ignore_missing = list(getattr(model, "_keys_to_ignore_on_load_missing", None) or [])
     ignore_unexpected = list(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])
@@ -339,6 +346,10 @@ def _compare(model, cls_name: str, tensors: dict, file: str, path: str) -> list:
     if wrong:
         problems.append(f"the tensors disagree with {file} ({len(wrong)} of other shapes): {_listed(wrong)}. The "
                         "weights and config.json are from different models")
+    if kinds:
+        problems.append(f"{len(kinds)} tensor(s) hold integers where {cls_name}'s weights are floating point: "
+                        f"{_listed(kinds)}. transformers would cast them (an int32 bit pattern of small floats becomes "
+                        "zeros); only a checkpoint with a quantization_config in config.json stores integers on purpose")
     if missing:
         shown = [f"{n} {list(expected[n])}" for n in missing]
         problems.append(f"{path!r} holds no tensor for {len(missing)} weight(s) of {cls_name} as {file} describes it "

@@ -262,3 +262,16 @@ def test_one_ranks_bad_checkpoint_is_every_ranks_error(good, tmp_path):
     assert message.startswith("rank 1: ") and "model.norm.weight [16]" in message, message
     assert all(r[2] < BOUND_S for r in results), [r[2] for r in results]
     assert [r[3] for r in results] == [32, 32]
+
+
+def test_integer_tensor_for_a_floating_weight_is_refused(good, tmp_path):
+    """A floating weight saved as int32 (from_pretrained would cast it: the bit pattern of small floats
+    becomes zeros) is an error naming the tensor and its dtype, not a silently zeroed projection."""
+    name = "model.layers.0.self_attn.q_proj.weight"
+
+    def edit(tensors):
+        tensors[name] = tensors[name].view(torch.int32)
+
+    path = _rewrite(good[0], tmp_path / "int32", edit)
+    msg = _error(path)
+    assert f"hold integers where" in msg and f"{name} is I32 in model.safetensors" in msg, msg
