@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 import megatron_tree as mt
+from megatron_tree.ops import reference  # the pure-torch oracle
 
 # from_env creates the default group from torchrun's variables; timeout bounds every collective below.
 groups = mt.TreeGroups.from_env(timeout=datetime.timedelta(minutes=2))
@@ -36,7 +37,7 @@ k_shard, v_shard = k[:, lo:hi], v[:, lo:hi]
 local_lens = (lens - lo).clamp(0, hi - lo).to(torch.int32)  # valid keys of each row in this slice
 
 want, _ = mt.flash_decode(q, k, v, cache_seqlens=lens)  # one process, the whole cache
-want64 = mt.reference.partial_attention(q.double(), k.double(), v.double(), cache_seqlens=lens)[0]
+want64 = reference.partial_attention(q.double(), k.double(), v.double(), cache_seqlens=lens)[0]
 worst = 0.0
 for strategy in mt.STRATEGIES:
     out = mt.tree_decode(q, k_shard, v_shard, groups, cache_seqlens=local_lens, strategy=strategy)
