@@ -7,7 +7,7 @@ Run (from the repository root, offline, about 30 s on 2 CPU cores):
 CHECKPOINT_DIR: any ``save_pretrained`` directory of a decoder transformers can load (default: the
 small trained Llama that examples/tiny_checkpoint.py writes on first use). ``TreeGroups.from_env()``
 creates the process group from torchrun's variables (no ``init_process_group`` needed); every rank
-holds half of every layer's KV cache; the generated tokens and every step's logits are checked
+holds 1/CP of every layer's KV cache (half at CP 2); the generated tokens and every step's logits are checked
 against the same model's ``generate`` in one process without context parallelism.
 """
 

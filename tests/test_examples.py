@@ -71,6 +71,11 @@ def test_functional_api():
     p = _run("functional_api.py")
     assert "tree_decode at CP 3 (slices [500, 1000, 1500] of 3000 tokens)" in p.stdout, p.stdout
     assert "all equal the single-process result" in p.stdout
+    # the example's own checks, again here on what it printed (an example whose asserts were lost would
+    # still have to print errors this small)
+    tree_err = float(re.search(r"max\|out - fp64 reference\| ([0-9.e+-]+)", p.stdout).group(1))
+    merge_err = float(re.search(r"merge_states of 3 partial states: ([0-9.e+-]+)", p.stdout).group(1))
+    assert tree_err < 1e-5 and merge_err < 1e-5, p.stdout
 
 
 def test_megatron_core():

@@ -46,7 +46,8 @@ __all__ = ["Level", "TreeGroups", "TopologyError", "launcher_local_size", "LAUNC
 ENV_HOSTNAME = "MEGATRON_TREE_HOSTNAME"  # override the host name, to test multi-host validation
 
 
-LAUNCHER_VARIABLES = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "SLURM_NTASKS_PER_NODE", "LOCAL_RANK", "SLURM_LOCALID")
+LAUNCHER_VARIABLES = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "LOCAL_RANK",
+                      "SLURM_LOCALID")
 """Launcher variables :meth:`TreeGroups.from_env` reads (processes per node, then local rank)."""
 
 
@@ -271,17 +272,20 @@ class TreeGroups:
 
 def launcher_local_size(env) -> tuple[int | None, str]:
     """Processes per node announced by the launcher, and which variable said so."""
-    for var in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "SLURM_NTASKS_PER_NODE"):
+    # SLURM_NTASKS_PER_NODE is set only with --ntasks-per-node; SLURM_TASKS_PER_NODE always (srun -N2 -n8)
+    for var in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
         raw = env.get(var)
         if raw:
-            # Slurm writes e.g. "4" or "4(x2)" for 4 tasks on each of 2 nodes.
+            # Slurm writes e.g. "4" or "4(x2)" for 4 tasks on each of 2 nodes ("4,3" for uneven nodes: the
+            # first node's count, which the local-rank check then holds every rank to).
             head = raw.split("(")[0].split(",")[0]
             try:
                 value = int(head)
             except ValueError:
-                raise TopologyError(f"cannot read processes per node from {var}={raw!r}") from None
+                raise LauncherEnvError(f"cannot read processes per node from {var}={raw!r}; expected a positive "
+                                       "integer (Slurm's form \"4(x2)\" is read too)") from None
             if value < 1:
-                raise TopologyError(f"{var}={raw!r} must be a positive integer")
+                raise LauncherEnvError(f"{var}={raw!r} must be a positive integer (processes per node)")
             return value, f"{var}={raw}"
     return None, ""
 

@@ -154,3 +154,19 @@ def test_build_without_a_group_says_to_initialise_or_use_from_env():
     with pytest.raises(RuntimeError, match=r"call torch.distributed.init_process_group\(...\) first .*"
                                            r"TreeGroups.from_env\(\), which creates it"):
         TreeGroups.build()
+
+
+def test_plain_srun_reads_slurm_tasks_per_node_and_bad_counts_name_the_variable():
+    """``srun -N2 -n8`` without --ntasks-per-node sets SLURM_TASKS_PER_NODE="4(x2)" but no
+    SLURM_NTASKS_PER_NODE: the nodes are read from it (not taken for one node of 8, which then blamed a
+    round-robin numbering that was not there); an unreadable count is a LauncherEnvError naming it."""
+    from megatron_tree.distributed import topology as t
+
+    facts = [{"launcher": {"SLURM_TASKS_PER_NODE": "4(x2)", "SLURM_LOCALID": str(r % 4)}} for r in range(8)]
+    per_node, source = t._per_node_from_facts(facts, 8)
+    assert per_node == 4 and source.startswith("SLURM_TASKS_PER_NODE"), (per_node, source)
+    t._check_local_ranks(facts, per_node, source)  # block numbering: accepted
+    assert t.launcher_local_size({"SLURM_TASKS_PER_NODE": "3"}) == (3, "SLURM_TASKS_PER_NODE=3")
+    with pytest.raises(t.LauncherEnvError, match=r"cannot read processes per node from LOCAL_WORLD_SIZE='abc'; "
+                                                 r"expected a positive integer"):
+        t.launcher_local_size({"LOCAL_WORLD_SIZE": "abc"})

@@ -87,6 +87,10 @@ def test_verdict_line(tmp_path):
                     "(results.json, decode_latency.png, wandb)")
     assert verdict_line(_results(exact=False), tmp_path, 1e-3).startswith("verdict: NOT EXACT: ")
     assert "NOT identical" in verdict_line(_results(tokens_match=False), tmp_path, 1e-3)
+    split = _results()
+    split["tokens_agree_across_ranks"] = False  # exact on rank 0, but the ranks decoded different tokens
+    line = verdict_line(split, tmp_path, 1e-3)
+    assert line.startswith("verdict: NOT EXACT: ") and "RANKS DECODED DIFFERENT TOKENS" in line, line
     res = _results()
     res["runs"] = [{"exactness": None}]
     assert verdict_line(res, tmp_path, 1e-3).startswith("verdict: NOT CHECKED (eval.exactness.enabled is false)")
