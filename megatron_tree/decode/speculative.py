@@ -40,7 +40,7 @@ from ..distributed.topology import TreeGroups
 from ..ops import dispatch as ops
 from ..ops.contract import acc_dtype
 from ..ops.reference import add_sink, merge_states, soft_cap
-from .generate import DecodeStep, row_digest
+from .generate import DecodeStep, GenerationResult, row_digest
 
 __all__ = ["check_draft_tree", "draft_attention", "verify_attention", "tree_mask", "SpeculativeConfig",
            "SpeculativeResult", "prompt_lookup_drafts", "generate_speculative", "VERIFY_SIGNATURE"]
@@ -428,23 +428,24 @@ def commit(cache, nodes: torch.Tensor) -> None:
 
 
 @dataclass
-class SpeculativeResult:
-    """What :func:`generate_speculative` returns (the same on every CP rank)."""
+class SpeculativeResult(GenerationResult):
+    """What :func:`generate_speculative` returns (the same on every CP rank): ``generate``'s result
+    (``tokens`` are exactly non-speculative greedy ``generate``'s; ``step_times`` one per verification
+    step) and the drafting's counts."""
 
-    tokens: list[list[int]]
-    """New tokens of each prompt: exactly non-speculative greedy ``generate``'s."""
     steps: int = 0
     """Verification steps run (each one decode forward with one merge per layer)."""
     accepted: list[int] = field(default_factory=list)
     """Per step: tokens committed per row (accepted drafts plus the step's own token, >= 1)."""
     drafted: int = 0
-    """Draft tokens proposed per row, summed over steps (the tree's non-root rows)."""
-    prefill_time: float = 0.0
-    step_times: list[float] = field(default_factory=list)
+    """Draft tokens offered per row, summed over steps (the chain depth of every step)."""
 
     @property
-    def decode_time(self) -> float:
-        return sum(self.step_times)
+    def tokens_per_second(self) -> float:
+        """Decode throughput over the batch: tokens generated after the first / decode seconds (a step
+        commits several per row)."""
+        t = self.decode_time
+        return (sum(len(row) for row in self.tokens) - len(self.tokens)) / t if t > 0 else float("nan")
 
     @property
     def mean_accepted(self) -> float:
@@ -453,10 +454,8 @@ class SpeculativeResult:
 
     @property
     def acceptance_rate(self) -> float:
-        """Accepted draft tokens over the chain depth offered (per step, ``accepted - 1`` of ``depth``)."""
-        return self._rate
-
-    _rate: float = float("nan")
+        """Accepted draft tokens over the drafts offered (per step, ``accepted - 1`` of the depth)."""
+        return sum(a - 1 for a in self.accepted) / self.drafted if self.drafted else float("nan")
 
 
 SPECULATIVE_SIGNATURE = ("batch", "prompt_lengths", "prompt_ids", "max_new_tokens", "stop_token_ids", "method",
@@ -529,7 +528,7 @@ def generate_speculative(model, prompts: list[list[int]], max_new_tokens: int, *
         out = [[t] for t in cur.tolist()]
         done = [t in stops for t in cur.tolist()]
         bar.update(1)
-        offered = 0
+
         def produced() -> int:  # tokens of the unfinished rows (they advance together)
             return max(len(out[b]) for b in range(len(out)) if not done[b])
 
@@ -584,14 +583,12 @@ def generate_speculative(model, prompts: list[list[int]], max_new_tokens: int, *
             result.steps += 1
             result.accepted.append(n)
             result.drafted += depth
-            offered += depth
             result.step_times.append(time.perf_counter() - t0)
             bar.update((max_new_tokens if all(done) else produced()) - bar.n)
             bar.set_postfix_str(f"accepted {result.mean_accepted:.2f} tok/step")
     finally:
         bar.close()
     result.tokens = out
-    result._rate = (sum(a - 1 for a in result.accepted) / offered) if offered else float("nan")
     return result
 
 
