@@ -343,8 +343,7 @@ def prefill_kernel(q: torch.Tensor, v: torch.Tensor, kernel: str | None = None, 
     if kernel is not None:
         if kernel not in fused_prefill.KERNELS:
             raise ValueError(f"unknown prefill kernel {kernel!r}; expected one of {fused_prefill.KERNELS}")
-        variants = [n for n, on in (("a sliding window", window is not None), ("soft-capping", softcap is not None),
-                                    ("a V head dim other than K's", v.shape[-1] != q.shape[-1])) if on]
+        variants = fused_prefill.unfused_variants(q.shape[-1], v.shape[-1], window, softcap)
         if kernel != "decode" and variants:
             raise ValueError(f"prefill kernel {kernel!r} takes no {' or '.join(variants)}; leave kernel unset or "
                              "pass kernel='decode' (the exact path)")

@@ -95,7 +95,7 @@ def select_kernel(device: torch.device | str, dtype: torch.dtype, head_dim: int,
       KV head into its batch axis over stride-0 KV: no copy);
     * anything else (float64 on CUDA, head dim > 256): ``decode``.
     """
-    if window is not None or softcap is not None or (head_dim_v is not None and head_dim_v != head_dim):
+    if unfused_variants(head_dim, head_dim_v, window, softcap):
         return "decode"
     kind = torch.device(device).type
     if kind == "cpu":
@@ -107,6 +107,13 @@ def select_kernel(device: torch.device | str, dtype: torch.dtype, head_dim: int,
             flash_attn_importable = _flash_attn_func() is not None
         return "flash_attn" if flash_attn_importable else "cuda_flash"
     return "cuda_efficient"
+
+
+def unfused_variants(head_dim: int, head_dim_v: int | None, window, softcap) -> list[str]:
+    """The variants of a prefill step no fused kernel takes (each routes it to the exact path), by name."""
+    return [name for name, on in (("a sliding window", window is not None), ("soft-capping", softcap is not None),
+                                  ("a V head dim other than K's", head_dim_v is not None and head_dim_v != head_dim))
+            if on]
 
 
 @functools.lru_cache(maxsize=None)
