@@ -90,6 +90,8 @@ rank's words): words that differ are a :class:`DisagreementError` on every rank,
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from typing import Literal
 
 import torch
@@ -106,7 +108,7 @@ from ..distributed.topology import TreeGroups
 
 __all__ = ["CommStats", "LevelStats", "STRATEGIES", "merge", "choose_strategy", "CommError",
            "DisagreementError", "MERGE_SIGNATURE", "SHIFT_MIN_DEN", "SHIFT_MAX_DEN", "check_shift",
-           "SPLIT_SIGNATURE", "merge_overlapped", "shift_digest"]
+           "SPLIT_SIGNATURE", "merge_overlapped", "shift_digest", "CompileError"]
 
 Strategy = Literal[STRATEGIES]  # the names are listed once, in strategies.py
 
@@ -367,6 +369,8 @@ def merge(
             f"merge expects out (batch, seqlen_q, heads_q, headdim) and lse (batch, heads_q, seqlen_q), "
             f"got {tuple(out.shape)} and {tuple(lse.shape)}"
         )
+    if torch.compiler.is_compiling() and groups.size > 1:  # traced: the collectives as one opaque op
+        return _traced_merge(out, lse, groups, strategy, stats, dtype, backend, shift, deferred)
     o, lse = _widened(out, lse, acc_dtype(out.dtype))
     check_shift(shift, tuple(lse.shape), o.device)
     if stats is not None:
@@ -384,6 +388,77 @@ def merge(
         if strategy == "shifted":
             return _settle_shifted(result, o, lse, groups, stats, deferred)
         return result
+
+
+# --------------------------------------------------------------------------- the merge in a traced step
+#
+# A step compiled with torch.compile (fullgraph) or captured in a CUDA graph holds each layer's
+# merge as one node of ``megatron_tree::cp_merge``: Dynamo does not trace the collectives, the
+# agreement check or the error handling inside it (host Python a graph cannot hold), and the
+# op's eager body is :func:`merge` itself, so a compiled step issues exactly the collectives of
+# an eager one. The op names its groups (and the CommStats it records into) by a string, looked up
+# in a table of weak references that :func:`_op_names` fills when the step is traced.
+
+
+class CompileError(ValueError):
+    """A merge setting that a compiled or graph-captured step cannot hold (it names the setting)."""
+
+
+_TRACED: "weakref.WeakValueDictionary[str, object]" = weakref.WeakValueDictionary()
+_NAMES = itertools.count()
+
+
+@torch.compiler.assume_constant_result
+def _op_names(groups: TreeGroups, stats) -> str:
+    """``"<groups>|<stats>"``: the names the traced op finds its groups and stats by (run when traced)."""
+    names = []
+    for obj in (groups, stats):
+        if obj is None:
+            names.append("")
+            continue
+        name = obj.__dict__.get("_traced_name")
+        if name is None:
+            name = f"{type(obj).__name__}-{next(_NAMES)}"
+            object.__setattr__(obj, "_traced_name", name)  # (TreeGroups is frozen)
+        _TRACED[name] = obj
+        names.append(name)
+    return "|".join(names)
+
+
+def _traced_merge(out, lse, groups, strategy, stats, dtype, backend, shift, deferred):
+    if shift is not None or deferred is not None or strategy == "shifted":
+        raise CompileError(
+            "strategy='shifted' carries every layer's merged lse from one step to the next in host state and "
+            "is redone from the host when a flag is raised: a compiled or graph-captured step cannot hold it; "
+            "use strategy='packed', 'two_level', 'allgather', 'allreduce3' or 'auto'"
+        )
+    return torch.ops.megatron_tree.cp_merge(out, lse, _op_names(groups, stats), strategy,
+                                            out.dtype if dtype is None else dtype, backend or "")
+
+
+torch.library.define("megatron_tree::cp_merge",
+                     "(Tensor out, Tensor lse, str names, str strategy, ScalarType dtype, str backend) -> (Tensor, Tensor)")
+
+
+def _cp_merge_impl(out, lse, names, strategy, dtype, backend):
+    group_name, stats_name = names.split("|")
+    groups = _TRACED.get(group_name)
+    if groups is None:
+        raise RuntimeError(f"the compiled step's CP group {group_name!r} no longer exists (its TreeGroups was "
+                           "freed): compile the step again for the groups it runs on")
+    stats = _TRACED.get(stats_name) if stats_name else None
+    o, l = merge(out, lse, groups, strategy, stats, dtype=dtype, backend=backend or None)
+    # (an op may not return its inputs: a merge with nothing to merge hands back the widened partials)
+    return (o.clone() if o.data_ptr() == out.data_ptr() else o), (l.clone() if l.data_ptr() == lse.data_ptr() else l)
+
+
+@torch.library.register_fake("megatron_tree::cp_merge")
+def _cp_merge_fake(out, lse, names, strategy, dtype, backend):
+    acc = acc_dtype(out.dtype)
+    return out.new_empty(out.shape, dtype=acc), lse.new_empty(lse.shape, dtype=torch.promote_types(lse.dtype, acc))
+
+
+torch.library.impl("megatron_tree::cp_merge", "CompositeExplicitAutograd", _cp_merge_impl)
 
 
 def _widened(o, lse, acc: torch.dtype):

@@ -27,6 +27,7 @@ from typing import Literal
 
 import torch
 
+from .metadata import StepMetadata
 from .placement import LAYOUTS, RowPlacement, prefill_ranges
 from .plan import StepPlanner, place_prompts
 
@@ -108,6 +109,10 @@ class ShardedKVCache:
         self.positions = self._positions[:, : self.capacity]
         self.seqlens = torch.zeros(batch_size, dtype=torch.int32, device=device)
         self._batch_index = torch.arange(batch_size, device=device)
+        # the decode step's metadata buffers (StepMetadata): filled in place by begin_decode_step
+        self._step_q = torch.zeros((batch_size, 1), dtype=torch.int64, device=device)
+        self._step_store = torch.full((batch_size,), self.capacity, dtype=torch.int64, device=device)
+        self._metadata: StepMetadata | None = None
         self._rows: list[RowPlacement] = []
         self._planner = StepPlanner([], cp_rank, spare=self.capacity, device=self.k.device, reserve=4 * batch_size)
         self.reset()
@@ -267,7 +272,28 @@ class ShardedKVCache:
         self.seqlens.copy_(plan.counts)  # int64 -> int32 on the device
         # positions[b, slot] = pos where this rank keeps the token, the spare slot elsewhere
         self._positions[self._batch_index, plan.store[:, 0]] = pos
+        self._step_q[:, 0].copy_(pos)
+        self._step_store.copy_(plan.store[:, 0])
         return pos, slot
+
+    def step_metadata(self, static: bool = False) -> StepMetadata:
+        """The metadata of the step :meth:`begin_decode_step` placed (its buffers are this cache's, updated
+        in place each step). static: the step reads every storage slot (``kv_len = capacity``: the same
+        shapes at every step, for a compiled or graph-captured step); else only up to the longest row this
+        rank holds (less work per step, a shape that grows)."""
+        kv_len = self.capacity if static else self.local_max
+        meta = self._metadata
+        if meta is None or meta.kv_len != kv_len:
+            meta = self._metadata = StepMetadata(self.seqlens, self._step_q, self.positions[:, :kv_len],
+                                                 self._step_store, kv_len)
+        return meta
+
+    def append_step(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """:meth:`append` at the slots of the step :meth:`begin_decode_step` placed, read from the step's
+        metadata buffer (no check of a caller's slots: a compiled step calls this)."""
+        at, rows = self._step_store, self._batch_index
+        for buf, new in ((self._k, k), (self._v, v)):
+            buf[layer][rows, at] = new[:, 0].to(buf.dtype)
 
     def rewind_step(self) -> None:
         """Take the last decode step back so that it can run again on the same slots (``generate``'s
@@ -298,12 +324,13 @@ class ShardedKVCache:
                              f"must be the tensor begin_decode_step returned (each in [-1, {self.capacity})): "
                              f"{e}") from None
 
-    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's keys and values of one layer, trimmed to the longest local row.
+    def layer_kv(self, layer: int, n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's keys and values of one layer, trimmed to the longest local row (or to ``n`` slots:
+        a step's ``StepMetadata.kv_len``).
 
-        returns k, v: (batch, n, num_kv_heads, head_dim) with ``n = max(seqlens)``; rows
+        returns k, v: (batch, n, num_kv_heads, head_dim) with ``n = max(seqlens)`` by default; rows
         shorter than n are masked by ``seqlens``.
         """
         layer = self._layer(layer, "layer_kv")
-        n = self.local_max
+        n = self.local_max if n is None else n
         return self.k[layer, :, :n], self.v[layer, :, :n]

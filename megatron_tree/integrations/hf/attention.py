@@ -65,17 +65,11 @@ def tree_attention_forward(module, query, key, value, attention_mask, scaling=No
                          stats=binding.stats, work=binding.work, **variants)
     else:  # the one attention call of every integration: the decode loop's step (or a plain one)
         step = binding.step if binding.step is not None else DecodeStep(binding.strategy, binding.stats)
-        if window is not None:  # a window bounds global positions: the new tokens' and the shard's
-            qp, kp = cache._decode_positions, cache.storage.positions[:, :k.shape[1]]
-            # A rank's slots hold its tokens in arrival order, so positions ascend along a row: the slots
-            # before the first one inside the window are skipped (cache_starts; the kernels mask by
-            # position as well, so this only saves reading keys that left the window).
-            seqlens = cache.storage.seqlens
-            valid = torch.arange(kp.shape[1], device=kp.device)[None, :] < seqlens[:, None]
-            starts = ((kp <= qp - window) & valid).sum(dim=1).to(seqlens.dtype)
-            variants.update(q_positions=qp, k_positions=kp, cache_starts=starts)
-        out = step.attend(module.layer_idx, q, k, v, binding.groups, cache_seqlens=cache.storage.seqlens,
-                          softmax_scale=scaling, **variants)
+        if cache._phase == "verify":  # speculative drafts: the committed shard as it stands (no new token)
+            variants["cache_seqlens"] = cache.storage.seqlens
+        else:  # the step's metadata, built once by the cache for every layer (decode.metadata.StepMetadata)
+            variants.update(cache.metadata.attention_args(window))
+        out = step.attend(module.layer_idx, q, k, v, binding.groups, softmax_scale=scaling, **variants)
     return out, None
 
 

@@ -79,12 +79,17 @@ class TreeCache(Cache):
     new_tokens: with ``max_seq_len=None``, size the storage at prefill for the prompt plus
         this many tokens (``generate`` passes its ``max_new_tokens``); with neither, the
         storage makes room for 256 more tokens and doubles whenever a row would overflow
+    static: every decode step reads all of the storage's slots (masked by the rows' lengths), so
+        its shapes never change: what a compiled (``torch.compile``) or graph-captured step needs to
+        be traced once; default: only up to the longest row this rank holds (less work, a shape
+        that grows). Either way a decode step's metadata (:attr:`metadata`, a
+        ``decode.metadata.StepMetadata``) lives in buffers updated in place.
     """
 
     def __init__(self, config, groups: TreeGroups | None, *, max_seq_len: int | None = None,
                  layout: str = "load_balanced", block_size: int = 16, new_tokens: int | None = None,
                  batch_size: int | None = None, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None):
+                 device: torch.device | str | None = None, static: bool = False):
         model = config if isinstance(config, torch.nn.Module) else None
         cfg = _text_config(model.config if model is not None else config)
         self.num_layers = int(cfg.num_hidden_layers)
@@ -121,6 +126,9 @@ class TreeCache(Cache):
         self._slots: torch.Tensor | None = None
         self._decode_positions: torch.Tensor | None = None
         self._written: set[int] = set()
+        self.static = bool(static)
+        self.metadata = None
+        """The decode step's ``StepMetadata`` (set when a decode forward starts; ``None`` before)."""
 
     # ------------------------------------------------------------------ what transformers asks
 
@@ -294,7 +302,9 @@ class TreeCache(Cache):
         self.storage = new
         self._nominal *= 2
 
-    def _begin_decode(self, batch: int) -> None:
+    def _begin_decode(self, batch: int, windows=()) -> None:
+        """Place one new token per row (host bookkeeping) and fill the step's :attr:`metadata`
+        (``windows``: the model's sliding windows, whose first slots it computes once for every layer)."""
         if self.storage is None:
             raise ValueError("TreeCache is empty: run a forward over the prompt before decoding")
         if batch != self.storage.batch_size:
@@ -309,6 +319,8 @@ class TreeCache(Cache):
             self._grow()
         pos, self._slots = self.storage.begin_decode_step()
         self._decode_positions = pos[:, None]
+        self.metadata = self.storage.step_metadata(self.static)
+        self.metadata.update_starts(windows)
         self._steps += 1
         self._padded_next = self._padded + 1
         self._phase = "decode"
@@ -325,6 +337,11 @@ class TreeCache(Cache):
         self._padded -= 1
 
     def _finish(self) -> None:
+        if self._written is None:  # a compiled step: its layers are not counted (see update)
+            self._written = set()
+            self._phase = None
+            self._padded = self._padded_next
+            return
         missing = sorted(set(range(self.num_layers)) - self._written)
         self._phase = None
         if missing:
@@ -349,6 +366,13 @@ class TreeCache(Cache):
                 "TreeCache.update was called outside a forward of a model enabled with enable_tree_attention; "
                 "pass the cache to that model's forward or generate"
             )
+        if self._phase == "decode" and torch.compiler.is_compiling():
+            # A traced decode step: shapes were checked when it was traced (they cannot change without a
+            # new trace), and the layers that stored are counted in the eager steps only.
+            self._written = None
+            self.storage.append_step(layer_idx, key_states.transpose(1, 2), value_states.transpose(1, 2))
+            ks, vs = self.storage.layer_kv(layer_idx, self.metadata.kv_len)
+            return ks.transpose(1, 2), vs.transpose(1, 2)
         if not 0 <= layer_idx < self.num_layers:
             raise ValueError(f"layer_idx {layer_idx} is outside the cache's {self.num_layers} layers")
         b, h, s, d = key_states.shape
@@ -376,6 +400,6 @@ class TreeCache(Cache):
             self._drafts[layer_idx] = (k, v)  # (decode.speculative.commit appends the accepted ones)
             ks, vs = self.storage.layer_kv(layer_idx)
             return ks.transpose(1, 2), vs.transpose(1, 2)
-        self.storage.append(layer_idx, k, v, self._slots)
-        ks, vs = self.storage.layer_kv(layer_idx)
+        self.storage.append_step(layer_idx, k, v)
+        ks, vs = self.storage.layer_kv(layer_idx, self.metadata.kv_len)
         return ks.transpose(1, 2), vs.transpose(1, 2)

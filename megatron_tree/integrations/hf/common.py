@@ -78,6 +78,8 @@ class _Binding:
     settings_hint: tuple | None = None
     """``generate``'s sampling and stop settings (:func:`_generation_settings`), compared across CP ranks
     at the prefill; set only while ``generate`` runs."""
+    orig_forward: object = None
+    """The model's own ``forward`` (bound) as it was before tree attention wrapped it."""
     step: object = None
     """The decode loop's ``decode.generate.DecodeStep`` while ``HFTreeModel.decode_step`` runs (its
     ``attend`` is every layer's decode attention); ``None``: a plain step of ``strategy``/``stats``."""

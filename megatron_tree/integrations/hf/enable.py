@@ -205,6 +205,7 @@ def enable_tree_attention(model, groups: TreeGroups | None, *, strategy: str = "
     for m in modules:
         setattr(m, _MARK, binding)
     orig_forward, orig_generate = model.forward, model.generate
+    binding.orig_forward = orig_forward
 
     @functools.wraps(orig_forward)
     def forward(*args, **kwargs):

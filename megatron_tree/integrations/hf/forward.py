@@ -332,6 +332,6 @@ def _decode(orig, binding: _Binding, cache: TreeCache, call: dict, batch: int, q
         )
     if mask is not None and mask.shape[-1] >= 1 and not bool(mask[:, -1].all()):
         raise ValueError("the attention_mask marks a new (decoded) token as padding; only prompts may be padded")
-    cache._begin_decode(batch)
+    cache._begin_decode(batch, binding.windows)
     call["attention_mask"] = None
     return _run(orig, binding, cache, call)

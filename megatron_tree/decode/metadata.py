@@ -1,0 +1,68 @@
+"""``StepMetadata``: what one decode step's attention needs beyond q, k and v, built once per step.
+
+Invariant: a cache fills its step's metadata on the host side of the step (placement is host
+bookkeeping, :mod:`.plan`) into device buffers it allocated with its storage, updated in place,
+so that the step itself -- every layer's cache write and attention -- reads only tensors whose
+shapes and addresses do not change from step to step and never reads a device value on the
+host. That is what lets ``torch.compile(fullgraph=True)`` trace a step once and a CUDA graph
+replay it: the values change, the graph does not.
+
+The object is passed explicitly: the cache that made it hands it to the layers' attention (the
+transformers integration reads ``TreeCache.metadata``), which hands its fields to
+:func:`~megatron_tree.decode.attention.tree_decode` through :meth:`StepMetadata.attention_args`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["StepMetadata"]
+
+
+@dataclass(eq=False)
+class StepMetadata:
+    """One decode step of one new token per row, on this CP rank (persistent buffers, updated in place).
+
+    seqlens: (batch,) int32 -- this rank's valid keys of each row after the step (the new token counted
+        where this rank keeps it); ``cache_seqlens`` of ``tree_decode``
+    q_positions: (batch, 1) int64 -- the new tokens' global positions (RoPE and causal masking)
+    k_positions: (batch, kv_len) int64 -- global position of every key slot the step reads, -1 in free slots
+    store: (batch,) int64 -- the storage slot each row's new key is written to on this rank: its own
+        slot, or the storage's spare slot where another rank keeps the token (written, never read)
+    kv_len: key slots per row a step reads -- the storage's capacity when the shapes are static (one
+        compiled graph for every step), else the longest row this rank holds (a host int)
+    starts: ``{window: (batch,) int32}`` -- for every sliding window of the model, the first slot of
+        each row still inside it (``cache_starts``; slots hold a row's tokens in arrival order, so
+        positions ascend along a row and the slots before it only hold keys that left the window)
+    """
+
+    seqlens: torch.Tensor
+    q_positions: torch.Tensor
+    k_positions: torch.Tensor
+    store: torch.Tensor
+    kv_len: int
+    starts: dict = field(default_factory=dict)
+
+    def update_starts(self, windows) -> None:
+        """(Re)compute :attr:`starts` for each distinct window in ``windows`` (``None`` entries skipped),
+        in place: a few device ops per window per step, none per layer."""
+        kp, qp = self.k_positions, self.q_positions
+        valid = torch.arange(kp.shape[1], device=kp.device)[None, :] < self.seqlens[:, None]
+        for w in {w for w in windows if w is not None}:
+            starts = ((kp <= qp - w) & valid).sum(dim=1).to(self.seqlens.dtype)
+            if w in self.starts and self.starts[w].shape == starts.shape:
+                self.starts[w].copy_(starts)
+            else:
+                self.starts[w] = starts
+
+    def attention_args(self, window: int | None = None) -> dict:
+        """``tree_decode`` keyword arguments of a layer with sliding ``window`` (``None``: full causal).
+
+        A full-attention layer's new token sees every key of the row, so it needs only the lengths;
+        a windowed layer also gets the positions and the window's first slots."""
+        if window is None:
+            return {"cache_seqlens": self.seqlens}
+        return {"cache_seqlens": self.seqlens, "q_positions": self.q_positions, "k_positions": self.k_positions,
+                "cache_starts": self.starts[window]}

@@ -1,0 +1,128 @@
+"""A transformers model's decode step compiled whole (``HFTreeModel(compile_step=...)``) on real gloo ranks:
+``torch.compile(fullgraph=True)`` traces it with no graph break, once over a generation's 12 steps (the
+tokens' placement and positions change, the graph does not), and it gives the eager step's logits.
+
+``aot_eager`` runs Dynamo and AOTAutograd without Inductor's code generation, so a graph break, a host
+read of a device value or a guard on a per-step value (a recompilation) shows here cheaply; its graphs
+run the same aten ops as eager, so the logits are compared bit for bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers.ranks import outcome, run_ranks
+
+STEPS = 12
+PROMPTS = [[5, 17, 90, 3, 42, 8, 8, 1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11]]
+
+
+def _generate(rank, world, arch, intra=None, strategy="auto"):
+    import torch
+
+    import megatron_tree as mt
+    from megatron_tree.decode.generate import GenerationHook, generate
+    from megatron_tree.integrations.hf import HFTreeModel
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    class Logits(GenerationHook):
+        def __init__(self):
+            self.steps = []
+
+        def after_step(self, step, logits):
+            self.steps.append(logits.clone())
+
+    groups = mt.TreeGroups.build(intra_size=intra) if intra else mt.TreeGroups.build()
+    ops = []
+
+    def backend(gm, example_inputs):
+        ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return counter(gm, example_inputs)
+
+    counter = CompileCounterWithBackend("aot_eager")
+    torch._dynamo.reset()
+    runs = {}
+    for name, setting in (("eager", False), ("compiled", {"backend": backend})):
+        model = HFTreeModel(_model(arch), groups, strategy=strategy, compile_step=setting)
+        hook = Logits()
+        tokens = generate(model, PROMPTS, STEPS + 1, hook=hook, progress=False).tokens
+        runs[name] = (tokens, torch.stack(hook.steps))
+    (want, want_logits), (got, got_logits) = runs["eager"], runs["compiled"]
+    return {"frames": counter.frame_count, "tokens_equal": got == want, "logits_equal": torch.equal(got_logits, want_logits),
+            "steps": len(got_logits), "ops": ops, "layers": len(_model(arch).model.layers)}
+
+
+def _model(arch):
+    from tests.helpers.hf_models import hf_model
+
+    if arch == "llama":
+        return hf_model("llama")
+    from benchmarks.architectures import build
+
+    return build(arch)
+
+
+def _check(results, world):
+    assert len(results) == world
+    for r in results:
+        assert r["steps"] == STEPS
+        assert r["frames"] == 1  # one trace for every step: no recompilation, no graph break (fullgraph)
+        assert r["tokens_equal"] and r["logits_equal"]
+        # every layer's local attention and its CP merge are one opaque op each in the graph
+        for op in ("megatron_tree.flash_decode", "megatron_tree.cp_merge"):
+            assert sum(o.startswith(op) for o in r["ops"]) == r["layers"], op
+
+
+def test_llama_step_at_cp2_compiles_once_and_equals_eager():
+    _check(run_ranks(_generate, 2, "llama", timeout=300), 2)
+
+
+def test_llama_step_at_2x2_compiles_once_and_equals_eager():
+    """Two levels (intra-node, then across nodes): the merge strategy two_level, in the graph as one op."""
+    _check(run_ranks(_generate, 4, "llama", 2, "two_level", timeout=300), 4)
+
+
+def test_windowed_softcapped_step_at_cp3_compiles_once_and_equals_eager():
+    """Gemma 2: sliding-window layers between full ones, soft-capping; CP 3 (not a power of two) with
+    prompts longer and shorter than the window: the window starts come from the step's metadata."""
+    _check(run_ranks(_generate, 3, "gemma2", timeout=300), 3)
+
+
+def _refusals(rank, world):
+    import megatron_tree as mt
+    from megatron_tree.comm.merge import CompileError
+    from megatron_tree.decode.generate import generate
+    from megatron_tree.integrations.hf import HFTreeModel
+
+    groups = mt.TreeGroups.build()
+    shifted = HFTreeModel(_model("llama"), groups, strategy="shifted", compile_step=True)
+    out = {"shifted": outcome(lambda: generate(shifted, PROMPTS, 3, strategy="shifted", progress=False))}
+    out["fullgraph"] = outcome(lambda: HFTreeModel(_model("llama"), groups, compile_step={"fullgraph": False}))
+    out["kind"] = outcome(lambda: HFTreeModel(_model("llama"), groups, compile_step="yes"))
+    return out, CompileError.__name__
+
+
+def test_settings_a_compiled_step_cannot_hold_are_refused_on_every_rank():
+    results = run_ranks(_refusals, 2, timeout=300)
+    for out, name in results:
+        assert out["shifted"][0] == name and "strategy='shifted'" in out["shifted"][1]
+        assert out["fullgraph"][0] == "ValueError" and "fullgraph=False" in out["fullgraph"][1]
+        assert out["kind"][0] == "TypeError" and "compile_step must be a bool or a dict" in out["kind"][1]
+    assert [{k: v[:2] for k, v in out.items()} for out, _ in results] == [{k: v[:2] for k, v in results[0][0].items()}] * 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs (mode='reduce-overhead') need a CUDA device")
+def test_captured_step_on_cuda_equals_eager():
+    """One process on CUDA: the step compiled with mode='reduce-overhead' (Inductor's CUDA graphs) replays
+    with the eager step's tokens."""
+    import megatron_tree as mt
+    from megatron_tree.decode.generate import generate
+    from megatron_tree.integrations.hf import HFTreeModel
+
+    runs = {}
+    for name, setting in (("eager", False), ("captured", {"mode": "reduce-overhead"})):
+        model = HFTreeModel(_model("llama").cuda(), None, compile_step=setting)
+        runs[name] = generate(model, PROMPTS, STEPS + 1, progress=False).tokens
+    assert runs["captured"] == runs["eager"]
+    del mt
