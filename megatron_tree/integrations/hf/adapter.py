@@ -9,7 +9,6 @@ from .common import _MARK, _Binding, _text_config
 from .cache import TreeCache
 from .enable import enable_tree_attention
 
-from ...comm.merge import CompileError
 from ...distributed.collectives import CommStats
 from ...decode.generate import DecodeStep
 from ...distributed.topology import TreeGroups
@@ -26,11 +25,10 @@ class HFTreeModel:
     gives a one-process replica sharing its weights, for reference logits.
     """
 
-    def __init__(self, hf_model, groups: TreeGroups | None, *, compile_step: bool | dict = False, **enable_kwargs):
+    def __init__(self, hf_model, groups: TreeGroups | None, **enable_kwargs):
         self.hf = enable_tree_attention(hf_model, groups, **enable_kwargs)
         self.groups = groups
         self._binding: _Binding = getattr(self.hf, _MARK)
-        self._compiled = _compile_step(self._step_forward, compile_step)
         cfg = _text_config(self.hf.config)
         self.config = cfg
         if getattr(cfg, "head_dim", None) is None:
@@ -51,7 +49,7 @@ class HFTreeModel:
         """An empty cache for ``batch_size`` rows of up to ``max_seq_len`` tokens (1/CP of them per rank)."""
         return TreeCache(self.hf, self.groups, max_seq_len=max_seq_len, batch_size=batch_size,
                          layout=layout or self._binding.layout, block_size=block_size or self._binding.block_size,
-                         static=self._compiled is not None)
+                         static=self._binding.compiled is not None)
 
     def _with(self, **over):
         b = self._binding
@@ -115,8 +113,6 @@ class HFTreeModel:
         if step is None:
             step = DecodeStep(strategy or b.strategy, stats if stats is not None else b.stats)
         ids = torch.as_tensor(next_ids, dtype=torch.long, device=self.device).reshape(-1, 1)
-        if self._compiled is not None:
-            return self._compiled_step(ids, cache, step)
         # The new tokens' positions are the rows' lengths, host bookkeeping; on CUDA they reach the
         # device in a non-blocking copy from pinned memory (a pageable copy would make the host wait).
         cuda = self.device.type == "cuda"
@@ -129,55 +125,9 @@ class HFTreeModel:
             b.step = None
         return out.logits[:, -1]
 
-    def _step_forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: TreeCache) -> torch.Tensor:
-        """The device half of a decode step: the model's own forward over the placed step (what
-        ``compile_step`` compiles). ids, positions: (batch, 1) int64 -> (batch, vocab) logits."""
-        out = self._binding.orig_forward(input_ids=ids, position_ids=positions, use_cache=True, return_dict=True,
-                                         **{self._binding.cache_kwarg: cache})
-        return out.logits[:, -1]
-
-    def _compiled_step(self, ids: torch.Tensor, cache: TreeCache, step: DecodeStep) -> torch.Tensor:
-        """A decode step whose device half is compiled: the host half places the tokens and fills the
-        cache's ``StepMetadata`` (buffers updated in place), the compiled forward reads only those."""
-        b = self._binding
-        if not isinstance(cache, TreeCache) or cache.groups is not b.groups:
-            raise ValueError("decode_step needs a TreeCache made by this model's new_cache (the same CP group)")
-        if not cache.static:
-            raise ValueError("a compiled decode step needs a static TreeCache (TreeCache(..., static=True), what "
-                             "new_cache makes when compile_step is set): its shapes must not change between steps")
-        if step.shifts is not None:
-            raise CompileError("strategy='shifted' carries every layer's lse between steps in host state and "
-                               "cannot run in a compiled step (compile_step); use 'packed', 'auto' or another "
-                               "strategy, or compile_step=False")
-        cache._begin_decode(ids.shape[0], b.windows)
-        b.active, b.step = cache, step
-        try:
-            logits = self._compiled(ids, cache.metadata.q_positions, cache)
-            cache._finish()
-        finally:
-            b.active = b.step = None
-            cache._phase = None
-        return logits
-
     @property
     def vocab_size(self) -> int:
         return int(self.config.vocab_size)
-
-
-def _compile_step(fn, setting):
-    """``fn`` compiled as ``compile_step`` asks: ``False`` -> None (eager steps), ``True`` -> ``torch.compile(fn,
-    fullgraph=True)``, a dict -> ``torch.compile(fn, fullgraph=True, **setting)`` (e.g. ``backend``, ``mode``)."""
-    if setting is False or setting is None:
-        return None
-    if setting is True:
-        setting = {}
-    if not isinstance(setting, dict):
-        raise TypeError(f"compile_step must be a bool or a dict of torch.compile arguments, got "
-                        f"{type(setting).__name__} {setting!r}")
-    if setting.get("fullgraph") is False:
-        raise ValueError("compile_step compiles the whole step (fullgraph=True): a graph break would run part "
-                         "of it eagerly every step; drop fullgraph=False")
-    return torch.compile(fn, **{**setting, "fullgraph": True})
 
 
 def load_hf_model(path, groups: TreeGroups | None, dtype: torch.dtype = torch.float32,

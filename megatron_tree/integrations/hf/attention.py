@@ -3,8 +3,6 @@ prompt chunks, ``tree_decode`` (through the decode loop's step) over the rank's 
 
 from __future__ import annotations
 
-import torch
-
 from .common import _MARK, ATTN_IMPLEMENTATION, UnsupportedModelError
 from transformers import AttentionInterface
 

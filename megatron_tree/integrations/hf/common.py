@@ -80,6 +80,8 @@ class _Binding:
     at the prefill; set only while ``generate`` runs."""
     orig_forward: object = None
     """The model's own ``forward`` (bound) as it was before tree attention wrapped it."""
+    compiled: object = None
+    """The decode step's device half compiled (``enable_tree_attention(compile_step=...)``), or None (eager)."""
     step: object = None
     """The decode loop's ``decode.generate.DecodeStep`` while ``HFTreeModel.decode_step`` runs (its
     ``attend`` is every layer's decode attention); ``None``: a plain step of ``strategy``/``stats``."""

@@ -8,7 +8,8 @@ import inspect
 
 from .common import _MARK, ATTN_IMPLEMENTATION, UnsupportedModelError, _Binding, _describe, _same_groups, _text_config
 from . import attention  # noqa: F401 -- registers ATTN_IMPLEMENTATION with transformers' AttentionInterface
-from .forward import _sharded_forward
+from .forward import _sharded_forward, compile_step
+from ...comm.merge import CompileError
 from .generate import _sharded_generate
 import transformers
 
@@ -129,7 +130,8 @@ def check_model(model) -> None:
 
 def enable_tree_attention(model, groups: TreeGroups | None, *, strategy: str = "auto", prefill: str = "ring",
                           layout: str = "load_balanced", block_size: int = 16, stats: CommStats | None = None,
-                          work: PrefillWork | None = None, max_prefill_tokens: int | None = None):
+                          work: PrefillWork | None = None, max_prefill_tokens: int | None = None,
+                          compile_step: bool | dict = False):
     """Make ``model`` (a transformers causal LM) run CP-sharded over ``groups``; returns the same model.
 
     Every CP rank calls this on its own replica (same weights) and then runs the same
@@ -148,6 +150,13 @@ def enable_tree_attention(model, groups: TreeGroups | None, *, strategy: str = "
         the memory of a forward is bounded by the window (None: one forward over the whole prompt)
     work: a :class:`~megatron_tree.decode.prefill.PrefillWork` that counts this rank's prefill
         attention (visible pairs, blocks attended and skipped, kernel launches, un-hidden ring wait)
+    compile_step: compile every decode step's device half with ``torch.compile(fullgraph=True)`` --
+        ``True``, or a dict of ``torch.compile`` arguments (``{"mode": "reduce-overhead"}``: CUDA
+        graphs). The step's host half places the new tokens and fills the cache's ``StepMetadata``;
+        the compiled half (every layer's cache write, local attention and CP merge, the merge as one
+        opaque op) reads only those buffers, so it is traced once. Caches become static (every step
+        reads all of a rank's slots, masked by the rows' lengths). Not with ``strategy="shifted"``.
+        ``torch.compile(model.forward)`` itself is refused with a message pointing here.
 
     Raises :class:`UnsupportedModelError`, before any collective, for a model it cannot run
     exactly: attention modules whose code does not go through ``AttentionInterface``,
@@ -177,6 +186,7 @@ def enable_tree_attention(model, groups: TreeGroups | None, *, strategy: str = "
         existing.strategy, existing.prefill, existing.stats, existing.work = strategy, prefill, stats, work
         existing.max_prefill_tokens = max_prefill_tokens
         existing.layout, existing.block_size = layout, block_size
+        existing.compiled = _compile_setting(existing, strategy, compile_step)
         return model
     _check_model(model)
     cfg = _text_config(model.config)
@@ -206,6 +216,7 @@ def enable_tree_attention(model, groups: TreeGroups | None, *, strategy: str = "
         setattr(m, _MARK, binding)
     orig_forward, orig_generate = model.forward, model.generate
     binding.orig_forward = orig_forward
+    binding.compiled = _compile_setting(binding, strategy, compile_step)
 
     @functools.wraps(orig_forward)
     def forward(*args, **kwargs):
@@ -218,6 +229,15 @@ def enable_tree_attention(model, groups: TreeGroups | None, *, strategy: str = "
     model.forward, model.generate = forward, generate
     setattr(model, _MARK, binding)
     return model
+
+
+def _compile_setting(binding, strategy: str, setting):
+    """``forward.compile_step`` after the one check that needs the strategy."""
+    if setting not in (False, None) and strategy == "shifted":
+        raise CompileError("strategy='shifted' carries every layer's lse between steps in host state and cannot "
+                           "run in a compiled step (compile_step); use 'packed', 'auto' or another strategy, or "
+                           "compile_step=False")
+    return compile_step(binding, setting)
 
 
 def disable_tree_attention(model):

@@ -8,10 +8,12 @@ import contextlib
 import inspect
 
 import torch
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .common import _SETTINGS, UnsupportedModelError, _Binding, _comm_device, _describe, _same_groups, _text_config
 from .cache import TreeCache
 
+from ...comm.merge import CompileError
 from ...distributed import agreement
 from ...decode.prefill import assemble_logits
 
@@ -57,6 +59,13 @@ def _pop_cache(call: dict):
 
 
 def _sharded_forward(model, orig, binding: _Binding, args, kwargs):
+    if torch.compiler.is_compiling():
+        raise CompileError(
+            "torch.compile was given the forward of a model running tree attention: its prefill plans the "
+            "prompt's placement and checks every rank's call on the host, which a graph cannot hold. Compile "
+            "the decode step instead: enable_tree_attention(model, groups, compile_step=True) (or a dict of "
+            "torch.compile arguments, e.g. {'mode': 'reduce-overhead'}); generate then runs compiled steps"
+        )
     call = _normalise_call(orig, args, kwargs)
     cache = _pop_cache(call)
     for name in ("labels", "output_attentions", "output_hidden_states"):
@@ -76,7 +85,7 @@ def _sharded_forward(model, orig, binding: _Binding, args, kwargs):
     returned = not (use_cache is False and cache is None)  # else a one-off cache, dropped after this forward
     if cache is None or (not isinstance(cache, TreeCache) and cache.get_seq_length() == 0):
         cache = TreeCache(model, binding.groups, layout=binding.layout, block_size=binding.block_size,
-                          new_tokens=binding.new_tokens_hint)
+                          new_tokens=binding.new_tokens_hint, static=binding.compiled is not None)
     elif not isinstance(cache, TreeCache):
         raise ValueError(
             f"got a {type(cache).__name__} holding {cache.get_seq_length()} tokens; tree attention continues only "
@@ -334,4 +343,58 @@ def _decode(orig, binding: _Binding, cache: TreeCache, call: dict, batch: int, q
         raise ValueError("the attention_mask marks a new (decoded) token as padding; only prompts may be padded")
     cache._begin_decode(batch, binding.windows)
     call["attention_mask"] = None
-    return _run(orig, binding, cache, call)
+    if binding.compiled is None:
+        return _run(orig, binding, cache, call)
+    if not cache.static:
+        raise ValueError("a compiled decode step (compile_step) needs a static TreeCache (TreeCache(..., static=True), "
+                         "what the model makes itself when compile_step is set): its shapes must not change")
+    if binding.step is not None and binding.step.shifts is not None:
+        raise CompileError("strategy='shifted' carries every layer's lse between steps in host state and cannot "
+                           "run in a compiled step (compile_step); use 'packed', 'auto' or another strategy, or "
+                           "compile_step=False")
+    ids = call.pop("input_ids", None)
+    # (one token per row: logits_to_keep of 0 or 1 both mean its logits)
+    rest = {k: v for k, v in call.items() if v is not None and k not in ("position_ids", binding.cache_kwarg)
+            and not (k == "logits_to_keep" and isinstance(v, int) and v in (0, 1))}
+    if ids is None or rest:
+        raise NotImplementedError(f"a compiled decode step takes input_ids only (position_ids come from the cache); "
+                                  f"got {sorted(rest) or ['inputs_embeds']}")
+    binding.active = cache
+    try:
+        logits = binding.compiled(ids, cache.metadata.q_positions, cache)
+        cache._finish()
+    finally:
+        binding.active = None
+        cache._phase = None
+    return CausalLMOutputWithPast(logits=logits[:, None])
+
+
+def device_step(binding: _Binding, ids: torch.Tensor, positions: torch.Tensor, cache: TreeCache) -> torch.Tensor:
+    """The device half of a decode step: the model's own forward over a step the cache has placed (what
+    ``compile_step`` compiles: it reads only the cache's ``StepMetadata`` buffers and storage).
+
+    ids, positions: (batch, 1) int64 -> logits (batch, vocab) of the next token."""
+    out = binding.orig_forward(input_ids=ids, position_ids=positions, use_cache=True, return_dict=True,
+                               **{binding.cache_kwarg: cache})
+    return out.logits[:, -1]
+
+
+def compile_step(binding: _Binding, setting) -> object:
+    """:func:`device_step` compiled as ``compile_step`` asks: ``False``/``None`` -> None (eager steps),
+    ``True`` -> ``torch.compile(..., fullgraph=True)``, a dict -> ``torch.compile(..., fullgraph=True,
+    **setting)`` (``backend``, ``mode``, ``dynamic``, ...)."""
+    if setting is False or setting is None:
+        return None
+    if setting is True:
+        setting = {}
+    if not isinstance(setting, dict):
+        raise TypeError(f"compile_step must be a bool or a dict of torch.compile arguments, got "
+                        f"{type(setting).__name__} {setting!r}")
+    if setting.get("fullgraph") is False:
+        raise ValueError("compile_step compiles the whole step (fullgraph=True): a graph break would run part "
+                         "of it eagerly every step; drop fullgraph=False")
+
+    def step(ids, positions, cache):
+        return device_step(binding, ids, positions, cache)
+
+    return torch.compile(step, **{**setting, "fullgraph": True})

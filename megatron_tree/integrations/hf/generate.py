@@ -9,6 +9,7 @@ import torch
 from .common import _Binding, _comm_device, _generation_settings
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
+from ...comm.merge import CompileError
 from ...distributed import collectives
 from ...distributed.collectives import CommStats
 from ...distributed.topology import TreeGroups
@@ -73,6 +74,14 @@ def _new_tokens(model, kwargs, prompt_len: int) -> int | None:
 
 
 def _sharded_generate(model, orig, binding: _Binding, args, kwargs):
+    if getattr(model.__dict__.get("forward"), "_torchdynamo_orig_callable", None) is not None:
+        raise CompileError(
+            "model.forward was replaced by torch.compile(model.forward) after tree attention was enabled: the "
+            "sharded forward's prefill plans the prompt's placement and checks every rank's call on the host, "
+            "which a graph cannot hold. Compile the decode step instead: enable_tree_attention(model, groups, "
+            "compile_step=True) (or a dict of torch.compile arguments, e.g. {'mode': 'reduce-overhead'}), and "
+            "call generate as before"
+        )
     for name in ("assistant_model", "prompt_lookup_num_tokens", "max_time", "prefill_chunk_size"):
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"generate({name}=...) is not supported with tree attention")

@@ -96,8 +96,9 @@ def _refusals(rank, world):
     from megatron_tree.integrations.hf import HFTreeModel
 
     groups = mt.TreeGroups.build()
-    shifted = HFTreeModel(_model("llama"), groups, strategy="shifted", compile_step=True)
-    out = {"shifted": outcome(lambda: generate(shifted, PROMPTS, 3, strategy="shifted", progress=False))}
+    compiled = HFTreeModel(_model("llama"), groups, compile_step=True)
+    out = {"shifted": outcome(lambda: generate(compiled, PROMPTS, 3, strategy="shifted", progress=False))}
+    out["shifted_model"] = outcome(lambda: HFTreeModel(_model("llama"), groups, strategy="shifted", compile_step=True))
     out["fullgraph"] = outcome(lambda: HFTreeModel(_model("llama"), groups, compile_step={"fullgraph": False}))
     out["kind"] = outcome(lambda: HFTreeModel(_model("llama"), groups, compile_step="yes"))
     return out, CompileError.__name__
@@ -106,7 +107,8 @@ def _refusals(rank, world):
 def test_settings_a_compiled_step_cannot_hold_are_refused_on_every_rank():
     results = run_ranks(_refusals, 2, timeout=300)
     for out, name in results:
-        assert out["shifted"][0] == name and "strategy='shifted'" in out["shifted"][1]
+        for key in ("shifted", "shifted_model"):
+            assert out[key][0] == name and "strategy='shifted'" in out[key][1]
         assert out["fullgraph"][0] == "ValueError" and "fullgraph=False" in out["fullgraph"][1]
         assert out["kind"][0] == "TypeError" and "compile_step must be a bool or a dict" in out["kind"][1]
     assert [{k: v[:2] for k, v in out.items()} for out, _ in results] == [{k: v[:2] for k, v in results[0][0].items()}] * 2
@@ -126,3 +128,36 @@ def test_captured_step_on_cuda_equals_eager():
         runs[name] = generate(model, PROMPTS, STEPS + 1, progress=False).tokens
     assert runs["captured"] == runs["eager"]
     del mt
+
+
+def _transformers_generate(rank, world):
+    import torch
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    import megatron_tree as mt
+    from megatron_tree.integrations.hf import enable_tree_attention
+    from tests.helpers.hf_models import hf_greedy, hf_model
+
+    groups = mt.TreeGroups.build()
+    prompts = PROMPTS[:2]
+    want = hf_greedy(hf_model("llama"), prompts, STEPS)  # unsharded transformers, this process
+    counter = CompileCounterWithBackend("aot_eager")
+    torch._dynamo.reset()
+    model = enable_tree_attention(hf_model("llama"), groups, compile_step={"backend": counter})
+    got = hf_greedy(model, prompts, STEPS)  # transformers' own generate, one prompt after the other
+    user = enable_tree_attention(hf_model("llama"), groups)
+    user.forward = torch.compile(user.forward, fullgraph=True, backend="aot_eager")
+    refused = outcome(lambda: user.generate(torch.tensor([prompts[0]]), max_new_tokens=3, pad_token_id=0))
+    return counter.frame_count, got == want, refused[:2]
+
+
+def test_transformers_generate_runs_compiled_steps_with_its_own_tokens():
+    """``model.generate`` of a model enabled with compile_step at CP 2: the tokens of unsharded transformers,
+    at most one compilation per cache shape (two prompts of different lengths: two static caches), as
+    transformers' own model with a static cache needs; ``torch.compile(model.forward)`` is refused with a
+    message that says what to do instead."""
+    results = run_ranks(_transformers_generate, 2, timeout=300)
+    for frames, equal, refused in results:
+        assert equal
+        assert 1 <= frames <= 2
+        assert refused[0] == "CompileError" and "compile_step=True" in refused[1]
