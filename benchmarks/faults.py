@@ -685,6 +685,7 @@ def run(opts: dict) -> dict:
     by_fault: dict = {}
     examples: dict = {}
     errors: dict = {}
+    slowest: dict = {}  # per fault kind: the longest any rank took from its call to its result or error
     started = time.monotonic()
     sizes = opts["ranks"]
     per_world = [opts["cases"] // len(sizes) + (1 if i < opts["cases"] % len(sizes) else 0) for i in range(len(sizes))]
@@ -715,11 +716,14 @@ def run(opts: dict) -> dict:
                             outcome, was_slow = ("hang" if res["stalled"] else "native_crash"), False
                         counts[outcome] += 1
                         slow += was_slow
-                        by_fault.setdefault(c["fault"], {}).setdefault(outcome, 0)
-                        by_fault[c["fault"]][outcome] += 1
+                        kind = c["fault"] + (f":{c['where']}" if c["fault"] == "kill" else "")
+                        by_fault.setdefault(kind, {}).setdefault(outcome, 0)
+                        by_fault[kind][outcome] += 1
+                        took = max((r.get("seconds", 0.0) for r in recs.values()), default=0.0)
+                        slowest[kind] = round(max(slowest.get(kind, 0.0), took), 3)
                         raised = [recs[r] for r in sorted(recs) if recs[r].get("kind") == "raised"]
-                        if raised and c["fault"] not in errors:  # the first error each kind gave, as users read it
-                            errors[c["fault"]] = f"{raised[0]['type']}: {raised[0]['message'][:400]}"
+                        if raised and kind not in errors:  # the first error each kind gave, as users read it
+                            errors[kind] = f"{raised[0]['type']}: {raised[0]['message'][:400]}"
                         if outcome not in ("clear_error_every_rank", "exact") or was_slow:
                             examples.setdefault(outcome, []).append({"case": c, "records": recs})
                         if opts.get("progress"):
@@ -730,6 +734,7 @@ def run(opts: dict) -> dict:
     return {"command": opts.get("command"), "seed": opts["seed"], "ranks": sizes, "timeout_s": opts["timeout"],
             "cases": sum(counts.values()), "counts": counts, "slow_beyond_1.5T": slow, "by_fault": by_fault,
             "examples": {k: v[:5] for k, v in examples.items()}, "first_error": dict(sorted(errors.items())),
+            "slowest_s": dict(sorted(slowest.items())),
             "seconds": round(time.monotonic() - started, 1)}
 
 
@@ -741,9 +746,12 @@ def markdown(report: dict) -> str:
     lines += [f"| `{k}` | {v} |" for k, v in report["counts"].items()]
     lines += [f"| (ended beyond 1.5 T, within 3 T) | {report['slow_beyond_1.5T']} |", "",
               "| fault | " + " | ".join(f"`{o}`" for o in OUTCOMES) + " |", "|---|" + "---|" * len(OUTCOMES)]
+    lines[-2] += " slowest rank (s) |"
+    lines[-1] += "---|"
     for fault in sorted(report["by_fault"]):
         row = report["by_fault"][fault]
-        lines.append(f"| `{fault}` | " + " | ".join(str(row.get(o, 0)) for o in OUTCOMES) + " |")
+        lines.append(f"| `{fault}` | " + " | ".join(str(row.get(o, 0)) for o in OUTCOMES)
+                     + f" | {report.get('slowest_s', {}).get(fault, 0.0):.2f} |")
     return "\n".join(lines) + "\n"
 
 
