@@ -357,3 +357,30 @@ def test_tensor_in_two_shards_names_the_folder_and_both_files(tmp_path):
     msg = _error(path)
     assert (f"tensor {name!r} is in two weight files of {str(path)!r}: {files[0]} and {files[-1]}; expected it in "
             f"exactly one (the index places it in {files[0]})") in msg, msg
+
+
+def _every_rank_bad(rank, world, paths):
+    import megatron_tree as mt
+    from megatron_tree.integrations.hf import load_hf_model
+
+    groups = mt.TreeGroups.build(timeout=60)
+    return outcome(lambda: load_hf_model(paths[rank], groups))
+
+
+def test_every_ranks_bad_checkpoint_is_one_error_naming_each_rank(good, tmp_path):
+    """Each rank's own copy broken in its own way: every rank raises the same text, each rank's problem
+    named with its rank (not each rank its own error, which a launcher would show as ranks disagreeing)."""
+    no_config = tmp_path / "no_config"
+    shutil.copytree(good[0], no_config)
+    os.remove(no_config / "config.json")
+    truncated = tmp_path / "truncated"
+    shutil.copytree(good[0], truncated)
+    os.truncate(truncated / "model.safetensors", 1000)
+    results = run_ranks(_every_rank_bad, 2, [str(no_config), str(truncated)], timeout=180, pg_timeout=60)
+    assert {r[0] for r in results} == {"CheckpointError"}, results
+    assert len({r[1] for r in results}) == 1, results
+    message = results[0][1]
+    assert message.startswith(f"rank 0: '{no_config}' has no config.json"), message
+    assert f"rank 1: {truncated / 'model.safetensors'} announces a" in message or \
+        f"rank 1: {truncated / 'model.safetensors'} is truncated" in message, message
+    assert all(r[2] < BOUND_S for r in results), [r[2] for r in results]
