@@ -3,11 +3,17 @@
 Not a test: a seeded random walk over what careless users and unlucky clusters do -- wrong
 shapes, dtypes and strategies on one rank, bad ``cache_seqlens`` or block tables, shifts and
 prompts that differ between ranks, NaN in queries or keys, an empty batch, a stuck peer, a full
-KV pool, a bad paged write, a peer killed at a random decode step -- each case run on every rank
-of a real gloo group, and classified from every rank's outcome:
+KV pool, a bad paged write, a peer killed at a random decode step -- and the surfaces added since:
+a bad safetensors checkpoint on one rank or every rank (truncated, random bytes, a tensor missing
+or misshapen, no ``config.json``) and a good one, speculative verification with a draft mask that
+is not a tree, more draft rows than the cache has room for, drafts that differ between ranks, and
+speculative generation (its tokens against greedy ``generate``'s), ``TreeGroups.from_env`` with
+launcher variables that are half-set, unreadable or differ between ranks, and a peer that dies
+before or inside ``TreeGroups.build`` or before the first merge -- each case run on every rank of
+a real gloo group, and classified from every rank's outcome:
 
 * ``clear_error_every_rank``: every rank raised, the same exception type and text (for a lost
-  peer: every survivor a ``CommError`` saying so), within the bound;
+  peer: every survivor a ``CommError`` naming the dead rank), within the bound;
 * ``exact``: every rank returned a result within fp32 tolerance of the fp64 computation (NaN
   exactly where the fp64 computation has NaN);
 * ``silent_wrong``: some rank returned a result that is not exact;
@@ -15,7 +21,8 @@ of a real gloo group, and classified from every rank's outcome:
 * ``native_crash``: a rank that was not the one killed on purpose died by a signal or without
   a record;
 * ``not_alike``: every rank stopped within the bound but not the same way (ranks raised
-  different errors, or some returned exact results while others raised);
+  different errors, or some returned exact results while others raised; for a lost peer, a
+  survivor whose error is not a ``CommError`` naming the dead rank);
 * ``spurious_error``: a valid input (no fault, NaN, an empty batch) that raised instead of
   returning the exact result.
 
@@ -43,7 +50,8 @@ import time
 
 OUTCOMES = ("clear_error_every_rank", "exact", "silent_wrong", "hang", "native_crash", "not_alike", "spurious_error")
 
-VALID = ("none", "none_paged", "nan_q", "nan_k", "empty_batch", "prefill_ok")
+VALID = ("none", "none_paged", "nan_q", "nan_k", "empty_batch", "prefill_ok", "ckpt_ok", "spec_ok",
+         "spec_generate_ok", "env_ok")
 """Fault kinds whose input is valid: an exact result is the only right outcome (an error is ``spurious_error``)."""
 
 FAULTS = (
@@ -55,8 +63,22 @@ FAULTS = (
     "pool", "paged_write",
     "prefill_heads", "prefill_kpos", "prefill_ok",
     "generate_prompt", "generate_sampling", "generate_bad_token",
+    "ckpt_ok", "ckpt_truncated", "ckpt_random_bytes", "ckpt_missing_tensor", "ckpt_misshapen", "ckpt_no_config",
+    "spec_ok", "spec_not_tree", "spec_too_many", "spec_drafts_differ", "spec_generate_ok", "spec_config",
+    "env_ok", "env_local_size", "env_local_rank", "env_unreadable", "env_half",
 )
-"""Fault kinds of the in-launch cases (a kill is a launch of its own)."""
+"""Fault kinds of the in-launch cases (a kill is a launch of its own).
+
+``ckpt_*`` other than ``ckpt_ok``: the culprit's checkpoint is bad, or every rank's when the case's
+seed is odd. ``env_half``: the same half-set launcher variables on every rank (the check
+``from_env`` runs before any rendezvous when no group exists yet)."""
+
+CAPTURED_FAULTS: tuple = ()
+"""Graph-capture faults (CUDA only): empty until the capture settings exist; they join ``FAULTS`` here."""
+FAULTS = FAULTS + CAPTURED_FAULTS
+
+KILL_WHERE = ("before_build", "inside_build", "first_merge", "decode")
+"""Where a kill case's culprit dies; the kill cases take them in turn (2 per world size: all four over 2 sizes)."""
 
 TOLERANCE = {"float32": 2e-5, "float64": 1e-10}
 
@@ -64,14 +86,15 @@ TOLERANCE = {"float32": 2e-5, "float64": 1e-10}
 # --------------------------------------------------------------------------- the cases (plain data)
 
 
-def make_case(rng: random.Random, world: int, index: int, fault: str | None = None) -> dict:
-    """One random case for ``world`` ranks: the valid call it starts from and the fault applied to it."""
+def make_case(rng: random.Random, world: int, index: int, fault: str | None = None, kinds: tuple = FAULTS) -> dict:
+    """One random case for ``world`` ranks: the valid call it starts from and the fault applied to it
+    (drawn from ``kinds``)."""
     from megatron_tree.comm.strategies import STRATEGIES
 
     hkv = rng.choice((1, 2))
     return {
         "index": index,
-        "fault": fault or rng.choice(FAULTS),
+        "fault": fault or rng.choice(kinds),
         "culprit": rng.randrange(world),
         "batch": rng.choice((1, 2, 3)),
         "seqlen_q": rng.choice((1, 1, 2)),
@@ -87,9 +110,10 @@ def make_case(rng: random.Random, world: int, index: int, fault: str | None = No
     }
 
 
-def make_kill_case(rng: random.Random, world: int, index: int) -> dict:
+def make_kill_case(rng: random.Random, world: int, index: int, where: str = "decode") -> dict:
     case = make_case(rng, world, index, fault="kill")
-    case.update(steps=rng.randrange(2, 6), kill_step=rng.randrange(0, 4), how=rng.choice(("exit", "sigkill")))
+    case.update(steps=rng.randrange(2, 6), kill_step=rng.randrange(0, 4), how=rng.choice(("exit", "sigkill")),
+                where=where)
     case["kill_step"] = min(case["kill_step"], case["steps"] - 1)
     return case
 
@@ -280,9 +304,181 @@ def _generate_case(case, rank, world, groups, T):
     return call
 
 
-def _run_case(case, rank, world, groups, T) -> dict:
+def _tiny_llama():
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1)).eval()
+
+
+def _ckpt_case(case, rank, world, groups, T, work):
+    """``load_hf_model`` of this rank's own copy of a checkpoint (the culprit's, or every rank's, broken)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from megatron_tree.decode.generate import generate
+    from megatron_tree.integrations.hf import HFTreeModel, load_hf_model
+
     fault = case["fault"]
-    if fault in ("pool", "paged_write", "none_paged"):
+    src = _tiny_llama()
+    with torch.no_grad():
+        src.model.norm.weight.fill_(3.0)  # a re-initialised norm (ones) would show in the tokens
+    path = os.path.join(work, f"ckpt{case['index']}", f"rank{rank}")
+    os.makedirs(path, exist_ok=True)
+    src.config.save_pretrained(path)
+    tensors = {k: v.detach().clone().contiguous() for k, v in src.state_dict().items()}
+    bad = fault != "ckpt_ok" and (rank == case["culprit"] or case["seed"] % 2 == 1)
+    if bad and fault == "ckpt_missing_tensor":
+        del tensors["model.norm.weight"]
+    elif bad and fault == "ckpt_misshapen":
+        tensors["model.layers.0.mlp.up_proj.weight"] = torch.zeros(31, 16)
+    weights = os.path.join(path, "model.safetensors")
+    save_file(tensors, weights, metadata={"format": "pt"})
+    if bad and fault == "ckpt_truncated":
+        os.truncate(weights, os.path.getsize(weights) // 2)
+    elif bad and fault == "ckpt_random_bytes":
+        with open(weights, "wb") as f:
+            f.write(random.Random(case["seed"]).randbytes(4096))
+    elif bad and fault == "ckpt_no_config":
+        os.remove(os.path.join(path, "config.json"))
+    prompts = [[1, 2, 3, 4], [5, 6]]
+
+    def call():
+        model = load_hf_model(path, groups)
+        got = dict(model.hf.state_dict())
+        err = max(float((got[k].double() - v.double()).abs().max()) for k, v in tensors.items())
+        want = generate(HFTreeModel(src, groups), prompts, 3, progress=False).tokens
+        if generate(model, prompts, 3, progress=False).tokens != want:
+            err = float("inf")
+        return {"kind": "returned", "err": err, "nan_ok": True}
+
+    return call
+
+
+def _spec_case(case, rank, world, groups, T):
+    """``verify_attention`` of a draft tree over the sharded cache, against the fp64 attention of each
+    draft row over every valid committed key and its own ancestors among the drafts."""
+    import torch
+
+    from megatron_tree.decode.speculative import tree_mask, verify_attention
+
+    dtype = getattr(torch, case["dtype"])
+    q0, ks, vs, lens, _ = _tensors({**case, "fault": "none"}, world)
+    b, hq, hkv, d = q0.shape[0], case["heads_q"], case["heads_kv"], case["head_dim"]
+    mask = tree_mask(1 + case["seed"] % 2, 1 + case["seed"] % 3)
+    t = mask.shape[0]
+    g = torch.Generator().manual_seed(case["seed"] + 1)
+    q = torch.randn(b, t, hq, d, generator=g, dtype=torch.float64)
+    dk = torch.randn(b, t, hkv, d, generator=g, dtype=torch.float64)
+    dv = torch.randn(b, t, hkv, d, generator=g, dtype=torch.float64)
+    want = torch.empty(b, t, hq, d, dtype=torch.float64)
+    for i in range(b):
+        keys = torch.cat([ks[r][i, :int(lens[r][i])] for r in range(world)])
+        vals = torch.cat([vs[r][i, :int(lens[r][i])] for r in range(world)])
+        for j in range(t):
+            kk = torch.cat([keys, dk[i, mask[j]]]).repeat_interleave(hq // hkv, dim=1)
+            vv = torch.cat([vals, dv[i, mask[j]]]).repeat_interleave(hq // hkv, dim=1)
+            p = torch.softmax(torch.einsum("hd,nhd->hn", q[i, j], kk) / d ** 0.5, dim=-1)
+            want[i, j] = torch.einsum("hn,nhd->hd", p, vv)
+    me = rank == case["culprit"]
+    kw = dict(cache_seqlens=lens[rank], strategy=case["strategy"] if case["strategy"] != "shifted" else "packed")
+    args = [q.to(dtype), ks[rank].to(dtype), vs[rank].to(dtype), dk.to(dtype), dv.to(dtype), mask.clone()]
+    if me and case["fault"] == "spec_not_tree":
+        if t > 1:
+            args[5][0, t - 1] = True  # the root sees a later row
+        else:
+            args[5][0, 0] = False  # the only row does not see itself
+    elif me and case["fault"] == "spec_too_many":
+        kw["room"] = t - 1
+    elif me and case["fault"] == "spec_drafts_differ":
+        args[3] = args[3] + 1
+
+    def call():
+        return _compare(verify_attention(*args, groups, **kw), want)
+
+    return call
+
+
+def _spec_generate_case(case, rank, world, groups, T):
+    """Speculative generation (prompt lookup) against greedy ``generate`` on the same model and groups."""
+    from megatron_tree.decode.generate import generate
+    from megatron_tree.decode.speculative import SpeculativeConfig, generate_speculative
+    from megatron_tree.integrations.hf import HFTreeModel
+
+    model = HFTreeModel(_tiny_llama(), groups)
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [5, 6, 5, 6, 5]][:1 + case["seed"] % 2]
+    cfg = SpeculativeConfig(width=1 + case["seed"] % 2, depth=2)
+    if rank == case["culprit"] and case["fault"] == "spec_config":
+        cfg = SpeculativeConfig(width=cfg.width, depth=3)
+
+    def call():
+        got = generate_speculative(model, prompts, 6, speculative=cfg, progress=False).tokens
+        want = generate(model, prompts, 6, progress=False).tokens
+        return {"kind": "returned", "err": 0.0 if got == want else float("inf"), "nan_ok": True}
+
+    return call
+
+
+def _launcher_env(case, rank, world) -> dict:
+    """The launcher variables this rank's ``from_env`` sees (torchrun's, as a block placement)."""
+    per = 2 if world == 4 else world
+    env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank % per), "LOCAL_WORLD_SIZE": str(per),
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    if rank == case["culprit"]:
+        if case["fault"] == "env_local_size":
+            env["LOCAL_WORLD_SIZE"] = str(1 if per > 1 else 2)
+        elif case["fault"] == "env_local_rank":
+            env["LOCAL_RANK"] = str((rank + 1) % per)
+        elif case["fault"] == "env_unreadable":
+            env["LOCAL_WORLD_SIZE"] = "two"
+    return env
+
+
+HALF_SET = (
+    {"RANK": "0"},
+    {"WORLD_SIZE": "2", "LOCAL_RANK": "0"},
+    {"SLURM_PROCID": "0", "SLURM_LOCALID": "0"},
+    {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"},
+    {"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "29500"},
+    {"RANK": "3", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"},
+    {"RANK": "0", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"},
+)
+"""Launcher variables set by halves (the same on every rank): each a ``LauncherEnvError`` before any wait."""
+
+
+def _groups_for(case, rank, world, T):
+    """The case's groups: ``TreeGroups.build``, or ``from_env`` for the launcher-variable cases
+    (whose error, if any, is the case's outcome: ``(None, record)``)."""
+    from megatron_tree.distributed import topology
+    from megatron_tree.distributed.topology import TreeGroups
+
+    fault = case["fault"]
+    if not fault.startswith("env_"):
+        return TreeGroups.build(intra_size=2 if world == 4 else None, timeout=T), None
+    start = time.monotonic()
+    try:
+        if fault == "env_half":  # what from_env checks before any rendezvous when no group exists yet
+            topology.launcher_rendezvous(HALF_SET[case["seed"] % len(HALF_SET)])
+            raise AssertionError("half-set launcher variables were accepted")
+        return TreeGroups.from_env(timeout=T, env=_launcher_env(case, rank, world)), None
+    except Exception as e:  # noqa: BLE001
+        rec = {"kind": "raised", "type": type(e).__name__, "comm": _is_comm(e), "message": str(e)[:2000]}
+        rec["seconds"] = time.monotonic() - start
+        return None, rec
+
+
+def _run_case(case, rank, world, groups, T, work: str = "") -> dict:
+    fault = case["fault"]
+    if fault.startswith("ckpt_"):
+        call = _ckpt_case(case, rank, world, groups, T, work)
+    elif fault in ("spec_generate_ok", "spec_config"):
+        call = _spec_generate_case(case, rank, world, groups, T)
+    elif fault.startswith("spec_"):
+        call = _spec_case(case, rank, world, groups, T)
+    elif fault in ("pool", "paged_write", "none_paged"):
         call = _paged_case(case, rank, world, groups, T)
     elif fault.startswith("prefill_"):
         call = _prefill_case(case, rank, world, groups, T)
@@ -323,7 +519,6 @@ def _rank_main(rank: int, world: int, cases: list, opts: dict, out_dir: str) -> 
     in its environment): every case in order, one JSON record per line in ``out_dir/rank{rank}.jsonl``."""
     import torch.distributed as dist
 
-    from megatron_tree.distributed.topology import TreeGroups
     from megatron_tree.integrations import hf  # noqa: F401 -- import transformers before the timed calls
 
     store = dist.distributed_c10d._get_default_store()
@@ -333,16 +528,18 @@ def _rank_main(rank: int, world: int, cases: list, opts: dict, out_dir: str) -> 
     with open(path, "a") as f:
         for case in cases:
             _line_up(store, f"soak/{case['index']}", world, opts["pg_timeout"])
-            groups = TreeGroups.build(intra_size=2 if world == 4 else None, timeout=T)
-            if case["fault"] == "kill":
-                rec = _kill_case(case, rank, world, groups, T)
+            if case["fault"] == "kill":  # the kill case builds its groups itself (its culprit may die inside)
+                groups, rec = None, _kill_case(case, rank, world, T)
             else:
-                rec = _run_case(case, rank, world, groups, T)
+                groups, rec = _groups_for(case, rank, world, T)
+                if rec is None:
+                    rec = _run_case(case, rank, world, groups, T, out_dir)
             rec["index"] = case["index"]
             f.write(json.dumps(rec) + "\n")
             f.flush()
             os.fsync(f.fileno())
-            for pg in {id(x): x for x in (groups.cp_group, *(lvl.group for lvl in groups.levels))}.values():
+            made = () if groups is None else (groups.cp_group, *(lvl.group for lvl in groups.levels))
+            for pg in {id(x): x for x in made}.values():
                 try:
                     dist.destroy_process_group(pg)
                 except Exception:  # noqa: BLE001 -- a group a failed collective left broken
@@ -351,20 +548,36 @@ def _rank_main(rank: int, world: int, cases: list, opts: dict, out_dir: str) -> 
         os._exit(0)  # a peer is gone: no orderly teardown of the default group (the launch expects no result)
 
 
-def _kill_case(case, rank, world, groups, T) -> dict:
-    """A decode loop in which the culprit dies at ``kill_step``: the survivors must raise CommError."""
+def _kill_case(case, rank, world, T) -> dict:
+    """The culprit dies (``where``): before ``TreeGroups.build`` (it never wrote its liveness record),
+    inside it (as it starts creating the process groups), after it and before the first merge, or at
+    ``kill_step`` of a decode loop. The survivors must raise a CommError naming it, within the bound."""
     import torch
 
     from megatron_tree.decode.attention import tree_decode
+    from megatron_tree.distributed import collectives
+    from megatron_tree.distributed.topology import TreeGroups
+
+    where, me = case.get("where", "decode"), rank == case["culprit"]
+
+    def die():
+        if case["how"] == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        os._exit(17)
 
     q, ks, vs, lens, (want, _) = _tensors({**case, "fault": "none"}, world)
     start = time.monotonic()
     try:
+        if me and where == "before_build":
+            die()
+        if me and where == "inside_build":
+            collectives.new_group = lambda *a, **k: die()
+        groups = TreeGroups.build(intra_size=2 if world == 4 else None, timeout=T)
+        if me and where == "first_merge":
+            die()
         for step in range(case["steps"]):
-            if rank == case["culprit"] and step == case["kill_step"]:
-                if case["how"] == "sigkill":
-                    os.kill(os.getpid(), signal.SIGKILL)
-                os._exit(17)
+            if me and where == "decode" and step == case["kill_step"]:
+                die()
             start = time.monotonic()
             got = tree_decode(q.float(), ks[rank].float(), vs[rank].float(), groups, strategy=case["strategy"],
                               cache_seqlens=lens[rank], overlap=case["overlap"],
@@ -400,8 +613,10 @@ def classify(case: dict, recs: dict, world: int, T: float) -> tuple[str, bool]:
         return "not_alike", slow
     if case["fault"] in VALID:
         return "spurious_error", slow
-    lost_peer = case["fault"] in ("stuck", "kill")
-    if lost_peer and all(g["comm"] for g in got):
+    if case["fault"] == "kill":  # every survivor: a CommError naming the dead rank
+        named = all(g["comm"] and f"rank {case['culprit']}" in g["message"] for g in got)
+        return ("clear_error_every_rank" if named else "not_alike"), slow
+    if case["fault"] == "stuck" and all(g["comm"] for g in got):
         return "clear_error_every_rank", slow
     if len({(g["type"], g["message"]) for g in got}) == 1:
         return "clear_error_every_rank", slow
@@ -469,16 +684,20 @@ def run(opts: dict) -> dict:
     slow = 0
     by_fault: dict = {}
     examples: dict = {}
+    errors: dict = {}
+    slowest: dict = {}  # per fault kind: the longest any rank took from its call to its result or error
     started = time.monotonic()
     sizes = opts["ranks"]
     per_world = [opts["cases"] // len(sizes) + (1 if i < opts["cases"] % len(sizes) else 0) for i in range(len(sizes))]
-    index = 0
+    index = kill_no = 0
     with tempfile.TemporaryDirectory(prefix="mt_faults_") as tmp:
         for world, n in zip(sizes, per_world):
             kills = min(opts["kills"], n)
-            cases = [make_case(rng, world, index + i) for i in range(n - kills)]
+            cases = [make_case(rng, world, index + i, kinds=opts.get("faults") or FAULTS) for i in range(n - kills)]
             index += len(cases)
-            batches = [cases] + [[make_kill_case(rng, world, index + j)] for j in range(kills)]
+            batches = [cases] + [[make_kill_case(rng, world, index + j, KILL_WHERE[(kill_no + j) % len(KILL_WHERE)])]
+                                 for j in range(kills)]
+            kill_no += kills
             index += kills
             for batch in batches:
                 todo = list(batch)
@@ -497,8 +716,14 @@ def run(opts: dict) -> dict:
                             outcome, was_slow = ("hang" if res["stalled"] else "native_crash"), False
                         counts[outcome] += 1
                         slow += was_slow
-                        by_fault.setdefault(c["fault"], {}).setdefault(outcome, 0)
-                        by_fault[c["fault"]][outcome] += 1
+                        kind = c["fault"] + (f":{c['where']}" if c["fault"] == "kill" else "")
+                        by_fault.setdefault(kind, {}).setdefault(outcome, 0)
+                        by_fault[kind][outcome] += 1
+                        took = max((r.get("seconds", 0.0) for r in recs.values()), default=0.0)
+                        slowest[kind] = round(max(slowest.get(kind, 0.0), took), 3)
+                        raised = [recs[r] for r in sorted(recs) if recs[r].get("kind") == "raised"]
+                        if raised and kind not in errors:  # the first error each kind gave, as users read it
+                            errors[kind] = f"{raised[0]['type']}: {raised[0]['message'][:400]}"
                         if outcome not in ("clear_error_every_rank", "exact") or was_slow:
                             examples.setdefault(outcome, []).append({"case": c, "records": recs})
                         if opts.get("progress"):
@@ -508,7 +733,9 @@ def run(opts: dict) -> dict:
                     todo = [] if stop is None else todo[todo.index(stop) + 1:]
     return {"command": opts.get("command"), "seed": opts["seed"], "ranks": sizes, "timeout_s": opts["timeout"],
             "cases": sum(counts.values()), "counts": counts, "slow_beyond_1.5T": slow, "by_fault": by_fault,
-            "examples": {k: v[:5] for k, v in examples.items()}, "seconds": round(time.monotonic() - started, 1)}
+            "examples": {k: v[:5] for k, v in examples.items()}, "first_error": dict(sorted(errors.items())),
+            "slowest_s": dict(sorted(slowest.items())),
+            "seconds": round(time.monotonic() - started, 1)}
 
 
 def markdown(report: dict) -> str:
@@ -519,9 +746,12 @@ def markdown(report: dict) -> str:
     lines += [f"| `{k}` | {v} |" for k, v in report["counts"].items()]
     lines += [f"| (ended beyond 1.5 T, within 3 T) | {report['slow_beyond_1.5T']} |", "",
               "| fault | " + " | ".join(f"`{o}`" for o in OUTCOMES) + " |", "|---|" + "---|" * len(OUTCOMES)]
+    lines[-2] += " slowest rank (s) |"
+    lines[-1] += "---|"
     for fault in sorted(report["by_fault"]):
         row = report["by_fault"][fault]
-        lines.append(f"| `{fault}` | " + " | ".join(str(row.get(o, 0)) for o in OUTCOMES) + " |")
+        lines.append(f"| `{fault}` | " + " | ".join(str(row.get(o, 0)) for o in OUTCOMES)
+                     + f" | {report.get('slowest_s', {}).get(fault, 0.0):.2f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -542,10 +772,15 @@ def main(argv=None) -> int:
     p.add_argument("--pg-timeout", type=float, default=120.0, help="the default group's timeout, seconds")
     p.add_argument("--out", default=None, help="write the report (JSON) here")
     p.add_argument("--markdown", default=None, help="write the counts as a markdown table here")
+    p.add_argument("--faults", default=None, help="comma-separated fault kinds to draw from (default: all of FAULTS)")
     p.add_argument("--progress", action="store_true")
     args = p.parse_args(argv)
+    kinds = tuple(args.faults.split(",")) if args.faults else None
+    unknown = sorted(set(kinds or ()) - set(FAULTS))
+    if unknown:
+        p.error(f"unknown fault kinds {unknown}; expected some of {', '.join(FAULTS)}")
     opts = {"seed": args.seed, "cases": args.cases, "ranks": [int(x) for x in args.ranks.split(",")],
-            "kills": args.kills, "timeout": args.timeout, "pg_timeout": args.pg_timeout, "progress": args.progress,
+            "kills": args.kills, "timeout": args.timeout, "faults": kinds, "pg_timeout": args.pg_timeout, "progress": args.progress,
             "command": "python -m benchmarks.faults " + " ".join(sys.argv[1:] if argv is None else argv)}
     report = run(opts)
     text = json.dumps(report, indent=1)

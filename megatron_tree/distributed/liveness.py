@@ -147,11 +147,22 @@ def _reported(store, rank: int) -> bool:
         return False
 
 
+def _saw(store, rank: int) -> list:
+    """The ranks ``rank``'s notice (:func:`note_failure`) named as gone ([] without one)."""
+    try:
+        return list(pickle.loads(store.get(f"{_PREFIX}{rank}/saw")))
+    except Exception:  # noqa: BLE001
+        return []
+
+
 def exited(ranks: Sequence[int]) -> dict:
     """The ranks of ``ranks`` (other than this one) whose process has certainly exited: {rank: reason}.
 
     Ranks that exited after reporting a gone peer themselves (:func:`note_failure`) are left out
     while a rank that exited without such a notice remains: the first to go is the one to name.
+    When every exited rank left such a notice, the ranks their notices name are the ones named
+    (a peer that never checked in has no record to find exited: before, the ranks that reported
+    it were named instead, once they had exited on their own error).
     """
     store = _store()
     if store is None:
@@ -165,7 +176,21 @@ def exited(ranks: Sequence[int]) -> dict:
         if record is not None and _process_gone(record):
             out[r] = ("exited", record)
     first = {r: v for r, v in out.items() if not _reported(store, r)}
-    return first or out
+    if first or not out:
+        return first
+    blamed = {}
+    for r in sorted(out):
+        for b in _saw(store, r):
+            if b == me or b in out or b in blamed:
+                continue
+            record = _record(store, b)
+            if record is None:
+                blamed[b] = ("absent", None)
+            elif _process_gone(record):
+                blamed[b] = ("exited", record)
+            else:
+                blamed[b] = ("reported", record)
+    return blamed or out
 
 
 def note_failure(found: dict) -> None:
@@ -208,6 +233,9 @@ def describe(found: dict) -> str:
     for r, (why, record) in sorted(found.items()):
         if why == "exited":
             parts.append(f"rank {r} (host {record['host']}, pid {record['pid']}) is gone: its process has exited")
+        elif why == "reported":
+            parts.append(f"rank {r} (host {record['host']}, pid {record['pid']}) is gone: the ranks that saw it go "
+                         "reported it, then exited")
         else:
             parts.append(f"rank {r} (host unknown) never checked in: it wrote no liveness record to the default "
                          "store (it exited or failed before building TreeGroups, or has not reached it)")

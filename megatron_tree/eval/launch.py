@@ -413,6 +413,29 @@ def is_user_error(e: BaseException) -> bool:
     return isinstance(e, (ConfigError, TopologyError, *extra))
 
 
+class MissingExtraError(ImportError):
+    """A framework the run needs is not installed (:func:`check_extras`)."""
+
+
+def check_extras(cfg: RunConfig) -> None:
+    """The frameworks this run will import, all checked before launch: a :class:`MissingExtraError` naming the
+    ``eval`` extra (which installs them all) and why each missing one is needed, instead of an ImportError
+    from deep inside the run naming a narrower extra."""
+    from ..utils.extras import require_all
+
+    needs = {"megatron": "model.source megatron"} if cfg.model.source == "megatron" else \
+        {"hf": f"model.source {cfg.model.source}"}
+    if cfg.dist.init == "deepspeed":
+        needs["deepspeed"] = "dist.init deepspeed"
+    if cfg.wandb.enabled:
+        needs["wandb"] = "wandb.enabled"
+    needs["plot"] = "the decode latency plot"
+    try:
+        require_all(needs, "megatron-tree-eval", "eval")
+    except ImportError as e:
+        raise MissingExtraError(str(e)) from None
+
+
 def remove_stale_results(output_dir: str, rank: str) -> None:
     """Global rank 0 deletes ``<output_dir>/results.json`` left by an earlier run (before anything can fail)."""
     path = Path(output_dir) / "results.json"
@@ -440,7 +463,12 @@ def main(argv=None) -> int:
             print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
             return 0
         remove_stale_results(cfg.output_dir, rank)
+        check_extras(cfg)
         run_eval(cfg, env)
+    except MissingExtraError as e:
+        # the same on every rank, before any collective; one line, not a traceback per rank
+        print(f"megatron-tree-eval: rank {rank}: error: {e}\n", end="", file=sys.stderr, flush=True)
+        return 2
     except ValueError as e:
         if not is_user_error(e):
             raise

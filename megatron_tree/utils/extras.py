@@ -35,3 +35,30 @@ def require(extra: str, what: str):
     except ImportError as e:
         raise ImportError(f"{what} needs {dist}: pip install 'megatron_tree[{extra}]' (importing {module} "
                           f"failed: {e})") from e
+
+
+def missing(needs: dict) -> dict:
+    """The entries of ``needs`` (extra -> why it is needed) whose framework does not import: extra -> why."""
+    out = {}
+    for extra, why in needs.items():
+        if extra not in EXTRAS:
+            raise ValueError(f"unknown extra {extra!r}; the extras are {sorted(EXTRAS)}")
+        try:
+            importlib.import_module(EXTRAS[extra][0])
+        except ImportError:
+            out[extra] = why
+    return out
+
+
+def require_all(needs: dict, what: str, extra: str) -> None:
+    """Check every framework of ``needs`` (extra -> why it is needed) at once, before any of them is used.
+
+    Raises one ImportError naming the extra that installs them all (``extra``), e.g. ``megatron-tree-eval
+    needs megatron-core (model.source megatron) and matplotlib (the latency plot), which are not installed:
+    pip install 'megatron_tree[eval]'``.
+    """
+    gone = missing(needs)
+    if gone:
+        listed = " and ".join(f"{EXTRAS[x][1]} ({why})" for x, why in gone.items())
+        raise ImportError(f"{what} needs {listed}, which {'is' if len(gone) == 1 else 'are'} not installed: "
+                          f"pip install 'megatron_tree[{extra}]'")

@@ -75,3 +75,33 @@ def test_dead_peer_is_a_comm_error_naming_it_at_once(where, bound, needles):
         assert "rank 0 (" not in message and "rank 1 (" not in message, message  # the survivors are not blamed
         assert seconds < bound, (where, rank, seconds, message)  # T is 10 s; before: T (build) and 1.35 T (merge)
     assert time.monotonic() - start < 120
+
+
+def _late_rank_sees(rank, world):
+    import torch.distributed as dist
+
+    import megatron_tree as mt
+
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 2:
+        os._exit(0)  # never checks in
+    if rank == 1:  # sees rank 2 missing, reports it (the store notice), and exits on its error
+        outcome(lambda: mt.TreeGroups.build(timeout=T))
+        store.set("test/reported", "1")
+        os._exit(0)
+    store.wait(["test/reported"])
+    time.sleep(1.0)  # rank 1's process is gone by now: only its record and notice are left
+    return outcome(lambda: mt.TreeGroups.build(timeout=T))
+
+
+def test_a_late_rank_names_the_peer_that_never_checked_in_not_the_ones_that_reported_it():
+    """Rank 2 never checks in; rank 1 reports it and exits; rank 0 arrives late. The soak found rank 0
+    (CP 4, seed 0, case 298) blaming the exited reporter ("rank 1 ... is gone: its process has
+    exited") and not naming rank 2 at all."""
+    results = run_ranks(_late_rank_sees, 3, timeout=120, pg_timeout=2 * T, expect_dead=(1, 2),
+                        env={"MEGATRON_TREE_HOSTNAME": HOST})
+    kind, message, seconds = results[0]
+    assert kind == "CommError", (kind, message)
+    assert "rank 2 (host unknown) never checked in" in message, message
+    assert "rank 1 (" not in message, message
+    assert seconds < 5.0, (seconds, message)

@@ -178,13 +178,20 @@ def read_header(file: str) -> tuple[dict, list]:
         tensors[key] = (dtype, shape)
         spans.append((begin, end, key))
     spans.sort()
-    at = 0
+    at, last = 0, None  # where the data so far ends, and the span that reaches there
     for begin, end, key in spans:
-        if begin != at:
-            problems.append(f"{file}: tensor {key!r} starts at data byte {begin}, expected {at} (the tensors' "
-                            "offsets must tile the data in order, without gaps or overlaps)")
+        if begin < at:  # shares bytes with the span that reaches furthest so far: name both
+            lb, le, lk = last
+            problems.append(f"{file}: tensors {lk!r} (data bytes {lb}..{le}) and {key!r} (data bytes {begin}..{end}) "
+                            f"share bytes {begin}..{min(end, le)}; expected each tensor's bytes to be its own (the "
+                            "offsets tile the data in order, without gaps or overlaps)")
             break
-        at = end
+        if begin > at:
+            after = f"right after tensor {last[2]!r} (data bytes {last[0]}..{last[1]})" if last else "at the data's start"
+            problems.append(f"{file}: tensor {key!r} starts at data byte {begin}, expected {at} ({after}): a gap of "
+                            f"{begin - at} bytes (the offsets tile the data in order, without gaps or overlaps)")
+            break
+        at, last = end, (begin, end, key)
     data_end = 8 + n + max((e for _, e, _ in spans), default=0)
     if data_end > size:
         problems.append(f"{file} is truncated: its tensors end at byte {data_end}, the file has {size}")
@@ -199,6 +206,9 @@ def _weight_files(path: str, problems: list) -> tuple[list, dict]:
     single, index = os.path.join(path, WEIGHTS), os.path.join(path, INDEX)
     if os.path.isfile(single):
         return [single], {}
+    if os.path.isdir(single):
+        problems.append(f"{single} is a directory, expected a safetensors file")
+        return [], {}
     if not os.path.isfile(index):
         found = sorted(f for f in os.listdir(path) if f.endswith((".safetensors", ".bin", ".pt", ".pth")))
         problems.append(f"{path!r} has neither {WEIGHTS} nor {INDEX} (found {found or 'no weight files'}); "
@@ -218,6 +228,8 @@ def _weight_files(path: str, problems: list) -> tuple[list, dict]:
         full = os.path.join(path, fname)
         if os.path.isfile(full):
             files.append(full)
+        elif os.path.isdir(full):
+            problems.append(f"{full} is a directory, expected a safetensors file ({index} names it)")
         else:
             held = sorted(k for k, v in weight_map.items() if v == fname)
             problems.append(f"{index} names {fname}, which is not in {path} (it should hold {len(held)} tensors: "
@@ -405,7 +417,9 @@ def check_checkpoint(path, *, check_model=None) -> CheckedCheckpoint:
         name = os.path.basename(full)
         for key, (dtype, shape) in found.items():
             if key in tensors:
-                problems.append(f"tensor {key!r} is in both {tensors[key][2]} and {name}; expected it in one file")
+                where = f" (the index places it in {weight_map[key]})" if key in weight_map else ""
+                problems.append(f"tensor {key!r} is in two weight files of {path!r}: {tensors[key][2]} and {name}; "
+                                f"expected it in exactly one{where}")
             tensors[key] = (dtype, shape, name)
         if readable:
             misplaced = sorted(k for k, v in weight_map.items() if v == name and k not in found)

@@ -275,3 +275,112 @@ def test_integer_tensor_for_a_floating_weight_is_refused(good, tmp_path):
     path = _rewrite(good[0], tmp_path / "int32", edit)
     msg = _error(path)
     assert f"hold integers where" in msg and f"{name} is I32 in model.safetensors" in msg, msg
+
+
+# --------------------------------------------------------------------------- the messages name the right thing
+
+
+def _header(blob: bytes) -> tuple[int, dict]:
+    (n,) = __import__("struct").unpack("<Q", blob[:8])
+    return n, json.loads(blob[8:8 + n])
+
+
+def _rewrite_header(src, dst, edit):
+    """A copy of checkpoint ``src`` whose model.safetensors header went through ``edit(header)`` (the
+    header's byte length kept: the new JSON padded with spaces); returns the old header."""
+    blob = (src / "model.safetensors").read_bytes()
+    n, header = _header(blob)
+    old = json.loads(json.dumps(header))
+    edit(header)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    assert len(text) <= n
+    shutil.copytree(src, dst)
+    (dst / "model.safetensors").write_bytes(blob[:8] + text + b" " * (n - len(text)) + blob[8 + n:])
+    return old
+
+
+GATE, UP, NEXT = ("model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight",
+                  "model.layers.0.post_attention_layernorm.weight")
+"""Two [32, 16] weights saved one after the other, and the tensor after them (safetensors orders by name)."""
+
+
+def test_tensors_sharing_bytes_are_both_named_with_their_spans(good, tmp_path):
+    """One tensor's offsets point at another's bytes: the error names those two tensors and both
+    byte spans -- not the tensor after them, and not only one of the pair."""
+    def share(header):
+        header[UP]["data_offsets"] = list(header[GATE]["data_offsets"])  # up_proj now reads gate_proj's bytes
+
+    old = _rewrite_header(good[0], tmp_path / "shared", share)
+    assert old[UP]["data_offsets"][0] == old[GATE]["data_offsets"][1] == old[NEXT]["data_offsets"][0] - 2048
+    lo, hi = old[GATE]["data_offsets"]
+    msg = _error(tmp_path / "shared")
+    assert (f"tensors {GATE!r} (data bytes {lo}..{hi}) and {UP!r} (data bytes {lo}..{hi}) share bytes {lo}..{hi}; "
+            "expected each tensor's bytes to be its own") in msg, msg
+    assert repr(NEXT) not in msg, msg  # the tensor after them is not blamed
+
+
+def test_a_gap_in_the_data_names_the_tensor_before_it(good, tmp_path):
+    norm, after = "model.layers.0.input_layernorm.weight", "model.layers.0.mlp.down_proj.weight"
+
+    def shrink(header):  # input_layernorm keeps 15 of its 16 floats: 4 bytes nobody owns
+        begin, end = header[norm]["data_offsets"]
+        header[norm].update(shape=[15], data_offsets=[begin, end - 4])
+
+    old = _rewrite_header(good[0], tmp_path / "gap", shrink)
+    begin, end = old[norm]["data_offsets"]
+    assert old[after]["data_offsets"][0] == end
+    msg = _error(tmp_path / "gap")
+    assert (f"tensor {after!r} starts at data byte {end}, expected {end - 4} (right after tensor {norm!r} (data "
+            f"bytes {begin}..{end - 4})): a gap of 4 bytes") in msg, msg
+
+
+def test_weights_file_that_is_a_directory_is_named_as_one(good, tmp_path):
+    path = tmp_path / "dir_weights"
+    shutil.copytree(good[0], path)
+    os.remove(path / "model.safetensors")
+    os.mkdir(path / "model.safetensors")
+    assert _error(path) == f"{path / 'model.safetensors'} is a directory, expected a safetensors file"
+
+
+def test_tensor_in_two_shards_names_the_folder_and_both_files(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "twice"
+    _save(path, max_shard_size="2KB")
+    index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    files = sorted(set(index.values()))
+    assert len(files) > 1
+    name = sorted(k for k, v in index.items() if v == files[0])[0]
+    last = load_file(str(path / files[-1]))
+    last[name] = load_file(str(path / files[0]))[name]  # the same tensor saved in a second shard too
+    save_file(last, str(path / files[-1]), metadata={"format": "pt"})
+    msg = _error(path)
+    assert (f"tensor {name!r} is in two weight files of {str(path)!r}: {files[0]} and {files[-1]}; expected it in "
+            f"exactly one (the index places it in {files[0]})") in msg, msg
+
+
+def _every_rank_bad(rank, world, paths):
+    import megatron_tree as mt
+    from megatron_tree.integrations.hf import load_hf_model
+
+    groups = mt.TreeGroups.build(timeout=60)
+    return outcome(lambda: load_hf_model(paths[rank], groups))
+
+
+def test_every_ranks_bad_checkpoint_is_one_error_naming_each_rank(good, tmp_path):
+    """Each rank's own copy broken in its own way: every rank raises the same text, each rank's problem
+    named with its rank (not each rank its own error, which a launcher would show as ranks disagreeing)."""
+    no_config = tmp_path / "no_config"
+    shutil.copytree(good[0], no_config)
+    os.remove(no_config / "config.json")
+    truncated = tmp_path / "truncated"
+    shutil.copytree(good[0], truncated)
+    os.truncate(truncated / "model.safetensors", 1000)
+    results = run_ranks(_every_rank_bad, 2, [str(no_config), str(truncated)], timeout=180, pg_timeout=60)
+    assert {r[0] for r in results} == {"CheckpointError"}, results
+    assert len({r[1] for r in results}) == 1, results
+    message = results[0][1]
+    assert message.startswith(f"rank 0: '{no_config}' has no config.json"), message
+    assert f"rank 1: {truncated / 'model.safetensors'} announces a" in message or \
+        f"rank 1: {truncated / 'model.safetensors'} is truncated" in message, message
+    assert all(r[2] < BOUND_S for r in results), [r[2] for r in results]
