@@ -206,12 +206,36 @@ def _plain_eager(t: torch.Tensor) -> bool:
             and not (t.requires_grad and torch.is_grad_enabled()))
 
 
+_BELOW_AUTOGRAD = torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradCPU) | \
+    torch._C.DispatchKeySet(torch._C.DispatchKey.ADInplaceOrView)
+"""The dispatch keys a plain-eager CPU call has no use for: with no input recording gradients
+(``_plain_eager``) the autograd and view-tracking layers only pass each of the body's torch calls
+on, at a fixed host cost per call (about a sixth of a tiny merge's, benchmarks/host_path.py)."""
+
+
+def _direct(body, *args):
+    """``body(*args)`` -- an op's CPU implementation, for a call :func:`_plain_eager` admits -- with the
+    dispatcher starting below autograd, as it does inside the op (its autograd fallback redispatches
+    there too): the same kernels, the same bits, less host time per torch call."""
+    with torch._C._ExcludeDispatchKeyGuard(_BELOW_AUTOGRAD):
+        return body(*args)
+
+
+def _env(backend):
+    """What the backend choice reads from the environment: ``$MEGATRON_TREE_BACKEND``, and
+    ``$TRITON_INTERPRET`` only where the choice is ``triton`` (the only case ``resolve_backend``
+    reads it; each read is a measurable part of a tiny call's host time)."""
+    forced = os.environ.get(ENV_BACKEND) or None
+    choice = backend if backend is not None else forced
+    return forced, (os.environ.get("TRITON_INTERPRET") if choice == "triton" else None)
+
+
 def _decode_signature(q, k, v, cache_seqlens, q_positions, k_positions, block_table, out_dtype, lse_dtype, window,
                       softcap, cache_starts, sinks, backend) -> tuple[str, str]:
     """(kernel backend, resolved backend) of a :func:`flash_decode` call, after the shape-only
     checks of the contract, remembered per signature (:func:`_remember`). The value checks run
     inside the op, on every call (``_check_values``)."""
-    env = os.environ.get(ENV_BACKEND) or None, os.environ.get("TRITON_INTERPRET")
+    env = _env(backend)
     key = None if torch.compiler.is_compiling() else ("decode", _meta(q), _meta(k), _meta(v), _meta(cache_seqlens), _meta(q_positions), _meta(k_positions),
            _meta(block_table), out_dtype, lse_dtype, type(window), window, type(softcap), softcap,
            _meta(cache_starts), _meta(sinks), backend, env)
@@ -229,7 +253,7 @@ def _decode_signature(q, k, v, cache_seqlens, q_positions, k_positions, block_ta
 def _merge_signature(outs, lses, backend) -> str:
     """The kernel backend of a :func:`merge_states` call, after its (shape-only) checks, remembered
     per signature (:func:`_remember`)."""
-    env = os.environ.get(ENV_BACKEND) or None, os.environ.get("TRITON_INTERPRET")
+    env = _env(backend)
     key = None if torch.compiler.is_compiling() else ("merge", _meta(outs), _meta(lses), backend, env)
 
     def check():
@@ -308,7 +332,11 @@ def flash_decode_resolved(q, k, v, *, block_table=None, cache_seqlens=None, soft
                                        lse_dtype, window, softcap, cache_starts, sinks, backend)
     window = None if window is None else int(window)
     softcap = None if softcap is None else float(softcap)
-    op = _flash_decode_impl if _plain_eager(q) else _flash_decode_op
+    if _plain_eager(q):
+        def op(*args):
+            return _direct(_flash_decode_impl, *args)
+    else:
+        op = _flash_decode_op
     if sinks is None:
         return (*op(q, k, v, cache_seqlens, softmax_scale, q_positions, k_positions, name, block_table, out_dtype,
                     lse_dtype, cache_starts, window, softcap), resolved)
@@ -331,7 +359,9 @@ def merge_states(outs: torch.Tensor, lses: torch.Tensor, *, backend: str | None 
         return (torch.clone(outs[0], memory_format=torch.contiguous_format),
                 lses[0].to(torch.promote_types(lses.dtype, contract.acc_dtype(outs.dtype)),
                            memory_format=torch.contiguous_format, copy=True))
-    return (_merge_states_impl if _plain_eager(outs) else _merge_states_op)(outs, lses, name)
+    if _plain_eager(outs):
+        return _direct(_merge_states_impl, outs, lses, name)
+    return _merge_states_op(outs, lses, name)
 
 
 def prefill_kernel(q: torch.Tensor, v: torch.Tensor, kernel: str | None = None, *, window: int | None = None,
