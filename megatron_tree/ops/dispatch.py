@@ -316,10 +316,8 @@ def flash_decode(
             lse: (batch, nheads_q, seqlen_q) in lse_dtype, natural log, -inf where no key is visible
             (and no sink), NaN where a visible score (or the sink) is NaN
     """
-    return flash_decode_resolved(q, k, v, block_table=block_table, cache_seqlens=cache_seqlens,
-                                 softmax_scale=softmax_scale, q_positions=q_positions, k_positions=k_positions,
-                                 out_dtype=out_dtype, backend=backend, lse_dtype=lse_dtype, window=window,
-                                 softcap=softcap, sinks=sinks, cache_starts=cache_starts)[:2]
+    return _decode(q, k, v, block_table, cache_seqlens, softmax_scale, q_positions, k_positions, out_dtype, backend,
+                   lse_dtype, window, softcap, sinks, cache_starts)[:2]
 
 
 def flash_decode_resolved(q, k, v, *, block_table=None, cache_seqlens=None, softmax_scale=None, q_positions=None,
@@ -328,21 +326,27 @@ def flash_decode_resolved(q, k, v, *, block_table=None, cache_seqlens=None, soft
     """:func:`flash_decode`, returning also the backend it resolved (``resolve_backend``'s answer,
     before the kernels' dtype fallback): ``(out, lse, backend)``, so a caller that needs the
     name (``tree_decode``, for the merge's signature) does not resolve it a second time."""
+    return _decode(q, k, v, block_table, cache_seqlens, softmax_scale, q_positions, k_positions, out_dtype, backend,
+                   lse_dtype, window, softcap, sinks, cache_starts)
+
+
+def _decode(q, k, v, block_table, cache_seqlens, softmax_scale, q_positions, k_positions, out_dtype, backend,
+            lse_dtype, window, softcap, sinks, cache_starts):
+    """:func:`flash_decode_resolved` with positional arguments (keyword passing is a measurable part of a
+    tiny call's host time)."""
     name, resolved = _decode_signature(q, k, v, cache_seqlens, q_positions, k_positions, block_table, out_dtype,
                                        lse_dtype, window, softcap, cache_starts, sinks, backend)
     window = None if window is None else int(window)
     softcap = None if softcap is None else float(softcap)
-    if _plain_eager(q):
-        def op(*args):
-            return _direct(_flash_decode_impl, *args)
-    else:
-        op = _flash_decode_op
+    direct = _plain_eager(q)
     if sinks is None:
-        return (*op(q, k, v, cache_seqlens, softmax_scale, q_positions, k_positions, name, block_table, out_dtype,
-                    lse_dtype, cache_starts, window, softcap), resolved)
+        args = (q, k, v, cache_seqlens, softmax_scale, q_positions, k_positions, name, block_table, out_dtype,
+                lse_dtype, cache_starts, window, softcap)
+        return (*(_direct(_flash_decode_impl, *args) if direct else _flash_decode_op(*args)), resolved)
     # The sink joins the finished state: unrounded partial and whole lse first, one rounding after.
-    out, lse = op(q, k, v, cache_seqlens, softmax_scale, q_positions, k_positions, name, block_table,
-                  contract.acc_dtype(q.dtype), torch.float64, cache_starts, window, softcap)
+    args = (q, k, v, cache_seqlens, softmax_scale, q_positions, k_positions, name, block_table,
+            contract.acc_dtype(q.dtype), torch.float64, cache_starts, window, softcap)
+    out, lse = _direct(_flash_decode_impl, *args) if direct else _flash_decode_op(*args)
     out, lse = reference.add_sink(out, lse, sinks)
     return (out.to(q.dtype if out_dtype is None else out_dtype),
             lse.to(contract.lse_acc_dtype(lse_dtype, q.dtype)), resolved)
