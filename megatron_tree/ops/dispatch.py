@@ -62,10 +62,12 @@ def _check_values(q, k, cache_seqlens, block_table, cache_starts=None) -> None:
     """The value checks of the contract, for CPU inputs (host memory: reading it syncs nothing)."""
     b = q.shape[0]
     n = contract.kv_length(k, block_table)
+    # shapes, dtypes and devices were checked once for the signature (_decode_signature; a direct call
+    # of the op, as for merge_states, is checked by its caller): the values only
     if cache_seqlens is not None:
-        contract.check_cache_seqlens(cache_seqlens, b, n, q.device)
+        contract.check_cache_seqlens_values(cache_seqlens, n)
     if cache_starts is not None:
-        contract.check_cache_seqlens(cache_starts, b, n, q.device, name="cache_starts")
+        contract.check_cache_seqlens_values(cache_starts, n, "cache_starts")
     if block_table is not None:
         contract.check_block_table(block_table, b, k.shape[0], k.shape[1], cache_seqlens, q.device,
                                     cache_starts=cache_starts)
@@ -103,14 +105,14 @@ def _flash_decode_impl(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if q.device.type == "cpu":
         _check_values(q, k, cache_seqlens, block_table, cache_starts)
-    kwargs = dict(block_table=block_table, cache_seqlens=cache_seqlens, softmax_scale=softmax_scale,
-                  q_positions=q_positions, k_positions=k_positions, out_dtype=out_dtype, lse_dtype=lse_dtype,
-                  cache_starts=cache_starts, window=window, softcap=softcap)
     if backend == "triton":
         from .triton import flash_decode as kernel  # imported lazily: needs triton
-
-        return kernel.flash_decode(q, k, v, **kwargs)
-    return torch_decode.flash_decode(q, k, v, **kwargs)
+    else:
+        kernel = torch_decode
+    return kernel.flash_decode(q, k, v, block_table=block_table, cache_seqlens=cache_seqlens,
+                               softmax_scale=softmax_scale, q_positions=q_positions, k_positions=k_positions,
+                               out_dtype=out_dtype, lse_dtype=lse_dtype, cache_starts=cache_starts, window=window,
+                               softcap=softcap)
 
 
 @torch.library.register_fake("megatron_tree::flash_decode")
@@ -236,9 +238,19 @@ def _decode_signature(q, k, v, cache_seqlens, q_positions, k_positions, block_ta
     checks of the contract, remembered per signature (:func:`_remember`). The value checks run
     inside the op, on every call (``_check_values``)."""
     env = _env(backend)
-    key = None if torch.compiler.is_compiling() else ("decode", _meta(q), _meta(k), _meta(v), _meta(cache_seqlens), _meta(q_positions), _meta(k_positions),
-           _meta(block_table), out_dtype, lse_dtype, type(window), window, type(softcap), softcap,
-           _meta(cache_starts), _meta(sinks), backend, env)
+    if torch.compiler.is_compiling():
+        key = None
+    else:  # the optional arguments, mostly None, without a call each (a tiny call's host time)
+        key = ("decode", _meta(q), _meta(k), _meta(v), cache_seqlens if cache_seqlens is None else _meta(cache_seqlens),
+               q_positions if q_positions is None else _meta(q_positions),
+               k_positions if k_positions is None else _meta(k_positions),
+               block_table if block_table is None else _meta(block_table), out_dtype, lse_dtype, type(window), window,
+               type(softcap), softcap, cache_starts if cache_starts is None else _meta(cache_starts),
+               sinks if sinks is None else _meta(sinks), backend, env)
+        try:
+            return _signatures[key]  # a remembered signature: _remember's lookup, without building check
+        except (KeyError, TypeError):
+            pass
 
     def check():
         _check(q, k, v, cache_seqlens, q_positions, k_positions, block_table, out_dtype, lse_dtype, window=window,
