@@ -267,6 +267,11 @@ def _merge_signature(outs, lses, backend) -> str:
     per signature (:func:`_remember`)."""
     env = _env(backend)
     key = None if torch.compiler.is_compiling() else ("merge", _meta(outs), _meta(lses), backend, env)
+    if key is not None:
+        try:
+            return _signatures[key]  # a remembered signature: _remember's lookup, without building check
+        except (KeyError, TypeError):
+            pass
 
     def check():
         contract.check_merge_inputs(outs, lses)
