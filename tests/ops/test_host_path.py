@@ -10,6 +10,7 @@ that make the path thin, each by counting or by a guard, so a change that undoes
 * the value checks (``cache_seqlens`` in [0, N], block ids) still run on every CPU call;
 * ``tree_decode`` at world 1 resolves the backend once and runs no merge;
 * merging one state returns a copy of it without entering the merge op;
+* one CPU merge is a fixed, small number of torch calls, whatever the number of states;
 * no device-to-host read happens around the ops (``sync_guard.no_host_sync``), and the ops'
   direct eager path gives the op's own bits.
 """
