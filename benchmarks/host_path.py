@@ -105,6 +105,7 @@ def main(argv=None) -> dict:
                          "times and ratios go beside this run's in the markdown and under 'before' in the JSON")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
+    load_before = os.getloadavg()
     groups = _world1_groups()
     rows = []
     for spec in args.shapes.split(";"):
@@ -125,6 +126,9 @@ def main(argv=None) -> dict:
                   "time.thread_time_ns) over reps back-to-back calls; the callables interleaved in every round; "
                   "ratios of medians from the same run (wall-clock medians beside them)",
         "targets": TARGETS, "rows": rows,
+        "load_average": {"before": [round(x, 2) for x in load_before],
+                         "after": [round(x, 2) for x in os.getloadavg()],
+                         "note": "1, 5, 15 min load averages of the machine (os.getloadavg) as the run began and ended"},
     }
     if args.before:
         with open(args.before) as f:
@@ -151,6 +155,10 @@ def _markdown(result: dict) -> str:
         lines.append(f"| {s['B']}, {s['Hq']}/{s['Hkv']}, {s['D']}, {s['N']} | {t['sdpa']['median_us']:.1f} | "
                      + " | ".join(cells) + " |")
     lines += ["", "Targets (issue 31): " + ", ".join(f"{k} <= {v:g}x" for k, v in result["targets"].items()), ""]
+    if "load_average" in result:
+        la = result["load_average"]
+        lines += [f"Machine load average (1/5/15 min): {'/'.join(map(str, la['before']))} as the run began, "
+                  f"{'/'.join(map(str, la['after']))} as it ended.", ""]
     if "before" in result:
         lines += [f"Before (`{result['before']['command']}`), x SDPA in its own run -> this run:", "",
                   "| B, Hq/Hkv, D, N | " + " | ".join(TARGETS) + " |", "|---|---|---|---|"]

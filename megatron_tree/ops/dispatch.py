@@ -62,10 +62,12 @@ def _check_values(q, k, cache_seqlens, block_table, cache_starts=None) -> None:
     """The value checks of the contract, for CPU inputs (host memory: reading it syncs nothing)."""
     b = q.shape[0]
     n = contract.kv_length(k, block_table)
+    # shapes, dtypes and devices were checked once for the signature (_decode_signature; a direct call
+    # of the op, as for merge_states, is checked by its caller): the values only
     if cache_seqlens is not None:
-        contract.check_cache_seqlens(cache_seqlens, b, n, q.device)
+        contract.check_cache_seqlens_values(cache_seqlens, n)
     if cache_starts is not None:
-        contract.check_cache_seqlens(cache_starts, b, n, q.device, name="cache_starts")
+        contract.check_cache_seqlens_values(cache_starts, n, "cache_starts")
     if block_table is not None:
         contract.check_block_table(block_table, b, k.shape[0], k.shape[1], cache_seqlens, q.device,
                                     cache_starts=cache_starts)
@@ -103,14 +105,14 @@ def _flash_decode_impl(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if q.device.type == "cpu":
         _check_values(q, k, cache_seqlens, block_table, cache_starts)
-    kwargs = dict(block_table=block_table, cache_seqlens=cache_seqlens, softmax_scale=softmax_scale,
-                  q_positions=q_positions, k_positions=k_positions, out_dtype=out_dtype, lse_dtype=lse_dtype,
-                  cache_starts=cache_starts, window=window, softcap=softcap)
     if backend == "triton":
         from .triton import flash_decode as kernel  # imported lazily: needs triton
-
-        return kernel.flash_decode(q, k, v, **kwargs)
-    return torch_decode.flash_decode(q, k, v, **kwargs)
+    else:
+        kernel = torch_decode
+    return kernel.flash_decode(q, k, v, block_table=block_table, cache_seqlens=cache_seqlens,
+                               softmax_scale=softmax_scale, q_positions=q_positions, k_positions=k_positions,
+                               out_dtype=out_dtype, lse_dtype=lse_dtype, cache_starts=cache_starts, window=window,
+                               softcap=softcap)
 
 
 @torch.library.register_fake("megatron_tree::flash_decode")
@@ -206,15 +208,49 @@ def _plain_eager(t: torch.Tensor) -> bool:
             and not (t.requires_grad and torch.is_grad_enabled()))
 
 
+_BELOW_AUTOGRAD = torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradCPU) | \
+    torch._C.DispatchKeySet(torch._C.DispatchKey.ADInplaceOrView)
+"""The dispatch keys a plain-eager CPU call has no use for: with no input recording gradients
+(``_plain_eager``) the autograd and view-tracking layers only pass each of the body's torch calls
+on, at a fixed host cost per call (about a sixth of a tiny merge's, benchmarks/host_path.py)."""
+
+
+def _direct(body, *args):
+    """``body(*args)`` -- an op's CPU implementation, for a call :func:`_plain_eager` admits -- with the
+    dispatcher starting below autograd, as it does inside the op (its autograd fallback redispatches
+    there too): the same kernels, the same bits, less host time per torch call."""
+    with torch._C._ExcludeDispatchKeyGuard(_BELOW_AUTOGRAD):
+        return body(*args)
+
+
+def _env(backend):
+    """What the backend choice reads from the environment: ``$MEGATRON_TREE_BACKEND``, and
+    ``$TRITON_INTERPRET`` only where the choice is ``triton`` (the only case ``resolve_backend``
+    reads it; each read is a measurable part of a tiny call's host time)."""
+    forced = os.environ.get(ENV_BACKEND) or None
+    choice = backend if backend is not None else forced
+    return forced, (os.environ.get("TRITON_INTERPRET") if choice == "triton" else None)
+
+
 def _decode_signature(q, k, v, cache_seqlens, q_positions, k_positions, block_table, out_dtype, lse_dtype, window,
                       softcap, cache_starts, sinks, backend) -> tuple[str, str]:
     """(kernel backend, resolved backend) of a :func:`flash_decode` call, after the shape-only
     checks of the contract, remembered per signature (:func:`_remember`). The value checks run
     inside the op, on every call (``_check_values``)."""
-    env = os.environ.get(ENV_BACKEND) or None, os.environ.get("TRITON_INTERPRET")
-    key = None if torch.compiler.is_compiling() else ("decode", _meta(q), _meta(k), _meta(v), _meta(cache_seqlens), _meta(q_positions), _meta(k_positions),
-           _meta(block_table), out_dtype, lse_dtype, type(window), window, type(softcap), softcap,
-           _meta(cache_starts), _meta(sinks), backend, env)
+    env = _env(backend)
+    if torch.compiler.is_compiling():
+        key = None
+    else:  # the optional arguments, mostly None, without a call each (a tiny call's host time)
+        key = ("decode", _meta(q), _meta(k), _meta(v), cache_seqlens if cache_seqlens is None else _meta(cache_seqlens),
+               q_positions if q_positions is None else _meta(q_positions),
+               k_positions if k_positions is None else _meta(k_positions),
+               block_table if block_table is None else _meta(block_table), out_dtype, lse_dtype, type(window), window,
+               type(softcap), softcap, cache_starts if cache_starts is None else _meta(cache_starts),
+               sinks if sinks is None else _meta(sinks), backend, env)
+        try:
+            return _signatures[key]  # a remembered signature: _remember's lookup, without building check
+        except (KeyError, TypeError):
+            pass
 
     def check():
         _check(q, k, v, cache_seqlens, q_positions, k_positions, block_table, out_dtype, lse_dtype, window=window,
@@ -229,8 +265,13 @@ def _decode_signature(q, k, v, cache_seqlens, q_positions, k_positions, block_ta
 def _merge_signature(outs, lses, backend) -> str:
     """The kernel backend of a :func:`merge_states` call, after its (shape-only) checks, remembered
     per signature (:func:`_remember`)."""
-    env = os.environ.get(ENV_BACKEND) or None, os.environ.get("TRITON_INTERPRET")
+    env = _env(backend)
     key = None if torch.compiler.is_compiling() else ("merge", _meta(outs), _meta(lses), backend, env)
+    if key is not None:
+        try:
+            return _signatures[key]  # a remembered signature: _remember's lookup, without building check
+        except (KeyError, TypeError):
+            pass
 
     def check():
         contract.check_merge_inputs(outs, lses)
@@ -292,10 +333,8 @@ def flash_decode(
             lse: (batch, nheads_q, seqlen_q) in lse_dtype, natural log, -inf where no key is visible
             (and no sink), NaN where a visible score (or the sink) is NaN
     """
-    return flash_decode_resolved(q, k, v, block_table=block_table, cache_seqlens=cache_seqlens,
-                                 softmax_scale=softmax_scale, q_positions=q_positions, k_positions=k_positions,
-                                 out_dtype=out_dtype, backend=backend, lse_dtype=lse_dtype, window=window,
-                                 softcap=softcap, sinks=sinks, cache_starts=cache_starts)[:2]
+    return _decode(q, k, v, block_table, cache_seqlens, softmax_scale, q_positions, k_positions, out_dtype, backend,
+                   lse_dtype, window, softcap, sinks, cache_starts)[:2]
 
 
 def flash_decode_resolved(q, k, v, *, block_table=None, cache_seqlens=None, softmax_scale=None, q_positions=None,
@@ -304,17 +343,27 @@ def flash_decode_resolved(q, k, v, *, block_table=None, cache_seqlens=None, soft
     """:func:`flash_decode`, returning also the backend it resolved (``resolve_backend``'s answer,
     before the kernels' dtype fallback): ``(out, lse, backend)``, so a caller that needs the
     name (``tree_decode``, for the merge's signature) does not resolve it a second time."""
+    return _decode(q, k, v, block_table, cache_seqlens, softmax_scale, q_positions, k_positions, out_dtype, backend,
+                   lse_dtype, window, softcap, sinks, cache_starts)
+
+
+def _decode(q, k, v, block_table, cache_seqlens, softmax_scale, q_positions, k_positions, out_dtype, backend,
+            lse_dtype, window, softcap, sinks, cache_starts):
+    """:func:`flash_decode_resolved` with positional arguments (keyword passing is a measurable part of a
+    tiny call's host time)."""
     name, resolved = _decode_signature(q, k, v, cache_seqlens, q_positions, k_positions, block_table, out_dtype,
                                        lse_dtype, window, softcap, cache_starts, sinks, backend)
     window = None if window is None else int(window)
     softcap = None if softcap is None else float(softcap)
-    op = _flash_decode_impl if _plain_eager(q) else _flash_decode_op
+    direct = _plain_eager(q)
     if sinks is None:
-        return (*op(q, k, v, cache_seqlens, softmax_scale, q_positions, k_positions, name, block_table, out_dtype,
-                    lse_dtype, cache_starts, window, softcap), resolved)
+        args = (q, k, v, cache_seqlens, softmax_scale, q_positions, k_positions, name, block_table, out_dtype,
+                lse_dtype, cache_starts, window, softcap)
+        return (*(_direct(_flash_decode_impl, *args) if direct else _flash_decode_op(*args)), resolved)
     # The sink joins the finished state: unrounded partial and whole lse first, one rounding after.
-    out, lse = op(q, k, v, cache_seqlens, softmax_scale, q_positions, k_positions, name, block_table,
-                  contract.acc_dtype(q.dtype), torch.float64, cache_starts, window, softcap)
+    args = (q, k, v, cache_seqlens, softmax_scale, q_positions, k_positions, name, block_table,
+            contract.acc_dtype(q.dtype), torch.float64, cache_starts, window, softcap)
+    out, lse = _direct(_flash_decode_impl, *args) if direct else _flash_decode_op(*args)
     out, lse = reference.add_sink(out, lse, sinks)
     return (out.to(q.dtype if out_dtype is None else out_dtype),
             lse.to(contract.lse_acc_dtype(lse_dtype, q.dtype)), resolved)
@@ -331,7 +380,9 @@ def merge_states(outs: torch.Tensor, lses: torch.Tensor, *, backend: str | None 
         return (torch.clone(outs[0], memory_format=torch.contiguous_format),
                 lses[0].to(torch.promote_types(lses.dtype, contract.acc_dtype(outs.dtype)),
                            memory_format=torch.contiguous_format, copy=True))
-    return (_merge_states_impl if _plain_eager(outs) else _merge_states_op)(outs, lses, name)
+    if _plain_eager(outs):
+        return _direct(_merge_states_impl, outs, lses, name)
+    return _merge_states_op(outs, lses, name)
 
 
 def prefill_kernel(q: torch.Tensor, v: torch.Tensor, kernel: str | None = None, *, window: int | None = None,

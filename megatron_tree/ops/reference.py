@@ -230,10 +230,25 @@ def lse_weights(lse: torch.Tensor, m: torch.Tensor, dtype: torch.dtype | None = 
     and ``exp`` rounded once to ``dtype``: the weight's relative error is one rounding
     whatever ``|lse - m|`` is (in float32, ``lse - m = 40`` alone would be off by 2e-6).
     """
-    dtype = lse.dtype if dtype is None else dtype
-    m_safe = torch.nan_to_num(m, nan=0.0, posinf=0.0, neginf=0.0)  # non-finite -> 0, in one op
-    # float64 - float32 widens the float32 operand exactly: the same difference as two .double()
-    w = torch.exp((lse if lse.dtype == torch.float64 else lse.double()) - m_safe)
+    return _weights(lse, _finite(m), lse.dtype if dtype is None else dtype)
+
+
+def _finite(m: torch.Tensor) -> torch.Tensor:
+    """The shift as the formula uses it: a non-finite ``m`` (every shard empty, a NaN) counts as 0."""
+    return torch.nan_to_num(m, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def _beside_out(x: torch.Tensor) -> torch.Tensor:
+    """(..., batch, nheads_q, seqlen_q) -> the view (..., batch, seqlen_q, nheads_q, 1) that broadcasts
+    onto an out (..., batch, seqlen_q, nheads_q, headdim); one torch call for one query token."""
+    return x.unsqueeze(-3) if x.shape[-1] == 1 else x.mT.unsqueeze(-1)
+
+
+def _weights(lse: torch.Tensor, shift: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`lse_weights` against a finite ``shift`` (:func:`_finite`'s)."""
+    # float64 - float32 widens the float32 operand exactly: the same difference as two .double();
+    # the difference is a new tensor, so exp may run in place on it
+    w = (lse.double() - shift).exp_()
     return w if w.dtype == dtype else w.to(dtype)
 
 
@@ -250,19 +265,24 @@ def normalize(num: torch.Tensor, den: torch.Tensor, m: torch.Tensor,
     gives NaN (never hidden as an empty row).
     """
     ld = torch.promote_types(m.dtype, den.dtype) if lse_dtype is None else lse_dtype
-    # Only den == 0 means "no key": a NaN den (a NaN partial lse upstream) stays NaN, visibly.
-    empty = den == 0
-    den1 = den.masked_fill(empty, 1)  # the divisor, 1 where there is no key
-    out = (num / den1.transpose(1, 2).unsqueeze(-1)).masked_fill_(empty.transpose(1, 2).unsqueeze(-1), 0)
-    m_safe = torch.nan_to_num(m, nan=0.0, posinf=0.0, neginf=0.0)
-    lse = torch.log(den1 if den1.dtype == ld else den1.to(ld))
-    lse = (lse + m_safe if m_safe.dtype == ld else lse + m_safe.to(ld)).masked_fill_(empty, float("-inf"))
-    return out, lse
+    return _normalize(num, den, _finite(m), ld)
+
+
+def _normalize(num: torch.Tensor, den: torch.Tensor, shift: torch.Tensor,
+               ld: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`normalize` against a finite ``shift`` (:func:`_finite`'s), the lse in ``ld``."""
+    den_o = _beside_out(den)
+    # Only den == 0 means "no key" (logical_not: True for +-0 only); a NaN den (a NaN partial lse
+    # upstream) stays NaN, visibly. The quotient's 0/0 there is overwritten.
+    out = (num / den_o).masked_fill_(den_o.logical_not(), 0)
+    # log(0) = -inf and -inf + a finite shift = -inf: an empty row's lse needs no mask
+    lse = torch.log(den if den.dtype == ld else den.to(ld))
+    return out, lse.add_(shift if shift.dtype == ld else shift.to(ld))
 
 
 def weighted(out: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``w * o`` with w: (..., batch, nheads_q, seqlen_q) broadcast onto o: (..., batch, seqlen_q, nheads_q, headdim)."""
-    return out * w.transpose(-1, -2).unsqueeze(-1)
+    return out * _beside_out(w)
 
 
 def merge_states(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -287,8 +307,8 @@ def merge_stacked(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor,
     if p == 1:
         return outs[0], lses[0].to(ld)
     lses = lses if lses.dtype == ld else lses.to(ld)
-    m = lses.amax(dim=0)
-    w = lse_weights(lses, m, acc)
+    shift = _finite(lses.amax(dim=0))  # the maximum, once for the weights and the lse
+    w = _weights(lses, shift, acc)
     num = weighted(outs if outs.dtype == acc else outs.to(acc), w).sum(dim=0)
-    out, lse = normalize(num, w.sum(dim=0), m, ld)
+    out, lse = _normalize(num, w.sum(dim=0), shift, ld)
     return (out if out.dtype == outs.dtype else out.to(outs.dtype)), lse

@@ -60,9 +60,10 @@ def _fused(q, k, v, lens: list, starts: list, scale: float):
     kernel computes ``m + log(l)`` and the normalised output in float32, like the loop below."""
     b, sq, hq, dv = q.shape[0], q.shape[1], q.shape[2], v.shape[3]
     n = k.shape[1]
-    if all(first == 0 and length == n for first, length in zip(starts, lens)) and n > 0:  # one call for all rows
+    if n > 0 and lens == [n] * b and not any(starts):  # every row whole: one call for all rows (list compares)
         out, lse = _FUSED(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale)
-        return out.transpose(1, 2), lse.contiguous()  # out (b, sq, hq, dv): the kernel's own layout
+        # out (b, sq, hq, dv): the kernel's own layout; lse (b, hq, sq), contiguous already for one token
+        return out.transpose(1, 2), (lse if lse.is_contiguous() else lse.contiguous())
     rows = []
     for i in range(b):
         first, length = starts[i], lens[i]

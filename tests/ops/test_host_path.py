@@ -10,6 +10,7 @@ that make the path thin, each by counting or by a guard, so a change that undoes
 * the value checks (``cache_seqlens`` in [0, N], block ids) still run on every CPU call;
 * ``tree_decode`` at world 1 resolves the backend once and runs no merge;
 * merging one state returns a copy of it without entering the merge op;
+* one CPU merge is a fixed, small number of torch calls, whatever the number of states;
 * no device-to-host read happens around the ops (``sync_guard.no_host_sync``), and the ops'
   direct eager path gives the op's own bits.
 """
@@ -254,3 +255,38 @@ def test_fused_cpu_kernel_equals_the_loop_and_the_reference(monkeypatch):
     got = torch_decode.flash_decode(q, k, v)
     want = reference.partial_attention(q.double(), k.double(), v.double())
     assert (got[0].double() - want[0]).abs().max() < 2e-6 and (got[1].double() - want[1]).abs().max() < 2e-6
+
+
+def _torch_calls(fn) -> list[str]:
+    """The torch operators ``fn()`` calls from Python, in order: the profiler's top-level ``aten::`` events
+    (nested ones, such as the copy inside a ``to``, are parts of one call). The profiler is no dispatch
+    mode, so ``mt.merge_states`` takes its plain-eager path, the one timed by benchmarks/host_path.py."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()  # the signature's checks run once, before counting
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return [e.name for e in prof.events() if e.cpu_parent is None and e.name.startswith("aten::")]
+
+
+MERGE_CALLS_ONE_TOKEN = 17
+"""Torch calls of one CPU merge of one query token (amax, nan_to_num, the float64 difference and
+exp with its casts, one product, two sums, two broadcast views, the quotient with its mask, log,
+add); the merge before (commit 21f18f7) made 24, each ~1-2 us of host time on a tiny merge."""
+
+
+def test_merge_is_a_fixed_handful_of_torch_calls_whatever_the_number_of_states(fresh):
+    """One CPU merge_states call makes at most MERGE_CALLS_ONE_TOKEN torch calls for P = 2 and P = 7
+    alike (one pass over the stacked states, no loop over them), two more with several query tokens
+    (the broadcast views), and none of them a check once the signature is known. A change that goes
+    back to per-state or per-piece small calls raises the count and fails here."""
+    g = torch.Generator().manual_seed(4)
+    counts = {}
+    for p, sq in ((2, 1), (7, 1), (3, 2)):
+        outs, lses = torch.randn(p, 2, sq, 4, 16, generator=g), torch.randn(p, 2, 4, sq, generator=g)
+        lses[0, 1] = float("-inf")  # an empty state: no extra work either
+        calls = _torch_calls(lambda: mt.merge_states(outs, lses))
+        counts[p, sq] = len(calls)
+        assert "aten::eq" not in calls and "aten::masked_fill" not in calls, calls  # no mask built twice
+    assert counts[2, 1] == counts[7, 1] <= MERGE_CALLS_ONE_TOKEN, counts
+    assert counts[3, 2] <= MERGE_CALLS_ONE_TOKEN + 2, counts
