@@ -13,8 +13,9 @@ whose expected count is below 5 are pooled into one cell (so the chi-square appr
    distinct and duplicate siblings) and drafts drawn from the draft table; each also truncated at
    an independent random length (what a batch does when rows commit the fewest any row accepted).
    Plain sampling from the table is checked the same way, as a control of the statistic.
-   A wrong rule fails these checks by far (accepting with min(1, q/p), or drawing from p instead
-   of the residual after a rejection, give chi-square p-values below 1e-100).
+   A wrong rule fails these checks: accepting with min(1, q/p) accepts (nearly) every draft and
+   fails the check that some rows reject; drawing from r instead of the residual after a
+   rejection gives chi-square statistics above 38,000 (p-value 0) in every case.
 2. ``generate(do_sample=True, speculative=...)`` through a tiny transformers Llama of 8 tokens at
    world 1: 3,000 rows of one prompt per check, with temperature/top-k/top-p, prompt lookup, a
    draft model and the target as its own draft (every draft accepted: several tokens committed per
