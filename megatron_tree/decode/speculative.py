@@ -567,8 +567,8 @@ def commit(cache, nodes: torch.Tensor) -> None:
 @dataclass
 class SpeculativeResult(GenerationResult):
     """What :func:`generate_speculative` returns (the same on every CP rank): ``generate``'s result
-    (``tokens`` are exactly non-speculative greedy ``generate``'s; ``step_times`` one per verification
-    step) and the drafting's counts."""
+    (greedy: ``tokens`` are exactly non-speculative greedy ``generate``'s; sampling: drawn from the
+    same distribution; ``step_times`` one per verification step) and the drafting's counts."""
 
     steps: int = 0
     """Verification steps run (each one decode forward with one merge per layer)."""
