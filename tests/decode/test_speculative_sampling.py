@@ -17,7 +17,7 @@ whose expected count is below 5 are pooled into one cell (so the chi-square appr
    fails the check that some rows reject; drawing from r instead of the residual after a
    rejection gives chi-square statistics above 38,000 (p-value 0) in every case.
 2. ``generate(do_sample=True, speculative=...)`` through a tiny transformers Llama of 8 tokens at
-   world 1: 3,000 rows of one prompt per check, with temperature/top-k/top-p, prompt lookup, a
+   world 1: 1,500 rows of one prompt per check, with temperature/top-k/top-p, prompt lookup, a
    draft model and the target as its own draft (every draft accepted: several tokens committed per
    step), against the exact distribution from the unmodified model in one process.
 3. One CP 2 gloo run: every rank keeps the same tokens, equal to world 1's for the same seed, and
@@ -193,7 +193,7 @@ def test_speculative_accept_bad_input():
 
 HV = 8  # the tiny Llama's vocabulary
 PROMPT = [1, 2, 3, 1, 2, 4, 1, 2, 5, 1, 2, 3, 1, 2]  # repeated n-grams: prompt lookup finds drafts
-ROWS = 3000
+ROWS = 1500
 SAMPLING = {"temperature": 1.3, "top_k": 6, "top_p": 0.95}
 
 
