@@ -4,7 +4,7 @@ The statistics: chi-square goodness of fit of the first three tokens against the
 distribution, computed from the target in closed form. Each check rejects when the chi-square
 p-value is below ``ALPHA`` = 1e-8; the samples are drawn with fixed seeds, so the tests are
 deterministic, and over random seeds a correct sampler would fail any one check with probability
-1e-8 (the file makes 12 such checks: a false failure rate below 1e-6 for the whole file). Cells
+1e-8 (the file makes 10 such checks: a false failure rate below 1e-7 for the whole file). Cells
 whose expected count is below 5 are pooled into one cell (so the chi-square approximation holds).
 
 1. ``speculative_accept`` alone, on a fixed table of next-token distributions over 5 tokens (the
@@ -21,7 +21,10 @@ whose expected count is below 5 are pooled into one cell (so the chi-square appr
    draft model and the target as its own draft (every draft accepted: several tokens committed per
    step), against the exact distribution from the unmodified model in one process.
 3. One CP 2 gloo run: every rank keeps the same tokens, equal to world 1's for the same seed, and
-   the same seed gives the same tokens again.
+   the same seed gives the same tokens again. (World 1 and CP 2 agree unless a uniform draw falls
+   within the last bits of the logits' difference between the layouts of an acceptance threshold:
+   with fixed seeds the outcome is fixed on one platform; elsewhere it could flip with a probability
+   of the order of 1e-7 per decision.)
 """
 
 import pytest
