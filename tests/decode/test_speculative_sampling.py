@@ -262,6 +262,7 @@ def test_generate_speculative_sampling_matches_transformers_distribution(llamas,
 
 CP_PROMPTS = [PROMPT, [4, 5, 6, 4, 5], [7], PROMPT[:9]]
 CP_NEW = 10
+STOPS = (2, 5)
 
 
 def _cp_runs(model, draft):
@@ -276,6 +277,11 @@ def _cp_runs(model, draft):
             r = generate(model, CP_PROMPTS, CP_NEW, do_sample=True, seed=seed, speculative=cfg, progress=False,
                          **SAMPLING)
             out.setdefault(name, []).append((r.tokens, r.accepted))
+    # stop tokens: rows finish at different steps while the others go on drafting
+    r = generate(model, CP_PROMPTS, CP_NEW, do_sample=True, seed=3, stop_token_ids=STOPS, progress=False,
+                 speculative=SpeculativeConfig(method="draft_model", draft_model=model.unsharded(), depth=3),
+                 **SAMPLING)
+    out["stop"] = [(r.tokens, r.accepted)]
     return out
 
 
@@ -303,6 +309,12 @@ def test_cp2_ranks_keep_the_same_sampled_tokens_as_world_1(llamas):
         assert a != c, f"{name}: seeds 3 and 4 gave the same tokens"
         assert single[name] == ranks[0][name], f"{name}: CP 2 and world 1 differ for the same seed"
         assert all(len(row) == CP_NEW for row in a)
+    assert ranks[1]["stop"] == ranks[0]["stop"] == single["stop"]
+    stopped = ranks[0]["stop"][0][0]
+    for row in stopped:  # a row ends at its first stop token, or runs to the budget without one
+        first = next((i for i, t in enumerate(row) if t in STOPS), None)
+        assert (first is None and len(row) == CP_NEW) or first == len(row) - 1, row
+    assert any(len(row) < CP_NEW for row in stopped) and any(len(row) > 1 for row in stopped), stopped
     # the target as its own draft: every step commits all its drafts plus one on both ranks alike
     # (10 tokens: the prefill's, two steps of 3 drafts, a last step with no room for a draft)
     assert all(acc == [4, 4, 1] for _, acc in ranks[0]["self"]), [acc for _, acc in ranks[0]["self"]]
