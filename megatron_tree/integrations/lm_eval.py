@@ -36,6 +36,8 @@ How each request type runs (the decode tier underneath, through ``integrations.h
   choice broadcast every step, so sampled tokens are the same on every rank); a row stops at
   EOS or at a token whose text contains a stop string; the text is cut at the first stop
   string as lm-eval's ``hf`` backend cuts it.
+  With ``speculative=prompt_lookup`` the steps verify prompt-lookup drafts
+  (``decode.speculative``): the same greedy text, sampled text from the same distribution.
 
 A Megatron checkpoint (``source=megatron``): a ``dist_checkpointing`` directory or a Megatron-LM
 ``--save`` directory whose ``common.pt`` holds the training arguments (the model's shape is read
