@@ -437,23 +437,25 @@ def generate(
         scoring); token ``i`` is fed after the prefill (``i = 0``) or decode step ``i - 1``
     broadcast: CP rank 0's choice is broadcast each step (default). ``False`` keeps every
         rank's own choice, so that a check across ranks can see a divergence (the eval).
-    speculative: a ``decode.speculative.SpeculativeConfig``: greedy generation whose steps verify
-        draft trees (prompt lookup or a draft model) in one forward each; the same tokens, fewer
-        steps (``decode.speculative.generate_speculative``; transformers models, greedy only).
+    speculative: a ``decode.speculative.SpeculativeConfig``: generation whose steps verify
+        draft trees (prompt lookup or a draft model) in one forward each; greedy: the same tokens,
+        sampling: the same distribution, in fewer steps (``decode.speculative.generate_speculative``;
+        transformers models).
         Returns its ``SpeculativeResult`` (tokens, steps, accepted tokens per step).
     """
     if speculative is not None:
-        unsupported = [name for name, off in (("do_sample", not do_sample), ("forced_tokens", forced_tokens is None),
+        unsupported = [name for name, off in (("forced_tokens", forced_tokens is None),
                                               ("hook", hook is None), ("prefill_method", prefill_method is None),
                                               ("broadcast=False", broadcast)) if not off]
         if unsupported:
-            raise NotImplementedError(f"speculative generation is greedy and takes none of {unsupported}")
+            raise NotImplementedError(f"speculative generation takes none of {unsupported}")
         if not callable(getattr(speculative, "generate", None)):
             raise TypeError(f"speculative must be a decode.speculative.SpeculativeConfig, got "
                             f"{type(speculative).__name__}")
         # (the config runs its own loop: decode.speculative sits above this module, which never imports it)
         return speculative.generate(model, prompts, max_new_tokens, stop_token_ids=stop_token_ids, cache=cache,
-                                    strategy=strategy, stats=stats, progress=progress)
+                                    strategy=strategy, stats=stats, progress=progress, do_sample=do_sample,
+                                    temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     _agree_on_call(model, prompts, max_new_tokens, stop_token_ids, do_sample, temperature, top_k, top_p, seed,
                    strategy, prefill_method, broadcast, forced_tokens, cache)
     prompts = [list(p) for p in prompts]

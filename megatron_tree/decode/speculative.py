@@ -20,8 +20,10 @@ needs no rollback.
 
 The loop (:func:`generate_speculative`) drafts with prompt lookup (n-gram matches in the prompt
 and generated text) or a draft model (a small causal LM run replicated on every rank), in a tree
-of ``width`` chains of ``depth`` tokens under the root, and accepts greedily: the tokens it
-returns are exactly those of non-speculative greedy :func:`decode.generate.generate`.
+of ``width`` chains of ``depth`` tokens under the root. Greedy acceptance returns exactly the tokens
+of non-speculative greedy :func:`decode.generate.generate`; speculative sampling
+(:func:`speculative_accept`: recursive rejection sampling over siblings) draws tokens from exactly
+the distribution ``decode.generate.sample_next`` samples from, decided on CP rank 0 and broadcast.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import torch
 
 from ..comm import merge as comm
 from ..comm.merge import CommStats
-from ..distributed import agreement
+from ..distributed import agreement, collectives
 from ..distributed.topology import TreeGroups
 from ..ops import dispatch as ops
 from ..ops.contract import acc_dtype
@@ -43,7 +45,8 @@ from ..ops.reference import add_sink, merge_states, soft_cap
 from .generate import DecodeStep, GenerationResult, row_digest
 
 __all__ = ["check_draft_tree", "draft_attention", "verify_attention", "tree_mask", "SpeculativeConfig",
-           "SpeculativeResult", "prompt_lookup_drafts", "generate_speculative", "VERIFY_SIGNATURE"]
+           "SpeculativeResult", "prompt_lookup_drafts", "generate_speculative", "VERIFY_SIGNATURE", "target_probs",
+           "speculative_accept"]
 
 
 # --------------------------------------------------------------------------- the draft tree
@@ -344,6 +347,140 @@ def _draft_model_drafts(model, seqs: list[list[int]], width: int, depth: int) ->
     return out
 
 
+@torch.no_grad()
+def _draft_model_sampled(model, seqs: list[list[int]], width: int, depth: int, probs, generator) -> tuple:
+    """Per row: ``width`` chains of ``depth`` tokens *sampled* from ``model``'s distribution (``probs``
+    of its logits: the target's temperature/top-k/top-p), the chains' first tokens drawn independently
+    from one distribution. Returns tokens (batch, width, depth) int64 and their proposal
+    distributions q (batch, width, depth, vocab) float64 (q[b, c, d] is what token [b, c, d] was drawn
+    from). Rows of one length run as one batch; one full forward per depth (no cache)."""
+    dev = next(model.parameters()).device
+    tokens = [None] * len(seqs)
+    qs = [None] * len(seqs)
+    by_len: dict = {}
+    for b, seq in enumerate(seqs):
+        by_len.setdefault(len(seq), []).append(b)
+    for rows in by_len.values():
+        ctx = torch.tensor([seqs[b] for b in rows], device=dev).repeat_interleave(width, 0)  # (n * width, L)
+        q = probs(model(ctx[::width]).logits[:, -1]).double().repeat_interleave(width, 0)  # (n * width, V)
+        chain = torch.multinomial(q, 1, generator=generator)  # siblings: independent draws from one q
+        qd = [q]
+        while chain.shape[1] < depth:
+            q = probs(model(torch.cat([ctx, chain.to(dev)], dim=1)).logits[:, -1]).double()
+            chain = torch.cat([chain, torch.multinomial(q, 1, generator=generator)], dim=1)
+            qd.append(q)
+        chain = chain.reshape(len(rows), width, depth)
+        qd = torch.stack(qd, dim=1).reshape(len(rows), width, depth, -1)
+        for i, b in enumerate(rows):
+            tokens[b], qs[b] = chain[i], qd[i]
+    return torch.stack(tokens), torch.stack(qs)
+
+
+# --------------------------------------------------------------------------- speculative sampling
+
+
+def target_probs(logits: torch.Tensor, *, temperature: float = 1.0, top_k: int | None = None,
+                 top_p: float | None = None) -> torch.Tensor:
+    """The distribution ``decode.generate.sample_next(do_sample=True)`` draws from, for logits of any
+    leading shape (..., vocab) -> float32 probabilities on the CPU (the same operations in the same
+    order, so ``torch.multinomial`` of a row draws what ``sample_next`` draws with that generator)."""
+    shape = logits.shape
+    x = logits.detach().float().cpu().reshape(-1, shape[-1]) / temperature
+    if top_k is not None and top_k < x.shape[-1]:
+        kth = torch.topk(x, top_k, dim=-1).values[:, -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        probs = torch.softmax(sorted_x, dim=-1)
+        before = torch.cumsum(probs, dim=-1) - probs
+        drop = torch.zeros_like(before, dtype=torch.bool).scatter(-1, order, before >= top_p)
+        x = x.masked_fill(drop, float("-inf"))
+    return torch.softmax(x, dim=-1).reshape(shape)
+
+
+def _parents(mask: torch.Tensor) -> list[int]:
+    """Each row's parent in a draft tree (-1 for row 0); raises unless row 0 is the one root."""
+    check_draft_tree(mask)
+    m = mask.detach().cpu()
+    out = [-1]
+    for i in range(1, m.shape[0]):
+        seen = m[i, :i].nonzero().flatten()
+        if seen.numel() == 0 or not bool(m[i, 0]):
+            raise ValueError(f"speculative sampling needs one root (row 0) under which every draft hangs; row {i} "
+                             "does not descend from row 0")
+        out.append(int(seen[-1]))
+    return out
+
+
+def speculative_accept(p: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor, q: torch.Tensor | None = None,
+                       generator: torch.Generator | None = None) -> tuple[list[list[int]], list[list[int]]]:
+    """Speculative sampling over a draft tree: which drafts to keep and the token after them, per row.
+
+    p: (batch, T, vocab) the target's next-token distribution after each tree row (row 0: the root,
+        the last chosen token; row i: after the root and row i's ancestors and row i itself)
+    tokens: (batch, T) int64 draft tokens (row 0's is not used)
+    mask: (T, T) the tree (:func:`check_draft_tree`), every row under row 0
+    q: (batch, T, vocab) the distribution each draft token was drawn from, or ``None``: every draft is
+        a point mass at its token (prompt lookup, or any draft chosen without randomness)
+    returns (paths, emitted): per row the accepted rows from the root down (``[0, ...]``) and the
+        tokens they yield (the accepted drafts, then one token drawn at the last accepted row),
+        ``len(emitted[b]) == len(paths[b])``
+
+    The rule (recursive rejection sampling; SpecInfer's multi-step speculative sampling): at the
+    current row with residual distribution r (first its p), each child x in row order is accepted
+    with probability min(1, r(x) / q(x)); an accepted child becomes the current row (r = its p);
+    a rejected one replaces r by normalize(max(0, r - q)). When no child is accepted (or the row
+    is a leaf), one token is drawn from r. Each emitted token then follows p given the tokens
+    before it, exactly, provided each draft was drawn from its q independently of its earlier
+    siblings' draws (the siblings of a draft model's tree are independent draws; a point mass
+    needs nothing). The draws come from ``generator`` in a fixed order: the same seed, the same
+    result.
+    """
+    b, t, v = p.shape
+    if tuple(tokens.shape) != (b, t):
+        raise ValueError(f"tokens must be (batch, T) = ({b}, {t}) like p, got {tuple(tokens.shape)}")
+    if q is not None and tuple(q.shape) != (b, t, v):
+        raise ValueError(f"q must be (batch, T, vocab) = ({b}, {t}, {v}) like p, got {tuple(q.shape)}")
+    parents = _parents(mask)
+    if mask.shape[0] != t:
+        raise ValueError(f"draft mask is ({mask.shape[0]}, {mask.shape[0]}) but p has {t} tree rows")
+    children = [[i for i in range(1, t) if parents[i] == u] for u in range(t)]
+    p = p.detach().cpu().double()
+    tokens = tokens.detach().cpu().long()
+    q = None if q is None else q.detach().cpu().double()
+    rows = torch.arange(b)
+    cur = torch.zeros(b, dtype=torch.long)
+    stopped = torch.zeros(b, dtype=torch.bool)
+    r = p[:, 0].clone()
+    for u in range(t):
+        here = (cur == u) & ~stopped
+        if u > 0:
+            r[here] = p[here, u]
+        for c in children[u]:
+            draw = torch.rand(b, generator=generator, dtype=torch.float64)
+            live = (cur == u) & ~stopped
+            x = tokens[:, c]
+            qx = torch.ones(b, dtype=torch.float64) if q is None else q[rows, c, x]
+            accept = live & (draw * qx < r[rows, x])  # P = min(1, r(x) / q(x)); draw in [0, 1)
+            reject = live & ~accept
+            cur = torch.where(accept, torch.full_like(cur, c), cur)
+            if bool(reject.any()):
+                qc = torch.nn.functional.one_hot(x, v).double() if q is None else q[:, c]
+                res = (r - qc).clamp_min(0.0)
+                total = res.sum(dim=-1, keepdim=True)
+                # total == 0 only when r == q (then x was accepted surely): keep r
+                use = reject & (total[:, 0] > 0)
+                r = torch.where(use[:, None], res / total.clamp_min(1e-300), r)
+        stopped |= cur == u
+    final = torch.multinomial(r, 1, generator=generator)[:, 0].tolist()
+    m = mask.detach().cpu()
+    node_paths = [m[i].nonzero().flatten().tolist() for i in range(t)]  # row i's ancestors and itself, root first
+    toks = tokens.tolist()
+    paths = [node_paths[c] for c in cur.tolist()]
+    emitted = [[toks[row][n] for n in path[1:]] + [final[row]] for row, path in enumerate(paths)]
+    return [list(path) for path in paths], emitted
+
+
 # --------------------------------------------------------------------------- the verification step (transformers)
 
 
@@ -430,8 +567,8 @@ def commit(cache, nodes: torch.Tensor) -> None:
 @dataclass
 class SpeculativeResult(GenerationResult):
     """What :func:`generate_speculative` returns (the same on every CP rank): ``generate``'s result
-    (``tokens`` are exactly non-speculative greedy ``generate``'s; ``step_times`` one per verification
-    step) and the drafting's counts."""
+    (greedy: ``tokens`` are exactly non-speculative greedy ``generate``'s; sampling: drawn from the
+    same distribution; ``step_times`` one per verification step) and the drafting's counts."""
 
     steps: int = 0
     """Verification steps run (each one decode forward with one merge per layer)."""
@@ -459,7 +596,8 @@ class SpeculativeResult(GenerationResult):
 
 
 SPECULATIVE_SIGNATURE = ("batch", "prompt_lengths", "prompt_ids", "max_new_tokens", "stop_token_ids", "method",
-                         "width", "depth", "max_ngram", "min_ngram", "draft_vocab", "strategy")
+                         "width", "depth", "max_ngram", "min_ngram", "draft_vocab", "strategy", "do_sample",
+                         "temperature", "top_k", "top_p", "seed")
 
 
 def _build_tree(row_chains: list, width: int, depth: int, fill: int) -> list[int]:
@@ -475,20 +613,33 @@ def _build_tree(row_chains: list, width: int, depth: int, fill: int) -> list[int
 @torch.no_grad()
 def generate_speculative(model, prompts: list[list[int]], max_new_tokens: int, *,
                          speculative: SpeculativeConfig | None = None, stop_token_ids=None, cache=None,
-                         strategy: str = "auto", stats: CommStats | None = None,
-                         progress: bool = True) -> SpeculativeResult:
-    """Greedy generation with drafts verified in one step each; the tokens equal greedy ``generate``'s.
+                         strategy: str = "auto", stats: CommStats | None = None, progress: bool = True,
+                         do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
+                         top_p: float | None = None, seed: int | None = None) -> SpeculativeResult:
+    """Generation with drafts verified in one step each: greedy ``generate``'s tokens, or its sampling distribution.
 
     model: an ``integrations.hf.HFTreeModel``; prompts, max_new_tokens, stop_token_ids, cache,
-    strategy, stats, progress: as for :func:`decode.generate.generate` (greedy only).
-    speculative: a :class:`SpeculativeConfig` (default: prompt lookup, one chain of 4).
+    strategy, stats, progress, do_sample, temperature, top_k, top_p, seed: as for
+    :func:`decode.generate.generate`. speculative: a :class:`SpeculativeConfig` (default: prompt
+    lookup, one chain of 4).
 
     Each step feeds the last chosen token (the root) and the draft tree's tokens (the same tree
-    shape for every row; positions are the row's length plus the depth), takes the target's
-    greedy token at the root, walks down while a child holds the target's greedy token, and
-    commits ``n`` tokens per row: the fewest any unfinished row accepted plus one (rows share the
-    cache's steps). Before each step every CP rank compares the step's draft tokens and tree
-    (one small all-gather: ``agreement.agree``), so ranks never verify different drafts.
+    shape for every row; positions are the row's length plus the depth) and commits ``n`` tokens
+    per row: the fewest any unfinished row accepted plus one (rows share the cache's steps; a
+    row's later tokens are dropped and drawn again next step, which keeps sampling exact: each
+    emitted token follows the target given the tokens before it).
+
+    Greedy: the target's greedy token at the root, then down while a child holds the target's
+    greedy token; every rank decides alike. Before each step every CP rank compares the step's
+    draft tokens and tree (one small all-gather: ``agreement.agree``).
+
+    Sampling (``do_sample``): CP rank 0 drafts (prompt lookup: point masses; a draft model: tokens
+    drawn from its distribution under the same temperature/top-k/top-p), broadcasts the tree's
+    tokens, and after the verification forward decides with :func:`speculative_accept` over the
+    target distribution of ``sample_next`` (:func:`target_probs`) and broadcasts the decision
+    (one small broadcast each), so every rank keeps CP rank 0's tokens. ``seed`` seeds CP rank 0's
+    generator: the same seed, the same tokens (at any CP size, up to the last-bit differences of
+    the logits between layouts).
     """
     cfg = speculative or SpeculativeConfig()
     if not (hasattr(model, "hf") and hasattr(model, "_binding")):
@@ -502,12 +653,13 @@ def generate_speculative(model, prompts: list[list[int]], max_new_tokens: int, *
     def call_values():
         from .generate import _check_args
 
-        _check_args(prompts, max_new_tokens, False, 1.0, None, None, vocab)
+        _check_args(prompts, max_new_tokens, do_sample, temperature, top_k, top_p, vocab)
         cfg.check(vocab)
         dv = _vocab_of(cfg.draft_model) if cfg.method == "draft_model" else None
         return (len(prompts), tuple(len(p) for p in prompts), tuple(row_digest(p) for p in prompts),
                 max_new_tokens, tuple(sorted(stops)), cfg.method, cfg.width, cfg.depth, cfg.max_ngram,
-                cfg.min_ngram, dv, strategy)
+                cfg.min_ngram, dv, strategy, bool(do_sample), float(temperature), top_k,
+                None if top_p is None else float(top_p), seed)
 
     group, ranks = (None, ()) if groups is None else (groups.cp_group, groups.cp_ranks)
     agreement.agree("generate_speculative", SPECULATIVE_SIGNATURE, call_values, group, ranks, device=model.device)
@@ -515,15 +667,37 @@ def generate_speculative(model, prompts: list[list[int]], max_new_tokens: int, *
     if cache is None:
         cache = model.new_cache(len(prompts), max(len(p) for p in prompts) + max_new_tokens)
     rank0 = groups is None or groups.rank == 0
+    shared = groups is not None and groups.size > 1
+    generator = torch.Generator(device="cpu")
+    if seed is not None:
+        generator.manual_seed(seed)
+    else:
+        generator.seed()
+
+    def probs(logits):
+        return target_probs(logits, temperature=temperature, top_k=top_k, top_p=top_p)
+
+    def from_rank0(t: torch.Tensor, what: str) -> torch.Tensor:
+        # shapes agree on every rank: batch and T follow from the agreed call (T: the step's depth)
+        if shared:
+            collectives.broadcast(t, groups.cp_ranks[0], groups.cp_group, what=f"generate_speculative: {what}")
+        return t
+
     from tqdm.auto import tqdm
 
     bar = tqdm(total=max_new_tokens, desc="generate (speculative)", unit="tok",
                disable=not (progress and rank0))
     result = SpeculativeResult(tokens=[])
+    batch = len(prompts)
     try:
         t0 = time.perf_counter()
         logits = model.prefill(prompts, cache)
-        cur = logits.float().argmax(-1).cpu()  # identical on every rank (the prefill's assembled logits)
+        if do_sample:  # CP rank 0 draws the first token (as generate does) and broadcasts it
+            cur = torch.multinomial(probs(logits), 1, generator=generator)[:, 0] if rank0 else \
+                torch.zeros(batch, dtype=torch.long)
+            cur = from_rank0(cur, "broadcasting CP rank 0's first token")
+        else:
+            cur = logits.float().argmax(-1).cpu()  # identical on every rank (the prefill's assembled logits)
         result.prefill_time = time.perf_counter() - t0
         out = [[t] for t in cur.tolist()]
         done = [t in stops for t in cur.tolist()]
@@ -536,50 +710,75 @@ def generate_speculative(model, prompts: list[list[int]], max_new_tokens: int, *
             t0 = time.perf_counter()
             remaining = max_new_tokens - produced()
             depth = min(cfg.depth, remaining - 1)
-            seqs = [p + o for p, o in zip(prompts, out)]
-            if depth >= 1:
-                if cfg.method == "prompt_lookup":
-                    chains = [prompt_lookup_drafts(s, cfg.width, depth, cfg.max_ngram, cfg.min_ngram) for s in seqs]
-                else:
-                    chains = _draft_model_drafts(cfg.draft_model, seqs, cfg.width, depth)
-                width = cfg.width
-            else:
-                chains, width = [[] for _ in seqs], 0
+            width = cfg.width if depth >= 1 else 0
             mask = tree_mask(width, depth) if width else torch.ones(1, 1, dtype=torch.bool)
-            tokens = torch.tensor([[s[-1]] + _build_tree(c, width, depth, s[-1]) for s, c in zip(seqs, chains)],
-                                  dtype=torch.long)
-            agreement.agree("generate_speculative.step", ("rows", "drafts", "mask"),
-                            lambda: (tokens.shape[1], row_digest(tokens.flatten().tolist()),
-                                     _tensor_digest(mask)), group, ranks, device=model.device)
+            seqs = [p + o for p, o in zip(prompts, out)]
+            q = None
+            if not do_sample or rank0:
+                if not width:
+                    chains = [[] for _ in seqs]
+                elif cfg.method == "prompt_lookup":
+                    chains = [prompt_lookup_drafts(s, width, depth, cfg.max_ngram, cfg.min_ngram) for s in seqs]
+                elif do_sample:
+                    drawn, qd = _draft_model_sampled(cfg.draft_model, seqs, width, depth, probs, generator)
+                    chains = drawn.tolist()
+                    q = torch.cat([torch.zeros(batch, 1, qd.shape[-1], dtype=qd.dtype),
+                                   qd.reshape(batch, width * depth, -1)], dim=1)
+                else:
+                    chains = _draft_model_drafts(cfg.draft_model, seqs, width, depth)
+                tokens = torch.tensor([[s[-1]] + _build_tree(c, width, depth, s[-1]) for s, c in zip(seqs, chains)],
+                                      dtype=torch.long)
+            else:
+                tokens = torch.zeros(batch, mask.shape[0], dtype=torch.long)
+            if do_sample:
+                tokens = from_rank0(tokens, "broadcasting CP rank 0's draft tree")
+            else:
+                agreement.agree("generate_speculative.step", ("rows", "drafts", "mask"),
+                                lambda: (tokens.shape[1], row_digest(tokens.flatten().tolist()),
+                                         _tensor_digest(mask)), group, ranks, device=model.device)
             logits = verify_forward(model, cache, tokens, mask, strategy=strategy, stats=stats)
-            pred = logits.float().argmax(-1).cpu()  # (B, T): the target's greedy token after each row
-            paths = []
-            for b in range(len(prompts)):
-                node, path = 0, [0]
-                while True:
-                    kids = [1 + c * depth + _depth_of(node, depth) for c in range(width)
-                            if _depth_of(node, depth) < depth and (node == 0 or (node - 1) // depth == c)]
-                    nxt = next((k for k in kids if int(tokens[b, k]) == int(pred[b, node])), None)
-                    if nxt is None:
-                        break
-                    node = nxt
-                    path.append(node)
-                paths.append(path)
-            active = [b for b in range(len(prompts)) if not done[b]]
-            n = min(len(paths[b]) for b in active)
-            nodes = torch.tensor([p[:n] if len(p) >= n else p + [p[-1]] * (n - len(p)) for p in paths])
+            active = [b for b in range(batch) if not done[b]]
+            if do_sample:
+                t = mask.shape[0]
+                decision = torch.zeros(batch, 1 + 2 * t, dtype=torch.long)
+                if rank0:
+                    paths, emitted = speculative_accept(probs(logits), tokens, mask, q, generator)
+                    n = min(len(paths[b]) for b in active)
+                    for b in range(batch):
+                        path = paths[b][:n] + [paths[b][-1]] * (n - len(paths[b]))  # a finished row: padded
+                        new = emitted[b][:n] + [emitted[b][-1]] * (n - len(emitted[b]))
+                        decision[b, 0] = n
+                        decision[b, 1:1 + n] = torch.tensor(path)
+                        decision[b, 1 + t:1 + t + n] = torch.tensor(new)
+                decision = from_rank0(decision, "broadcasting CP rank 0's accepted drafts")
+                n = int(decision[0, 0])
+                nodes = decision[:, 1:1 + n]
+                news = decision[:, 1 + t:1 + t + n].tolist()
+            else:
+                pred = logits.float().argmax(-1).cpu()  # (B, T): the target's greedy token after each row
+                paths = []
+                for b in range(batch):
+                    node, path = 0, [0]
+                    while True:
+                        kids = [1 + c * depth + _depth_of(node, depth) for c in range(width)
+                                if _depth_of(node, depth) < depth and (node == 0 or (node - 1) // depth == c)]
+                        nxt = next((k for k in kids if int(tokens[b, k]) == int(pred[b, node])), None)
+                        if nxt is None:
+                            break
+                        node = nxt
+                        path.append(node)
+                    paths.append(path)
+                n = min(len(paths[b]) for b in active)
+                nodes = torch.tensor([p[:n] if len(p) >= n else p + [p[-1]] * (n - len(p)) for p in paths])
+                news = [[int(tokens[b, k]) for k in nodes[b, 1:].tolist()] + [int(pred[b, int(nodes[b, -1])])]
+                        for b in range(batch)]
             commit(cache, nodes)
-            gained = []
-            for b in range(len(prompts)):
-                new = [int(tokens[b, k]) for k in nodes[b, 1:].tolist()] + [int(pred[b, int(nodes[b, -1])])]
-                take = 0
-                for tok in new:
+            for b in range(batch):
+                for tok in news[b]:
                     if done[b] or len(out[b]) >= max_new_tokens:
                         break
                     out[b].append(tok)
-                    take += 1
                     done[b] = tok in stops
-                gained.append(take)
             result.steps += 1
             result.accepted.append(n)
             result.drafted += depth

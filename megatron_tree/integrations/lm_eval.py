@@ -36,6 +36,8 @@ How each request type runs (the decode tier underneath, through ``integrations.h
   choice broadcast every step, so sampled tokens are the same on every rank); a row stops at
   EOS or at a token whose text contains a stop string; the text is cut at the first stop
   string as lm-eval's ``hf`` backend cuts it.
+  With ``speculative=prompt_lookup`` the steps verify prompt-lookup drafts
+  (``decode.speculative``): the same greedy text, sampled text from the same distribution.
 
 A Megatron checkpoint (``source=megatron``): a ``dist_checkpointing`` directory or a Megatron-LM
 ``--save`` directory whose ``common.pt`` holds the training arguments (the model's shape is read
@@ -139,6 +141,14 @@ class ModelArgs:
     """Accepted from lm-eval's CLI; unused (no automatic batch size)."""
     device: str | None = None
     """``cpu``, ``cuda`` (each rank takes ``cuda:LOCAL_RANK``) or ``None`` (CUDA where available)."""
+    speculative: Literal["prompt_lookup"] | None = None
+    """``prompt_lookup``: ``generate_until`` drafts from n-gram matches in the context and verifies the
+    drafts in one decode step each (``decode.speculative``): greedy outputs are the same, sampled ones
+    follow the same distribution. ``source=hf`` only."""
+    speculative_width: int = 1
+    """Draft chains per step (the tree's branching) with ``speculative``."""
+    speculative_depth: int = 4
+    """Draft tokens per chain with ``speculative``."""
 
 
 def model_args_from(args: dict) -> ModelArgs:
@@ -156,7 +166,8 @@ def model_args_from(args: dict) -> ModelArgs:
     if "pretrained" not in args or not args["pretrained"]:
         raise ModelArgsError(f"--model {BACKEND_NAME} needs model_args pretrained=<checkpoint directory>")
     a = dict(args)
-    for name in ("cp_size", "max_length", "max_gen_toks", "seed", "intra_size", "batch_size", "max_batch_size"):
+    for name in ("cp_size", "max_length", "max_gen_toks", "seed", "intra_size", "batch_size", "max_batch_size",
+                 "speculative_width", "speculative_depth"):
         v = a.get(name)
         if v is None:
             continue
@@ -178,6 +189,13 @@ def model_args_from(args: dict) -> ModelArgs:
         raise ModelArgsError(f"model_args prefill={a['prefill']!r} is not one of {list(PREFILL_METHODS)}")
     if a.get("dtype", "float32") not in _DTYPES:
         raise ModelArgsError(f"model_args dtype={a['dtype']!r} is not one of {sorted(_DTYPES)}")
+    if a.get("speculative") in ("", "none", "None"):
+        a["speculative"] = None
+    if a.get("speculative") not in (None, "prompt_lookup"):
+        raise ModelArgsError(f"model_args speculative={a['speculative']!r} is not one of ['prompt_lookup'] (or unset)")
+    if a.get("speculative") and a.get("source") == "megatron":
+        raise ModelArgsError("model_args speculative is available with source=hf only (the draft verification step "
+                             "runs through transformers' layers)")
     if a.get("source", "hf") not in ("hf", "megatron"):
         raise ModelArgsError(f"model_args source={a['source']!r} is not one of ['hf', 'megatron']")
     if a.get("source") == "megatron":
@@ -559,6 +577,11 @@ class TreeLM(TemplateLM):
 
     def _generate(self, prompts: list[list[int]], max_new_tokens: int, **kw) -> list[list[int]]:
         """Each prompt's new tokens (up to and including a stop token): the decode tier's one loop."""
+        if self.args.speculative:
+            from ..decode.speculative import SpeculativeConfig
+
+            kw["speculative"] = SpeculativeConfig(method=self.args.speculative, width=self.args.speculative_width,
+                                                  depth=self.args.speculative_depth)
         return generate(self.model, prompts, max_new_tokens, strategy=self.args.strategy, progress=False, **kw).tokens
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:

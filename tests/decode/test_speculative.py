@@ -262,8 +262,9 @@ def test_draft_model_with_another_vocabulary_is_a_clear_error(tmp_path):
                              speculative=SpeculativeConfig(method="draft_model", draft_model=small))
     from megatron_tree.decode.generate import generate
 
-    with pytest.raises(NotImplementedError, match=r"greedy and takes none of \['do_sample'\]"):
-        generate(target, [[1, 2, 3]], 4, do_sample=True, speculative=SpeculativeConfig())
+    with pytest.raises(NotImplementedError, match=r"speculative generation takes none of \['forced_tokens'\]"):
+        generate(target, [[1, 2, 3]], 4, forced_tokens=torch.zeros(1, 4, dtype=torch.long),
+                 speculative=SpeculativeConfig())
 
 
 # --------------------------------------------------------------------------- generation through transformers
