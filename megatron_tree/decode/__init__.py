@@ -1,7 +1,7 @@
 """The decode tier: everything between the merge (``comm``) and the frameworks' integrations.
 
 ``tree_decode`` over a contiguous or paged shard (``attention``), the one placement rule
-(``placement``) and step planner (``plan``), the sharded caches (``cache``: contiguous,
+(``placement``) and step planner (``plan``), a step's attention metadata (``metadata``), the sharded caches (``cache``: contiguous,
 ``paged``), CP prefill and the one assembly of its logits (``prefill``), and the one
 generation loop with its written model protocol and the ``shifted`` redo (``generate``), and exact
 speculative decoding across the CP group (``speculative``: draft trees verified in one step).
@@ -12,6 +12,7 @@ from .attention import tree_decode
 from .cache import CacheConfig, CacheOverflowError, ShardedKVCache
 from .generate import (DecodeCache, DecodeModel, DecodeStep, GenerationHook, GenerationResult, StepRunner,
                        generate)
+from .metadata import StepMetadata
 from .paged import PagedKVCache, PoolExhaustedError
 from .placement import LAYOUTS, PlacementError, RowPlacement, prefill_ranges
 from .plan import StepPlan, StepPlanner
@@ -23,5 +24,5 @@ __all__ = [
     "GenerationResult", "generate", "DecodeModel", "DecodeCache", "DecodeStep", "StepRunner", "PagedKVCache",
     "PoolExhaustedError", "LAYOUTS", "PlacementError", "RowPlacement", "prefill_ranges", "StepPlan",
     "StepPlanner", "PREFILL_METHODS", "allgather_prefill", "assemble_logits", "cp_prefill", "ring_prefill",
-    "SpeculativeConfig", "SpeculativeResult", "generate_speculative", "verify_attention",
+    "SpeculativeConfig", "SpeculativeResult", "generate_speculative", "verify_attention", "StepMetadata",
 ]
