@@ -237,14 +237,15 @@ def _prefill(model, orig, binding: _Binding, cache: TreeCache, call: dict, batch
         return (batch, seq, _checksum(ids), _checksum(embeds), _checksum(mask), _checksum(pos.expand(batch, seq)),
                 _checksum(wanted),
                 binding.strategy, binding.prefill, binding.layout, binding.block_size, binding.new_tokens_hint,
-                binding.max_prefill_tokens, *(getattr(cfg, n, None) for n in _WIDTHS),
+                binding.max_prefill_tokens, binding.compiled is not None, *(getattr(cfg, n, None) for n in _WIDTHS),
                 *(binding.settings_hint or (None,) * len(_SETTINGS)))
 
     # The model's shape too: replicas whose attention shapes agree but whose widths do not would pass every
     # collective of the forward (chunks' keys, the logits' SUM) and return a mixture of two models.
     cfg = _text_config(model.config)
     names = ("batch", "seq", "input_ids", "inputs_embeds", "attention_mask", "position_ids", "logits_wanted",
-             "strategy", "prefill", "layout", "block_size", "max_new_tokens", "max_prefill_tokens", *_WIDTHS,
+             "strategy", "prefill", "layout", "block_size", "max_new_tokens", "max_prefill_tokens", "compile_step",
+             *_WIDTHS,
              *_SETTINGS)
     g = binding.groups
     group, ranks = (None, ()) if g is None else (g.cp_group, g.cp_ranks)

@@ -2,6 +2,11 @@
 ``torch.compile(fullgraph=True)`` traces it with no graph break, once over a generation's 12 steps (the
 tokens' placement and positions change, the graph does not), and it gives the eager step's logits.
 
+``fullgraph=True`` is also the no-host-sync proof of the compiled half: a host read of a device value
+(``.item()``, ``.tolist()``, a data-dependent shape) is a graph break, so an error here. The two opaque
+ops' bodies are the eager step's (``tests/decode/test_host_sync.py`` guards them); ``no_host_sync``
+itself is a dispatch mode, under which torch.compile does not run.
+
 ``aot_eager`` runs Dynamo and AOTAutograd without Inductor's code generation, so a graph break, a host
 read of a device value or a guard on a per-step value (a recompilation) shows here cheaply; its graphs
 run the same aten ops as eager, so the logits are compared bit for bit.
@@ -161,3 +166,24 @@ def test_transformers_generate_runs_compiled_steps_with_its_own_tokens():
         assert equal
         assert 1 <= frames <= 2
         assert refused[0] == "CompileError" and "compile_step=True" in refused[1]
+
+
+
+def _split_setting(rank, world):
+    import megatron_tree as mt
+    from megatron_tree.decode.generate import generate
+    from megatron_tree.integrations.hf import HFTreeModel
+
+    groups = mt.TreeGroups.build()
+    model = HFTreeModel(_model("llama"), groups, compile_step=rank == 0)
+    return outcome(lambda: generate(model, PROMPTS, 3, progress=False))
+
+
+def test_ranks_that_disagree_on_compile_step_raise_the_same_error():
+    """One rank compiles its steps, the other does not: a DisagreementError naming compile_step and each
+    rank's value, the same on both ranks, at the prefill (before any step)."""
+    results = run_ranks(_split_setting, 2, timeout=120)
+    assert results[0][:2] == results[1][:2]
+    kind, message, seconds = results[0]
+    assert kind == "DisagreementError" and "compile_step" in message
+    assert seconds < 30
