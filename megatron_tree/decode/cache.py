@@ -288,6 +288,11 @@ class ShardedKVCache:
                                                  self._step_store, kv_len)
         return meta
 
+    def step_buffers(self) -> tuple[torch.Tensor, ...]:
+        """Every tensor a decode step reads or writes (storage and the step's metadata): their addresses
+        never change, so a compiled or graph-captured step may hold them."""
+        return self._k, self._v, self._positions, self.seqlens, self._step_q, self._step_store, self._batch_index
+
     def append_step(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """:meth:`append` at the slots of the step :meth:`begin_decode_step` placed, read from the step's
         metadata buffer (no check of a caller's slots: a compiled step calls this)."""

@@ -211,12 +211,18 @@ class TreeCache(Cache):
         # headroom per rank: no rank is ever full while placement decides, so its placement is
         # the unbounded rule's and a larger cache replays it exactly (see _grow).
         slack = cp * (self.cache_config.block_size + 2) if cp > 1 and self.growable else 0
-        return ShardedKVCache(
+        storage = ShardedKVCache(
             num_layers=self.num_layers, batch_size=batch, max_seq_len=max_seq_len + slack,
             num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, head_dim_v=self.head_dim_v, cp_size=cp,
             cp_rank=rank,
             config=self.cache_config, dtype=self.dtype, device=self.device,
         )
+        if self.static:
+            # A compiled step writes these in place and a CUDA graph replays on their addresses: tell
+            # Dynamo they are static (else Inductor copies them into its graph's inputs, or skips the graph).
+            for t in storage.step_buffers():
+                torch._dynamo.mark_static_address(t)
+        return storage
 
     def _check_prefill(self, lengths: list[int]) -> int:
         """Raise unless prompts of ``lengths`` fit this cache (nothing changes); returns the tokens per row to size for."""
