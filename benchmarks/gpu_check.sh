@@ -32,6 +32,17 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
   "$PY" -c "import sys, torch, triton; print(sys.version.split()[0], torch.__version__, triton.__version__, torch.version.cuda, torch.cuda.get_device_name())"
 } > "$OUT/env.txt" 2>&1
 
+# End to end first (benchmarks/gpu_e2e.py, at most 5 minutes): transformers eager and compiled
+# against tree attention eager and compiled, Llama-3.1-8B's layer dims x 8, 32K and 128K.
+# E2E=0 skips it; E2E_ONLY=1 runs only it (the rest needs 7.5 more minutes: two device calls).
+if [ "${E2E:-1}" = 1 ]; then
+  timeout 300 "$PY" -m benchmarks.gpu_e2e --contexts 32768 131072 --layers 8 --new-tokens 32 --out "$OUT" \
+    > "$OUT/gpu_e2e.log" 2>&1
+  echo "gpu_e2e=$? (0 = ok, 124 = timed out)" | tee "$OUT/status_e2e.txt"
+  tail -n 30 "$OUT/gpu_e2e.log"
+  [ "${E2E_ONLY:-0}" = 1 ] && exit 0
+fi
+
 # 260 s for the measurements (the script keeps per-step budgets inside this), 2 min for tests,
 # 40 s for the prefill kernels: 7.5 minutes in all.
 timeout 260 "$PY" -m benchmarks.gpu_check --out "$OUT" --budget-s 240 > "$OUT/gpu_check.log" 2>&1
