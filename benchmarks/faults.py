@@ -51,7 +51,7 @@ import time
 OUTCOMES = ("clear_error_every_rank", "exact", "silent_wrong", "hang", "native_crash", "not_alike", "spurious_error")
 
 VALID = ("none", "none_paged", "nan_q", "nan_k", "empty_batch", "prefill_ok", "ckpt_ok", "spec_ok",
-         "spec_generate_ok", "env_ok")
+         "spec_generate_ok", "env_ok", "compile_ok")
 """Fault kinds whose input is valid: an exact result is the only right outcome (an error is ``spurious_error``)."""
 
 FAULTS = (
@@ -73,8 +73,13 @@ FAULTS = (
 seed is odd. ``env_half``: the same half-set launcher variables on every rank (the check
 ``from_env`` runs before any rendezvous when no group exists yet)."""
 
-CAPTURED_FAULTS: tuple = ()
-"""Graph-capture faults (CUDA only): empty until the capture settings exist; they join ``FAULTS`` here."""
+CAPTURED_FAULTS: tuple = ("compile_ok", "compile_shifted", "compile_split")
+"""Compiled-step cases (``enable_tree_attention(compile_step=...)``, Dynamo with ``aot_eager`` on these CPU
+ranks): ``compile_ok`` -- a compiled step's tokens against the eager step's (compiled before the timed
+call); ``compile_shifted`` -- every rank's model is made with ``strategy="shifted"``, which a compiled step
+refuses where it is made (no collective: a rank alone with that setting would be a disagreement of
+strategies, ``compile_split``'s kind); ``compile_split`` -- only the culprit compiles its
+steps (the prefill's agreement names ``compile_step``). They join ``FAULTS`` here."""
 FAULTS = FAULTS + CAPTURED_FAULTS
 
 KILL_WHERE = ("before_build", "inside_build", "first_merge", "decode")
@@ -422,6 +427,37 @@ def _spec_generate_case(case, rank, world, groups, T):
     return call
 
 
+def _compile_case(case, rank, world, groups, T):
+    """A compiled decode step (``HFTreeModel(compile_step=...)``) against the eager one, or a setting it refuses."""
+    from megatron_tree.decode.generate import generate
+    from megatron_tree.integrations.hf import HFTreeModel
+
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [8, 9, 10]][:1 + case["seed"] % 2]
+    fault, me = case["fault"], rank == case["culprit"]
+    compiled = {"backend": "aot_eager"}
+    if fault == "compile_ok":
+        model = HFTreeModel(_tiny_llama(), groups, compile_step=compiled)
+        generate(model, prompts, 3, progress=False)  # traced here, before the timed call
+        eager = HFTreeModel(_tiny_llama(), groups)
+
+        def call():
+            got = generate(model, prompts, 5, progress=False).tokens
+            want = generate(eager, prompts, 5, progress=False).tokens
+            return {"kind": "returned", "err": 0.0 if got == want else float("inf"), "nan_ok": True}
+
+        return call
+
+    def call():
+        if fault == "compile_shifted":
+            model = HFTreeModel(_tiny_llama(), groups, strategy="shifted", compile_step=compiled)
+        else:  # compile_split: only the culprit compiles its steps
+            model = HFTreeModel(_tiny_llama(), groups, compile_step=compiled if me else False)
+        generate(model, prompts, 3, progress=False)
+        return {"kind": "returned", "err": 0.0, "nan_ok": True}  # only errors are expected here
+
+    return call
+
+
 def _launcher_env(case, rank, world) -> dict:
     """The launcher variables this rank's ``from_env`` sees (torchrun's, as a block placement)."""
     per = 2 if world == 4 else world
@@ -474,6 +510,8 @@ def _run_case(case, rank, world, groups, T, work: str = "") -> dict:
     fault = case["fault"]
     if fault.startswith("ckpt_"):
         call = _ckpt_case(case, rank, world, groups, T, work)
+    elif fault.startswith("compile_"):
+        call = _compile_case(case, rank, world, groups, T)
     elif fault in ("spec_generate_ok", "spec_config"):
         call = _spec_generate_case(case, rank, world, groups, T)
     elif fault.startswith("spec_"):
