@@ -368,8 +368,8 @@ def _compare(model, cls_name: str, tensors: dict, file: str, path: str) -> list:
                         f"(transformers would re-initialise them instead of loading them): {_listed(shown)}")
     if unexpected:
         shown = [f"{k} {list(s)} in {w}" for k, s, w in unexpected]
-        problems.append(f"{path!r} holds {len(unexpected)} tensor(s) {cls_name} as {file} describes it has no weight "
-                        f"for (transformers would drop them): {_listed(shown)}")
+        problems.append(f"{path!r} holds {len(unexpected)} tensor(s) that {cls_name} as {file} describes it has no "
+                        f"weight for (transformers would drop them): {_listed(shown)}")
     return problems
 
 

@@ -233,7 +233,7 @@ def enable_tree_attention(model, groups: TreeGroups | None, *, strategy: str = "
 
 def _compile_setting(binding, strategy: str, setting):
     """``forward.compile_step`` after the one check that needs the strategy."""
-    if setting not in (False, None) and strategy == "shifted":
+    if setting not in (False, None) and strategy == "shifted" and binding.cp_size > 1:  # (one rank: no merge)
         raise CompileError("strategy='shifted' carries every layer's lse between steps in host state and cannot "
                            "run in a compiled step (compile_step); use 'packed', 'auto' or another strategy, or "
                            "compile_step=False")

@@ -382,8 +382,8 @@ def device_step(binding: _Binding, ids: torch.Tensor, positions: torch.Tensor, c
 
 def compile_step(binding: _Binding, setting) -> object:
     """:func:`device_step` compiled as ``compile_step`` asks: ``False``/``None`` -> None (eager steps),
-    ``True`` -> ``torch.compile(..., fullgraph=True)``, a dict -> ``torch.compile(..., fullgraph=True,
-    **setting)`` (``backend``, ``mode``, ``dynamic``, ...)."""
+    ``True`` -> ``torch.compile(..., fullgraph=True, dynamic=False)``, a dict -> the same with ``setting``
+    added (``backend``, ``mode``, ...)."""
     if setting is False or setting is None:
         return None
     if setting is True:
@@ -398,4 +398,7 @@ def compile_step(binding: _Binding, setting) -> object:
     def step(ids, positions, cache):
         return device_step(binding, ids, positions, cache)
 
-    return torch.compile(step, **{**setting, "fullgraph": True})
+    # Static shapes unless asked otherwise: each cache shape gets its own graph (a new capacity is a new
+    # trace, as with transformers' static cache); a dynamic recompile would make the storage views'
+    # base sizes symbolic, which Inductor cannot trace back to an input.
+    return torch.compile(step, **{"dynamic": False, **setting, "fullgraph": True})

@@ -174,7 +174,7 @@ def test_unexpected_tensor_is_named(good, tmp_path):
         t["model.layers.1.mlp.extra_proj.weight"] = torch.zeros(4, 16)
 
     msg = _error(_rewrite(good[0], tmp_path / "extra", add))
-    assert "holds 1 tensor(s) LlamaForCausalLM" in msg and "has no weight for" in msg, msg
+    assert "holds 1 tensor(s) that LlamaForCausalLM" in msg and "has no weight for" in msg, msg
     assert "model.layers.1.mlp.extra_proj.weight [4, 16] in model.safetensors" in msg, msg
 
 

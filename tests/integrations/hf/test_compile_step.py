@@ -54,8 +54,12 @@ def _generate(rank, world, arch, intra=None, strategy="auto"):
         tokens = generate(model, PROMPTS, STEPS + 1, hook=hook, progress=False).tokens
         runs[name] = (tokens, torch.stack(hook.steps))
     (want, want_logits), (got, got_logits) = runs["eager"], runs["compiled"]
+    from tests.helpers.hf_models import hf_greedy
+
+    reference = hf_greedy(_model(arch), PROMPTS, STEPS + 1)  # unmodified transformers, one process
     return {"frames": counter.frame_count, "tokens_equal": got == want, "logits_equal": torch.equal(got_logits, want_logits),
-            "steps": len(got_logits), "ops": ops, "layers": len(_model(arch).model.layers)}
+            "steps": len(got_logits), "ops": ops, "layers": len(_model(arch).model.layers),
+            "transformers_equal": got == reference}
 
 
 def _model(arch):
@@ -74,6 +78,7 @@ def _check(results, world):
         assert r["steps"] == STEPS
         assert r["frames"] == 1  # one trace for every step: no recompilation, no graph break (fullgraph)
         assert r["tokens_equal"] and r["logits_equal"]
+        assert r["transformers_equal"]  # (the eager step shares the metadata: this checks it independently)
         # every layer's local attention and its CP merge are one opaque op each in the graph
         for op in ("megatron_tree.flash_decode", "megatron_tree.cp_merge"):
             assert sum(o.startswith(op) for o in r["ops"]) == r["layers"], op
@@ -106,6 +111,21 @@ def _refusals(rank, world):
     out["shifted_model"] = outcome(lambda: HFTreeModel(_model("llama"), groups, strategy="shifted", compile_step=True))
     out["fullgraph"] = outcome(lambda: HFTreeModel(_model("llama"), groups, compile_step={"fullgraph": False}))
     out["kind"] = outcome(lambda: HFTreeModel(_model("llama"), groups, compile_step="yes"))
+    # the merge op's fake (what a traced step is built from) against its real body, in bf16: same shapes,
+    # dtypes (the accumulation dtype: float32 out, float64 lse from a float64 partial) and strides
+    import torch
+
+    from megatron_tree.comm.merge import _op_names
+
+    g = torch.Generator().manual_seed(rank)
+    part = torch.randn(2, 1, 4, 16, generator=g).bfloat16()
+    lse = torch.randn(2, 4, 1, generator=g, dtype=torch.float64)
+    names = _op_names(groups, None)
+    out["opcheck"] = outcome(lambda: torch.library.opcheck(
+        torch.ops.megatron_tree.cp_merge.default, (part, lse, names, "packed", torch.bfloat16, ""),
+        test_utils=("test_schema", "test_faketensor")))
+    merged = torch.ops.megatron_tree.cp_merge.default(part, lse, names, "packed", torch.bfloat16, "")
+    out["dtypes"] = (str(merged[0].dtype), str(merged[1].dtype))
     return out, CompileError.__name__
 
 
@@ -116,7 +136,10 @@ def test_settings_a_compiled_step_cannot_hold_are_refused_on_every_rank():
             assert out[key][0] == name and "strategy='shifted'" in out[key][1]
         assert out["fullgraph"][0] == "ValueError" and "fullgraph=False" in out["fullgraph"][1]
         assert out["kind"][0] == "TypeError" and "compile_step must be a bool or a dict" in out["kind"][1]
-    assert [{k: v[:2] for k, v in out.items()} for out, _ in results] == [{k: v[:2] for k, v in results[0][0].items()}] * 2
+        assert out["opcheck"][0] == "returned", out["opcheck"]
+        assert out["dtypes"] == ("torch.float32", "torch.float64")
+    assert [{k: v[:2] for k, v in out.items() if k != "dtypes"} for out, _ in results] == \
+        [{k: v[:2] for k, v in results[0][0].items() if k != "dtypes"}] * 2
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs (mode='reduce-overhead') need a CUDA device")
