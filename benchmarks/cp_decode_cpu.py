@@ -10,7 +10,9 @@ round, interleaved, so that the machine's load drifts over all of them alike:
 - ``cp2``: two gloo ranks, one thread each, ``HFTreeModel`` driven by ``megatron_tree.decode.generate``
   (each rank attends over half of the cache and runs the whole MLP), its per-step stamps
   (``GenerationResult.step_times``, rank 0's);
-- ``cp2_compiled``: the same with ``compile_step=True`` (Inductor, fullgraph): the step's device half
+- ``cp2_shm``: the same over ``TreeGroups.build(transport="shm")``: the merge's collectives through the
+  ranks' shared-memory channel instead of gloo (``megatron_tree.distributed.shm``);
+- ``cp2_shm_compiled``: that with ``compile_step=True`` (Inductor, fullgraph): the step's device half
   compiled once; its first ``--warmup`` steps (the compilation) are left out of the median.
 
 Reported: the median ms/token of each run (steps after ``--warmup``), the ratio single / cp2 per round
@@ -38,12 +40,12 @@ from .prefill import SMOLLM2_135M, build_model, prompt_ids, run_single
 __all__ = ["main"]
 
 
-def _rank(rank, world, context, new_tokens, compile_step):
+def _rank(rank, world, context, new_tokens, compile_step, transport="backend"):
     import megatron_tree as mt
     from megatron_tree.decode.generate import generate
     from megatron_tree.integrations.hf import HFTreeModel
 
-    groups = mt.TreeGroups.build()
+    groups = mt.TreeGroups.build(transport=transport)
     model = HFTreeModel(build_model(None, None), groups, strategy="packed", compile_step=compile_step)
     res = generate(model, [prompt_ids(context, SMOLLM2_135M["vocab_size"])], new_tokens, progress=False)
     return {"tokens": res.tokens[0], "steps": res.step_times, "prefill": res.prefill_time}
@@ -59,7 +61,7 @@ def main(argv=None) -> dict:
     p.add_argument("--new-tokens", type=int, default=24)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--warmup", type=int, default=2, help="first decode steps of each run left out of its median")
-    p.add_argument("--no-compiled", action="store_true", help="skip the cp2_compiled run")
+    p.add_argument("--no-compiled", action="store_true", help="skip the cp2_shm_compiled run")
     p.add_argument("--out", default=None)
     p.add_argument("--markdown", default=None)
     args = p.parse_args(argv)
@@ -68,7 +70,7 @@ def main(argv=None) -> dict:
     torch.set_num_threads(1)
     ids = prompt_ids(args.context, SMOLLM2_135M["vocab_size"])
     single_model = build_model(None, None)
-    kinds = ["single", "cp2"] + ([] if args.no_compiled else ["cp2_compiled"])
+    kinds = ["single", "cp2", "cp2_shm"] + ([] if args.no_compiled else ["cp2_shm_compiled"])
     rounds = []
     started = time.time()
     for r in range(args.rounds):
@@ -78,8 +80,8 @@ def main(argv=None) -> dict:
                 out = run_single(single_model, ids, args.new_tokens)
                 row[kind] = {"tokens": out["tokens"], "ms": _ms(out["decode_s"], args.warmup)}
             else:
-                res = run_ranks(_rank, 2, args.context, args.new_tokens, kind == "cp2_compiled", timeout=1800,
-                                threads=1)[0]
+                res = run_ranks(_rank, 2, args.context, args.new_tokens, kind.endswith("compiled"),
+                                "shm" if "shm" in kind else "backend", timeout=1800, threads=1)[0]
                 row[kind] = {"tokens": res["tokens"], "ms": _ms(res["steps"], args.warmup)}
             print(f"round {r} {kind}: {row[kind]['ms']:.1f} ms/token", file=sys.stderr, flush=True)
         rounds.append(row)

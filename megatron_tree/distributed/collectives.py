@@ -41,7 +41,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from . import liveness
+from . import liveness, shm
 
 __all__ = [
     "CommError", "DisagreementError", "CommStats", "LevelStats", "DEFAULT_TIMEOUT", "group_timeout",
@@ -270,6 +270,22 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _on_channel(run, *args):
+    """A collective on a group's shared-memory channel (``shm``), its failures worded as the backend's are."""
+    what = args[-1]
+    try:
+        return run(*args)
+    except liveness.PeerGone as e:
+        raise peer_gone(what, e.gone) from None
+    except shm.ChannelMismatch as e:
+        raise DisagreementError(str(e)) from None
+    except shm.ChannelTimeout as e:
+        error = CommError(f"{what}: {e}: a peer is stuck, died, or is waiting in a different collective (ranks "
+                          "that disagree on what to call)")
+        error.cause = "timeout"
+        raise error from None
+
+
 def all_reduce(tensor: torch.Tensor, group, *, op: str = "sum", level: str = "cp",
                stats: CommStats | None = None, what: str = "all_reduce") -> torch.Tensor:
     """Element-wise ``op`` over every rank of ``group``, in place; returns ``tensor``.
@@ -277,10 +293,14 @@ def all_reduce(tensor: torch.Tensor, group, *, op: str = "sum", level: str = "cp
     tensor: any shape and dtype, the same on every rank (contiguous). Recorded as
     ``all_reduce_<op>``.
     """
-    try:
-        dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=group)
-    except RuntimeError as e:  # DistBackendError, DistError and gloo's errors are RuntimeErrors
-        raise _failure(what, f"all_reduce({op.upper()})", level, group, e) from e
+    channel = shm.channel_of(group)
+    if channel is not None and channel.fits(tensor) and tensor.is_contiguous():
+        _on_channel(channel.all_reduce, tensor, op, what)
+    else:
+        try:
+            dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=group)
+        except RuntimeError as e:  # DistBackendError, DistError and gloo's errors are RuntimeErrors
+            raise _failure(what, f"all_reduce({op.upper()})", level, group, e) from e
     if stats is not None:
         stats.record_all_reduce(level, f"all_reduce_{op}", _nbytes(tensor), dist.get_world_size(group))
     return tensor
@@ -297,10 +317,14 @@ def all_gather(tensor: torch.Tensor, group, *, out: torch.Tensor | None = None, 
     tensor = tensor.contiguous()
     if out is None:
         out = tensor.new_empty((size, *tensor.shape))
-    try:
-        dist.all_gather(list(out.unbind(0)), tensor, group=group)
-    except RuntimeError as e:
-        raise _failure(what, "all_gather", level, group, e) from e
+    channel = shm.channel_of(group)
+    if channel is not None and channel.fits(tensor) and out.is_contiguous():
+        _on_channel(channel.all_gather, tensor, out, what)
+    else:
+        try:
+            dist.all_gather(list(out.unbind(0)), tensor, group=group)
+        except RuntimeError as e:
+            raise _failure(what, "all_gather", level, group, e) from e
     if stats is not None:
         n = _nbytes(tensor)
         stats.record(level, "all_gather", n, (size - 1) * n)
@@ -375,6 +399,10 @@ def all_reduce_async(tensor: torch.Tensor, group, *, op: str = "sum", level: str
     stream wait for the collective (no host block); on gloo a worker thread runs it meanwhile.
     """
     name = f"all_reduce({op.upper()})"
+    channel = shm.channel_of(group)
+    if channel is not None and channel.fits(tensor) and tensor.is_contiguous():  # completes here (no thread)
+        all_reduce(tensor, group, op=op, level=level, stats=stats, what=what)
+        return Pending([], what, level, group, op=name)
     try:
         work = dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=group, async_op=True)
     except RuntimeError as e:
@@ -395,6 +423,10 @@ def all_gather_async(tensor: torch.Tensor, group, *, out: torch.Tensor, level: s
     """
     size = dist.get_world_size(group)
     tensor = tensor.contiguous()
+    channel = shm.channel_of(group)
+    if channel is not None and channel.fits(tensor) and out.is_contiguous():  # completes here (no thread)
+        all_gather(tensor, group, out=out, level=level, stats=stats, what=what)
+        return Pending([], what, level, group, op="all_gather")
     try:
         work = dist.all_gather(list(out.unbind(0)), tensor, group=group, async_op=True)
     except RuntimeError as e:

@@ -37,7 +37,7 @@ from typing import Sequence
 
 import torch.distributed as dist
 
-from . import collectives, liveness
+from . import collectives, liveness, shm
 from .agreement import Agreement, agreement_for
 
 __all__ = ["Level", "TreeGroups", "TopologyError", "launcher_local_size", "LAUNCHER_VARIABLES", "slurm_torch_env",
@@ -146,6 +146,7 @@ class TreeGroups:
         *,
         node_of: Sequence | None = None,
         timeout: float | datetime.timedelta | None = None,
+        transport: str | None = None,
     ) -> "TreeGroups":
         """Build CP groups and their levels; every process calls it with the same arguments.
 
@@ -157,6 +158,10 @@ class TreeGroups:
         node_of: node id of every global rank (default: host names, exchanged once).
         timeout: seconds (or a ``timedelta``) a collective on these groups may wait before
             failing with ``CommError``; default: the default process group's own timeout.
+        transport: ``"backend"`` (every collective through the process groups' backend) or
+            ``"shm"``: the small collectives of a gloo group whose ranks share a host go through a
+            shared-memory channel (``distributed.shm``: no thread hand-off, what CPU decoding needs
+            when every core computes); default: ``$MEGATRON_TREE_TRANSPORT``, else ``"backend"``.
 
         Collectives: one all-gather of this rank's facts (arguments, host name) over the
         default group, then ``new_group`` for every CP group and level.
@@ -167,7 +172,7 @@ class TreeGroups:
         wrote its record once the exchange fails.
         """
         _require_initialised("TreeGroups.build")
-        facts = _exchange_facts(ranks, intra_size, node_of, timeout)
+        facts = _exchange_facts(ranks, intra_size, node_of, timeout, transport=transport)
         return cls._assemble(facts, ranks, intra_size, node_of, timeout)
 
     @classmethod
@@ -201,6 +206,8 @@ class TreeGroups:
                     name = "inter" if size_intra == 1 and len(cp_ranks) > 1 else "intra"
                     levels = [Level(name, cp_group, tuple(cp_ranks))]
                 mine = cls(cp_group, tuple(cp_ranks), tuple(levels), size_intra, td.total_seconds())
+                if facts[0]["transport"] == "shm":
+                    _attach_channels(mine, [f["host"] for f in facts])
         if mine is None:
             raise TopologyError(f"rank {me} is not in any of the CP groups {cp_lists}")
         return mine
@@ -213,6 +220,7 @@ class TreeGroups:
         *,
         timeout: float | datetime.timedelta | None = None,
         env: dict | None = None,
+        transport: str | None = None,
     ) -> "TreeGroups":
         """Build the groups from the launcher's environment (torchrun, deepspeed, Slurm).
 
@@ -220,7 +228,7 @@ class TreeGroups:
         ``SLURM_NTASKS_PER_NODE``) defines the real nodes, assuming the launchers' block
         placement (global rank = node * per_node + local rank), which is checked against
         ``LOCAL_RANK``/``SLURM_LOCALID``. ``intra_size`` may only split real nodes further.
-        timeout: as :meth:`build` (default: the default process group's own timeout).
+        timeout, transport: as :meth:`build`.
 
         Without a default process group, a launcher's variables create one first
         (:func:`init_from_launcher`: torchrun's or the deepspeed launcher's ``RANK``,
@@ -236,7 +244,7 @@ class TreeGroups:
         env = os.environ if env is None else env
         init_from_launcher(env, timeout)
         launcher = {v: env.get(v) for v in LAUNCHER_VARIABLES}
-        facts = _exchange_facts(ranks, intra_size, "launcher", timeout, launcher=launcher)
+        facts = _exchange_facts(ranks, intra_size, "launcher", timeout, launcher=launcher, transport=transport)
         world = dist.get_world_size()
         per_node, source = _per_node_from_facts(facts, world)
         _check_local_ranks(facts, per_node, source)
@@ -525,7 +533,26 @@ def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
-def _exchange_facts(ranks, intra_size, node_of, timeout, launcher: dict | None = None) -> list[dict]:
+TRANSPORTS = ("backend", "shm")
+"""What :meth:`TreeGroups.build`'s ``transport`` takes."""
+ENV_TRANSPORT = "MEGATRON_TREE_TRANSPORT"
+
+
+def _attach_channels(groups: "TreeGroups", hosts: list) -> None:
+    """A shared-memory channel (``shm.attach``) for each of this rank's gloo groups whose ranks share a host:
+    the CP group, then its levels (the same order on every member)."""
+    seen = set()
+    for g, ranks in [(groups.cp_group, groups.cp_ranks)] + [(lv.group, lv.ranks) for lv in groups.levels]:
+        if id(g) in seen or len(ranks) < 2 or len({hosts[r] for r in ranks}) != 1:
+            continue
+        seen.add(id(g))
+        if dist.get_backend(g) != "gloo":
+            continue
+        shm.attach(g, ranks, collectives.exchange_objects, timeout=groups.timeout or DEFAULT_INIT_TIMEOUT_S)
+
+
+def _exchange_facts(ranks, intra_size, node_of, timeout, launcher: dict | None = None,
+                    transport: str | None = None) -> list[dict]:
     """Every rank's view of the build, gathered once over the default group (rank order).
 
     Nothing is validated before the exchange, so that no rank raises while the others wait;
@@ -537,9 +564,14 @@ def _exchange_facts(ranks, intra_size, node_of, timeout, launcher: dict | None =
     except (TypeError, ValueError) as e:
         timeout_s, timeout_error = repr(timeout), f"timeout must be a positive number of seconds or a timedelta: {e}"
     shown_nodes = "from the launcher" if isinstance(node_of, str) else _plain_ranks(node_of)
+    if transport is None:
+        transport = os.environ.get(ENV_TRANSPORT) or "backend"
+    if transport not in TRANSPORTS and timeout_error is None:
+        timeout_error = (f"transport must be one of {TRANSPORTS} (from the argument or ${ENV_TRANSPORT}), got "
+                         f"{transport!r}")
     call = (f"(ranks={_plain_ranks(ranks)!r}, intra_size={intra_size!r}, node_of={shown_nodes!r}, "
-            f"timeout_s={timeout_s!r})")
-    mine = {"call": call, "timeout_error": timeout_error, "launcher": launcher,
+            f"timeout_s={timeout_s!r}, transport={transport!r})")
+    mine = {"call": call, "timeout_error": timeout_error, "launcher": launcher, "transport": transport,
             "host": os.environ.get(ENV_HOSTNAME) or socket.gethostname()}
     liveness.register()  # before the first collective: a peer that dies from here on is named
     what = "TreeGroups: exchanging topology facts"

@@ -1,0 +1,203 @@
+"""The shared-memory transport (``TreeGroups.build(transport="shm")``, ``distributed.shm``) on real gloo ranks.
+
+Exact: ``tree_decode`` over it against the single-process reference on the unsharded tensors (GQA,
+rows of different lengths, an empty row, uneven and empty shards; CP 2, 3 and 2 x 2 -- four ranks on
+two cores, where a waiting rank must yield its core), the same bits on every rank; its collectives
+against gloo's. Bad input and faults: ranks passing different sizes, a peer that exits, a peer that
+never comes, a bad or split ``transport`` setting -- each the same clear error on every rank, within
+its bound. Nothing is left in ``/dev/shm``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from megatron_tree.distributed import shm
+from tests.helpers.ranks import outcome, run_ranks
+
+pytestmark = pytest.mark.skipif(not shm.supported(), reason="the shared-memory channel needs x86-64 and /dev/shm")
+
+T = 6.0
+"""The groups' collective timeout in the fault runs (seconds)."""
+
+
+def _shards(rank, world, uneven):
+    """This rank's contiguous piece of each row of 37 keys at the given cut points (an empty one included)."""
+    cuts = {2: [0, 30, 37], 3: [0, 0, 21, 37], 4: [0, 9, 9, 30, 37]}[world] if uneven else \
+        [round(37 * i / world) for i in range(world + 1)]
+    return cuts[rank], cuts[rank + 1]
+
+
+def _decode_over(rank, world, transport, intra):
+    import torch
+
+    import megatron_tree as mt
+    from megatron_tree.ops import reference
+
+    groups = mt.TreeGroups.build(intra_size=intra, transport=transport)
+    attached = [shm.channel_of(g) is not None for g in [groups.cp_group] + [lv.group for lv in groups.levels]]
+    torch.manual_seed(0)
+    q = torch.randn(3, 1, 8, 16, dtype=torch.float64)
+    k, v = torch.randn(3, 37, 2, 16, dtype=torch.float64), torch.randn(3, 37, 2, 16, dtype=torch.float64)
+    lens = torch.tensor([37, 12, 0])  # rows of different lengths, one empty
+    out = {}
+    for uneven in (False, True):
+        lo, hi = _shards(rank, world, uneven)
+        seqlens = (lens - lo).clamp(0, hi - lo).to(torch.int32)
+        for strategy in ("packed", "allgather", "two_level"):
+            if strategy == "two_level" and not groups.is_hierarchical:
+                continue
+            got = mt.tree_decode(q, k[:, lo:hi].contiguous(), v[:, lo:hi].contiguous(), groups,
+                                 cache_seqlens=seqlens, strategy=strategy)
+            ref, _ = reference.partial_attention(q, k, v, cache_seqlens=lens.to(torch.int32))
+            out[(uneven, strategy)] = (float((got - ref).abs().max()), got.reshape(-1).tolist())
+    return attached, out
+
+
+@pytest.mark.parametrize("world,intra", [(2, None), (3, None), (4, 2)])
+def test_tree_decode_over_shared_memory_is_exact_and_the_same_on_every_rank(world, intra):
+    results = run_ranks(_decode_over, world, "shm", intra, timeout=240)
+    for attached, _ in results:
+        assert all(attached), attached  # the CP group and every level run on a channel
+    for key in results[0][1]:
+        for _, out in results:
+            err, values = out[key]
+            assert err < 1e-12, (key, err)  # float64 against the unsharded reference
+            assert values == results[0][1][key][1], key  # bit for bit on every rank
+
+
+def _collectives(rank, world, transport):
+    import torch
+
+    import megatron_tree as mt
+    from megatron_tree.distributed import collectives
+
+    groups = mt.TreeGroups.build(transport=transport)
+    g = groups.cp_group
+    torch.manual_seed(rank)
+    out = {}
+    for dtype in (torch.float32, torch.float64, torch.int64):
+        x = (torch.randn(5, 7) * 100).to(dtype)
+        out[("gather", dtype)] = collectives.all_gather(x, g).tolist()
+        for op in ("sum", "max", "min"):
+            out[(op, dtype)] = collectives.all_reduce(x.clone(), g, op=op).tolist()
+    big = torch.full((shm.DEFAULT_SLOT_BYTES // 4 + 1,), float(rank))  # larger than a slot: through gloo
+    out["big"] = collectives.all_reduce(big, g).unique().tolist()
+    empty = torch.empty(0, 3)
+    out["empty"] = list(collectives.all_gather(empty, g).shape)
+    return out
+
+
+def test_collectives_over_shared_memory_give_what_gloo_gives():
+    world = 3
+    over_shm = run_ranks(_collectives, world, "shm", timeout=120)
+    over_gloo = run_ranks(_collectives, world, "backend", timeout=120)
+    for rank in range(world):
+        for key, value in over_gloo[rank].items():
+            if key[0] == "sum" and key[1] != "int64":
+                got, want = over_shm[rank][key], value  # another summation order: equal within a rounding
+                assert all(abs(a - b) <= 1e-5 * max(1.0, abs(b)) for ra, rb in zip(got, want) for a, b in zip(ra, rb))
+            else:
+                assert over_shm[rank][key] == value, (rank, key)
+        assert over_shm[rank] == over_shm[0], rank  # every collective's result is the same on every rank
+    assert over_shm[0]["big"] == [float(sum(range(world)))]
+    assert over_shm[0]["empty"] == [world, 0, 3]
+
+
+def _mismatch(rank, world):
+    import torch
+
+    import megatron_tree as mt
+    from megatron_tree.distributed import collectives
+
+    groups = mt.TreeGroups.build(transport="shm", timeout=T)
+    x = torch.zeros(4 + (rank == 1), dtype=torch.float32)
+    return outcome(lambda: collectives.all_gather(x, groups.cp_group, what="test gather"))
+
+
+def test_ranks_passing_different_sizes_get_the_same_disagreement_error():
+    results = run_ranks(_mismatch, 3, timeout=120)
+    messages = {r[1] for r in results}
+    assert len(messages) == 1, results  # the same words on every rank
+    kind, message, seconds = results[0]
+    assert kind == "DisagreementError", results[0]
+    assert "test gather" in message and "rank 0: 16 bytes of torch.float32" in message, message
+    assert "rank 1: 20 bytes of torch.float32" in message, message
+    assert seconds < 2.0, seconds
+
+
+def _peer_fault(rank, world, fault):
+    import torch
+
+    import megatron_tree as mt
+    from megatron_tree.distributed import collectives
+
+    groups = mt.TreeGroups.build(transport="shm", timeout=T)
+    collectives.all_reduce(torch.ones(2), groups.cp_group)  # one good collective first
+    if rank == 2:
+        if fault == "exits":
+            os._exit(0)
+        time.sleep(T + 8)  # never comes to the next one (alive: only the timeout can tell)
+        return None
+    return outcome(lambda: collectives.all_reduce(torch.ones(2), groups.cp_group, what="test sum"))
+
+
+@pytest.mark.parametrize("fault,bound,needles", [
+    ("exits", 2.0, ["test sum: rank 2 (host ", "is gone: its process has exited"]),
+    ("stuck", T + 3.0, ["test sum: no answer from rank(s) [2] over shared memory within the group's timeout of 6 s"]),
+])
+def test_a_peer_that_exits_or_never_comes_is_a_comm_error_naming_it(fault, bound, needles):
+    results = run_ranks(_peer_fault, 3, fault, timeout=120, pg_timeout=4 * T,
+                        expect_dead=(2,) if fault == "exits" else ())
+    for rank in (0, 1):
+        kind, message, seconds = results[rank]
+        assert kind == "CommError", (rank, kind, message)
+        for needle in needles:
+            assert needle in message, (rank, message)
+        assert "rank 0 (" not in message and "rank 1 (" not in message, message
+        assert seconds < bound, (fault, rank, seconds)
+        if fault == "stuck":
+            assert seconds > T - 0.5, seconds  # not before the timeout: a slow peer is not a dead one
+
+
+def _bad_setting(rank, world, settings):
+    import megatron_tree as mt
+
+    return outcome(lambda: mt.TreeGroups.build(transport=settings[rank]))
+
+
+@pytest.mark.parametrize("settings,needle", [
+    (["tcp", "tcp"], "transport must be one of ('backend', 'shm') (from the argument or $MEGATRON_TREE_TRANSPORT), "
+                     "got 'tcp'"),
+    (["shm", "backend"], "ranks built TreeGroups with different arguments"),
+])
+def test_a_bad_or_split_transport_is_the_same_topology_error_on_every_rank(settings, needle):
+    results = run_ranks(_bad_setting, 2, settings, timeout=120)
+    assert results[0][1] == results[1][1], results
+    assert results[0][0] == "TopologyError" and needle in results[0][1], results[0]
+
+
+def _env_setting(rank, world):
+    import megatron_tree as mt
+
+    import torch
+
+    from megatron_tree.distributed import collectives
+
+    groups = mt.TreeGroups.build()
+    collectives.all_reduce(torch.ones(1), groups.cp_group)  # every rank is past build (its creator unlinked)
+    return shm.channel_of(groups.cp_group) is not None, sorted(os.listdir("/dev/shm"))
+
+
+def test_the_environment_chooses_the_transport_and_nothing_is_left_in_dev_shm():
+    before = {f for f in os.listdir("/dev/shm") if f.startswith("megatron_tree-")}
+    results = run_ranks(_env_setting, 2, timeout=120, env={"MEGATRON_TREE_TRANSPORT": "shm"})
+    assert [r[0] for r in results] == [True, True]
+    for _, names in results:  # unlinked once every member mapped it, while the ranks still run
+        assert {f for f in names if f.startswith("megatron_tree-")} <= before
+    assert {f for f in os.listdir("/dev/shm") if f.startswith("megatron_tree-")} <= before
+    plain = run_ranks(_env_setting, 2, timeout=120)
+    assert [r[0] for r in plain] == [False, False]  # the default is the backend
