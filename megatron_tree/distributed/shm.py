@@ -42,7 +42,6 @@ import platform
 import time
 import uuid
 
-import numpy as np
 import torch
 import torch.distributed as dist
 

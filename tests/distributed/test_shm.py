@@ -170,8 +170,8 @@ def _bad_setting(rank, world, settings):
 
 
 @pytest.mark.parametrize("settings,needle", [
-    (["tcp", "tcp"], "transport must be one of ('backend', 'shm') (from the argument or $MEGATRON_TREE_TRANSPORT), "
-                     "got 'tcp'"),
+    (["tcp", "tcp"], ("transport must be one of ('backend', 'shm') (from the argument or $MEGATRON_TREE_TRANSPORT), "
+                      "got 'tcp'")),
     (["shm", "backend"], "ranks built TreeGroups with different arguments"),
 ])
 def test_a_bad_or_split_transport_is_the_same_topology_error_on_every_rank(settings, needle):
