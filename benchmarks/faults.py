@@ -35,6 +35,9 @@ world size; a kill ends its launch, so each kill case has a launch of its own; a
 counted as such.
 
     python -m benchmarks.faults --seed 0 --cases 300 --ranks 2,3,4 --out benchmarks/results/faults.json
+
+``--transport shm`` runs every case over the shared-memory transport (``MEGATRON_TREE_TRANSPORT=shm``
+in every rank: each case's groups get channels, so its merges, stuck peers and kills go through them).
 """
 
 from __future__ import annotations
@@ -695,7 +698,8 @@ def _launch(world: int, cases: list, opts: dict, out_dir: str) -> dict:
     kill = any(c["fault"] == "kill" for c in cases)
     try:
         run_ranks(_rank_main, world, cases, opts, out_dir, timeout=float("inf"), pg_timeout=opts["pg_timeout"],
-                  env={"TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "1")},
+                  env={"TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "1"),
+                       "MEGATRON_TREE_TRANSPORT": opts.get("transport", "backend")},
                   expect_dead=tuple(range(world)) if kill else (), watch=watch)
     except RankFailure as e:  # a crash or a stall: the records say which case was in progress
         print(f"CP {world} launch ended early:\n{e}", file=sys.stderr)
@@ -812,6 +816,8 @@ def main(argv=None) -> int:
     p.add_argument("--markdown", default=None, help="write the counts as a markdown table here")
     p.add_argument("--faults", default=None, help="comma-separated fault kinds to draw from (default: all of FAULTS)")
     p.add_argument("--progress", action="store_true")
+    p.add_argument("--transport", choices=("backend", "shm"), default="backend",
+                   help="the groups' transport in every case (TreeGroups.build(transport=))")
     args = p.parse_args(argv)
     kinds = tuple(args.faults.split(",")) if args.faults else None
     unknown = sorted(set(kinds or ()) - set(FAULTS))
@@ -819,6 +825,7 @@ def main(argv=None) -> int:
         p.error(f"unknown fault kinds {unknown}; expected some of {', '.join(FAULTS)}")
     opts = {"seed": args.seed, "cases": args.cases, "ranks": [int(x) for x in args.ranks.split(",")],
             "kills": args.kills, "timeout": args.timeout, "faults": kinds, "pg_timeout": args.pg_timeout, "progress": args.progress,
+            "transport": args.transport,
             "command": "python -m benchmarks.faults " + " ".join(sys.argv[1:] if argv is None else argv)}
     report = run(opts)
     text = json.dumps(report, indent=1)
