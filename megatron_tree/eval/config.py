@@ -143,9 +143,15 @@ class TopologyConfig:
     SLURM_NTASKS_PER_NODE)."""
     timeout_s: float = 120.0
     """Seconds a collective may wait before the run fails (a dead peer, no hang)."""
+    transport: str = "backend"
+    """``backend`` or ``shm``: the CP groups' small collectives (every decode step's merges) through a
+    shared-memory channel where the ranks share a host (CPU, gloo; ``source: hf``): no gloo thread
+    hand-offs per layer (``TreeGroups.build(transport=)``)."""
 
     def __post_init__(self):
         _positive(self, "tp_size", "cp_size", "intra_size")
+        if self.transport not in ("backend", "shm"):
+            raise ConfigError(f"transport: must be one of ['backend', 'shm'], got {self.transport!r}")
         if self.timeout_s <= 0:
             raise ConfigError(f"timeout_s: must be positive, got {self.timeout_s}")
         if self.cp_size is not None and self.intra_size is not None and self.cp_size % self.intra_size:
@@ -331,6 +337,9 @@ class RunConfig:
 
     def __post_init__(self):
         ev = self.eval
+        if self.topology.transport == "shm" and self.model.source == "megatron":
+            raise ConfigError("topology.transport: 'shm' needs model.source hf or random (source megatron runs on "
+                              "Megatron-Core's own process groups); set it to backend")
         if ev.engine == "dynamic":
             if self.model.source != "megatron":
                 raise ConfigError(

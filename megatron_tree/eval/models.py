@@ -104,7 +104,8 @@ def _cp_groups(topo: TopologyConfig, cp_size: int, env):
 
     world = dist.get_world_size()
     ranks = [list(range(i, i + cp_size)) for i in range(0, world, cp_size)]
-    return model_groups("hf", cp_size, cp_ranks=ranks, intra_size=topo.intra_size, timeout_s=topo.timeout_s, env=env)
+    return model_groups("hf", cp_size, cp_ranks=ranks, intra_size=topo.intra_size, timeout_s=topo.timeout_s, env=env,
+                        transport=topo.transport)
 
 
 def _bos(path: str) -> list:

@@ -122,6 +122,9 @@ class ModelArgs:
     """Ranks of one CP group; the world must be a multiple of it (DP = world / cp_size)."""
     intra_size: int | None = None
     """CP ranks per node (``None``: the real layout); a smaller divisor simulates nodes."""
+    transport: Literal["backend", "shm"] = "backend"
+    """``shm``: the CP groups' small collectives (the decode merges) through shared memory where a CP
+    group's ranks share a host (CPU, gloo; ``TreeGroups.build(transport=)``). ``source=hf`` only."""
     strategy: str = "auto"
     """The ``tree_decode`` merge of every decode step (one of ``comm.STRATEGIES``)."""
     prefill: str | None = None
@@ -196,6 +199,11 @@ def model_args_from(args: dict) -> ModelArgs:
     if a.get("speculative") and a.get("source") == "megatron":
         raise ModelArgsError("model_args speculative is available with source=hf only (the draft verification step "
                              "runs through transformers' layers)")
+    if a.get("transport", "backend") not in ("backend", "shm"):
+        raise ModelArgsError(f"model_args transport={a['transport']!r} is not one of ['backend', 'shm']")
+    if a.get("transport") == "shm" and a.get("source") == "megatron":
+        raise ModelArgsError("model_args transport=shm is available with source=hf only (source=megatron runs on "
+                             "Megatron-Core's own process groups)")
     if a.get("source", "hf") not in ("hf", "megatron"):
         raise ModelArgsError(f"model_args source={a['source']!r} is not one of ['hf', 'megatron']")
     if a.get("source") == "megatron":
@@ -302,7 +310,7 @@ def _build_groups(args: ModelArgs, device: torch.device, rank: int, world: int):
             dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
     cp, dp_size = args.cp_size, world // args.cp_size
     groups = model_groups(args.source, cp, hierarchical=_hierarchical(args), intra_size=args.intra_size,
-                          timeout_s=collectives.group_timeout().total_seconds(),
+                          timeout_s=collectives.group_timeout().total_seconds(), transport=args.transport,
                           cp_ranks=[list(range(d * cp, (d + 1) * cp)) for d in range(dp_size)])
     dp_group = None
     if dp_size > 1:

@@ -28,7 +28,7 @@ SOURCES = ("hf", "megatron")
 
 def model_groups(source: Source, cp_size: int, *, hierarchical: Sequence[int] | None = None, tp: int = 1,
                  timeout_s: float = 600.0, cp_ranks: Sequence[Sequence[int]] | None = None,
-                 intra_size: int | None = None, env=None) -> TreeGroups | None:
+                 intra_size: int | None = None, env=None, transport: str | None = None) -> TreeGroups | None:
     """This rank's CP groups for ``source``.
 
     megatron: Megatron-Core's ``parallel_state`` is initialised (TP ``tp``, CP ``cp_size``, its
@@ -36,6 +36,8 @@ def model_groups(source: Source, cp_size: int, *, hierarchical: Sequence[int] | 
     hf: ``cp_ranks`` (consecutive blocks of ``cp_size`` ranks) with levels from the launcher's
         environment ``env`` (``TreeGroups.from_env``) when ``env`` is given, else ``intra_size``
         (``TreeGroups.build``); ``None`` for ``cp_size == 1`` without an environment to read.
+        ``transport``: as ``TreeGroups.build``'s (``"shm"``: the small collectives of one host's CPU
+        ranks through shared memory; Megatron's groups keep their backend).
     """
     if source not in SOURCES:
         raise ValueError(f"unknown model source {source!r}; expected one of {SOURCES}")
@@ -49,8 +51,8 @@ def model_groups(source: Source, cp_size: int, *, hierarchical: Sequence[int] | 
         raise ValueError("model_groups(source='hf') needs cp_ranks, the consecutive blocks of cp_size ranks")
     cp_ranks = [list(r) for r in cp_ranks]
     if env is not None:
-        return TreeGroups.from_env(cp_ranks, intra_size=intra_size, timeout=timeout_s, env=env)
-    return TreeGroups.build(cp_ranks, intra_size) if cp_size > 1 else None
+        return TreeGroups.from_env(cp_ranks, intra_size=intra_size, timeout=timeout_s, env=env, transport=transport)
+    return TreeGroups.build(cp_ranks, intra_size, transport=transport) if cp_size > 1 else None
 
 
 def load_model(source: Source, groups: TreeGroups | None, *, device, dtype: torch.dtype = torch.float32,
