@@ -342,6 +342,32 @@ class ShardedKVCache:
             return
         _kv_append_impl(self._k, self._v, layer, self._batch_index, self._step_store, k, v)
 
+    def reorder_rows(self, order: list[int]) -> None:
+        """Row ``i`` takes row ``order[i]``'s keys, values and positions (beam search's reorder: a beam may
+        be taken by several rows), in place.
+
+        Only rows placed alike may trade contents -- the same prompt length and tokens per rank, as the
+        beams of one prompt are -- since a row's placement (which rank holds which of its tokens) stays
+        with the row; every CP rank applies the same ``order`` to its own shard, so each row's shards
+        still make up one sequence. Anything else is a ``ValueError`` naming the rows.
+        """
+        if len(order) != self.batch_size or any(not isinstance(i, int) or not 0 <= i < self.batch_size for i in order):
+            raise ValueError(f"reorder_rows: expected {self.batch_size} row indices in [0, {self.batch_size}), "
+                             f"got {order}")
+        bad = [(i, j) for i, j in enumerate(order) if vars(self._rows[i]) != vars(self._rows[j])]
+        if bad:
+            i, j = bad[0]
+            raise ValueError(
+                f"reorder_rows: row {i} would take row {j}'s tokens, but the two are placed differently over the "
+                f"CP ranks (lengths {self._rows[i].total} and {self._rows[j].total}, tokens per rank "
+                f"{self._rows[i].counts} and {self._rows[j].counts}); only rows of the same prompt and length "
+                "(beams of one request) can trade contents")
+        if order == list(range(self.batch_size)):
+            return
+        idx = torch.tensor(order, device=self._k.device)
+        for buf, dim in ((self._k, 1), (self._v, 1), (self._positions, 0), (self.seqlens, 0)):
+            buf.copy_(buf.index_select(dim, idx))  # in place: a compiled step keeps the storage's address
+
     def rewind_step(self) -> None:
         """Take the last decode step back so that it can run again on the same slots (``generate``'s
         redo of a ``shifted`` step): lengths are as before it; the next :meth:`begin_decode_step`

@@ -157,12 +157,22 @@ class TreeCache(Cache):
     def _refuse(self, what: str):
         raise NotImplementedError(
             f"TreeCache does not support {what}: each CP rank holds a different shard of every row, "
-            "so rows cannot be reordered, repeated or cut locally (beam search, assisted decoding and "
-            "contrastive search are not supported; use greedy or sampling)"
+            "so rows cannot be repeated or cut locally (assisted decoding and contrastive search are not "
+            "supported; use greedy, sampling or beam search)"
         )
 
     def reorder_cache(self, beam_idx) -> None:
-        self._refuse("reorder_cache (beam search)")
+        """Beam search's reorder: row ``i`` continues beam ``beam_idx[i]``. Each CP rank reorders its own
+        shard of every row alike (beams of one prompt are placed alike: ``ShardedKVCache.reorder_rows``).
+
+        beam_idx: (batch,) integer tensor (one host read per call)."""
+        if self.storage is None:
+            return
+        order = [int(i) for i in torch.as_tensor(beam_idx).reshape(-1).tolist()]
+        self.storage.reorder_rows(order)
+        if self._local_positions is not None:
+            idx = torch.tensor(order, device=self._local_positions.device)
+            self._local_positions = self._local_positions.index_select(0, idx)
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove != 0:

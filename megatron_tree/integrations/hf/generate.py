@@ -85,8 +85,6 @@ def _sharded_generate(model, orig, binding: _Binding, args, kwargs):
     for name in ("assistant_model", "prompt_lookup_num_tokens", "max_time", "prefill_chunk_size"):
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"generate({name}=...) is not supported with tree attention")
-    if (kwargs.get("num_beams") or 1) > 1:
-        raise NotImplementedError("beam search is not supported with tree attention (CP ranks hold different shards)")
     inputs = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
     prompt_len = int(inputs.shape[1]) if isinstance(inputs, torch.Tensor) and inputs.dim() == 2 else 0
     if binding.groups is not None and binding.groups.size > 1:

@@ -411,8 +411,8 @@ def test_bad_calls_are_refused():
             model(ids, attention_mask=right)
         with pytest.raises(NotImplementedError, match="labels"):
             model(ids, attention_mask=mask, labels=ids)
-        with pytest.raises(NotImplementedError, match="beam search"):
-            model.generate(ids, attention_mask=mask, max_new_tokens=2, num_beams=2)
+        with pytest.raises(NotImplementedError, match="assistant_model"):
+            model.generate(ids, attention_mask=mask, max_new_tokens=2, assistant_model=hf_model("llama", seed=2))
         out = model(ids, attention_mask=mask)
         with pytest.raises(NotImplementedError, match="only one new token per row"):
             model(ids[:, :3], cache=_cache_of(out))
