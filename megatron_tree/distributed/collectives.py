@@ -270,20 +270,25 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _on_channel(run, *args):
-    """A collective on a group's shared-memory channel (``shm``), its failures worded as the backend's are."""
-    what = args[-1]
+def _on_channel(run, args: tuple, what: str, op: str, level: str, group) -> None:
+    """A collective on a group's shared-memory channel (``shm``), its failures worded as the backend's are
+    (:func:`_failure`'s form: the operation, the level, the ranks, what most likely happened)."""
     try:
-        return run(*args)
-    except liveness.PeerGone as e:
-        raise peer_gone(what, e.gone) from None
+        run(*args)
+        return
     except shm.ChannelMismatch as e:
         raise DisagreementError(str(e)) from None
+    except liveness.PeerGone as e:
+        liveness.note_failure(e.gone)
+        cause, kind, text = liveness.describe(e.gone), "closed", "a peer's process exited (shared memory)"
     except shm.ChannelTimeout as e:
-        error = CommError(f"{what}: {e}: a peer is stuck, died, or is waiting in a different collective (ranks "
-                          "that disagree on what to call)")
-        error.cause = "timeout"
-        raise error from None
+        cause = (f"no answer within the group's timeout of {_seconds(group_timeout(group))}: a peer is stuck, died, "
+                 "or is waiting in a different collective (ranks that disagree on what to call)")
+        kind, text = "timeout", str(e)
+    error = CommError(f"{what}: {op} over the {level!r} level ({dist.get_world_size(group)} ranks) failed; a peer "
+                      f"rank may have died or timed out -- {cause}. Backend error: {text}")
+    error.cause = kind
+    raise error
 
 
 def all_reduce(tensor: torch.Tensor, group, *, op: str = "sum", level: str = "cp",
@@ -295,7 +300,7 @@ def all_reduce(tensor: torch.Tensor, group, *, op: str = "sum", level: str = "cp
     """
     channel = shm.channel_of(group)
     if channel is not None and channel.fits(tensor) and tensor.is_contiguous():
-        _on_channel(channel.all_reduce, tensor, op, what)
+        _on_channel(channel.all_reduce, (tensor, op, what), what, f"all_reduce({op.upper()})", level, group)
     else:
         try:
             dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=group)
@@ -319,7 +324,7 @@ def all_gather(tensor: torch.Tensor, group, *, out: torch.Tensor | None = None, 
         out = tensor.new_empty((size, *tensor.shape))
     channel = shm.channel_of(group)
     if channel is not None and channel.fits(tensor) and out.is_contiguous():
-        _on_channel(channel.all_gather, tensor, out, what)
+        _on_channel(channel.all_gather, (tensor, out, what), what, "all_gather", level, group)
     else:
         try:
             dist.all_gather(list(out.unbind(0)), tensor, group=group)

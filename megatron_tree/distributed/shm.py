@@ -105,10 +105,9 @@ class Channel:
         """out[r] = rank r's ``tensor`` (out: (P, *tensor.shape), tensor contiguous, CPU)."""
         parity, n = self._publish(tensor)
         self._wait(tensor, n, what)
-        flat = out.view(self.size, -1).view(torch.uint8) if n else None
-        for r in range(self.size):
-            if n:
-                flat[r].copy_(self._data[parity, r, :n])
+        if n:
+            for r in range(self.size):  # (any strides on either side: the slot is read as the tensor it holds)
+                out[r].copy_(self._slot(parity, r, tensor))
         return out
 
     def all_reduce(self, tensor: torch.Tensor, op: str, what: str) -> torch.Tensor:
@@ -128,12 +127,17 @@ class Channel:
             tensor.copy_(acc)
         return tensor
 
+    def _slot(self, parity: int, r: int, like: torch.Tensor) -> torch.Tensor:
+        """Rank ``r``'s slot of ``parity`` as a contiguous tensor of ``like``'s dtype and shape."""
+        n = like.numel() * like.element_size()
+        return self._data[parity, r, :n].view(like.dtype).view(like.shape)
+
     def _publish(self, tensor: torch.Tensor) -> tuple[int, int]:
         self._seq += 1
         parity = self._seq % 2
         n = tensor.numel() * tensor.element_size()
         if n:
-            self._data[parity, self.rank, :n].copy_(tensor.reshape(-1).view(torch.uint8))
+            self._slot(parity, self.rank, tensor).copy_(tensor)
         line = self._head[self.rank]
         line[1 + 2 * parity] = n
         line[2 + 2 * parity] = _DTYPES.index(tensor.dtype) if tensor.dtype in _DTYPES else -1

@@ -86,6 +86,10 @@ def _collectives(rank, world, transport):
             out[(op, dtype)] = collectives.all_reduce(x.clone(), g, op=op).tolist()
     big = torch.full((shm.DEFAULT_SLOT_BYTES // 4 + 1,), float(rank))  # larger than a slot: through gloo
     out["big"] = collectives.all_reduce(big, g).unique().tolist()
+    cols = torch.arange(12).reshape(2, 6) + rank  # a column (stride 6), one element of it, bools
+    out["column"] = collectives.all_gather(cols[:, -1], g).tolist()  # (transformers' input_ids[:, -1])
+    out["one"] = collectives.all_gather(cols[:1, -1], g).tolist()
+    out["bool"] = collectives.all_gather(torch.tensor([rank == 1, True]), g).tolist()
     empty = torch.empty(0, 3)
     out["empty"] = list(collectives.all_gather(empty, g).shape)
     return out
@@ -146,8 +150,11 @@ def _peer_fault(rank, world, fault):
 
 
 @pytest.mark.parametrize("fault,bound,needles", [
-    ("exits", 2.0, ["test sum: rank 2 (host ", "is gone: its process has exited"]),
-    ("stuck", T + 3.0, ["test sum: no answer from rank(s) [2] over shared memory within the group's timeout of 6 s"]),
+    ("exits", 2.0, ["test sum: all_reduce(SUM) over the 'cp' level (3 ranks) failed; a peer rank may have died or "
+                    "timed out -- rank 2 (host ", "is gone: its process has exited"]),
+    ("stuck", T + 3.0, ["test sum: all_reduce(SUM) over the 'cp' level (3 ranks) failed; a peer rank may have died or "
+                        "timed out -- no answer within the group's timeout of 6 s",
+                        "no answer from rank(s) [2] over shared memory within the group's timeout of 6 s"]),
 ])
 def test_a_peer_that_exits_or_never_comes_is_a_comm_error_naming_it(fault, bound, needles):
     results = run_ranks(_peer_fault, 3, fault, timeout=120, pg_timeout=4 * T,
