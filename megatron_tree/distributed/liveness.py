@@ -38,7 +38,7 @@ from typing import Callable, Sequence
 
 import torch.distributed as dist
 
-__all__ = ["register", "exited", "gone", "note_failure", "describe", "who", "watched", "PeerGone", "POLL_S", "HOST_ENV"]
+__all__ = ["register", "remember", "exited", "gone", "note_failure", "describe", "who", "watched", "PeerGone", "POLL_S", "HOST_ENV"]
 
 HOST_ENV = "MEGATRON_TREE_HOSTNAME"
 """Overrides the host name shown (as ``topology`` does, to test multi-host layouts)."""
@@ -126,6 +126,16 @@ def _record(store, rank: int) -> dict | None:
         except Exception:  # noqa: BLE001 -- the store itself failed (its host died): nothing to tell
             return None
     return _records[key]
+
+
+def remember(ranks: Sequence[int]) -> None:
+    """Read and keep the liveness records of ``ranks`` now, while the store is up: a peer that hosts the
+    store (rank 0 outside torchrun) and dies takes the store with it, and a record read only then is lost."""
+    store = _store()
+    if store is None:
+        return
+    for r in ranks:
+        _record(store, r)
 
 
 def _process_gone(record: dict) -> bool:

@@ -204,6 +204,7 @@ def attach(group, ranks, exchange, *, slot_bytes: int = DEFAULT_SLOT_BYTES, time
         return None
     channel = Channel(facts[0][1], list(ranks).index(me), tuple(ranks), slot_bytes, timeout)
     exchange(None, group, what="shared-memory channel")  # every member has mapped it
+    liveness.remember(ranks)  # the peers' pids, kept: a dead peer is still named if it took the store down
     if path is not None:
         os.unlink(path)  # the mapping stays; the name goes, so no crash leaves a file behind
     _CHANNELS[id(group)] = (group, channel)

@@ -208,3 +208,45 @@ def test_the_environment_chooses_the_transport_and_nothing_is_left_in_dev_shm():
     assert {f for f in os.listdir("/dev/shm") if f.startswith("megatron_tree-")} <= before
     plain = run_ranks(_env_setting, 2, timeout=120)
     assert [r[0] for r in plain] == [False, False]  # the default is the backend
+
+
+_STORE_HOST_DIES = r"""
+import os, sys, time, torch
+import megatron_tree as mt
+from megatron_tree.distributed import collectives
+groups = mt.TreeGroups.from_env(transport="shm", timeout=60)
+collectives.all_reduce(torch.ones(2), groups.cp_group)
+if groups.rank == 0:
+    os._exit(0)  # rank 0 hosts the TCPStore: the liveness records go with it
+start = time.monotonic()
+try:
+    collectives.all_reduce(torch.ones(2), groups.cp_group, what="test sum")
+except Exception as e:
+    print(f"RESULT {type(e).__name__} {time.monotonic() - start:.2f} {e}", flush=True)
+"""
+
+
+def test_a_dead_peer_that_hosted_the_store_is_still_named_at_once(tmp_path):
+    # Outside torchrun rank 0 hosts the TCPStore (MASTER_ADDR/PORT): its death took the peers' records with it,
+    # and the survivors spun for the whole group timeout, the dead rank unnamed.
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "store_host_dies.py"
+    script.write_text(_STORE_HOST_DIES)
+    procs = [subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env={**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "3",
+                                   "LOCAL_WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                                   "OMP_NUM_THREADS": "1"})
+             for r in range(3)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    for r in (1, 2):
+        line = next((l for l in outs[r].splitlines() if l.startswith("RESULT")), outs[r])
+        kind, seconds, message = line.split(" ", 3)[1:]
+        assert kind == "CommError", line
+        assert "rank 0 (host " in message and "its process has exited" in message, line
+        assert float(seconds) < 5.0, line
