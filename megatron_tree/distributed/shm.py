@@ -93,9 +93,10 @@ class Channel:
         self.size = len(ranks)
         head = self.size * _LINE * 8
         total = head + 2 * self.size * slot_bytes
-        self._mem = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
-        self._head = self._mem[:head].view(torch.int64).numpy().reshape(self.size, _LINE)
-        self._data = self._mem[head:].view(2, self.size, slot_bytes)
+        with torch.inference_mode(False):  # made under inference mode it would refuse every write outside it
+            self._mem = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
+            self._head = self._mem[:head].view(torch.int64).numpy().reshape(self.size, _LINE)
+            self._data = self._mem[head:].view(2, self.size, slot_bytes)
         self._seq = 0
 
     def fits(self, tensor: torch.Tensor) -> bool:

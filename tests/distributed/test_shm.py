@@ -250,3 +250,22 @@ def test_a_dead_peer_that_hosted_the_store_is_still_named_at_once(tmp_path):
         assert kind == "CommError", line
         assert "rank 0 (host " in message and "its process has exited" in message, line
         assert float(seconds) < 5.0, line
+
+
+def _built_in_inference_mode(rank, world):
+    import torch
+
+    import megatron_tree as mt
+    from megatron_tree.distributed import collectives
+
+    with torch.inference_mode():  # e.g. groups made lazily inside a generation loop
+        groups = mt.TreeGroups.build(transport="shm")
+        inside = collectives.all_gather(torch.tensor([rank]), groups.cp_group).tolist()
+    outside = collectives.all_gather(torch.tensor([rank]), groups.cp_group).tolist()  # e.g. a training step after
+    ch = shm.channel_of(groups.cp_group)  # an inference-tensor buffer refuses _publish's copy outside inference mode
+    return inside, outside, collectives.all_reduce(torch.ones(2), groups.cp_group).tolist(), ch._mem.is_inference()
+
+
+def test_a_channel_made_in_inference_mode_serves_collectives_outside_it():
+    for inside, outside, total, inference in run_ranks(_built_in_inference_mode, 2, timeout=120):
+        assert inside == outside == [[0], [1]] and total == [2.0, 2.0] and not inference
