@@ -134,6 +134,10 @@ class TreeGroups:
             "num_nodes": self.num_nodes,
             "levels": [{"name": l.name, "size": l.size} for l in self.levels],
             "cp_ranks": list(self.cp_ranks),
+            # what the small collectives go through: "shm" where a channel was attached (transport="shm" on
+            # gloo ranks of one x86-64 host), else the groups' backend
+            "transport": "shm" if any(shm.channel_of(g) is not None
+                                      for g in [self.cp_group] + [lv.group for lv in self.levels]) else "backend",
         }
 
     # ------------------------------------------------------------------ builders

@@ -196,7 +196,9 @@ def _env_setting(rank, world):
 
     groups = mt.TreeGroups.build()
     collectives.all_reduce(torch.ones(1), groups.cp_group)  # every rank is past build (its creator unlinked)
-    return shm.channel_of(groups.cp_group) is not None, sorted(os.listdir("/dev/shm"))
+    attached = shm.channel_of(groups.cp_group) is not None
+    assert groups.describe()["transport"] == ("shm" if attached else "backend")
+    return attached, sorted(os.listdir("/dev/shm"))
 
 
 def test_the_environment_chooses_the_transport_and_nothing_is_left_in_dev_shm():
