@@ -90,6 +90,7 @@ class Channel:
 
     def __init__(self, path: str, rank: int, ranks: tuple[int, ...], slot_bytes: int, timeout: float):
         self.rank, self.ranks, self.slot_bytes, self.timeout = rank, ranks, slot_bytes, timeout
+        self.path = path  # (unlinked once every member has mapped it)
         self.size = len(ranks)
         head = self.size * _LINE * 8
         total = head + 2 * self.size * slot_bytes

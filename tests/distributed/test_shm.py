@@ -3,7 +3,9 @@
 Exact: ``tree_decode`` over it against the single-process reference on the unsharded tensors (GQA,
 rows of different lengths, an empty row, uneven and empty shards; CP 2, 3 and 2 x 2 -- four ranks on
 two cores, where a waiting rank must yield its core), the same bits on every rank; its collectives
-against gloo's. Bad input and faults: ranks passing different sizes, a peer that exits, a peer that
+against gloo's (a sum in group-rank order to the bit, a strided ``out``); hundreds of back-to-back
+collectives of changing sizes by ranks at uneven speeds, never a torn or overwritten read. Bad input and
+faults: ranks passing different sizes or dtypes, a peer that exits, a peer that
 never comes, a bad or split ``transport`` setting -- each the same clear error on every rank, within
 its bound. Nothing is left in ``/dev/shm``.
 """
@@ -81,9 +83,21 @@ def _collectives(rank, world, transport):
     out = {}
     for dtype in (torch.float32, torch.float64, torch.int64):
         x = (torch.randn(5, 7) * 100).to(dtype)
-        out[("gather", dtype)] = collectives.all_gather(x, g).tolist()
+        gathered = collectives.all_gather(x, g)
+        out[("gather", dtype)] = gathered.tolist()
         for op in ("sum", "max", "min"):
             out[(op, dtype)] = collectives.all_reduce(x.clone(), g, op=op).tolist()
+        if transport == "shm":  # the channel's sum: rank 0's + rank 1's + ..., in that order, to the bit
+            ordered = gathered[0].clone()
+            for r in range(1, world):
+                ordered += gathered[r]
+            out[("ordered sum", dtype)] = bool(collectives.all_reduce(x.clone(), g).equal(ordered))
+    xf = torch.randn(5, 7)
+    strided = torch.empty(7, 5, world).permute(2, 1, 0)  # a (P, 5, 7) buffer that is not contiguous
+    out["strided out"] = collectives.all_gather(xf, g, out=strided).tolist()
+    strided = torch.empty(7, 5, world).permute(2, 1, 0)
+    collectives.all_gather_async(xf, g, out=strided).wait()
+    out["strided out, async"] = strided.tolist()
     big = torch.full((shm.DEFAULT_SLOT_BYTES // 4 + 1,), float(rank))  # larger than a slot: through gloo
     out["big"] = collectives.all_reduce(big, g).unique().tolist()
     cols = torch.arange(12).reshape(2, 6) + rank  # a column (stride 6), one element of it, bools
@@ -108,29 +122,76 @@ def test_collectives_over_shared_memory_give_what_gloo_gives():
                 assert over_shm[rank][key] == value, (rank, key)
         assert over_shm[rank] == over_shm[0], rank  # every collective's result is the same on every rank
     assert over_shm[0]["big"] == [float(sum(range(world)))]
+    ordered = {key[1]: value for key, value in over_shm[0].items() if key[0] == "ordered sum"}
+    assert len(ordered) == 3 and all(ordered.values()), ordered  # the sum is taken in group-rank order
     assert over_shm[0]["empty"] == [world, 0, 3]
 
 
-def _mismatch(rank, world):
+def _mismatch(rank, world, differ):
     import torch
 
     import megatron_tree as mt
     from megatron_tree.distributed import collectives
 
     groups = mt.TreeGroups.build(transport="shm", timeout=T)
-    x = torch.zeros(4 + (rank == 1), dtype=torch.float32)
+    if differ == "size":
+        x = torch.zeros(4 + (rank == 1), dtype=torch.float32)
+    else:  # the same bytes, another dtype
+        x = torch.zeros(4, dtype=torch.int32 if rank == 1 else torch.float32)
     return outcome(lambda: collectives.all_gather(x, groups.cp_group, what="test gather"))
 
 
-def test_ranks_passing_different_sizes_get_the_same_disagreement_error():
-    results = run_ranks(_mismatch, 3, timeout=120)
+@pytest.mark.parametrize("differ,rank1", [("size", "rank 1: 20 bytes of torch.float32"),
+                                          ("dtype", "rank 1: 16 bytes of torch.int32")])
+def test_ranks_passing_different_sizes_or_dtypes_get_the_same_disagreement_error(differ, rank1):
+    results = run_ranks(_mismatch, 3, differ, timeout=120)
     messages = {r[1] for r in results}
     assert len(messages) == 1, results  # the same words on every rank
     kind, message, seconds = results[0]
     assert kind == "DisagreementError", results[0]
     assert "test gather" in message and "rank 0: 16 bytes of torch.float32" in message, message
-    assert "rank 1: 20 bytes of torch.float32" in message, message
+    assert rank1 in message, message
     assert seconds < 2.0, seconds
+
+
+def _stress(rank, world, rounds):
+    import random
+
+    import torch
+
+    import megatron_tree as mt
+    from megatron_tree.distributed import collectives
+
+    groups = mt.TreeGroups.build(transport="shm")
+    g = groups.cp_group
+    rng = random.Random(rank)
+    bad = []
+    for i in range(rounds):
+        # ranks at different speeds, changing every round: one sleeps, one computes, the others go straight on
+        pause = rng.random()
+        if pause < 0.15:
+            time.sleep(0.0005 * (rank + 1))
+        elif pause < 0.3:
+            torch.randn(64, 64) @ torch.randn(64, 64)
+        n = 65536 * (1 + i % 3) - 8 * (i % 2)  # 256 to 768 KiB, changing: copies long enough to be overtaken
+        x = torch.full((n,), float(1000 * i + rank))
+        out = collectives.all_gather(x, g, what="stress gather")
+        for r in range(world):
+            if not bool((out[r] == 1000 * i + r).all()):
+                bad.append(("gather", i, r, out[r].unique()[:4].tolist()))
+        y = torch.full((n // 2 + 4,), float(i + rank))
+        collectives.all_reduce(y, g, op="max", what="stress max")
+        if not bool((y == i + world - 1).all()):
+            bad.append(("max", i, y.unique()[:4].tolist()))
+    return bad
+
+
+def test_back_to_back_collectives_at_uneven_speeds_never_read_a_torn_or_reused_slot():
+    # The two parities (with one, a fast rank writes collective s + 1 into the slot, or the size word, a slow
+    # peer still reads for s), the order of publishing (slot first, sequence number last) and the per-parity
+    # size words: collectives of changing sizes and values, back to back, by ranks that overtake each other.
+    results = run_ranks(_stress, 3, 200, timeout=120)
+    assert results == [[], [], []], [r[:3] for r in results]
 
 
 def _peer_fault(rank, world, fault):
@@ -196,18 +257,16 @@ def _env_setting(rank, world):
 
     groups = mt.TreeGroups.build()
     collectives.all_reduce(torch.ones(1), groups.cp_group)  # every rank is past build (its creator unlinked)
-    attached = shm.channel_of(groups.cp_group) is not None
-    assert groups.describe()["transport"] == ("shm" if attached else "backend")
-    return attached, sorted(os.listdir("/dev/shm"))
+    channel = shm.channel_of(groups.cp_group)
+    assert groups.describe()["transport"] == ("shm" if channel is not None else "backend")
+    return channel is not None, channel is not None and os.path.exists(channel.path)
 
 
 def test_the_environment_chooses_the_transport_and_nothing_is_left_in_dev_shm():
-    before = {f for f in os.listdir("/dev/shm") if f.startswith("megatron_tree-")}
     results = run_ranks(_env_setting, 2, timeout=120, env={"MEGATRON_TREE_TRANSPORT": "shm"})
     assert [r[0] for r in results] == [True, True]
-    for _, names in results:  # unlinked once every member mapped it, while the ranks still run
-        assert {f for f in names if f.startswith("megatron_tree-")} <= before
-    assert {f for f in os.listdir("/dev/shm") if f.startswith("megatron_tree-")} <= before
+    for _, left in results:  # the channel's file was unlinked once every member mapped it, while the ranks run
+        assert left is False
     plain = run_ranks(_env_setting, 2, timeout=120)
     assert [r[0] for r in plain] == [False, False]  # the default is the backend
 
