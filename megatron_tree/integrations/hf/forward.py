@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import types
 
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -380,7 +381,7 @@ def device_step(binding: _Binding, ids: torch.Tensor, positions: torch.Tensor, c
     return out.logits[:, -1]
 
 
-def compile_step(binding: _Binding, setting) -> object:
+def compile_step(binding: _Binding, setting) -> "CompiledSteps | None":
     """:func:`device_step` compiled as ``compile_step`` asks: ``False``/``None`` -> None (eager steps),
     ``True`` -> ``torch.compile(..., fullgraph=True, dynamic=False)``, a dict -> the same with ``setting``
     added (``backend``, ``mode``, ...)."""
@@ -394,11 +395,38 @@ def compile_step(binding: _Binding, setting) -> object:
     if setting.get("fullgraph") is False:
         raise ValueError("compile_step compiles the whole step (fullgraph=True): a graph break would run part "
                          "of it eagerly every step; drop fullgraph=False")
-
-    def step(ids, positions, cache):
-        return device_step(binding, ids, positions, cache)
-
     # Static shapes unless asked otherwise: each cache shape gets its own graph (a new capacity is a new
     # trace, as with transformers' static cache); a dynamic recompile would make the storage views'
     # base sizes symbolic, which Inductor cannot trace back to an input.
-    return torch.compile(step, **{"dynamic": False, **setting, "fullgraph": True})
+    return CompiledSteps(binding, {"dynamic": False, **setting, "fullgraph": True})
+
+
+class CompiledSteps:
+    """The compiled decode steps of one model: one ``torch.compile`` of :func:`device_step` per step shape
+    (the cache's storage shape and dtype, the batch), each over a code object of its own.
+
+    Dynamo keeps its traces per code object and stops at ``recompile_limit`` (8) of them; with
+    ``fullgraph=True`` the ninth is an error. One function shared by every model and cache would reach
+    it after eight caches of different sizes (an eval sweeping context lengths, a soak making models
+    case after case). Here each shape is traced once, by its own function, whatever came before.
+    """
+
+    def __init__(self, binding: _Binding, options: dict):
+        self.binding, self.options = binding, options
+        self.steps: dict = {}
+
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, cache: TreeCache) -> torch.Tensor:
+        st = cache.storage
+        key = (tuple(st.k.shape), tuple(st.v.shape), st.k.stride(), st.k.dtype, str(st.k.device), tuple(ids.shape))
+        fn = self.steps.get(key)
+        if fn is None:
+            fn = self.steps[key] = torch.compile(_fresh_step(self.binding, len(self.steps)), **self.options)
+        return fn(ids, positions, cache)
+
+
+def _fresh_step(binding: _Binding, n: int):
+    def step(ids, positions, cache):
+        return device_step(binding, ids, positions, cache)
+
+    code = step.__code__.replace(co_name=f"tree_decode_step_{n}")  # a code object, and Dynamo cache, of its own
+    return types.FunctionType(code, step.__globals__, code.co_name, step.__defaults__, step.__closure__)

@@ -210,3 +210,23 @@ def test_ranks_that_disagree_on_compile_step_raise_the_same_error():
     kind, message, seconds = results[0]
     assert kind == "DisagreementError" and "compile_step" in message
     assert seconds < 30
+
+
+def test_caches_of_many_sizes_each_compile_once_past_dynamos_recompile_limit():
+    """Dynamo stops at ``recompile_limit`` (8) traces of one code object, and with ``fullgraph=True`` the
+    ninth is an error: one compiled function shared by every cache failed at the ninth cache size (an eval
+    sweeping context lengths; the fault soak's compiled cases, one model after another). Each step shape
+    has its own function now: 12 sizes, 12 traces, each cache's tokens those of the eager step."""
+    from megatron_tree.decode.generate import generate
+    from megatron_tree.integrations.hf import HFTreeModel
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = HFTreeModel(_model("llama"), None, compile_step={"backend": counter})
+    eager = HFTreeModel(_model("llama"), None)
+    for n in range(12):
+        prompt = PROMPTS[n % len(PROMPTS)]
+        got = generate(compiled, [prompt], 3, cache=compiled.new_cache(1, len(prompt) + 3 + n), progress=False)
+        want = generate(eager, [prompt], 3, cache=eager.new_cache(1, len(prompt) + 3 + n), progress=False)
+        assert got.tokens == want.tokens, n
+    assert counter.frame_count == 12
