@@ -55,7 +55,10 @@ DEFAULT_SLOT_BYTES = 1 << 20
 PROBE_S = 0.05
 """How often a waiting rank checks that its peers' processes are still there."""
 _SPINS = 2000
-"""Checks of the peers' sequence numbers before the waiting rank starts yielding its core."""
+"""Checks of the peers' sequence numbers before the waiting rank starts yielding its core (about 3 ms),
+when the host has a core for every member; with more members than cores a spinning rank holds the core
+a peer it waits for needs, so it yields after :data:`_SPINS_OVERSUBSCRIBED`."""
+_SPINS_OVERSUBSCRIBED = 20
 _YIELDS = 200
 """Then ``sched_yield`` calls before it starts sleeping (ranks outnumbering cores: let the others run)."""
 
@@ -99,6 +102,8 @@ class Channel:
             self._head = self._mem[:head].view(torch.int64).numpy().reshape(self.size, _LINE)
             self._data = self._mem[head:].view(2, self.size, slot_bytes)
         self._seq = 0
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        self._spins = _SPINS if self.size <= cores else _SPINS_OVERSUBSCRIBED
 
     def fits(self, tensor: torch.Tensor) -> bool:
         return tensor.device.type == "cpu" and tensor.numel() * tensor.element_size() <= self.slot_bytes
@@ -153,12 +158,12 @@ class Channel:
         start = probe = None
         while seqs.min() < want:
             spins += 1
-            if spins < _SPINS:
+            if spins < self._spins:
                 continue
             now = time.monotonic()
             if start is None:
                 start = probe = now
-            if spins < _SPINS + _YIELDS:
+            if spins < self._spins + _YIELDS:
                 os.sched_yield()
             else:
                 time.sleep(0.0002)
