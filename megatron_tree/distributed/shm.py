@@ -193,27 +193,33 @@ def attach(group, ranks, exchange, *, slot_bytes: int = DEFAULT_SLOT_BYTES, time
     """Give ``group`` (whose members are ``ranks``, global, in group order, all on this host) a channel.
 
     Every member calls it, in the same order as its other collectives on ``group``; ``exchange``:
-    ``collectives.exchange_objects``. Returns this member's :class:`Channel`, or None (and every
-    member gets None) where a member's machine cannot run one (:func:`supported`). Two object
-    exchanges over ``group``.
+    ``collectives.exchange_objects``. Returns this member's :class:`Channel`, or None -- every member
+    alike -- where a member's machine cannot run one (:func:`supported`) or cannot create or map the
+    file (a ``/dev/shm`` that is full, or not the same one: processes in separate containers that
+    report one host name); the group then keeps its backend. Two object exchanges over ``group``.
     """
-    ok = supported()
     me = dist.get_rank()
-    path = f"/dev/shm/megatron_tree-{uuid.uuid4().hex}" if me == ranks[0] else None
-    if path is not None and ok:
-        head = len(ranks) * _LINE * 8
-        with open(path, "wb") as f:
-            f.truncate(head + 2 * len(ranks) * slot_bytes)
+    ok, path = supported(), None
+    if ok and me == ranks[0]:
+        path = f"/dev/shm/megatron_tree-{uuid.uuid4().hex}"
+        try:
+            with open(path, "wb") as f:
+                f.truncate(len(ranks) * _LINE * 8 + 2 * len(ranks) * slot_bytes)
+        except OSError:
+            ok = False
     facts = exchange((ok, path), group, what="shared-memory channel")
-    if not all(f[0] for f in facts):
-        if path is not None and os.path.exists(path):
-            os.unlink(path)
-        return None
-    channel = Channel(facts[0][1], list(ranks).index(me), tuple(ranks), slot_bytes, timeout)
-    exchange(None, group, what="shared-memory channel")  # every member has mapped it
-    liveness.remember(ranks)  # the peers' pids, kept: a dead peer is still named if it took the store down
-    if path is not None:
+    channel = None
+    if all(f[0] for f in facts):
+        try:
+            channel = Channel(facts[0][1], list(ranks).index(me), tuple(ranks), slot_bytes, timeout)
+        except (OSError, RuntimeError):  # torch.from_file raises RuntimeError for a file it cannot map
+            channel = None
+    mapped = exchange(channel is not None, group, what="shared-memory channel")  # every member has mapped it
+    if path is not None and os.path.exists(path):
         os.unlink(path)  # the mapping stays; the name goes, so no crash leaves a file behind
+    if not all(mapped):
+        return None
+    liveness.remember(ranks)  # the peers' pids, kept: a dead peer is still named if it took the store down
     _CHANNELS[id(group)] = (group, channel)
     return channel
 

@@ -330,3 +330,23 @@ def _built_in_inference_mode(rank, world):
 def test_a_channel_made_in_inference_mode_serves_collectives_outside_it():
     for inside, outside, total, inference in run_ranks(_built_in_inference_mode, 2, timeout=120):
         assert inside == outside == [[0], [1]] and total == [2.0, 2.0] and not inference
+
+
+def _cannot_map(rank, world):
+    import torch
+
+    import megatron_tree as mt
+    from megatron_tree.distributed import collectives
+
+    if rank == 1:  # as in a container whose /dev/shm is not the creator's (the same host name, another tmpfs)
+        def refuse(self, path, *args):
+            raise RuntimeError(f"unable to open shared memory object <{path}>")
+
+        shm.Channel.__init__ = refuse
+    groups = mt.TreeGroups.build(transport="shm")
+    total = collectives.all_reduce(torch.ones(3), groups.cp_group).tolist()
+    return groups.describe()["transport"], total
+
+
+def test_a_member_that_cannot_map_the_file_leaves_every_member_on_the_backend():
+    assert run_ranks(_cannot_map, 3, timeout=120) == [("backend", [3.0, 3.0, 3.0])] * 3
