@@ -816,7 +816,7 @@ def main(argv=None) -> int:
     p.add_argument("--markdown", default=None, help="write the counts as a markdown table here")
     p.add_argument("--faults", default=None, help="comma-separated fault kinds to draw from (default: all of FAULTS)")
     p.add_argument("--progress", action="store_true")
-    p.add_argument("--transport", choices=("backend", "shm"), default="backend",
+    p.add_argument("--transport", choices=("auto", "backend", "shm"), default="backend",
                    help="the groups' transport in every case (TreeGroups.build(transport=))")
     args = p.parse_args(argv)
     kinds = tuple(args.faults.split(",")) if args.faults else None

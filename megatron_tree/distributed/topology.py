@@ -162,10 +162,12 @@ class TreeGroups:
         node_of: node id of every global rank (default: host names, exchanged once).
         timeout: seconds (or a ``timedelta``) a collective on these groups may wait before
             failing with ``CommError``; default: the default process group's own timeout.
-        transport: ``"backend"`` (every collective through the process groups' backend) or
-            ``"shm"``: the small collectives of a gloo group whose ranks share a host go through a
-            shared-memory channel (``distributed.shm``: no thread hand-off, what CPU decoding needs
-            when every core computes); default: ``$MEGATRON_TREE_TRANSPORT``, else ``"backend"``.
+        transport: ``"auto"`` (the default, also spelt ``"shm"``): the small collectives of a gloo
+            group whose ranks share an x86-64 host go through a shared-memory channel
+            (``distributed.shm``: no thread hand-off, what CPU decoding needs when every core
+            computes), every other group (NCCL, ranks on several hosts) through its backend;
+            ``"backend"``: every collective through the backend. Default: ``$MEGATRON_TREE_TRANSPORT``,
+            else ``"auto"``; ``describe()["transport"]`` says what runs.
 
         Collectives: one all-gather of this rank's facts (arguments, host name) over the
         default group, then ``new_group`` for every CP group and level.
@@ -210,7 +212,7 @@ class TreeGroups:
                     name = "inter" if size_intra == 1 and len(cp_ranks) > 1 else "intra"
                     levels = [Level(name, cp_group, tuple(cp_ranks))]
                 mine = cls(cp_group, tuple(cp_ranks), tuple(levels), size_intra, td.total_seconds())
-                if facts[0]["transport"] == "shm":
+                if facts[0]["transport"] in ("auto", "shm"):
                     _attach_channels(mine, [f["host"] for f in facts])
         if mine is None:
             raise TopologyError(f"rank {me} is not in any of the CP groups {cp_lists}")
@@ -537,8 +539,8 @@ def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
-TRANSPORTS = ("backend", "shm")
-"""What :meth:`TreeGroups.build`'s ``transport`` takes."""
+TRANSPORTS = ("auto", "backend", "shm")
+"""What :meth:`TreeGroups.build`'s ``transport`` takes (``auto`` and ``shm`` attach the same channels)."""
 ENV_TRANSPORT = "MEGATRON_TREE_TRANSPORT"
 
 
@@ -569,7 +571,7 @@ def _exchange_facts(ranks, intra_size, node_of, timeout, launcher: dict | None =
         timeout_s, timeout_error = repr(timeout), f"timeout must be a positive number of seconds or a timedelta: {e}"
     shown_nodes = "from the launcher" if isinstance(node_of, str) else _plain_ranks(node_of)
     if transport is None:
-        transport = os.environ.get(ENV_TRANSPORT) or "backend"
+        transport = os.environ.get(ENV_TRANSPORT) or "auto"
     if transport not in TRANSPORTS and timeout_error is None:
         timeout_error = (f"transport must be one of {TRANSPORTS} (from the argument or ${ENV_TRANSPORT}), got "
                          f"{transport!r}")

@@ -143,15 +143,16 @@ class TopologyConfig:
     SLURM_NTASKS_PER_NODE)."""
     timeout_s: float = 120.0
     """Seconds a collective may wait before the run fails (a dead peer, no hang)."""
-    transport: str = "backend"
-    """``backend`` or ``shm``: the CP groups' small collectives (every decode step's merges) through a
-    shared-memory channel where the ranks share a host (CPU, gloo; ``source: hf``): no gloo thread
-    hand-offs per layer (``TreeGroups.build(transport=)``)."""
+    transport: str = "auto"
+    """``auto`` (shared memory where a transformers or random model's CP ranks share a host: CPU, gloo;
+    the backend elsewhere), ``shm`` (the same, refused with ``source: megatron``, whose groups are
+    Megatron's) or ``backend`` (``TreeGroups.build(transport=)``): on CPU the decode merges then skip
+    gloo's thread hand-offs per layer."""
 
     def __post_init__(self):
         _positive(self, "tp_size", "cp_size", "intra_size")
-        if self.transport not in ("backend", "shm"):
-            raise ConfigError(f"transport: must be one of ['backend', 'shm'], got {self.transport!r}")
+        if self.transport not in ("auto", "backend", "shm"):
+            raise ConfigError(f"transport: must be one of ['auto', 'backend', 'shm'], got {self.transport!r}")
         if self.timeout_s <= 0:
             raise ConfigError(f"timeout_s: must be positive, got {self.timeout_s}")
         if self.cp_size is not None and self.intra_size is not None and self.cp_size % self.intra_size:

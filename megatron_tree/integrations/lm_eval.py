@@ -122,9 +122,10 @@ class ModelArgs:
     """Ranks of one CP group; the world must be a multiple of it (DP = world / cp_size)."""
     intra_size: int | None = None
     """CP ranks per node (``None``: the real layout); a smaller divisor simulates nodes."""
-    transport: Literal["backend", "shm"] = "backend"
-    """``shm``: the CP groups' small collectives (the decode merges) through shared memory where a CP
-    group's ranks share a host (CPU, gloo; ``TreeGroups.build(transport=)``). ``source=hf`` only."""
+    transport: Literal["auto", "backend", "shm"] = "auto"
+    """``auto``: the CP groups' small collectives (the decode merges) through shared memory where a CP
+    group's ranks share a host (CPU, gloo), the backend elsewhere; ``shm`` the same (``source=hf`` only);
+    ``backend`` (``TreeGroups.build(transport=)``)."""
     strategy: str = "auto"
     """The ``tree_decode`` merge of every decode step (one of ``comm.STRATEGIES``)."""
     prefill: str | None = None
@@ -199,8 +200,8 @@ def model_args_from(args: dict) -> ModelArgs:
     if a.get("speculative") and a.get("source") == "megatron":
         raise ModelArgsError("model_args speculative is available with source=hf only (the draft verification step "
                              "runs through transformers' layers)")
-    if a.get("transport", "backend") not in ("backend", "shm"):
-        raise ModelArgsError(f"model_args transport={a['transport']!r} is not one of ['backend', 'shm']")
+    if a.get("transport", "auto") not in ("auto", "backend", "shm"):
+        raise ModelArgsError(f"model_args transport={a['transport']!r} is not one of ['auto', 'backend', 'shm']")
     if a.get("transport") == "shm" and a.get("source") == "megatron":
         raise ModelArgsError("model_args transport=shm is available with source=hf only (source=megatron runs on "
                              "Megatron-Core's own process groups)")

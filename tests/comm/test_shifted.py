@@ -265,7 +265,7 @@ def test_shifted_exact_one_collective_and_generate(ckpt):
     from tests.helpers.hf_models import NEW_TOKENS
 
     path, expected = ckpt
-    results = run_ranks(run_all, 8, path, timeout=600)
+    results = run_ranks(run_all, 8, path, timeout=600, env={"MEGATRON_TREE_TRANSPORT": "backend"})  # (counts torch collectives)
     for name, (ranks, intra) in LAYOUTS.items():
         for cp in ranks or [list(range(8))]:
             reports = [results[r][name]["exact"] for r in cp]

@@ -200,7 +200,8 @@ def failures_body(rank, world, outdir):
 def failures(tmp_path_factory):
     # TRITON_INTERPRET (conftest) reaches the ranks: rank 0's backend="triton" runs on CPU
     outdir = tmp_path_factory.mktemp("failures")
-    results = run_ranks(failures_body, 4, str(outdir), timeout=240, pg_timeout=PG_TIMEOUT, expect_dead=(3,))
+    results = run_ranks(failures_body, 4, str(outdir), timeout=240, pg_timeout=PG_TIMEOUT, expect_dead=(3,),
+                        env={"MEGATRON_TREE_TRANSPORT": "backend"})  # (counts torch.distributed calls: the backend, no shared-memory channel)
     assert results[3] is None  # rank 3 died as planned; its earlier outcomes are on disk
     with open(outdir / "rank3.pkl", "rb") as f:
         results[3] = pickle.load(f)

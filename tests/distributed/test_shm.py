@@ -238,7 +238,7 @@ def _bad_setting(rank, world, settings):
 
 
 @pytest.mark.parametrize("settings,needle", [
-    (["tcp", "tcp"], ("transport must be one of ('backend', 'shm') (from the argument or $MEGATRON_TREE_TRANSPORT), "
+    (["tcp", "tcp"], ("transport must be one of ('auto', 'backend', 'shm') (from the argument or $MEGATRON_TREE_TRANSPORT), "
                       "got 'tcp'")),
     (["shm", "backend"], "ranks built TreeGroups with different arguments"),
 ])
@@ -267,8 +267,10 @@ def test_the_environment_chooses_the_transport_and_nothing_is_left_in_dev_shm():
     assert [r[0] for r in results] == [True, True]
     for _, left in results:  # the channel's file was unlinked once every member mapped it, while the ranks run
         assert left is False
-    plain = run_ranks(_env_setting, 2, timeout=120)
-    assert [r[0] for r in plain] == [False, False]  # the default is the backend
+    plain = run_ranks(_env_setting, 2, timeout=120, env={"MEGATRON_TREE_TRANSPORT": "backend"})
+    assert [r[0] for r in plain] == [False, False]
+    default = run_ranks(_env_setting, 2, timeout=120, env={"MEGATRON_TREE_TRANSPORT": ""})
+    assert [r[0] for r in default] == [True, True]  # the default, auto: a channel for gloo ranks on one host
 
 
 _STORE_HOST_DIES = r"""

@@ -116,7 +116,7 @@ def test_values_are_read_not_guessed(tmp_path):
     (["eval.exactness.max_context=0"], "eval.exactness.max_context: must be a positive integer"),
     (["eval.passkey.context_lengths=[64, 0]"], "eval.passkey.context_lengths: must be positive"),
     (["topology.timeout_s=0"], "topology.timeout_s: must be positive"),
-    (["topology.transport=tcp"], "topology.transport: must be one of ['backend', 'shm'], got 'tcp'"),
+    (["topology.transport=tcp"], "topology.transport: must be one of ['auto', 'backend', 'shm'], got 'tcp'"),
     (["topology.transport=shm"], "topology.transport: 'shm' needs model.source hf or random"),
 ])
 def test_combinations_that_cannot_run(overrides, fragment):

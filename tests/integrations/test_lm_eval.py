@@ -250,7 +250,7 @@ def test_bad_input(workdir, capsys, monkeypatch):
         (f"pretrained={llama},strategy=ring", "strategy='ring' is not one of"),
         (f"pretrained={llama},dtype=float8", "dtype='float8' is not one of"),
         (f"pretrained={llama},batch_size=auto", "batch_size=auto is not supported"),
-        (f"pretrained={llama},transport=tcp", "transport='tcp' is not one of ['backend', 'shm']"),
+        (f"pretrained={llama},transport=tcp", "transport='tcp' is not one of ['auto', 'backend', 'shm']"),
         (f"pretrained={llama},source=megatron,transport=shm", "transport=shm is available with source=hf only"),
         (f"pretrained={workdir}/missing", "is not a transformers checkpoint directory"),
         (f"pretrained={llama},source=megatron", "source=megatron needs model_args tokenizer="),
