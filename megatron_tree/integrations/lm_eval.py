@@ -99,6 +99,11 @@ _GEN_KWARGS = ("do_sample", "temperature", "top_k", "top_p")
 """Generation kwargs served (``until`` and ``max_gen_toks`` are read before them)."""
 
 
+_COMPILE_STEP = {"false": False, "true": True, "aot_eager": {"backend": "aot_eager"},
+                 "reduce-overhead": {"mode": "reduce-overhead"}}
+"""``compile_step`` model_arg -> ``enable_tree_attention(compile_step=)``."""
+
+
 class ModelArgsError(ValueError):
     """A ``model_args`` key or value this backend does not take (it names the key and what is expected)."""
 
@@ -153,6 +158,11 @@ class ModelArgs:
     """Draft chains per step (the tree's branching) with ``speculative``."""
     speculative_depth: int = 4
     """Draft tokens per chain with ``speculative``."""
+    compile_step: Literal["false", "true", "aot_eager", "reduce-overhead"] = "false"
+    """Decode steps compiled whole (``enable_tree_attention(compile_step=)``, ``source=hf``): ``true``
+    (Inductor), ``reduce-overhead`` (Inductor with CUDA graphs: a captured step on a GPU), ``aot_eager``
+    (Dynamo without code generation, for checking); one compilation per cache shape, so it pays where
+    a shape serves many steps."""
 
 
 def model_args_from(args: dict) -> ModelArgs:
@@ -200,6 +210,12 @@ def model_args_from(args: dict) -> ModelArgs:
     if a.get("speculative") and a.get("source") == "megatron":
         raise ModelArgsError("model_args speculative is available with source=hf only (the draft verification step "
                              "runs through transformers' layers)")
+    a["compile_step"] = str(a.get("compile_step", "false")).lower()
+    if a["compile_step"] not in _COMPILE_STEP:
+        raise ModelArgsError(f"model_args compile_step={args['compile_step']!r} is not one of {sorted(_COMPILE_STEP)}")
+    if a["compile_step"] != "false" and a.get("source") == "megatron":
+        raise ModelArgsError("model_args compile_step is available with source=hf only (Megatron-Core's engine "
+                             "runs its own decode step)")
     if a.get("transport", "auto") not in ("auto", "backend", "shm"):
         raise ModelArgsError(f"model_args transport={a['transport']!r} is not one of ['auto', 'backend', 'shm']")
     if a.get("transport") == "shm" and a.get("source") == "megatron":
@@ -359,7 +375,8 @@ class TreeLM(TemplateLM):
             self._max_length = args.max_length or megatron[0].max_position_embeddings
         else:
             self.model = load_model("hf", self.groups, path=args.pretrained, dtype=_DTYPES[args.dtype],
-                                    device=self._device, strategy=args.strategy, prefill=args.prefill)
+                                    device=self._device, strategy=args.strategy, prefill=args.prefill,
+                                    compile_step=_COMPILE_STEP[args.compile_step])
             self._max_length = args.max_length or resolve_max_length(self.model.hf.config, self.tokenizer)
         self.batch_size = args.batch_size
         self.scored = 0

@@ -58,12 +58,13 @@ def model_groups(source: Source, cp_size: int, *, hierarchical: Sequence[int] | 
 def load_model(source: Source, groups: TreeGroups | None, *, device, dtype: torch.dtype = torch.float32,
                path: str | None = None, model=None, shape=None, dist_dir: str | None = None,
                global_tensors: dict | None = None, cp_size: int = 1, hierarchical: Sequence[int] | None = None,
-               tp: int = 1, seed: int | None = None, strategy: str = "auto", prefill: str | None = None):
+               tp: int = 1, seed: int | None = None, strategy: str = "auto", prefill: str | None = None,
+               compile_step=False):
     """The adapter the generation loop drives, for ``source`` on this rank's ``groups``.
 
     hf: ``model`` (a transformers causal LM already loaded, e.g. after the eval's checkpoint check)
         wrapped as ``HFTreeModel``, or else the checkpoint at ``path`` loaded and checked by
-        ``load_hf_model`` (``dtype``, ``strategy``, ``prefill``);
+        ``load_hf_model`` (``dtype``, ``strategy``, ``prefill``, ``compile_step``);
     megatron: a ``GPTModel`` of ``shape`` with tree attention at CP ``cp_size`` (``hierarchical``,
         TP ``tp``, merge ``strategy``), its weights from the distributed checkpoint ``dist_dir`` or
         from ``global_tensors`` (unsharded tensors by name), wrapped as ``MegatronLM``.
@@ -78,7 +79,8 @@ def load_model(source: Source, groups: TreeGroups | None, *, device, dtype: torc
             return HFTreeModel(model.to(device).eval(), groups)
         if path is None:
             raise ValueError("load_model(source='hf') needs path= (a checkpoint directory) or model=")
-        return load_hf_model(path, groups, dtype=dtype, device=device, strategy=strategy, prefill=prefill)
+        return load_hf_model(path, groups, dtype=dtype, device=device, strategy=strategy, prefill=prefill,
+                             compile_step=compile_step)
     from .megatron import checkpoint as mc
     from .megatron import model as mm
 

@@ -91,3 +91,21 @@ def test_speculative_model_args_bad_input(checkpoint):
         with pytest.raises(backend.ModelArgsError) as e:
             backend.TreeLM.create_from_arg_string(f"pretrained={llama}{extra}")
         assert message in str(e.value), (extra, str(e.value))
+
+
+def test_compile_step_generate_until_equals_plain(checkpoint):
+    """``compile_step=aot_eager``: ``generate_until``'s decode steps run compiled (Dynamo, one trace per cache
+    shape), with the eager backend's strings; a bad value or ``source=megatron`` is refused by name."""
+    offline_env()
+    from megatron_tree.integrations import lm_eval as backend
+
+    reqs = [Req(c, {"until": ["."], "max_gen_toks": 10}) for c in CONTEXTS]
+    plain = _lm(checkpoint).generate_until(reqs)
+    lm = _lm(checkpoint, ",compile_step=aot_eager")
+    assert lm.generate_until(reqs) == plain
+    assert lm.model._binding.compiled.steps, "no decode step was compiled"
+    llama, tok = checkpoint
+    for extra, message in ((",compile_step=yes", "compile_step='yes' is not one of"),
+                           (",source=megatron,compile_step=true", "compile_step is available with source=hf only")):
+        with pytest.raises(backend.ModelArgsError, match=message):
+            backend.TreeLM.create_from_arg_string(f"pretrained={llama},tokenizer={tok}{extra}", {"device": "cpu"})
