@@ -142,7 +142,6 @@ class ShardedKVCache:
         self.capacity = math.ceil(max_seq_len / cp_size)
         if head_major is None:
             head_major = torch.device(device).type == "cpu"
-        self.head_major = head_major
         shape = (num_layers, batch_size, self.capacity + 1, num_kv_heads, head_dim)  # + the spare slot
         self._k, self._v = (_zeros(shape[:-1] + (d,), dtype, device, head_major) for d in (head_dim, head_dim_v))
         self._positions = torch.full((batch_size, self.capacity + 1), -1, dtype=torch.int64, device=device)

@@ -270,6 +270,13 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _channel_for(group, tensor: torch.Tensor):
+    """The shared-memory channel that carries ``tensor``'s collective on ``group`` (``shm.attach`` gave the
+    group one and the tensor fits a slot), else None: the backend carries it."""
+    channel = shm.channel_of(group)
+    return channel if channel is not None and channel.fits(tensor) else None
+
+
 def _on_channel(run, args: tuple, what: str, op: str, level: str, group) -> None:
     """A collective on a group's shared-memory channel (``shm``), its failures worded as the backend's are
     (:func:`_failure`'s form: the operation, the level, the ranks, what most likely happened)."""
@@ -298,8 +305,8 @@ def all_reduce(tensor: torch.Tensor, group, *, op: str = "sum", level: str = "cp
     tensor: any shape and dtype, the same on every rank (contiguous). Recorded as
     ``all_reduce_<op>``.
     """
-    channel = shm.channel_of(group)
-    if channel is not None and channel.fits(tensor) and tensor.is_contiguous():
+    channel = _channel_for(group, tensor)
+    if channel is not None:
         _on_channel(channel.all_reduce, (tensor, op, what), what, f"all_reduce({op.upper()})", level, group)
     else:
         try:
@@ -322,8 +329,8 @@ def all_gather(tensor: torch.Tensor, group, *, out: torch.Tensor | None = None, 
     tensor = tensor.contiguous()
     if out is None:
         out = tensor.new_empty((size, *tensor.shape))
-    channel = shm.channel_of(group)
-    if channel is not None and channel.fits(tensor) and out.is_contiguous():
+    channel = _channel_for(group, tensor)
+    if channel is not None:
         _on_channel(channel.all_gather, (tensor, out, what), what, "all_gather", level, group)
     else:
         try:
@@ -404,8 +411,7 @@ def all_reduce_async(tensor: torch.Tensor, group, *, op: str = "sum", level: str
     stream wait for the collective (no host block); on gloo a worker thread runs it meanwhile.
     """
     name = f"all_reduce({op.upper()})"
-    channel = shm.channel_of(group)
-    if channel is not None and channel.fits(tensor) and tensor.is_contiguous():  # completes here (no thread)
+    if _channel_for(group, tensor) is not None:  # completes here (no thread)
         all_reduce(tensor, group, op=op, level=level, stats=stats, what=what)
         return Pending([], what, level, group, op=name)
     try:
@@ -428,8 +434,7 @@ def all_gather_async(tensor: torch.Tensor, group, *, out: torch.Tensor, level: s
     """
     size = dist.get_world_size(group)
     tensor = tensor.contiguous()
-    channel = shm.channel_of(group)
-    if channel is not None and channel.fits(tensor) and out.is_contiguous():  # completes here (no thread)
+    if _channel_for(group, tensor) is not None:  # completes here (no thread)
         all_gather(tensor, group, out=out, level=level, stats=stats, what=what)
         return Pending([], what, level, group, op="all_gather")
     try:

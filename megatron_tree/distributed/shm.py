@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from . import liveness
 
-__all__ = ["Channel", "supported", "channel_of", "attach", "detach", "ChannelTimeout", "ChannelMismatch",
+__all__ = ["Channel", "supported", "channel_of", "attach", "ChannelTimeout", "ChannelMismatch",
            "DEFAULT_SLOT_BYTES", "PROBE_S"]
 
 DEFAULT_SLOT_BYTES = 1 << 20
@@ -109,9 +109,9 @@ class Channel:
         return tensor.device.type == "cpu" and tensor.numel() * tensor.element_size() <= self.slot_bytes
 
     def all_gather(self, tensor: torch.Tensor, out: torch.Tensor, what: str) -> torch.Tensor:
-        """out[r] = rank r's ``tensor`` (out: (P, *tensor.shape), tensor contiguous, CPU)."""
+        """out[r] = rank r's ``tensor`` (out: (P, *tensor.shape); CPU, any strides)."""
         parity, n = self._publish(tensor)
-        self._wait(tensor, n, what)
+        self._wait(n, what)
         if n:
             for r in range(self.size):  # (any strides on either side: the slot is read as the tensor it holds)
                 out[r].copy_(self._slot(parity, r, tensor))
@@ -120,7 +120,7 @@ class Channel:
     def all_reduce(self, tensor: torch.Tensor, op: str, what: str) -> torch.Tensor:
         """``tensor`` = the ``op`` of every rank's, taken in group-rank order (the same bits on every rank)."""
         parity, n = self._publish(tensor)
-        self._wait(tensor, n, what)
+        self._wait(n, what)
         if n:
             parts = self._data[parity, :, :n].view(tensor.dtype).view(self.size, *tensor.shape)
             if op == "sum":
@@ -151,7 +151,7 @@ class Channel:
         line[0] = self._seq  # last: a peer that sees this number sees the slot and the words above
         return parity, n
 
-    def _wait(self, tensor: torch.Tensor, n: int, what: str) -> None:
+    def _wait(self, n: int, what: str) -> None:
         seqs = self._head[:, 0]
         want = self._seq
         spins = 0
@@ -169,7 +169,7 @@ class Channel:
                 time.sleep(0.0002)
             if now - probe >= PROBE_S:
                 probe = now
-                self._check_peers(want, what)
+                self._check_peers(want)
                 if now - start >= self.timeout:
                     raise ChannelTimeout([self.ranks[r] for r in range(self.size) if seqs[r] < want], self.timeout)
         parity = want % 2
@@ -182,7 +182,7 @@ class Channel:
             raise ChannelMismatch(f"{what}: the ranks passed tensors of different sizes or dtypes to one "
                                     f"collective ({seen}); every rank must pass the same")
 
-    def _check_peers(self, want: int, what: str) -> None:
+    def _check_peers(self, want: int) -> None:
         late = [self.ranks[r] for r in range(self.size) if self._head[r, 0] < want]
         dead = liveness.exited(late)
         if dead:
@@ -222,11 +222,6 @@ def attach(group, ranks, exchange, *, slot_bytes: int = DEFAULT_SLOT_BYTES, time
     liveness.remember(ranks)  # the peers' pids, kept: a dead peer is still named if it took the store down
     _CHANNELS[id(group)] = (group, channel)
     return channel
-
-
-def detach(group) -> None:
-    """Take ``group``'s channel away (its collectives go through the backend again)."""
-    _CHANNELS.pop(id(group), None)
 
 
 def channel_of(group) -> Channel | None:

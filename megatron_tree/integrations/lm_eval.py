@@ -85,6 +85,7 @@ except ImportError as e:  # pragma: no cover -- exercised only where lm-eval is 
     ) from e
 
 from ..distributed import collectives
+from ..distributed.topology import TRANSPORTS
 from ..comm.merge import STRATEGIES
 from ..decode import PREFILL_METHODS, generate
 from .loading import load_model, model_groups
@@ -216,8 +217,8 @@ def model_args_from(args: dict) -> ModelArgs:
     if a["compile_step"] != "false" and a.get("source") == "megatron":
         raise ModelArgsError("model_args compile_step is available with source=hf only (Megatron-Core's engine "
                              "runs its own decode step)")
-    if a.get("transport", "auto") not in ("auto", "backend", "shm"):
-        raise ModelArgsError(f"model_args transport={a['transport']!r} is not one of ['auto', 'backend', 'shm']")
+    if a.get("transport", "auto") not in TRANSPORTS:
+        raise ModelArgsError(f"model_args transport={a['transport']!r} is not one of {list(TRANSPORTS)}")
     if a.get("transport") == "shm" and a.get("source") == "megatron":
         raise ModelArgsError("model_args transport=shm is available with source=hf only (source=megatron runs on "
                              "Megatron-Core's own process groups)")
