@@ -62,7 +62,9 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict | None:
         import torch._dynamo  # noqa: F401 -- what the first custom-op call would import
 
     t0 = time.perf_counter()
-    groups = TreeGroups.build(intra_size=opts["intra"] if opts["intra"] < world else None)
+    # gloo for every method (the ring's point-to-point messages have no shared-memory path): the comparison,
+    # and the recorded results, are over one transport
+    groups = TreeGroups.build(intra_size=opts["intra"] if opts["intra"] < world else None, transport="backend")
     if strategy == "ring":
         plan = ShardPlan.build(k, groups)
 

@@ -156,7 +156,10 @@ def _rank_main(rank: int, world: int, cfgs: list, opts: dict, out_path: str) -> 
         if cfg["intra"] not in groups_by_intra:
             from megatron_tree.distributed.topology import TreeGroups
 
-            groups_by_intra[cfg["intra"]] = TreeGroups.build(intra_size=cfg["intra"], node_of=[0] * world)
+            # gloo for every method (the ring's point-to-point messages have no shared-memory path): the
+            # side-by-side comparison, and the recorded results and the alpha-beta fit, are over one transport
+            groups_by_intra[cfg["intra"]] = TreeGroups.build(intra_size=cfg["intra"], node_of=[0] * world,
+                                                             transport="backend")
         lanes = _probe_lanes(opts, opts["probe_tokens"]) if opts["probe_tokens"] > 0 else None
         res = _run_config(Config(**cfg), groups_by_intra[cfg["intra"]], opts)
         if rank == 0:

@@ -47,7 +47,8 @@ def _rank_main(rank: int, world: int, cfgs: list, opts: dict, out_path: str) -> 
         cfg = Config(**{k: c[k] for k in ("ranks", "intra", "context", "batch", "heads_q", "heads_kv",
                                             "head_dim")})
         if cfg.intra not in groups:
-            groups[cfg.intra] = TreeGroups.build(intra_size=cfg.intra, node_of=[0] * world)
+            groups[cfg.intra] = TreeGroups.build(intra_size=cfg.intra, node_of=[0] * world,
+                                                 transport="backend")  # (the recorded results are gloo's)
         g = groups[cfg.intra]
         lens = _shard_lengths(cfg.context, world)
         k, v = _make_shard(cfg, rank, lens[rank], opts["seed"], torch.float32, torch.device("cpu"))
