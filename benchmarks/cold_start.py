@@ -18,9 +18,9 @@ methodologies here, tree vs ring, on the same shards:
   time is the maximum over ranks of the time from a barrier to the step's end; imports and
   making the shards happen before the clock starts, as in the paper's scripts.
 * two modes: ``cold`` leaves every one-time cost in the first step, as the paper's harness
-  does -- here chiefly torch's compiler stack (``torch._dynamo``), which torch imports on the
-  first call of a ``torch.library`` custom op such as ``ops.flash_decode``; ``preloaded``
-  imports it before the clock, leaving first use of memory and links.
+  does -- on older torch chiefly its compiler stack (``torch._dynamo``), which it imported on the
+  first call of a ``torch.library`` custom op such as ``ops.flash_decode`` (torch 2.13 no longer
+  does); ``preloaded`` imports it before the clock, leaving first use of memory and links.
 
 The tree side is the paper's Algorithm 3 (``allreduce3``); the ring side is this project's
 ring (``baselines.ring_decode``). Run ``python -m benchmarks.cold_start --help``;

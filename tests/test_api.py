@@ -29,6 +29,16 @@ def test_import_pulls_in_no_framework():
     assert loaded == []
 
 
+def test_core_tiers_import_without_torch_compiler_stack():
+    """torch._dynamo costs about a second to import: a process that only decodes eagerly must not pay it
+    at import (benchmarks.cold_start counts it in the first call, where torch's custom ops import it)."""
+    loaded = _fresh(
+        "import json, sys, megatron_tree, megatron_tree.decode, megatron_tree.comm, megatron_tree.ops\n"
+        "import megatron_tree.distributed, megatron_tree.comm.baselines, megatron_tree.eval\n"
+        "print(json.dumps([m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules]))\n")
+    assert loaded == []
+
+
 def test_front_door_names():
     import megatron_tree as mt
 

@@ -90,8 +90,6 @@ rank's words): words that differ are a :class:`DisagreementError` on every rank,
 
 from __future__ import annotations
 
-import itertools
-import weakref
 from typing import Literal
 
 import torch
@@ -397,32 +395,18 @@ def merge(
 # agreement check or the error handling inside it (host Python a graph cannot hold), and the
 # op's eager body is :func:`merge` itself, so a compiled step issues exactly the collectives of
 # an eager one. The op names its groups (and the CommStats it records into) by a string, looked up
-# in a table of weak references that :func:`_op_names` fills when the step is traced.
+# in a table of weak references (``collectives.by_op_name``) that every TreeGroups and CommStats
+# joins when it is made.
 
 
 class CompileError(ValueError):
     """A merge setting that a compiled or graph-captured step cannot hold (it names the setting)."""
 
 
-_TRACED: "weakref.WeakValueDictionary[str, object]" = weakref.WeakValueDictionary()
-_NAMES = itertools.count()
-
-
-@torch.compiler.assume_constant_result
 def _op_names(groups: TreeGroups, stats) -> str:
-    """``"<groups>|<stats>"``: the names the traced op finds its groups and stats by (run when traced)."""
-    names = []
-    for obj in (groups, stats):
-        if obj is None:
-            names.append("")
-            continue
-        name = obj.__dict__.get("_traced_name")
-        if name is None:
-            name = f"{type(obj).__name__}-{next(_NAMES)}"
-            object.__setattr__(obj, "_traced_name", name)  # (TreeGroups is frozen)
-        _TRACED[name] = obj
-        names.append(name)
-    return "|".join(names)
+    """``"<groups>|<stats>"``: the names the traced op finds its groups and stats by (given to both
+    at construction: read here, they are constants of the traced step)."""
+    return f"{groups.op_name}|{'' if stats is None else stats.op_name}"
 
 
 def _traced_merge(out, lse, groups, strategy, stats, dtype, backend, shift, deferred):
@@ -442,11 +426,11 @@ torch.library.define("megatron_tree::cp_merge",
 
 def _cp_merge_impl(out, lse, names, strategy, dtype, backend):
     group_name, stats_name = names.split("|")
-    groups = _TRACED.get(group_name)
+    groups = collectives.by_op_name(group_name)
     if groups is None:
         raise RuntimeError(f"the compiled step's CP group {group_name!r} no longer exists (its TreeGroups was "
                            "freed): compile the step again for the groups it runs on")
-    stats = _TRACED.get(stats_name) if stats_name else None
+    stats = collectives.by_op_name(stats_name) if stats_name else None
     o, l = merge(out, lse, groups, strategy, stats, dtype=dtype, backend=backend or None)
     # (an op may not return its inputs: a merge with nothing to merge hands back the widened partials)
     return (o.clone() if o.data_ptr() == out.data_ptr() else o), (l.clone() if l.data_ptr() == lse.data_ptr() else l)

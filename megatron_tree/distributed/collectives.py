@@ -34,7 +34,9 @@ root (0 elsewhere). Object exchanges are bookkeeping and are not recorded.
 from __future__ import annotations
 
 import datetime
+import itertools
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -82,6 +84,26 @@ class DisagreementError(CommError):
 # --------------------------------------------------------------------------- accounting
 
 
+_OP_NAMES = itertools.count()
+_BY_OP_NAME: "weakref.WeakValueDictionary[str, object]" = weakref.WeakValueDictionary()
+
+
+def give_op_name(obj) -> str:
+    """Name ``obj`` (a :class:`TreeGroups` or :class:`CommStats`) for custom ops, which take strings,
+    not Python objects: a compiled step passes the name, the op's eager body finds the object again
+    with :func:`by_op_name`. Given once, at construction, so that tracing a step only reads an
+    attribute (no marker from ``torch._dynamo``, whose import costs a second in every process)."""
+    name = f"{type(obj).__name__}-{next(_OP_NAMES)}"
+    object.__setattr__(obj, "op_name", name)  # (TreeGroups is frozen)
+    _BY_OP_NAME[name] = obj
+    return name
+
+
+def by_op_name(name: str):
+    """The live object :func:`give_op_name` named ``name``, or ``None`` once it was freed."""
+    return _BY_OP_NAME.get(name)
+
+
 @dataclass
 class LevelStats:
     """Traffic of one level, summed over calls, from this rank's point of view."""
@@ -107,6 +129,9 @@ class CommStats:
     are counted when the decode loop reads the step's flags)."""
     levels: dict = field(default_factory=dict)
     """Level name (``cp``, ``intra``, ``inter``) -> :class:`LevelStats`."""
+
+    def __post_init__(self):
+        give_op_name(self)
 
     def record(self, level: str, op: str, payload: int, sent: int) -> None:
         s = self.levels.setdefault(level, LevelStats())

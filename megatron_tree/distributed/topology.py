@@ -94,6 +94,9 @@ class TreeGroups:
     timeout: float | None = None
     """Collective timeout of these groups in seconds (``None``: read from the CP group)."""
 
+    def __post_init__(self):
+        collectives.give_op_name(self)  # sets self.op_name
+
     @property
     def agreement(self) -> Agreement:
         """The CP group's cross-rank signature check (shared by every ``TreeGroups`` of that group)."""

@@ -53,9 +53,11 @@ def test_tiny_sweep_end_to_end(tmp_path):
 
 
 def test_cold_start_bench_measures_first_and_warm_calls(tmp_path):
-    """One fresh launch per strategy (P=2, tiny shards): the first call is slower than the
-    warm ones for tree and ring alike, both decode the same attention, and the summary's
-    ratios are the measured medians' ratios."""
+    """One fresh launch per strategy (P=2, tiny shards): every phase is timed, both decode the
+    same attention, and the summary's ratios are the measured medians' ratios. (Whether the first
+    call is the slower is the benchmark's finding, not an invariant: on torch 2.13 a first custom-op
+    call no longer imports torch._dynamo, and at these shapes what is left is within this shared
+    machine's noise: a first call of 7.3 ms beside warm calls of 9 ms failed a CI run.)"""
     from benchmarks import cold_start
 
     out = tmp_path / "cold.json"
@@ -68,9 +70,7 @@ def test_cold_start_bench_measures_first_and_warm_calls(tmp_path):
     assert sorted(r["strategy"] for r in recs) == sorted(cold_start.STRATEGIES)
     for r in recs:
         assert r["mode"] == "cold" and len(r["warm_s"]) == 3 and r["setup_s"] > 0
-        # the first call pays one-time costs: slower than the typical warm call (the median: on a shared
-        # machine one warm call of three can be held up as long as a first call)
-        assert r["first_s"] > sorted(r["warm_s"])[1], r
+        assert r["first_s"] > 0 and min(r["warm_s"]) > 0 and r["warm_median_s"] == sorted(r["warm_s"])[1], r
     s = data["summary"]
     assert s["max_abs_diff_between_runs"] < 1e-5
     med = s["modes"]["cold"]["medians"]
