@@ -256,10 +256,12 @@ def fail_alike_body(rank, world, outdir):
     sync()
 
     # -- TreeGroups.build without timeout= takes the default group's (8 s here): bounded, not 30 min --
+    # (ranks 0 and 1 stay alive until rank 2 wakes: the first to time out must not exit while the other
+    # still waits, or the other's liveness probe rightly reports it gone -- a CI run saw exactly that race)
+    wake = time.monotonic() + 1.5 * PG_TIMEOUT + 1
     if rank != 2:
         out["absent_build"] = outcome(lambda: mt.TreeGroups.build())
-    else:
-        time.sleep(1.5 * PG_TIMEOUT + 1)  # never calls; the default group is out of step afterwards
+    time.sleep(max(0.0, wake - time.monotonic()))  # rank 2 never calls; the default group is out of step afterwards
     return out
 
 
