@@ -1,6 +1,8 @@
 """The wrapper of ``model.generate``: refuses what cannot run sharded, sizes the cache for the request,
 and keeps the CP ranks' tokens in agreement (rank 0's random state before each draw, a check after
-each step)."""
+each step). Greedy, sampling, beam search and assisted decoding (``assistant_model``,
+``prompt_lookup_num_tokens``: the forward of several tokens and ``TreeCache.crop``) run as transformers
+runs them."""
 
 from __future__ import annotations
 
@@ -21,7 +23,9 @@ class _RankZeroDraws(LogitsProcessor):
     The draw transformers makes next (``torch.multinomial`` on the processed scores) then
     gives every rank rank 0's token: logits are bitwise identical across the group (one
     merge result, one all-reduced prefill), so the same state gives the same choice, however
-    the ranks were seeded. Scores pass through unchanged.
+    the ranks were seeded. Scores pass through unchanged. Assisted decoding calls the processors once per
+    verified row and transformers hands them to the assistant's ``generate`` too, so its draws (an
+    assistant sampling candidates, the speculative acceptance after the rows) are rank 0's as well.
     """
 
     def __init__(self, groups: TreeGroups, stats: CommStats | None):

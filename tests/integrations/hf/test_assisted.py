@@ -9,21 +9,20 @@ decode steps; ``TreeCache.crop`` cuts every rank's shard alike, into decode step
 
 Checked here: the sequences equal transformers' own in one process, and so does every crop (the same
 rounds, accepting and rejecting the same candidates: the first round's rejections cut into the
-prefill) -- CP 2, 3 and 2 x 2, a 33-token prompt (no CP size divides it into equal chunks); the cache's
+prefill) -- CP 2, 3 and 2 x 2 and a compiled decode step (the verification forwards run eagerly, the
+one-token steps compiled), a 33-token prompt (no CP size divides it into equal chunks); the cache's
 lengths and shards afterwards; a cache cropped and extended by hand against a ``DynamicCache`` given
 the same calls (left-padded rows, cuts into the prefill and into decoded tokens, a cache that grows
-after a cut); ``RowPlacement.truncate`` against the placement it cuts; bad crops refused; ranks handed
-different candidates refused alike.
+after a cut); sampling (rank 0's draws, the assistant's too); ``RowPlacement.truncate`` against the
+placement it cuts; bad crops refused; ranks handed different candidates refused alike.
 """
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
-from tests.helpers.ranks import RankFailure, outcome, run_ranks  # noqa: F401
+from tests.helpers.ranks import outcome, run_ranks
 
 NEW = 20
 
@@ -93,14 +92,14 @@ def _run(model, mode, prompt, crops):
         return out
 
     for cls, orig in originals.items():
-        setattr(cls, "crop", spy(orig))
+        cls.crop = spy(orig)
     model.forward = remember
     try:
         with torch.no_grad():
             out = model.generate(prompt, max_new_tokens=NEW, do_sample=False, pad_token_id=0, **kw)
     finally:
         for cls, orig in originals.items():
-            setattr(cls, "crop", orig)
+            cls.crop = orig
         if own is None:
             del model.__dict__["forward"]
         else:
@@ -116,7 +115,7 @@ def _reference(mode):
     return tokens, crops
 
 
-def _rank(rank, world, intra):
+def _rank(rank, world, intra, compile_step):
     import megatron_tree as mt
     from megatron_tree.integrations.hf import TreeCache, enable_tree_attention
 
@@ -125,7 +124,7 @@ def _rank(rank, world, intra):
     for mode, seed in MODES.items():
         model = _target(seed)
         prompt = _prompt(model)  # (made by the plain model: the same on every rank)
-        enable_tree_attention(model, groups)
+        enable_tree_attention(model, groups, compile_step={"backend": "aot_eager"} if compile_step else False)
         crops = []
         tokens, cache = _run(model, mode, prompt, crops)
         assert isinstance(cache, TreeCache)
@@ -139,14 +138,15 @@ def _rank(rank, world, intra):
     return out
 
 
-@pytest.mark.parametrize("world,intra", [(2, None), (3, None), (4, 2)])
-def test_assisted_generate_gives_transformers_own_tokens(world, intra):
+@pytest.mark.parametrize("world,intra,compile_step", [(2, None, False), (3, None, False), (4, 2, False),
+                                                      (2, None, True)])
+def test_assisted_generate_gives_transformers_own_tokens(world, intra, compile_step):
     want = {mode: _reference(mode) for mode in MODES}
     for mode, (tokens, crops) in want.items():  # the case must exercise what it claims to
         assert crops[0] < 0, (mode, crops, "the first round rejects nothing: no cut into the prefill")
         assert any(c < 0 for c in crops[1:]), (mode, crops, "no later round rejects a candidate")
         assert len(crops) < NEW, (mode, crops, "no round accepted a candidate")
-    results = run_ranks(_rank, world, intra, timeout=300)
+    results = run_ranks(_rank, world, intra, compile_step, timeout=300)
     for rank, got in enumerate(results):
         for mode, (tokens, crops) in want.items():
             g = got[mode]
@@ -157,6 +157,43 @@ def test_assisted_generate_gives_transformers_own_tokens(world, intra):
             assert sum(g["shards"][0]) == len(tokens) - 1 and g["shards"][0][rank] == g["local"], (rank, mode, g)
             assert g["stored"] == g["placed"] and set(g["rest"]) <= {-1}, (rank, mode, g)
             assert g["shards"] == results[0][mode]["shards"]
+
+
+SAMPLING = dict(do_sample=True, temperature=1.3, top_k=40, top_p=0.95)
+SEED = 1234
+
+
+def _sample(model, mode, prompt, seed):
+    kw = {"prompt_lookup_num_tokens": 3} if mode == "prompt_lookup" else {"assistant_model": _assistant(model)}
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        return model.generate(prompt, max_new_tokens=NEW, pad_token_id=0, **SAMPLING, **kw)[0].tolist()
+
+
+def _sample_rank(rank, world):
+    import megatron_tree as mt
+    from megatron_tree.integrations.hf import enable_tree_attention
+
+    groups = mt.TreeGroups.build()
+    out = {}
+    for mode, seed in MODES.items():
+        model = _target(seed)
+        prompt = _prompt(model)
+        enable_tree_attention(model, groups)
+        # Ranks seeded differently: every draw (the assistant's too) is CP rank 0's.
+        out[mode] = _sample(model, mode, prompt, SEED if rank == 0 else 99 + rank)
+    return out
+
+
+def test_assisted_sampling_draws_rank_zeros_tokens():
+    """do_sample with assisted decoding at CP 3: transformers' own tokens in one process for rank 0's seed, on
+    every rank (the target's logits processors, _RankZeroDraws among them, run in the assistant's generate too)."""
+    want = {}
+    for mode, seed in MODES.items():
+        model = _target(seed)
+        want[mode] = _sample(model, mode, _prompt(model), SEED)
+    for rank, got in enumerate(run_ranks(_sample_rank, 3, timeout=300)):
+        assert got == want, (rank, got, want)
 
 
 # --------------------------------------------------------------------------- crop by hand
@@ -236,7 +273,8 @@ def test_crop_then_continue_equals_a_dynamic_cache(world):
         assert lengths == want_lengths, (rank, lengths, want_lengths)
         assert len(logits) == len(want)
         for i, (a, b) in enumerate(zip(logits, want)):
-            torch.testing.assert_close(torch.tensor(a), b, rtol=0, atol=5e-5, msg=lambda m: f"rank {rank}, forward {i}: {m}")
+            torch.testing.assert_close(torch.tensor(a), b, rtol=0, atol=5e-5,
+                                       msg=lambda m, rank=rank, i=i: f"rank {rank}, forward {i}: {m}")
         # real lengths, global length, shards adding up to the rows, the cache grown after a cut
         for (lens, seq, shards, _), real in zip(seen, [want_lengths[i] for i, c in enumerate(CALLS)
                                                        if c[0] in ("prefill", "new")]):
@@ -254,7 +292,7 @@ def test_row_placement_truncate_keeps_each_ranks_prefix(cp, layout):
     from megatron_tree.decode.placement import RowPlacement
 
     prompt, appended = 11, 9
-    for keep in range(0, prompt + appended + 1):
+    for keep in range(prompt + appended + 1):
         row = RowPlacement(cp, layout=layout, block_size=3)
         row.place_prompt(prompt)
         row.append(appended)
