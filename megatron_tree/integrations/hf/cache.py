@@ -94,6 +94,9 @@ class TreeCache(Cache):
         cfg = _text_config(model.config if model is not None else config)
         self.num_layers = int(cfg.num_hidden_layers)
         self.num_kv_heads, self.head_dim, self.head_dim_v = _kv_shape(cfg)
+        self._expands = bool(getattr(cfg, "kv_lora_rank", None))
+        """The layers expand what :meth:`update` returns (MLA's latent into keys and values): in a forward of
+        several new tokens their keys travel with the shard (see :meth:`update`)."""
         super().__init__(layers=[_TreeLayer(self) for _ in range(self.num_layers)])
         if max_seq_len is not None and (not isinstance(max_seq_len, int) or max_seq_len < 1):
             raise ValueError(f"max_seq_len must be a positive integer or None, got {max_seq_len!r}")
@@ -471,6 +474,8 @@ class TreeCache(Cache):
         if self._phase == "verify":  # speculative verification: drafts are kept aside, never stored
             self._drafts[layer_idx] = (k, v)  # (decode.speculative.commit appends the accepted ones)
             ks, vs = self.storage.layer_kv(layer_idx)
+            if self._expands:  # the module expands what it gets: the drafts go along, split off again after
+                ks, vs = torch.cat([ks, k.to(ks.dtype)], dim=1), torch.cat([vs, v.to(vs.dtype)], dim=1)
             return ks.transpose(1, 2), vs.transpose(1, 2)
         self.storage.append_step(layer_idx, k, v)
         ks, vs = self.storage.layer_kv(layer_idx, self.metadata.kv_len)

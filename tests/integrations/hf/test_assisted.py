@@ -377,3 +377,58 @@ def test_ranks_with_different_candidates_are_refused_alike():
         assert chain[0] == "DisagreementError" and "hf.decode_chain" in chain[1] and "input_ids" in chain[1], chain
         assert lengths == [33]  # refused before anything was stored
     assert results[0][1][1] == results[1][1][1]  # the same error on every rank
+
+
+# --------------------------------------------------------------------------- other architectures
+
+ARCHS = ("deepseek-v3", "phi3-longrope", "qwen2-moe")
+"""MLA (the latent is cached: the layer expands the shard and the new tokens together, and the new tokens'
+part is split off again), length-dependent RoPE, a MoE; sliding windows are refused."""
+
+
+def _arch_calls(model, ids, mask, cache_of):
+    """Prefill a left-padded batch (13, 8 and 3 tokens), 4 new tokens, crop 5 (the 3-token row's cut reaches into
+    its prefill), 2 new, 1 new; returns the logits of every forward as lists."""
+    g = torch.Generator().manual_seed(3)
+    out = []
+    with torch.no_grad():
+        res = model(ids, attention_mask=mask)
+        out.append(res.logits)
+        for step in (4, -5, 2, 1):
+            cache = cache_of(res)
+            if step < 0:
+                cache.crop(step)
+                mask = mask[:, :step]
+                continue
+            new = torch.randint(1, 60, (ids.shape[0], step), generator=g)
+            mask = torch.cat([mask, torch.ones_like(new)], dim=1)
+            res = model(new, attention_mask=mask, cache=cache)
+            out.append(res.logits)
+    return [t.float().tolist() for t in out]
+
+
+def _arch_rank(rank, world):
+    import benchmarks.architectures as A
+    import megatron_tree as mt
+    from megatron_tree.integrations.hf import enable_tree_attention
+
+    groups = mt.TreeGroups.build()
+    ids, mask = A.batch()
+    got = {name: _arch_calls(enable_tree_attention(A.build(name), groups), ids, mask, _cache_of) for name in ARCHS}
+    windowed = enable_tree_attention(A.build("mistral-sliding"), groups)
+    with torch.no_grad():
+        res = windowed(ids, attention_mask=mask)
+        refused = outcome(lambda: windowed(ids[:, :2], cache=_cache_of(res)))
+    return got, refused
+
+
+def test_other_architectures_verify_several_tokens_exactly():
+    A = pytest.importorskip("benchmarks.architectures", reason="needs transformers")
+    ids, mask = A.batch()
+    want = {name: _arch_calls(A.build(name), ids, mask, _cache_of) for name in ARCHS}
+    for rank, (got, refused) in enumerate(run_ranks(_arch_rank, 3, timeout=300)):
+        for name in ARCHS:
+            for i, (a, b) in enumerate(zip(got[name], want[name], strict=True)):
+                err = float((torch.tensor(a) - torch.tensor(b)).abs().max())
+                assert err <= A.LOGITS_ATOL, f"{name} rank {rank} forward {i}: max |dlogits| {err:.2e}"
+        assert refused[0] == "NotImplementedError" and "sliding-window layers (layers [0, 1])" in refused[1], refused
