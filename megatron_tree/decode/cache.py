@@ -373,6 +373,52 @@ class ShardedKVCache:
         returns its plan again. The stored keys are left as they are (rewriting them is idempotent)."""
         self._planner.rewind()
 
+    def truncate(self, lengths: list[int]) -> None:
+        """Keep each row's first ``lengths[b]`` tokens (positions ``[0, lengths[b])``), dropping its later
+        ones wherever they were placed (by the prefill or by decode steps): assisted decoding's rollback of
+        rejected candidates.
+
+        Every CP rank truncates alike: a rank keeps the prefix of its slots whose positions are below the
+        new length (``RowPlacement.truncate``), ``seqlens`` shrinks to it and the dropped slots' positions
+        become -1 (their keys stay, unread). The next step is placed from the truncated rows, so it
+        writes over the dropped slots; the last step can no longer be rewound.
+        """
+        if (not isinstance(lengths, (list, tuple)) or len(lengths) != self.batch_size
+                or any(isinstance(n, bool) or not isinstance(n, int) for n in lengths)):
+            raise ValueError(f"truncate: expected {self.batch_size} integer row lengths, got {lengths!r}")
+        bad = [b for b, (n, row) in enumerate(zip(lengths, self._rows)) if not 1 <= n <= row.total]
+        if bad:
+            b = bad[0]
+            raise ValueError(f"truncate: row {b} holds {self._rows[b].total} tokens and cannot be cut to "
+                             f"{lengths[b]} (expected 1 <= length <= {self._rows[b].total}: a row keeps at least one "
+                             "token and cannot grow)")
+        for row, n in zip(self._rows, lengths):
+            row.truncate(n)
+        self.seqlens.copy_(torch.tensor([row.counts[self.cp_rank] for row in self._rows], dtype=torch.int32))
+        slots = torch.arange(self.capacity, device=self.positions.device)
+        self.positions.masked_fill_(slots[None, :] >= self.seqlens[:, None], -1)
+        self._planner.reset(self._rows)
+
+    def continue_from(self, other: "ShardedKVCache") -> None:
+        """Take over ``other``'s rows: their placement and this rank's keys, values and positions (a cache
+        outgrown by its rows continues in this larger one, which must be empty and alike but for its
+        capacity). The placement is copied, not replayed, so rows cut by :meth:`truncate` continue too."""
+        same = ("num_layers", "batch_size", "cp_size", "cp_rank", "config")
+        diff = [n for n in same if getattr(self, n) != getattr(other, n)]
+        if diff or self.capacity < other.capacity or self.k.shape[3:] != other.k.shape[3:] \
+                or self.v.shape[3:] != other.v.shape[3:]:
+            raise ValueError(f"continue_from: the caches differ in {diff or 'their shapes'} (or this one is "
+                             f"smaller: {self.capacity} < {other.capacity} slots per row)")
+        self._rows = [row.copy() for row in other._rows]
+        for row in self._rows:
+            row.capacity = self.capacity
+        self._planner.reset(self._rows)
+        n = other.capacity
+        self.k[:, :, :n].copy_(other.k)
+        self.v[:, :, :n].copy_(other.v)
+        self.positions[:, :n].copy_(other.positions)
+        self.seqlens.copy_(other.seqlens)
+
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """Store the new token's key/value of one layer in the rows this rank holds.
 

@@ -218,6 +218,26 @@ class RowPlacement:
             else:
                 self.blocks[-1] = Block(blk.rank, blk.start, blk.length - 1, blk.slot)
 
+    def truncate(self, length: int) -> None:
+        """Keep only the row's first ``length`` tokens (positions ``[0, length)``), dropping the rest on every rank.
+
+        A rank stores a row's tokens in ascending position order (the prompt's ranges, then its
+        blocks), so what each rank keeps is a prefix of its slots: ``counts`` says how long. Cut
+        inside the appended tokens this is :meth:`undo_append`; cut inside the prompt, the prompt
+        becomes the kept part of it (each rank's ranges end at ``length``) and the blocks go.
+        Later appends are placed by the rule from the row as it now stands, so every CP rank that
+        truncates alike keeps placing alike.
+        """
+        if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= self.total:
+            raise PlacementError(f"truncate needs 0 <= length <= {self.total} (the row's tokens), got {length!r}")
+        if length >= self.prompt_len:
+            self.undo_append(self.total - length)
+            return
+        self.blocks, self._starts = [], []
+        self._ranges = [[(s, min(e, length)) for s, e in rr if s < length] for rr in self._ranges]
+        self.counts = [sum(e - s for s, e in rr) for rr in self._ranges]
+        self.prompt_len = self.total = length
+
     def copy(self) -> "RowPlacement":
         """An independent copy (plan ahead without committing)."""
         other = RowPlacement(self.cp_size, layout=self.layout, block_size=self.block_size, capacity=self.capacity)

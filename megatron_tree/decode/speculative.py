@@ -492,12 +492,14 @@ class _VerifyStep(DecodeStep):
         super().__init__(strategy, stats)
         self.cache, self.mask = cache, mask
 
-    def attend(self, layer_key, q, k, v, groups, **kwargs):
+    def attend(self, layer_key, q, k, v, groups, drafts=None, **kwargs):
+        """drafts: the draft rows' (keys, values) as the layer made them (MLA expands its latent), else the
+        ones the cache kept aside."""
         if kwargs.get("window") is not None or kwargs.get("q_positions") is not None:
             raise NotImplementedError("speculative verification does not support sliding-window layers yet")
         kwargs.pop("window", None)
         kwargs.pop("cache_starts", None)
-        dk, dv = self.cache._drafts[layer_key]
+        dk, dv = drafts if drafts is not None else self.cache._drafts[layer_key]
         return verify_attention(q, k, v, dk, dv, self.mask, groups, strategy=self.strategy, stats=self.stats,
                                 check=False, **kwargs)
 

@@ -65,6 +65,10 @@ def tree_attention_forward(module, query, key, value, attention_mask, scaling=No
         step = binding.step if binding.step is not None else DecodeStep(binding.strategy, binding.stats)
         if cache._phase == "verify":  # speculative drafts: the committed shard as it stands (no new token)
             variants["cache_seqlens"] = cache.storage.seqlens
+            if cache._expands:  # (MLA) the drafts' expanded keys/values follow the shard's: split them off
+                t = q.shape[1]
+                variants["drafts"] = (k[:, -t:], v[:, -t:])
+                k, v = k[:, :-t], v[:, :-t]
         else:  # the step's metadata, built once by the cache for every layer (decode.metadata.StepMetadata)
             variants.update(cache.metadata.attention_args(window))
         out = step.attend(module.layer_idx, q, k, v, binding.groups, softmax_scale=scaling, **variants)

@@ -34,7 +34,7 @@ class _TreeLayer(CacheLayerMixin):
 
     is_sliding = False
     is_compileable = False
-    is_croppable = False
+    is_croppable = True  # TreeCache.crop cuts every rank's shard alike (assisted decoding's rollback)
 
     def __init__(self, owner: "TreeCache"):
         super().__init__()
@@ -94,6 +94,9 @@ class TreeCache(Cache):
         cfg = _text_config(model.config if model is not None else config)
         self.num_layers = int(cfg.num_hidden_layers)
         self.num_kv_heads, self.head_dim, self.head_dim_v = _kv_shape(cfg)
+        self._expands = bool(getattr(cfg, "kv_lora_rank", None))
+        """The layers expand what :meth:`update` returns (MLA's latent into keys and values): in a forward of
+        several new tokens their keys travel with the shard (see :meth:`update`)."""
         super().__init__(layers=[_TreeLayer(self) for _ in range(self.num_layers)])
         if max_seq_len is not None and (not isinstance(max_seq_len, int) or max_seq_len < 1):
             raise ValueError(f"max_seq_len must be a positive integer or None, got {max_seq_len!r}")
@@ -157,8 +160,8 @@ class TreeCache(Cache):
     def _refuse(self, what: str):
         raise NotImplementedError(
             f"TreeCache does not support {what}: each CP rank holds a different shard of every row, "
-            "so rows cannot be repeated or cut locally (assisted decoding and contrastive search are not "
-            "supported; use greedy, sampling or beam search)"
+            "so rows cannot be repeated or selected locally (contrastive search is not supported; use greedy, "
+            "sampling, beam search or assisted decoding)"
         )
 
     def reorder_cache(self, beam_idx) -> None:
@@ -174,9 +177,47 @@ class TreeCache(Cache):
             idx = torch.tensor(order, device=self._local_positions.device)
             self._local_positions = self._local_positions.index_select(0, idx)
 
-    def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove != 0:
-            self._refuse(f"crop({tokens_to_remove})")
+    def crop(self, max_length: int) -> None:
+        """Drop every row's tokens past ``max_length`` of the global (padded) length, on every CP rank alike:
+        assisted decoding's rollback of rejected candidates (transformers calls ``crop(-n)`` after each
+        verification forward).
+
+        max_length: negative -- remove that many tokens from the end (transformers' ``DynamicCache.crop``
+        of 5.x, which refuses positive values); positive -- the length to keep (the meaning of earlier
+        transformers releases); 0 -- nothing is removed (what transformers 5.x means by it). The tokens
+        dropped may have been placed by decode steps or by the prefill (the first assisted round prefills
+        the prompt with the first candidates): each rank keeps the prefix of its shard of each row below
+        the new length and the rows' placement is cut alike (``ShardedKVCache.truncate``), so later steps
+        are placed identically on every rank. A length above the cache's (growing), or one that would
+        leave a row no token, is a ``ValueError``. Host-side only: no collective.
+        """
+        if isinstance(max_length, bool) or not isinstance(max_length, int):
+            raise TypeError(f"TreeCache.crop takes an integer (negative: tokens to remove; positive: the length to "
+                            f"keep), got {type(max_length).__name__} {max_length!r}")
+        if self._phase is not None:
+            raise RuntimeError("TreeCache.crop was called during a forward; crop between forwards")
+        if max_length == 0:
+            return
+        keep = self._padded + max_length if max_length < 0 else max_length
+        if keep > self._padded:
+            raise ValueError(f"TreeCache.crop({max_length}): the cache holds {self._padded} tokens per row (with the "
+                             "prompts' padding), so it cannot be cropped to a larger length")
+        cut = self._padded - keep
+        if cut == 0:
+            return
+        if self.storage is None or keep < 0:
+            raise ValueError(f"TreeCache.crop({max_length}) would remove {cut} tokens from a cache holding "
+                             f"{self._padded} per row")
+        lengths = [n - cut for n in self.storage.lengths]
+        short = [b for b, n in enumerate(lengths) if n < 1]
+        if short:
+            raise ValueError(
+                f"TreeCache.crop({max_length}) would leave rows {short} without a token (they hold "
+                f"{[self.storage.lengths[b] for b in short]} real tokens, {cut} would go: the rest of the cut falls in "
+                "their prompt's padding); start a new cache for a new prompt")
+        self.storage.truncate(lengths)
+        self._padded = keep
+        self._steps = 0  # (the truncated placement cannot be replayed step by step, nor its last step rewound)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if repeats != 1:
@@ -301,22 +342,23 @@ class TreeCache(Cache):
             raise RuntimeError("TreeCache: replaying the prompt's placement gave other positions")  # a bug
 
     def _grow(self) -> None:
-        """Double the storage: replay the placement in a larger cache and copy this rank's tokens."""
+        """Double the storage: the rows' placement and this rank's tokens continue in a larger cache."""
         old = self.storage
         new = self._allocate(old.batch_size, 2 * self._nominal)
-        new.start_prefill(self._prompt_lengths, self._prefill_chunk)
-        for _ in range(self._steps):
-            new.begin_decode_step()
-        if new.shard_lengths != old.shard_lengths or not torch.equal(new.seqlens, old.seqlens):
-            raise RuntimeError(  # the placement is a pure function of lengths and steps; this is a bug
-                f"TreeCache: replaying the placement gave shards {new.shard_lengths}, expected {old.shard_lengths}"
-            )
-        n = old.capacity
-        new.k[:, :, :n].copy_(old.k)
-        new.v[:, :, :n].copy_(old.v)
-        new.positions[:, :n].copy_(old.positions)
+        new.continue_from(old)
         self.storage = new
         self._nominal *= 2
+
+    def _make_room(self, tokens: int) -> None:
+        """Grow (an unsized cache) until every row has room for ``tokens`` more, else a CacheOverflowError."""
+        while max(self.storage.lengths) + tokens > self._nominal:
+            if not self.growable:
+                raise CacheOverflowError(
+                    f"a row already holds {max(self.storage.lengths)} tokens and {tokens} more do not fit in the "
+                    f"{self._nominal} this TreeCache was sized for (max_seq_len={self.max_seq_len}, new_tokens="
+                    f"{self.new_tokens}); create it with a larger max_seq_len or pass max_new_tokens to generate"
+                )
+            self._grow()
 
     def _begin_decode(self, batch: int, windows=()) -> None:
         """Place one new token per row (host bookkeeping) and fill the step's :attr:`metadata`
@@ -325,14 +367,7 @@ class TreeCache(Cache):
             raise ValueError("TreeCache is empty: run a forward over the prompt before decoding")
         if batch != self.storage.batch_size:
             raise ValueError(f"decode step has batch {batch}, the cache holds {self.storage.batch_size} rows")
-        while max(self.storage.lengths) + 1 > self._nominal:
-            if not self.growable:
-                raise CacheOverflowError(
-                    f"a row already holds {max(self.storage.lengths)} tokens, all this TreeCache was sized for "
-                    f"(max_seq_len={self.max_seq_len}, new_tokens={self.new_tokens}); create it with a larger "
-                    "max_seq_len or pass max_new_tokens to generate"
-                )
-            self._grow()
+        self._make_room(1)
         pos, self._slots = self.storage.begin_decode_step()
         self._decode_positions = pos[:, None]
         self.metadata = self.storage.step_metadata(self.static)
@@ -341,6 +376,30 @@ class TreeCache(Cache):
         self._padded_next = self._padded + 1
         self._phase = "decode"
         self._written = set()
+
+    def _begin_chain(self, batch: int, q_len: int) -> None:
+        """Start a forward of ``q_len`` new tokens per row on the filled cache (assisted decoding's
+        verification): the tokens are not stored while it runs -- each layer's keys/values are kept aside
+        (``_drafts``, the speculative verification's phase) and the attention sees the cache plus the
+        earlier new tokens (``decode.speculative.verify_attention`` with a chain mask) -- then
+        :meth:`_commit_chain` appends them all. Room for them is made (or refused) first."""
+        if self.storage is None:
+            raise ValueError("TreeCache is empty: run a forward over the prompt before decoding")
+        if batch != self.storage.batch_size:
+            raise ValueError(f"decode step has batch {batch}, the cache holds {self.storage.batch_size} rows")
+        self._make_room(q_len)
+        self._drafts = {}
+        self._phase = "verify"
+        self._padded_next = self._padded
+        self._written = set()
+
+    def _commit_chain(self, q_len: int) -> None:
+        """Append the ``q_len`` tokens of the chain forward just run, each through an ordinary decode step
+        (placed by the rule, every rank alike); the global length grows by ``q_len``."""
+        from ...decode.speculative import commit
+
+        b = self.storage.batch_size
+        commit(self, torch.arange(q_len).expand(b, q_len))
 
     def rewind_step(self) -> None:
         """Take the last decode step back so that it runs again on the same slots (``generate``'s redo of
@@ -415,6 +474,8 @@ class TreeCache(Cache):
         if self._phase == "verify":  # speculative verification: drafts are kept aside, never stored
             self._drafts[layer_idx] = (k, v)  # (decode.speculative.commit appends the accepted ones)
             ks, vs = self.storage.layer_kv(layer_idx)
+            if self._expands:  # the module expands what it gets: the drafts go along, split off again after
+                ks, vs = torch.cat([ks, k.to(ks.dtype)], dim=1), torch.cat([vs, v.to(vs.dtype)], dim=1)
             return ks.transpose(1, 2), vs.transpose(1, 2)
         self.storage.append_step(layer_idx, k, v)
         ks, vs = self.storage.layer_kv(layer_idx, self.metadata.kv_len)

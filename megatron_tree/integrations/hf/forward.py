@@ -325,24 +325,23 @@ def _windows(local: torch.Tensor, chunk: int, count: int) -> list:
 
 
 def _decode(orig, binding: _Binding, cache: TreeCache, call: dict, batch: int, q_len: int):
-    """One new token per row on a filled cache: input_ids (batch, 1) -> logits (batch, 1, vocab).
+    """New tokens on a filled cache: input_ids (batch, q_len) -> logits (batch, q_len, vocab) (or those
+    ``logits_to_keep`` asks for).
 
-    The same on every rank; one ``tree_decode`` merge per layer (its strategy's collectives).
+    The same on every rank; one ``tree_decode`` merge per layer (its strategy's collectives). Several
+    new tokens per row (``q_len > 1``: assisted decoding's verification forward) go through
+    :func:`_decode_chain`.
     """
-    if q_len != 1:
-        raise NotImplementedError(
-            f"a forward of {q_len} tokens on a TreeCache that already holds {cache.get_seq_length()}: only one new "
-            "token per row is supported after the prompt (no assisted decoding, chunked prefill or prompt "
-            "continuation; start a new cache for a new prompt)"
-        )
     mask = call.pop("attention_mask", None)
     if mask is not None and mask.dim() != 2:
         raise NotImplementedError(
             f"a {mask.dim()}-D attention_mask is not supported; tree attention takes the 2-D padding mask only "
             "(causality and padding come from global token positions)"
         )
-    if mask is not None and mask.shape[-1] >= 1 and not bool(mask[:, -1].all()):
+    if mask is not None and mask.shape[-1] >= q_len and not bool(mask[:, -q_len:].all()):
         raise ValueError("the attention_mask marks a new (decoded) token as padding; only prompts may be padded")
+    if q_len != 1:
+        return _decode_chain(orig, binding, cache, call, batch, q_len)
     cache._begin_decode(batch, binding.windows)
     call["attention_mask"] = None
     if binding.compiled is None:
@@ -369,6 +368,54 @@ def _decode(orig, binding: _Binding, cache: TreeCache, call: dict, batch: int, q
         binding.active = None
         cache._phase = None
     return CausalLMOutputWithPast(logits=logits[:, None])
+
+
+def _decode_chain(orig, binding: _Binding, cache: TreeCache, call: dict, batch: int, q_len: int):
+    """``q_len > 1`` new tokens per row on a filled cache, a chain: token ``i`` sees the whole cache and new
+    tokens ``0..i`` (what a single-process forward over a ``DynamicCache`` computes; assisted decoding's
+    verification of its candidates).
+
+    input_ids: (batch, q_len) or inputs_embeds: (batch, q_len, hidden); position_ids as the model would
+    take them (or None: from the cache's global length) -> the model's output, logits identical on
+    every rank. The new tokens are kept aside while the layers run (the speculative verification's
+    phase: ``decode.speculative.verify_attention`` with a lower-triangular mask, the drafts counted on
+    CP rank 0 only) and then appended to the cache, each as an ordinary decode step placed alike on
+    every rank; ``TreeCache.crop`` takes back those the caller rejects.
+
+    Collectives: one all-gather comparing the call across the CP group (``agreement.agree``: the new
+    tokens, positions and the cache's length; ranks handed different candidates would store different
+    keys), then per layer one merge carrying all ``q_len`` rows.
+    """
+    from ...decode.speculative import _VerifyStep
+
+    windowed = [i for i, w in enumerate(binding.windows) if w is not None]
+    if windowed:
+        raise NotImplementedError(
+            f"a forward of {q_len} new tokens on a filled TreeCache (assisted decoding) is not supported for "
+            f"sliding-window layers (layers {windowed}); generate one token per step"
+        )
+    ids, embeds, pos = call.get("input_ids"), call.get("inputs_embeds"), call.get("position_ids")
+    device = (ids if ids is not None else embeds).device
+    g = binding.groups
+    group, ranks = (None, ()) if g is None else (g.cp_group, g.cp_ranks)
+    agreement.agree("hf.decode_chain", ("batch", "new_tokens", "input_ids", "inputs_embeds", "position_ids",
+                                        "cache_length"),
+                    (batch, q_len, _checksum(ids), _checksum(embeds), _checksum(pos), cache.get_seq_length()),
+                    group, ranks, stats=binding.stats, device=None if g is None else _comm_device(g, device))
+    cache._begin_chain(batch, q_len)
+    chain = torch.ones(q_len, q_len, dtype=torch.bool, device=device).tril()
+    previous = binding.step
+    binding.step = _VerifyStep(cache, chain, binding.strategy, binding.stats)
+    call["attention_mask"] = None
+    try:
+        out = _run(orig, binding, cache, call)
+    except BaseException:
+        cache._drafts = {}
+        raise
+    finally:
+        binding.step = previous
+    cache._commit_chain(q_len)
+    return out
 
 
 def device_step(binding: _Binding, ids: torch.Tensor, positions: torch.Tensor, cache: TreeCache) -> torch.Tensor:

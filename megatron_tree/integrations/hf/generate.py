@@ -1,6 +1,8 @@
 """The wrapper of ``model.generate``: refuses what cannot run sharded, sizes the cache for the request,
 and keeps the CP ranks' tokens in agreement (rank 0's random state before each draw, a check after
-each step)."""
+each step). Greedy, sampling, beam search and assisted decoding (``assistant_model``,
+``prompt_lookup_num_tokens``: the forward of several tokens and ``TreeCache.crop``) run as transformers
+runs them."""
 
 from __future__ import annotations
 
@@ -21,7 +23,9 @@ class _RankZeroDraws(LogitsProcessor):
     The draw transformers makes next (``torch.multinomial`` on the processed scores) then
     gives every rank rank 0's token: logits are bitwise identical across the group (one
     merge result, one all-reduced prefill), so the same state gives the same choice, however
-    the ranks were seeded. Scores pass through unchanged.
+    the ranks were seeded. Scores pass through unchanged. Assisted decoding calls the processors once per
+    verified row and transformers hands them to the assistant's ``generate`` too, so its draws (an
+    assistant sampling candidates, the speculative acceptance after the rows) are rank 0's as well.
     """
 
     def __init__(self, groups: TreeGroups, stats: CommStats | None):
@@ -42,25 +46,33 @@ class _RankZeroDraws(LogitsProcessor):
 
 
 class _TokensAgree(StoppingCriteria):
-    """After each step, all CP ranks must hold rank 0's newest tokens; a divergence fails on every rank."""
+    """After each step, all CP ranks must hold rank 0's sequences; a divergence fails on every rank.
+
+    A step may have appended several tokens (assisted decoding accepts candidates), so each row is
+    compared whole: its length, its last token and a position-weighted checksum of all its tokens
+    (one all-gather of (batch, 3) int64 per step)."""
 
     def __init__(self, groups: TreeGroups, stats: CommStats | None):
         self.groups, self.stats = groups, stats
         self.step = 0
 
     def __call__(self, input_ids, scores, **kwargs):
-        last = input_ids[:, -1]
-        parts = collectives.all_gather(last.to(_comm_device(self.groups, last.device)), self.groups.cp_group,
+        ids = input_ids.long()
+        weights = torch.arange(1, ids.shape[1] + 1, device=ids.device)
+        record = torch.stack([torch.full_like(ids[:, -1], ids.shape[1]), ids[:, -1], ((ids + 1) * weights).sum(dim=1)],
+                             dim=1)
+        parts = collectives.all_gather(record.to(_comm_device(self.groups, ids.device)), self.groups.cp_group,
                                        stats=self.stats, what="generate: checking the ranks' new tokens")
         self.step += 1
         if any(not torch.equal(p, parts[0]) for p in parts[1:]):
             raise RuntimeError(
-                f"CP ranks {list(self.groups.cp_ranks)} chose different tokens at generated step {self.step}: "
-                f"{[p.tolist() for p in parts]}; their caches would diverge. generate's settings were compared at "
-                "the prefill, so a custom logits processor or stopping criterion differs between the ranks or is "
-                "not deterministic"
+                f"CP ranks {list(self.groups.cp_ranks)} chose different tokens at generated step {self.step}: newest "
+                f"tokens {[p[:, 1].tolist() for p in parts]}, sequence lengths {[p[:, 0].tolist() for p in parts]}; "
+                "their caches would diverge. generate's settings were compared at the prefill, so a custom logits "
+                "processor or stopping criterion (or an assistant model) differs between the ranks or is not "
+                "deterministic"
             )
-        return torch.zeros(last.shape[0], dtype=torch.bool, device=input_ids.device)
+        return torch.zeros(ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
 def _new_tokens(model, kwargs, prompt_len: int) -> int | None:
@@ -82,9 +94,10 @@ def _sharded_generate(model, orig, binding: _Binding, args, kwargs):
             "compile_step=True) (or a dict of torch.compile arguments, e.g. {'mode': 'reduce-overhead'}), and "
             "call generate as before"
         )
-    for name in ("assistant_model", "prompt_lookup_num_tokens", "max_time", "prefill_chunk_size"):
+    for name, why in (("max_time", "ranks would stop at different steps, each by its own clock"),
+                      ("prefill_chunk_size", "the prompt is chunked by enable_tree_attention(max_prefill_tokens=...)")):
         if kwargs.get(name) is not None:
-            raise NotImplementedError(f"generate({name}=...) is not supported with tree attention")
+            raise NotImplementedError(f"generate({name}=...) is not supported with tree attention: {why}")
     inputs = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
     prompt_len = int(inputs.shape[1]) if isinstance(inputs, torch.Tensor) and inputs.dim() == 2 else 0
     if binding.groups is not None and binding.groups.size > 1:

@@ -337,7 +337,7 @@ def test_eval_protocol_cp1(tmp_path):
 
 
 def test_cache_grows_when_unsized(monkeypatch):
-    """Without a size (no generate, no max_seq_len) the cache doubles and replays its placement."""
+    """Without a size (no generate, no max_seq_len) the cache doubles and its placement continues in the larger one."""
     import megatron_tree.integrations.hf.cache as hf_cache
     from megatron_tree.integrations.hf import TreeCache, enable_tree_attention
 
@@ -411,11 +411,12 @@ def test_bad_calls_are_refused():
             model(ids, attention_mask=right)
         with pytest.raises(NotImplementedError, match="labels"):
             model(ids, attention_mask=mask, labels=ids)
-        with pytest.raises(NotImplementedError, match="assistant_model"):
-            model.generate(ids, attention_mask=mask, max_new_tokens=2, assistant_model=hf_model("llama", seed=2))
+        with pytest.raises(NotImplementedError, match=r"generate\(max_time=...\) is not supported .* own clock"):
+            model.generate(ids, attention_mask=mask, max_new_tokens=2, max_time=10.0)
         out = model(ids, attention_mask=mask)
-        with pytest.raises(NotImplementedError, match="only one new token per row"):
-            model(ids[:, :3], cache=_cache_of(out))
+        grown = torch.cat([mask, torch.tensor([[1, 0, 1]] * 3)], dim=1)
+        with pytest.raises(ValueError, match="marks a new .decoded. token as padding"):
+            model(ids[:, :3], attention_mask=grown, cache=_cache_of(out))
     with pytest.raises(ValueError, match="unknown merge strategy"):
         enable_tree_attention(hf_model("llama"), None, strategy="ring")
 
