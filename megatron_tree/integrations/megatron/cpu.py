@@ -226,6 +226,13 @@ def _unpinned(fn):
     return call
 
 
+def _mtp_pytorch(name: str):
+    """megatron-core's torch implementation of one of its MTP Triton kernels (``mtp_utils_pytorch.<name>``)."""
+    from megatron.core.inference.text_generation_controllers import mtp_utils_pytorch
+
+    return getattr(mtp_utils_pytorch, name)
+
+
 # (module, attribute, replacement factory) -- applied only where the module has the attribute.
 _MEGATRON = (
     ("megatron.core.models.common.embeddings.rope_utils", "get_pos_emb_on_this_cp_rank",
@@ -240,6 +247,12 @@ _MEGATRON = (
     ("megatron.core.transformer.attention", "flash_attn_varlen_func", lambda old: flash_attn_varlen_func),
     ("megatron.core.transformer.attention", "flash_attn_with_kvcache", lambda old: flash_attn_with_kvcache),
     ("megatron.core.transformer.attention", "is_fa_min_version", lambda old: _standin_version_check),
+    # 0.19's speculative decoding (MTP): its Triton kernels -> the same-contract torch versions in
+    # mtp_utils_pytorch (integer bookkeeping: which draft tokens match, which to keep).
+    ("megatron.core.inference.text_generation_controllers.text_generation_controller", "verify_speculative_tokens",
+     lambda old: _mtp_pytorch("verify_speculative_tokens")),
+    ("megatron.core.inference.text_generation_controllers.text_generation_controller", "prepare_next_forward_pass",
+     lambda old: _mtp_pytorch("prepare_next_forward_pass")),
 )
 
 
