@@ -472,8 +472,11 @@ class TreeDynamicGPTInferenceWrapper(_gpt_wrapper_base()):
         # 0.19 speculative decoding: after each verify step the controller runs every MTP layer
         # (compute_mtp_single_step) on the accepted positions' hidden states -- one row per request,
         # no inference context, no RoPE, causal over the rows -- identically on every CP rank.
+        drafts = getattr(getattr(inference_context, "config", None), "num_speculative_tokens", 0) or 0
         for core in _mtp_core_attentions(model):
             if not hasattr(core, "replicated_in_inference"):
+                if not drafts or cores[0].cp_size == 1:
+                    continue  # no draft step to run, or Megatron's own attention runs it as it is
                 raise TypeError(
                     f"the model's MTP layers hold {type(core).__name__} in the core_attention slot; at "
                     f"context_parallel_size={cores[0].cp_size} its serial draft step would treat the requests' "
