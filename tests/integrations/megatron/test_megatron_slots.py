@@ -629,10 +629,12 @@ def mtp_rank(rank, world):
         ref = _build(1, slot=False, mtp=True)
         out["ref_plain"] = _dyn_run(ref, 1, True)
         out["ref"] = _mtp_traced_run(ref, 1)
+        out["ref_small"] = _dyn_run(ref, 1, True, drafts=MTP_DRAFTS, **SMALL_POOL)
         parallel_state.destroy_model_parallel()
         groups = mt.initialize_model_parallel(world)
         model = _build(world, slot=True, mtp=True)
         out["tree"] = _mtp_traced_run(model, world, groups)
+        out["tree_small"] = _dyn_run(model, world, True, groups, drafts=MTP_DRAFTS, **SMALL_POOL)
         out["mtp_cores"] = [(type(layer.mtp_model_layer.self_attention.core_attention).__name__,
                              layer.mtp_model_layer.self_attention.core_attention.replicated_in_inference)
                             for layer in model.mtp.layers]
@@ -678,3 +680,14 @@ def test_slot_dynamic_mtp_speculative_equals_megatron_cp1(mtp_results):
             torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-4, atol=1e-4)
         before, after = out["fingerprint"]
         assert before == after and after["patched"] == []
+
+
+def test_slot_dynamic_mtp_speculative_under_pool_pressure(mtp_results):
+    """Drafts with the small pool (requests wait for blocks, rejected drafts give blocks back): as Megatron's CP = 1."""
+    small, big = mtp_results[0]["ref_small"], mtp_results[0]["ref"]
+    assert small["tokens"] == big["tokens"] and small["steps"] > big["steps"], "no pressure on the scheduler"
+    for r, out in enumerate(mtp_results):
+        tree = out["tree_small"]
+        assert tree["tokens"] == small["tokens"] and tree["finished"] == small["finished"], r
+        assert tree["drafts"] == small["drafts"] and tree["rewound"] > 0, r
+        assert max(max(used) for used in tree["blocks"]) <= SMALL_POOL["blocks"] - 1  # no rank's pool overflows
