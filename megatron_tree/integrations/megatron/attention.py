@@ -43,7 +43,7 @@ from ...decode.generate import DecodeStep
 from ...decode.prefill import PrefillWork, ring_prefill
 from ...distributed.topology import TopologyError, TreeGroups
 from .groups import load_balanced_positions, tree_groups_from_megatron
-from .version import check_megatron_version, megatron_api, refuse_unsupported_features
+from .version import check_megatron_version, inference_mode_active, megatron_api, refuse_unsupported_features
 
 __all__ = [
     "MARKER", "SLOT_MARKER", "NEVER", "CorePlan", "gather_seq", "TreeDotProductAttention", "TreeSelfAttention",
@@ -202,6 +202,11 @@ class TreeDotProductAttention(_megatron_module_base()):
         """A :class:`~megatron_tree.comm.CommStats` the inference prefill's ring records its messages into."""
         self.prefill_work: PrefillWork | None = None
         """A :class:`~megatron_tree.decode.prefill.PrefillWork` the inference prefill's ring adds its counts to."""
+        self.replicated_in_inference = False
+        """Set by :class:`~.dynamic.TreeDynamicGPTInferenceWrapper` on the core attention of a model's MTP
+        layers: while Megatron's ``InferenceMode`` is on, a forward with no inference context here is
+        0.19's serial MTP draft step (``compute_mtp_single_step``), whose input is the same on every
+        CP rank, so it is attended locally exactly as at CP = 1 (no gather, no CP layout)."""
         self.current_step = None
         """The decode loop's ``decode.generate.DecodeStep`` while ``MegatronLM.decode_step`` runs (its
         ``attend`` is the decode attention; ``None``: a plain step of ``strategy``/``comm_stats``)."""
@@ -283,14 +288,15 @@ class TreeDotProductAttention(_megatron_module_base()):
                                self.groups, softmax_scale=self.softmax_scale, backend=self.backend,
                                stats=self.prefill_stats, work=self.prefill_work)
         else:
-            qpos, kpos = self._training_positions(q, k, attn_mask_type)
+            replicated = self.cp_size == 1 or (self.replicated_in_inference and inference_mode_active())
+            qpos, kpos = self._training_positions(q, k, attn_mask_type, replicated)
             grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-            if kpos is not None and self.cp_size > 1:
+            if not replicated:  # the training layout at CP > 1: this rank's chunks, every rank's keys
+                if kpos is None:
+                    raise NotImplementedError("unmasked attention at CP > 1 outside inference is not supported")
                 gather = _GatherSeq.apply if grad else gather_seq
                 k = gather(key, self.groups, "training-layout keys/values").transpose(0, 1)
                 v = gather(value, self.groups, "training-layout keys/values").transpose(0, 1)
-            elif self.cp_size > 1:
-                raise NotImplementedError("unmasked attention at CP > 1 outside inference is not supported")
             if grad:  # training: the pure-torch partial attention, which autograd differentiates
                 if qpos is not None and qpos.dim() == 1:
                     qpos = qpos[None, :].expand(b, sq)
@@ -309,7 +315,9 @@ class TreeDotProductAttention(_megatron_module_base()):
             )
         return out.transpose(0, 1).reshape(sq, b, -1)
 
-    def _training_positions(self, q, k, attn_mask_type):
+    def _training_positions(self, q, k, attn_mask_type, replicated: bool):
+        """(query, key) positions of the causal mask, ``(None, None)`` unmasked. replicated: the whole
+        sequence is on this rank (CP = 1, or a serial MTP step), else this rank's 2 of 2·CP chunks."""
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
         if mask_type == self._mask_types.no_mask:
             return None, None
@@ -319,7 +327,7 @@ class TreeDotProductAttention(_megatron_module_base()):
                 "mask from global positions (causal or no_mask)"
             )
         sq, sk = q.shape[1], k.shape[1]
-        if self.cp_size == 1:
+        if replicated:
             return torch.arange(sk - sq, sk), torch.arange(sk)
         if sq != sk:
             raise NotImplementedError("at CP > 1 the training layout needs equal query and key lengths")

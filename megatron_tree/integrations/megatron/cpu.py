@@ -17,7 +17,10 @@ release needs is measured, not assumed. 0.19 needs beyond 0.16.1: pinned host bu
 with ``torch.empty/zeros/full(..., pin_memory=True)`` and ``Tensor.pin_memory()``, CUDA
 streams and events recorded on them (the controller's async copy stream) and
 ``torch.cuda.nvtx`` (0.19 calls Megatron's ``nvtx_range_push`` helpers instead of the
-engine's own ``range_push``).
+engine's own ``range_push``), and for speculative decoding (MTP drafts) the controller's two
+Triton kernels ``verify_speculative_tokens`` / ``prepare_next_forward_pass``, which Triton cannot
+launch without a GPU driver: megatron-core ships torch versions of both with the same contract
+(``mtp_utils_pytorch``; integer bookkeeping, so nothing numeric changes).
 
 The flash-attn stand-ins (:func:`flash_attn_varlen_func`, :func:`flash_attn_with_kvcache`)
 are plain softmax attention in torch, written from flash-attn's documented contract and
@@ -226,6 +229,13 @@ def _unpinned(fn):
     return call
 
 
+def _mtp_pytorch(name: str):
+    """megatron-core's torch implementation of one of its MTP Triton kernels (``mtp_utils_pytorch.<name>``)."""
+    from megatron.core.inference.text_generation_controllers import mtp_utils_pytorch
+
+    return getattr(mtp_utils_pytorch, name)
+
+
 # (module, attribute, replacement factory) -- applied only where the module has the attribute.
 _MEGATRON = (
     ("megatron.core.models.common.embeddings.rope_utils", "get_pos_emb_on_this_cp_rank",
@@ -240,6 +250,12 @@ _MEGATRON = (
     ("megatron.core.transformer.attention", "flash_attn_varlen_func", lambda old: flash_attn_varlen_func),
     ("megatron.core.transformer.attention", "flash_attn_with_kvcache", lambda old: flash_attn_with_kvcache),
     ("megatron.core.transformer.attention", "is_fa_min_version", lambda old: _standin_version_check),
+    # 0.19's speculative decoding (MTP): its Triton kernels -> the same-contract torch versions in
+    # mtp_utils_pytorch (integer bookkeeping: which draft tokens match, which to keep).
+    ("megatron.core.inference.text_generation_controllers.text_generation_controller", "verify_speculative_tokens",
+     lambda old: _mtp_pytorch("verify_speculative_tokens")),
+    ("megatron.core.inference.text_generation_controllers.text_generation_controller", "prepare_next_forward_pass",
+     lambda old: _mtp_pytorch("prepare_next_forward_pass")),
 )
 
 
@@ -253,9 +269,10 @@ def megatron_on_cpu():
     copies to a GPU). megatron-core level, each only where the imported release has it (the
     names differ between 0.16.1 and 0.19): ``get_pos_emb_on_this_cp_rank`` (same chunks, no
     pinned memory), the dynamic engine's NVTX ranges, the dynamic context's Triton KV-append
-    kernel (-> Megatron's own indexing fallback) and, in Megatron's attention module,
+    kernel (-> Megatron's own indexing fallback), in Megatron's attention module,
     flash-attn's ``flash_attn_varlen_func`` / ``flash_attn_with_kvcache`` (-> the torch
-    stand-ins above) with ``is_fa_min_version`` answering for their API version.
+    stand-ins above) with ``is_fa_min_version`` answering for their API version, and 0.19's
+    MTP verification kernels in the text generation controller (-> ``mtp_utils_pytorch``'s).
 
     Raises ``RuntimeError`` when CUDA is available (this shim would hide a device problem there).
     """

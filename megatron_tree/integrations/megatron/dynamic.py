@@ -106,9 +106,16 @@ class TreeDynamicInferenceContext(_dynamic_context_base()):
     in 0.19; the constructor checks that it ran). ``max_sequence_length`` is rounded up to an even
     number (Megatron slices its RoPE table into 2·CP chunks at CP > 1).
 
+    0.19's speculative decoding (``num_speculative_tokens``, MTP drafts) runs through the same
+    path: a decode request's 1 + k query rows are placed and attended like a prefill chunk's, the
+    draft tokens the model rejects are dropped where Megatron rewinds them (``rewind_kv_cache``:
+    the next step's plan truncates the paged rows to Megatron's counts before any row grows), and
+    the MTP layers' draft step runs replicated on every rank (see
+    ``TreeDotProductAttention.replicated_in_inference``).
+
     Unsupported (refused): CUDA graphs, MLA latent caches, hybrid (Mamba) models, unified
-    memory, flashinfer RoPE, suspending the engine, and 0.19's speculative tokens, prefix caching,
-    asynchronous scheduling and KV offload.
+    memory, flashinfer RoPE, suspending the engine, and 0.19's prefix caching, asynchronous
+    scheduling and KV offload.
     """
 
     def __init__(self, model_config=None, inference_config=None, *, groups: TreeGroups | None = None,
@@ -176,7 +183,8 @@ class TreeDynamicInferenceContext(_dynamic_context_base()):
         )
         self.step: DynamicStep | None = None
         self.rewound_tokens = 0
-        """Placeholder tokens dropped where Megatron rewound a chunked prefill (see initialize_attention_state)."""
+        """Tokens dropped where Megatron rewound a request (see initialize_attention_state): placeholders
+        of a stalled chunked prefill, and draft tokens the target rejected in speculative decoding."""
         self.broken_requests: dict = {}
         """Request id -> why it failed: its paged cache could not follow Megatron's (see _break_request)."""
         self.rope_table: torch.Tensor | None = None
@@ -260,20 +268,25 @@ class TreeDynamicInferenceContext(_dynamic_context_base()):
         rids = self.request_ids[active].tolist()
         offsets = self.request_kv_length_offsets[active].tolist()
         lengths = self.request_query_lengths[active].tolist()
-        placed: dict = {}
-        for rid, offset, q_len in zip(rids, offsets, lengths):
+        # Follow Megatron's rewinds first, for every request (paused ones too), so that the blocks it
+        # took back are back in every rank's pool before any request grows: a chunked prefill that got
+        # no chunk ran a placeholder token, which the next chunk overwrites (add_request resets its kv
+        # offset); with speculative decoding, the draft tokens the target rejected (rewind_kv_cache).
+        # Drop the tokens past Megatron's count, free the blocks alike on every rank.
+        held = slice(0, self.total_request_count)
+        whys: dict = {}
+        for rid, offset in zip(self.request_ids[held].tolist(), self.request_kv_length_offsets[held].tolist()):
             have = self.kv_cache.length(rid) if rid in self.kv_cache else 0
-            why = ""
-            if have > offset and rid in self.kv_cache:
-                # Megatron rewound the request: a chunked prefill that got no chunk ran a placeholder
-                # token, which the next chunk overwrites (add_request resets its kv offset). Follow it:
-                # drop the tokens past Megatron's count, free the blocks alike on every rank.
+            if have > offset:
                 try:
                     self.kv_cache.truncate(rid, offset)
                     self.rewound_tokens += have - offset
-                    have = offset
                 except ValueError as err:
-                    why = f" ({err})"
+                    whys[rid] = f" ({err})"
+        placed: dict = {}
+        for rid, offset, q_len in zip(rids, offsets, lengths):
+            have = self.kv_cache.length(rid) if rid in self.kv_cache else 0
+            why = whys.get(rid, "")
             if have != offset:
                 self._break_request(rid, offset, f"request {rid}: Megatron's context has {offset} cached tokens but "
                                              f"the paged cache holds {have}{why}; its tokens are not computed "
@@ -394,6 +407,16 @@ def _core_attentions(model):
     return [layer.self_attention.core_attention for layer in unwrap_model(model).decoder.layers]
 
 
+def _mtp_core_attentions(model) -> list:
+    """The core attention of each multi-token-prediction (MTP) layer of a GPT model (``[]``: no MTP block)."""
+    from megatron.core.utils import unwrap_model
+
+    mtp = getattr(unwrap_model(model), "mtp", None)
+    if mtp is None:
+        return []
+    return [layer.mtp_model_layer.self_attention.core_attention for layer in mtp.layers]
+
+
 class TreeDynamicGPTInferenceWrapper(_gpt_wrapper_base()):
     """``GPTInferenceWrapper`` for a tree-spec model and a :class:`TreeDynamicInferenceContext`.
 
@@ -446,6 +469,20 @@ class TreeDynamicGPTInferenceWrapper(_gpt_wrapper_base()):
                 f"{inference_context.cp_size} CP ranks"
             )
         inference_context.bind_rope(inner)
+        # 0.19 speculative decoding: after each verify step the controller runs every MTP layer
+        # (compute_mtp_single_step) on the accepted positions' hidden states -- one row per request,
+        # no inference context, no RoPE, causal over the rows -- identically on every CP rank.
+        drafts = getattr(getattr(inference_context, "config", None), "num_speculative_tokens", 0) or 0
+        for core in _mtp_core_attentions(model):
+            if not hasattr(core, "replicated_in_inference"):
+                if not drafts or cores[0].cp_size == 1:
+                    continue  # no draft step to run, or Megatron's own attention runs it as it is
+                raise TypeError(
+                    f"the model's MTP layers hold {type(core).__name__} in the core_attention slot; at "
+                    f"context_parallel_size={cores[0].cp_size} its serial draft step would treat the requests' "
+                    "rows as a CP-sharded sequence: build the MTP block from get_gpt_layer_tree_spec() too"
+                )
+            core.replicated_in_inference = True
 
 
 # --------------------------------------------------------------------------- engine and a greedy run
@@ -454,7 +491,8 @@ class TreeDynamicGPTInferenceWrapper(_gpt_wrapper_base()):
 def build_dynamic_engine(model, tokenizer, *, max_sequence_length: int, buffer_size_gb: float,
                          block_size_tokens: int = 16, max_tokens: int | None = None, max_requests: int | None = None,
                          params_dtype: torch.dtype | None = None, random_seed: int = 0,
-                         enable_chunked_prefill: bool = True, groups: TreeGroups | None = None):
+                         enable_chunked_prefill: bool = True, num_speculative_tokens: int = 0,
+                         groups: TreeGroups | None = None):
     """Megatron's ``DynamicInferenceEngine`` for ``model``, tree-sharded when its spec is the tree spec.
 
     A model built with ``get_gpt_layer_tree_spec`` gets a :class:`TreeDynamicInferenceContext`
@@ -463,7 +501,8 @@ def build_dynamic_engine(model, tokenizer, *, max_sequence_length: int, buffer_s
     ``DynamicInferenceContext`` and ``GPTInferenceWrapper`` (CP must then be 1), with
     ``buffer_size_gb`` and ``block_size_tokens`` as Megatron means them. Where the release puts
     each knob (0.19: one ``InferenceConfig``; 0.16.1: context and engine keywords) is this
-    function's business.
+    function's business. num_speculative_tokens: 0.19's speculative decoding, that many MTP draft
+    tokens per decode step verified by the model (it needs ``mtp_num_layers``; 0.16.1 has none).
     """
     from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
     from megatron.core.inference.engines import DynamicInferenceEngine
@@ -488,7 +527,7 @@ def build_dynamic_engine(model, tokenizer, *, max_sequence_length: int, buffer_s
 
         knobs = dict(max_sequence_length=max_sequence_length, buffer_size_gb=buffer_size_gb,
                      block_size_tokens=block_size_tokens, enable_chunked_prefill=enable_chunked_prefill,
-                     use_flashinfer_fused_rope=False)
+                     use_flashinfer_fused_rope=False, num_speculative_tokens=num_speculative_tokens)
         if max_tokens is not None:
             knobs["max_tokens"] = max_tokens
         if max_requests is not None:
@@ -507,6 +546,11 @@ def build_dynamic_engine(model, tokenizer, *, max_sequence_length: int, buffer_s
             wrapper = GPTInferenceWrapper(model, context)
         engine_kwargs = {}
     else:
+        if num_speculative_tokens:
+            raise NotImplementedError(
+                f"megatron-core {api.version}'s dynamic engine has no speculative decoding "
+                f"(num_speculative_tokens={num_speculative_tokens}); it came with 0.19's InferenceConfig"
+            )
         dims = dict(
             params_dtype=dtype, num_layers=config.num_layers // config.pipeline_model_parallel_size,
             kv_channels=config.kv_channels, num_attention_heads=config.num_query_groups or config.num_attention_heads,
@@ -564,7 +608,12 @@ class DynamicRun:
     evicted: int = 0
     """Requests Megatron evicted (to be prefilled again) for lack of KV blocks."""
     rewound_tokens: int = 0
-    """Placeholder tokens of stalled chunked prefills the paged cache dropped to follow Megatron (tree context only)."""
+    """Tokens the paged cache dropped to follow Megatron's rewinds: placeholders of stalled chunked
+    prefills and rejected draft tokens (tree context only)."""
+    drafts_proposed: list = field(default_factory=list)
+    """Speculative decoding (0.19): per draft position, MTP draft tokens proposed (Megatron's count)."""
+    drafts_accepted: list = field(default_factory=list)
+    """Per draft position, draft tokens the model accepted (Megatron's count)."""
 
 
 DYNAMIC_SIGNATURE = ("requests", "prompt_lengths", "prompt_ids", "num_tokens_to_generate", "arrivals",
@@ -674,4 +723,7 @@ def generate_dynamic(engine, prompts, *, num_tokens_to_generate, arrivals=None, 
     run.steps = step
     run.evicted = engine.evicted_request_count
     run.rewound_tokens = getattr(context, "rewound_tokens", 0)
+    if getattr(engine, "num_speculative_tokens", 0):  # the engine's own acceptance counters
+        run.drafts_proposed = [int(x) for x in engine._spec_tokens_proposed_per_pos.tolist()]
+        run.drafts_accepted = [int(x) for x in engine._spec_tokens_accepted_per_pos.tolist()]
     return run

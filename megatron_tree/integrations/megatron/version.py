@@ -27,7 +27,8 @@ from dataclasses import dataclass
 __all__ = [
     "SUPPORTED_RANGES", "megatron_version", "check_megatron_version", "MegatronAPI", "megatron_api", "check_supported", "init_gpt_wrapper",
     "prep_model_for_inference", "get_only_last_token_logits", "set_only_last_token_logits",
-    "kv_block_allocator", "batch_on_this_cp_rank", "inference_mode_off", "refuse_unsupported_features",
+    "kv_block_allocator", "batch_on_this_cp_rank", "inference_mode_off", "inference_mode_active",
+    "refuse_unsupported_features",
 ]
 
 SUPPORTED_RANGES = (("0.16.1", "0.17"), ("0.19.0", "0.20"))
@@ -253,8 +254,16 @@ def inference_mode_off():
         (InferenceMode.set_active if was else InferenceMode.unset_active)()
 
 
+def inference_mode_active() -> bool:
+    """0.19's process-wide ``InferenceMode`` flag (set while an engine serves); always ``False`` on 0.16.1."""
+    if not megatron_api().inference_mode:
+        return False
+    from megatron.core.inference.utils import InferenceMode
+
+    return bool(InferenceMode.is_active())
+
+
 _REFUSED_CONFIG = (  # (InferenceConfig field, value that is fine, what it is)
-    ("num_speculative_tokens", 0, "speculative decoding (MTP draft tokens verified by the target)"),
     ("enable_prefix_caching", False, "prefix caching (KV blocks shared between requests by hash)"),
     ("unified_memory_level", 0, "unified (CPU+GPU) memory for the KV buffer"),
     ("static_kv_memory_pointers", False, "static KV memory pointers across suspend/resume"),
@@ -267,8 +276,9 @@ def refuse_unsupported_features(model_config, inference_config=None) -> None:
     """``NotImplementedError`` naming the first 0.19 feature tree attention does not handle yet.
 
     Detected from the model's ``TransformerConfig`` (sink softmax, CUDA graphs, MLA, flash
-    decode, sliding window) and, on 0.19, the ``InferenceConfig`` (speculative tokens, prefix
-    caching, async scheduling, KV offload, unified memory, hybrid models, flashinfer RoPE).
+    decode, sliding window) and, on 0.19, the ``InferenceConfig`` (prefix caching, async
+    scheduling, KV offload, unified memory, hybrid models, flashinfer RoPE). Speculative decoding
+    (``num_speculative_tokens``, MTP drafts) is not refused: the dynamic tree context follows it.
     Call it before any collective: every rank holds the same configs, so every rank raises alike.
     """
     from megatron.core.transformer.transformer_config import MLATransformerConfig
@@ -302,5 +312,5 @@ def refuse_unsupported_features(model_config, inference_config=None) -> None:
             raise NotImplementedError(
                 f"tree attention does not support {what} yet; supported: vanilla softmax, no CUDA graphs, "
                 "standard (GQA/MHA) attention, full causal attention, and on 0.19 an InferenceConfig without "
-                "speculative tokens, prefix caching, async scheduling, KV offload or hybrid layers"
+                "prefix caching, async scheduling, KV offload or hybrid layers"
             )

@@ -30,7 +30,7 @@ MAX_LEN = 24
 UNEVEN = [[5, 17, 3], [40, 2, 9, 77, 31, 8, 60, 12, 1]]  # the controller's catch-up path
 
 
-def _config(cp, hier=None):
+def _config(cp, hier=None, **extra):
     from megatron.core.transformer.enums import AttnBackend
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -39,21 +39,24 @@ def _config(cp, hier=None):
         num_query_groups=KV_HEADS, ffn_hidden_size=4 * HIDDEN, use_cpu_initialization=True,
         context_parallel_size=cp, hierarchical_context_parallel_sizes=hier, params_dtype=torch.float32,
         attention_dropout=0.0, hidden_dropout=0.0,
-        add_bias_linear=False,
+        add_bias_linear=False, **extra,
     )
 
 
-def _build(cp, slot: bool, hier=None):
+def _build(cp, slot: bool, hier=None, mtp: bool = False):
+    """The tiny GPT model; mtp: with one multi-token-prediction layer, repeated for every draft depth."""
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from megatron_tree.integrations.megatron import get_gpt_layer_tree_spec
 
     model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True)
     spec = get_gpt_layer_tree_spec(strategy="two_level" if hier else "packed") if slot else get_gpt_layer_local_spec()
-    model = GPTModel(_config(cp, hier), spec, vocab_size=VOCAB, max_sequence_length=MAX_LEN,
-                     position_embedding_type="rope", share_embeddings_and_output_weights=False)
+    config = _config(cp, hier, **(dict(mtp_num_layers=1, mtp_use_repeated_layer=True) if mtp else {}))
+    mtp_spec = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False) if mtp else None
+    model = GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=MAX_LEN, position_embedding_type="rope",
+                     share_embeddings_and_output_weights=False, mtp_block_spec=mtp_spec)
     return seed_weights(model).eval()  # the same weights at every layout, clear greedy margins
 
 
@@ -373,8 +376,8 @@ def test_version_gate_and_refused_features(monkeypatch):
     if api.inference_config:
         from megatron.core.inference.config import InferenceConfig
 
-        for kw, needle in ((dict(num_speculative_tokens=2), "speculative decoding"),
-                           (dict(enable_prefix_caching=True), "prefix caching"),
+        compat.refuse_unsupported_features(_config(1), InferenceConfig(num_speculative_tokens=2))  # followed
+        for kw, needle in ((dict(enable_prefix_caching=True), "prefix caching"),
                            (dict(num_cuda_graphs=4), "CUDA graphs"),
                            (dict(kv_cache_management_mode="offload"), "KV offload"),
                            (dict(async_sched_mode="async"), "asynchronous scheduling")):
@@ -412,7 +415,7 @@ SMALL_POOL = dict(blocks=5, max_len=160)
 150-token prompt alone 4): Megatron makes requests wait for blocks that others free."""
 
 
-def _dyn_run(model, cp, chunked, groups=None, blocks=NUM_BLOCKS, max_len=DYN_MAX_LEN):
+def _dyn_run(model, cp, chunked, groups=None, blocks=NUM_BLOCKS, max_len=DYN_MAX_LEN, drafts=0):
     from megatron_tree.integrations.megatron.dynamic import build_dynamic_engine, dynamic_kv_bytes
     from megatron_tree.integrations.megatron.dynamic import generate_dynamic
     from megatron_tree.integrations.megatron.model import IdTokenizer
@@ -421,13 +424,14 @@ def _dyn_run(model, cp, chunked, groups=None, blocks=NUM_BLOCKS, max_len=DYN_MAX
         model, IdTokenizer(eod=VOCAB - 1), max_sequence_length=max_len,
         buffer_size_gb=_gb(blocks, LOGICAL_BLOCK // cp), block_size_tokens=LOGICAL_BLOCK // cp,
         max_tokens=64 if chunked else 192,
-        max_requests=8, enable_chunked_prefill=chunked, groups=groups,
+        max_requests=8, enable_chunked_prefill=chunked, num_speculative_tokens=drafts, groups=groups,
     )
     r = generate_dynamic(engine, _dyn_prompts(), num_tokens_to_generate=DYN_NEW, arrivals=DYN_ARRIVALS)
     return {"tokens": r.tokens, "log_probs": r.log_probs, "status": r.status, "steps": r.steps,
             "finished": r.finished_step, "kv": dynamic_kv_bytes(engine.context), "blocks": r.blocks_per_rank,
             "spread": r.max_blocks_per_rank, "live": r.live_requests,
-            "ctx": type(engine.context).__name__}
+            "ctx": type(engine.context).__name__, "rewound": r.rewound_tokens,
+            "drafts": (r.drafts_proposed, r.drafts_accepted)}
 
 
 def dynamic_rank(rank, world, hier=None):
@@ -584,3 +588,106 @@ def test_tree_megatron_llm_equals_megatron_llm_cp1(llm_results):
         assert "use_coordinator=False only" in out["coordinator"], out["coordinator"]
         before, after = out["fingerprint"]
         assert before == after
+
+
+# --------------------------------------------------------------------------- speculative decoding (0.19 MTP)
+
+MTP_DRAFTS = 2
+"""Draft tokens per decode step (``num_speculative_tokens``): the model's one MTP layer, run at both depths."""
+
+
+def _mtp_traced_run(model, cp, groups=None, drafts=MTP_DRAFTS):
+    """:func:`_dyn_run`, plus each MTP layer call's output rows (the draft step's hidden states, one row
+    per active request; recorded by a forward hook on the MTP transformer layer, the only observer)."""
+    calls = []
+    hooks = [layer.mtp_model_layer.register_forward_hook(
+        lambda mod, args, kwargs, output: calls.append(output[0][:, 0].tolist()), with_kwargs=True)
+        for layer in model.mtp.layers]
+    try:
+        run = _dyn_run(model, cp, True, groups, drafts=drafts)
+    finally:
+        for h in hooks:
+            h.remove()
+    run["mtp_calls"] = calls
+    return run
+
+
+def mtp_rank(rank, world):
+    """Megatron's dynamic engine with MTP drafts: CP = 1 with and without drafts, then the tree slots at CP = world."""
+    from megatron.core import parallel_state
+
+    from megatron_tree.integrations import megatron as mt
+    from megatron_tree.integrations.megatron import version as compat
+    from megatron_tree.integrations.megatron.cpu import megatron_on_cpu
+    from megatron_tree.integrations.megatron import megatron_attention_fingerprint
+
+    out = {}
+    with megatron_on_cpu() as replaced, compat.inference_mode_off():
+        out["shim"] = replaced
+        before = megatron_attention_fingerprint()
+        mt.initialize_model_parallel(1)
+        ref = _build(1, slot=False, mtp=True)
+        out["ref_plain"] = _dyn_run(ref, 1, True)
+        out["ref"] = _mtp_traced_run(ref, 1)
+        out["ref_small"] = _dyn_run(ref, 1, True, drafts=MTP_DRAFTS, **SMALL_POOL)
+        parallel_state.destroy_model_parallel()
+        groups = mt.initialize_model_parallel(world)
+        model = _build(world, slot=True, mtp=True)
+        out["tree"] = _mtp_traced_run(model, world, groups)
+        out["tree_small"] = _dyn_run(model, world, True, groups, drafts=MTP_DRAFTS, **SMALL_POOL)
+        out["mtp_cores"] = [(type(layer.mtp_model_layer.self_attention.core_attention).__name__,
+                             layer.mtp_model_layer.self_attention.core_attention.replicated_in_inference)
+                            for layer in model.mtp.layers]
+        parallel_state.destroy_model_parallel()
+        out["fingerprint"] = (before, megatron_attention_fingerprint())
+    return out
+
+
+@pytest.fixture(scope="module")
+def mtp_results():
+    from megatron_tree.integrations.megatron import version as compat
+
+    if not compat.megatron_api().inference_config:
+        pytest.skip(f"megatron-core {compat.megatron_api().version}'s dynamic engine has no speculative decoding")
+    return run_ranks(mtp_rank, 3, timeout=900)
+
+
+def test_slot_dynamic_mtp_speculative_equals_megatron_cp1(mtp_results):
+    """0.19's speculative decoding (2 MTP drafts a step, verified by the model) through the slots at
+    CP 3 (uneven shards): tokens, log-probs, finishing steps and Megatron's own per-position draft
+    acceptance counts equal its CP = 1 run; the drafts were partly accepted (requests finish
+    earlier than without drafts) and partly rejected (the paged cache dropped rewound tokens)."""
+    plain, ref = mtp_results[0]["ref_plain"], mtp_results[0]["ref"]
+    assert set(ref["status"].values()) == {"COMPLETED"} and ref["tokens"] == plain["tokens"]
+    proposed, accepted = ref["drafts"]
+    assert len(proposed) == MTP_DRAFTS and 0 < sum(accepted) < sum(proposed), ref["drafts"]
+    assert any(ref["finished"][i] < plain["finished"][i] for i in plain["finished"]), (ref["finished"], plain["finished"])
+    assert plain["drafts"] == ([], [])
+    for r, out in enumerate(mtp_results):
+        assert any(n.endswith("text_generation_controller.verify_speculative_tokens") for n in out["shim"])
+        tree = out["tree"]
+        assert tree["ctx"] == "TreeDynamicInferenceContext"
+        assert out["mtp_cores"] == [("TreeDotProductAttention", True)]
+        assert tree["tokens"] == ref["tokens"], (r, tree["tokens"], ref["tokens"])
+        assert tree["finished"] == ref["finished"] and tree["steps"] == ref["steps"], r
+        assert tree["drafts"] == ref["drafts"], (r, tree["drafts"], ref["drafts"])
+        assert tree["rewound"] > 0 and tree["blocks"][-1] == [0, 0, 0], (r, tree["rewound"], tree["blocks"][-1])
+        for rid, lp in ref["log_probs"].items():
+            torch.testing.assert_close(torch.tensor(tree["log_probs"][rid]), torch.tensor(lp), rtol=1e-4, atol=1e-4)
+        # The draft step itself (MTP layer outputs, one row per request, causal over the rows as Megatron runs it).
+        assert len(tree["mtp_calls"]) == len(ref["mtp_calls"]) > 0
+        for got, want in zip(tree["mtp_calls"], ref["mtp_calls"]):
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-4, atol=1e-4)
+        before, after = out["fingerprint"]
+        assert before == after and after["patched"] == []
+
+
+def test_slot_dynamic_mtp_speculative_under_pool_pressure(mtp_results):
+    """Drafts with the small pool (requests wait for blocks, rejected drafts give blocks back): as Megatron's CP = 1."""
+    small, big = mtp_results[0]["ref_small"], mtp_results[0]["ref"]
+    assert small["tokens"] == big["tokens"] and small["steps"] > big["steps"], "no pressure on the scheduler"
+    for r, out in enumerate(mtp_results):
+        tree = out["tree_small"]
+        assert tree["tokens"] == small["tokens"] and tree["finished"] == small["finished"], r
+        assert tree["drafts"] == small["drafts"] and tree["rewound"] > 0, r
+        assert max(max(used) for used in tree["blocks"]) <= SMALL_POOL["blocks"] - 1  # no rank's pool overflows
