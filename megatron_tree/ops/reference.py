@@ -240,7 +240,7 @@ def _finite(m: torch.Tensor) -> torch.Tensor:
 
 def _finite_(m: torch.Tensor) -> torch.Tensor:
     """:func:`_finite` in place, on a tensor the caller owns (no allocation)."""
-    return m.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+    return m.nan_to_num_(0.0, 0.0, 0.0)  # nan, posinf, neginf: positional (keywords cost host time)
 
 
 def _beside_out(x: torch.Tensor) -> torch.Tensor:
@@ -268,11 +268,17 @@ def normalize(num: torch.Tensor, den: torch.Tensor, m: torch.Tensor,
         the weights were taken against (the maximum of the lse, or any shared value)
     lse_dtype: dtype the lse is formed and returned in (default: the wider of m's and den's);
         float64 keeps a score-sized lse to full precision for a merge that follows
-    returns (out, lse) with out = 0 and lse = -inf where den == 0 (no key anywhere); a NaN den
-    gives NaN (never hidden as an empty row).
+    returns (out, lse) with out = 0 and lse = -inf where den == 0 (no key anywhere: num is 0 there,
+    each state's out times its weight 0, so a state with no key must hold a finite out -- the 0
+    every partial without a key has); a NaN den gives NaN (never hidden as an empty row).
     """
     ld = torch.promote_types(m.dtype, den.dtype) if lse_dtype is None else lse_dtype
     return _normalize(num, den, _finite(m), ld)
+
+
+_TINY = {dtype: torch.finfo(dtype).tiny for dtype in (torch.float32, torch.float64)}
+"""The smallest normal number of each accumulation dtype (what :func:`_normalize` divides an empty
+row's num by): normal, so a flush-denormals mode leaves it as it is."""
 
 
 def _normalize(num: torch.Tensor, den: torch.Tensor, shift: torch.Tensor, ld: torch.dtype,
@@ -281,9 +287,14 @@ def _normalize(num: torch.Tensor, den: torch.Tensor, shift: torch.Tensor, ld: to
     owned: num and den are the caller's own temporaries (:func:`merge_stacked`'s sums), which the
     quotient and the log may overwrite in place -- the same bits, two allocations less."""
     den_o = _beside_out(den)
-    # Only den == 0 means "no key" (logical_not: True for +-0 only); a NaN den (a NaN partial lse
-    # upstream) stays NaN, visibly. The quotient's 0/0 there is overwritten.
-    out = (num.div_(den_o) if owned else num / den_o).masked_fill_(den_o.logical_not(), 0)
+    # den == 0 only where no state has a key: every weight is 0, and so is num (a partial with no
+    # key has out 0). Dividing by den raised to the smallest normal number gives that row out 0
+    # (the sign of 0 * o) in one torch call where a mask took two; every other den divides as
+    # itself -- a den below the smallest normal number would be weights that underflowed, which no
+    # caller forms (merge_stacked's den is >= 1, comm's >= 2**-64 or the merge is redone). clamp_min
+    # passes NaN on: a NaN den (a NaN partial lse upstream) stays NaN, visibly.
+    safe = den_o.clamp_min(_TINY.get(den.dtype) or torch.finfo(den.dtype).tiny)
+    out = num.div_(safe) if owned else num / safe
     # log(0) = -inf and -inf + a finite shift = -inf: an empty row's lse needs no mask
     if den.dtype != ld:
         lse = den.to(ld).log_()
@@ -321,8 +332,8 @@ def merge_stacked(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor,
         return outs[0], lses[0].to(ld)
     lses = lses if lses.dtype == ld else lses.to(ld)
     # the maximum, once for the weights and the lse; a new tensor, made finite in place
-    shift = _finite_(lses.amax(dim=0))
+    shift = _finite_(lses.amax(0))
     w = _weights(lses, shift, acc)
-    num = weighted(outs if outs.dtype == acc else outs.to(acc), w).sum(dim=0)
-    out, lse = _normalize(num, w.sum(dim=0), shift, ld, owned=True)
+    num = weighted(outs if outs.dtype == acc else outs.to(acc), w).sum(0)  # dims positional: less host time
+    out, lse = _normalize(num, w.sum(0), shift, ld, True)
     return (out if out.dtype == outs.dtype else out.to(outs.dtype)), lse
