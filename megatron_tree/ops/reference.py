@@ -256,7 +256,10 @@ def _weights(lse: torch.Tensor, shift: torch.Tensor, dtype: torch.dtype) -> torc
     # allocation less on a tiny merge's host path); a float64 lse is the caller's, left alone.
     wide = lse.double()
     w = (wide - shift if wide is lse else wide.sub_(shift)).exp_()
-    return w if w.dtype == dtype else w.to(dtype)
+    if w.dtype == dtype:
+        return w
+    # .float() is .to(torch.float32) with less argument parsing (half the host time on a tiny merge)
+    return w.float() if dtype == torch.float32 else w.to(dtype)
 
 
 def normalize(num: torch.Tensor, den: torch.Tensor, m: torch.Tensor,
@@ -297,7 +300,7 @@ def _normalize(num: torch.Tensor, den: torch.Tensor, shift: torch.Tensor, ld: to
     out = num.div_(safe) if owned else num / safe
     # log(0) = -inf and -inf + a finite shift = -inf: an empty row's lse needs no mask
     if den.dtype != ld:
-        lse = den.to(ld).log_()
+        lse = (den.double() if ld == torch.float64 else den.to(ld)).log_()
     else:
         lse = den.log_() if owned else torch.log(den)
     return out, lse.add_(shift if shift.dtype == ld else shift.to(ld))
