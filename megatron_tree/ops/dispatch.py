@@ -239,13 +239,10 @@ def _os_environ_reader():
     data, encode, decode = (getattr(os.environ, attr, None) for attr in ("_data", "encodekey", "decodevalue"))
     if not isinstance(data, dict) or encode is None or decode is None:
         return os.environ.get
-    keys = {}
+    keys = {name: encode(name) for name in (ENV_BACKEND, "TRITON_INTERPRET")}  # the names _env reads
 
     def read(name):
-        key = keys.get(name)
-        if key is None:
-            key = keys[name] = encode(name)
-        value = data.get(key)
+        value = data.get(keys[name])
         return None if value is None else decode(value)
 
     return read
@@ -258,9 +255,12 @@ def _env(backend):
     """What the backend choice reads from the environment: ``$MEGATRON_TREE_BACKEND``, and
     ``$TRITON_INTERPRET`` only where the choice is ``triton`` (the only case ``resolve_backend``
     reads it; each read is a measurable part of a tiny call's host time)."""
-    forced = _getenv(ENV_BACKEND) or None
+    # while torch.compile traces, os.environ.get: what Dynamo guards as the environment (a read of
+    # os.environ's dict would be guarded as a dict: a recompile where none is due)
+    getenv = os.environ.get if torch.compiler.is_compiling() else _getenv
+    forced = getenv(ENV_BACKEND) or None
     choice = backend if backend is not None else forced
-    return forced, (_getenv("TRITON_INTERPRET") if choice == "triton" else None)
+    return forced, (getenv("TRITON_INTERPRET") if choice == "triton" else None)
 
 
 def _decode_signature(q, k, v, cache_seqlens, q_positions, k_positions, block_table, out_dtype, lse_dtype, window,
