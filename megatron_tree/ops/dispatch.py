@@ -198,19 +198,19 @@ def _remember(key, check):
     return value
 
 
-def _plain_eager(t: torch.Tensor) -> bool:
-    """Whether a call on ``t`` may run the op's body directly: plain eager work on a plain CPU
-    tensor, where the op boundary (there for ``torch.compile``, CUDA graphs and the host-sync
-    guard, which treat the op as one opaque node) would only cost host time. Under tracing, a
-    torch function or dispatch mode (``sync_guard.no_host_sync``, fake tensors), a tensor
-    subclass, CUDA, or an input that records gradients, the call goes through the op."""
-    return (type(t) is torch.Tensor and t.device.type == "cpu" and not torch.compiler.is_compiling()
-            and not _moded(t))
+def _plain_cpu(t) -> bool:
+    """Whether ``t`` is a plain CPU tensor: the half, remembered per signature, of the test whether
+    a call may run the op's body directly -- plain eager work on a plain CPU tensor, where the op
+    boundary (there for ``torch.compile``, CUDA graphs and the host-sync guard, which treat the op
+    as one opaque node) would only cost host time. A tensor subclass or CUDA goes through the op;
+    so do a traced call and a call :func:`_moded` finds."""
+    return type(t) is torch.Tensor and t.device.type == "cpu"
 
 
 def _moded(t: torch.Tensor) -> bool:
-    """The per-call part of :func:`_plain_eager`'s test: a torch function or dispatch mode is on, or
-    ``t`` records gradients."""
+    """The per-call half of :func:`_plain_cpu`'s test: a torch function or dispatch mode is on
+    (``sync_guard.no_host_sync``, fake tensors), or ``t`` records gradients -- the call goes
+    through the op."""
     return (torch._C._is_torch_function_mode_enabled() or torch._C._len_torch_dispatch_stack() != 0
             or (t.requires_grad and torch.is_grad_enabled()))
 
@@ -218,12 +218,12 @@ def _moded(t: torch.Tensor) -> bool:
 _BELOW_AUTOGRAD = torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradCPU) | \
     torch._C.DispatchKeySet(torch._C.DispatchKey.ADInplaceOrView)
 """The dispatch keys a plain-eager CPU call has no use for: with no input recording gradients
-(``_plain_eager``) the autograd and view-tracking layers only pass each of the body's torch calls
+(:func:`_moded`) the autograd and view-tracking layers only pass each of the body's torch calls
 on, at a fixed host cost per call (about a sixth of a tiny merge's, benchmarks/host_path.py)."""
 
 
 def _direct(body, *args):
-    """``body(*args)`` -- an op's CPU implementation, for a call :func:`_plain_eager` admits -- with the
+    """``body(*args)`` -- an op's CPU implementation, for a call :func:`_plain_cpu` and :func:`_moded` admit -- with the
     dispatcher starting below autograd, as it does inside the op (its autograd fallback redispatches
     there too): the same kernels, the same bits, less host time per torch call."""
     with torch._C._ExcludeDispatchKeyGuard(_BELOW_AUTOGRAD):
@@ -289,7 +289,7 @@ def _decode_signature(q, k, v, cache_seqlens, q_positions, k_positions, block_ta
         resolved = resolve_backend(q.device, backend)
         forced = backend is not None or env[0] is not None
         return (_kernel_backend(resolved, q.dtype, forced, max(q.shape[-1], v.shape[-1]), out_dtype), resolved,
-                type(q) is torch.Tensor and q.device.type == "cpu")
+                _plain_cpu(q))
 
     return _remember(key, check)
 
@@ -304,7 +304,7 @@ def _merge_signature(outs, lses, backend) -> tuple[str, bool]:
         contract.check_merge_inputs(outs, lses)
         forced = backend is not None or env[0] is not None
         name = _kernel_backend(resolve_backend(outs.device, backend), outs.dtype, forced, outs.shape[-1])
-        return name, (type(outs) is torch.Tensor and type(lses) is torch.Tensor and outs.device.type == "cpu")
+        return name, _plain_cpu(outs) and type(lses) is torch.Tensor
 
     if torch.compiler.is_compiling():
         return check()
@@ -394,7 +394,7 @@ def _decode(q, k, v, block_table, cache_seqlens, softmax_scale, q_positions, k_p
                                                   out_dtype, lse_dtype, window, softcap, cache_starts, sinks, backend)
     window = None if window is None else int(window)
     softcap = None if softcap is None else float(softcap)
-    # _plain_eager's test, its type and device parts known from the signature
+    # the direct eager path: _plain_cpu known from the signature, the rest per call
     direct = plain_cpu and not (torch.compiler.is_compiling() or _moded(q))
     if sinks is None:
         if direct:  # _direct, inlined
@@ -424,7 +424,7 @@ def merge_states(outs: torch.Tensor, lses: torch.Tensor, *, backend: str | None 
         return (torch.clone(outs[0], memory_format=torch.contiguous_format),
                 lses[0].to(torch.promote_types(lses.dtype, contract.acc_dtype(outs.dtype)),
                            memory_format=torch.contiguous_format, copy=True))
-    # _plain_eager's test, its type and device parts known from the signature; _direct inlined
+    # the direct eager path (_plain_cpu known from the signature, the rest per call); _direct inlined
     if plain_cpu and not (torch.compiler.is_compiling() or _moded(outs)):
         with torch._C._ExcludeDispatchKeyGuard(_BELOW_AUTOGRAD):
             return _merge_states_impl(outs, lses, name)
