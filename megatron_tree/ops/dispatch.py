@@ -251,13 +251,14 @@ def _os_environ_reader():
 _getenv = _os_environ_reader()
 
 
-def _env(backend):
+def _env(backend, compiling: bool):
     """What the backend choice reads from the environment: ``$MEGATRON_TREE_BACKEND``, and
     ``$TRITON_INTERPRET`` only where the choice is ``triton`` (the only case ``resolve_backend``
-    reads it; each read is a measurable part of a tiny call's host time)."""
+    reads it; each read is a measurable part of a tiny call's host time). ``compiling``:
+    ``torch.compiler.is_compiling()``."""
     # while torch.compile traces, os.environ.get: what Dynamo guards as the environment (a read of
     # os.environ's dict would be guarded as a dict: a recompile where none is due)
-    getenv = os.environ.get if torch.compiler.is_compiling() else _getenv
+    getenv = os.environ.get if compiling else _getenv
     forced = getenv(ENV_BACKEND) or None
     choice = backend if backend is not None else forced
     return forced, (getenv("TRITON_INTERPRET") if choice == "triton" else None)
@@ -268,11 +269,13 @@ def _decode_signature(q, k, v, cache_seqlens, q_positions, k_positions, block_ta
     """(kernel backend, resolved backend, whether q is a plain CPU tensor) of a :func:`flash_decode`
     call, after the shape-only checks of the contract, remembered per signature (:func:`_remember`).
     The value checks run inside the op, on every call (``_check_values``)."""
-    env = _env(backend)
-    if torch.compiler.is_compiling():
+    compiling = torch.compiler.is_compiling()
+    env = _env(backend, compiling)
+    if compiling:
         key = None
     else:  # the optional arguments, mostly None, without a call each (a tiny call's host time)
-        key = ("decode", type(q), _meta(q), _meta(k), _meta(v), cache_seqlens if cache_seqlens is None else _meta(cache_seqlens),
+        key = ("decode", type(q), _meta(q), _meta(k), _meta(v),
+               cache_seqlens if cache_seqlens is None else _meta(cache_seqlens),
                q_positions if q_positions is None else _meta(q_positions),
                k_positions if k_positions is None else _meta(k_positions),
                block_table if block_table is None else _meta(block_table), out_dtype, lse_dtype, type(window), window,
@@ -294,11 +297,22 @@ def _decode_signature(q, k, v, cache_seqlens, q_positions, k_positions, block_ta
     return _remember(key, check)
 
 
-def _merge_signature(outs, lses, backend) -> tuple[str, bool]:
+def _merge_signature(outs, lses, backend, compiling: bool) -> tuple[str, bool]:
     """(kernel backend, whether outs and lses are plain CPU tensors) of a :func:`merge_states` call,
     after its (shape-only) checks, remembered per signature (:func:`_remember`): the tensors' types,
-    shapes, dtypes and devices, the backend argument and the environment."""
-    env = _env(backend)
+    shapes, dtypes and devices, the backend argument and the environment. ``compiling``:
+    ``torch.compiler.is_compiling()``, asked once by the caller."""
+    env = _env(backend, compiling)
+    key = None
+    if not compiling:
+        try:  # the key read straight off the tensors (no helper call each: a tiny merge's host time)
+            key = ("merge", type(outs), outs.shape, outs.dtype, outs.device, type(lses), lses.shape, lses.dtype,
+                   lses.device, backend, env)
+            return _signatures[key]  # a remembered signature: _remember's lookup, without building check
+        except AttributeError:  # not tensors: the check below raises its clear error
+            key = None
+        except (KeyError, TypeError):  # a new signature (or an unhashable backend: its check raises)
+            pass
 
     def check():
         contract.check_merge_inputs(outs, lses)
@@ -306,18 +320,7 @@ def _merge_signature(outs, lses, backend) -> tuple[str, bool]:
         name = _kernel_backend(resolve_backend(outs.device, backend), outs.dtype, forced, outs.shape[-1])
         return name, _plain_cpu(outs) and type(lses) is torch.Tensor
 
-    if torch.compiler.is_compiling():
-        return check()
-    try:  # the key read straight off the tensors (no helper call each: a tiny merge's host time)
-        key = ("merge", type(outs), outs.shape, outs.dtype, outs.device, type(lses), lses.shape, lses.dtype,
-               lses.device, backend, env)
-    except AttributeError:  # not tensors: the check raises its clear error
-        return check()
-    try:
-        return _signatures[key]  # a remembered signature: _remember's lookup, without building check
-    except (KeyError, TypeError):
-        pass
-    return _remember(key, check)
+    return check() if key is None else _remember(key, check)
 
 
 def flash_decode(
@@ -419,13 +422,14 @@ def merge_states(outs: torch.Tensor, lses: torch.Tensor, *, backend: str | None 
     out: (B, Sq, Hq, D) in outs.dtype; lse: (B, Hq, Sq) float32, or float64 for float64 outs
     or lses (float64 lses are used whole: the merge is then exact at large score magnitudes).
     """
-    name, plain_cpu = _merge_signature(outs, lses, backend)
+    compiling = torch.compiler.is_compiling()
+    name, plain_cpu = _merge_signature(outs, lses, backend, compiling)
     if outs.shape[0] == 1:  # one state is the result: a copy (never a view of the input), lse widened
         return (torch.clone(outs[0], memory_format=torch.contiguous_format),
                 lses[0].to(torch.promote_types(lses.dtype, contract.acc_dtype(outs.dtype)),
                            memory_format=torch.contiguous_format, copy=True))
     # the direct eager path (_plain_cpu known from the signature, the rest per call); _direct inlined
-    if plain_cpu and not (torch.compiler.is_compiling() or _moded(outs)):
+    if plain_cpu and not (compiling or _moded(outs)):
         with torch._C._ExcludeDispatchKeyGuard(_BELOW_AUTOGRAD):
             return _merge_states_impl(outs, lses, name)
     return _merge_states_op(outs, lses, name)

@@ -45,10 +45,11 @@ _FUSED = getattr(torch, "_scaled_dot_product_flash_attention_for_cpu", None)
 """ATen's fused CPU flash-attention kernel, which returns the log-sum-exp: one call per row instead
 of about twenty small torch calls (on tiny decode shapes the host time of those calls, not the
 arithmetic, is the cost). Called through torch's generated binding (``torch.<op>``), not the
-``torch.ops.aten`` packet: the same kernel, without the packet's Python ``__call__`` (about 3 us of
-a tiny call's host time, benchmarks/host_path.py). Used for float32 only -- everything in float32, as the two matmuls below
-(for bf16/fp16 it rounds the probabilities to the input dtype before P @ V) -- and only where no
-per-key mask is needed (no positions, no soft-cap): a row sliced to its valid keys always has one."""
+``torch.ops.aten`` packet: the same kernel, without the packet's Python ``__call__`` (about 3 us
+of a tiny call's host time, benchmarks/host_path.py). Used for float32 only -- everything in
+float32, as the two matmuls below (for bf16/fp16 it rounds the probabilities to the input dtype
+before P @ V) -- and only where no per-key mask is needed (no positions, no soft-cap): a row
+sliced to its valid keys always has one."""
 
 
 FUSED_MAX_KEYS = 2048
