@@ -125,7 +125,8 @@ def tree_decode(
                 q_positions=q_positions, k_positions=k_positions, out_dtype=acc_dtype(q.dtype), backend=backend,
                 lse_dtype=ld if alone and sinks is None else torch.float64, **variants,
             )
-            comm.check_shift(shift, tuple(lse.shape), q.device)
+            if shift is not None:
+                comm.check_shift(shift, tuple(lse.shape), q.device)
         except Exception as e:  # noqa: BLE001 -- this rank's own checks: every rank raises it (_tell)
             _tell(groups, e)
             raise
@@ -134,8 +135,9 @@ def tree_decode(
                                   deferred=deferred)
     if sinks is not None:  # once, on the merged state (every rank holds the same)
         out, lse = add_sink(out, lse, sinks)
-    out = out.to(q.dtype)
-    return (out, lse.to(ld)) if return_lse else out
+    # the casts only where they change a dtype: .to's argument parsing alone is ~2 us of a tiny call
+    out = out if out.dtype == q.dtype else out.to(q.dtype)
+    return (out, lse if lse.dtype == ld else lse.to(ld)) if return_lse else out
 
 
 def _decode_overlapped(q, k, v, groups, cache_seqlens, softmax_scale, strategy, q_positions, k_positions, stats,

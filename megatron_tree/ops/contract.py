@@ -200,14 +200,16 @@ def check_cache_seqlens(cache_seqlens, batch: int, seqlen_k: int, device, *, by_
         check_cache_seqlens_values(cache_seqlens, seqlen_k, name)
 
 
-def check_cache_seqlens_values(cache_seqlens, seqlen_k: int, name: str = "cache_seqlens") -> None:
+def check_cache_seqlens_values(cache_seqlens, seqlen_k: int, name: str = "cache_seqlens") -> list:
     """Every value of ``cache_seqlens`` (a host tensor whose shape, dtype and device
-    :func:`check_cache_seqlens` has checked) in [0, seqlen_k]: the per-call part of that check."""
+    :func:`check_cache_seqlens` has checked) in [0, seqlen_k]: the per-call part of that check.
+    Returns the values read (a list of ints), for a caller that needs them too."""
     values = cache_seqlens.tolist()  # one read of the values (host memory here), then plain ints
     if values and (min(values) < 0 or max(values) > seqlen_k):
         raise ValueError(
             f"{name} must lie in [0, {seqlen_k}] (the KV length), got values in [{min(values)}, {max(values)}]"
         )
+    return values
 
 
 def check_variants(q, *, window=None, softcap=None, sinks=None, positions: bool = True) -> None:

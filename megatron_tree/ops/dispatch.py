@@ -58,19 +58,19 @@ def _check(q, k, v, cache_seqlens, q_positions, k_positions, block_table, out_dt
                                   by_value=False, lse_dtype=lse_dtype, **variants)
 
 
-def _check_values(q, k, cache_seqlens, block_table, cache_starts=None) -> None:
-    """The value checks of the contract, for CPU inputs (host memory: reading it syncs nothing)."""
-    b = q.shape[0]
+def _check_values(q, k, cache_seqlens, block_table, cache_starts=None) -> list | None:
+    """The value checks of the contract, for CPU inputs (host memory: reading it syncs nothing).
+    Returns cache_seqlens' values as read for the check (a list of ints), or None without it."""
     n = contract.kv_length(k, block_table)
     # shapes, dtypes and devices were checked once for the signature (_decode_signature; a direct call
     # of the op, as for merge_states, is checked by its caller): the values only
-    if cache_seqlens is not None:
-        contract.check_cache_seqlens_values(cache_seqlens, n)
+    lens = None if cache_seqlens is None else contract.check_cache_seqlens_values(cache_seqlens, n)
     if cache_starts is not None:
         contract.check_cache_seqlens_values(cache_starts, n, "cache_starts")
     if block_table is not None:
-        contract.check_block_table(block_table, b, k.shape[0], k.shape[1], cache_seqlens, q.device,
+        contract.check_block_table(block_table, q.shape[0], k.shape[0], k.shape[1], cache_seqlens, q.device,
                                     cache_starts=cache_starts)
+    return lens
 
 
 # The two ops are defined on a torch.library.Library with one CompositeExplicitAutograd kernel
@@ -103,16 +103,17 @@ def _flash_decode_impl(
     window: Optional[int] = None,
     softcap: Optional[float] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if q.device.type == "cpu":
-        _check_values(q, k, cache_seqlens, block_table, cache_starts)
+    lens = _check_values(q, k, cache_seqlens, block_table, cache_starts) if q.device.type == "cpu" else None
     if backend == "triton":
         from .triton import flash_decode as kernel  # imported lazily: needs triton
-    else:
-        kernel = torch_decode
-    return kernel.flash_decode(q, k, v, block_table=block_table, cache_seqlens=cache_seqlens,
-                               softmax_scale=softmax_scale, q_positions=q_positions, k_positions=k_positions,
-                               out_dtype=out_dtype, lse_dtype=lse_dtype, cache_starts=cache_starts, window=window,
-                               softcap=softcap)
+
+        return kernel.flash_decode(q, k, v, block_table=block_table, cache_seqlens=cache_seqlens,
+                                   softmax_scale=softmax_scale, q_positions=q_positions, k_positions=k_positions,
+                                   out_dtype=out_dtype, lse_dtype=lse_dtype, cache_starts=cache_starts, window=window,
+                                   softcap=softcap)
+    # positional, with the lengths the check has read (each keyword and each read is host time on a tiny call)
+    return torch_decode.decode(q, k, v, block_table, cache_seqlens, softmax_scale, q_positions, k_positions,
+                               out_dtype, lse_dtype, window, softcap, cache_starts, lens)
 
 
 @torch.library.register_fake("megatron_tree::flash_decode")
@@ -197,51 +198,84 @@ def _remember(key, check):
     return value
 
 
-def _plain_eager(t: torch.Tensor) -> bool:
-    """Whether a call on ``t`` may run the op's body directly: plain eager work on a plain CPU
-    tensor, where the op boundary (there for ``torch.compile``, CUDA graphs and the host-sync
-    guard, which treat the op as one opaque node) would only cost host time. Under tracing, a
-    torch function or dispatch mode (``sync_guard.no_host_sync``, fake tensors), a tensor
-    subclass, CUDA, or an input that records gradients, the call goes through the op."""
-    return (type(t) is torch.Tensor and t.device.type == "cpu" and not torch.compiler.is_compiling()
-            and not torch._C._is_torch_function_mode_enabled() and torch._C._len_torch_dispatch_stack() == 0
-            and not (t.requires_grad and torch.is_grad_enabled()))
+def _plain_cpu(t) -> bool:
+    """Whether ``t`` is a plain CPU tensor: the half, remembered per signature, of the test whether
+    a call may run the op's body directly -- plain eager work on a plain CPU tensor, where the op
+    boundary (there for ``torch.compile``, CUDA graphs and the host-sync guard, which treat the op
+    as one opaque node) would only cost host time. A tensor subclass or CUDA goes through the op;
+    so do a traced call and a call :func:`_moded` finds."""
+    return type(t) is torch.Tensor and t.device.type == "cpu"
+
+
+def _moded(t: torch.Tensor) -> bool:
+    """The per-call half of :func:`_plain_cpu`'s test: a torch function or dispatch mode is on
+    (``sync_guard.no_host_sync``, fake tensors), or ``t`` records gradients -- the call goes
+    through the op."""
+    return (torch._C._is_torch_function_mode_enabled() or torch._C._len_torch_dispatch_stack() != 0
+            or (t.requires_grad and torch.is_grad_enabled()))
 
 
 _BELOW_AUTOGRAD = torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradCPU) | \
     torch._C.DispatchKeySet(torch._C.DispatchKey.ADInplaceOrView)
 """The dispatch keys a plain-eager CPU call has no use for: with no input recording gradients
-(``_plain_eager``) the autograd and view-tracking layers only pass each of the body's torch calls
+(:func:`_moded`) the autograd and view-tracking layers only pass each of the body's torch calls
 on, at a fixed host cost per call (about a sixth of a tiny merge's, benchmarks/host_path.py)."""
 
 
 def _direct(body, *args):
-    """``body(*args)`` -- an op's CPU implementation, for a call :func:`_plain_eager` admits -- with the
+    """``body(*args)`` -- an op's CPU implementation, for a call :func:`_plain_cpu` and :func:`_moded` admit -- with the
     dispatcher starting below autograd, as it does inside the op (its autograd fallback redispatches
     there too): the same kernels, the same bits, less host time per torch call."""
     with torch._C._ExcludeDispatchKeyGuard(_BELOW_AUTOGRAD):
         return body(*args)
 
 
-def _env(backend):
+def _os_environ_reader():
+    """A function ``name -> value or None`` equal to ``os.environ.get``, reading the dict that
+    ``os.environ`` keeps (CPython: every write through ``os.environ`` -- ``monkeypatch.setenv``,
+    ``mock.patch.dict`` -- lands in it) without the ``KeyError`` that ``os.environ.get`` raises and
+    catches for a variable that is not set: about 2 us of a tiny merge's host time per read
+    (benchmarks/host_path.py). Where that dict is not there, ``os.environ.get`` itself."""
+    data, encode, decode = (getattr(os.environ, attr, None) for attr in ("_data", "encodekey", "decodevalue"))
+    if not isinstance(data, dict) or encode is None or decode is None:
+        return os.environ.get
+    keys = {name: encode(name) for name in (ENV_BACKEND, "TRITON_INTERPRET")}  # the names _env reads
+
+    def read(name):
+        value = data.get(keys[name])
+        return None if value is None else decode(value)
+
+    return read
+
+
+_getenv = _os_environ_reader()
+
+
+def _env(backend, compiling: bool):
     """What the backend choice reads from the environment: ``$MEGATRON_TREE_BACKEND``, and
     ``$TRITON_INTERPRET`` only where the choice is ``triton`` (the only case ``resolve_backend``
-    reads it; each read is a measurable part of a tiny call's host time)."""
-    forced = os.environ.get(ENV_BACKEND) or None
+    reads it; each read is a measurable part of a tiny call's host time). ``compiling``:
+    ``torch.compiler.is_compiling()``."""
+    # while torch.compile traces, os.environ.get: what Dynamo guards as the environment (a read of
+    # os.environ's dict would be guarded as a dict: a recompile where none is due)
+    getenv = os.environ.get if compiling else _getenv
+    forced = getenv(ENV_BACKEND) or None
     choice = backend if backend is not None else forced
-    return forced, (os.environ.get("TRITON_INTERPRET") if choice == "triton" else None)
+    return forced, (getenv("TRITON_INTERPRET") if choice == "triton" else None)
 
 
 def _decode_signature(q, k, v, cache_seqlens, q_positions, k_positions, block_table, out_dtype, lse_dtype, window,
-                      softcap, cache_starts, sinks, backend) -> tuple[str, str]:
-    """(kernel backend, resolved backend) of a :func:`flash_decode` call, after the shape-only
-    checks of the contract, remembered per signature (:func:`_remember`). The value checks run
-    inside the op, on every call (``_check_values``)."""
-    env = _env(backend)
-    if torch.compiler.is_compiling():
+                      softcap, cache_starts, sinks, backend) -> tuple[str, str, bool]:
+    """(kernel backend, resolved backend, whether q is a plain CPU tensor) of a :func:`flash_decode`
+    call, after the shape-only checks of the contract, remembered per signature (:func:`_remember`).
+    The value checks run inside the op, on every call (``_check_values``)."""
+    compiling = torch.compiler.is_compiling()
+    env = _env(backend, compiling)
+    if compiling:
         key = None
     else:  # the optional arguments, mostly None, without a call each (a tiny call's host time)
-        key = ("decode", _meta(q), _meta(k), _meta(v), cache_seqlens if cache_seqlens is None else _meta(cache_seqlens),
+        key = ("decode", type(q), _meta(q), _meta(k), _meta(v),
+               cache_seqlens if cache_seqlens is None else _meta(cache_seqlens),
                q_positions if q_positions is None else _meta(q_positions),
                k_positions if k_positions is None else _meta(k_positions),
                block_table if block_table is None else _meta(block_table), out_dtype, lse_dtype, type(window), window,
@@ -257,28 +291,36 @@ def _decode_signature(q, k, v, cache_seqlens, q_positions, k_positions, block_ta
                softcap=softcap, cache_starts=cache_starts, sinks=sinks)
         resolved = resolve_backend(q.device, backend)
         forced = backend is not None or env[0] is not None
-        return _kernel_backend(resolved, q.dtype, forced, max(q.shape[-1], v.shape[-1]), out_dtype), resolved
+        return (_kernel_backend(resolved, q.dtype, forced, max(q.shape[-1], v.shape[-1]), out_dtype), resolved,
+                _plain_cpu(q))
 
     return _remember(key, check)
 
 
-def _merge_signature(outs, lses, backend) -> str:
-    """The kernel backend of a :func:`merge_states` call, after its (shape-only) checks, remembered
-    per signature (:func:`_remember`)."""
-    env = _env(backend)
-    key = None if torch.compiler.is_compiling() else ("merge", _meta(outs), _meta(lses), backend, env)
-    if key is not None:
-        try:
+def _merge_signature(outs, lses, backend, compiling: bool) -> tuple[str, bool]:
+    """(kernel backend, whether outs and lses are plain CPU tensors) of a :func:`merge_states` call,
+    after its (shape-only) checks, remembered per signature (:func:`_remember`): the tensors' types,
+    shapes, dtypes and devices, the backend argument and the environment. ``compiling``:
+    ``torch.compiler.is_compiling()``, asked once by the caller."""
+    env = _env(backend, compiling)
+    key = None
+    if not compiling:
+        try:  # the key read straight off the tensors (no helper call each: a tiny merge's host time)
+            key = ("merge", type(outs), outs.shape, outs.dtype, outs.device, type(lses), lses.shape, lses.dtype,
+                   lses.device, backend, env)
             return _signatures[key]  # a remembered signature: _remember's lookup, without building check
-        except (KeyError, TypeError):
+        except AttributeError:  # not tensors: the check below raises its clear error
+            key = None
+        except (KeyError, TypeError):  # a new signature (or an unhashable backend: its check raises)
             pass
 
     def check():
         contract.check_merge_inputs(outs, lses)
         forced = backend is not None or env[0] is not None
-        return _kernel_backend(resolve_backend(outs.device, backend), outs.dtype, forced, outs.shape[-1])
+        name = _kernel_backend(resolve_backend(outs.device, backend), outs.dtype, forced, outs.shape[-1])
+        return name, _plain_cpu(outs) and type(lses) is torch.Tensor
 
-    return _remember(key, check)
+    return check() if key is None else _remember(key, check)
 
 
 def flash_decode(
@@ -351,15 +393,20 @@ def _decode(q, k, v, block_table, cache_seqlens, softmax_scale, q_positions, k_p
             lse_dtype, window, softcap, sinks, cache_starts):
     """:func:`flash_decode_resolved` with positional arguments (keyword passing is a measurable part of a
     tiny call's host time)."""
-    name, resolved = _decode_signature(q, k, v, cache_seqlens, q_positions, k_positions, block_table, out_dtype,
-                                       lse_dtype, window, softcap, cache_starts, sinks, backend)
+    name, resolved, plain_cpu = _decode_signature(q, k, v, cache_seqlens, q_positions, k_positions, block_table,
+                                                  out_dtype, lse_dtype, window, softcap, cache_starts, sinks, backend)
     window = None if window is None else int(window)
     softcap = None if softcap is None else float(softcap)
-    direct = _plain_eager(q)
+    # the direct eager path: _plain_cpu known from the signature, the rest per call
+    direct = plain_cpu and not (torch.compiler.is_compiling() or _moded(q))
     if sinks is None:
-        args = (q, k, v, cache_seqlens, softmax_scale, q_positions, k_positions, name, block_table, out_dtype,
-                lse_dtype, cache_starts, window, softcap)
-        return (*(_direct(_flash_decode_impl, *args) if direct else _flash_decode_op(*args)), resolved)
+        if direct:  # _direct, inlined
+            with torch._C._ExcludeDispatchKeyGuard(_BELOW_AUTOGRAD):
+                out, lse = _flash_decode_impl(q, k, v, cache_seqlens, softmax_scale, q_positions, k_positions, name,
+                                              block_table, out_dtype, lse_dtype, cache_starts, window, softcap)
+            return out, lse, resolved
+        return (*_flash_decode_op(q, k, v, cache_seqlens, softmax_scale, q_positions, k_positions, name, block_table,
+                                  out_dtype, lse_dtype, cache_starts, window, softcap), resolved)
     # The sink joins the finished state: unrounded partial and whole lse first, one rounding after.
     args = (q, k, v, cache_seqlens, softmax_scale, q_positions, k_positions, name, block_table,
             contract.acc_dtype(q.dtype), torch.float64, cache_starts, window, softcap)
@@ -375,13 +422,16 @@ def merge_states(outs: torch.Tensor, lses: torch.Tensor, *, backend: str | None 
     out: (B, Sq, Hq, D) in outs.dtype; lse: (B, Hq, Sq) float32, or float64 for float64 outs
     or lses (float64 lses are used whole: the merge is then exact at large score magnitudes).
     """
-    name = _merge_signature(outs, lses, backend)
+    compiling = torch.compiler.is_compiling()
+    name, plain_cpu = _merge_signature(outs, lses, backend, compiling)
     if outs.shape[0] == 1:  # one state is the result: a copy (never a view of the input), lse widened
         return (torch.clone(outs[0], memory_format=torch.contiguous_format),
                 lses[0].to(torch.promote_types(lses.dtype, contract.acc_dtype(outs.dtype)),
                            memory_format=torch.contiguous_format, copy=True))
-    if _plain_eager(outs):
-        return _direct(_merge_states_impl, outs, lses, name)
+    # the direct eager path (_plain_cpu known from the signature, the rest per call); _direct inlined
+    if plain_cpu and not (compiling or _moded(outs)):
+        with torch._C._ExcludeDispatchKeyGuard(_BELOW_AUTOGRAD):
+            return _merge_states_impl(outs, lses, name)
     return _merge_states_op(outs, lses, name)
 
 

@@ -238,6 +238,11 @@ def _finite(m: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(m, nan=0.0, posinf=0.0, neginf=0.0)
 
 
+def _finite_(m: torch.Tensor) -> torch.Tensor:
+    """:func:`_finite` in place, on a tensor the caller owns (no allocation)."""
+    return m.nan_to_num_(0.0, 0.0, 0.0)  # nan, posinf, neginf: positional (keywords cost host time)
+
+
 def _beside_out(x: torch.Tensor) -> torch.Tensor:
     """(..., batch, nheads_q, seqlen_q) -> the view (..., batch, seqlen_q, nheads_q, 1) that broadcasts
     onto an out (..., batch, seqlen_q, nheads_q, headdim); one torch call for one query token."""
@@ -246,10 +251,15 @@ def _beside_out(x: torch.Tensor) -> torch.Tensor:
 
 def _weights(lse: torch.Tensor, shift: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """:func:`lse_weights` against a finite ``shift`` (:func:`_finite`'s)."""
-    # float64 - float32 widens the float32 operand exactly: the same difference as two .double();
-    # the difference is a new tensor, so exp may run in place on it
-    w = (lse.double() - shift).exp_()
-    return w if w.dtype == dtype else w.to(dtype)
+    # float64 - float32 widens the float32 operand exactly: the same difference as two .double().
+    # A float32 lse is widened into a new tensor, which the difference may overwrite (one
+    # allocation less on a tiny merge's host path); a float64 lse is the caller's, left alone.
+    wide = lse.double()
+    w = (wide - shift if wide is lse else wide.sub_(shift)).exp_()
+    if w.dtype == dtype:
+        return w
+    # .float() is .to(torch.float32) with less argument parsing (half the host time on a tiny merge)
+    return w.float() if dtype == torch.float32 else w.to(dtype)
 
 
 def normalize(num: torch.Tensor, den: torch.Tensor, m: torch.Tensor,
@@ -261,22 +271,38 @@ def normalize(num: torch.Tensor, den: torch.Tensor, m: torch.Tensor,
         the weights were taken against (the maximum of the lse, or any shared value)
     lse_dtype: dtype the lse is formed and returned in (default: the wider of m's and den's);
         float64 keeps a score-sized lse to full precision for a merge that follows
-    returns (out, lse) with out = 0 and lse = -inf where den == 0 (no key anywhere); a NaN den
-    gives NaN (never hidden as an empty row).
+    returns (out, lse) with out = 0 and lse = -inf where den == 0 (no key anywhere: num is 0 there,
+    each state's out times its weight 0, so a state with no key must hold a finite out -- the 0
+    every partial without a key has); a NaN den gives NaN (never hidden as an empty row).
     """
     ld = torch.promote_types(m.dtype, den.dtype) if lse_dtype is None else lse_dtype
     return _normalize(num, den, _finite(m), ld)
 
 
-def _normalize(num: torch.Tensor, den: torch.Tensor, shift: torch.Tensor,
-               ld: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`normalize` against a finite ``shift`` (:func:`_finite`'s), the lse in ``ld``."""
+_TINY = {dtype: torch.finfo(dtype).tiny for dtype in (torch.float32, torch.float64)}
+"""The smallest normal number of each accumulation dtype (what :func:`_normalize` divides an empty
+row's num by): normal, so a flush-denormals mode leaves it as it is."""
+
+
+def _normalize(num: torch.Tensor, den: torch.Tensor, shift: torch.Tensor, ld: torch.dtype,
+               owned: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`normalize` against a finite ``shift`` (:func:`_finite`'s), the lse in ``ld``.
+    owned: num and den are the caller's own temporaries (:func:`merge_stacked`'s sums), which the
+    quotient and the log may overwrite in place -- the same bits, two allocations less."""
     den_o = _beside_out(den)
-    # Only den == 0 means "no key" (logical_not: True for +-0 only); a NaN den (a NaN partial lse
-    # upstream) stays NaN, visibly. The quotient's 0/0 there is overwritten.
-    out = (num / den_o).masked_fill_(den_o.logical_not(), 0)
+    # den == 0 only where no state has a key: every weight is 0, and so is num (a partial with no
+    # key has out 0). Dividing by den raised to the smallest normal number gives that row out 0
+    # (the sign of 0 * o) in one torch call where a mask took two; every other den divides as
+    # itself -- a den below the smallest normal number would be weights that underflowed, which no
+    # caller forms (merge_stacked's den is >= 1, comm's >= 2**-64 or the merge is redone). clamp_min
+    # passes NaN on: a NaN den (a NaN partial lse upstream) stays NaN, visibly.
+    safe = den_o.clamp_min(_TINY.get(den.dtype) or torch.finfo(den.dtype).tiny)
+    out = num.div_(safe) if owned else num / safe
     # log(0) = -inf and -inf + a finite shift = -inf: an empty row's lse needs no mask
-    lse = torch.log(den if den.dtype == ld else den.to(ld))
+    if den.dtype != ld:
+        lse = (den.double() if ld == torch.float64 else den.to(ld)).log_()
+    else:
+        lse = den.log_() if owned else torch.log(den)
     return out, lse.add_(shift if shift.dtype == ld else shift.to(ld))
 
 
@@ -301,14 +327,16 @@ def merge_stacked(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor,
     """:func:`merge_states` on inputs the caller has checked (``ops.merge_states`` checks once per
     signature): the one merge formula, :func:`lse_weights` and :func:`normalize` around a local
     max and sum. P = 1 returns views of the inputs (lse widened)."""
-    p = outs.shape[0]
     acc = acc_dtype(outs.dtype)
-    ld = torch.promote_types(lses.dtype, acc)
-    if p == 1:
+    # the wider of the lses' and the accumulation's dtype (both float32 or float64: a lookup, not
+    # a torch.promote_types call per merge)
+    ld = torch.float64 if torch.float64 in (lses.dtype, acc) else torch.float32
+    if outs.shape[0] == 1:
         return outs[0], lses[0].to(ld)
     lses = lses if lses.dtype == ld else lses.to(ld)
-    shift = _finite(lses.amax(dim=0))  # the maximum, once for the weights and the lse
+    # the maximum, once for the weights and the lse; a new tensor, made finite in place
+    shift = _finite_(lses.amax(0))
     w = _weights(lses, shift, acc)
-    num = weighted(outs if outs.dtype == acc else outs.to(acc), w).sum(dim=0)
-    out, lse = _normalize(num, w.sum(dim=0), shift, ld)
+    num = weighted(outs if outs.dtype == acc else outs.to(acc), w).sum(0)  # dims positional: less host time
+    out, lse = _normalize(num, w.sum(0), shift, ld, True)
     return (out if out.dtype == outs.dtype else out.to(outs.dtype)), lse

@@ -38,15 +38,18 @@ import torch
 
 from . import contract
 
-__all__ = ["flash_decode"]
+__all__ = ["flash_decode", "decode"]
 
 
-_FUSED = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_FUSED = getattr(torch, "_scaled_dot_product_flash_attention_for_cpu", None)
 """ATen's fused CPU flash-attention kernel, which returns the log-sum-exp: one call per row instead
 of about twenty small torch calls (on tiny decode shapes the host time of those calls, not the
-arithmetic, is the cost). Used for float32 only -- everything in float32, as the two matmuls below
-(for bf16/fp16 it rounds the probabilities to the input dtype before P @ V) -- and only where no
-per-key mask is needed (no positions, no soft-cap): a row sliced to its valid keys always has one."""
+arithmetic, is the cost). Called through torch's generated binding (``torch.<op>``), not the
+``torch.ops.aten`` packet: the same kernel, without the packet's Python ``__call__`` (about 3 us
+of a tiny call's host time, benchmarks/host_path.py). Used for float32 only -- everything in
+float32, as the two matmuls below (for bf16/fp16 it rounds the probabilities to the input dtype
+before P @ V) -- and only where no per-key mask is needed (no positions, no soft-cap): a row
+sliced to its valid keys always has one."""
 
 
 FUSED_MAX_KEYS = 2048
@@ -54,16 +57,19 @@ FUSED_MAX_KEYS = 2048
 cache at least as fast (one thread: fused 0.9x the loop's time at 1K keys, 1.1x at 4K, equal at 16K)."""
 
 
-def _fused(q, k, v, lens: list, starts: list, scale: float):
-    """The unmasked float32 case on ``_FUSED``: per row the keys ``[starts[i], lens[i])``; a row with
-    none is out 0, lse -inf. GQA without repeating KV (the kernel groups the query heads). The
-    kernel computes ``m + log(l)`` and the normalised output in float32, like the loop below."""
+def _fused(q, k, v, lens: list, starts: list | None, scale: float):
+    """The unmasked float32 case on ``_FUSED``: per row the keys ``[starts[i], lens[i])`` (from 0 where
+    ``starts`` is None); a row with none is out 0, lse -inf. GQA without repeating KV (the kernel groups
+    the query heads). The kernel computes ``m + log(l)`` and the normalised output in float32, like
+    the loop below."""
     b, sq, hq, dv = q.shape[0], q.shape[1], q.shape[2], v.shape[3]
     n = k.shape[1]
-    if n > 0 and lens == [n] * b and not any(starts):  # every row whole: one call for all rows (list compares)
+    if n > 0 and lens == [n] * b and not (starts and any(starts)):  # every row whole: one call for all rows
         out, lse = _FUSED(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale)
         # out (b, sq, hq, dv): the kernel's own layout; lse (b, hq, sq), contiguous already for one token
         return out.transpose(1, 2), (lse if lse.is_contiguous() else lse.contiguous())
+    if starts is None:
+        starts = [0] * b
     rows = []
     for i in range(b):
         first, length = starts[i], lens[i]
@@ -121,20 +127,36 @@ def flash_decode(
             lse: (batch, nheads_q, seqlen_q) in lse_dtype (default float32; float64 for float64
                  input), natural log, -inf where no key is visible, NaN where a visible score is NaN
     """
+    return decode(q, k, v, block_table, cache_seqlens, softmax_scale, q_positions, k_positions, out_dtype, lse_dtype,
+                  window, softcap, cache_starts)
+
+
+_F32 = torch.float32
+
+
+def decode(q, k, v, block_table, cache_seqlens, softmax_scale, q_positions, k_positions, out_dtype, lse_dtype, window,
+           softcap, cache_starts, lens=None):
+    """:func:`flash_decode` with positional arguments, and ``lens``: ``cache_seqlens.tolist()`` where
+    the caller has read it already (``ops``' value check); shapes as there. Keyword passing and a
+    second read of the lengths are measurable parts of a tiny call's host time."""
     b, sq, hq, d = q.shape
-    hkv, dv = k.shape[2], v.shape[3]
+    dv = v.shape[3]
+    if lens is None:
+        lens = cache_seqlens.tolist() if cache_seqlens is not None else [contract.kv_length(k, block_table)] * b
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    # the unmasked float32 case (out and lse float32 too), tested first with the fewest reads
+    if (block_table is None and q_positions is None and softcap is None and q.dtype == _F32 and d == dv
+            and (out_dtype is None or out_dtype == _F32) and (lse_dtype is None or lse_dtype == _F32)
+            and _FUSED is not None and max(lens, default=0) <= FUSED_MAX_KEYS):
+        return _fused(q, k, v, lens, cache_starts.tolist() if cache_starts is not None else None, scale)
+    hkv = k.shape[2]
     n = contract.kv_length(k, block_table)
     page = k.shape[1]
     g = hq // hkv
     acc = contract.acc_dtype(q.dtype)
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     od = q.dtype if out_dtype is None else out_dtype
     ld = contract.lse_acc_dtype(lse_dtype, q.dtype)
-    lens = cache_seqlens.tolist() if cache_seqlens is not None else [n] * b
     starts = cache_starts.tolist() if cache_starts is not None else [0] * b
-    if (q.dtype == od == ld == torch.float32 and d == dv and block_table is None and q_positions is None
-            and softcap is None and _FUSED is not None and max(lens, default=0) <= FUSED_MAX_KEYS):
-        return _fused(q, k, v, lens, starts, scale)
     if k_positions is not None and k_positions.dim() == 1:
         k_positions = k_positions[None, :].expand(b, n)
 

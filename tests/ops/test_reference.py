@@ -101,6 +101,66 @@ def test_empty_shard_and_nan_lse_in_the_reference_and_torch_path():
         mt.merge_states(outs, torch.tensor([7e4, 6.9e4]).half().view(2, 1, 1, 1))
 
 
+def _merge_by_rows(outs, lses):
+    """The merge formula transcribed row by row (one (batch, head, token) at a time, plain Python over
+    the P states): the weights exp(lse_u - m) formed in float64 from the lse in its merge dtype and
+    rounded once to the accumulation dtype, their products with the states and the two sums in that
+    dtype in state order, out = num / den (0 where den == 0), lse = log(den) + m in the lse dtype --
+    the oracle the stacked torch merge must equal bit for bit."""
+    p, b, sq, hq, d = outs.shape
+    acc = torch.float64 if outs.dtype == torch.float64 else torch.float32
+    ld = torch.float64 if torch.float64 in (lses.dtype, acc) else torch.float32
+    out = torch.zeros(b, sq, hq, d, dtype=acc)
+    lse = torch.zeros(b, hq, sq, dtype=ld)
+    for bi in range(b):
+        for h in range(hq):
+            for s in range(sq):
+                ls = [lses[u, bi, h, s].to(ld) for u in range(p)]
+                m = torch.stack(ls).max()  # NaN if any is
+                m = m if torch.isfinite(m) else torch.zeros((), dtype=ld)  # every state empty, or a NaN
+                ws = [torch.exp(x.double() - m.double()).to(acc) for x in ls]
+                num, den = torch.zeros(d, dtype=acc), torch.zeros((), dtype=acc)
+                for u in range(p):
+                    num = num + outs[u, bi, s, h].to(acc) * ws[u]
+                    den = den + ws[u]
+                out[bi, s, h] = torch.zeros(d, dtype=acc) if den == 0 else num / den
+                lse[bi, h, s] = torch.log(den.to(ld)) + m
+    return out.to(outs.dtype), lse
+
+
+def _same_bits(a, b):
+    """Equal bit for bit (NaN where NaN; a zero's sign counts)."""
+    ints = {torch.float64: torch.int64, torch.float32: torch.int32, torch.bfloat16: torch.int16,
+            torch.float16: torch.int16}
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(torch.isnan(a), torch.isnan(b)) and \
+        torch.equal(a.masked_fill(torch.isnan(a), 0).view(ints[a.dtype]),
+                    b.masked_fill(torch.isnan(b), 0).view(ints[b.dtype]))
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("lse_dtype", [torch.float32, torch.float64])
+def test_merge_equals_the_formula_row_by_row_bit_for_bit(out_dtype, lse_dtype):
+    """The stacked merge (ops.merge_states, CPU) against the formula row by row: P = 2..5 states, one
+    and two query tokens, score magnitudes up to 1e5, empty states (out 0, lse -inf) in some rows
+    and every state empty in others, a NaN lse -- the same bits, zero signs included."""
+    g = torch.Generator().manual_seed(5)
+    for trial, (p, sq, scale) in enumerate([(2, 1, 1.0), (3, 2, 30.0), (5, 1, 1e4), (4, 2, 1e5), (2, 2, 1.0)]):
+        outs = torch.randn(p, 2, sq, 3, 4, generator=g, dtype=torch.float64).to(out_dtype)
+        lses = (torch.randn(p, 2, 3, sq, generator=g, dtype=torch.float64) * scale).to(lse_dtype)
+        empty = torch.rand(p, 2, 3, sq, generator=g) < 0.3
+        empty[:, 1, 2, 0] = True  # a row with no key in any state
+        lses[empty] = float("-inf")
+        outs.masked_fill_(empty.transpose(-1, -2).unsqueeze(-1), 0)  # a state with no key: out 0
+        if trial == 1:
+            lses[1, 0, 1, 0] = float("nan")
+        out, lse = mt.merge_states(outs, lses)
+        want, want_lse = _merge_by_rows(outs, lses)
+        assert _same_bits(out, want) and _same_bits(lse, want_lse), (p, sq, scale)
+        assert torch.all(out[1, 0, 2] == 0) and torch.isneginf(lse[1, 2, 0])
+        if trial == 1:
+            assert torch.isnan(out[0, 0, 1]).all() and torch.isnan(lse[0, 1, 0])
+
+
 def test_merge_states_shape_errors():
     with pytest.raises(ValueError, match="lses must have shape"):
         mt.merge_states(torch.zeros(2, 1, 1, 2, 4), torch.zeros(2, 1, 1, 2))
