@@ -78,7 +78,8 @@ class TreeCache(Cache):
     max_seq_len: real tokens per row to make room for (overflow is a ``CacheOverflowError``)
     new_tokens: with ``max_seq_len=None``, size the storage at prefill for the prompt plus
         this many tokens (``generate`` passes its ``max_new_tokens``); with neither, the
-        storage makes room for 256 more tokens and doubles whenever a row would overflow
+        storage makes room for 256 more tokens. Without ``max_seq_len`` the storage doubles
+        whenever a row would overflow (a later ``generate`` continuing the cache, assisted rounds)
     static: every decode step reads all of the storage's slots (masked by the rows' lengths), so
         its shapes never change: what a compiled (``torch.compile``) or graph-captured step needs to
         be traced once; default: only up to the longest row this rank holds (less work, a shape
@@ -252,8 +253,10 @@ class TreeCache(Cache):
 
     @property
     def growable(self) -> bool:
-        """Whether the storage doubles on overflow (no size was given) rather than raising."""
-        return self.max_seq_len is None and self.new_tokens is None
+        """Whether the storage doubles on overflow rather than raising: unless ``max_seq_len`` was given
+        (``new_tokens`` only sizes the first storage: a cache that generate sized for one call and that a
+        later call continues grows as it needs)."""
+        return self.max_seq_len is None
 
     def _allocate(self, batch: int, max_seq_len: int) -> ShardedKVCache:
         cp = 1 if self.groups is None else self.groups.size
@@ -261,7 +264,7 @@ class TreeCache(Cache):
         # A growable cache keeps one block (+2 for the load-balanced prompt's uneven chunks) of
         # headroom per rank: no rank is ever full while placement decides, so its placement is
         # the unbounded rule's and a larger cache replays it exactly (see _grow).
-        slack = cp * (self.cache_config.block_size + 2) if cp > 1 and self.growable else 0
+        slack = cp * (self.cache_config.block_size + 2) if cp > 1 and self.growable and self.new_tokens is None else 0
         storage = ShardedKVCache(
             num_layers=self.num_layers, batch_size=batch, max_seq_len=max_seq_len + slack,
             num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, head_dim_v=self.head_dim_v, cp_size=cp,
@@ -355,8 +358,8 @@ class TreeCache(Cache):
             if not self.growable:
                 raise CacheOverflowError(
                     f"a row already holds {max(self.storage.lengths)} tokens and {tokens} more do not fit in the "
-                    f"{self._nominal} this TreeCache was sized for (max_seq_len={self.max_seq_len}, new_tokens="
-                    f"{self.new_tokens}); create it with a larger max_seq_len or pass max_new_tokens to generate"
+                    f"max_seq_len={self.max_seq_len} this TreeCache was made with; create it with a larger "
+                    "max_seq_len (or none: it then grows as rows need)"
                 )
             self._grow()
 

@@ -33,7 +33,9 @@ def _mask_lengths(mask: torch.Tensor, batch: int, seq: int) -> list[int]:
     if bad:
         raise ValueError(
             f"attention_mask rows {bad} are not left-padded (zeros, then ones); tree attention drops padding by "
-            "position and needs left padding, as generate does (tokenizer.padding_side = 'left')"
+            "position and needs left padding, as generate does (tokenizer.padding_side = 'left'). Without an "
+            "attention_mask, generate makes one from pad_token_id: a prompt that holds the pad token id among its "
+            "tokens needs its attention_mask passed"
         )
     empty = (n == 0).nonzero().flatten().tolist()
     if empty:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import _Binding, _comm_device, _generation_settings
+from .common import _MARK, _Binding, _comm_device, _generation_settings
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 from ...comm.merge import CompileError
@@ -85,6 +85,43 @@ def _new_tokens(model, kwargs, prompt_len: int) -> int | None:
     return None if length is None else max(int(length) - prompt_len, 0)
 
 
+def _asked(model, kwargs, name: str):
+    """A generation setting as generate will see it: the call's keyword, else its generation_config's,
+    else the model's."""
+    if kwargs.get(name) is not None:
+        return kwargs[name]
+    for gc in (kwargs.get("generation_config"), getattr(model, "generation_config", None)):
+        if gc is not None and getattr(gc, name, None) is not None:
+            return getattr(gc, name)
+    return None
+
+
+def _check_assisted(model, binding: _Binding, kwargs) -> None:
+    """Assisted-decoding settings a tree-enabled model cannot run, refused before generate starts (each
+    names what to change), rather than from a forward rounds later."""
+    early = _asked(model, kwargs, "assistant_early_exit")
+    if early is not None:
+        raise NotImplementedError(
+            f"generate(assistant_early_exit={early}) is not supported with tree attention: transformers drafts "
+            "with the target's own first layers on the target's cache, which holds every layer's shard; pass an "
+            "assistant_model (a small model run replicated on every rank) or prompt_lookup_num_tokens instead")
+    assistant = kwargs.get("assistant_model")
+    drafting = assistant is not None or _asked(model, kwargs, "prompt_lookup_num_tokens") is not None
+    if assistant is not None and getattr(assistant, _MARK, None) is not None:
+        raise ValueError(
+            "the assistant_model has tree attention enabled: the assistant runs whole on every rank (it is "
+            "small; its cache is cropped and reused every round as transformers does) -- pass it as an "
+            "ordinary transformers model (megatron_tree.hf.disable_tree_attention(assistant), or load it "
+            "without enabling)")
+    windowed = [i for i, w in enumerate(binding.windows) if w is not None]
+    if drafting and windowed:
+        raise NotImplementedError(
+            f"assisted decoding (assistant_model / prompt_lookup_num_tokens) is not supported with tree attention "
+            f"on a model with sliding-window layers (layers {windowed}): verifying several new tokens at once is "
+            "not built for sliding windows (each new token would need its own window start); drop assistant_model / prompt_lookup_num_tokens (plain, "
+            "sampled and beam-search generate run on this model)")
+
+
 def _sharded_generate(model, orig, binding: _Binding, args, kwargs):
     if getattr(model.__dict__.get("forward"), "_torchdynamo_orig_callable", None) is not None:
         raise CompileError(
@@ -98,6 +135,7 @@ def _sharded_generate(model, orig, binding: _Binding, args, kwargs):
                       ("prefill_chunk_size", "the prompt is chunked by enable_tree_attention(max_prefill_tokens=...)")):
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"generate({name}=...) is not supported with tree attention: {why}")
+    _check_assisted(model, binding, kwargs)
     inputs = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
     prompt_len = int(inputs.shape[1]) if isinstance(inputs, torch.Tensor) and inputs.dim() == 2 else 0
     if binding.groups is not None and binding.groups.size > 1:

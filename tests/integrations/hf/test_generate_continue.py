@@ -1,0 +1,93 @@
+"""A tree-enabled model's ``generate`` continuing the cache an earlier ``generate`` returned (multi-turn
+use), and the assisted-decoding settings refused before generation starts.
+
+generate sizes the ``TreeCache`` it makes for its own ``max_new_tokens``; a later call handed that
+cache (``past_key_values=out.past_key_values``) asks for more tokens than it was sized for, so the
+storage grows (its placement copied, ``ShardedKVCache.continue_from``) -- at CP 2 and 3 the two turns
+give transformers' one-process tokens (a DynamicCache continued the same way). A new-user review found
+the second turn raising CacheOverflowError with advice that did not apply.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tests.helpers.ranks import outcome, run_ranks
+
+FIRST, SECOND = 3, 12
+
+
+def _model(arch="llama", **over):
+    from tests.helpers.hf_models import hf_model
+
+    model = hf_model(arch, seed=3, **over)
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def _two_turns(model, prompt, follow):
+    """generate FIRST tokens, append ``follow`` (the user's next turn), generate SECOND more on the same cache."""
+    with torch.no_grad():
+        out = model.generate(prompt, max_new_tokens=FIRST, do_sample=False, return_dict_in_generate=True)
+        ids = torch.cat([out.sequences, follow], dim=1)
+        out2 = model.generate(ids, past_key_values=out.past_key_values, max_new_tokens=SECOND, do_sample=False,
+                              return_dict_in_generate=True)
+    return out.sequences[0].tolist(), out2.sequences[0].tolist(), out2.past_key_values
+
+
+def _body(rank, world, intra):
+    import megatron_tree as mt
+    from megatron_tree.integrations.hf import enable_tree_attention
+
+    prompt = torch.randint(1, 128, (1, 11), generator=torch.Generator().manual_seed(1))
+    follow = torch.randint(1, 128, (1, 5), generator=torch.Generator().manual_seed(2))
+    ref = _two_turns(_model(), prompt, follow)[:2]
+    groups = mt.TreeGroups.build(intra_size=intra)
+    model = enable_tree_attention(_model(), groups)
+    first, second, cache = _two_turns(model, prompt, follow)
+    res = {"ref": ref, "got": (first, second), "lengths": cache.lengths, "shards": cache.shard_lengths,
+           "capacity": cache.storage.capacity}
+
+    # refused before any forward, naming what to change
+    assistant = _model(num_hidden_layers=1)
+    res["early_exit"] = outcome(lambda: model.generate(prompt, max_new_tokens=4, assistant_early_exit=1))
+    tree_assistant = enable_tree_attention(_model(num_hidden_layers=1), groups)
+    res["tree_assistant"] = outcome(lambda: model.generate(prompt, max_new_tokens=4, assistant_model=tree_assistant))
+    windowed = enable_tree_attention(_model("mistral", sliding_window=8), groups)
+    res["window_lookup"] = outcome(lambda: windowed.generate(prompt, max_new_tokens=4, prompt_lookup_num_tokens=3))
+    res["window_assistant"] = outcome(lambda: windowed.generate(prompt, max_new_tokens=4, assistant_model=assistant))
+    with torch.no_grad():  # the windowed model still generates plainly, and exactly
+        res["window_plain"] = (windowed.generate(prompt, max_new_tokens=6, do_sample=False)[0].tolist(),
+                               _model("mistral", sliding_window=8).generate(prompt, max_new_tokens=6,
+                                                                            do_sample=False)[0].tolist())
+    # a sized cache (max_seq_len) still refuses to grow, naming the size
+    from megatron_tree.integrations.hf import TreeCache
+
+    small = TreeCache(model, groups, max_seq_len=14)
+    res["sized"] = outcome(lambda: model.generate(prompt, past_key_values=small, max_new_tokens=8))
+    return res
+
+
+def test_second_generate_on_the_returned_cache_grows_it_and_equals_one_process():
+    for world, intra in ((2, None), (3, None)):
+        for res in run_ranks(_body, world, intra, timeout=300):
+            first, second = res["got"]
+            assert (first, second) == tuple(res["ref"]), (world, res["got"], res["ref"])
+            assert len(second) == len(first) + 5 + SECOND
+            assert res["lengths"] == [len(second) - 1]  # (the last drawn token is not stored yet)
+            assert sum(res["shards"][0]) == res["lengths"][0]
+            # grown past what the first call sized: ceil((11 + 3) / world) + 1 slots
+            assert res["capacity"] > -(-(11 + FIRST) // world) + 1, res["capacity"]
+
+            kind, msg, _ = res["early_exit"]
+            assert kind == "NotImplementedError" and "assistant_early_exit=1" in msg and "assistant_model" in msg, msg
+            kind, msg, _ = res["tree_assistant"]
+            assert kind == "ValueError" and "assistant_model has tree attention enabled" in msg, msg
+            assert "disable_tree_attention" in msg, msg
+            for case in ("window_lookup", "window_assistant"):
+                kind, msg, _ = res[case]
+                assert kind == "NotImplementedError" and "sliding-window layers (layers [0, 1])" in msg, (case, msg)
+                assert "drop assistant_model / prompt_lookup_num_tokens" in msg, msg
+            assert res["window_plain"][0] == res["window_plain"][1]
+            kind, msg, _ = res["sized"]
+            assert kind == "CacheOverflowError" and "max_seq_len=14" in msg, msg
