@@ -200,9 +200,11 @@ def test_assisted_sampling_draws_rank_zeros_tokens():
 
 
 CALLS = [("prefill",), ("crop", -3), ("new", 4), ("crop", -2), ("new", 1), ("new", 1), ("new", 1),
-         ("crop", -6), ("new", 3), ("keep", 12), ("new", 1), ("new", 2), ("new", 1)]
+         ("crop", -6), ("new", 3), ("keep", 12), ("new", 1), ("new", 2), ("new", 1), ("new", 8), ("new", 5)]
 """A prefill of two left-padded prompts (14 and 9 tokens), cuts into the prefill and into decoded tokens
-(``keep``: crop to a length, the positive form), forwards of one and of several new tokens."""
+(``keep``: crop to a length, the positive form), forwards of one and of several new tokens; the last ones
+take row 0 to 29 tokens, past what the first storage holds on all ranks together (the grown cache's rows
+must place into its larger capacity)."""
 
 
 def _crop_calls(model, cache_of, positive: bool):
@@ -251,7 +253,7 @@ def _crop_rank(rank, world):
 
     def cache_of(out):
         c = _cache_of(out)
-        seen.append((c.lengths, c.get_seq_length(), c.shard_lengths, c.storage.max_seq_len))
+        seen.append((c.lengths, c.get_seq_length(), c.shard_lengths, c.storage.max_seq_len, c.storage.capacity))
         return c
 
     logits, lengths, cache = _crop_calls(model, cache_of, True)
@@ -276,10 +278,11 @@ def test_crop_then_continue_equals_a_dynamic_cache(world):
             torch.testing.assert_close(torch.tensor(a), b, rtol=0, atol=5e-5,
                                        msg=lambda m, rank=rank, i=i: f"rank {rank}, forward {i}: {m}")
         # real lengths, global length, shards adding up to the rows, the cache grown after a cut
-        for (lens, seq, shards, _), real in zip(seen, [want_lengths[i] for i, c in enumerate(CALLS)
+        for (lens, seq, shards, *_), real in zip(seen, [want_lengths[i] for i, c in enumerate(CALLS)
                                                        if c[0] in ("prefill", "new")]):
             assert lens == real and [sum(s) for s in shards] == real and seq == real[0]  # (row 0 is unpadded)
         assert seen[-1][3] > seen[0][3], "the cache never grew: the test would not reach continue_from"
+        assert seen[-1][0][0] > world * seen[0][4], "the rows never outgrew the first storage's slots on every rank"
         assert consistent, "a rank's stored positions differ from its placement"
 
 
