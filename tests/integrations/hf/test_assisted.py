@@ -340,6 +340,12 @@ def test_bad_crops_are_refused():
     assert cache.lengths == [6, 2]
     cache.crop(-1)
     assert cache.lengths == [5, 1] and cache.get_seq_length() == 5
+    # Several new tokens: the padding check covers them all, not only the last (nothing is stored).
+    new = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    padded = torch.cat([mask[:, :5], torch.tensor([[1, 1, 1], [1, 0, 1]])], dim=1)
+    with torch.no_grad(), pytest.raises(ValueError, match=r"marks a new \(decoded\) token as padding"):
+        model(new, attention_mask=padded, cache=cache)
+    assert cache.lengths == [5, 1] and cache.get_seq_length() == 5
     empty = TreeCache(model, None)
     empty.crop(0)
     with pytest.raises(ValueError, match="would remove 2 tokens from a cache holding 0"):
