@@ -388,6 +388,33 @@ def test_ranks_with_different_candidates_are_refused_alike():
     assert results[0][1][1] == results[1][1][1]  # the same error on every rank
 
 
+def _agree_rank(rank, world):
+    import megatron_tree as mt
+    from megatron_tree.integrations.hf.generate import _TokensAgree
+
+    check = _TokensAgree(mt.TreeGroups.build(), None)
+    ids = torch.tensor([[3, 9, 4, 7, 7, 2], [5, 1, 8, 8, 6, 6]])
+    same = check(ids, None)
+    swapped = ids.clone()
+    if rank == 1:  # two earlier tokens of row 1 swapped: the same length, last token and sum of tokens
+        swapped[1, 1], swapped[1, 2] = ids[1, 2], ids[1, 1]
+    inner = outcome(lambda: check(swapped, None))
+    longer = outcome(lambda: check(torch.cat([ids[:, :1], ids], dim=1) if rank == 2 else ids, None))
+    return same.tolist(), inner, longer
+
+
+def test_ranks_whose_sequences_differ_are_refused_alike():
+    """_TokensAgree compares whole rows (an assisted step appends several tokens): a rank whose row differs
+    before its last token, or is longer, fails on every rank with one message."""
+    results = run_ranks(_agree_rank, 3, timeout=120)
+    for same, inner, longer in results:
+        assert same == [False, False]
+        assert inner[0] == "RuntimeError" and "chose different tokens at generated step 2" in inner[1], inner
+        assert "sequence lengths [[6, 6], [6, 6], [6, 6]]" in inner[1], inner
+        assert longer[0] == "RuntimeError" and "sequence lengths [[6, 6], [6, 6], [7, 7]]" in longer[1], longer
+    assert len({(r[1][1], r[2][1]) for r in results}) == 1  # the same errors on every rank
+
+
 # --------------------------------------------------------------------------- other architectures
 
 ARCHS = ("deepseek-v3", "phi3-longrope", "qwen2-moe")
