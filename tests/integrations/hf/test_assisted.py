@@ -7,14 +7,15 @@ prefill of the prompt plus the candidates) and then crops the cache back to the 
 a chain (``decode.speculative.verify_attention``, one merge per layer for all rows) and appended as
 decode steps; ``TreeCache.crop`` cuts every rank's shard alike, into decode steps or into the prefill.
 
-Checked here: the sequences equal transformers' own in one process, and so does every crop (the same
-rounds, accepting and rejecting the same candidates: the first round's rejections cut into the
-prefill) -- CP 2, 3 and 2 x 2 and a compiled decode step (the verification forwards run eagerly, the
+Checked here: the sequences and the target's logits of every generated token equal transformers' own in one
+process, and so does every crop (the same rounds, accepting and rejecting the same candidates: the first
+round's rejections cut into the prefill) -- CP 2, 3 and 2 x 2 and a compiled decode step (the verification forwards run eagerly, the
 one-token steps compiled), a 33-token prompt (no CP size divides it into equal chunks); the cache's
 lengths and shards afterwards; a cache cropped and extended by hand against a ``DynamicCache`` given
 the same calls (left-padded rows, cuts into the prefill and into decoded tokens, a cache that grows
-after a cut); sampling (rank 0's draws, the assistant's too); ``RowPlacement.truncate`` against the
-placement it cuts; bad crops refused; ranks handed different candidates refused alike.
+after a cut and outgrows the first storage); sampling (rank 0's draws, the assistant's too);
+``RowPlacement.truncate`` against the placement it cuts; bad crops and padded new tokens refused; ranks handed
+different candidates, or whose sequences differ before their last token, refused alike.
 """
 
 from __future__ import annotations
@@ -65,9 +66,11 @@ MODES = {"prompt_lookup": 4, "assistant": 1}
 """Each mode's target seed (a target whose first round rejects candidates in that mode: a cut into the prefill)."""
 
 
-def _run(model, mode, prompt, crops):
+def _run(model, mode, prompt, crops, logits):
     """One assisted ``generate``; returns its tokens and the target's cache; ``crops`` receives each crop of
-    that cache (the cache the target's first forward returned; the assistant's own crops are left out)."""
+    that cache (the cache the target's first forward returned; the assistant's own crops are left out),
+    ``logits`` the target's logits of each generated token (vocab floats a token: the verification forwards'
+    rows; greedy tokens alone barely depend on attention in this model)."""
     from transformers.cache_utils import Cache
 
     from megatron_tree.integrations.hf import TreeCache
@@ -96,7 +99,8 @@ def _run(model, mode, prompt, crops):
     model.forward = remember
     try:
         with torch.no_grad():
-            out = model.generate(prompt, max_new_tokens=NEW, do_sample=False, pad_token_id=0, **kw)
+            out = model.generate(prompt, max_new_tokens=NEW, do_sample=False, pad_token_id=0,
+                                 return_dict_in_generate=True, output_logits=True, **kw)
     finally:
         for cls, orig in originals.items():
             cls.crop = orig
@@ -105,14 +109,15 @@ def _run(model, mode, prompt, crops):
         else:
             model.forward = own
     crops.extend(n for c, n in calls if c is target[0])
-    return out[0].tolist(), target[0]
+    logits.extend(step[0].float().tolist() for step in out.logits)
+    return out.sequences[0].tolist(), target[0]
 
 
 def _reference(mode):
     model = _target(MODES[mode])
-    crops = []
-    tokens, _ = _run(model, mode, _prompt(model), crops)
-    return tokens, crops
+    crops, logits = [], []
+    tokens, _ = _run(model, mode, _prompt(model), crops, logits)
+    return tokens, crops, logits
 
 
 def _rank(rank, world, intra, compile_step):
@@ -125,14 +130,14 @@ def _rank(rank, world, intra, compile_step):
         model = _target(seed)
         prompt = _prompt(model)  # (made by the plain model: the same on every rank)
         enable_tree_attention(model, groups, compile_step={"backend": "aot_eager"} if compile_step else False)
-        crops = []
-        tokens, cache = _run(model, mode, prompt, crops)
+        crops, logits = [], []
+        tokens, cache = _run(model, mode, prompt, crops, logits)
         assert isinstance(cache, TreeCache)
         st = cache.storage
         row = st._rows[0]
         n = int(st.seqlens[0])
         stored = st.positions[0].tolist()
-        out[mode] = dict(tokens=tokens, crops=crops, lengths=cache.lengths, seq=cache.get_seq_length(),
+        out[mode] = dict(tokens=tokens, crops=crops, logits=logits, lengths=cache.lengths, seq=cache.get_seq_length(),
                          shards=cache.shard_lengths, local=n, placed=row.positions(groups.rank),
                          stored=stored[:n], rest=stored[n:])
     return out
@@ -142,15 +147,17 @@ def _rank(rank, world, intra, compile_step):
                                                       (2, None, True)])
 def test_assisted_generate_gives_transformers_own_tokens(world, intra, compile_step):
     want = {mode: _reference(mode) for mode in MODES}
-    for mode, (tokens, crops) in want.items():  # the case must exercise what it claims to
+    for mode, (tokens, crops, _) in want.items():  # the case must exercise what it claims to
         assert crops[0] < 0, (mode, crops, "the first round rejects nothing: no cut into the prefill")
         assert any(c < 0 for c in crops[1:]), (mode, crops, "no later round rejects a candidate")
         assert len(crops) < NEW, (mode, crops, "no round accepted a candidate")
     results = run_ranks(_rank, world, intra, compile_step, timeout=300)
     for rank, got in enumerate(results):
-        for mode, (tokens, crops) in want.items():
+        for mode, (tokens, crops, logits) in want.items():
             g = got[mode]
             assert g["tokens"] == tokens, (rank, mode, g["tokens"], tokens)
+            torch.testing.assert_close(torch.tensor(g["logits"]), torch.tensor(logits), rtol=0, atol=5e-5,
+                                       msg=lambda m, rank=rank, mode=mode: f"rank {rank}, {mode}: {m}")
             assert g["crops"] == crops, (rank, mode, g["crops"], crops)
             # the cache holds every token but the last (transformers feeds it next)
             assert g["lengths"] == [len(tokens) - 1] and g["seq"] == len(tokens) - 1, (rank, mode, g)
