@@ -7,14 +7,15 @@ prefill of the prompt plus the candidates) and then crops the cache back to the 
 a chain (``decode.speculative.verify_attention``, one merge per layer for all rows) and appended as
 decode steps; ``TreeCache.crop`` cuts every rank's shard alike, into decode steps or into the prefill.
 
-Checked here: the sequences equal transformers' own in one process, and so does every crop (the same
-rounds, accepting and rejecting the same candidates: the first round's rejections cut into the
-prefill) -- CP 2, 3 and 2 x 2 and a compiled decode step (the verification forwards run eagerly, the
+Checked here: the sequences and the target's logits of every generated token equal transformers' own in one
+process, and so does every crop (the same rounds, accepting and rejecting the same candidates: the first
+round's rejections cut into the prefill) -- CP 2, 3 and 2 x 2 and a compiled decode step (the verification forwards run eagerly, the
 one-token steps compiled), a 33-token prompt (no CP size divides it into equal chunks); the cache's
 lengths and shards afterwards; a cache cropped and extended by hand against a ``DynamicCache`` given
 the same calls (left-padded rows, cuts into the prefill and into decoded tokens, a cache that grows
-after a cut); sampling (rank 0's draws, the assistant's too); ``RowPlacement.truncate`` against the
-placement it cuts; bad crops refused; ranks handed different candidates refused alike.
+after a cut and outgrows the first storage); sampling (rank 0's draws, the assistant's too);
+``RowPlacement.truncate`` against the placement it cuts; bad crops and padded new tokens refused; ranks handed
+different candidates, or whose sequences differ before their last token, refused alike.
 """
 
 from __future__ import annotations
@@ -65,9 +66,11 @@ MODES = {"prompt_lookup": 4, "assistant": 1}
 """Each mode's target seed (a target whose first round rejects candidates in that mode: a cut into the prefill)."""
 
 
-def _run(model, mode, prompt, crops):
+def _run(model, mode, prompt, crops, logits):
     """One assisted ``generate``; returns its tokens and the target's cache; ``crops`` receives each crop of
-    that cache (the cache the target's first forward returned; the assistant's own crops are left out)."""
+    that cache (the cache the target's first forward returned; the assistant's own crops are left out),
+    ``logits`` the target's logits of each generated token (vocab floats a token: the verification forwards'
+    rows; greedy tokens alone barely depend on attention in this model)."""
     from transformers.cache_utils import Cache
 
     from megatron_tree.integrations.hf import TreeCache
@@ -96,7 +99,8 @@ def _run(model, mode, prompt, crops):
     model.forward = remember
     try:
         with torch.no_grad():
-            out = model.generate(prompt, max_new_tokens=NEW, do_sample=False, pad_token_id=0, **kw)
+            out = model.generate(prompt, max_new_tokens=NEW, do_sample=False, pad_token_id=0,
+                                 return_dict_in_generate=True, output_logits=True, **kw)
     finally:
         for cls, orig in originals.items():
             cls.crop = orig
@@ -105,14 +109,15 @@ def _run(model, mode, prompt, crops):
         else:
             model.forward = own
     crops.extend(n for c, n in calls if c is target[0])
-    return out[0].tolist(), target[0]
+    logits.extend(step[0].float().tolist() for step in out.logits)
+    return out.sequences[0].tolist(), target[0]
 
 
 def _reference(mode):
     model = _target(MODES[mode])
-    crops = []
-    tokens, _ = _run(model, mode, _prompt(model), crops)
-    return tokens, crops
+    crops, logits = [], []
+    tokens, _ = _run(model, mode, _prompt(model), crops, logits)
+    return tokens, crops, logits
 
 
 def _rank(rank, world, intra, compile_step):
@@ -125,14 +130,14 @@ def _rank(rank, world, intra, compile_step):
         model = _target(seed)
         prompt = _prompt(model)  # (made by the plain model: the same on every rank)
         enable_tree_attention(model, groups, compile_step={"backend": "aot_eager"} if compile_step else False)
-        crops = []
-        tokens, cache = _run(model, mode, prompt, crops)
+        crops, logits = [], []
+        tokens, cache = _run(model, mode, prompt, crops, logits)
         assert isinstance(cache, TreeCache)
         st = cache.storage
         row = st._rows[0]
         n = int(st.seqlens[0])
         stored = st.positions[0].tolist()
-        out[mode] = dict(tokens=tokens, crops=crops, lengths=cache.lengths, seq=cache.get_seq_length(),
+        out[mode] = dict(tokens=tokens, crops=crops, logits=logits, lengths=cache.lengths, seq=cache.get_seq_length(),
                          shards=cache.shard_lengths, local=n, placed=row.positions(groups.rank),
                          stored=stored[:n], rest=stored[n:])
     return out
@@ -142,15 +147,17 @@ def _rank(rank, world, intra, compile_step):
                                                       (2, None, True)])
 def test_assisted_generate_gives_transformers_own_tokens(world, intra, compile_step):
     want = {mode: _reference(mode) for mode in MODES}
-    for mode, (tokens, crops) in want.items():  # the case must exercise what it claims to
+    for mode, (tokens, crops, _) in want.items():  # the case must exercise what it claims to
         assert crops[0] < 0, (mode, crops, "the first round rejects nothing: no cut into the prefill")
         assert any(c < 0 for c in crops[1:]), (mode, crops, "no later round rejects a candidate")
         assert len(crops) < NEW, (mode, crops, "no round accepted a candidate")
     results = run_ranks(_rank, world, intra, compile_step, timeout=300)
     for rank, got in enumerate(results):
-        for mode, (tokens, crops) in want.items():
+        for mode, (tokens, crops, logits) in want.items():
             g = got[mode]
             assert g["tokens"] == tokens, (rank, mode, g["tokens"], tokens)
+            torch.testing.assert_close(torch.tensor(g["logits"]), torch.tensor(logits), rtol=0, atol=5e-5,
+                                       msg=lambda m, rank=rank, mode=mode: f"rank {rank}, {mode}: {m}")
             assert g["crops"] == crops, (rank, mode, g["crops"], crops)
             # the cache holds every token but the last (transformers feeds it next)
             assert g["lengths"] == [len(tokens) - 1] and g["seq"] == len(tokens) - 1, (rank, mode, g)
@@ -200,9 +207,11 @@ def test_assisted_sampling_draws_rank_zeros_tokens():
 
 
 CALLS = [("prefill",), ("crop", -3), ("new", 4), ("crop", -2), ("new", 1), ("new", 1), ("new", 1),
-         ("crop", -6), ("new", 3), ("keep", 12), ("new", 1), ("new", 2), ("new", 1)]
+         ("crop", -6), ("new", 3), ("keep", 12), ("new", 1), ("new", 2), ("new", 1), ("new", 8), ("new", 5)]
 """A prefill of two left-padded prompts (14 and 9 tokens), cuts into the prefill and into decoded tokens
-(``keep``: crop to a length, the positive form), forwards of one and of several new tokens."""
+(``keep``: crop to a length, the positive form), forwards of one and of several new tokens; the last ones
+take row 0 to 29 tokens, past what the first storage holds on all ranks together (the grown cache's rows
+must place into its larger capacity)."""
 
 
 def _crop_calls(model, cache_of, positive: bool):
@@ -251,7 +260,7 @@ def _crop_rank(rank, world):
 
     def cache_of(out):
         c = _cache_of(out)
-        seen.append((c.lengths, c.get_seq_length(), c.shard_lengths, c.storage.max_seq_len))
+        seen.append((c.lengths, c.get_seq_length(), c.shard_lengths, c.storage.max_seq_len, c.storage.capacity))
         return c
 
     logits, lengths, cache = _crop_calls(model, cache_of, True)
@@ -276,10 +285,11 @@ def test_crop_then_continue_equals_a_dynamic_cache(world):
             torch.testing.assert_close(torch.tensor(a), b, rtol=0, atol=5e-5,
                                        msg=lambda m, rank=rank, i=i: f"rank {rank}, forward {i}: {m}")
         # real lengths, global length, shards adding up to the rows, the cache grown after a cut
-        for (lens, seq, shards, _), real in zip(seen, [want_lengths[i] for i, c in enumerate(CALLS)
+        for (lens, seq, shards, *_), real in zip(seen, [want_lengths[i] for i, c in enumerate(CALLS)
                                                        if c[0] in ("prefill", "new")]):
             assert lens == real and [sum(s) for s in shards] == real and seq == real[0]  # (row 0 is unpadded)
         assert seen[-1][3] > seen[0][3], "the cache never grew: the test would not reach continue_from"
+        assert seen[-1][0][0] > world * seen[0][4], "the rows never outgrew the first storage's slots on every rank"
         assert consistent, "a rank's stored positions differ from its placement"
 
 
@@ -337,6 +347,12 @@ def test_bad_crops_are_refused():
     assert cache.lengths == [6, 2]
     cache.crop(-1)
     assert cache.lengths == [5, 1] and cache.get_seq_length() == 5
+    # Several new tokens: the padding check covers them all, not only the last (nothing is stored).
+    new = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    padded = torch.cat([mask[:, :5], torch.tensor([[1, 1, 1], [1, 0, 1]])], dim=1)
+    with torch.no_grad(), pytest.raises(ValueError, match=r"marks a new \(decoded\) token as padding"):
+        model(new, attention_mask=padded, cache=cache)
+    assert cache.lengths == [5, 1] and cache.get_seq_length() == 5
     empty = TreeCache(model, None)
     empty.crop(0)
     with pytest.raises(ValueError, match="would remove 2 tokens from a cache holding 0"):
@@ -377,6 +393,33 @@ def test_ranks_with_different_candidates_are_refused_alike():
         assert chain[0] == "DisagreementError" and "hf.decode_chain" in chain[1] and "input_ids" in chain[1], chain
         assert lengths == [33]  # refused before anything was stored
     assert results[0][1][1] == results[1][1][1]  # the same error on every rank
+
+
+def _agree_rank(rank, world):
+    import megatron_tree as mt
+    from megatron_tree.integrations.hf.generate import _TokensAgree
+
+    check = _TokensAgree(mt.TreeGroups.build(), None)
+    ids = torch.tensor([[3, 9, 4, 7, 7, 2], [5, 1, 8, 8, 6, 6]])
+    same = check(ids, None)
+    swapped = ids.clone()
+    if rank == 1:  # two earlier tokens of row 1 swapped: the same length, last token and sum of tokens
+        swapped[1, 1], swapped[1, 2] = ids[1, 2], ids[1, 1]
+    inner = outcome(lambda: check(swapped, None))
+    longer = outcome(lambda: check(torch.cat([ids[:, :1], ids], dim=1) if rank == 2 else ids, None))
+    return same.tolist(), inner, longer
+
+
+def test_ranks_whose_sequences_differ_are_refused_alike():
+    """_TokensAgree compares whole rows (an assisted step appends several tokens): a rank whose row differs
+    before its last token, or is longer, fails on every rank with one message."""
+    results = run_ranks(_agree_rank, 3, timeout=120)
+    for same, inner, longer in results:
+        assert same == [False, False]
+        assert inner[0] == "RuntimeError" and "chose different tokens at generated step 2" in inner[1], inner
+        assert "sequence lengths [[6, 6], [6, 6], [6, 6]]" in inner[1], inner
+        assert longer[0] == "RuntimeError" and "sequence lengths [[6, 6], [6, 6], [7, 7]]" in longer[1], longer
+    assert len({(r[1][1], r[2][1]) for r in results}) == 1  # the same errors on every rank
 
 
 # --------------------------------------------------------------------------- other architectures
