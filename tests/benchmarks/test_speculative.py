@@ -47,5 +47,5 @@ def test_trained_mode_tiny(tmp_path):
     speculative.ensure_trained(str(cache), target=(2, 64), draft=(1, 64), vocab=512, steps=3, seq=96, batch=2,
                                log=lambda m: (_ for _ in ()).throw(AssertionError(f"retrained: {m}")))
     assert done.stat().st_mtime_ns == stamp
-    assert sorted(os.listdir(cache)) == ["DONE", "draft", "target", "tokenizer.json"]
+    assert sorted(os.listdir(cache)) == ["DONE", "draft", "target", "tokenizer.json", "tokenizer.stamp"]
 
