@@ -360,7 +360,8 @@ def markdown(report: dict) -> str:
         rec = report["recipe"]
         lines += [f"Draft model: {report['draft'] or 'none'}. Training: byte-level BPE of {rec['vocab']} tokens, "
                   f"{rec['steps']} AdamW steps (draft {rec['draft_steps']}) of {rec['batch']} x {rec['seq']} tokens, "
-                  f"half plain text, half text + instruction + a copied span; final loss {rec['final_loss']['target']:.2f} "
+                  f"{rec['plain_share']:.0%} of the windows plain text, the rest text + instruction + the text again "
+                  f"from a random point; final loss {rec['final_loss']['target']:.2f} "
                   f"(draft {rec['final_loss']['draft']:.2f}).", "",
                   f"Prompt: {report['prompt']}; the needle starts {report['needle']['tokens_after_needle']} tokens "
                   f"before the instruction. Plain greedy's first {report['quoted_prefix']} tokens quote the held-out "
@@ -391,6 +392,7 @@ def main(argv=None) -> dict:
     p.add_argument("--draft", default="1:64", help="trained: the draft model's layers:hidden")
     p.add_argument("--no-draft", action="store_true", help="trained: no draft-model row")
     p.add_argument("--train-steps", type=int, default=1200, help="trained: AdamW steps per model")
+    p.add_argument("--draft-steps", type=int, default=None, help="trained: the draft's steps (default a quarter)")
     p.add_argument("--train-seq", type=int, default=128)
     p.add_argument("--train-batch", type=int, default=16)
     p.add_argument("--vocab", type=int, default=1024, help="trained: the BPE's vocabulary")
@@ -417,7 +419,7 @@ def main(argv=None) -> dict:
         target, draft = parse_size(args.target, "target"), parse_size(args.draft, "draft")
         t0 = time.perf_counter()
         where = ensure_trained(args.cache, target=target, draft=draft, vocab=args.vocab, steps=args.train_steps,
-                               seq=args.train_seq, batch=args.train_batch,
+                               draft_steps=args.draft_steps, seq=args.train_seq, batch=args.train_batch,
                                log=lambda m: print(f"[speculative] {m}", flush=True))
         train_s = time.perf_counter() - t0
         recipe = json.loads(open(os.path.join(where, "DONE")).read().split(" ", 1)[1])
@@ -449,9 +451,9 @@ def main(argv=None) -> dict:
         out = ranks[0]["plain greedy"][0]["tokens"][0]  # the new tokens, the prefill's first
         quoted = [a == b for a, b in zip(out, needle["expected"])]
         report.update({
-            "model": f"Llama {tl} layers hidden {th} (GQA {th // 32}/{max(1, th // 64)} heads), trained here on "
+            "model": f"Llama, {tl} layers of hidden {th} (GQA {th // 32}/{max(1, th // 64)} heads), trained here on "
                      "the stdlib's documentation (pydoc_data.topics)",
-            "draft": None if args.no_draft else f"Llama {dl} layers hidden {dh}, trained the same way",
+            "draft": None if args.no_draft else f"Llama, {dl} layer(s) of hidden {dh}, trained the same way",
             "recipe": recipe, "train_s_this_run": train_s,
             "prompt": "held-out documentation text, then the instruction and the first "
                       f"{QUOTE_TOKENS} tokens of a held-out paragraph (the needle) to quote",
