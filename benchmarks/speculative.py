@@ -36,14 +36,14 @@ third) is held out: the prompt is made of held-out text only, so the models neve
 byte-level BPE (``tokenizers``, ``--vocab`` 1024 tokens) is trained on the training topics; the
 target (a transformers Llama, ``--target`` layers:hidden, default 2:64, heads of 32 dimensions over
 half as many KV heads) and a smaller draft model (``--draft``, default 1:64, same tokenizer) are
-trained with AdamW (``--train-steps`` 1200, the draft a quarter of that; batches of 16 x 128 tokens) on windows of that
-text: a fifth of the windows plain text, the rest the copy task (text, the instruction below, then
-the same text again from a random point of it). The copy task stands for the repeated text a
-quoting LM learns from; without it a model this small and this briefly trained does not copy
-(tried: 300 steps of a 2-layer, hidden-128 model on half plain windows quoted nothing). The sizes
-are what trains in minutes on this machine's 2 shared cores (4 layers of 256 took ~10 s a step
-here under load). A progress
-line (loss) is printed while training.
+trained with AdamW (``--train-steps`` 1200, the draft a quarter of that; batches of 16 x 128
+tokens) on windows of that text: a fifth of the windows plain text, the rest the copy task (text,
+the instruction below, then the same text again from a random point of it). The copy task
+stands for the repeated text a quoting LM learns from; with half the windows plain, 300 steps of a
+2-layer, hidden-128 model learned no copying at all, and even this recipe's target copies only part
+of a span (teacher-forced), not enough to quote the passage greedily (docs/speculative.md says what
+the rows then measure). The sizes are what trains in minutes on this machine's 2 shared cores
+(4 layers of 256 took ~10 s a step here under load). A progress line (loss) is printed while training.
 
 The task: a needle to quote. The prompt is ``--prompt-len`` tokens: held-out documentation,
 cut at a token count, then ``"Repeat the passage that begins with these words:"`` and the first
@@ -207,7 +207,7 @@ def ensure_trained(path: str = TRAINED_DIR, *, target=(2, 64), draft=(1, 64), vo
               "seq": seq, "batch": batch, "seed": seed, "lr": lr, "instruction": INSTRUCTION,
               "plain_share": PLAIN_SHARE, "version": 1}
     done = os.path.join(path, "DONE")
-    if os.path.isfile(done) and open(done).read().startswith(_recipe_stamp(recipe)):
+    if _read(done).startswith(_recipe_stamp(recipe)):
         return path
     tok_stamp = _recipe_stamp({"vocab": vocab, "held_out": "i % 5 == 2", "version": 1})
     tok_file = os.path.join(path, "tokenizer.json")
@@ -275,7 +275,7 @@ def needle_prompt(tok, prompt_len: int, new_tokens: int, needle_at: float = 0.5)
     _, held = split_topics()
     instr = tok.encode(INSTRUCTION).ids
     hay_len = prompt_len - len(instr) - QUOTE_TOKENS
-    paras, starts, hay = [], [], []
+    starts, hay = [], []
     for text in held:
         for para in text.split("\n\n"):
             if para.strip():
@@ -353,21 +353,22 @@ def summarise(runs: dict, new_tokens: int) -> list[dict]:
 
 def markdown(report: dict) -> str:
     lines = [f"# Speculative decoding at CP 2 (gloo, CPU): {report['model']}", "",
-             f"Prompt {report['prompt_len']} tokens, {report['new_tokens']} new tokens, batch 1, "
-             f"{report['rounds']} rounds (medians), `{report['command']}` on {report['machine']}"
-             + (f", load average {report['load_avg'][0]:.1f} at the end" if report.get("load_avg") else "") + ".", ""]
+             (f"Prompt {report['prompt_len']} tokens, {report['new_tokens']} new tokens, batch 1, "
+              f"{report['rounds']} rounds (medians), `{report['command']}` on {report['machine']}"
+              + (f", load average {report['load_avg'][0]:.1f} at the end" if report.get("load_avg") else "") + "."), ""]
     if "recipe" in report:
         rec = report["recipe"]
-        lines += [f"Draft model: {report['draft'] or 'none'}. Training: byte-level BPE of {rec['vocab']} tokens, "
-                  f"{rec['steps']} AdamW steps (draft {rec['draft_steps']}) of {rec['batch']} x {rec['seq']} tokens, "
-                  f"{rec['plain_share']:.0%} of the windows plain text, the rest text + instruction + the text again "
-                  f"from a random point; final loss {rec['final_loss']['target']:.2f} "
-                  f"(draft {rec['final_loss']['draft']:.2f}).", "",
-                  f"Prompt: {report['prompt']}; the needle starts {report['needle']['tokens_after_needle']} tokens "
-                  f"before the instruction. Plain greedy's first {report['quoted_prefix']} tokens quote the held-out "
-                  f"text exactly ({report['quoted_tokens']} of {report['new_tokens']} equal it position by position).",
+        lines += [(f"Draft model: {report['draft'] or 'none'}. Training: byte-level BPE of {rec['vocab']} tokens, "
+                   f"{rec['steps']} AdamW steps (draft {rec['draft_steps']}) of {rec['batch']} x {rec['seq']} tokens, "
+                   f"{rec['plain_share']:.0%} of the windows plain text, the rest text + instruction + the text again "
+                   f"from a random point; final loss {rec['final_loss']['target']:.2f} "
+                   f"(draft {rec['final_loss']['draft']:.2f})."), "",
+                  (f"Prompt: {report['prompt']}; the needle starts {report['needle']['tokens_after_needle']} tokens "
+                   f"before the instruction. Plain greedy's first {report['quoted_prefix']} tokens quote the held-out "
+                   f"text exactly ({report['quoted_tokens']} of {report['new_tokens']} equal it position by "
+                   "position)."),
                   "", "Prompt end: `" + report["needle"]["prompt_end"].replace("\n", "\\n") + "`", "",
-                  "Plain greedy output: `" + report["plain_greedy_text"].replace("\n", "\\n") + "`", ""]
+                  ("Plain greedy output: `" + report["plain_greedy_text"].replace("\n", "\\n") + "`"), ""]
     lines += ["| config | steps | tokens/step | acceptance | median step ms | ms/token | vs plain | tokens = greedy |",
               "|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
@@ -422,7 +423,7 @@ def main(argv=None) -> dict:
                                draft_steps=args.draft_steps, seq=args.train_seq, batch=args.train_batch,
                                log=lambda m: print(f"[speculative] {m}", flush=True))
         train_s = time.perf_counter() - t0
-        recipe = json.loads(open(os.path.join(where, "DONE")).read().split(" ", 1)[1])
+        recipe = json.loads(_read(os.path.join(where, "DONE")).split(" ", 1)[1])
         tok = Tokenizer.from_file(os.path.join(where, "tokenizer.json"))
         prompt, needle = needle_prompt(tok, args.prompt_len, args.new_tokens, args.needle_at)
         configs = [c for c in TRAINED_CONFIGS if not (args.no_draft and c[1].get("draft_model"))]
