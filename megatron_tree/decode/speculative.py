@@ -330,21 +330,64 @@ def prompt_lookup_drafts(seq: list[int], width: int, depth: int, max_ngram: int 
 
 
 @torch.no_grad()
-def _draft_model_drafts(model, seqs: list[list[int]], width: int, depth: int) -> list[list[list[int]]]:
-    """Per row: ``width`` chains of ``depth`` greedy tokens of ``model``, chain c starting from the
-    c-th most likely next token. The row's chains run as one batch; one full forward per depth
-    (no cache: the draft model is small)."""
-    dev = next(model.parameters()).device
-    out = []
-    for seq in seqs:
-        first = model(torch.tensor([seq], device=dev)).logits[0, -1].float()
-        chains = torch.topk(first, width).indices.to(dev)[:, None]  # (width, 1)
-        ctx = torch.tensor([seq], device=dev).expand(width, -1)
+class DraftCaches:
+    """The draft model's own KV cache of each row, kept from one step to the next, so a step feeds the
+    draft model only the tokens its row gained since (a transformers ``Cache`` per row, replicated:
+    every rank makes the same calls). Without it every draft token re-read the whole sequence (at a
+    3K-token prompt the draft model cost 20x a plain step: benchmarks/results/speculative_trained.md).
+
+    A model whose forward returns no croppable cache runs without one (a full forward per draft token).
+    """
+
+    def __init__(self, model, batch: int):
+        self.model = model
+        self.dev = next(model.parameters()).device
+        self.caches: list = [None] * batch
+        self.seen = [0] * batch
+        self.enabled = True
+
+    def _forward(self, ids: torch.Tensor, cache):
+        if not self.enabled:
+            return self.model(ids).logits, None
+        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True)
+        cache = getattr(out, "past_key_values", None)
+        if cache is None or not all(hasattr(cache, n) for n in ("crop", "batch_repeat_interleave",
+                                                                   "batch_select_indices")):
+            self.enabled = False  # (this model keeps no cache we can roll back: full forwards from now on)
+            cache = None
+        return out.logits, cache
+
+    def chains(self, b: int, seq: list[int], width: int, depth: int) -> list[list[int]]:
+        """Row ``b`` (its tokens so far: ``seq``): ``width`` chains of ``depth`` greedy draft tokens, chain
+        c starting from the c-th most likely next token; the row's cache is left holding ``seq[:-1]``."""
+        cache = self.caches[b] if self.enabled else None
+        new = seq[self.seen[b]:] if cache is not None else seq
+        logits, cache = self._forward(torch.tensor([new], device=self.dev), cache)
+        chains = torch.topk(logits[0, -1].float(), width).indices[:, None]  # (width, 1)
+        if cache is None:  # no cache: the chains extend by full forwards over the whole sequence
+            ctx = torch.tensor([seq], device=self.dev).expand(width, -1)
+            while chains.shape[1] < depth:
+                logits = self.model(torch.cat([ctx, chains], dim=1)).logits[:, -1].float()
+                chains = torch.cat([chains, logits.argmax(-1, keepdim=True)], dim=1)
+            return chains.tolist()
+        if width > 1 and depth > 1:
+            cache.batch_repeat_interleave(width)
         while chains.shape[1] < depth:
-            logits = model(torch.cat([ctx, chains], dim=1)).logits[:, -1].float()
-            chains = torch.cat([chains, logits.argmax(-1, keepdim=True)], dim=1)
-        out.append(chains.tolist())
-    return out
+            logits, cache = self._forward(chains[:, -1:], cache)
+            chains = torch.cat([chains, logits[:, -1].float().argmax(-1, keepdim=True)], dim=1)
+        # back to the row's tokens but its last (the next step feeds from there: never nothing, even for a
+        # row that gained no token): the chains' keys and the last token's go, one batch row stays
+        cache.crop(-depth)
+        if width > 1 and depth > 1:
+            cache.batch_select_indices(torch.tensor([0], device=self.dev))
+        self.caches[b], self.seen[b] = cache, len(seq) - 1
+        return chains.tolist()
+
+
+@torch.no_grad()
+def _draft_model_drafts(caches: DraftCaches, seqs: list[list[int]], width: int, depth: int) -> list[list[list[int]]]:
+    """Per row: ``width`` chains of ``depth`` greedy tokens of the draft model (:meth:`DraftCaches.chains`)."""
+    return [caches.chains(b, seq, width, depth) for b, seq in enumerate(seqs)]
 
 
 @torch.no_grad()
@@ -691,6 +734,7 @@ def generate_speculative(model, prompts: list[list[int]], max_new_tokens: int, *
                disable=not (progress and rank0))
     result = SpeculativeResult(tokens=[])
     batch = len(prompts)
+    draft_caches = DraftCaches(cfg.draft_model, batch) if cfg.method == "draft_model" and not do_sample else None
     try:
         t0 = time.perf_counter()
         logits = model.prefill(prompts, cache)
@@ -727,7 +771,7 @@ def generate_speculative(model, prompts: list[list[int]], max_new_tokens: int, *
                     q = torch.cat([torch.zeros(batch, 1, qd.shape[-1], dtype=qd.dtype),
                                    qd.reshape(batch, width * depth, -1)], dim=1)
                 else:
-                    chains = _draft_model_drafts(cfg.draft_model, seqs, width, depth)
+                    chains = _draft_model_drafts(draft_caches, seqs, width, depth)
                 tokens = torch.tensor([[s[-1]] + _build_tree(c, width, depth, s[-1]) for s, c in zip(seqs, chains)],
                                       dtype=torch.long)
             else:

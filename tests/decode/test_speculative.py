@@ -250,6 +250,31 @@ def test_prompt_lookup_drafts_branch_on_distinct_continuations():
     assert prompt_lookup_drafts([5, 6, 7], 2, 3) == []
 
 
+@pytest.mark.parametrize("width, depth", [(1, 1), (1, 4), (3, 1), (2, 3)])
+def test_draft_model_cache_gives_the_full_forwards_chains(width, depth):
+    """DraftCaches feeds the draft model only each row's new tokens (its own KV kept across steps, the
+    chains' keys cropped off): chains equal those of full forwards over the whole sequence, for rows
+    that gain several tokens, one or none between steps; the cache then holds all but the row's last."""
+    from megatron_tree.decode.speculative import DraftCaches
+    from tests.helpers.hf_models import hf_model
+
+    model = hf_model("llama", seed=2)
+    cached, full = DraftCaches(model, 2), DraftCaches(model, 2)
+    full.enabled = False
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(1, 128, (n,), generator=g).tolist() for n in (9, 4)]
+    with torch.no_grad():
+        for gained in ((0, 0), (3, 1), (1, 0), (0, 2), (5, 5)):
+            for b in range(2):
+                seqs[b] += torch.randint(1, 128, (gained[b],), generator=g).tolist()
+                got, want = cached.chains(b, seqs[b], width, depth), full.chains(b, seqs[b], width, depth)
+                assert got == want, (b, gained, got, want)
+                assert len(got) == width and all(len(c) == depth for c in got)
+                assert cached.caches[b].get_seq_length() == len(seqs[b]) - 1 == cached.seen[b]
+                assert cached.caches[b].layers[0].keys.shape[0] == 1  # one batch row kept
+    assert cached.enabled and full.caches == [None, None]
+
+
 def test_draft_model_with_another_vocabulary_is_a_clear_error(tmp_path):
     from megatron_tree.decode.speculative import SpeculativeConfig, generate_speculative
     from megatron_tree.integrations.hf import HFTreeModel
