@@ -14,6 +14,7 @@ source) is fingerprinted before and after, and each rank's KV bytes are counted.
 
 from __future__ import annotations
 
+import contextlib
 
 import pytest
 import torch
@@ -612,6 +613,26 @@ def _mtp_traced_run(model, cp, groups=None, drafts=MTP_DRAFTS):
     return run
 
 
+@contextlib.contextmanager
+def _dropped_tokens():
+    """A list that collects the tokens each ``PagedKVCache.truncate`` call drops while the block runs
+    (observed at the paged cache itself, independently of the context's ``rewound_tokens`` counter)."""
+    from megatron_tree.decode.paged import PagedKVCache
+
+    dropped, truncate = [], PagedKVCache.truncate
+
+    def observed(self, request, length):
+        before = self.length(request)
+        truncate(self, request, length)
+        dropped.append(before - self.length(request))
+
+    PagedKVCache.truncate = observed
+    try:
+        yield dropped
+    finally:
+        PagedKVCache.truncate = truncate
+
+
 def _mtp_core_modes(model, rank):
     """The MTP core attention (flagged replicated_in_inference) and a decoder core attention (not flagged)
     on the same causal, context-free input (this rank's own q/k/v), with Megatron's InferenceMode off and
@@ -671,8 +692,12 @@ def mtp_rank(rank, world):
         parallel_state.destroy_model_parallel()
         groups = mt.initialize_model_parallel(world)
         model = _build(world, slot=True, mtp=True)
-        out["tree"] = _mtp_traced_run(model, world, groups)
-        out["tree_small"] = _dyn_run(model, world, True, groups, drafts=MTP_DRAFTS, **SMALL_POOL)
+        with _dropped_tokens() as dropped:
+            out["tree"] = _mtp_traced_run(model, world, groups)
+        out["tree"]["dropped"] = sum(dropped)
+        with _dropped_tokens() as dropped:
+            out["tree_small"] = _dyn_run(model, world, True, groups, drafts=MTP_DRAFTS, **SMALL_POOL)
+        out["tree_small"]["dropped"] = sum(dropped)
         out["mtp_cores"] = [(type(layer.mtp_model_layer.self_attention.core_attention).__name__,
                              layer.mtp_model_layer.self_attention.core_attention.replicated_in_inference)
                             for layer in model.mtp.layers]
@@ -718,6 +743,7 @@ def test_slot_dynamic_mtp_speculative_equals_megatron_cp1(mtp_results):
         assert tree["finished"] == ref["finished"] and tree["steps"] == ref["steps"], r
         assert tree["drafts"] == ref["drafts"], (r, tree["drafts"], ref["drafts"])
         assert tree["rewound"] > 0 and tree["blocks"][-1] == [0, 0, 0], (r, tree["rewound"], tree["blocks"][-1])
+        assert tree["rewound"] == tree["dropped"], (r, tree["rewound"], tree["dropped"])  # the counter is what was cut
         for rid, lp in ref["log_probs"].items():
             torch.testing.assert_close(torch.tensor(tree["log_probs"][rid]), torch.tensor(lp), rtol=1e-4, atol=1e-4)
         # The draft step itself (MTP layer outputs, one row per request, causal over the rows as Megatron runs it).
@@ -735,5 +761,5 @@ def test_slot_dynamic_mtp_speculative_under_pool_pressure(mtp_results):
     for r, out in enumerate(mtp_results):
         tree = out["tree_small"]
         assert tree["tokens"] == small["tokens"] and tree["finished"] == small["finished"], r
-        assert tree["drafts"] == small["drafts"] and tree["rewound"] > 0, r
+        assert tree["drafts"] == small["drafts"] and tree["rewound"] == tree["dropped"] > 0, r
         assert max(max(used) for used in tree["blocks"]) <= SMALL_POOL["blocks"] - 1  # no rank's pool overflows
