@@ -14,6 +14,7 @@ source) is fingerprinted before and after, and each rank's KV bytes are counted.
 
 from __future__ import annotations
 
+import contextlib
 
 import pytest
 import torch
@@ -612,6 +613,64 @@ def _mtp_traced_run(model, cp, groups=None, drafts=MTP_DRAFTS):
     return run
 
 
+@contextlib.contextmanager
+def _dropped_tokens():
+    """A list that collects the tokens each ``PagedKVCache.truncate`` call drops while the block runs
+    (observed at the paged cache itself, independently of the context's ``rewound_tokens`` counter)."""
+    from megatron_tree.decode.paged import PagedKVCache
+
+    dropped, truncate = [], PagedKVCache.truncate
+
+    def observed(self, request, length):
+        before = self.length(request)
+        truncate(self, request, length)
+        dropped.append(before - self.length(request))
+
+    PagedKVCache.truncate = observed
+    try:
+        yield dropped
+    finally:
+        PagedKVCache.truncate = truncate
+
+
+def _mtp_core_modes(model, rank):
+    """The MTP core attention (flagged replicated_in_inference) and a decoder core attention (not flagged)
+    on the same causal, context-free input (this rank's own q/k/v), with Megatron's InferenceMode off and
+    on: (off: MTP - decoder, off: MTP - local causal, on: MTP - local causal, on: decoder - local causal),
+    max abs differences. Off, both take the training layout (this rank's 2 of 2·CP chunks, every rank's
+    keys); on, only the MTP core attends locally (its serial draft step's rows are the same on every rank)."""
+    from megatron.core.inference.utils import InferenceMode
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_tree.ops import reference
+
+    mtp_core = model.mtp.layers[0].mtp_model_layer.self_attention.core_attention
+    dec_core = model.decoder.layers[0].self_attention.core_attention
+    gen = torch.Generator().manual_seed(100 + rank)
+    sq, d = 6, HIDDEN // HEADS
+    q = torch.randn(sq, 1, HEADS, d, generator=gen)
+    k, v = (torch.randn(sq, 1, KV_HEADS, d, generator=gen) for _ in range(2))
+    local, _ = reference.partial_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), softmax_scale=mtp_core.softmax_scale,
+        q_positions=torch.arange(sq)[None, :], k_positions=torch.arange(sq))
+    local = local.transpose(0, 1).reshape(sq, 1, -1)
+
+    def run(core):
+        with torch.no_grad():
+            return core(q, k, v, None, attn_mask_type=AttnMaskType.causal)
+
+    was = InferenceMode.is_active()
+    try:
+        InferenceMode.unset_active()
+        mtp_off, dec_off = run(mtp_core), run(dec_core)
+        InferenceMode.set_active()
+        mtp_on, dec_on = run(mtp_core), run(dec_core)
+    finally:
+        (InferenceMode.set_active if was else InferenceMode.unset_active)()
+    return [float((a - b).abs().max()) for a, b in
+            ((mtp_off, dec_off), (mtp_off, local), (mtp_on, local), (dec_on, local))]
+
+
 def mtp_rank(rank, world):
     """Megatron's dynamic engine with MTP drafts: CP = 1 with and without drafts, then the tree slots at CP = world."""
     from megatron.core import parallel_state
@@ -633,11 +692,18 @@ def mtp_rank(rank, world):
         parallel_state.destroy_model_parallel()
         groups = mt.initialize_model_parallel(world)
         model = _build(world, slot=True, mtp=True)
-        out["tree"] = _mtp_traced_run(model, world, groups)
-        out["tree_small"] = _dyn_run(model, world, True, groups, drafts=MTP_DRAFTS, **SMALL_POOL)
+        with _dropped_tokens() as dropped:
+            out["tree"] = _mtp_traced_run(model, world, groups)
+        out["tree"]["dropped"] = sum(dropped)
+        with _dropped_tokens() as dropped:
+            out["tree_small"] = _dyn_run(model, world, True, groups, drafts=MTP_DRAFTS, **SMALL_POOL)
+        out["tree_small"]["dropped"] = sum(dropped)
         out["mtp_cores"] = [(type(layer.mtp_model_layer.self_attention.core_attention).__name__,
                              layer.mtp_model_layer.self_attention.core_attention.replicated_in_inference)
                             for layer in model.mtp.layers]
+        out["decoder_flags"] = [layer.self_attention.core_attention.replicated_in_inference
+                                for layer in model.decoder.layers]
+        out["mtp_core_modes"] = _mtp_core_modes(model, rank)
         parallel_state.destroy_model_parallel()
         out["fingerprint"] = (before, megatron_attention_fingerprint())
     return out
@@ -668,10 +734,16 @@ def test_slot_dynamic_mtp_speculative_equals_megatron_cp1(mtp_results):
         tree = out["tree"]
         assert tree["ctx"] == "TreeDynamicInferenceContext"
         assert out["mtp_cores"] == [("TreeDotProductAttention", True)]
+        assert out["decoder_flags"] == [False, False], r  # only the MTP layers attend replicated
+        # Outside InferenceMode the MTP core takes the training layout like any layer; inside, only it is local.
+        off_vs_dec, off_vs_local, on_vs_local, dec_on_vs_local = out["mtp_core_modes"]
+        assert off_vs_dec < 1e-6 and off_vs_local > 1e-3, (r, out["mtp_core_modes"])
+        assert on_vs_local < 1e-5 and dec_on_vs_local > 1e-3, (r, out["mtp_core_modes"])
         assert tree["tokens"] == ref["tokens"], (r, tree["tokens"], ref["tokens"])
         assert tree["finished"] == ref["finished"] and tree["steps"] == ref["steps"], r
         assert tree["drafts"] == ref["drafts"], (r, tree["drafts"], ref["drafts"])
         assert tree["rewound"] > 0 and tree["blocks"][-1] == [0, 0, 0], (r, tree["rewound"], tree["blocks"][-1])
+        assert tree["rewound"] == tree["dropped"], (r, tree["rewound"], tree["dropped"])  # the counter is what was cut
         for rid, lp in ref["log_probs"].items():
             torch.testing.assert_close(torch.tensor(tree["log_probs"][rid]), torch.tensor(lp), rtol=1e-4, atol=1e-4)
         # The draft step itself (MTP layer outputs, one row per request, causal over the rows as Megatron runs it).
@@ -689,5 +761,5 @@ def test_slot_dynamic_mtp_speculative_under_pool_pressure(mtp_results):
     for r, out in enumerate(mtp_results):
         tree = out["tree_small"]
         assert tree["tokens"] == small["tokens"] and tree["finished"] == small["finished"], r
-        assert tree["drafts"] == small["drafts"] and tree["rewound"] > 0, r
+        assert tree["drafts"] == small["drafts"] and tree["rewound"] == tree["dropped"] > 0, r
         assert max(max(used) for used in tree["blocks"]) <= SMALL_POOL["blocks"] - 1  # no rank's pool overflows
