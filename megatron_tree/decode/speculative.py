@@ -329,7 +329,6 @@ def prompt_lookup_drafts(seq: list[int], width: int, depth: int, max_ngram: int 
     return found
 
 
-@torch.no_grad()
 class DraftCaches:
     """The draft model's own KV cache of each row, kept from one step to the next, so a step feeds the
     draft model only the tokens its row gained since (a transformers ``Cache`` per row, replicated:

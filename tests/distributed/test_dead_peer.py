@@ -30,8 +30,15 @@ def _survivors_see(rank, world, where):
     import megatron_tree as mt
     from megatron_tree.distributed import collectives
 
-    if where == "before_build" and rank == 2:
-        os._exit(0)
+    if where == "before_build":
+        # rank 2 dies once every rank's default group is connected (an exit while another rank's gloo still
+        # connects its mesh fails that rank's init_process_group, inside the harness: a CI run saw it)
+        store = torch.distributed.distributed_c10d._get_default_store()
+        if rank != 2:
+            store.set(f"dead_peer_test_ready_{rank}", "1")
+        else:
+            store.wait(["dead_peer_test_ready_0", "dead_peer_test_ready_1"])
+            os._exit(0)
     if where in ("inside_build", "inside_from_env") and rank == 2:
         def die(*args, **kwargs):
             os._exit(0)
