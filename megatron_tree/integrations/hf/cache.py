@@ -363,13 +363,17 @@ class TreeCache(Cache):
                 )
             self._grow()
 
-    def _begin_decode(self, batch: int, windows=()) -> None:
-        """Place one new token per row (host bookkeeping) and fill the step's :attr:`metadata`
-        (``windows``: the model's sliding windows, whose first slots it computes once for every layer)."""
+    def _check_filled(self, batch: int) -> None:
+        """A forward of new tokens needs the prompt's forward first, and the cache's batch."""
         if self.storage is None:
             raise ValueError("TreeCache is empty: run a forward over the prompt before decoding")
         if batch != self.storage.batch_size:
             raise ValueError(f"decode step has batch {batch}, the cache holds {self.storage.batch_size} rows")
+
+    def _begin_decode(self, batch: int, windows=()) -> None:
+        """Place one new token per row (host bookkeeping) and fill the step's :attr:`metadata`
+        (``windows``: the model's sliding windows, whose first slots it computes once for every layer)."""
+        self._check_filled(batch)
         self._make_room(1)
         pos, self._slots = self.storage.begin_decode_step()
         self._decode_positions = pos[:, None]
@@ -386,10 +390,7 @@ class TreeCache(Cache):
         (``_drafts``, the speculative verification's phase) and the attention sees the cache plus the
         earlier new tokens (``decode.speculative.verify_attention`` with a chain mask) -- then
         :meth:`_commit_chain` appends them all. Room for them is made (or refused) first."""
-        if self.storage is None:
-            raise ValueError("TreeCache is empty: run a forward over the prompt before decoding")
-        if batch != self.storage.batch_size:
-            raise ValueError(f"decode step has batch {batch}, the cache holds {self.storage.batch_size} rows")
+        self._check_filled(batch)
         self._make_room(q_len)
         self._drafts = {}
         self._phase = "verify"

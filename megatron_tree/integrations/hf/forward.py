@@ -390,11 +390,10 @@ def _decode_chain(orig, binding: _Binding, cache: TreeCache, call: dict, batch: 
     """
     from ...decode.speculative import _VerifyStep
 
-    windowed = [i for i, w in enumerate(binding.windows) if w is not None]
-    if windowed:
+    if binding.sliding_layers:
         raise NotImplementedError(
             f"a forward of {q_len} new tokens on a filled TreeCache (assisted decoding) is not supported for "
-            f"sliding-window layers (layers {windowed}); generate one token per step"
+            f"sliding-window layers (layers {binding.sliding_layers}); generate one token per step"
         )
     ids, embeds, pos = call.get("input_ids"), call.get("inputs_embeds"), call.get("position_ids")
     device = (ids if ids is not None else embeds).device

@@ -113,13 +113,13 @@ def _check_assisted(model, binding: _Binding, kwargs) -> None:
             "small; its cache is cropped and reused every round as transformers does) -- pass it as an "
             "ordinary transformers model (megatron_tree.hf.disable_tree_attention(assistant), or load it "
             "without enabling)")
-    windowed = [i for i, w in enumerate(binding.windows) if w is not None]
-    if drafting and windowed:
+    if drafting and binding.sliding_layers:
         raise NotImplementedError(
             f"assisted decoding (assistant_model / prompt_lookup_num_tokens) is not supported with tree attention "
-            f"on a model with sliding-window layers (layers {windowed}): verifying several new tokens at once is "
-            "not built for sliding windows (each new token would need its own window start); drop assistant_model / prompt_lookup_num_tokens (plain, "
-            "sampled and beam-search generate run on this model)")
+            f"on a model with sliding-window layers (layers {binding.sliding_layers}): verifying several new "
+            "tokens at once is not built for sliding windows (each new token would need its own window start); "
+            "drop assistant_model / prompt_lookup_num_tokens (plain, sampled and beam-search generate run on "
+            "this model)")
 
 
 def _sharded_generate(model, orig, binding: _Binding, args, kwargs):
