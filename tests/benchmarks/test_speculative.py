@@ -31,13 +31,15 @@ def test_trained_mode_tiny(tmp_path):
     out, md = tmp_path / "spec.json", tmp_path / "spec.md"
     argv = ["--model", "trained", "--cache", str(cache), "--target", "2:64", "--draft", "1:64", "--train-steps", "3",
             "--train-seq", "96", "--train-batch", "2", "--vocab", "512", "--prompt-len", "256", "--new-tokens", "12",
-            "--rounds", "1", "--out", str(out), "--markdown", str(md)]
+            "--rounds", "1", "--quote-tokens", "6", "--transport", "shm", "--out", str(out), "--markdown", str(md)]
     speculative.main(argv)
     data = json.loads(out.read_text())
     assert data["command"].endswith(" ".join(argv)) and data["cp"] == 2
     assert data["prompt_len"] == 256 and data["new_tokens"] == 12 and data["rounds"] == 1
     assert data["recipe"]["target"] == [2, 64] and data["recipe"]["steps"] == 3
-    assert data["needle"]["prompt_end"].startswith(speculative.INSTRUCTION)
+    assert data["needle"]["prompt_end"].startswith(speculative.INSTRUCTION) and data["transport"] == "shm"
+    assert "6 tokens of a held-out paragraph" in data["prompt"] and md.read_text().startswith(
+        "# Speculative decoding at CP 2 (shared memory, CPU)")
     assert 0 <= data["quoted_prefix"] <= data["quoted_tokens"] <= 12
     _check_rows(data, [name for name, _, _ in speculative.TRAINED_CONFIGS])
     assert "| draft model w1 d4 |" in md.read_text() and " NO |" not in md.read_text()
