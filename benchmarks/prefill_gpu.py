@@ -14,7 +14,11 @@ GPU. For each dtype (bf16, fp16, fp32) and a SmolLM2-135M and a Llama-8B attenti
 * the merged result against float64 attention on a 2048-token prompt (error printed and stored;
   within 2x the error of the same-dtype SDPA, flash-attention's rule);
 * seconds per ring of local steps against causal SDPA over the whole prompt in one call (what one
-  GPU does without CP), CUDA events, medians of 5.
+  GPU does without CP), CUDA events, medians of 5;
+* for fp16/bf16, the same ring on every fused kernel that can run it (``cuda_flash``, the opt-in
+  ``cuda_cudnn``, ``flash_attn`` when importable): its error against float64 on the short prompt,
+  the first call's seconds (cuDNN builds a plan per new shape) and the median of the next 5 -- the
+  measured table ``select_kernel``'s CUDA default is to be chosen from.
 
 Writes ``prefill_gpu.json`` to ``--out``; exits 1 if a dispatch or error check fails.
 """
@@ -40,17 +44,35 @@ def _positions(tokens, cp, rank):
     return torch.cat([torch.arange(s, e) for s, e in prefill_ranges(tokens, cp, "load_balanced")[rank]])
 
 
-def ring_of_rank0(q, k, v, tokens, cp, calls):
+def ring_of_rank0(q, k, v, tokens, cp, calls, kernel=None):
     """Rank 0's queries over every rank's block, merged: what ``ring_prefill`` computes on rank 0."""
     qpos = _positions(tokens, cp, 0).cuda()
     outs, lses = [], []
     for r in range(cp):
         kp = _positions(tokens, cp, r).cuda()
         o, l = ops.prefill_attention(q[:, qpos], k[:, kp], v[:, kp], q_positions=qpos[None], k_positions=kp[None],
-                                     calls=calls)
+                                     calls=calls, kernel=kernel)
         outs.append(o)
         lses.append(l)
     return ops.merge_states(torch.stack(outs), torch.stack(lses))[0], qpos
+
+
+def _first(fn):
+    """Seconds of one call, synchronised: the first call of a kernel on new shapes."""
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    fn()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / 1e3
+
+
+def _kernels_for(dtype):
+    names = ["cuda_flash", "cuda_cudnn"] if dtype != torch.float32 else []
+    if names and fused_prefill._flash_attn_func() is not None:
+        names.append("flash_attn")
+    return names
 
 
 def _time(fn, reps=5):
@@ -92,6 +114,13 @@ def main(argv=None):
                                                   v.to(dtype).transpose(1, 2), is_causal=True,
                                                   enable_gqa=True).transpose(1, 2)[:, qpos]
             row["err"] = float((out.double() - ref).abs().max())
+            row["kernels"] = {}
+            for name in _kernels_for(dtype):
+                try:
+                    o2, _ = ring_of_rank0(q.to(dtype), k.to(dtype), v.to(dtype), n, args.cp, None, name)
+                    row["kernels"][name] = {"err": float((o2.double() - ref).abs().max())}
+                except Exception as e:  # noqa: BLE001 -- a kernel this GPU or torch lacks: recorded, not fatal
+                    row["kernels"][name] = {"error": f"{type(e).__name__}: {e}"[:300]}
             row["sdpa_err"] = float((sdpa.double() - ref).abs().max())
             row["calls_2k"] = dict(calls)
             if row["err"] > max(2 * row["sdpa_err"], 1e-5):
@@ -107,6 +136,14 @@ def main(argv=None):
             ring_of_rank0(q, k, v, n, args.cp, calls)
             row["calls"] = dict(calls)
             row["ring_rank0_s"] = _time(lambda: ring_of_rank0(q, k, v, n, args.cp, None))
+            for name, rec in row["kernels"].items():
+                if "error" in rec:
+                    continue
+                try:
+                    rec["first_call_s"] = _first(lambda: ring_of_rank0(q, k, v, n, args.cp, None, name))
+                    rec["ring_rank0_s"] = _time(lambda: ring_of_rank0(q, k, v, n, args.cp, None, name))
+                except Exception as e:  # noqa: BLE001
+                    rec["error"] = f"{type(e).__name__}: {e}"[:300]
             qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
             row["sdpa_whole_prompt_s"] = _time(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True,
                                                                                       enable_gqa=True))

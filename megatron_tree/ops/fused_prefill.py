@@ -54,10 +54,12 @@ __all__ = [
     "MIN_RUN", "TILE",
 ]
 
-KERNELS = ("cpu_flash", "cuda_flash", "cuda_efficient", "flash_attn", "decode")
+KERNELS = ("cpu_flash", "cuda_flash", "cuda_efficient", "flash_attn", "cuda_cudnn", "decode")
 """Kernels a local prefill step may run: torch's fused CPU flash attention, torch's CUDA flash and
-memory-efficient attention (aten ops), flash-attn's ``flash_attn_func`` when importable, and the
-exact decode path (``ops.flash_decode`` with positions, float64 lse) as the fallback."""
+memory-efficient attention (aten ops), flash-attn's ``flash_attn_func`` when importable, torch's cuDNN
+attention (``aten._scaled_dot_product_cudnn_attention`` with its lse; opt-in, ``kernel="cuda_cudnn"``,
+until a GPU run of ``benchmarks.prefill_gpu`` has measured it against the others), and the exact
+decode path (``ops.flash_decode`` with positions, float64 lse) as the fallback."""
 
 LSE_BOUND = 64.0
 """A float32 piece whose rows all have |lse| below this is used without the shifted second pass:
@@ -229,6 +231,23 @@ def _cuda_flash(q, k, v, scale, causal, mask):
     return out, lse
 
 
+def _cudnn_op(q, k, v, causal, scale):
+    """torch's cuDNN attention with its lse: q (B, Hq, L, D), k, v (B, Hkv, W, D) -> out (B, Hq, L, D),
+    lse (B, Hq, L) float32 (some releases return (B, Hq, L, 1)); causal from the top left."""
+    out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False,
+                                                                  scale=scale)[:2]
+    return out, lse
+
+
+def _cuda_cudnn(q, k, v, scale, causal, mask, op=_cudnn_op):
+    # Square causal pieces only: cuDNN's causal mask is top-left aligned, which equals the bottom-right
+    # alignment the pieces mean only when queries and keys are the same span. GQA is passed as is.
+    assert mask is None, "cuda_cudnn takes no mask (masked pieces run on cuda_efficient)"
+    b, length, hq, _ = q.shape
+    out, lse = op(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal, scale)
+    return out.transpose(1, 2), lse.reshape(b, hq, length)
+
+
 def _flash_attn(q, k, v, scale, causal, mask):
     assert mask is None, "flash_attn takes no mask (masked pieces run on cuda_efficient)"
     out, lse, _ = _flash_attn_func()(q, k, v, softmax_scale=scale, causal=causal, return_attn_probs=True)
@@ -275,7 +294,9 @@ def _cuda_efficient(q, k, v, scale, causal, mask, op=_efficient_op):
 
 
 _LAUNCH = {"cpu_flash": _cpu_flash, "cuda_flash": _cuda_flash, "cuda_efficient": _cuda_efficient,
-           "flash_attn": _flash_attn}
+           "flash_attn": _flash_attn, "cuda_cudnn": _cuda_cudnn}
+_MASKLESS = ("cuda_flash", "flash_attn", "cuda_cudnn")
+"""The fused kernels that take no mask: a ragged (masked) piece of theirs runs on ``cuda_efficient``."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -326,8 +347,8 @@ class _Runner:
         if visible is not None:
             mask = torch.zeros(visible.shape, dtype=mdtype, device=q.device).masked_fill_(~visible, _NEG_INF)
             mask = mask[None, None]
-        # flash (aten or flash-attn) takes no mask: a ragged piece runs on the memory-efficient kernel
-        name = "cuda_efficient" if mask is not None and self.kernel in ("cuda_flash", "flash_attn") else self.kernel
+        # flash (aten or flash-attn) and cuDNN take no mask: a ragged piece runs on the memory-efficient kernel
+        name = "cuda_efficient" if mask is not None and self.kernel in _MASKLESS else self.kernel
         launch = _LAUNCH[name]
         self.count(name)
         out, lse = launch(q, k, v, self.scale, causal, mask)

@@ -256,7 +256,8 @@ def test_bench_runs_and_writes_json(tmp_path):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the CUDA kernels' numerics)")
 @pytest.mark.parametrize("dtype,kernel", [(torch.bfloat16, "cuda_flash"), (torch.float16, "cuda_flash"),
-                                          (torch.float32, "cuda_efficient"), (torch.bfloat16, "cuda_efficient")])
+                                          (torch.float32, "cuda_efficient"), (torch.bfloat16, "cuda_efficient"),
+                                          (torch.bfloat16, "cuda_cudnn"), (torch.float16, "cuda_cudnn")])
 def test_cuda_kernels_match_fp64(dtype, kernel):
     g = torch.Generator().manual_seed(7)
     qp = torch.cat([_ar(0, 200), _ar(600, 800)])[None].expand(2, -1)
@@ -302,6 +303,59 @@ def test_cuda_efficient_head_folding_and_bias_on_cpu(monkeypatch):
     for kp in (qp[0], _ar(20, 50), torch.randperm(90, generator=g)[:37]):
         q, k, v = _inputs(2, qp.shape[1], kp.numel(), 6, 2, dtype=torch.float32)
         _check(q, k, v, qp, kp, kernel="cuda_efficient", min_run=4, tile=8)
+
+
+def _cudnn_contract(q, k, v, causal, scale):
+    """A CPU stand-in with the contract of ``aten._scaled_dot_product_cudnn_attention`` as the launcher
+    calls it: (B, H, S, D) tensors, GQA heads (Hq a multiple of Hkv), causal from the top left, lse
+    returned as (B, H, L, 1) float32 (the shape some releases give). It also asserts what the
+    launcher relies on: a causal piece is square (top-left equals bottom-right only then)."""
+    hq, length = q.shape[1:3]
+    hkv, w = k.shape[1], k.shape[2]
+    assert hq % hkv == 0 and v.shape[:3] == k.shape[:3], (q.shape, k.shape, v.shape)
+    assert not causal or length == w, f"a causal piece of {length} queries over {w} keys is not square"
+    kk, vv = (t.double().repeat_interleave(hq // hkv, dim=1) for t in (k, v))
+    s = torch.einsum("bhld,bhwd->bhlw", q.double(), kk) * scale
+    if causal:
+        s = s.masked_fill(torch.ones(length, w, dtype=torch.bool).triu(1), float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    out = torch.einsum("bhlw,bhwd->bhld", torch.softmax(s, -1), vv)
+    return out.to(q.dtype), lse.float()[..., None]
+
+
+def test_cuda_cudnn_glue_on_cpu(monkeypatch):
+    """The cuDNN launcher (layout in and out, lse reshape) and its routing run on CPU against a
+    stand-in with the op's contract: causal pieces square, ragged pieces on the memory-efficient
+    kernel (cuDNN takes no mask), the result exact against float64 attention; GQA, two batch rows."""
+    launched = []
+
+    def cudnn(q, k, v, scale, causal, mask):
+        launched.append(("cuda_cudnn", causal))
+        return fused_prefill._cuda_cudnn(q, k, v, scale, causal, mask, op=_cudnn_contract)
+
+    def efficient(q, k, v, scale, causal, mask):
+        launched.append(("cuda_efficient", causal))
+        return fused_prefill._cuda_efficient(q, k, v, scale, causal, mask, op=_efficient_contract)
+
+    monkeypatch.setitem(fused_prefill._LAUNCH, "cuda_cudnn", cudnn)
+    monkeypatch.setitem(fused_prefill._LAUNCH, "cuda_efficient", efficient)
+    assert "cuda_cudnn" in fused_prefill.KERNELS and ops.prefill_kernel(torch.zeros(1, 1, 2, 8, device="meta"),
+                                                                        torch.zeros(1, 1, 1, 8, device="meta"),
+                                                                        "cuda_cudnn") == "cuda_cudnn"
+    g = torch.Generator().manual_seed(13)
+    qp = torch.cat([_ar(0, 20), _ar(50, 70)])[None].expand(2, -1)
+    cases = ((qp[0], False, True),  # the queries' own keys: causal diagonal pieces
+             (_ar(20, 50), False, False),  # keys between the query runs: unmasked past/future pieces only
+             (torch.randperm(90, generator=g)[:37], True, None))  # scattered keys: masked pieces too
+    for kp, ragged, diagonal in cases:
+        launched.clear()
+        q, k, v = _inputs(2, qp.shape[1], kp.numel(), 6, 2, dtype=torch.float32)
+        _check(q, k, v, qp, kp, kernel="cuda_cudnn", min_run=4, tile=8)
+        kinds = {name for name, _ in launched}
+        assert "cuda_cudnn" in kinds and kinds <= {"cuda_cudnn", "cuda_efficient"}, launched
+        assert ("cuda_efficient" in kinds) == ragged, launched
+        if diagonal is not None:
+            assert any(causal for name, causal in launched if name == "cuda_cudnn") == diagonal, launched
 
 
 def test_the_kernel_choice_is_made_once_and_refuses_a_fused_kernel_with_variants():
