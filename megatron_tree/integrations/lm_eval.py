@@ -353,6 +353,10 @@ class TreeLM(TemplateLM):
         megatron = check_checkpoint(args)
         rank, world = _check_world(args)
         self._device = _device(args)
+        if args.compile_step == "reduce-overhead" and self._device.type != "cuda":
+            raise ModelArgsError(f"model_args compile_step=reduce-overhead captures the decode step in a CUDA graph, "
+                                 f"but the device is {self._device.type}; use compile_step=true (compiled, not "
+                                 "captured) there")
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.pretrained)

@@ -106,6 +106,8 @@ def test_compile_step_generate_until_equals_plain(checkpoint):
     assert lm.model._binding.compiled.steps, "no decode step was compiled"
     llama, tok = checkpoint
     for extra, message in ((",compile_step=yes", "compile_step='yes' is not one of"),
-                           (",source=megatron,compile_step=true", "compile_step is available with source=hf only")):
+                           (",source=megatron,compile_step=true", "compile_step is available with source=hf only"),
+                           (",compile_step=reduce-overhead", "captures the decode step in a CUDA graph, but the "
+                                                             "device is cpu")):
         with pytest.raises(backend.ModelArgsError, match=message):
             backend.TreeLM.create_from_arg_string(f"pretrained={llama},tokenizer={tok}{extra}", {"device": "cpu"})

@@ -468,8 +468,26 @@ class CompiledSteps:
         key = (tuple(st.k.shape), tuple(st.v.shape), st.k.stride(), st.k.dtype, str(st.k.device), tuple(ids.shape))
         fn = self.steps.get(key)
         if fn is None:
+            _check_capturable(self.options, st.k.device)
             fn = self.steps[key] = torch.compile(_fresh_step(self.binding, len(self.steps)), **self.options)
         return fn(ids, positions, cache)
+
+
+_CAPTURING_MODES = ("reduce-overhead", "max-autotune")
+"""``torch.compile`` modes whose Inductor output replays as a CUDA graph."""
+
+
+def _check_capturable(options: dict, device: torch.device) -> None:
+    """A compile setting that asks for CUDA graphs on a cache that is not on a CUDA device is an error
+    naming the setting (Inductor would skip the capture with a log line and run the step uncaptured: not
+    what was asked for). Every rank checks the same setting on the same kind of device, so all raise alike."""
+    mode = options.get("mode")
+    graphs = (options.get("options") or {}).get("triton.cudagraphs")
+    if device.type != "cuda" and (mode in _CAPTURING_MODES or graphs):
+        what = f"mode={mode!r}" if mode in _CAPTURING_MODES else "options={'triton.cudagraphs': True}"
+        raise ValueError(f"compile_step with {what} captures the decode step in a CUDA graph, but the KV cache is "
+                         f"on {device.type}: CUDA graphs need CUDA tensors. Use compile_step=True (compiled, not "
+                         "captured) here, or move the model to a GPU")
 
 
 def _fresh_step(binding: _Binding, n: int):

@@ -111,6 +111,11 @@ def _refusals(rank, world):
     out["shifted_model"] = outcome(lambda: HFTreeModel(_model("llama"), groups, strategy="shifted", compile_step=True))
     out["fullgraph"] = outcome(lambda: HFTreeModel(_model("llama"), groups, compile_step={"fullgraph": False}))
     out["kind"] = outcome(lambda: HFTreeModel(_model("llama"), groups, compile_step="yes"))
+    # CUDA graphs asked for on CPU tensors: refused at the first decode step, naming the setting
+    captured = HFTreeModel(_model("llama"), groups, compile_step={"mode": "reduce-overhead"})
+    out["capture_cpu"] = outcome(lambda: generate(captured, PROMPTS, 3, progress=False))
+    graphs = HFTreeModel(_model("llama"), groups, compile_step={"options": {"triton.cudagraphs": True}})
+    out["graphs_cpu"] = outcome(lambda: generate(graphs, PROMPTS, 3, progress=False))
     # the merge op's fake (what a traced step is built from) against its real body, in bf16: same shapes,
     # dtypes (the accumulation dtype: float32 out, float64 lse from a float64 partial) and strides
     import torch
@@ -136,6 +141,8 @@ def test_settings_a_compiled_step_cannot_hold_are_refused_on_every_rank():
             assert out[key][0] == name and "strategy='shifted'" in out[key][1]
         assert out["fullgraph"][0] == "ValueError" and "fullgraph=False" in out["fullgraph"][1]
         assert out["kind"][0] == "TypeError" and "compile_step must be a bool or a dict" in out["kind"][1]
+        for key, what in (("capture_cpu", "mode='reduce-overhead'"), ("graphs_cpu", "triton.cudagraphs")):
+            assert out[key][0] == "ValueError" and what in out[key][1] and "on cpu" in out[key][1], out[key]
         assert out["opcheck"][0] == "returned", out["opcheck"]
         assert out["dtypes"] == ("torch.float32", "torch.float64")
     assert [{k: v[:2] for k, v in out.items() if k != "dtypes"} for out, _ in results] == \
