@@ -382,6 +382,48 @@ class DraftCaches:
         self.caches[b], self.seen[b] = cache, len(seq) - 1
         return chains.tolist()
 
+    def sampled(self, b: int, seq: list[int], width: int, depth: int, probs, generator) -> tuple:
+        """Row ``b``: ``width`` chains of ``depth`` tokens *sampled* from the draft model's distribution
+        (``probs`` of its logits), the chains' first tokens drawn independently from one distribution;
+        returns tokens (width, depth) int64 and q (width, depth, vocab) float64, the distribution each
+        token was drawn from. The row's cache is left holding ``seq[:-1]``, as :meth:`chains` leaves it.
+        None when this model keeps no cache (the caller then runs full forwards)."""
+        cache = self.caches[b] if self.enabled else None
+        new = seq[self.seen[b]:] if cache is not None else seq
+        logits, cache = self._forward(torch.tensor([new], device=self.dev), cache)
+        if cache is None:
+            return None
+        q = probs(logits[:, -1]).double().expand(width, -1).clone()  # (width, V): siblings share one distribution
+        chain = torch.multinomial(q, 1, generator=generator)
+        qd = [q]
+        if width > 1 and depth > 1:
+            cache.batch_repeat_interleave(width)
+        while chain.shape[1] < depth:
+            logits, cache = self._forward(chain[:, -1:].to(self.dev), cache)
+            q = probs(logits[:, -1]).double()
+            chain = torch.cat([chain, torch.multinomial(q, 1, generator=generator)], dim=1)
+            qd.append(q)
+        cache.crop(-depth)
+        if width > 1 and depth > 1:
+            cache.batch_select_indices(torch.tensor([0], device=self.dev))
+        self.caches[b], self.seen[b] = cache, len(seq) - 1
+        return chain, torch.stack(qd, dim=1)
+
+
+@torch.no_grad()
+def _draft_model_sampled_cached(caches: DraftCaches, seqs: list[list[int]], width: int, depth: int, probs,
+                                generator) -> tuple:
+    """:func:`_draft_model_sampled`'s result, each row drafted over its own cache (:meth:`DraftCaches.sampled`):
+    tokens (batch, width, depth) int64, q (batch, width, depth, vocab) float64. Falls back to full forwards
+    for a draft model that keeps no cache."""
+    drawn = []
+    for b, seq in enumerate(seqs):
+        got = caches.sampled(b, seq, width, depth, probs, generator) if caches.enabled else None
+        if got is None:
+            return _draft_model_sampled(caches.model, seqs, width, depth, probs, generator)
+        drawn.append(got)
+    return torch.stack([t for t, _ in drawn]), torch.stack([q for _, q in drawn])
+
 
 @torch.no_grad()
 def _draft_model_drafts(caches: DraftCaches, seqs: list[list[int]], width: int, depth: int) -> list[list[list[int]]]:
@@ -733,7 +775,7 @@ def generate_speculative(model, prompts: list[list[int]], max_new_tokens: int, *
                disable=not (progress and rank0))
     result = SpeculativeResult(tokens=[])
     batch = len(prompts)
-    draft_caches = DraftCaches(cfg.draft_model, batch) if cfg.method == "draft_model" and not do_sample else None
+    draft_caches = DraftCaches(cfg.draft_model, batch) if cfg.method == "draft_model" else None
     try:
         t0 = time.perf_counter()
         logits = model.prefill(prompts, cache)
@@ -765,7 +807,7 @@ def generate_speculative(model, prompts: list[list[int]], max_new_tokens: int, *
                 elif cfg.method == "prompt_lookup":
                     chains = [prompt_lookup_drafts(s, width, depth, cfg.max_ngram, cfg.min_ngram) for s in seqs]
                 elif do_sample:
-                    drawn, qd = _draft_model_sampled(cfg.draft_model, seqs, width, depth, probs, generator)
+                    drawn, qd = _draft_model_sampled_cached(draft_caches, seqs, width, depth, probs, generator)
                     chains = drawn.tolist()
                     q = torch.cat([torch.zeros(batch, 1, qd.shape[-1], dtype=qd.dtype),
                                    qd.reshape(batch, width * depth, -1)], dim=1)

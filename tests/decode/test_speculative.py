@@ -275,6 +275,41 @@ def test_draft_model_cache_gives_the_full_forwards_chains(width, depth):
     assert cached.enabled and full.caches == [None, None]
 
 
+@pytest.mark.parametrize("width, depth", [(1, 1), (1, 4), (3, 1), (2, 3)])
+def test_sampled_drafts_over_the_cache_equal_full_forwards(width, depth):
+    """Speculative sampling's draft model over its own KV cache (DraftCaches.sampled): with the same random
+    stream, the tokens drawn and the proposal distributions q equal those of full forwards over the whole
+    sequence (_draft_model_sampled), step after step as the rows grow by different amounts; the cache is
+    left holding all but the row's last token and one batch row."""
+    from megatron_tree.decode.speculative import DraftCaches, _draft_model_sampled, _draft_model_sampled_cached
+    from tests.helpers.hf_models import hf_model
+
+    model = hf_model("llama", seed=3)
+    caches = DraftCaches(model, 2)
+
+    def probs(logits):  # a temperature, so draws are not all the argmax
+        return torch.softmax(logits.float() / 1.5, dim=-1)
+
+    g = torch.Generator().manual_seed(1)
+    # rows of different lengths: the full-forward path then also draws row by row (it batches rows of one
+    # length), so both consume the random stream in the same order
+    seqs = [torch.randint(1, 128, (n,), generator=g).tolist() for n in (7, 9)]
+    with torch.no_grad():
+        for step, gained in enumerate(((0, 0), (2, 1), (0, 3), (4, 4))):
+            for b in range(2):
+                seqs[b] += torch.randint(1, 128, (gained[b],), generator=g).tolist()
+            g_full, g_cached = torch.Generator().manual_seed(step), torch.Generator().manual_seed(step)
+            want_t, want_q = _draft_model_sampled(model, seqs, width, depth, probs, g_full)
+            got_t, got_q = _draft_model_sampled_cached(caches, seqs, width, depth, probs, g_cached)
+            assert got_t.shape == want_t.shape == (2, width, depth) and got_q.shape == want_q.shape
+            assert torch.equal(got_t, want_t), (step, got_t, want_t)
+            assert torch.allclose(got_q, want_q, atol=1e-6, rtol=0), float((got_q - want_q).abs().max())
+            for b in range(2):
+                assert caches.caches[b].get_seq_length() == len(seqs[b]) - 1 == caches.seen[b]
+                assert caches.caches[b].layers[0].keys.shape[0] == 1
+    assert caches.enabled
+
+
 def test_draft_model_with_another_vocabulary_is_a_clear_error(tmp_path):
     from megatron_tree.decode.speculative import SpeculativeConfig, generate_speculative
     from megatron_tree.integrations.hf import HFTreeModel
