@@ -308,6 +308,18 @@ def needle_prompt(tok, prompt_len: int, new_tokens: int, needle_at: float = 0.5,
     return hay + instr + quote, info
 
 
+def quote_counts(out: list[int], expected: list[int], decode) -> dict:
+    """How far greedy's output quotes the passage. out, expected: token ids (new_tokens each); decode:
+    ids -> text. Returns {"quoted_tokens": positions where the ids are equal, "quoted_prefix": the
+    leading ids equal, "quoted_words_prefix": the leading words (whitespace-split text) equal}."""
+    quoted = [a == b for a, b in zip(out, expected)]
+    said, meant = decode(out).split(), decode(expected).split()
+    return {"quoted_tokens": sum(quoted),
+            "quoted_prefix": next((i for i, q in enumerate(quoted) if not q), len(quoted)),
+            "quoted_words_prefix": next((i for i, (a, b) in enumerate(zip(said, meant)) if a != b),
+                                        min(len(said), len(meant)))}
+
+
 def _rank(rank, world, path, prompt, new_tokens, rounds, configs=None, draft_path=None, transport="backend"):
     from megatron_tree.decode.generate import generate
     from megatron_tree.decode.speculative import SpeculativeConfig
@@ -504,18 +516,13 @@ def main(argv=None) -> dict:
               "load_avg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
     if trained or smol:
         out = ranks[0]["plain greedy"][0]["tokens"][0]  # the new tokens, the prefill's first
-        quoted = [a == b for a, b in zip(out, needle["expected"])]
-        said, meant = tok.decode(out).split(), tok.decode(needle["expected"]).split()
         report.update({
             "prompt": "held-out documentation text, then the instruction and the first "
                       f"{args.quote_tokens} tokens of a held-out paragraph (the needle) to quote",
             "needle": {k: v for k, v in needle.items() if k != "expected"},
             "plain_greedy_text": tok.decode(out),
             "expected_text": tok.decode(needle["expected"]),
-            "quoted_tokens": sum(quoted),
-            "quoted_prefix": next((i for i, q in enumerate(quoted) if not q), len(quoted)),
-            "quoted_words_prefix": next((i for i, (a, b) in enumerate(zip(said, meant)) if a != b),
-                                        min(len(said), len(meant))),
+            **quote_counts(out, needle["expected"], tok.decode),
             "model_load_s_this_run": train_s,
         })
     if smol:

