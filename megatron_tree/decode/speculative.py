@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -286,6 +287,10 @@ class SpeculativeConfig:
         if self.method == "draft_model":
             if self.draft_model is None:
                 raise ValueError("speculative method 'draft_model' needs draft_model= (a causal LM)")
+            if isinstance(self.draft_model, (str, bytes, os.PathLike)):
+                raise ValueError(f"speculative draft_model must be a loaded causal LM, got the path "
+                                 f"{self.draft_model!r}: load it first, e.g. "
+                                 "transformers.AutoModelForCausalLM.from_pretrained(path).eval()")
             dv = _vocab_of(self.draft_model)
             if dv != vocab:
                 raise ValueError(f"the draft model's vocabulary has {dv} tokens but the target model's has {vocab}: "

@@ -5,6 +5,8 @@ into their cache and reused."""
 import json
 import os
 
+import pytest
+
 from benchmarks import speculative
 
 _RANK = speculative._rank
@@ -114,3 +116,18 @@ def test_quote_counts_tokens_and_words():
         "quoted_tokens": 2, "quoted_prefix": 0, "quoted_words_prefix": 0}
     assert speculative.quote_counts([1, 2, 3], [1, 2, 3], decode) == {
         "quoted_tokens": 3, "quoted_prefix": 3, "quoted_words_prefix": 3}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "cycling", "--draft-layers", "3"], "--draft-layers applies to --model smollm2 only"),
+    (["--model", "cycling", "--quote-tokens", "4"], "--quote-tokens applies to --model trained or smollm2 only"),
+    (["--model", "cycling", "--cache", "/tmp/x"], "--cache applies to --model trained or smollm2 only"),
+    (["--model", "trained", "--prompt-len", "0"], "--prompt-len must be a positive token count, got 0"),
+    (["--model", "trained", "--quote-tokens", "0"], "--quote-tokens must be >= 1, got 0"),
+    (["--model", "trained", "--needle-at", "1.5"], "--needle-at must be a fraction in [0, 1], got 1.5"),
+])
+def test_flags_of_another_model_or_out_of_range_are_refused(argv, message):
+    """Refused before any model is built or trained: a flag another --model would use, or a value out of range."""
+    with pytest.raises(SystemExit) as err:
+        speculative.main(argv)
+    assert message in str(err.value)

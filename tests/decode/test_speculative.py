@@ -320,6 +320,9 @@ def test_draft_model_with_another_vocabulary_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match=r"draft model's vocabulary has 96 tokens but the target model's has 128"):
         generate_speculative(target, [[1, 2, 3]], 4, progress=False,
                              speculative=SpeculativeConfig(method="draft_model", draft_model=small))
+    with pytest.raises(ValueError, match=r"draft_model must be a loaded causal LM, got the path '/some/dir'"):
+        generate_speculative(target, [[1, 2, 3]], 4, progress=False,
+                             speculative=SpeculativeConfig(method="draft_model", draft_model="/some/dir"))
     from megatron_tree.decode.generate import generate
 
     with pytest.raises(NotImplementedError, match=r"speculative generation takes none of \['forced_tokens'\]"):
