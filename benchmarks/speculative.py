@@ -61,8 +61,8 @@ cut at a token count, then ``"Repeat the passage that begins with these words:"`
 greedy decoding continues by quoting it. The JSON records how many of plain greedy's tokens equal
 the held-out text that follows (how well the model quotes), beside the decoded prompt end and output.
 Rows: plain greedy, prompt lookup (chains and a tree), and the draft model (``method="draft_model"``,
-run without a KV cache, a full forward of the whole sequence per draft token). Every row's tokens
-are asserted equal to plain greedy's.
+replicated on both ranks, its own KV cache per row: ``decode.speculative.DraftCaches``). Every row's
+tokens are asserted equal to plain greedy's.
 """
 
 from __future__ import annotations
