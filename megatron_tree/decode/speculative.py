@@ -120,12 +120,16 @@ def tree_depths(mask: torch.Tensor) -> torch.Tensor:
 
 
 def draft_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, *,
-                    softmax_scale: float | None = None, softcap: float | None = None):
+                    softmax_scale: float | None = None, softcap: float | None = None,
+                    positions: torch.Tensor | None = None, window: int | None = None):
     """Attention of each draft row over its ancestors among the drafts (pure torch), as a partial state.
 
     q: (batch, T, nheads_q, headdim); k: (batch, T, nheads_kv, headdim); v: (batch, T, nheads_kv,
     headdim_v); mask: (T, T) bool (:func:`check_draft_tree`). GQA: query head h reads KV head
     ``h // (nheads_q // nheads_kv)``.
+    positions: (batch, T) int64, the draft rows' global positions (a row's committed length plus its
+    depth: siblings share one); with ``window`` (a sliding window, >= 1) row i sees ancestor j only
+    when ``positions[:, i] - positions[:, j] < window`` (a query at p sees keys p - window < j <= p).
     returns out: (batch, T, nheads_q, headdim_v) float32 (float64 for float64 input), lse:
     (batch, nheads_q, T) float64, natural log (every row sees at least itself)
     """
@@ -137,7 +141,11 @@ def draft_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     qf = q.to(acc).reshape(b, t, hkv, g, d)
     s = torch.einsum("bihgd,bjhd->bhgij", qf, k.to(acc)) * scale  # (b, hkv, g, T, T)
     s = soft_cap(s, softcap)
-    s = s.masked_fill(~mask.to(s.device), float("-inf"))
+    seen = mask.to(s.device)[None]  # (1 or batch, T, T)
+    if window is not None:
+        p = positions.to(s.device)
+        seen = seen & ((p[:, :, None] - p[:, None, :]) < window)
+    s = s.masked_fill(~seen[:, None, None], float("-inf"))
     m = s.amax(dim=-1, keepdim=True)
     p = torch.exp(s - m)
     den = p.sum(dim=-1, keepdim=True)
@@ -156,7 +164,8 @@ def _tensor_digest(*ts) -> str:
     return h.hexdigest()
 
 
-VERIFY_SIGNATURE = ("batch", "rows", "heads_q", "headdim", "dtype", "mask", "drafts", "strategy")
+VERIFY_SIGNATURE = ("batch", "rows", "heads_q", "headdim", "dtype", "mask", "drafts", "strategy", "window",
+                    "positions")
 """What every CP rank of one :func:`verify_attention` call must pass alike (checked when ``check=True``)."""
 
 
@@ -180,6 +189,9 @@ def verify_attention(
     room: int | None = None,
     check: bool = True,
     return_lse: bool = False,
+    q_positions: torch.Tensor | None = None,
+    k_positions: torch.Tensor | None = None,
+    window: int | None = None,
 ):
     """Exact attention of T draft rows over the sharded committed cache plus their ancestors among the drafts.
 
@@ -188,10 +200,17 @@ def verify_attention(
     q: (batch, T, nheads_q, headdim) -- the draft rows' queries, replicated
     k, v: this rank's committed shard, as for :func:`~megatron_tree.decode.tree_decode` (contiguous
         (batch, shard_len, nheads_kv, headdim[_v]), or paged pools with ``block_table``); every
-        draft row sees every valid committed key (``cache_seqlens``)
+        draft row sees every valid committed key (``cache_seqlens``), or with ``window`` those
+        its window still holds
     draft_k, draft_v: (batch, T, nheads_kv, headdim[_v]) -- the draft rows' own keys/values,
         replicated (every rank computes them alike; only CP rank 0 counts them)
     mask: (T, T) bool ancestor mask of the draft tree (:func:`check_draft_tree`)
+    q_positions: (batch, T) int64, the draft rows' global positions, replicated (a row's committed
+        length plus its depth in the tree: siblings share one; an ancestor's is smaller);
+        k_positions: (batch, shard_len) or (shard_len,) int64, this shard's key positions (a
+        ``ShardedKVCache``'s ``positions``); both are needed with ``window`` and go together
+    window: a sliding window (int >= 1, the same on every rank; ``None``: full causal): a row at
+        position p sees the committed keys at j > p - window and the ancestors at p_a > p - window
     room: with it, T must be at most ``room`` (the slots the cache has left per row)
     check: compare the call across the CP group first (one all-gather of a small record and a
         digest of the drafts and mask: ``agreement.agree``), so a bad mask, drafts that differ
@@ -223,8 +242,33 @@ def verify_attention(
         if q.dtype != draft_k.dtype or q.dtype != draft_v.dtype:
             raise TypeError(f"q and the drafts must share one dtype, got q={q.dtype}, draft_k={draft_k.dtype}, "
                             f"draft_v={draft_v.dtype}")
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"window must be a positive int (a sliding window of that many keys) or None, got "
+                             f"{window!r}")
+        if (q_positions is None) != (k_positions is None):
+            raise ValueError("q_positions and k_positions go together: pass both (the draft rows' and the shard's "
+                             "global positions) or neither")
+        if window is not None and q_positions is None:
+            raise ValueError(f"window={window} needs q_positions (batch, T) and k_positions: the draft rows' and the "
+                             "committed shard's global positions decide what the window holds")
+        if q_positions is not None:
+            if not isinstance(q_positions, torch.Tensor) or tuple(q_positions.shape) != (b, t) \
+                    or q_positions.dtype != torch.int64:
+                raise ValueError(
+                    f"q_positions must be a (batch, T) = ({b}, {t}) int64 tensor of the draft rows' global positions, "
+                    f"got {tuple(q_positions.shape) if isinstance(q_positions, torch.Tensor) else type(q_positions).__name__}"
+                    f"{'' if not isinstance(q_positions, torch.Tensor) else f' {q_positions.dtype}'}")
+            qp = q_positions.detach().cpu()
+            anc = mask.detach().cpu() & ~torch.eye(t, dtype=torch.bool)
+            late = anc[None] & (qp[:, None, :] >= qp[:, :, None])  # (b, i, j): ancestor j not before row i
+            if bool(late.any()):
+                r, i, j = (int(x) for x in late.nonzero()[0])
+                raise ValueError(
+                    f"q_positions do not follow the draft tree: batch row {r}'s draft row {i} is at position "
+                    f"{int(qp[r, i])} but its ancestor row {j} at {int(qp[r, j])} (an ancestor's position must be smaller)")
         digest = _tensor_digest(draft_k, draft_v) if check else None
-        return (b, t, hq, d, str(q.dtype), _tensor_digest(mask), digest, strategy)
+        pdigest = _tensor_digest(q_positions) if check and q_positions is not None else None
+        return (b, t, hq, d, str(q.dtype), _tensor_digest(mask), digest, strategy, window, pdigest)
 
     if check and groups is not None and groups.size > 1:
         agreement.agree("speculative.verify", VERIFY_SIGNATURE, values, groups.cp_group, groups.cp_ranks,
@@ -234,14 +278,16 @@ def verify_attention(
     try:
         out, lse = ops.flash_decode(q, k, v, cache_seqlens=cache_seqlens, block_table=block_table,
                                     softmax_scale=softmax_scale, out_dtype=acc_dtype(q.dtype), backend=backend,
-                                    lse_dtype=torch.float64, softcap=softcap)
+                                    lse_dtype=torch.float64, softcap=softcap, q_positions=q_positions,
+                                    k_positions=k_positions, window=window)
         resolved = ops.resolve_backend(q.device, backend)
     except Exception as e:  # noqa: BLE001 -- this rank's own failure: every rank raises it (as tree_decode)
         if groups is not None and groups.size > 1 and not isinstance(e, comm.CommError):
             groups.agreement.fail("merge", e)
         raise
     if rank0:  # the drafts join the softmax once: on CP rank 0 (the others' partial for them is empty)
-        do, dl = draft_attention(q, draft_k, draft_v, mask, softmax_scale=softmax_scale, softcap=softcap)
+        do, dl = draft_attention(q, draft_k, draft_v, mask, softmax_scale=softmax_scale, softcap=softcap,
+                                 positions=q_positions, window=window)
         out, lse = merge_states(torch.stack([out, do.to(out.dtype)]), torch.stack([lse.double(), dl]))
     if groups is not None:
         out, lse = comm.merge(out, lse, groups, strategy, stats, dtype=q.dtype, backend=resolved)
@@ -334,6 +380,17 @@ def prompt_lookup_drafts(seq: list[int], width: int, depth: int, max_ngram: int 
     return found
 
 
+def _has_windows(model) -> bool:
+    """Whether a transformers model's config gives some layer a sliding window (``sliding_window`` set, or
+    ``sliding_attention`` among ``layer_types``)."""
+    cfg = getattr(model, "config", None)
+    if cfg is None:
+        return False
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    return bool(getattr(cfg, "sliding_window", None)) or "sliding_attention" in (getattr(cfg, "layer_types", None)
+                                                                                  or ())
+
+
 class DraftCaches:
     """The draft model's own KV cache of each row, kept from one step to the next, so a step feeds the
     draft model only the tokens its row gained since (a transformers ``Cache`` per row, replicated:
@@ -353,6 +410,12 @@ class DraftCaches:
     def _forward(self, ids: torch.Tensor, cache):
         if not self.enabled:
             return self.model(ids).logits, None
+        if cache is None and _has_windows(self.model):
+            # transformers' own cache of a sliding-window layer keeps only the window and cannot be cropped
+            # once it is full; full layers hold every key (the model's masks still apply its windows)
+            from transformers import DynamicCache
+
+            cache = DynamicCache()
         out = self.model(input_ids=ids, past_key_values=cache, use_cache=True)
         cache = getattr(out, "past_key_values", None)
         if cache is None or not all(hasattr(cache, n) for n in ("crop", "batch_repeat_interleave",
@@ -583,10 +646,8 @@ class _VerifyStep(DecodeStep):
 
     def attend(self, layer_key, q, k, v, groups, drafts=None, **kwargs):
         """drafts: the draft rows' (keys, values) as the layer made them (MLA expands its latent), else the
-        ones the cache kept aside."""
-        if kwargs.get("window") is not None or kwargs.get("q_positions") is not None:
-            raise NotImplementedError("speculative verification does not support sliding-window layers yet")
-        kwargs.pop("window", None)
+        ones the cache kept aside. A sliding-window layer also passes ``window``, the drafts'
+        ``q_positions`` (batch, T) and the shard's ``k_positions`` (the hf attention's verify phase)."""
         kwargs.pop("cache_starts", None)
         dk, dv = drafts if drafts is not None else self.cache._drafts[layer_key]
         return verify_attention(q, k, v, dk, dv, self.mask, groups, strategy=self.strategy, stats=self.stats,
@@ -600,17 +661,17 @@ def verify_forward(model, cache, tokens: torch.Tensor, mask: torch.Tensor, *, st
 
     tokens: (batch, T) int64, the same on every rank; row 0 of each is the root (the last chosen
     token, not yet in the cache); mask: (T, T) tree mask. Positions are each row's length plus the
-    row's depth (siblings share one). Returns (batch, T, vocab) logits, identical on every rank;
-    the drafts' keys/values of every layer stay in ``cache._drafts`` for :func:`commit`.
+    row's depth (siblings share one); a sliding-window layer's drafts see the committed keys and
+    ancestors their window holds by those positions. Returns (batch, T, vocab) logits, identical on
+    every rank; the drafts' keys/values of every layer stay in ``cache._drafts`` for :func:`commit`.
     """
     binding = model._binding
-    if any(w is not None for w in binding.windows):
-        raise NotImplementedError("speculative verification does not support sliding-window layers yet")
     if cache.storage is None:
         raise ValueError("TreeCache is empty: run the prompt's prefill before verifying drafts")
     b, t = tokens.shape
     depths = tree_depths(mask)
     pos = torch.tensor(cache.lengths, dtype=torch.long)[:, None] + depths[None, :]
+    cache._verify_positions = pos.to(cache.storage.positions.device)
     cache._drafts = {}
     cache._phase = "verify"
     cache._padded_next = cache._padded

@@ -69,6 +69,10 @@ def tree_attention_forward(module, query, key, value, attention_mask, scaling=No
                 t = q.shape[1]
                 variants["drafts"] = (k[:, -t:], v[:, -t:])
                 k, v = k[:, :-t], v[:, :-t]
+            if window is not None:  # the drafts' positions (set when the phase began) and the shard's, valid
+                # up to storage.seqlens: the drafts are kept aside, so the stored slots are the committed keys
+                variants["q_positions"] = cache._verify_positions.to(q.device)
+                variants["k_positions"] = cache.storage.positions[:, :k.shape[1]].to(q.device)
         else:  # the step's metadata, built once by the cache for every layer (decode.metadata.StepMetadata)
             variants.update(cache.metadata.attention_args(window))
         out = step.attend(module.layer_idx, q, k, v, binding.groups, softmax_scale=scaling, **variants)

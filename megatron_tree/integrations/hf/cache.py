@@ -125,6 +125,7 @@ class TreeCache(Cache):
         self._phase: str | None = None
         self._local_positions: torch.Tensor | None = None
         self._q_positions = self._k_positions = self._window_slots = None
+        self._verify_positions = None  # (batch, T) the verified drafts' global positions (verify phase)
         self._kv_end: int | None = None
         self._prefill_chunk: int | None = None
         self._slots: torch.Tensor | None = None
@@ -392,6 +393,9 @@ class TreeCache(Cache):
         :meth:`_commit_chain` appends them all. Room for them is made (or refused) first."""
         self._check_filled(batch)
         self._make_room(q_len)
+        pos = self.storage.positions
+        self._verify_positions = torch.tensor(self.storage.lengths, dtype=torch.int64, device=pos.device)[:, None] \
+            + torch.arange(q_len, dtype=torch.int64, device=pos.device)[None, :]  # (batch, q_len), unpadded
         self._drafts = {}
         self._phase = "verify"
         self._padded_next = self._padded

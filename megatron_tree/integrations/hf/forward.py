@@ -375,7 +375,8 @@ def _decode(orig, binding: _Binding, cache: TreeCache, call: dict, batch: int, q
 def _decode_chain(orig, binding: _Binding, cache: TreeCache, call: dict, batch: int, q_len: int):
     """``q_len > 1`` new tokens per row on a filled cache, a chain: token ``i`` sees the whole cache and new
     tokens ``0..i`` (what a single-process forward over a ``DynamicCache`` computes; assisted decoding's
-    verification of its candidates).
+    verification of its candidates); on a sliding-window layer only the keys its window holds (by the
+    global positions: token ``i`` of a row at the row's length plus ``i``).
 
     input_ids: (batch, q_len) or inputs_embeds: (batch, q_len, hidden); position_ids as the model would
     take them (or None: from the cache's global length) -> the model's output, logits identical on
@@ -390,11 +391,6 @@ def _decode_chain(orig, binding: _Binding, cache: TreeCache, call: dict, batch: 
     """
     from ...decode.speculative import _VerifyStep
 
-    if binding.sliding_layers:
-        raise NotImplementedError(
-            f"a forward of {q_len} new tokens on a filled TreeCache (assisted decoding) is not supported for "
-            f"sliding-window layers (layers {binding.sliding_layers}); generate one token per step"
-        )
     ids, embeds, pos = call.get("input_ids"), call.get("inputs_embeds"), call.get("position_ids")
     device = (ids if ids is not None else embeds).device
     g = binding.groups

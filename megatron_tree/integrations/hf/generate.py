@@ -106,20 +106,12 @@ def _check_assisted(model, binding: _Binding, kwargs) -> None:
             "with the target's own first layers on the target's cache, which holds every layer's shard; pass an "
             "assistant_model (a small model run replicated on every rank) or prompt_lookup_num_tokens instead")
     assistant = kwargs.get("assistant_model")
-    drafting = assistant is not None or _asked(model, kwargs, "prompt_lookup_num_tokens") is not None
     if assistant is not None and getattr(assistant, _MARK, None) is not None:
         raise ValueError(
             "the assistant_model has tree attention enabled: the assistant runs whole on every rank (it is "
             "small; its cache is cropped and reused every round as transformers does) -- pass it as an "
             "ordinary transformers model (megatron_tree.hf.disable_tree_attention(assistant), or load it "
             "without enabling)")
-    if drafting and binding.sliding_layers:
-        raise NotImplementedError(
-            f"assisted decoding (assistant_model / prompt_lookup_num_tokens) is not supported with tree attention "
-            f"on a model with sliding-window layers (layers {binding.sliding_layers}): verifying several new "
-            "tokens at once is not built for sliding windows (each new token would need its own window start); "
-            "drop assistant_model / prompt_lookup_num_tokens (plain, sampled and beam-search generate run on "
-            "this model)")
 
 
 def _sharded_generate(model, orig, binding: _Binding, args, kwargs):

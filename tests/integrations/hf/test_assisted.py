@@ -424,18 +424,22 @@ def test_ranks_whose_sequences_differ_are_refused_alike():
 
 # --------------------------------------------------------------------------- other architectures
 
-ARCHS = ("deepseek-v3", "phi3-longrope", "qwen2-moe")
+ARCHS = ("deepseek-v3", "phi3-longrope", "qwen2-moe", "mistral-sliding", "gemma2", "gpt-oss")
 """MLA (the latent is cached: the layer expands the shard and the new tokens together, and the new tokens'
-part is split off again), length-dependent RoPE, a MoE; sliding windows are refused."""
+part is split off again), length-dependent RoPE, a MoE; sliding windows (of 5, shorter than two of the
+prompts) on every layer, and alternating with full layers under soft-capping (Gemma 2) and with attention
+sinks (GPT-OSS): each new token sees the keys its window holds, by global position."""
 
 
-def _arch_calls(model, ids, mask, cache_of):
+def _arch_calls(model, ids, mask, cache_of, cache=None):
     """Prefill a left-padded batch (13, 8 and 3 tokens), 4 new tokens, crop 5 (the 3-token row's cut reaches into
-    its prefill), 2 new, 1 new; returns the logits of every forward as lists."""
+    its prefill), 2 new, 1 new; returns the logits of every forward as lists. cache: the prefill's (the
+    one-process reference passes a ``DynamicCache()`` of full layers: transformers' sliding-window layers keep
+    only the window and cannot be cropped once it is full; the model's masks apply the windows either way)."""
     g = torch.Generator().manual_seed(3)
     out = []
     with torch.no_grad():
-        res = model(ids, attention_mask=mask)
+        res = model(ids, attention_mask=mask, **({} if cache is None else {"cache": cache}))
         out.append(res.logits)
         for step in (4, -5, 2, 1):
             cache = cache_of(res)
@@ -457,21 +461,20 @@ def _arch_rank(rank, world):
 
     groups = mt.TreeGroups.build()
     ids, mask = A.batch()
-    got = {name: _arch_calls(enable_tree_attention(A.build(name), groups), ids, mask, _cache_of) for name in ARCHS}
-    windowed = enable_tree_attention(A.build("mistral-sliding"), groups)
-    with torch.no_grad():
-        res = windowed(ids, attention_mask=mask)
-        refused = outcome(lambda: windowed(ids[:, :2], cache=_cache_of(res)))
-    return got, refused
+    return {name: _arch_calls(enable_tree_attention(A.build(name), groups), ids, mask, _cache_of) for name in ARCHS}
 
 
 def test_other_architectures_verify_several_tokens_exactly():
     A = pytest.importorskip("benchmarks.architectures", reason="needs transformers")
     ids, mask = A.batch()
-    want = {name: _arch_calls(A.build(name), ids, mask, _cache_of) for name in ARCHS}
-    for rank, (got, refused) in enumerate(run_ranks(_arch_rank, 3, timeout=300)):
+    from transformers import DynamicCache
+
+    want = {name: _arch_calls(A.build(name), ids, mask, _cache_of, DynamicCache()) for name in ARCHS}
+    for rank, got in enumerate(run_ranks(_arch_rank, 3, timeout=300)):
         for name in ARCHS:
             for i, (a, b) in enumerate(zip(got[name], want[name], strict=True)):
-                err = float((torch.tensor(a) - torch.tensor(b)).abs().max())
+                d = torch.tensor(a) - torch.tensor(b)
+                if i == 0:  # the prefill: pad positions have no defined logits (the tree forward returns 0 there;
+                    d = d * mask[:, :, None]  # Gemma 2's final soft-capping gives transformers' other values)
+                err = float(d.abs().max())
                 assert err <= A.LOGITS_ATOL, f"{name} rank {rank} forward {i}: max |dlogits| {err:.2e}"
-        assert refused[0] == "NotImplementedError" and "sliding-window layers (layers [0, 1])" in refused[1], refused
