@@ -29,6 +29,7 @@ the distribution ``decode.generate.sample_next`` samples from, decided on CP ran
 from __future__ import annotations
 
 import hashlib
+import inspect
 import math
 import os
 import time
@@ -337,6 +338,10 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative draft_model must be a loaded causal LM, got the path "
                                  f"{self.draft_model!r}: load it first, e.g. "
                                  "transformers.AutoModelForCausalLM.from_pretrained(path).eval()")
+            if not isinstance(_draft_module(self.draft_model), torch.nn.Module):
+                raise ValueError(f"speculative draft_model must be a causal LM module (e.g. transformers' "
+                                 f"AutoModelForCausalLM.from_pretrained(path).eval()), got "
+                                 f"{type(self.draft_model).__name__}")
             dv = _vocab_of(self.draft_model)
             if dv != vocab:
                 raise ValueError(f"the draft model's vocabulary has {dv} tokens but the target model's has {vocab}: "
@@ -344,7 +349,15 @@ class SpeculativeConfig:
                                  "tokenizer)")
 
 
+def _draft_module(model):
+    """The module a draft model runs as: a transformers model as given, or the transformers model inside
+    the package's own wrapper (``HFTreeModel``, what ``load_hf_model`` returns: its ``.hf``)."""
+    inner = getattr(model, "hf", None)
+    return inner if not isinstance(model, torch.nn.Module) and isinstance(inner, torch.nn.Module) else model
+
+
 def _vocab_of(model) -> int:
+    model = _draft_module(model)
     cfg = getattr(model, "config", None)
     cfg = getattr(cfg, "get_text_config", lambda: cfg)() if cfg is not None else None
     v = getattr(cfg, "vocab_size", None) if cfg is not None else getattr(model, "vocab_size", None)
@@ -401,8 +414,11 @@ class DraftCaches:
     """
 
     def __init__(self, model, batch: int):
-        self.model = model
+        self.model = model = _draft_module(model)
         self.dev = next(model.parameters()).device
+        # transformers renamed the cache argument and output (past_key_values -> cache); use what it takes
+        params = inspect.signature(model.forward).parameters
+        self.cache_kw = "cache" if "cache" in params else "past_key_values"
         self.caches: list = [None] * batch
         self.seen = [0] * batch
         self.enabled = True
@@ -416,8 +432,8 @@ class DraftCaches:
             from transformers import DynamicCache
 
             cache = DynamicCache()
-        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True)
-        cache = getattr(out, "past_key_values", None)
+        out = self.model(input_ids=ids, use_cache=True, **{self.cache_kw: cache})
+        cache = getattr(out, self.cache_kw, None)
         if cache is None or not all(hasattr(cache, n) for n in ("crop", "batch_repeat_interleave",
                                                                    "batch_select_indices")):
             self.enabled = False  # (this model keeps no cache we can roll back: full forwards from now on)

@@ -328,6 +328,28 @@ def test_draft_model_with_another_vocabulary_is_a_clear_error(tmp_path):
     with pytest.raises(NotImplementedError, match=r"speculative generation takes none of \['forced_tokens'\]"):
         generate(target, [[1, 2, 3]], 4, forced_tokens=torch.zeros(1, 4, dtype=torch.long),
                  speculative=SpeculativeConfig())
+    with pytest.raises(ValueError, match=r"draft_model must be a causal LM module .* got dict"):
+        generate_speculative(target, [[1, 2, 3]], 4, progress=False,
+                             speculative=SpeculativeConfig(method="draft_model", draft_model={"layers": 2}))
+
+
+def test_a_draft_model_loaded_by_the_package_runs_as_its_transformers_model(tmp_path):
+    """What load_hf_model returns (an HFTreeModel, no .parameters) drafts as the transformers model inside
+    it: the same greedy tokens as that model passed directly, and as plain greedy generation."""
+    from megatron_tree.decode.generate import generate
+    from megatron_tree.decode.speculative import SpeculativeConfig
+    from megatron_tree.integrations.hf import HFTreeModel, load_hf_model
+
+    target = HFTreeModel(make_checkpoint(tmp_path), None)
+    wrapped = load_hf_model(str(tmp_path), None)
+    assert not isinstance(wrapped, torch.nn.Module) and isinstance(wrapped.hf, torch.nn.Module)
+    prompt = [[5, 17, 99, 3, 42, 5, 17, 99, 3, 42, 7]]
+    plain = generate(target, prompt, 10, progress=False).tokens
+    runs = {name: generate(target, prompt, 10, progress=False,
+                           speculative=SpeculativeConfig(method="draft_model", draft_model=d, depth=3))
+            for name, d in (("wrapped", wrapped), ("module", wrapped.hf))}
+    assert runs["wrapped"].tokens == runs["module"].tokens == plain
+    assert runs["wrapped"].accepted == runs["module"].accepted and runs["wrapped"].drafted > 0
 
 
 # --------------------------------------------------------------------------- generation through transformers
