@@ -143,6 +143,8 @@ def _verify_part(rank, world):
     swapped = qpos.clone()
     swapped[1, 1], swapped[1, 2] = int(qpos[1, 2]), int(qpos[1, 1])  # row 1's child before its parent
     shifted = qpos + (1 if groups.rank == groups.size - 1 else 0)  # the last rank's positions differ
+    level = qpos.clone()
+    level[0, 1] = int(qpos[0, 0])  # row 0's first child at its parent's position (not after it)
     res["errors"] = {
         "no_positions": attempt(q_positions=None, k_positions=None),
         "zero_window": attempt(window=0),
@@ -150,6 +152,10 @@ def _verify_part(rank, world):
         "bad_shape": attempt(q_positions=qpos[:, :-1]),
         "not_tree": attempt(q_positions=swapped),
         "differ": attempt(q_positions=shifted),
+        "level": attempt(q_positions=level),
+        "bool_window": attempt(window=True),
+        "int32": attempt(q_positions=qpos.to(torch.int32)),
+        "window_differs": attempt(window=5 + (groups.rank == groups.size - 1)),  # the last rank's is 6
     }
     return res
 
@@ -185,7 +191,13 @@ def test_windowed_verify_attention_bad_input_same_error_on_every_rank(verified):
         "only_q": ("ValueError", "q_positions and k_positions go together"),
         "bad_shape": ("ValueError", "q_positions must be a (batch, T) = (5, 7) int64 tensor"),
         "not_tree": ("ValueError", "batch row 1's draft row 2 is at position 23 but its ancestor row 1 at 24"),
-        "differ": ("DisagreementError", "positions"),
+        "differ": ("DisagreementError", "disagree on speculative.verify: positions: "),
+        "level": ("ValueError", f"batch row 0's draft row 1 is at position {LENGTHS[0]} but its ancestor row 0 at "
+                                f"{LENGTHS[0]}"),
+        "bool_window": ("ValueError", "window must be a positive int (a sliding window of that many keys) or None, "
+                                       "got True"),
+        "int32": ("ValueError", "int64 tensor of the draft rows' global positions, got (5, 7) torch.int32"),
+        "window_differs": ("DisagreementError", "disagree on speculative.verify: window: 5 on rank"),
     }
     for group in GROUPS:
         errs = [verified[r]["errors"] for r in group]
