@@ -285,6 +285,11 @@ def _model_part(rank, world):
         mask = tree_mask(2, 3)
         toks = torch.randint(1, 128, (len(VERIFY_PROMPTS), mask.shape[0]), generator=torch.Generator().manual_seed(4))
         entry["verify"] = (toks.tolist(), verify_forward(model, cache, toks, mask).tolist())
+        # a chain of 8 rows, deeper than every window: the last rows' windows drop their first ancestors
+        cache = model.new_cache(len(VERIFY_PROMPTS), 48)
+        model.prefill(VERIFY_PROMPTS, cache)
+        deep = torch.randint(1, 128, (len(VERIFY_PROMPTS), 8), generator=torch.Generator().manual_seed(5))
+        entry["deep"] = (deep.tolist(), verify_forward(model, cache, deep, tree_mask(1, 7)).tolist())
         res[name] = entry
     if groups.size == 2:  # transformers' assisted generation on the enabled model (CP 2)
         counts = {"chains": 0}
@@ -351,6 +356,17 @@ def test_windowed_verification_logits_match_transformers(modelled):
                     c, d = (0, 0) if i == 0 else ((i - 1) // 3, (i - 1) % 3 + 1)
                     err = float((torch.tensor(logits[b][i]) - want[b, c][d]).abs().max())
                     assert err < 1e-4, f"{name} rank {rank} (CP {r['cp']}) row {b} draft {i}: |dlogits| {err:.2e}"
+        # the chain deeper than the window (8 rows; windows of 6 and 5): the same as one forward of the chain
+        assert all(w is None or w < 8 for w in modelled[0][name]["windows"])
+        for b, prompt in enumerate(VERIFY_PROMPTS):
+            deep = modelled[0][name]["deep"][0][b]
+            with torch.no_grad():
+                want = hf(torch.tensor([prompt + deep])).logits[0, len(prompt):]  # (8, vocab)
+            for rank, r in enumerate(modelled):
+                toks, logits = r[name]["deep"]
+                assert toks[b] == deep
+                err = float((torch.tensor(logits[b]) - want).abs().max())
+                assert err < 1e-4, f"{name} rank {rank} (CP {r['cp']}) row {b} deep chain: |dlogits| {err:.2e}"
 
 
 def test_transformers_assisted_generation_with_windows_equals_one_process(modelled):
