@@ -6,12 +6,14 @@ One 5-rank launch: CP 2 (ranks 0-1) and CP 3 (ranks 2-4) side by side. It checks
   keys its window holds (committed keys at positions j > p - window, ancestors p - p_a < window), on
   unsharded tensors: chain, branching and irregular trees, GQA, ragged rows (one with no committed key),
   keys dealt to the ranks at random (one rank holds nothing of a row), garbage past every row's end,
-  windows 1, 2, 5 and 9 that cut 20-40-token caches, and no window; bad windows/positions give the
+  windows 1, 2, 5 and 9 that cut 20-40-token caches, and no window; bad windows/positions (an ancestor
+  not before its row, int32, ``window=True``, windows or positions differing across ranks) give the
   same error on every rank;
 * ``generate_speculative`` (prompt lookup, trees of width 1 and 2) on tiny transformers models with sliding
   windows -- Mistral with a window on every layer, Qwen2 with a sliding and a full layer -- equal to
   plain greedy ``generate`` token for token, prompts longer than the window, with drafts accepted;
-  and ``verify_forward``'s logits of a width-2 tree equal transformers' in one process, path by path;
+  and ``verify_forward``'s logits of a width-2 tree, and of a chain of 8 rows deeper than the windows,
+  equal transformers' in one process, path by path;
 * transformers' ``generate(prompt_lookup_num_tokens=3)`` and ``generate(assistant_model=...)`` on a
   tree-enabled windowed model equal transformers in one process (the several-token chain forwards
   did run).
