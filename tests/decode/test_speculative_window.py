@@ -6,12 +6,14 @@ One 5-rank launch: CP 2 (ranks 0-1) and CP 3 (ranks 2-4) side by side. It checks
   keys its window holds (committed keys at positions j > p - window, ancestors p - p_a < window), on
   unsharded tensors: chain, branching and irregular trees, GQA, ragged rows (one with no committed key),
   keys dealt to the ranks at random (one rank holds nothing of a row), garbage past every row's end,
-  windows 1, 2, 5 and 9 that cut 20-40-token caches, and no window; bad windows/positions give the
+  windows 1, 2, 5 and 9 that cut 20-40-token caches, and no window; bad windows/positions (an ancestor
+  not before its row, int32, ``window=True``, windows or positions differing across ranks) give the
   same error on every rank;
 * ``generate_speculative`` (prompt lookup, trees of width 1 and 2) on tiny transformers models with sliding
   windows -- Mistral with a window on every layer, Qwen2 with a sliding and a full layer -- equal to
   plain greedy ``generate`` token for token, prompts longer than the window, with drafts accepted;
-  and ``verify_forward``'s logits of a width-2 tree equal transformers' in one process, path by path;
+  and ``verify_forward``'s logits of a width-2 tree, and of a chain of 8 rows deeper than the windows,
+  equal transformers' in one process, path by path;
 * transformers' ``generate(prompt_lookup_num_tokens=3)`` and ``generate(assistant_model=...)`` on a
   tree-enabled windowed model equal transformers in one process (the several-token chain forwards
   did run).
@@ -143,6 +145,8 @@ def _verify_part(rank, world):
     swapped = qpos.clone()
     swapped[1, 1], swapped[1, 2] = int(qpos[1, 2]), int(qpos[1, 1])  # row 1's child before its parent
     shifted = qpos + (1 if groups.rank == groups.size - 1 else 0)  # the last rank's positions differ
+    level = qpos.clone()
+    level[0, 1] = int(qpos[0, 0])  # row 0's first child at its parent's position (not after it)
     res["errors"] = {
         "no_positions": attempt(q_positions=None, k_positions=None),
         "zero_window": attempt(window=0),
@@ -150,6 +154,10 @@ def _verify_part(rank, world):
         "bad_shape": attempt(q_positions=qpos[:, :-1]),
         "not_tree": attempt(q_positions=swapped),
         "differ": attempt(q_positions=shifted),
+        "level": attempt(q_positions=level),
+        "bool_window": attempt(window=True),
+        "int32": attempt(q_positions=qpos.to(torch.int32)),
+        "window_differs": attempt(window=5 + (groups.rank == groups.size - 1)),  # the last rank's is 6
     }
     return res
 
@@ -185,7 +193,13 @@ def test_windowed_verify_attention_bad_input_same_error_on_every_rank(verified):
         "only_q": ("ValueError", "q_positions and k_positions go together"),
         "bad_shape": ("ValueError", "q_positions must be a (batch, T) = (5, 7) int64 tensor"),
         "not_tree": ("ValueError", "batch row 1's draft row 2 is at position 23 but its ancestor row 1 at 24"),
-        "differ": ("DisagreementError", "positions"),
+        "differ": ("DisagreementError", "disagree on speculative.verify: positions: "),
+        "level": ("ValueError", f"batch row 0's draft row 1 is at position {LENGTHS[0]} but its ancestor row 0 at "
+                                f"{LENGTHS[0]}"),
+        "bool_window": ("ValueError", "window must be a positive int (a sliding window of that many keys) or None, "
+                                       "got True"),
+        "int32": ("ValueError", "int64 tensor of the draft rows' global positions, got (5, 7) torch.int32"),
+        "window_differs": ("DisagreementError", "disagree on speculative.verify: window: 5 on rank"),
     }
     for group in GROUPS:
         errs = [verified[r]["errors"] for r in group]
@@ -273,6 +287,11 @@ def _model_part(rank, world):
         mask = tree_mask(2, 3)
         toks = torch.randint(1, 128, (len(VERIFY_PROMPTS), mask.shape[0]), generator=torch.Generator().manual_seed(4))
         entry["verify"] = (toks.tolist(), verify_forward(model, cache, toks, mask).tolist())
+        # a chain of 8 rows, deeper than every window: the last rows' windows drop their first ancestors
+        cache = model.new_cache(len(VERIFY_PROMPTS), 48)
+        model.prefill(VERIFY_PROMPTS, cache)
+        deep = torch.randint(1, 128, (len(VERIFY_PROMPTS), 8), generator=torch.Generator().manual_seed(5))
+        entry["deep"] = (deep.tolist(), verify_forward(model, cache, deep, tree_mask(1, 7)).tolist())
         res[name] = entry
     if groups.size == 2:  # transformers' assisted generation on the enabled model (CP 2)
         counts = {"chains": 0}
@@ -339,6 +358,17 @@ def test_windowed_verification_logits_match_transformers(modelled):
                     c, d = (0, 0) if i == 0 else ((i - 1) // 3, (i - 1) % 3 + 1)
                     err = float((torch.tensor(logits[b][i]) - want[b, c][d]).abs().max())
                     assert err < 1e-4, f"{name} rank {rank} (CP {r['cp']}) row {b} draft {i}: |dlogits| {err:.2e}"
+        # the chain deeper than the window (8 rows; windows of 6 and 5): the same as one forward of the chain
+        assert all(w is None or w < 8 for w in modelled[0][name]["windows"])
+        for b, prompt in enumerate(VERIFY_PROMPTS):
+            deep = modelled[0][name]["deep"][0][b]
+            with torch.no_grad():
+                want = hf(torch.tensor([prompt + deep])).logits[0, len(prompt):]  # (8, vocab)
+            for rank, r in enumerate(modelled):
+                toks, logits = r[name]["deep"]
+                assert toks[b] == deep
+                err = float((torch.tensor(logits[b]) - want).abs().max())
+                assert err < 1e-4, f"{name} rank {rank} (CP {r['cp']}) row {b} deep chain: |dlogits| {err:.2e}"
 
 
 def test_transformers_assisted_generation_with_windows_equals_one_process(modelled):

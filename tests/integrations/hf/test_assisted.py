@@ -433,7 +433,8 @@ sinks (GPT-OSS): each new token sees the keys its window holds, by global positi
 
 def _arch_calls(model, ids, mask, cache_of, cache=None):
     """Prefill a left-padded batch (13, 8 and 3 tokens), 4 new tokens, crop 5 (the 3-token row's cut reaches into
-    its prefill), 2 new, 1 new; returns the logits of every forward as lists. cache: the prefill's (the
+    its prefill), 2 new, 1 new, 7 new (longer than the windows: the last new tokens' windows drop the first ones);
+    returns the logits of every forward as lists. cache: the prefill's (the
     one-process reference passes a ``DynamicCache()`` of full layers: transformers' sliding-window layers keep
     only the window and cannot be cropped once it is full; the model's masks apply the windows either way)."""
     g = torch.Generator().manual_seed(3)
@@ -441,7 +442,7 @@ def _arch_calls(model, ids, mask, cache_of, cache=None):
     with torch.no_grad():
         res = model(ids, attention_mask=mask, **({} if cache is None else {"cache": cache}))
         out.append(res.logits)
-        for step in (4, -5, 2, 1):
+        for step in (4, -5, 2, 1, 7):
             cache = cache_of(res)
             if step < 0:
                 cache.crop(step)
