@@ -78,11 +78,6 @@ class _Binding:
     settings_hint: tuple | None = None
     """``generate``'s sampling and stop settings (:func:`_generation_settings`), compared across CP ranks
     at the prefill; set only while ``generate`` runs."""
-
-    @property
-    def sliding_layers(self) -> list[int]:
-        """The layers with a sliding window (what a forward of several new tokens cannot run)."""
-        return [i for i, w in enumerate(self.windows) if w is not None]
     orig_forward: object = None
     """The model's own ``forward`` (bound) as it was before tree attention wrapped it."""
     compiled: object = None
