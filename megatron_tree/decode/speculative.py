@@ -440,30 +440,43 @@ class DraftCaches:
             cache = None
         return out.logits, cache
 
-    def chains(self, b: int, seq: list[int], width: int, depth: int) -> list[list[int]]:
-        """Row ``b`` (its tokens so far: ``seq``): ``width`` chains of ``depth`` greedy draft tokens, chain
-        c starting from the c-th most likely next token; the row's cache is left holding ``seq[:-1]``."""
+    def _grow(self, b: int, seq: list[int], width: int, depth: int, first, step):
+        """Row ``b`` (its tokens so far: ``seq``) over its own cache: feed the tokens it gained, start
+        ``width`` chains with ``first(logits)`` (the last position's (1, vocab) logits -> (width, 1)
+        tokens), extend each with ``step(logits)`` ((width, vocab) -> (width, 1)) to ``depth`` tokens, and
+        leave the row's cache holding ``seq[:-1]``. Returns (chains (width, depth), None), or (None, the
+        first forward's logits) when this model keeps no cache (the caller then runs full forwards)."""
         cache = self.caches[b] if self.enabled else None
         new = seq[self.seen[b]:] if cache is not None else seq
         logits, cache = self._forward(torch.tensor([new], device=self.dev), cache)
-        chains = torch.topk(logits[0, -1].float(), width).indices[:, None]  # (width, 1)
-        if cache is None:  # no cache: the chains extend by full forwards over the whole sequence
-            ctx = torch.tensor([seq], device=self.dev).expand(width, -1)
-            while chains.shape[1] < depth:
-                logits = self.model(torch.cat([ctx, chains], dim=1)).logits[:, -1].float()
-                chains = torch.cat([chains, logits.argmax(-1, keepdim=True)], dim=1)
-            return chains.tolist()
+        if cache is None:
+            return None, logits
+        chains = first(logits[:, -1])
         if width > 1 and depth > 1:
             cache.batch_repeat_interleave(width)
         while chains.shape[1] < depth:
             logits, cache = self._forward(chains[:, -1:], cache)
-            chains = torch.cat([chains, logits[:, -1].float().argmax(-1, keepdim=True)], dim=1)
+            chains = torch.cat([chains, step(logits[:, -1])], dim=1)
         # back to the row's tokens but its last (the next step feeds from there: never nothing, even for a
         # row that gained no token): the chains' keys and the last token's go, one batch row stays
         cache.crop(-depth)
         if width > 1 and depth > 1:
             cache.batch_select_indices(torch.tensor([0], device=self.dev))
         self.caches[b], self.seen[b] = cache, len(seq) - 1
+        return chains, None
+
+    def chains(self, b: int, seq: list[int], width: int, depth: int) -> list[list[int]]:
+        """Row ``b`` (its tokens so far: ``seq``): ``width`` chains of ``depth`` greedy draft tokens, chain
+        c starting from the c-th most likely next token; the row's cache is left holding ``seq[:-1]``."""
+        chains, logits = self._grow(b, seq, width, depth,
+                                    lambda last: torch.topk(last[0].float(), width).indices[:, None],
+                                    lambda last: last.float().argmax(-1, keepdim=True))
+        if chains is None:  # no cache: the chains extend by full forwards over the whole sequence
+            chains = torch.topk(logits[0, -1].float(), width).indices[:, None]  # (width, 1)
+            ctx = torch.tensor([seq], device=self.dev).expand(width, -1)
+            while chains.shape[1] < depth:
+                logits = self.model(torch.cat([ctx, chains], dim=1)).logits[:, -1].float()
+                chains = torch.cat([chains, logits.argmax(-1, keepdim=True)], dim=1)
         return chains.tolist()
 
     def sampled(self, b: int, seq: list[int], width: int, depth: int, probs, generator) -> tuple:
@@ -472,26 +485,16 @@ class DraftCaches:
         returns tokens (width, depth) int64 and q (width, depth, vocab) float64, the distribution each
         token was drawn from. The row's cache is left holding ``seq[:-1]``, as :meth:`chains` leaves it.
         None when this model keeps no cache (the caller then runs full forwards)."""
-        cache = self.caches[b] if self.enabled else None
-        new = seq[self.seen[b]:] if cache is not None else seq
-        logits, cache = self._forward(torch.tensor([new], device=self.dev), cache)
-        if cache is None:
-            return None
-        q = probs(logits[:, -1]).double().expand(width, -1).clone()  # (width, V): siblings share one distribution
-        chain = torch.multinomial(q, 1, generator=generator)
-        qd = [q]
-        if width > 1 and depth > 1:
-            cache.batch_repeat_interleave(width)
-        while chain.shape[1] < depth:
-            logits, cache = self._forward(chain[:, -1:].to(self.dev), cache)
-            q = probs(logits[:, -1]).double()
-            chain = torch.cat([chain, torch.multinomial(q, 1, generator=generator)], dim=1)
+        qd = []
+
+        def draw(q):
             qd.append(q)
-        cache.crop(-depth)
-        if width > 1 and depth > 1:
-            cache.batch_select_indices(torch.tensor([0], device=self.dev))
-        self.caches[b], self.seen[b] = cache, len(seq) - 1
-        return chain, torch.stack(qd, dim=1)
+            return torch.multinomial(q, 1, generator=generator)
+
+        chain, _ = self._grow(b, seq, width, depth,
+                              lambda last: draw(probs(last).double().expand(width, -1).clone()),  # siblings: one q
+                              lambda last: draw(probs(last).double()))
+        return None if chain is None else (chain, torch.stack(qd, dim=1))
 
 
 @torch.no_grad()
