@@ -17,6 +17,7 @@ import time
 import pytest
 import torch
 
+from tests.helpers.drafts import draft_masks
 from tests.helpers.ranks import run_ranks
 from tests.helpers.hf_models import make_checkpoint
 
@@ -28,26 +29,6 @@ GROUPINGS = {
 }
 LENGTHS = (13, 6, 0, 9)  # committed keys per row; row 2 has none
 HQ, HKV, D, DV = 4, 2, 16, 8
-
-
-def _parents_mask(parents):
-    t = len(parents)
-    m = torch.zeros(t, t, dtype=torch.bool)
-    for i, p in enumerate(parents):
-        m[i, i] = True
-        if p >= 0:
-            m[i] |= m[p]
-    return m
-
-
-def _masks():
-    from megatron_tree.decode.speculative import tree_mask
-
-    return {
-        "chain": tree_mask(1, 4),                       # T = 5, lower triangular
-        "tree": tree_mask(3, 2),                        # T = 7: three chains of two
-        "irregular": _parents_mask([-1, 0, 0, 1, 1, 2, 5, 3]),  # T = 8, uneven branching
-    }
 
 
 def _tensors(t):
@@ -128,7 +109,7 @@ def _verify_body(rank, world):
     res = {}
     for name, (ranks, intra) in GROUPINGS.items():
         groups = TreeGroups.build(ranks, intra)
-        for mname, mask in _masks().items():
+        for mname, mask in draft_masks().items():
             q, k, v, dk, dv = _tensors(mask.shape[0])
             ks, vs, lens = _shard(k, v, groups.size, groups.rank)
             stats = CommStats()
@@ -144,7 +125,7 @@ def _verify_body(rank, world):
                                              "merges": 1, "levels": res[(name, mname)]["levels"]}
     # bad input: the same clear error on every rank, before any merge collective
     groups = TreeGroups.build(intra_size=None)
-    mask = _masks()["tree"]
+    mask = draft_masks()["tree"]
     q, k, v, dk, dv = _tensors(mask.shape[0])
     ks, vs, lens = _shard(k, v, groups.size, groups.rank)
     errors = {}
@@ -184,7 +165,7 @@ def verified():
 @pytest.mark.parametrize("case", list(GROUPINGS))
 @pytest.mark.parametrize("mname", ["chain", "tree", "irregular", "chain_paged", "tree_paged", "irregular_paged"])
 def test_verify_attention_matches_single_process(verified, case, mname):
-    mask = _masks()[mname.replace("_paged", "")]
+    mask = draft_masks()[mname.replace("_paged", "")]
     q, k, v, dk, dv = _tensors(mask.shape[0])
     want = reference(q, k, v, dk, dv, mask)
     for rank, r in enumerate(verified):
@@ -225,7 +206,7 @@ def test_verify_attention_bad_input_same_error_on_every_rank(verified):
 def test_check_draft_tree_accepts_trees_and_names_what_is_wrong():
     from megatron_tree.decode.speculative import check_draft_tree, tree_mask
 
-    for m in _masks().values():
+    for m in draft_masks().values():
         check_draft_tree(m)
     assert torch.equal(tree_mask(1, 3), torch.tril(torch.ones(4, 4, dtype=torch.bool)))
     with pytest.raises(TypeError, match="bool"):

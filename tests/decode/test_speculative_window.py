@@ -26,6 +26,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers.drafts import draft_masks
 from tests.helpers.ranks import run_ranks
 
 WORLD = 5
@@ -33,23 +34,6 @@ GROUPS = [[0, 1], [2, 3, 4]]  # CP 2 and CP 3 side by side
 LENGTHS = (31, 22, 0, 38, 7)  # committed keys per row; row 2 has none
 HQ, HKV, D, DV = 4, 2, 16, 8
 WINDOWS = (1, 2, 5, 9, None)
-
-
-def _parents_mask(parents):
-    t = len(parents)
-    m = torch.zeros(t, t, dtype=torch.bool)
-    for i, p in enumerate(parents):
-        m[i, i] = True
-        if p >= 0:
-            m[i] |= m[p]
-    return m
-
-
-def _masks():
-    from megatron_tree.decode.speculative import tree_mask
-
-    return {"chain": tree_mask(1, 4), "tree": tree_mask(3, 2),
-            "irregular": _parents_mask([-1, 0, 0, 1, 1, 2, 5, 3])}
 
 
 def _tensors(t):
@@ -123,7 +107,7 @@ def _verify_part(rank, world):
 
     groups = TreeGroups.build(GROUPS)
     res = {"cp": groups.size, "group": groups.cp_ranks}
-    for mname, mask in _masks().items():
+    for mname, mask in draft_masks().items():
         q, k, v, dk, dv = _tensors(mask.shape[0])
         ks, vs, pos, lens = _shard(k, v, groups.size, groups.rank)
         for window in WINDOWS:
@@ -132,7 +116,7 @@ def _verify_part(rank, world):
                                    stats=stats, q_positions=_q_positions(mask), k_positions=pos, window=window)
             res[(mname, window)] = (out.tolist(), stats.calls)
     # bad input: the same clear error on every rank of the group, before any merge
-    mask = _masks()["tree"]
+    mask = draft_masks()["tree"]
     q, k, v, dk, dv = _tensors(mask.shape[0])
     ks, vs, pos, lens = _shard(k, v, groups.size, groups.rank)
     qpos = _q_positions(mask)
@@ -169,7 +153,7 @@ def verified():
 
 @pytest.mark.parametrize("mname", ["chain", "tree", "irregular"])
 def test_windowed_verify_attention_matches_single_process(verified, mname):
-    mask = _masks()[mname]
+    mask = draft_masks()[mname]
     q, k, v, dk, dv = _tensors(mask.shape[0])
     for window in WINDOWS:
         want = reference(q, k, v, dk, dv, mask, window)
