@@ -103,8 +103,9 @@ def test_empty_shard_and_nan_lse_in_the_reference_and_torch_path():
 
 def _merge_by_rows(outs, lses):
     """The merge formula transcribed row by row (one (batch, head, token) at a time, plain Python over
-    the P states): the weights exp(lse_u - m) formed in float64 from the lse in its merge dtype and
-    rounded once to the accumulation dtype, their products with the states and the two sums in that
+    the P states): the weights exp(lse_u - m) -- formed in float32 where the lse and the accumulation
+    are both float32 (m is the lses' own maximum: reference._weights' own_max), else in float64 from
+    the lse in its merge dtype and rounded once to the accumulation dtype -- their products with the states and the two sums in that
     dtype in state order, out = num / den (0 where den == 0), lse = log(den) + m in the lse dtype --
     the oracle the stacked torch merge must equal bit for bit."""
     p, b, sq, hq, d = outs.shape
@@ -118,7 +119,10 @@ def _merge_by_rows(outs, lses):
                 ls = [lses[u, bi, h, s].to(ld) for u in range(p)]
                 m = torch.stack(ls).max()  # NaN if any is
                 m = m if torch.isfinite(m) else torch.zeros((), dtype=ld)  # every state empty, or a NaN
-                ws = [torch.exp(x.double() - m.double()).to(acc) for x in ls]
+                if ld == acc == torch.float32:  # against its own maximum: the float32 difference
+                    ws = [torch.exp(x - m) for x in ls]
+                else:
+                    ws = [torch.exp(x.double() - m.double()).to(acc) for x in ls]
                 num, den = torch.zeros(d, dtype=acc), torch.zeros((), dtype=acc)
                 for u in range(p):
                     num = num + outs[u, bi, s, h].to(acc) * ws[u]
@@ -291,3 +295,20 @@ def test_out_dtype_keeps_the_partial_unrounded():
     assert torch.equal(full.bfloat16(), rounded) and not torch.equal(full, rounded.float())
     with pytest.raises(TypeError, match="out_dtype must be a floating-point torch.dtype"):
         mt.flash_decode(q, k, v, out_dtype=torch.int32)
+
+
+def test_float32_merge_is_within_roundings_of_the_float64_merge():
+    """The float32 merge forms each weight's difference in float32 (against the lses' own maximum):
+    its out stays within a few float32 roundings of the float64 merge of the same values, the lse
+    within a few roundings of its own magnitude -- lse differences from 1e-3 to 30 and magnitudes
+    up to 1e4, P = 2..6."""
+    g = torch.Generator().manual_seed(11)
+    eps = torch.finfo(torch.float32).eps
+    for p, spread, offset in [(2, 1e-3, 0.0), (3, 1.0, 5.0), (6, 30.0, -40.0), (4, 5.0, 1e4), (5, 20.0, -1e4)]:
+        outs = torch.randn(p, 3, 2, 4, 8, generator=g)
+        lses = (torch.randn(p, 3, 4, 2, generator=g, dtype=torch.float64) * spread + offset).float()
+        out, lse = mt.merge_states(outs, lses)
+        want, want_lse = mt.merge_states(outs.double(), lses.double())
+        assert out.dtype == torch.float32 and lse.dtype == torch.float32
+        assert (out.double() - want).abs().max() <= 4 * eps * outs.abs().max(), (p, spread, offset)
+        assert ((lse.double() - want_lse).abs() <= 4 * eps * (want_lse.abs() + 1)).all(), (p, spread, offset)
