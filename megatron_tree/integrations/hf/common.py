@@ -82,6 +82,9 @@ class _Binding:
     """The model's own ``forward`` (bound) as it was before tree attention wrapped it."""
     compiled: object = None
     """The decode step's device half compiled (``enable_tree_attention(compile_step=...)``), or None (eager)."""
+    user_steps: object = None
+    """The decode steps a user's ``torch.compile`` around ``model.forward`` compiles (``forward.UserSteps``),
+    made at the first such step."""
     step: object = None
     """The decode loop's ``decode.generate.DecodeStep`` while ``HFTreeModel.decode_step`` runs (its
     ``attend`` is every layer's decode attention); ``None``: a plain step of ``strategy``/``stats``."""

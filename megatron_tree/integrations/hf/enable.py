@@ -18,6 +18,7 @@ from ...comm.merge import STRATEGIES
 from ...decode.cache import LAYOUTS
 from ...decode.prefill import PREFILL_METHODS, PrefillWork
 from ...distributed.topology import TreeGroups
+from ...utils import user_compile
 
 
 def _attention_modules(model) -> list:
@@ -156,7 +157,9 @@ def enable_tree_attention(model, groups: TreeGroups | None, *, strategy: str = "
         the compiled half (every layer's cache write, local attention and CP merge, the merge as one
         opaque op) reads only those buffers, so it is traced once. Caches become static (every step
         reads all of a rank's slots, masked by the rows' lengths). Not with ``strategy="shifted"``.
-        ``torch.compile(model.forward)`` itself is refused with a message pointing here.
+        A user's own ``model.forward = torch.compile(model.forward, fullgraph=True, ...)`` does the same
+        with that call's settings (its prefill and host halves run eagerly; only the decode step's
+        device half is traced, once per cache shape).
 
     Raises :class:`UnsupportedModelError`, before any collective, for a model it cannot run
     exactly: attention modules whose code does not go through ``AttentionInterface``,
@@ -220,7 +223,16 @@ def enable_tree_attention(model, groups: TreeGroups | None, *, strategy: str = "
 
     @functools.wraps(orig_forward)
     def forward(*args, **kwargs):
-        return _sharded_forward(model, orig_forward, binding, args, kwargs)
+        # A torch.compile around this forward (model.forward = torch.compile(model.forward, ...)) left its
+        # callback set: taken aside for the host half (a C call, before any Python frame could see it),
+        # handed back for the decode step's device half (user_compile)
+        prior = user_compile.set_eval_frame(None)
+        try:
+            return _sharded_forward(model, orig_forward, binding, args, kwargs, prior)
+        finally:
+            user_compile.set_eval_frame(prior)
+
+    user_compile.host_frame(forward, _TRACED_CALLER)
 
     @functools.wraps(orig_generate)
     def generate(*args, **kwargs):
@@ -229,6 +241,15 @@ def enable_tree_attention(model, groups: TreeGroups | None, *, strategy: str = "
     model.forward, model.generate = forward, generate
     setattr(model, _MARK, binding)
     return model
+
+
+_TRACED_CALLER = (
+    "a traced frame called the forward of a model running tree attention (torch.compile of the model or of "
+    "its __call__): its host half (the prompt's placement, the ranks' checks) runs eagerly and it compiles "
+    "its decode step's device half itself. Compile model.forward instead -- model.forward = "
+    "torch.compile(model.forward, fullgraph=True, ...) -- or pass fullgraph=False, or use "
+    "enable_tree_attention(model, groups, compile_step=True)")
+"""What Dynamo says when a traced frame reaches the sharded forward (``user_compile.host_frame``)."""
 
 
 def _compile_setting(binding, strategy: str, setting):

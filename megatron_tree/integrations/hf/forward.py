@@ -17,6 +17,7 @@ from .cache import TreeCache
 from ...comm.merge import CompileError
 from ...distributed import agreement
 from ...decode.prefill import assemble_logits
+from ...utils import user_compile
 
 
 def _mask_lengths(mask: torch.Tensor, batch: int, seq: int) -> list[int]:
@@ -61,7 +62,10 @@ def _pop_cache(call: dict):
     return caches[0] if caches else None
 
 
-def _sharded_forward(model, orig, binding: _Binding, args, kwargs):
+def _sharded_forward(model, orig, binding: _Binding, args, kwargs, prior=None):
+    """One call of the tree-enabled ``model.forward``. ``prior``: the frame-evaluation callback of a
+    ``torch.compile`` around that forward (``utils.user_compile``), taken aside while this runs; its
+    decode steps' device halves run under it, so they are compiled with that call's settings."""
     if torch.compiler.is_compiling():
         raise CompileError(
             "torch.compile was given the forward of a model running tree attention: its prefill plans the "
@@ -87,8 +91,13 @@ def _sharded_forward(model, orig, binding: _Binding, args, kwargs):
 
     returned = not (use_cache is False and cache is None)  # else a one-off cache, dropped after this forward
     if cache is None or (not isinstance(cache, TreeCache) and cache.get_seq_length() == 0):
+        # static (shapes fixed, what a compiled step needs) when steps are compiled -- compile_step, or
+        # a torch.compile around this forward -- or when the caller handed a compileable cache
+        # (generate(cache_implementation="static"): transformers then compiles the decode calls itself)
+        static = (binding.compiled is not None or user_compile.compiling(prior)
+                  or (cache is not None and bool(getattr(cache, "is_compileable", False))))
         cache = TreeCache(model, binding.groups, layout=binding.layout, block_size=binding.block_size,
-                          new_tokens=binding.new_tokens_hint, static=binding.compiled is not None)
+                          new_tokens=binding.new_tokens_hint, static=static)
     elif not isinstance(cache, TreeCache):
         raise ValueError(
             f"got a {type(cache).__name__} holding {cache.get_seq_length()} tokens; tree attention continues only "
@@ -106,10 +115,13 @@ def _sharded_forward(model, orig, binding: _Binding, args, kwargs):
     if cache.num_layers != binding.num_layers:
         raise ValueError(f"TreeCache has {cache.num_layers} layers, the model {binding.num_layers}")
 
+    step = cache.get_seq_length() > 0 and q_len == 1  # one new token per row: the step that is compiled
     if cache.get_seq_length() == 0:
         out = _prefill(model, orig, binding, cache, call, batch, q_len)
     else:
-        out = _decode(orig, binding, cache, call, batch, q_len)
+        out = _decode(orig, binding, cache, call, batch, q_len, prior)
+    if not step and user_compile.compiling(prior):
+        user_compile.ran_whole(prior)  # a fullgraph=True compile around a forward that traced nothing
     out[binding.cache_kwarg] = cache if returned else None
     return out if return_dict is not False else out.to_tuple()
 
@@ -326,13 +338,15 @@ def _windows(local: torch.Tensor, chunk: int, count: int) -> list:
     return out
 
 
-def _decode(orig, binding: _Binding, cache: TreeCache, call: dict, batch: int, q_len: int):
+def _decode(orig, binding: _Binding, cache: TreeCache, call: dict, batch: int, q_len: int, prior=None):
     """New tokens on a filled cache: input_ids (batch, q_len) -> logits (batch, q_len, vocab) (or those
     ``logits_to_keep`` asks for).
 
     The same on every rank; one ``tree_decode`` merge per layer (its strategy's collectives). Several
     new tokens per row (``q_len > 1``: assisted decoding's verification forward) go through
-    :func:`_decode_chain`.
+    :func:`_decode_chain`. The device half (:func:`device_step`) runs compiled when ``compile_step``
+    asked for it, or when a ``torch.compile`` surrounds the forward (``prior``, its callback): then
+    with that compile's settings, one trace per step shape.
     """
     mask = call.pop("attention_mask", None)
     if mask is not None and mask.dim() != 2:
@@ -346,15 +360,18 @@ def _decode(orig, binding: _Binding, cache: TreeCache, call: dict, batch: int, q
         return _decode_chain(orig, binding, cache, call, batch, q_len)
     cache._begin_decode(batch, binding.windows)
     call["attention_mask"] = None
-    if binding.compiled is None:
+    users = user_compile.compiling(prior) and binding.compiled is None
+    if binding.compiled is None and not users:
         return _run(orig, binding, cache, call)
+    what = "torch.compile around model.forward" if users else "compile_step"
     if not cache.static:
-        raise ValueError("a compiled decode step (compile_step) needs a static TreeCache (TreeCache(..., static=True), "
-                         "what the model makes itself when compile_step is set): its shapes must not change")
+        raise ValueError(f"a compiled decode step ({what}) needs a static TreeCache (TreeCache(..., static=True), "
+                         "what the model makes itself when its prefill runs compiled or compile_step is set): its "
+                         "shapes must not change; this cache was filled by an uncompiled prefill")
     if binding.step is not None and binding.step.shifts is not None:
-        raise CompileError("strategy='shifted' carries every layer's lse between steps in host state and cannot "
-                           "run in a compiled step (compile_step); use 'packed', 'auto' or another strategy, or "
-                           "compile_step=False")
+        raise CompileError(f"strategy='shifted' carries every layer's lse between steps in host state and cannot "
+                           f"run in a compiled step ({what}); use 'packed', 'auto' or another strategy, or "
+                           f"{'leave model.forward uncompiled' if users else 'compile_step=False'}")
     ids = call.pop("input_ids", None)
     # (one token per row: logits_to_keep of 0 or 1 both mean its logits)
     rest = {k: v for k, v in call.items() if v is not None and k not in ("position_ids", binding.cache_kwarg)
@@ -364,7 +381,12 @@ def _decode(orig, binding: _Binding, cache: TreeCache, call: dict, batch: int, q
                                   f"got {sorted(rest) or ['inputs_embeds']}")
     binding.active = cache
     try:
-        logits = binding.compiled(ids, cache.metadata.q_positions, cache)
+        if users:
+            if binding.user_steps is None:
+                binding.user_steps = UserSteps(binding)
+            logits = binding.user_steps(prior, ids, cache.metadata.q_positions, cache)
+        else:
+            logits = binding.compiled(ids, cache.metadata.q_positions, cache)
         cache._finish()
     finally:
         binding.active = None
@@ -460,13 +482,36 @@ class CompiledSteps:
         self.steps: dict = {}
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, cache: TreeCache) -> torch.Tensor:
-        st = cache.storage
-        key = (tuple(st.k.shape), tuple(st.v.shape), st.k.stride(), st.k.dtype, str(st.k.device), tuple(ids.shape))
+        key = _step_shape(ids, cache)
         fn = self.steps.get(key)
         if fn is None:
-            _check_capturable(self.options, st.k.device)
+            _check_capturable(self.options, cache.storage.k.device)
             fn = self.steps[key] = torch.compile(_fresh_step(self.binding, len(self.steps)), **self.options)
         return fn(ids, positions, cache)
+
+
+class UserSteps:
+    """The decode steps a user's ``torch.compile`` around ``model.forward`` compiles: per step shape a
+    function of its own (as :class:`CompiledSteps`, so each shape is one trace whatever came before),
+    called with that compile's frame-evaluation callback in place -- Dynamo traces it with the user's
+    backend, mode and ``fullgraph``; the forward's host half around it never reaches Dynamo."""
+
+    def __init__(self, binding: _Binding):
+        self.binding = binding
+        self.steps: dict = {}
+
+    def __call__(self, prior, ids: torch.Tensor, positions: torch.Tensor, cache: TreeCache) -> torch.Tensor:
+        key = _step_shape(ids, cache)
+        fn = self.steps.get(key)
+        if fn is None:
+            fn = self.steps[key] = _fresh_step(self.binding, len(self.steps))
+        return user_compile.with_callback(prior, fn, ids, positions, cache)
+
+
+def _step_shape(ids: torch.Tensor, cache: TreeCache) -> tuple:
+    """What a compiled step's graph is specialised to: the storage's shapes, strides, dtype and device, the batch."""
+    st = cache.storage
+    return (tuple(st.k.shape), tuple(st.v.shape), st.k.stride(), st.k.dtype, str(st.k.device), tuple(ids.shape))
 
 
 _CAPTURING_MODES = ("reduce-overhead", "max-autotune")

@@ -11,7 +11,6 @@ import torch
 from .common import _MARK, _Binding, _comm_device, _generation_settings
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
-from ...comm.merge import CompileError
 from ...distributed import collectives
 from ...distributed.collectives import CommStats
 from ...distributed.topology import TreeGroups
@@ -115,14 +114,6 @@ def _check_assisted(model, binding: _Binding, kwargs) -> None:
 
 
 def _sharded_generate(model, orig, binding: _Binding, args, kwargs):
-    if getattr(model.__dict__.get("forward"), "_torchdynamo_orig_callable", None) is not None:
-        raise CompileError(
-            "model.forward was replaced by torch.compile(model.forward) after tree attention was enabled: the "
-            "sharded forward's prefill plans the prompt's placement and checks every rank's call on the host, "
-            "which a graph cannot hold. Compile the decode step instead: enable_tree_attention(model, groups, "
-            "compile_step=True) (or a dict of torch.compile arguments, e.g. {'mode': 'reduce-overhead'}), and "
-            "call generate as before"
-        )
     for name, why in (("max_time", "ranks would stop at different steps, each by its own clock"),
                       ("prefill_chunk_size", "the prompt is chunked by enable_tree_attention(max_prefill_tokens=...)")):
         if kwargs.get(name) is not None:

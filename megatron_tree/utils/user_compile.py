@@ -1,0 +1,91 @@
+"""A ``torch.compile`` the user wrapped around a function whose host half must run eagerly.
+
+A forward that plans placement and checks its ranks on the host cannot be traced whole, but its
+device half can. When the user writes ``model.forward = torch.compile(model.forward, fullgraph=True)``
+around such a forward, Dynamo calls it with its frame-evaluation callback set (the callback
+compiles each Python frame it is handed, with the user's backend, mode and ``fullgraph``). This
+module lets that forward take the callback aside for its host half and hand it back for its device
+half, so that the device half is compiled exactly as the user asked and nothing else is:
+
+    prior = set_eval_frame(None)      # first statement: a C call, so no Python frame sees the callback
+    try:
+        ...host half...               # eager
+        with_callback(prior, device_half, *args)   # traced and compiled by the user's torch.compile
+    finally:
+        set_eval_frame(prior)
+
+The forward itself must not be traced (its frame would be the first the callback sees):
+:func:`host_frame` marks its code so Dynamo skips that frame but still hands the callback the frames it
+calls. A traced caller that reaches the forward (``torch.compile(model)`` rather than of
+``model.forward``) gets a graph break there, an error under ``fullgraph=True`` with ``reason`` in it.
+
+``set_eval_frame`` is Dynamo's own primitive (what ``torch.compiler.disable`` uses); where a torch
+build lacks it, :data:`available` is False and the forward cannot tell a surrounding compile: its
+own ``torch.compiler.is_compiling()`` refusal then applies.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    from torch._C._dynamo import eval_frame as _eval_frame
+    from torch._C._dynamo.eval_frame import set_eval_frame
+    from torch._dynamo.decorators import skip as _skip
+    available = True
+except ImportError:  # a torch build without Dynamo
+    available = False
+
+    def set_eval_frame(callback):  # the same contract, nothing to suspend
+        return None
+
+    def _skip(fn):
+        return fn
+
+    _eval_frame = None
+
+__all__ = ["available", "compiling", "host_frame", "ran_whole", "set_eval_frame", "with_callback"]
+
+
+def host_frame(fn, reason: str):
+    """Mark ``fn``'s code so Dynamo never traces its frame (it still sees the frames ``fn`` calls);
+    ``reason`` is what Dynamo says when a traced frame calls ``fn``. Returns ``fn``."""
+    _skip(fn)
+    fn._torchdynamo_disable_msg = reason
+    return fn
+
+
+def compiling(prior) -> bool:
+    """Whether ``prior`` (what ``set_eval_frame(None)`` returned) is a compiling callback: a
+    ``torch.compile`` is around the call. ``None`` is no compile, ``False`` Dynamo's run-only mode
+    (cached graphs, no new traces): neither compiles."""
+    return prior is not None and prior is not False and callable(prior)
+
+
+def with_callback(prior, fn, *args):
+    """``fn(*args)`` with ``prior`` (a surrounding compile's callback) in place, so Dynamo traces
+    ``fn``'s frame with that compile's settings; the callback is taken aside again afterwards."""
+    set_eval_frame(prior)
+    try:
+        return fn(*args)
+    finally:
+        set_eval_frame(None)
+
+
+def ran_whole(prior) -> None:
+    """Count a forward that traced nothing (a prefill: its host half runs eagerly by design) as one frame
+    of the surrounding compile, whose callback is ``prior``.
+
+    torch >= 2.12 counts the frames a ``fullgraph=True`` call compiled or found compiled, and raises
+    "found no compiled frames" at zero. Where torch keeps that count (``set_fullgraph_compiled_frame_count``
+    exists), the identity of a 0-d CPU tensor runs under ``prior``: traced once (an empty graph, no
+    code generated; one frame in the compile's count), a cache hit after that. Elsewhere nothing runs."""
+    if getattr(_eval_frame, "set_fullgraph_compiled_frame_count", None) is not None:
+        with_callback(prior, _whole, _TOKEN)
+
+
+def _whole(token):
+    return token
+
+
+_TOKEN = torch.zeros(())
