@@ -15,6 +15,8 @@ guard inside ``test_megatron.py``'s 4-rank run, which has paid for Megatron's im
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -112,8 +114,58 @@ def _hf_rank(rank, world):
     return out
 
 
+def _generate_rank(rank, world):
+    """transformers' own ``generate`` on a tree-enabled model (CP 4 = 2 x 2): every decode forward (one
+    new token per row on a filled cache) runs under the guard -- the host half (the call's checks, the
+    placement) and the device half. (A user-compiled forward's device half is proved sync-free by
+    ``fullgraph=True`` in ``test_compile_step.py``: the guard is a dispatch mode, under which Dynamo
+    does not trace.)"""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from megatron_tree import TreeGroups
+    from megatron_tree.integrations.hf import enable_tree_attention
+    from megatron_tree.utils.sync_guard import HostSyncError, no_host_sync
+
+    groups = TreeGroups.build(intra_size=2)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, initializer_range=0.2)
+    torch.manual_seed(0)  # the same weights on every rank
+    plain = LlamaForCausalLM(cfg).eval()
+    torch.manual_seed(0)  # (a config of its own: enabling sets the attention implementation on it)
+    model = enable_tree_attention(LlamaForCausalLM(copy.deepcopy(cfg)).eval(), groups)
+    tree_forward = model.forward
+    guarded = []
+
+    def forward(*args, **kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if cache is None or cache.get_seq_length() == 0:
+            return tree_forward(*args, **kwargs)  # the prefill: host work by design
+        guarded.append(tuple(kwargs["input_ids"].shape))
+        with no_host_sync("a decode forward of transformers' generate"):
+            return tree_forward(*args, **kwargs)
+
+    model.forward = forward
+    got, want = [], []
+    kw = {"max_new_tokens": STEPS, "min_new_tokens": STEPS, "do_sample": False, "pad_token_id": 0}
+    with torch.no_grad():
+        for p in PROMPTS:
+            got.append(model.generate(torch.tensor([p]), **kw)[0, len(p):].tolist())
+            want.append(plain.generate(torch.tensor([p]), **kw)[0, len(p):].tolist())
+        # the guard is live around these forwards: a decoded token marked as padding, which the forward
+        # checks without a host read on the device, is still refused (a host read there would fail as a sync)
+        steps = list(guarded)
+        ids = torch.tensor([PROMPTS[0]])
+        out = tree_forward(ids)
+        refused = None
+        try:
+            forward(input_ids=ids[:, :1], attention_mask=torch.tensor([[1] * len(PROMPTS[0]) + [0]]), cache=out.cache)
+        except (ValueError, HostSyncError) as e:
+            refused = f"{type(e).__name__}: {e}"
+    return {"equal": got == want, "guarded": steps, "refused": refused}
+
+
 def _rank(rank, world):
-    return {"hf": _hf_rank(rank, world)}
+    return {"hf": _hf_rank(rank, world), "generate": _generate_rank(rank, world)}
 
 
 @pytest.fixture(scope="module")
@@ -134,6 +186,16 @@ def test_transformers_decode_step_cp4_two_level_has_no_host_sync_and_is_exact(re
         shards = r["hf"]["two_level"]["shards"]
         assert all(min(row) > 0 for row in shards), shards
     assert "host sync inside HFTreeModel.decode_step: Tensor.item()" in results[0]["hf"]["injected"]
+
+
+def test_transformers_generate_decode_forwards_have_no_host_sync(results):
+    """Every decode forward of transformers' generate on the tree-enabled model ran under the guard (a
+    sync raises) with unmodified transformers' tokens; the attention mask's value check needs no host read."""
+    for r in results:
+        res = r["generate"]
+        assert res["equal"]
+        assert res["guarded"] == [(1, 1)] * (len(PROMPTS) * (STEPS - 1)), res["guarded"]  # every step after a prefill
+        assert res["refused"].startswith("ValueError: the attention_mask marks a new (decoded) token as padding")
 
 
 SYNCS = {

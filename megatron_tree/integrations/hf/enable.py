@@ -244,10 +244,10 @@ def enable_tree_attention(model, groups: TreeGroups | None, *, strategy: str = "
 
 
 _TRACED_CALLER = (
-    "a traced frame called the forward of a model running tree attention (torch.compile of the model or of "
-    "its __call__): its host half (the prompt's placement, the ranks' checks) runs eagerly and it compiles "
-    "its decode step's device half itself. Compile model.forward instead -- model.forward = "
-    "torch.compile(model.forward, fullgraph=True, ...) -- or pass fullgraph=False, or use "
+    "a traced frame called the forward of a model running tree attention (a compiled function or module that "
+    "calls the model): its host half (the prompt's placement, the ranks' checks) runs eagerly and it compiles "
+    "its decode step's device half itself. Compile model.forward itself -- model.forward = "
+    "torch.compile(model.forward, fullgraph=True, ...) -- or compile the caller with fullgraph=False, or use "
     "enable_tree_attention(model, groups, compile_step=True)")
 """What Dynamo says when a traced frame reaches the sharded forward (``user_compile.host_frame``)."""
 

@@ -354,8 +354,8 @@ def _decode(orig, binding: _Binding, cache: TreeCache, call: dict, batch: int, q
             f"a {mask.dim()}-D attention_mask is not supported; tree attention takes the 2-D padding mask only "
             "(causality and padding come from global token positions)"
         )
-    if mask is not None and mask.shape[-1] >= q_len and not bool(mask[:, -q_len:].all()):
-        raise ValueError("the attention_mask marks a new (decoded) token as padding; only prompts may be padded")
+    if mask is not None and mask.shape[-1] >= q_len:
+        _check_unpadded(mask[:, -q_len:])
     if q_len != 1:
         return _decode_chain(orig, binding, cache, call, batch, q_len)
     cache._begin_decode(batch, binding.windows)
@@ -392,6 +392,21 @@ def _decode(orig, binding: _Binding, cache: TreeCache, call: dict, batch: int, q
         binding.active = None
         cache._phase = None
     return CausalLMOutputWithPast(logits=logits[:, None])
+
+
+_PADDED_NEW = "the attention_mask marks a new (decoded) token as padding; only prompts may be padded"
+
+
+def _check_unpadded(new: torch.Tensor) -> None:
+    """Every entry of ``new`` (the new tokens' columns of the attention_mask) is 1, checked without a host
+    read: ``torch._assert_async`` (a decode step reads no device value on the host). On CPU it raises at
+    once, here a ValueError; on CUDA a 0 is a device-side assert, surfacing at the step's next sync."""
+    try:
+        torch._assert_async(new.all(), _PADDED_NEW)
+    except RuntimeError as e:
+        if _PADDED_NEW not in str(e):
+            raise
+        raise ValueError(_PADDED_NEW) from None
 
 
 def _decode_chain(orig, binding: _Binding, cache: TreeCache, call: dict, batch: int, q_len: int):

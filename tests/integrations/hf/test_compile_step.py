@@ -306,3 +306,30 @@ def test_caches_of_many_sizes_each_compile_once_past_dynamos_recompile_limit():
         want = generate(eager, [prompt], 3, cache=eager.new_cache(1, len(prompt) + 3 + n), progress=False)
         assert got.tokens == want.tokens, n
     assert counter.frame_count == 12
+
+
+def test_compiling_a_caller_of_the_model_says_what_to_compile():
+    """One process: ``torch.compile(model)`` and ``torch.compile(model.__call__)`` with fullgraph=True run
+    (the forward's own frame is skipped, its host half eager) and give the eager logits; a fullgraph
+    compile of a user function that calls the model is Dynamo's graph-break error, carrying the reason
+    that says to compile model.forward itself; without fullgraph that function runs, with the same logits."""
+    from megatron_tree.integrations.hf import enable_tree_attention
+    from tests.helpers.hf_models import hf_model
+
+    model = enable_tree_attention(hf_model("llama"), None)
+    ids = torch.tensor([PROMPTS[0]])
+    with torch.no_grad():
+        want = model(ids).logits
+        torch._dynamo.reset()
+        for compiled in (torch.compile(model, fullgraph=True, backend="aot_eager"),
+                         torch.compile(model.__call__, fullgraph=True, backend="aot_eager")):
+            assert torch.equal(compiled(ids).logits, want)
+
+        def user_step(x):
+            return model(x).logits
+
+        with pytest.raises(Exception, match=r"(?s)Skip inlining.*called the forward of a model running tree "
+                                            r"attention.*Compile model.forward itself"):
+            torch.compile(user_step, fullgraph=True, backend="aot_eager")(ids)
+        torch._dynamo.reset()
+        assert torch.equal(torch.compile(user_step, backend="aot_eager")(ids), want)
