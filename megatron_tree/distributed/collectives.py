@@ -370,11 +370,20 @@ def all_gather(tensor: torch.Tensor, group, *, out: torch.Tensor | None = None, 
 
 def broadcast(tensor: torch.Tensor, src: int, group, *, level: str = "cp", stats: CommStats | None = None,
               what: str = "broadcast") -> torch.Tensor:
-    """``tensor`` of global rank ``src`` on every rank of ``group``, in place; returns ``tensor``."""
-    try:
-        dist.broadcast(tensor, src=src, group=group)
-    except RuntimeError as e:
-        raise _failure(what, f"broadcast from rank {src}", level, group, e) from e
+    """``tensor`` of global rank ``src`` on every rank of ``group``, in place; returns ``tensor``.
+
+    On a group with a shared-memory channel (and a tensor that fits its slot) the channel carries it:
+    a token choice or a random state each decode step, where gloo's broadcast waits ~1-2 ms for thread
+    wake-ups."""
+    channel = _channel_for(group, tensor)
+    if channel is not None and tensor.is_contiguous():
+        _on_channel(channel.broadcast, (tensor, channel.ranks.index(src), what), what, f"broadcast from rank {src}",
+                    level, group)
+    else:
+        try:
+            dist.broadcast(tensor, src=src, group=group)
+        except RuntimeError as e:
+            raise _failure(what, f"broadcast from rank {src}", level, group, e) from e
     if stats is not None:
         n = _nbytes(tensor)
         stats.record(level, "broadcast", n, n if dist.get_rank() == src else 0)

@@ -117,6 +117,15 @@ class Channel:
                 out[r].copy_(self._slot(parity, r, tensor))
         return out
 
+    def broadcast(self, tensor: torch.Tensor, src: int, what: str) -> torch.Tensor:
+        """``tensor`` = group rank ``src``'s, in place. Every rank publishes its own as in any collective (the
+        size and dtype check and the sequence numbers are per call) and reads the source's slot alone."""
+        parity, n = self._publish(tensor)
+        self._wait(n, what)
+        if n and src != self.rank:
+            tensor.copy_(self._slot(parity, src, tensor))
+        return tensor
+
     def all_reduce(self, tensor: torch.Tensor, op: str, what: str) -> torch.Tensor:
         """``tensor`` = the ``op`` of every rank's, taken in group-rank order (the same bits on every rank)."""
         parity, n = self._publish(tensor)

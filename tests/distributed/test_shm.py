@@ -106,10 +106,22 @@ def _collectives(rank, world, transport):
     out["bool"] = collectives.all_gather(torch.tensor([rank == 1, True]), g).tolist()
     empty = torch.empty(0, 3)
     out["empty"] = list(collectives.all_gather(empty, g).shape)
+    for src in range(world):  # each rank the source once: every rank ends with the source's tensor, in place
+        for dtype in (torch.int64, torch.float32, torch.uint8):
+            x = (torch.arange(6) * 7 + 100 * rank).to(dtype)
+            same = collectives.broadcast(x, groups.cp_ranks[src], g)
+            out[("broadcast", src, dtype)] = (x.tolist(), same is x)
+    channel = shm.channel_of(g)
+    if channel is not None:  # the broadcast rides the channel (one collective on it), not gloo
+        before = channel._seq
+        collectives.broadcast(torch.ones(3), groups.cp_ranks[0], g)
+        out["broadcasts on the channel"] = channel._seq - before
     return out
 
 
 def test_collectives_over_shared_memory_give_what_gloo_gives():
+    import torch
+
     world = 3
     over_shm = run_ranks(_collectives, world, "shm", timeout=120)
     over_gloo = run_ranks(_collectives, world, "backend", timeout=120)
@@ -125,6 +137,11 @@ def test_collectives_over_shared_memory_give_what_gloo_gives():
     ordered = {key[1]: value for key, value in over_shm[0].items() if key[0] == "ordered sum"}
     assert len(ordered) == 3 and all(ordered.values()), ordered  # the sum is taken in group-rank order
     assert over_shm[0]["empty"] == [world, 0, 3]
+    assert over_shm[0]["broadcasts on the channel"] == 1 and "broadcasts on the channel" not in over_gloo[0]
+    for src in range(world):
+        for dtype in (torch.int64, torch.float32, torch.uint8):  # (uint8: 100 * src wraps at 256, as the tensor did)
+            want = (torch.arange(6) * 7 + 100 * src).to(dtype).tolist()
+            assert over_shm[0][("broadcast", src, dtype)] == (want, True), (src, dtype)
 
 
 def _mismatch(rank, world, differ):
