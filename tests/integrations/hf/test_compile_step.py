@@ -263,6 +263,52 @@ def test_user_compiled_forward_inside_transformers_generate_at_cp2():
     _check_user_compiled(run_ranks(_user_compiled_forward, 2, timeout=300))
 
 
+_TRACED: list = []
+"""What :func:`_recording_backend` saw: one entry per compiled frame, its graph's call targets (a module-level
+list: transformers deep-copies the compile config, backend included, and a function is copied as itself)."""
+
+
+def _recording_backend(gm, example_inputs, **options):
+    _TRACED.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
+    return gm.forward
+
+
+def _automatic_compile(rank, world):
+    """transformers' own automatic compile of the decode calls (cache_implementation="static" and a
+    CompileConfig; ``_compile_all_devices`` lets it run on CPU, as it does on a GPU by default)."""
+    import torch
+    from transformers import CompileConfig
+
+    import megatron_tree as mt
+    from megatron_tree.integrations.hf import enable_tree_attention
+    from tests.helpers.hf_models import hf_greedy, hf_model
+
+    groups = mt.TreeGroups.build()
+    prompt = PROMPTS[0]
+    want = hf_greedy(hf_model("llama"), [prompt], STEPS)[0]
+    eager = _generate_logits(enable_tree_attention(hf_model("llama"), groups), prompt)
+    config = CompileConfig(backend=_recording_backend)
+    config._compile_all_devices = True
+    torch._dynamo.reset()
+    _TRACED.clear()
+    tokens, logits = _generate_logits(enable_tree_attention(hf_model("llama"), groups), prompt,
+                                      cache_implementation="static", compile_config=config)
+    return {"tokens": tokens == want, "logits": torch.equal(logits, eager[1]), "traced": list(_TRACED)}
+
+
+def test_transformers_automatic_compile_with_a_static_cache_compiles_the_tree_step():
+    """``generate(cache_implementation="static")`` on a tree-enabled model at CP 2 with transformers' automatic
+    compile on (its default on a GPU; its mode, reduce-overhead, is CUDA graphs there): transformers compiles
+    ``model.__call__``, the call reaches the tree forward (a graph break: its host half is eager) and the
+    decode step's device half is traced once, with every layer's attention and CP merge in it; the tokens of
+    unsharded transformers, the eager tree step's logits bit for bit."""
+    for r in run_ranks(_automatic_compile, 2, timeout=300):
+        assert r["tokens"] and r["logits"]
+        assert len(r["traced"]) == 1, [len(t) for t in r["traced"]]
+        for op in ("megatron_tree.flash_decode", "megatron_tree.cp_merge"):
+            assert sum(t.startswith(op) for t in r["traced"][0]) == 2, op  # one per layer
+
+
 def test_user_compiled_forward_inside_transformers_generate_at_2x2():
     """The same over two levels (two nodes of two ranks): the two-level merge in the user's graph."""
     _check_user_compiled(run_ranks(_user_compiled_forward, 4, 2, timeout=300))
