@@ -312,3 +312,15 @@ def test_float32_merge_is_within_roundings_of_the_float64_merge():
         assert out.dtype == torch.float32 and lse.dtype == torch.float32
         assert (out.double() - want).abs().max() <= 4 * eps * outs.abs().max(), (p, spread, offset)
         assert ((lse.double() - want_lse).abs() <= 4 * eps * (want_lse.abs() + 1)).all(), (p, spread, offset)
+
+
+def test_lse_weights_against_a_shift_that_is_not_the_maximum_keep_the_float64_difference():
+    """``lse_weights`` of float32 lses against a shared shift that is not their maximum (``comm``'s
+    ``shifted``, ``packed``): differences up to +-60, each formed in float64 and exp rounded once to
+    float32 -- bit for bit; only ``merge_stacked``'s own maximum (own_max) may form it in float32."""
+    g = torch.Generator().manual_seed(3)
+    lse = (torch.rand(257, generator=g, dtype=torch.float64) * 120 - 60).float()
+    for m in (torch.tensor(0.3337), torch.tensor(-1.7e1), (torch.rand(257, generator=g) * 8 - 4).float()):
+        want = torch.exp(lse.double() - m.double()).float()
+        assert torch.equal(reference.lse_weights(lse, m), want), m
+        assert torch.equal(reference.lse_weights(lse, m, torch.float32), want), m
