@@ -144,6 +144,36 @@ def test_collectives_over_shared_memory_give_what_gloo_gives():
             assert over_shm[0][("broadcast", src, dtype)] == (want, True), (src, dtype)
 
 
+
+def _broadcast_beside(rank, world, transport):
+    """Broadcasts inside CP groups laid side by side ([0, 2] and [1, 3]), whose group ranks are not the
+    global ranks: the source is named by its global rank, as the decode loops do (``cp_ranks[0]``)."""
+    import torch
+
+    import megatron_tree as mt
+    from megatron_tree.distributed import collectives
+
+    groups = mt.TreeGroups.build([[0, 2], [1, 3]], transport=transport)
+    out = {"channel": shm.channel_of(groups.cp_group) is not None}
+    for src in groups.cp_ranks:
+        x = torch.arange(5) * 3 + 100 * rank
+        collectives.broadcast(x, src, groups.cp_group)
+        out[("from", groups.cp_ranks.index(src))] = x.tolist()
+    return out
+
+
+def test_broadcast_in_groups_side_by_side_takes_the_source_by_its_global_rank():
+    """Four ranks as two CP groups of two, interleaved: every member of a group ends with its source's
+    tensor (the source a global rank, its slot the group rank), over the channel as over gloo."""
+    over_shm = run_ranks(_broadcast_beside, 4, "shm", timeout=120)
+    over_gloo = run_ranks(_broadcast_beside, 4, "backend", timeout=120)
+    for rank in range(4):
+        members = [rank % 2, rank % 2 + 2]  # this rank's group, in group-rank order
+        assert over_shm[rank]["channel"] and not over_gloo[rank]["channel"], rank
+        for i, src in enumerate(members):
+            want = [3 * j + 100 * src for j in range(5)]
+            assert over_shm[rank][("from", i)] == want == over_gloo[rank][("from", i)], (rank, src)
+
 def _mismatch(rank, world, differ):
     import torch
 
