@@ -263,10 +263,8 @@ def _weights(lse: torch.Tensor, shift: torch.Tensor, dtype: torch.dtype, own_max
     if own_max and lse.dtype == dtype == torch.float32:
         return (lse - shift).exp_()
     # float64 - float32 widens the float32 operand exactly: the same difference as two .double().
-    # A float32 lse is widened into a new tensor, which the difference may overwrite (one
-    # allocation less on a tiny merge's host path); a float64 lse is the caller's, left alone.
-    wide = lse.double()
-    w = (wide - shift if wide is lse else wide.sub_(shift)).exp_()
+    # (Out of place: ``m`` may broadcast to a larger shape than ``lse``.)
+    w = (lse.double() - shift).exp_()
     if w.dtype == dtype:
         return w
     # .float() is .to(torch.float32) with less argument parsing (half the host time on a tiny merge)

@@ -324,3 +324,16 @@ def test_lse_weights_against_a_shift_that_is_not_the_maximum_keep_the_float64_di
         want = torch.exp(lse.double() - m.double()).float()
         assert torch.equal(reference.lse_weights(lse, m), want), m
         assert torch.equal(reference.lse_weights(lse, m, torch.float32), want), m
+
+
+def test_lse_weights_take_a_shift_that_broadcasts_to_a_larger_shape():
+    """``lse_weights(lse, m)`` with ``m`` broadcasting ``lse`` to a larger shape (as its docstring allows):
+    the weights of every pairing, each exp(float64 difference) rounded once -- an in-place difference on the
+    widened lse raised a shape error here."""
+    g = torch.Generator().manual_seed(12)
+    lse = torch.randn(257, generator=g) * 10
+    m = torch.randn(3, 1, generator=g) * 10
+    w = reference.lse_weights(lse, m)
+    assert w.shape == (3, 257) and w.dtype == torch.float32
+    assert torch.equal(w, torch.exp(lse.double()[None, :] - m.double()).float())
+
