@@ -314,6 +314,51 @@ def test_user_compiled_forward_inside_transformers_generate_at_2x2():
     _check_user_compiled(run_ranks(_user_compiled_forward, 4, 2, timeout=300))
 
 
+def _static_padded(rank, world):
+    """``generate(cache_implementation="static")`` on a left-padded batch, eager and under a user's compile of
+    ``model.forward``, for a model with ``layer_types`` (Qwen2: transformers builds a dict of masks) and one
+    without (Llama: a single mask, which is None for an attention implementation it has no mask function for)."""
+    import torch
+
+    import megatron_tree as mt
+    from megatron_tree.integrations.hf import enable_tree_attention
+    from tests.helpers.hf_models import batch, hf_model
+
+    groups = mt.TreeGroups.build()
+    ids, mask = batch()
+    out = {}
+
+    def tokens(model):
+        with torch.no_grad():
+            seq = model.generate(ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                                 pad_token_id=0, cache_implementation="static")
+        return seq[:, ids.shape[1]:].tolist()
+
+    for arch in ("qwen2", "llama"):
+        want = tokens(hf_model(arch))  # unsharded transformers, its own static cache and 4-D masks
+        for compiled in (False, True):
+            model = enable_tree_attention(hf_model(arch), groups)
+            if compiled:
+                torch._dynamo.reset()
+                model.forward = torch.compile(model.forward, fullgraph=True, backend="aot_eager")
+            try:
+                out[arch, compiled] = tokens(model) == want
+            except Exception as e:  # noqa: BLE001 -- reported, so every case shows
+                out[arch, compiled] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def test_static_cache_generate_of_a_left_padded_batch():
+    """transformers builds the prefill's masks itself when its cache is compileable (a StaticCache), from the
+    model's ``create_masks_for_generate``: without a mask function for tree attention that mask was a dict of
+    Nones (Qwen2: an AttributeError in the prefill's check) or None (Llama: the padding attended, other tokens,
+    no error). The tree-enabled model hands the 2-D padding mask through: transformers' tokens at CP 3 on
+    rows of 29, 17 and 1 tokens, eager and under a user's compile."""
+    for r in run_ranks(_static_padded, 3, timeout=300):
+        for case, got in r.items():
+            assert got is True, (case, got)
+
+
 def _split_setting(rank, world):
     import megatron_tree as mt
     from megatron_tree.decode.generate import generate
