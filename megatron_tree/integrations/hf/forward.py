@@ -476,10 +476,13 @@ def compile_step(binding: _Binding, setting) -> "CompiledSteps | None":
     if setting.get("fullgraph") is False:
         raise ValueError("compile_step compiles the whole step (fullgraph=True): a graph break would run part "
                          "of it eagerly every step; drop fullgraph=False")
-    # Static shapes unless asked otherwise: each cache shape gets its own graph (a new capacity is a new
-    # trace, as with transformers' static cache); a dynamic recompile would make the storage views'
-    # base sizes symbolic, which Inductor cannot trace back to an input.
-    return CompiledSteps(binding, {"dynamic": False, **setting, "fullgraph": True})
+    # Static shapes: each cache shape gets its own graph (a new capacity is a new trace, as with
+    # transformers' static cache); a symbolic trace makes the storage views' base sizes symbolic, which
+    # the backends cannot trace back to an input (aot_eager: "... is not tracked with proxy").
+    if setting.get("dynamic"):
+        raise ValueError("compile_step traces each decode step shape once with static shapes (every cache shape "
+                         "has its own graph); dynamic=True cannot trace the cache's storage views: drop dynamic")
+    return CompiledSteps(binding, {**setting, "dynamic": False, "fullgraph": True})
 
 
 class CompiledSteps:
@@ -520,7 +523,11 @@ class UserSteps:
         fn = self.steps.get(key)
         if fn is None:
             fn = self.steps[key] = _fresh_step(self.binding, len(self.steps))
-        return user_compile.with_callback(prior, fn, ids, positions, cache)
+        # Static shapes whatever the user's dynamic= says: each step shape has its own function already, and a
+        # symbolic trace of the step makes the storage views' base sizes symbolic, which the backends cannot
+        # trace back to an input (an error, or a graph that reads the wrong slots)
+        with torch._dynamo.config.patch(assume_static_by_default=True, automatic_dynamic_shapes=False):
+            return user_compile.with_callback(prior, fn, ids, positions, cache)
 
 
 def _step_shape(ids: torch.Tensor, cache: TreeCache) -> tuple:

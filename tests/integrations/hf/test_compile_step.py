@@ -359,6 +359,37 @@ def test_static_cache_generate_of_a_left_padded_batch():
             assert got is True, (case, got)
 
 
+def test_user_compile_with_dynamic_shapes_traces_the_step_static():
+    """One process: ``torch.compile(model.forward, fullgraph=True, dynamic=True)`` on a left-padded batch. A
+    symbolic trace of the step made the storage views' sizes symbolic: with a counting backend the tokens were
+    other than transformers' (no error), with "aot_eager" itself a BackendCompilerFailed. The step is traced
+    with static shapes whatever dynamic says (each step shape has its own function): transformers' tokens,
+    two frames. compile_step={"dynamic": True} is refused, naming dynamic."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from megatron_tree.integrations.hf import enable_tree_attention
+    from tests.helpers.hf_models import batch, hf_model
+
+    ids, mask = batch()
+
+    def tokens(model):
+        with torch.no_grad():
+            seq = model.generate(ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                                 pad_token_id=0)
+        return seq[:, ids.shape[1]:].tolist()
+
+    want = tokens(hf_model("qwen2"))
+    for backend in (CompileCounterWithBackend("aot_eager"), "aot_eager"):
+        torch._dynamo.reset()
+        model = enable_tree_attention(hf_model("qwen2"), None)
+        model.forward = torch.compile(model.forward, fullgraph=True, dynamic=True, backend=backend)
+        assert tokens(model) == want, backend
+        if not isinstance(backend, str):
+            assert backend.frame_count == 2
+    with pytest.raises(ValueError, match="dynamic=True"):
+        enable_tree_attention(hf_model("qwen2"), None, compile_step={"dynamic": True})
+
+
 def _split_setting(rank, world):
     import megatron_tree as mt
     from megatron_tree.decode.generate import generate
