@@ -367,8 +367,12 @@ def _decode(orig, binding: _Binding, cache: TreeCache, call: dict, batch: int, q
     if not cache.static:
         raise ValueError(f"a compiled decode step ({what}) needs a static TreeCache (TreeCache(..., static=True), "
                          "what the model makes itself when its prefill runs compiled or compile_step is set): its "
-                         "shapes must not change; this cache was filled by an uncompiled prefill")
-    if binding.step is not None and binding.step.shifts is not None:
+                         "shapes must not change; this cache is not static (made with static=False, or filled by an "
+                         "uncompiled prefill)")
+    # the package loop's step carries the shifts; transformers' generate hands none, its strategy decides
+    step = binding.step
+    shifted = getattr(step, "strategy", binding.strategy) == "shifted" or getattr(step, "shifts", None) is not None
+    if shifted and binding.cp_size > 1:  # (one rank: no merge)
         raise CompileError(f"strategy='shifted' carries every layer's lse between steps in host state and cannot "
                            f"run in a compiled step ({what}); use 'packed', 'auto' or another strategy, or "
                            f"{'leave model.forward uncompiled' if users else 'compile_step=False'}")

@@ -390,6 +390,31 @@ def test_user_compile_with_dynamic_shapes_traces_the_step_static():
         enable_tree_attention(hf_model("qwen2"), None, compile_step={"dynamic": True})
 
 
+def _shifted_user_compile(rank, world):
+    import torch
+
+    import megatron_tree as mt
+    from megatron_tree.integrations.hf import enable_tree_attention
+    from tests.helpers.hf_models import hf_model
+
+    model = enable_tree_attention(hf_model("qwen2"), mt.TreeGroups.build(), strategy="shifted")
+    model.forward = torch.compile(model.forward, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        return outcome(lambda: model.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=3, do_sample=False,
+                                              pad_token_id=0))
+
+
+def test_shifted_under_a_user_compile_is_refused_by_name():
+    """strategy='shifted' with model.forward compiled by the user, in transformers' generate at CP 2: the
+    forward's own CompileError naming the strategy and what to change, on every rank (the check read only the
+    package loop's step, so Dynamo traced the merge and reported "Observed exception" with the reason buried)."""
+    results = run_ranks(_shifted_user_compile, 2, timeout=300)
+    assert results[0][:2] == results[1][:2]
+    kind, message, _ = results[0]
+    assert kind == "CompileError", results[0]
+    assert "strategy='shifted'" in message and "leave model.forward uncompiled" in message
+
+
 def _split_setting(rank, world):
     import megatron_tree as mt
     from megatron_tree.decode.generate import generate
