@@ -238,7 +238,14 @@ def enable_tree_attention(model, groups: TreeGroups | None, *, strategy: str = "
     def generate(*args, **kwargs):
         return _sharded_generate(model, orig_generate, binding, args, kwargs)
 
+    def create_masks_for_generate(*, attention_mask=None, **_):
+        # transformers' generate builds the prefill's masks through this hook when its cache is compileable
+        # (cache_implementation="static"); with no mask function for tree attention its own returns None (or a
+        # dict of Nones): the padding would be lost. The forward takes the 2-D padding mask itself.
+        return attention_mask
+
     model.forward, model.generate = forward, generate
+    model.create_masks_for_generate = create_masks_for_generate
     setattr(model, _MARK, binding)
     return model
 
@@ -266,7 +273,7 @@ def disable_tree_attention(model):
     binding = getattr(model, _MARK, None)
     if binding is None:
         return model
-    for name in ("forward", "generate"):
+    for name in ("forward", "generate", "create_masks_for_generate"):
         if name in model.__dict__:
             del model.__dict__[name]
     for m in binding.attention_modules:

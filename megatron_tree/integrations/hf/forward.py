@@ -367,8 +367,12 @@ def _decode(orig, binding: _Binding, cache: TreeCache, call: dict, batch: int, q
     if not cache.static:
         raise ValueError(f"a compiled decode step ({what}) needs a static TreeCache (TreeCache(..., static=True), "
                          "what the model makes itself when its prefill runs compiled or compile_step is set): its "
-                         "shapes must not change; this cache was filled by an uncompiled prefill")
-    if binding.step is not None and binding.step.shifts is not None:
+                         "shapes must not change; this cache is not static (made with static=False, or filled by an "
+                         "uncompiled prefill)")
+    # the package loop's step carries the shifts; transformers' generate hands none, its strategy decides
+    step = binding.step
+    shifted = getattr(step, "strategy", binding.strategy) == "shifted" or getattr(step, "shifts", None) is not None
+    if shifted and binding.cp_size > 1:  # (one rank: no merge)
         raise CompileError(f"strategy='shifted' carries every layer's lse between steps in host state and cannot "
                            f"run in a compiled step ({what}); use 'packed', 'auto' or another strategy, or "
                            f"{'leave model.forward uncompiled' if users else 'compile_step=False'}")
@@ -476,10 +480,13 @@ def compile_step(binding: _Binding, setting) -> "CompiledSteps | None":
     if setting.get("fullgraph") is False:
         raise ValueError("compile_step compiles the whole step (fullgraph=True): a graph break would run part "
                          "of it eagerly every step; drop fullgraph=False")
-    # Static shapes unless asked otherwise: each cache shape gets its own graph (a new capacity is a new
-    # trace, as with transformers' static cache); a dynamic recompile would make the storage views'
-    # base sizes symbolic, which Inductor cannot trace back to an input.
-    return CompiledSteps(binding, {"dynamic": False, **setting, "fullgraph": True})
+    # Static shapes: each cache shape gets its own graph (a new capacity is a new trace, as with
+    # transformers' static cache); a symbolic trace makes the storage views' base sizes symbolic, which
+    # the backends cannot trace back to an input (aot_eager: "... is not tracked with proxy").
+    if setting.get("dynamic"):
+        raise ValueError("compile_step traces each decode step shape once with static shapes (every cache shape "
+                         "has its own graph); dynamic=True cannot trace the cache's storage views: drop dynamic")
+    return CompiledSteps(binding, {**setting, "dynamic": False, "fullgraph": True})
 
 
 class CompiledSteps:
@@ -520,7 +527,11 @@ class UserSteps:
         fn = self.steps.get(key)
         if fn is None:
             fn = self.steps[key] = _fresh_step(self.binding, len(self.steps))
-        return user_compile.with_callback(prior, fn, ids, positions, cache)
+        # Static shapes whatever the user's dynamic= says: each step shape has its own function already, and a
+        # symbolic trace of the step makes the storage views' base sizes symbolic, which the backends cannot
+        # trace back to an input (an error, or a graph that reads the wrong slots)
+        with torch._dynamo.config.patch(assume_static_by_default=True, automatic_dynamic_shapes=False):
+            return user_compile.with_callback(prior, fn, ids, positions, cache)
 
 
 def _step_shape(ids: torch.Tensor, cache: TreeCache) -> tuple:

@@ -314,6 +314,107 @@ def test_user_compiled_forward_inside_transformers_generate_at_2x2():
     _check_user_compiled(run_ranks(_user_compiled_forward, 4, 2, timeout=300))
 
 
+def _static_padded(rank, world):
+    """``generate(cache_implementation="static")`` on a left-padded batch, eager and under a user's compile of
+    ``model.forward``, for a model with ``layer_types`` (Qwen2: transformers builds a dict of masks) and one
+    without (Llama: a single mask, which is None for an attention implementation it has no mask function for)."""
+    import torch
+
+    import megatron_tree as mt
+    from megatron_tree.integrations.hf import enable_tree_attention
+    from tests.helpers.hf_models import batch, hf_model
+
+    groups = mt.TreeGroups.build()
+    ids, mask = batch()
+    out = {}
+
+    def tokens(model):
+        with torch.no_grad():
+            seq = model.generate(ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                                 pad_token_id=0, cache_implementation="static")
+        return seq[:, ids.shape[1]:].tolist()
+
+    for arch in ("qwen2", "llama"):
+        want = tokens(hf_model(arch))  # unsharded transformers, its own static cache and 4-D masks
+        for compiled in (False, True):
+            model = enable_tree_attention(hf_model(arch), groups)
+            if compiled:
+                torch._dynamo.reset()
+                model.forward = torch.compile(model.forward, fullgraph=True, backend="aot_eager")
+            try:
+                out[arch, compiled] = tokens(model) == want
+            except Exception as e:  # noqa: BLE001 -- reported, so every case shows
+                out[arch, compiled] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def test_static_cache_generate_of_a_left_padded_batch():
+    """transformers builds the prefill's masks itself when its cache is compileable (a StaticCache), from the
+    model's ``create_masks_for_generate``: without a mask function for tree attention that mask was a dict of
+    Nones (Qwen2: an AttributeError in the prefill's check) or None (Llama: the padding attended, other tokens,
+    no error). The tree-enabled model hands the 2-D padding mask through: transformers' tokens at CP 3 on
+    rows of 29, 17 and 1 tokens, eager and under a user's compile."""
+    for r in run_ranks(_static_padded, 3, timeout=300):
+        for case, got in r.items():
+            assert got is True, (case, got)
+
+
+def test_user_compile_with_dynamic_shapes_traces_the_step_static():
+    """One process: ``torch.compile(model.forward, fullgraph=True, dynamic=True)`` on a left-padded batch. A
+    symbolic trace of the step made the storage views' sizes symbolic: with a counting backend the tokens were
+    other than transformers' (no error), with "aot_eager" itself a BackendCompilerFailed. The step is traced
+    with static shapes whatever dynamic says (each step shape has its own function): transformers' tokens,
+    two frames. compile_step={"dynamic": True} is refused, naming dynamic."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from megatron_tree.integrations.hf import enable_tree_attention
+    from tests.helpers.hf_models import batch, hf_model
+
+    ids, mask = batch()
+
+    def tokens(model):
+        with torch.no_grad():
+            seq = model.generate(ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                                 pad_token_id=0)
+        return seq[:, ids.shape[1]:].tolist()
+
+    want = tokens(hf_model("qwen2"))
+    for backend in (CompileCounterWithBackend("aot_eager"), "aot_eager"):
+        torch._dynamo.reset()
+        model = enable_tree_attention(hf_model("qwen2"), None)
+        model.forward = torch.compile(model.forward, fullgraph=True, dynamic=True, backend=backend)
+        assert tokens(model) == want, backend
+        if not isinstance(backend, str):
+            assert backend.frame_count == 2
+    with pytest.raises(ValueError, match="dynamic=True"):
+        enable_tree_attention(hf_model("qwen2"), None, compile_step={"dynamic": True})
+
+
+def _shifted_user_compile(rank, world):
+    import torch
+
+    import megatron_tree as mt
+    from megatron_tree.integrations.hf import enable_tree_attention
+    from tests.helpers.hf_models import hf_model
+
+    model = enable_tree_attention(hf_model("qwen2"), mt.TreeGroups.build(), strategy="shifted")
+    model.forward = torch.compile(model.forward, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        return outcome(lambda: model.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=3, do_sample=False,
+                                              pad_token_id=0))
+
+
+def test_shifted_under_a_user_compile_is_refused_by_name():
+    """strategy='shifted' with model.forward compiled by the user, in transformers' generate at CP 2: the
+    forward's own CompileError naming the strategy and what to change, on every rank (the check read only the
+    package loop's step, so Dynamo traced the merge and reported "Observed exception" with the reason buried)."""
+    results = run_ranks(_shifted_user_compile, 2, timeout=300)
+    assert results[0][:2] == results[1][:2]
+    kind, message, _ = results[0]
+    assert kind == "CompileError", results[0]
+    assert "strategy='shifted'" in message and "leave model.forward uncompiled" in message
+
+
 def _split_setting(rank, world):
     import megatron_tree as mt
     from megatron_tree.decode.generate import generate
