@@ -26,6 +26,8 @@ own ``torch.compiler.is_compiling()`` refusal then applies.
 
 from __future__ import annotations
 
+import types
+
 import torch
 
 try:
@@ -81,11 +83,31 @@ def ran_whole(prior) -> None:
     exists), the identity of a 0-d CPU tensor runs under ``prior``: traced once (an empty graph, no
     code generated; one frame in the compile's count), a cache hit after that. Elsewhere nothing runs."""
     if getattr(_eval_frame, "set_fullgraph_compiled_frame_count", None) is not None:
-        with_callback(prior, _whole, _TOKEN)
+        with_callback(prior, _whole_for(prior), _TOKEN)
 
 
 def _whole(token):
     return token
+
+
+_WHOLES: dict = {}
+"""id(callback) -> the identity function its compile traces (a code object of its own per compile)."""
+
+
+def _whole_for(prior):
+    """The identity, as a function with a code object of its own for the compile whose callback is ``prior``.
+
+    Dynamo keeps its traces per code object and, under ``fullgraph=True``, fails past ``recompile_limit`` (8)
+    of them: one identity shared by every compile failed at the ninth model compiled in one process (an eval
+    making model after model). At most 64 are kept; past that the memory starts afresh (a callback whose entry
+    went, or whose id a new one took, gets a fresh function: one trace more, never a wrong one)."""
+    fn = _WHOLES.get(id(prior))
+    if fn is None:
+        if len(_WHOLES) >= 64:
+            _WHOLES.clear()
+        code = _whole.__code__.replace(co_name=f"tree_forward_ran_whole_{len(_WHOLES)}")
+        fn = _WHOLES[id(prior)] = types.FunctionType(code, _whole.__globals__, code.co_name)
+    return fn
 
 
 _TOKEN = torch.zeros(())
