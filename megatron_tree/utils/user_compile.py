@@ -46,7 +46,7 @@ except ImportError:  # a torch build without Dynamo
 
     _eval_frame = None
 
-__all__ = ["available", "compiling", "host_frame", "ran_whole", "set_eval_frame", "with_callback"]
+__all__ = ["available", "compiling", "host_frame", "own_code", "ran_whole", "set_eval_frame", "with_callback"]
 
 
 def host_frame(fn, reason: str):
@@ -105,9 +105,16 @@ def _whole_for(prior):
     if fn is None:
         if len(_WHOLES) >= 64:
             _WHOLES.clear()
-        code = _whole.__code__.replace(co_name=f"tree_forward_ran_whole_{len(_WHOLES)}")
-        fn = _WHOLES[id(prior)] = types.FunctionType(code, _whole.__globals__, code.co_name)
+        fn = _WHOLES[id(prior)] = own_code(_whole, f"tree_forward_ran_whole_{len(_WHOLES)}")
     return fn
+
+
+def own_code(fn, name: str):
+    """``fn`` (closure and defaults included) over a copy of its code object named ``name``: Dynamo keeps
+    its traces, and counts them against ``recompile_limit``, per code object, so each copy is traced on
+    its own."""
+    code = fn.__code__.replace(co_name=name)
+    return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
 
 
 _TOKEN = torch.zeros(())

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import types
 
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -115,12 +114,12 @@ def _sharded_forward(model, orig, binding: _Binding, args, kwargs, prior=None):
     if cache.num_layers != binding.num_layers:
         raise ValueError(f"TreeCache has {cache.num_layers} layers, the model {binding.num_layers}")
 
-    step = cache.get_seq_length() > 0 and q_len == 1  # one new token per row: the step that is compiled
-    if cache.get_seq_length() == 0:
-        out = _prefill(model, orig, binding, cache, call, batch, q_len)
-    else:
+    filled = cache.get_seq_length() > 0
+    if filled:
         out = _decode(orig, binding, cache, call, batch, q_len, prior)
-    if not step and user_compile.compiling(prior):
+    else:
+        out = _prefill(model, orig, binding, cache, call, batch, q_len)
+    if not (filled and q_len == 1) and user_compile.compiling(prior):  # (one new token per row: the compiled step)
         user_compile.ran_whole(prior)  # a fullgraph=True compile around a forward that traced nothing
     out[binding.cache_kwarg] = cache if returned else None
     return out if return_dict is not False else out.to_tuple()
@@ -489,9 +488,9 @@ def compile_step(binding: _Binding, setting) -> "CompiledSteps | None":
     return CompiledSteps(binding, {**setting, "dynamic": False, "fullgraph": True})
 
 
-class CompiledSteps:
-    """The compiled decode steps of one model: one ``torch.compile`` of :func:`device_step` per step shape
-    (the cache's storage shape and dtype, the batch), each over a code object of its own.
+class _ShapeSteps:
+    """A model's decode-step functions, one per step shape (the cache's storage shape and dtype, the batch),
+    each over a code object of its own.
 
     Dynamo keeps its traces per code object and stops at ``recompile_limit`` (8) of them; with
     ``fullgraph=True`` the ninth is an error. One function shared by every model and cache would reach
@@ -499,34 +498,44 @@ class CompiledSteps:
     case after case). Here each shape is traced once, by its own function, whatever came before.
     """
 
-    def __init__(self, binding: _Binding, options: dict):
-        self.binding, self.options = binding, options
-        self.steps: dict = {}
-
-    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, cache: TreeCache) -> torch.Tensor:
-        key = _step_shape(ids, cache)
-        fn = self.steps.get(key)
-        if fn is None:
-            _check_capturable(self.options, cache.storage.k.device)
-            fn = self.steps[key] = torch.compile(_fresh_step(self.binding, len(self.steps)), **self.options)
-        return fn(ids, positions, cache)
-
-
-class UserSteps:
-    """The decode steps a user's ``torch.compile`` around ``model.forward`` compiles: per step shape a
-    function of its own (as :class:`CompiledSteps`, so each shape is one trace whatever came before),
-    called with that compile's frame-evaluation callback in place -- Dynamo traces it with the user's
-    backend, mode and ``fullgraph``; the forward's host half around it never reaches Dynamo."""
-
     def __init__(self, binding: _Binding):
         self.binding = binding
         self.steps: dict = {}
 
-    def __call__(self, prior, ids: torch.Tensor, positions: torch.Tensor, cache: TreeCache) -> torch.Tensor:
+    def _for(self, ids: torch.Tensor, cache: TreeCache):
         key = _step_shape(ids, cache)
         fn = self.steps.get(key)
         if fn is None:
-            fn = self.steps[key] = _fresh_step(self.binding, len(self.steps))
+            fn = self.steps[key] = self._make(_fresh_step(self.binding, len(self.steps)), cache)
+        return fn
+
+    def _make(self, step, cache: TreeCache):
+        return step
+
+
+class CompiledSteps(_ShapeSteps):
+    """The compiled decode steps of one model (``compile_step``): one ``torch.compile`` of :func:`device_step`
+    per step shape."""
+
+    def __init__(self, binding: _Binding, options: dict):
+        super().__init__(binding)
+        self.options = options
+
+    def _make(self, step, cache: TreeCache):
+        _check_capturable(self.options, cache.storage.k.device)
+        return torch.compile(step, **self.options)
+
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, cache: TreeCache) -> torch.Tensor:
+        return self._for(ids, cache)(ids, positions, cache)
+
+
+class UserSteps(_ShapeSteps):
+    """The decode steps a user's ``torch.compile`` around ``model.forward`` compiles: per step shape a
+    function of its own, called with that compile's frame-evaluation callback in place -- Dynamo traces
+    it with the user's backend, mode and ``fullgraph``; the forward's host half around it never reaches Dynamo."""
+
+    def __call__(self, prior, ids: torch.Tensor, positions: torch.Tensor, cache: TreeCache) -> torch.Tensor:
+        fn = self._for(ids, cache)
         # Static shapes whatever the user's dynamic= says: each step shape has its own function already, and a
         # symbolic trace of the step makes the storage views' base sizes symbolic, which the backends cannot
         # trace back to an input (an error, or a graph that reads the wrong slots)
@@ -561,5 +570,4 @@ def _fresh_step(binding: _Binding, n: int):
     def step(ids, positions, cache):
         return device_step(binding, ids, positions, cache)
 
-    code = step.__code__.replace(co_name=f"tree_decode_step_{n}")  # a code object, and Dynamo cache, of its own
-    return types.FunctionType(code, step.__globals__, code.co_name, step.__defaults__, step.__closure__)
+    return user_compile.own_code(step, f"tree_decode_step_{n}")  # a code object, and Dynamo cache, of its own
