@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 
-from tests.helpers.drafts import draft_masks
+from tests.helpers.drafts import draft_masks, draft_tensors
 from tests.helpers.ranks import run_ranks
 from tests.helpers.hf_models import make_checkpoint
 
@@ -32,15 +32,7 @@ HQ, HKV, D, DV = 4, 2, 16, 8
 
 
 def _tensors(t):
-    g = torch.Generator().manual_seed(100 + t)
-    b = len(LENGTHS)
-    n = max(LENGTHS)
-    q = torch.randn(b, t, HQ, D, generator=g)
-    k = torch.randn(b, n, HKV, D, generator=g) * 2
-    v = torch.randn(b, n, HKV, DV, generator=g)
-    dk = torch.randn(b, t, HKV, D, generator=g) * 2
-    dv = torch.randn(b, t, HKV, DV, generator=g)
-    return q, k, v, dk, dv
+    return draft_tensors(LENGTHS, t, 100 + t, HQ, HKV, D, DV)
 
 
 def _cuts(size, rank_of_case):

@@ -26,7 +26,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers.drafts import draft_masks
+from tests.helpers.drafts import draft_masks, draft_tensors
 from tests.helpers.ranks import run_ranks
 
 WORLD = 5
@@ -37,14 +37,7 @@ WINDOWS = (1, 2, 5, 9, None)
 
 
 def _tensors(t):
-    g = torch.Generator().manual_seed(200 + t)
-    b, n = len(LENGTHS), max(LENGTHS)
-    q = torch.randn(b, t, HQ, D, generator=g)
-    k = torch.randn(b, n, HKV, D, generator=g) * 2
-    v = torch.randn(b, n, HKV, DV, generator=g)
-    dk = torch.randn(b, t, HKV, D, generator=g) * 2
-    dv = torch.randn(b, t, HKV, DV, generator=g)
-    return q, k, v, dk, dv
+    return draft_tensors(LENGTHS, t, 200 + t, HQ, HKV, D, DV)
 
 
 def _owners(size):
