@@ -539,8 +539,13 @@ class UserSteps(_ShapeSteps):
         # Static shapes whatever the user's dynamic= says: each step shape has its own function already, and a
         # symbolic trace of the step makes the storage views' base sizes symbolic, which the backends cannot
         # trace back to an input (an error, or a graph that reads the wrong slots)
-        with torch._dynamo.config.patch(assume_static_by_default=True, automatic_dynamic_shapes=False):
+        with _STATIC_SHAPES:
             return user_compile.with_callback(prior, fn, ids, positions, cache)
+
+
+_STATIC_SHAPES = torch._dynamo.config.patch(assume_static_by_default=True, automatic_dynamic_shapes=False)
+"""Dynamo's settings for a user-compiled step's trace, made once: a patch object is reusable, and making one
+per step cost ~20 us of a step's host time (entering it ~10 us)."""
 
 
 def _step_shape(ids: torch.Tensor, cache: TreeCache) -> tuple:
