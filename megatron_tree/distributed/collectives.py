@@ -376,7 +376,7 @@ def broadcast(tensor: torch.Tensor, src: int, group, *, level: str = "cp", stats
     a token choice or a random state each decode step, where gloo's broadcast waits ~1-2 ms for thread
     wake-ups."""
     channel = _channel_for(group, tensor)
-    if channel is not None and tensor.is_contiguous():
+    if channel is not None:
         _on_channel(channel.broadcast, (tensor, channel.ranks.index(src), what), what, f"broadcast from rank {src}",
                     level, group)
     else:

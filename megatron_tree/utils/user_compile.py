@@ -20,7 +20,7 @@ calls. A traced caller that reaches the forward (``torch.compile(model)`` rather
 ``model.forward``) gets a graph break there, an error under ``fullgraph=True`` with ``reason`` in it.
 
 ``set_eval_frame`` is Dynamo's own primitive (what ``torch.compiler.disable`` uses); where a torch
-build lacks it, :data:`available` is False and the forward cannot tell a surrounding compile: its
+build lacks it, the stand-in returns None and the forward cannot tell a surrounding compile: its
 own ``torch.compiler.is_compiling()`` refusal then applies.
 """
 
@@ -34,10 +34,7 @@ try:
     from torch._C._dynamo import eval_frame as _eval_frame
     from torch._C._dynamo.eval_frame import set_eval_frame
     from torch._dynamo.decorators import skip as _skip
-    available = True
 except ImportError:  # a torch build without Dynamo
-    available = False
-
     def set_eval_frame(callback):  # the same contract, nothing to suspend
         return None
 
@@ -46,7 +43,7 @@ except ImportError:  # a torch build without Dynamo
 
     _eval_frame = None
 
-__all__ = ["available", "compiling", "host_frame", "own_code", "ran_whole", "set_eval_frame", "with_callback"]
+__all__ = ["compiling", "host_frame", "own_code", "ran_whole", "set_eval_frame", "with_callback"]
 
 
 def host_frame(fn, reason: str):
