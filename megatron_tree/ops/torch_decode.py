@@ -38,7 +38,7 @@ import torch
 
 from . import contract
 
-__all__ = ["flash_decode", "decode"]
+__all__ = ["decode", "flash_decode"]
 
 
 _FUSED = getattr(torch, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -52,9 +52,22 @@ before P @ V) -- and only where no per-key mask is needed (no positions, no soft
 sliced to its valid keys always has one."""
 
 
-FUSED_MAX_KEYS = 2048
-"""Rows of at most this many keys take ``_FUSED``; longer ones the loop, whose two matmuls stream the
-cache at least as fast (one thread: fused 0.9x the loop's time at 1K keys, 1.1x at 4K, equal at 16K)."""
+FUSED_MAX_KEYS = 8192
+"""Rows of at most this many keys may take ``_FUSED`` (:func:`use_fused`)."""
+
+FUSED_MAX_GROUP_KEYS = 1024
+"""With a GQA group of more than 3 query heads per KV head, a row takes ``_FUSED`` only while
+group size x keys is at most this."""
+
+
+def use_fused(group: int, keys: int) -> bool:
+    """Whether a row of ``keys`` keys, ``group`` query heads per KV head, is faster on ``_FUSED`` than
+    on the loop. The fused call saves the loop's twenty-odd small calls (tens of microseconds of host
+    time), but it reads each KV head once per query head of its group where the loop's matmuls read
+    it once; measured on one CPU thread (``benchmarks/cpu_fused.py``, ``results/cpu_fused.md``):
+    fused/loop time 0.5-1.0 up to 8K keys for groups of 1 and 3 (1.05-1.3 past it), but 1.0-2.1 at
+    512-2K keys and up to 2.8 at 8K for groups of 4 to 8, where only rows of about a hundred keys gain."""
+    return keys <= FUSED_MAX_KEYS and (group <= 3 or group * keys <= FUSED_MAX_GROUP_KEYS)
 
 
 def _fused(q, k, v, lens: list, starts: list | None, scale: float):
@@ -147,7 +160,7 @@ def decode(q, k, v, block_table, cache_seqlens, softmax_scale, q_positions, k_po
     # the unmasked float32 case (out and lse float32 too), tested first with the fewest reads
     if (block_table is None and q_positions is None and softcap is None and q.dtype == _F32 and d == dv
             and (out_dtype is None or out_dtype == _F32) and (lse_dtype is None or lse_dtype == _F32)
-            and _FUSED is not None and max(lens, default=0) <= FUSED_MAX_KEYS):
+            and _FUSED is not None and use_fused(hq // k.shape[2], max(lens, default=0))):
         return _fused(q, k, v, lens, cache_starts.tolist() if cache_starts is not None else None, scale)
     hkv = k.shape[2]
     n = contract.kv_length(k, block_table)

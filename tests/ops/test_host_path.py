@@ -257,6 +257,39 @@ def test_fused_cpu_kernel_equals_the_loop_and_the_reference(monkeypatch):
     assert (got[0].double() - want[0]).abs().max() < 2e-6 and (got[1].double() - want[1]).abs().max() < 2e-6
 
 
+def test_rows_take_the_fused_kernel_only_where_it_is_the_faster_path(monkeypatch):
+    """torch_decode.use_fused routes a row by its GQA group and length (benchmarks/cpu_fused.py): groups of
+    up to 3 query heads per KV head take ATen's fused kernel up to FUSED_MAX_KEYS keys, larger groups only
+    for a few hundred keys (the fused kernel reads a KV head once per query head); the batch's longest row
+    decides for every row. Either path gives the oracle's result."""
+    from megatron_tree.ops import reference, torch_decode
+
+    calls = []
+    real = torch_decode._FUSED
+
+    def counted(*args, **kwargs):
+        calls.append(args[1].shape[-2])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch_decode, "_FUSED", counted)
+    cases = [  # (hq, hkv, keys of each row, fused?)
+        (6, 2, [300, 0], True), (6, 6, [2000, 17], True), (8, 2, [256, 40], True),
+        (8, 2, [257, 40], False), (16, 2, [129], False), (16, 2, [128], True), (6, 2, [3000], True),
+    ]
+    for hq, hkv, rows, fused in cases:
+        q, k, v = _inputs(b=len(rows), hq=hq, hkv=hkv, n=max(rows), seed=len(calls))
+        lens = torch.tensor(rows, dtype=torch.int32)
+        calls.clear()
+        got = torch_decode.flash_decode(q, k, v, cache_seqlens=lens)
+        assert bool(calls) == fused, (hq, hkv, rows, calls)
+        want = reference.partial_attention(q.double(), k.double(), v.double(), cache_seqlens=lens)
+        assert (got[0].double() - want[0]).abs().max() < 2e-6
+        fin = torch.isfinite(want[1])
+        assert torch.equal(fin, torch.isfinite(got[1])) and (got[1].double()[fin] - want[1][fin]).abs().max() < 2e-6
+    assert torch_decode.use_fused(3, torch_decode.FUSED_MAX_KEYS) and not torch_decode.use_fused(
+        1, torch_decode.FUSED_MAX_KEYS + 1)
+
+
 def _torch_calls(fn) -> list[str]:
     """The torch operators ``fn()`` calls from Python, in order: the profiler's top-level ``aten::`` events
     (nested ones, such as the copy inside a ``to``, are parts of one call). The profiler is no dispatch
