@@ -85,3 +85,57 @@ STALL = dict(prompts=[[(7 * i + 3 * j) % 90 for j in range(n)] for i, n in enume
 
 
 STALL_ENGINE = dict(blocks=23, block=8, max_len=136, max_tokens=64)
+
+
+class GuardDecodeForwards:
+    """Runs every decode-only model forward of a dynamic engine under ``sync_guard.no_host_sync``.
+
+    Decode-only: every active request has one query token (Megatron's ``is_decode_only()``). The
+    guard spans the wrapper's ``_forward``, which is the model's forward (``GPTModel.forward``:
+    embedding, layers with our KV-cache hook, RoPE at global positions, the paged ``tree_decode``
+    and its merge collectives, the output layer); the step's plan (``initialize_attention_state``)
+    runs before it, outside. Counts the guarded forwards (``guarded``) and keeps each
+    ``HostSyncError`` message (``syncs``); a forward that raised runs again unguarded, so the run
+    goes on and the test reports the sync (every CP rank runs the same code, so all raise alike).
+    """
+
+    WHERE = "a decode forward of Megatron's dynamic engine"
+
+    def __init__(self, engine):
+        wrapper = engine.controller.inference_wrapped_model
+        self.context = wrapper.inference_context
+        self.forward = wrapper._forward
+        wrapper._forward = self
+        self.guarded = 0
+        self.syncs: list[str] = []
+        self.active = False
+
+    def __call__(self, inference_input):
+        from megatron_tree.utils.sync_guard import HostSyncError, no_host_sync
+
+        if not self.context.is_decode_only():
+            return self.forward(inference_input)
+        self.guarded += 1
+        try:
+            with no_host_sync(self.WHERE):
+                self.active = True
+                try:
+                    return self.forward(inference_input)
+                finally:
+                    self.active = False
+        except HostSyncError as err:
+            self.syncs.append(str(err))
+            return self.forward(inference_input)
+
+    def inject_host_read(self) -> None:
+        """The negative check: the next guarded forward reads a device value on the host inside our
+        KV-cache hook (``int()`` of the step's largest visible key count), once, before the hook stores."""
+        ctx = self.context
+
+        def store_and_read(*args):
+            if self.active:
+                del ctx.store_key_value  # once: the rerun stores with the context's own hook
+                int(ctx.step.cache_seqlens.max())
+            return type(ctx).store_key_value(ctx, *args)
+
+        ctx.store_key_value = store_and_read

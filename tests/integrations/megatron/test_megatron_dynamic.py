@@ -33,7 +33,7 @@ import torch
 
 from tests.helpers.ranks import run_ranks
 from tests.helpers.weights import seed_weights
-from tests.helpers.megatron_dynamic import ARRIVALS, BYTES_PER_TOKEN, HEADS, HIDDEN, KV_HEADS, MAX_LEN, NEW_TOKENS, VOCAB, stall_prompts, STALL, STALL_ENGINE, IdTokenizer, build_dynamic_model, error_text, gb, run_dynamic  # noqa: F401
+from tests.helpers.megatron_dynamic import ARRIVALS, BYTES_PER_TOKEN, HEADS, HIDDEN, KV_HEADS, MAX_LEN, NEW_TOKENS, VOCAB, stall_prompts, STALL, STALL_ENGINE, GuardDecodeForwards, IdTokenizer, build_dynamic_model, error_text, gb, run_dynamic  # noqa: F401
 
 LOGICAL_BLOCK = 64  # Megatron's block: CP x our per-rank block, the same at every CP size
 MAX_TOKENS = 128
@@ -132,8 +132,10 @@ def dynamic_rank(rank, world):
                                                max_tokens=max_tokens, max_requests=max_requests)
 
             eng = tree_engine()
+            guard = GuardDecodeForwards(eng)  # every decode-only forward under sync_guard.no_host_sync
             # A fifth request longer than the context window arrives with the third.
             res[name] = run_dynamic(eng, stall_prompts() + [[7] * (MAX_LEN - 4)], NEW_TOKENS + [8], ARRIVALS + [3])
+            res[name + "_guard"] = (guard.guarded, list(guard.syncs))
             res[name + "_stats"] = (stats.calls, {k: v.collectives for k, v in stats.levels.items()})
             ctx = eng.context
             res[name + "_memory"] = (ctx.kv_cache.nbytes, ctx.memory_buffer.numel(), ctx.kv_cache.blocks_per_rank,
@@ -152,7 +154,11 @@ def dynamic_rank(rank, world):
                     dict(prompts=[[1, 5, 9], [3, 4]], counts=[4, 4 + me])
                 t0 = time.perf_counter()
                 res[name + "_disagree"] = (error_text(run_dynamic, eng, arrivals=[0, 0], **bad), time.perf_counter() - t0)
+                if name == "cp2":
+                    guard.inject_host_read()  # the guard is live in this run: an injected host read raises
+                syncs = len(guard.syncs)
                 res[name + "_after_disagree"] = run_dynamic(eng, prompts=[[1, 5, 9], [3, 4]], counts=[4, 4], arrivals=[0, 0])
+                res[name + "_injected"] = guard.syncs[syncs:]
             if name == "cp4":
                 res["cp4_small"] = run_dynamic(tree_engine(blocks=9, block=8, max_len=64, max_requests=4), **SMALL)
                 res["bad_pool"] = error_text(tree_engine, blocks=4)
@@ -250,6 +256,30 @@ def test_dynamic_engine_cp2_cp4_cp2x2_equal_megatron_cp1(dyn):
     assert dyn[0]["cp4_stats"] == (2 * steps, {"cp": 4 * steps})
     assert dyn[0]["cp2x2_stats"] == (2 * steps, {"intra": 4 * steps, "inter": 4 * steps})
     assert dyn[0]["cp2_stats"] == (2 * steps, {"cp": 4 * steps})
+
+
+def test_decode_forwards_run_without_host_sync(dyn):
+    """Issue 31's no_host_sync on the dynamic engine: every decode-only model forward (one query token per
+    active request) at CP 2, CP 4 and CP [2, 2] ran under ``sync_guard.no_host_sync`` -- Megatron's
+    GPTModel forward with our KV-cache hook, RoPE at global positions, the paged tree_decode and its
+    packed / two-level merges -- with no host sync, and the guarded runs gave Megatron CP = 1's
+    unguarded tokens. The guard was live there: a host read injected into our KV-cache hook raised."""
+    ref = dyn[0]["ref"]
+    for rank in range(4):
+        counts = set()
+        for name in ("cp2", "cp4", "cp2x2"):
+            guarded, syncs = dyn[rank][name + "_guard"]
+            assert syncs == [], (rank, name, syncs)
+            assert guarded > 0, (rank, name)  # not vacuous: decode-only forwards ran under the guard
+            counts.add(guarded)
+            _assert_same_run(dyn[rank][name], ref, f"rank {rank} {name} guarded")
+        assert len(counts) == 1, counts  # the same schedule at every CP size
+        injected = dyn[rank]["cp2_injected"]
+        assert len(injected) == 1 and injected[0].startswith(
+            f"host sync inside {GuardDecodeForwards.WHERE}: int(tensor)"), (rank, injected)
+        assert dyn[rank]["cp2x2_injected"] == []
+        # the forward that raised ran again unguarded: the same tokens as the run without the injection
+        assert dyn[rank]["cp2_after_disagree"]["tokens"] == dyn[rank]["cp2x2_after_disagree"]["tokens"]
 
 
 def test_ranks_with_different_requests_all_raise_the_same_error_promptly(dyn):
