@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check for the Triton kernels, one run of at most 8 minutes on one GPU (an H200 with
+# GPU check for the Triton kernels, a run of at most 5 + 9 minutes on one GPU (an H200 with
 # torch + triton, no network). Run from the repository root:
 #
 #   bash benchmarks/gpu_check.sh            # results in $OUT (default ./gpu_out)
@@ -10,7 +10,8 @@
 # time, GB/s vs the 4.8 TB/s peak and a measured copy, torch SDPA and its backend) ->
 # BLOCK_N x warps x stages sweep -> merge micro-benchmark -> a small model's decode step
 # captured in a CUDA graph. Then benchmarks/precision.py on the GPU kernels, then the CUDA tests,
-# with tests/ops/test_prefill_kernel.py's, then the prefill section (benchmarks/prefill_gpu.py). Each part has its own time limit and a
+# with tests/ops/test_prefill_kernel.py's, then the prefill section (benchmarks/prefill_gpu.py),
+# then the captured transformers step's CUDA test (tests/integrations/hf/test_compile_step.py -k cuda). Each part has its own time limit and a
 # failing part does not stop the others. Needs python3 with torch + triton + pytest, and
 # transformers for the model step (no deepspeed, megatron-core, wandb or flash-attn). Ahead-of-time compilation checks stay
 # on the CPU (tests/ops/test_aot.py, benchmarks/aot_triton36.sh).
@@ -34,7 +35,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 # End to end first (benchmarks/gpu_e2e.py, at most 5 minutes): transformers eager and compiled
 # against tree attention eager and compiled, Llama-3.1-8B's layer dims x 8, 32K and 128K.
-# E2E=0 skips it; E2E_ONLY=1 runs only it (the rest needs 7.5 more minutes: two device calls).
+# E2E=0 skips it; E2E_ONLY=1 runs only it (the rest needs 9 more minutes: two device calls).
 if [ "${E2E:-1}" = 1 ]; then
   timeout 300 "$PY" -m benchmarks.gpu_e2e --contexts 32768 131072 --layers 8 --new-tokens 32 --out "$OUT" \
     > "$OUT/gpu_e2e.log" 2>&1
@@ -44,7 +45,7 @@ if [ "${E2E:-1}" = 1 ]; then
 fi
 
 # 240 s for the measurements (the script keeps per-step budgets inside this), 2 min for tests,
-# 60 s for the prefill kernels: 7.5 minutes in all.
+# 60 s for the prefill kernels, 90 s for the captured step's test: 9 minutes in all.
 timeout 240 "$PY" -m benchmarks.gpu_check --out "$OUT" --budget-s 220 > "$OUT/gpu_check.log" 2>&1
 check_rc=$?
 
@@ -63,9 +64,16 @@ cuda_rc=$?
 timeout 60 "$PY" -m benchmarks.prefill_gpu --tokens 16384 --cp 2 --out "$OUT" > "$OUT/prefill_gpu.log" 2>&1
 prefill_rc=$?
 
-echo "gpu_check=$check_rc precision=$prec_rc cuda_tests=$cuda_rc prefill=$prefill_rc (0 = ok, 124 = timed out)" \
+# The captured transformers step (Inductor's CUDA graphs, mode='reduce-overhead') against the eager one,
+# in the package's loop: its own call and limit, since its compilation time is not known yet.
+timeout 90 "$PY" -m pytest tests/integrations/hf/test_compile_step.py -k cuda -q -rA -p no:cacheprovider \
+  > "$OUT/captured_step_test.log" 2>&1
+captured_rc=$?
+
+echo "gpu_check=$check_rc precision=$prec_rc cuda_tests=$cuda_rc prefill=$prefill_rc captured_step=$captured_rc (0 = ok, 124 = timed out)" \
   | tee "$OUT/status.txt"
 tail -n 40 "$OUT/gpu_check.log"
 tail -n 15 "$OUT/cuda_tests.log"
 tail -n 8 "$OUT/prefill_gpu.log"
-[ "$check_rc" -eq 0 ] && [ "$prec_rc" -eq 0 ] && [ "$cuda_rc" -eq 0 ] && [ "$prefill_rc" -eq 0 ]
+tail -n 5 "$OUT/captured_step_test.log"
+[ "$check_rc" -eq 0 ] && [ "$prec_rc" -eq 0 ] && [ "$cuda_rc" -eq 0 ] && [ "$prefill_rc" -eq 0 ] && [ "$captured_rc" -eq 0 ]
