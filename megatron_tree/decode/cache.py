@@ -42,8 +42,9 @@ torch.library.define("megatron_tree::kv_append",
 def _kv_append_impl(k, v, layer, rows, at, new_k, new_v):
     """k, v: (layers, batch, capacity, heads, d) storage; rows, at: (batch,) int64; new_k, new_v:
     (batch, 1, heads, d) -> writes ``k[layer][rows, at] = new_k[:, 0]`` (and v)."""
-    k[layer][rows, at] = new_k[:, 0].to(k.dtype)
-    v[layer][rows, at] = new_v[:, 0].to(v.dtype)
+    # (select and index_put_: the same write as ``k[layer][rows, at] = ...``, without Python's indexing)
+    k.select(0, layer).index_put_((rows, at), new_k.select(1, 0).to(k.dtype))
+    v.select(0, layer).index_put_((rows, at), new_v.select(1, 0).to(v.dtype))
 
 
 @torch.library.register_fake("megatron_tree::kv_append")
@@ -450,5 +451,5 @@ class ShardedKVCache:
         shorter than n are masked by ``seqlens``.
         """
         layer = self._layer(layer, "layer_kv")
-        n = self.local_max if n is None else n
-        return self.k[layer, :, :n], self.v[layer, :, :n]
+        n = min(self.local_max if n is None else n, self.capacity)
+        return self.k.select(0, layer).narrow(1, 0, n), self.v.select(0, layer).narrow(1, 0, n)
