@@ -66,7 +66,9 @@ def use_fused(group: int, keys: int) -> bool:
     time), but it reads each KV head once per query head of its group where the loop's matmuls read
     it once; measured on one CPU thread (``benchmarks/cpu_fused.py``, ``results/cpu_fused.md``):
     fused/loop time 0.5-1.0 up to 8K keys for groups of 1 and 3 (1.05-1.3 past it), but 1.0-2.1 at
-    512-2K keys and up to 2.8 at 8K for groups of 4 to 8, where only rows of about a hundred keys gain."""
+    512-2K keys and up to 2.8 at 8K for groups of 4 to 8, where only rows of about a hundred keys gain.
+    On two threads (``results/cpu_fused_2threads.md``) the same rule picks the faster path but at 512
+    keys for groups of 4 to 8, where the fused call would have been 0.8-0.9 of the loop's time."""
     return keys <= FUSED_MAX_KEYS and (group <= 3 or group * keys <= FUSED_MAX_GROUP_KEYS)
 
 
