@@ -18,7 +18,8 @@ chooses, so that a rule that picks the slower path by a wide margin shows here.
     PYTHONPATH=$PWD python -m benchmarks.cpu_fused --out benchmarks/results/cpu_fused.json
 
 Writes JSON and a markdown table beside it. Absolute times mean little on a shared machine: the
-ratio, measured call by call, is what this measures.
+ratio, measured call by call, is what this measures. A second section times a model's whole decode step
+with the rule and with the length-only rule it replaced (``model_step``).
 """
 
 from __future__ import annotations
@@ -86,13 +87,62 @@ def measure(hq: int, hkv: int, d: int, n: int, reps: int) -> dict:
             "loop_us": 1e6 * statistics.median(t_loop), "rule": "fused" if td.use_fused(hq // hkv, n) else "loop"}
 
 
+def model_step(context: int, steps: int = 40) -> dict:
+    """A model's decode step with the rule against the length-only rule it replaced (fused up to 2048 keys,
+    whatever the group), alternating step by step in one process: ``HFTreeModel.decode_step`` at world 1
+    of a random GQA-4 Llama (hidden 1024, 8 query / 2 KV heads of 128, 4 layers) with two caches of the
+    same ``context``-token prompt. Returns the median ms/step of each and the median per-pair ratio."""
+    import transformers
+
+    from megatron_tree.decode.generate import DecodeStep
+    from megatron_tree.integrations.hf import HFTreeModel
+    from megatron_tree.ops import torch_decode as td
+
+    cfg = transformers.LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
+                                   num_attention_heads=8, num_key_value_heads=2, head_dim=128, vocab_size=1000,
+                                   max_position_embeddings=2 * context + 2 * steps)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = HFTreeModel(transformers.LlamaForCausalLM(cfg).eval(), None, strategy="packed")
+    rules = {"use_fused": td.use_fused, "length_only": lambda group, keys: keys <= 2048}
+    caches = {name: model.new_cache(1, context + steps + 8) for name in rules}
+    times: dict = {name: [] for name in rules}
+    logits: dict = {name: [] for name in rules}
+    try:
+        with torch.no_grad():
+            for cache in caches.values():
+                model.prefill([[i % 997 for i in range(context)]], cache)
+            for i in range(steps):
+                for name in (list(rules) if i % 2 == 0 else list(rules)[::-1]):
+                    td.use_fused = rules[name]
+                    t0 = time.perf_counter()
+                    logits[name].append(model.decode_step(torch.tensor([7]), caches[name], DecodeStep("packed")))
+                    times[name].append(time.perf_counter() - t0)
+    finally:
+        td.use_fused = rules["use_fused"]
+    diff = max(float((a - b).abs().max()) for a, b in zip(*logits.values()))
+    if diff > 1e-4:
+        raise AssertionError(f"the two rules' logits differ by {diff}")
+    keep = slice(2, None)  # the first steps warm up
+    return {"context": context, "ms_per_step": {n: 1e3 * statistics.median(t[keep]) for n, t in times.items()},
+            "use_fused_over_length_only": statistics.median(
+                [a / b for a, b in zip(times["use_fused"][keep], times["length_only"][keep])]),
+            "max_logit_diff": diff}
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--reps", type=int, default=40)
     p.add_argument("--out", default=None)
+    p.add_argument("--step-contexts", type=int, nargs="*", default=[1000, 2000],
+                   help="contexts of the model-step comparison (model_step); none to skip it")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    steps = [model_step(c) for c in args.step_contexts]
+    for r in steps:
+        print(f"model step at {r['context']} tokens: use_fused {r['ms_per_step']['use_fused']:.2f} ms, length-only "
+              f"{r['ms_per_step']['length_only']:.2f} ms, ratio {r['use_fused_over_length_only']:.3f}", flush=True)
     rows = []
     for hq, hkv, d in SHAPES:
         for n in KEYS:
@@ -102,7 +152,7 @@ def main(argv=None) -> dict:
                   f"(loop {r['loop_us']:.0f} us), rule: {r['rule']}", flush=True)
     out = {"command": " ".join(["python -m benchmarks.cpu_fused", *(argv if argv is not None else sys.argv[1:])]),
            "torch": torch.__version__, "machine": platform.machine(), "threads": args.threads,
-           "load_average": os.getloadavg()[0], "rows": rows}
+           "load_average": os.getloadavg()[0], "rows": rows, "model_step": steps}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)
@@ -118,6 +168,14 @@ def main(argv=None) -> dict:
                 f.write(f"| {hq}/{hkv}/{d} | " + " | ".join(
                     f"{r['fused_over_loop']:.2f} ({r['rule']})" for r in cells) + " |\n")
             f.write("\nIn parentheses: the path `torch_decode.use_fused` takes for that shape.\n")
+            if steps:
+                f.write("\nA model's decode step (`model_step`: `HFTreeModel.decode_step` at world 1, a random GQA-4 "
+                        "Llama, hidden 1024, 8/2 heads of 128, 4 layers), the rule against the length-only rule it "
+                        "replaced (fused up to 2048 keys), alternating step by step:\n\n| context | use_fused ms/step "
+                        "| length-only ms/step | ratio (median of pairs) |\n|---|---|---|---|\n")
+                for r in steps:
+                    f.write(f"| {r['context']} | {r['ms_per_step']['use_fused']:.2f} | "
+                            f"{r['ms_per_step']['length_only']:.2f} | {r['use_fused_over_length_only']:.3f} |\n")
     return out
 
 
