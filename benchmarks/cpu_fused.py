@@ -132,12 +132,19 @@ def model_step(context: int, steps: int = 40) -> dict:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--reps", type=int, default=40)
-    p.add_argument("--out", default=None)
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (at least 1)")
+    p.add_argument("--reps", type=int, default=40, help="interleaved fused/loop pairs per shape (at least 1)")
+    p.add_argument("--out", default=None, help="JSON path; the Markdown table goes beside it (.md)")
     p.add_argument("--step-contexts", type=int, nargs="*", default=[1000, 2000],
                    help="contexts of the model-step comparison (model_step); none to skip it")
     args = p.parse_args(argv)
+    if args.threads < 1:
+        p.error(f"--threads must be at least 1, got {args.threads}")
+    if args.reps < 1:
+        p.error(f"--reps must be at least 1, got {args.reps}")
+    bad = [c for c in args.step_contexts if c < 1]
+    if bad:
+        p.error(f"--step-contexts takes prompt lengths of at least 1 token, got {bad}")
     torch.set_num_threads(args.threads)
     steps = [model_step(c) for c in args.step_contexts]
     for r in steps:

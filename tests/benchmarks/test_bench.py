@@ -91,3 +91,22 @@ def test_precision_bench_side_by_side(tmp_path, capsys):
     data = json.loads((tmp_path / "precision.json").read_text())
     assert data["meta"]["tokens"] == 32 and len(data["rows"]) == 6 * 3
     assert "| 100000 | 4 |" in capsys.readouterr().out
+
+
+def test_cpu_fused_bad_arguments_name_the_flag(capsys):
+    """benchmarks.cpu_fused refuses --threads/--reps below 1 and non-positive --step-contexts with an
+    argparse error naming the flag and the value, before any timing (they used to surface as a
+    RuntimeError of torch.set_num_threads, a StatisticsError, or the model's prefill refusing an empty
+    prompt, none naming the flag)."""
+    import pytest
+
+    from benchmarks import cpu_fused
+
+    for argv, flag in ((["--threads", "0"], "--threads must be at least 1, got 0"),
+                       (["--reps", "0", "--step-contexts"], "--reps must be at least 1, got 0"),
+                       (["--step-contexts", "300", "-5"], "--step-contexts takes prompt lengths of at least 1 token, "
+                                                            "got [-5]")):
+        with pytest.raises(SystemExit) as e:
+            cpu_fused.main(argv)
+        assert e.value.code == 2
+        assert flag in capsys.readouterr().err, argv
