@@ -21,7 +21,8 @@ A paged cache (``block_table``) is the exception to "no copy": a row's blocks ar
 matmuls run on it.
 
 The unmasked float32 case (no positions, no soft-cap, float32 out and lse, one head dim) is one
-call per row of ATen's fused CPU flash-attention kernel, which returns the lse too (``_fused``):
+call per row of ATen's fused CPU flash-attention kernel, which returns the lse too (``_fused``),
+where :func:`use_fused` says it is faster (short rows; long ones only for GQA groups of at most 3):
 on decode-sized inputs the host time of the twenty-odd small calls of the loop, not the
 arithmetic, is the cost.
 
