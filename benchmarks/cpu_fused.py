@@ -145,6 +145,8 @@ def main(argv=None) -> dict:
     bad = [c for c in args.step_contexts if c < 1]
     if bad:
         p.error(f"--step-contexts takes prompt lengths of at least 1 token, got {bad}")
+    if args.out:  # before the timing: an unwritable --out is found now, not after minutes of it
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     torch.set_num_threads(args.threads)
     steps = [model_step(c) for c in args.step_contexts]
     for r in steps:

@@ -110,3 +110,17 @@ def test_cpu_fused_bad_arguments_name_the_flag(capsys):
             cpu_fused.main(argv)
         assert e.value.code == 2
         assert flag in capsys.readouterr().err, argv
+
+
+def test_cpu_fused_writes_into_a_new_directory(tmp_path):
+    """benchmarks.cpu_fused creates --out's directory (it used to time every shape, then fail on open)."""
+    from benchmarks import cpu_fused
+
+    out = tmp_path / "new" / "x.json"
+    cpu_fused.SHAPES, saved = ((8, 2, 16),), cpu_fused.SHAPES
+    try:
+        data = cpu_fused.main(["--reps", "1", "--step-contexts", "--out", str(out)])
+    finally:
+        cpu_fused.SHAPES = saved
+    assert json.loads(out.read_text())["rows"] == data["rows"] and len(data["rows"]) == len(cpu_fused.KEYS)
+    assert "| 8/2/16 |" in (tmp_path / "new" / "x.md").read_text()
