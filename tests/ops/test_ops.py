@@ -299,7 +299,7 @@ def test_gpu_check_script_is_valid_and_selects_the_cuda_tests():
     limits = [int(t) for t in re.findall(r"^timeout (\d+) ", text, flags=re.M)]
     assert len(limits) == 5 and sum(limits) <= 9 * 60, limits
     # every timed part keeps its exit status, reports it and fails the script when it failed
-    codes = re.findall(r"^(\w+_rc)=\$\?$", text, flags=re.M)
+    codes = re.findall(r"^(\w+_rc)=\$\?$", text, flags=re.MULTILINE)
     status = next(line for line in text.splitlines() if line.startswith('echo "gpu_check='))
     last = text.rstrip().splitlines()[-1]
     assert len(codes) == len(limits) and len(set(codes)) == len(codes), codes
