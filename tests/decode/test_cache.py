@@ -134,6 +134,43 @@ def test_storage_write_append_and_trimmed_view():
             assert torch.equal(v[row, :n, 0, 1], -c.positions[row, :n].float())
 
 
+def test_step_write_and_static_view_of_each_layer():
+    """The decode step's own write (append_step, at the slots begin_decode_step placed) and the view a step
+    reads (layer_kv at the step metadata's kv_len): eager steps read up to the longest local row, static
+    (compiled) ones every storage slot -- kv_len = capacity, the same shape each step -- and a view never
+    reaches the spare slot that takes other ranks' tokens. Keys and values encode (layer, position), so a
+    write to the wrong layer, row, slot or tensor shows; 3 ranks, rows of different lengths."""
+    caches = _caches(3, max_len=14, batch=2, layout="contiguous", block=2, heads=1, dim=2)
+
+    def enc(layer, pos):  # (b, s) positions -> (b, s, 1, 2) keys; values are their negatives
+        code = (pos + 100 * (layer + 1)).to(torch.float32)
+        return torch.stack([code, code + 0.5], -1)[:, :, None]
+
+    for c in caches:
+        local = c.start_prefill([5, 2])
+        for layer in range(2):
+            c.write_prefill(layer, enc(layer, local), -enc(layer, local))
+    for step in range(4):
+        for c in caches:
+            pos, _ = c.begin_decode_step()
+            for layer in range(2):
+                c.append_step(layer, enc(layer, pos[:, None]), -enc(layer, pos[:, None]))
+            for static in (False, True):
+                meta = c.step_metadata(static=static)
+                assert meta.kv_len == (c.capacity if static else c.local_max)
+                for layer in range(2):
+                    k, v = c.layer_kv(layer, meta.kv_len)
+                    assert k.shape == v.shape == (2, meta.kv_len, 1, 2), (static, k.shape)
+                    for row in range(2):
+                        n = int(c.seqlens[row])
+                        want = enc(layer, c.positions[row : row + 1, :n])[0]
+                        assert torch.equal(k[row, :n], want) and torch.equal(v[row, :n], -want), (step, layer, row)
+    assert sorted(_stored_positions(caches, 0)) == list(range(9)) and sorted(_stored_positions(caches, 1)) == list(range(6))
+    c = caches[0]
+    k, _ = c.layer_kv(1, c.capacity + 3)  # past the storage's slots: capacity slots, not the spare one
+    assert k.shape[1] == c.capacity and k.data_ptr() == c.layer_kv(1, c.capacity)[0].data_ptr()
+
+
 def test_config_errors():
     with pytest.raises(ValueError, match="unknown cache layout 'zigzag'"):
         CacheConfig(layout="zigzag")

@@ -97,6 +97,9 @@ class GuardDecodeForwards:
     runs before it, outside. Counts the guarded forwards (``guarded``) and keeps each
     ``HostSyncError`` message (``syncs``); a forward that raised runs again unguarded, so the run
     goes on and the test reports the sync (every CP rank runs the same code, so all raise alike).
+    ``forwards`` lists every forward as [real tokens of the step, active requests, ran inside the
+    guard], so a test can check, by counts taken apart from Megatron's flag, which forwards the guard
+    spanned.
     """
 
     WHERE = "a decode forward of Megatron's dynamic engine"
@@ -108,16 +111,20 @@ class GuardDecodeForwards:
         wrapper._forward = self
         self.guarded = 0
         self.syncs: list[str] = []
+        self.forwards: list[list] = []
         self.active = False
 
     def __call__(self, inference_input):
         from megatron_tree.utils.sync_guard import HostSyncError, no_host_sync
 
+        record = [self.context.step.num_tokens, self.context.get_active_request_count(), False]
+        self.forwards.append(record)
         if not self.context.is_decode_only():
             return self.forward(inference_input)
         self.guarded += 1
         try:
             with no_host_sync(self.WHERE):
+                record[2] = True  # inside the guard
                 self.active = True
                 try:
                     return self.forward(inference_input)

@@ -275,6 +275,8 @@ def test_rows_take_the_fused_kernel_only_where_it_is_the_faster_path(monkeypatch
     cases = [  # (hq, hkv, keys of each row, fused?)
         (6, 2, [300, 0], True), (6, 6, [2000, 17], True), (8, 2, [256, 40], True),
         (8, 2, [257, 40], False), (16, 2, [129], False), (16, 2, [128], True), (6, 2, [3000], True),
+        # the longest row last or in the middle: it decides, not the first one
+        (8, 2, [40, 257], False), (16, 2, [5, 129, 0], False), (8, 2, [300, 256], False),
     ]
     for hq, hkv, rows, fused in cases:
         q, k, v = _inputs(b=len(rows), hq=hq, hkv=hkv, n=max(rows), seed=len(calls))
@@ -288,6 +290,26 @@ def test_rows_take_the_fused_kernel_only_where_it_is_the_faster_path(monkeypatch
         assert torch.equal(fin, torch.isfinite(got[1])) and (got[1].double()[fin] - want[1][fin]).abs().max() < 2e-6
     assert torch_decode.use_fused(3, torch_decode.FUSED_MAX_KEYS) and not torch_decode.use_fused(
         1, torch_decode.FUSED_MAX_KEYS + 1)
+
+
+def test_use_fused_is_the_rule_the_recorded_cpu_fused_table_measured():
+    """benchmarks/results/cpu_fused.json (one thread) records, per shape, the fused/loop time ratio and the path
+    use_fused took when it was measured. The rule today takes the same path at every recorded shape (a changed
+    rule or threshold needs the table measured again), and where the table shows a wide margin (fused/loop
+    below 0.9 or above 1.1) that path is the faster one."""
+    import json
+    from pathlib import Path
+
+    from megatron_tree.ops import torch_decode
+
+    table = json.loads((Path(__file__).resolve().parents[2] / "benchmarks/results/cpu_fused.json").read_text())
+    assert table["threads"] == 1 and len(table["rows"]) >= 28
+    for r in table["rows"]:
+        fused = torch_decode.use_fused(r["hq"] // r["hkv"], r["n"])
+        assert fused == (r["rule"] == "fused"), r
+        if not 0.9 <= r["fused_over_loop"] <= 1.1:
+            assert fused == (r["fused_over_loop"] < 1), r
+    assert {r["n"] for r in table["rows"]} >= {128, 512, 2048, torch_decode.FUSED_MAX_KEYS}
 
 
 def _torch_calls(fn) -> list[str]:

@@ -298,6 +298,13 @@ def test_gpu_check_script_is_valid_and_selects_the_cuda_tests():
     # Time limits of the parts after the end-to-end run add up to at most 9 minutes.
     limits = [int(t) for t in re.findall(r"^timeout (\d+) ", text, flags=re.M)]
     assert len(limits) == 5 and sum(limits) <= 9 * 60, limits
+    # every timed part keeps its exit status, reports it and fails the script when it failed
+    codes = re.findall(r"^(\w+_rc)=\$\?$", text, flags=re.MULTILINE)
+    status = next(line for line in text.splitlines() if line.startswith('echo "gpu_check='))
+    last = text.rstrip().splitlines()[-1]
+    assert len(codes) == len(limits) and len(set(codes)) == len(codes), codes
+    assert all(f"=${c} " in status and f'[ "${c}" -eq 0 ]' in last for c in codes), (codes, status, last)
+    assert last.count("-eq 0 ]") == len(codes), last
     assert "benchmarks.prefill_gpu" in text and "tests/ops/test_prefill_kernel.py -k cuda" in text
     assert "benchmarks.precision --backend triton --device cuda" in text
     for banned in ("deepspeed", "megatron.core", "wandb"):  # absent on the GPU machine

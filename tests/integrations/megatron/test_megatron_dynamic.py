@@ -136,6 +136,7 @@ def dynamic_rank(rank, world):
             # A fifth request longer than the context window arrives with the third.
             res[name] = run_dynamic(eng, stall_prompts() + [[7] * (MAX_LEN - 4)], NEW_TOKENS + [8], ARRIVALS + [3])
             res[name + "_guard"] = (guard.guarded, list(guard.syncs))
+            res[name + "_forwards"] = list(guard.forwards)
             res[name + "_stats"] = (stats.calls, {k: v.collectives for k, v in stats.levels.items()})
             ctx = eng.context
             res[name + "_memory"] = (ctx.kv_cache.nbytes, ctx.memory_buffer.numel(), ctx.kv_cache.blocks_per_rank,
@@ -271,6 +272,10 @@ def test_decode_forwards_run_without_host_sync(dyn):
             guarded, syncs = dyn[rank][name + "_guard"]
             assert syncs == [], (rank, name, syncs)
             assert guarded > 0, (rank, name)  # not vacuous: decode-only forwards ran under the guard
+            # the guarded forwards are exactly those with one token per active request (the decode-only ones)
+            forwards = dyn[rank][name + "_forwards"]
+            assert all(g == (tokens == requests) for tokens, requests, g in forwards), (rank, name, forwards)
+            assert sum(g for *_, g in forwards) == guarded < len(forwards), (rank, name, forwards)
             counts.add(guarded)
             _assert_same_run(dyn[rank][name], ref, f"rank {rank} {name} guarded")
         assert len(counts) == 1, counts  # the same schedule at every CP size
