@@ -61,7 +61,7 @@ cut at a token count, then ``"Repeat the passage that begins with these words:"`
 greedy decoding continues by quoting it. The JSON records how many of plain greedy's tokens equal
 the held-out text that follows (how well the model quotes), beside the decoded prompt end and output.
 Rows: plain greedy, prompt lookup (chains and a tree), and the draft model (``method="draft_model"``,
-replicated on both ranks, its own KV cache per row: ``decode.speculative.DraftCaches``). Every row's
+replicated on both ranks, its own KV cache, rows of one length batched: ``decode.speculative.DraftCaches``). Every row's
 tokens are asserted equal to plain greedy's.
 """
 

@@ -28,6 +28,7 @@ the distribution ``decode.generate.sample_next`` samples from, decided on CP ran
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import inspect
 import math
@@ -404,13 +405,30 @@ def _has_windows(model) -> bool:
                                                                                   or ())
 
 
-class DraftCaches:
-    """The draft model's own KV cache of each row, kept from one step to the next, so a step feeds the
-    draft model only the tokens its row gained since (a transformers ``Cache`` per row, replicated:
-    every rank makes the same calls). Without it every draft token re-read the whole sequence (at a
-    3K-token prompt the draft model cost 20x a plain step: benchmarks/results/speculative_trained.md).
+@dataclass
+class _DraftGroup:
+    """Rows drafted together over one batched transformers ``Cache`` (``len(rows)`` batch rows, in
+    ``rows``' order), each holding its first ``seen`` tokens."""
 
-    A model whose forward returns no croppable cache runs without one (a full forward per draft token).
+    rows: list
+    cache: object
+    seen: int
+
+
+class DraftCaches:
+    """The draft model's KV cache, kept from one step to the next, so a step feeds the draft model only
+    the tokens each row gained since (replicated: every rank makes the same calls). Without it every
+    draft token re-read the whole sequence (at a 3K-token prompt the draft model cost 20x a plain step:
+    benchmarks/results/speculative_trained.md).
+
+    Rows of one length that have grown alike share one batched cache and are drafted in one forward
+    per draft token (a group, :class:`_DraftGroup`): the speculative loop advances every row by the
+    same count, so rows that start with equal lengths stay together, and a batch of B such rows costs
+    ``depth`` forwards per step, not ``B * depth``. A group whose rows come to differ in length is split
+    (its cache copied and its batch rows selected), never merged.
+
+    A model whose forward returns no croppable cache runs without one (full forwards over the whole
+    sequence per draft token).
     """
 
     def __init__(self, model, batch: int):
@@ -419,9 +437,17 @@ class DraftCaches:
         # transformers renamed the cache argument and output (past_key_values -> cache); use what it takes
         params = inspect.signature(model.forward).parameters
         self.cache_kw = "cache" if "cache" in params else "past_key_values"
-        self.caches: list = [None] * batch
-        self.seen = [0] * batch
+        self.batch = batch
+        self.groups: list[_DraftGroup] = []
         self.enabled = True
+
+    def held(self, b: int) -> tuple[int, int]:
+        """(tokens the draft cache holds for row ``b``, batch rows of the cache it shares); (0, 0) before
+        its first draft."""
+        for g in self.groups:
+            if b in g.rows:
+                return (0 if g.cache is None else g.cache.get_seq_length()), len(g.rows)
+        return 0, 0
 
     def _forward(self, ids: torch.Tensor, cache):
         if not self.enabled:
@@ -440,15 +466,42 @@ class DraftCaches:
             cache = None
         return out.logits, cache
 
-    def _grow(self, b: int, seq: list[int], width: int, depth: int, first, step):
-        """Row ``b`` (its tokens so far: ``seq``) over its own cache: feed the tokens it gained, start
-        ``width`` chains with ``first(logits)`` (the last position's (1, vocab) logits -> (width, 1)
-        tokens), extend each with ``step(logits)`` ((width, vocab) -> (width, 1)) to ``depth`` tokens, and
-        leave the row's cache holding ``seq[:-1]``. Returns (chains (width, depth), None), or (None, the
-        first forward's logits) when this model keeps no cache (the caller then runs full forwards)."""
-        cache = self.caches[b] if self.enabled else None
-        new = seq[self.seen[b]:] if cache is not None else seq
-        logits, cache = self._forward(torch.tensor([new], device=self.dev), cache)
+    def _regroup(self, seqs: list[list[int]]) -> list[_DraftGroup]:
+        """The groups of this step: the rows of each kept group split by their current length (a split
+        copies the cache and selects its batch rows), rows never drafted grouped by length; ordered by
+        their first rows (the order the rows' random draws follow)."""
+        if len(seqs) != self.batch:
+            raise ValueError(f"DraftCaches was made for {self.batch} rows, got {len(seqs)}")
+        owner = {b: g for g in self.groups for b in g.rows}
+        parts: dict = {}
+        for b, seq in enumerate(seqs):
+            parts.setdefault((id(owner.get(b)), len(seq)), []).append(b)
+        groups = []
+        for old in self.groups + [None]:
+            mine = [rows for (gid, _), rows in parts.items() if gid == id(old)]
+            for i, rows in enumerate(mine):
+                if old is None:
+                    groups.append(_DraftGroup(rows, None, 0))
+                    continue
+                cache = old.cache if i == len(mine) - 1 else copy.deepcopy(old.cache)
+                if rows != old.rows:
+                    cache.batch_select_indices(torch.tensor([old.rows.index(b) for b in rows], device=self.dev))
+                groups.append(_DraftGroup(rows, cache, old.seen))
+        groups.sort(key=lambda g: g.rows[0])
+        self.groups = groups
+        return groups
+
+    def _grow(self, group: _DraftGroup, seqs: list[list[int]], width: int, depth: int, first, step):
+        """The rows of ``group`` (n of them, their tokens so far in ``seqs``) over their cache: feed the
+        tokens they gained, start ``width`` chains per row with ``first(logits)`` (the last position's
+        (n, vocab) logits -> (n * width, 1) tokens, row by row), extend each with ``step(logits)``
+        ((n * width, vocab) -> (n * width, 1)) to ``depth`` tokens, and leave the cache holding each row
+        but its last token. Returns (chains (n, width, depth), None), or (None, the first forward's
+        logits (n, L, vocab)) when this model keeps no cache (the caller then runs full forwards)."""
+        rows, n = group.rows, len(group.rows)
+        cache = group.cache if self.enabled else None
+        new = [seqs[b][group.seen:] if cache is not None else seqs[b] for b in rows]  # equal lengths
+        logits, cache = self._forward(torch.tensor(new, device=self.dev), cache)
         if cache is None:
             return None, logits
         chains = first(logits[:, -1])
@@ -457,65 +510,81 @@ class DraftCaches:
         while chains.shape[1] < depth:
             logits, cache = self._forward(chains[:, -1:], cache)
             chains = torch.cat([chains, step(logits[:, -1])], dim=1)
-        # back to the row's tokens but its last (the next step feeds from there: never nothing, even for a
-        # row that gained no token): the chains' keys and the last token's go, one batch row stays
+        # back to the rows' tokens but their last (the next step feeds from there: never nothing, even for
+        # rows that gained no token): the chains' keys and the last token's go, one batch row per row stays
         cache.crop(-depth)
         if width > 1 and depth > 1:
-            cache.batch_select_indices(torch.tensor([0], device=self.dev))
-        self.caches[b], self.seen[b] = cache, len(seq) - 1
-        return chains, None
+            cache.batch_select_indices(torch.arange(0, n * width, width, device=self.dev))
+        group.cache, group.seen = cache, len(seqs[rows[0]]) - 1
+        return chains.reshape(n, width, depth), None
 
-    def chains(self, b: int, seq: list[int], width: int, depth: int) -> list[list[int]]:
-        """Row ``b`` (its tokens so far: ``seq``): ``width`` chains of ``depth`` greedy draft tokens, chain
-        c starting from the c-th most likely next token; the row's cache is left holding ``seq[:-1]``."""
-        chains, logits = self._grow(b, seq, width, depth,
-                                    lambda last: torch.topk(last[0].float(), width).indices[:, None],
-                                    lambda last: last.float().argmax(-1, keepdim=True))
-        if chains is None:  # no cache: the chains extend by full forwards over the whole sequence
-            chains = torch.topk(logits[0, -1].float(), width).indices[:, None]  # (width, 1)
-            ctx = torch.tensor([seq], device=self.dev).expand(width, -1)
-            while chains.shape[1] < depth:
-                logits = self.model(torch.cat([ctx, chains], dim=1)).logits[:, -1].float()
-                chains = torch.cat([chains, logits.argmax(-1, keepdim=True)], dim=1)
-        return chains.tolist()
+    def chains(self, seqs: list[list[int]], width: int, depth: int) -> list[list[list[int]]]:
+        """Per row (its tokens so far: ``seqs[b]``): ``width`` chains of ``depth`` greedy draft tokens,
+        chain c starting from the c-th most likely next token; the rows' cache is left holding each
+        row but its last token."""
+        out: list = [None] * len(seqs)
+        # without a cache, row by row (rows of different lengths cannot share a full forward)
+        for group in self._regroup(seqs) if self.enabled else [_DraftGroup([b], None, 0) for b in range(len(seqs))]:
+            chains, logits = self._grow(group, seqs, width, depth,
+                                        lambda last: torch.topk(last.float(), width).indices.reshape(-1, 1),
+                                        lambda last: last.float().argmax(-1, keepdim=True))
+            for i, b in enumerate(group.rows):
+                if chains is not None:
+                    out[b] = chains[i].tolist()
+                    continue
+                # no cache: the chains extend by full forwards over the whole sequence (the first forward,
+                # over every row of the group, gave the first tokens)
+                seq = seqs[b]
+                row = torch.topk(logits[i, -1].float(), width).indices[:, None]  # (width, 1)
+                ctx = torch.tensor([seq], device=self.dev).expand(width, -1)
+                while row.shape[1] < depth:
+                    step_logits = self.model(torch.cat([ctx, row], dim=1)).logits[:, -1].float()
+                    row = torch.cat([row, step_logits.argmax(-1, keepdim=True)], dim=1)
+                out[b] = row.tolist()
+        return out
 
-    def sampled(self, b: int, seq: list[int], width: int, depth: int, probs, generator) -> tuple:
-        """Row ``b``: ``width`` chains of ``depth`` tokens *sampled* from the draft model's distribution
-        (``probs`` of its logits), the chains' first tokens drawn independently from one distribution;
-        returns tokens (width, depth) int64 and q (width, depth, vocab) float64, the distribution each
-        token was drawn from. The row's cache is left holding ``seq[:-1]``, as :meth:`chains` leaves it.
-        None when this model keeps no cache (the caller then runs full forwards)."""
-        qd = []
+    def sampled(self, seqs: list[list[int]], width: int, depth: int, probs, generator) -> tuple | None:
+        """Per row: ``width`` chains of ``depth`` tokens *sampled* from the draft model's distribution
+        (``probs`` of its logits), a row's chains' first tokens drawn independently from one distribution;
+        returns tokens (batch, width, depth) int64 and q (batch, width, depth, vocab) float64, the
+        distribution each token was drawn from. The rows' cache is left holding each row but its last
+        token, as :meth:`chains` leaves it. None when this model keeps no cache (the caller then runs
+        full forwards); it is found at the first forward, before any draw."""
+        if not self.enabled:
+            return None
+        tokens, qs = [None] * len(seqs), [None] * len(seqs)
+        for group in self._regroup(seqs):
+            qd = []
 
-        def draw(q):
-            qd.append(q)
-            return torch.multinomial(q, 1, generator=generator)
+            def draw(q, qd=qd):
+                qd.append(q)
+                return torch.multinomial(q, 1, generator=generator)
 
-        chain, _ = self._grow(b, seq, width, depth,
-                              lambda last: draw(probs(last).double().expand(width, -1).clone()),  # siblings: one q
-                              lambda last: draw(probs(last).double()))
-        return None if chain is None else (chain, torch.stack(qd, dim=1))
+            chains, _ = self._grow(group, seqs, width, depth,
+                                   lambda last: draw(probs(last).double().repeat_interleave(width, 0)),
+                                   lambda last: draw(probs(last).double()))
+            if chains is None:
+                return None
+            q = torch.stack(qd, dim=1).reshape(len(group.rows), width, depth, -1)
+            for i, b in enumerate(group.rows):
+                tokens[b], qs[b] = chains[i], q[i]
+        return torch.stack(tokens), torch.stack(qs)
 
 
 @torch.no_grad()
 def _draft_model_sampled_cached(caches: DraftCaches, seqs: list[list[int]], width: int, depth: int, probs,
                                 generator) -> tuple:
-    """:func:`_draft_model_sampled`'s result, each row drafted over its own cache (:meth:`DraftCaches.sampled`):
-    tokens (batch, width, depth) int64, q (batch, width, depth, vocab) float64. Falls back to full forwards
-    for a draft model that keeps no cache."""
-    drawn = []
-    for b, seq in enumerate(seqs):
-        got = caches.sampled(b, seq, width, depth, probs, generator) if caches.enabled else None
-        if got is None:
-            return _draft_model_sampled(caches.model, seqs, width, depth, probs, generator)
-        drawn.append(got)
-    return torch.stack([t for t, _ in drawn]), torch.stack([q for _, q in drawn])
+    """:func:`_draft_model_sampled`'s result, drafted over the draft model's kept cache
+    (:meth:`DraftCaches.sampled`): tokens (batch, width, depth) int64, q (batch, width, depth, vocab)
+    float64. Falls back to full forwards for a draft model that keeps no cache."""
+    got = caches.sampled(seqs, width, depth, probs, generator)
+    return got if got is not None else _draft_model_sampled(caches.model, seqs, width, depth, probs, generator)
 
 
 @torch.no_grad()
 def _draft_model_drafts(caches: DraftCaches, seqs: list[list[int]], width: int, depth: int) -> list[list[list[int]]]:
     """Per row: ``width`` chains of ``depth`` greedy tokens of the draft model (:meth:`DraftCaches.chains`)."""
-    return [caches.chains(b, seq, width, depth) for b, seq in enumerate(seqs)]
+    return caches.chains(seqs, width, depth)
 
 
 @torch.no_grad()

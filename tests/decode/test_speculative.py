@@ -225,61 +225,67 @@ def test_prompt_lookup_drafts_branch_on_distinct_continuations():
 
 @pytest.mark.parametrize("width, depth", [(1, 1), (1, 4), (3, 1), (2, 3)])
 def test_draft_model_cache_gives_the_full_forwards_chains(width, depth):
-    """DraftCaches feeds the draft model only each row's new tokens (its own KV kept across steps, the
-    chains' keys cropped off): chains equal those of full forwards over the whole sequence, for rows
-    that gain several tokens, one or none between steps; the cache then holds all but the row's last."""
+    """DraftCaches feeds the draft model only each row's new tokens (its KV kept across steps, the chains'
+    keys cropped off): chains equal those of full forwards over the whole sequence, for rows that gain
+    several tokens, one or none between steps. Rows of one length that grew alike share one batched
+    cache (rows 0 and 1), a group whose rows come to differ is split; the cache then holds all but each
+    row's last token."""
     from megatron_tree.decode.speculative import DraftCaches
     from tests.helpers.hf_models import hf_model
 
     model = hf_model("llama", seed=2)
-    cached, full = DraftCaches(model, 2), DraftCaches(model, 2)
+    cached, full = DraftCaches(model, 3), DraftCaches(model, 3)
     full.enabled = False
     g = torch.Generator().manual_seed(0)
-    seqs = [torch.randint(1, 128, (n,), generator=g).tolist() for n in (9, 4)]
+    seqs = [torch.randint(1, 128, (n,), generator=g).tolist() for n in (9, 9, 4)]
+    # (gained per row, rows sharing row 0's cache after the step)
+    steps = (((0, 0, 0), 2), ((3, 3, 1), 2), ((1, 0, 0), 1), ((0, 2, 2), 1), ((5, 5, 5), 1))
     with torch.no_grad():
-        for gained in ((0, 0), (3, 1), (1, 0), (0, 2), (5, 5)):
-            for b in range(2):
+        for gained, together in steps:
+            for b in range(3):
                 seqs[b] += torch.randint(1, 128, (gained[b],), generator=g).tolist()
-                got, want = cached.chains(b, seqs[b], width, depth), full.chains(b, seqs[b], width, depth)
-                assert got == want, (b, gained, got, want)
-                assert len(got) == width and all(len(c) == depth for c in got)
-                assert cached.caches[b].get_seq_length() == len(seqs[b]) - 1 == cached.seen[b]
-                assert cached.caches[b].layers[0].keys.shape[0] == 1  # one batch row kept
-    assert cached.enabled and full.caches == [None, None]
+            got, want = cached.chains(seqs, width, depth), full.chains(seqs, width, depth)
+            assert got == want, (gained, got, want)
+            assert all(len(r) == width and all(len(c) == depth for c in r) for r in got)
+            assert cached.held(0) == (len(seqs[0]) - 1, together), (gained, cached.held(0))
+            assert [cached.held(b)[0] for b in range(3)] == [len(s) - 1 for s in seqs]
+    assert cached.enabled and full.held(0) == (0, 0) and len(cached.groups) == 3
 
 
 @pytest.mark.parametrize("width, depth", [(1, 1), (1, 4), (3, 1), (2, 3)])
 def test_sampled_drafts_over_the_cache_equal_full_forwards(width, depth):
-    """Speculative sampling's draft model over its own KV cache (DraftCaches.sampled): with the same random
+    """Speculative sampling's draft model over its kept KV cache (DraftCaches.sampled): with the same random
     stream, the tokens drawn and the proposal distributions q equal those of full forwards over the whole
-    sequence (_draft_model_sampled), step after step as the rows grow by different amounts; the cache is
-    left holding all but the row's last token and one batch row."""
+    sequence (_draft_model_sampled), step after step as the rows grow by different amounts, rows of one
+    length drafted together (rows 0 and 1 share a cache, then split); the cache is left holding all but
+    each row's last token."""
     from megatron_tree.decode.speculative import DraftCaches, _draft_model_sampled, _draft_model_sampled_cached
     from tests.helpers.hf_models import hf_model
 
     model = hf_model("llama", seed=3)
-    caches = DraftCaches(model, 2)
+    caches = DraftCaches(model, 3)
 
     def probs(logits):  # a temperature, so draws are not all the argmax
         return torch.softmax(logits.float() / 1.5, dim=-1)
 
     g = torch.Generator().manual_seed(1)
-    # rows of different lengths: the full-forward path then also draws row by row (it batches rows of one
-    # length), so both consume the random stream in the same order
-    seqs = [torch.randint(1, 128, (n,), generator=g).tolist() for n in (7, 9)]
+    # The full-forward path batches the rows of one length, in the order of their lengths' first rows;
+    # the cached path the rows of one group, in the order of their first rows. The gains keep the two
+    # orders alike, so both consume the random stream in the same order.
+    seqs = [torch.randint(1, 128, (n,), generator=g).tolist() for n in (7, 7, 9)]
+    steps = (((0, 0, 0), 2), ((2, 2, 1), 2), ((1, 0, 2), 1), ((4, 4, 4), 1))
     with torch.no_grad():
-        for step, gained in enumerate(((0, 0), (2, 1), (0, 3), (4, 4))):
-            for b in range(2):
+        for step, (gained, together) in enumerate(steps):
+            for b in range(3):
                 seqs[b] += torch.randint(1, 128, (gained[b],), generator=g).tolist()
             g_full, g_cached = torch.Generator().manual_seed(step), torch.Generator().manual_seed(step)
             want_t, want_q = _draft_model_sampled(model, seqs, width, depth, probs, g_full)
             got_t, got_q = _draft_model_sampled_cached(caches, seqs, width, depth, probs, g_cached)
-            assert got_t.shape == want_t.shape == (2, width, depth) and got_q.shape == want_q.shape
+            assert got_t.shape == want_t.shape == (3, width, depth) and got_q.shape == want_q.shape
             assert torch.equal(got_t, want_t), (step, got_t, want_t)
             assert torch.allclose(got_q, want_q, atol=1e-6, rtol=0), float((got_q - want_q).abs().max())
-            for b in range(2):
-                assert caches.caches[b].get_seq_length() == len(seqs[b]) - 1 == caches.seen[b]
-                assert caches.caches[b].layers[0].keys.shape[0] == 1
+            assert caches.held(0) == (len(seqs[0]) - 1, together), (step, caches.held(0))
+            assert [caches.held(b)[0] for b in range(3)] == [len(s) - 1 for s in seqs]
     assert caches.enabled
 
 
