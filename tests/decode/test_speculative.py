@@ -289,6 +289,50 @@ def test_sampled_drafts_over_the_cache_equal_full_forwards(width, depth):
     assert caches.enabled
 
 
+def test_draft_groups_that_meet_in_length_stay_apart_and_draw_in_row_order():
+    """DraftCaches' groups where the tests above do not reach: rows of different groups that come to one
+    length (a finished row stops growing, a shorter one catches up) stay in their own caches and still
+    give the full forwards' chains; a group of rows that are not adjacent (0 and 2) splits into groups
+    drafted in row order, so sampled drafts consume the random stream as the full forwards do; a batch of
+    the wrong size is a clear error."""
+    from megatron_tree.decode.speculative import DraftCaches, _draft_model_sampled, _draft_model_sampled_cached
+    from tests.helpers.hf_models import hf_model
+
+    model = hf_model("llama", seed=4)
+    g = torch.Generator().manual_seed(2)
+    cached, full = DraftCaches(model, 2), DraftCaches(model, 2)
+    full.enabled = False
+    seqs = [torch.randint(1, 128, (n,), generator=g).tolist() for n in (5, 6)]
+    with torch.no_grad():
+        # (gained per row, rows sharing row 0's cache): rows 0 and 1 meet at length 6, then grow alike
+        for gained, together in (((0, 0), 1), ((1, 0), 1), ((2, 2), 1)):
+            for b in range(2):
+                seqs[b] += torch.randint(1, 128, (gained[b],), generator=g).tolist()
+            got, want = cached.chains(seqs, 2, 3), full.chains(seqs, 2, 3)
+            assert got == want, (gained, got, want)
+            assert cached.held(0) == (len(seqs[0]) - 1, together) and cached.held(1) == (len(seqs[1]) - 1, 1)
+        with pytest.raises(ValueError, match=r"DraftCaches was made for 2 rows, got 3"):
+            cached.chains(seqs + [seqs[0]], 2, 3)
+
+        def probs(logits):
+            return torch.softmax(logits.float() / 1.5, dim=-1)
+
+        caches = DraftCaches(model, 3)
+        seqs = [torch.randint(1, 128, (n,), generator=g).tolist() for n in (7, 5, 7)]
+        # rows 0 and 2 share a cache, then split: groups [0], [1], [2] draw in that order (the full
+        # forwards' order: lengths 8, 5, 7), not in the order the groups were kept ([0, 2] before [1])
+        for step, (gained, together) in enumerate((((0, 0, 0), 2), ((1, 0, 0), 1), ((2, 2, 2), 1))):
+            for b in range(3):
+                seqs[b] += torch.randint(1, 128, (gained[b],), generator=g).tolist()
+            g_full, g_cached = torch.Generator().manual_seed(step), torch.Generator().manual_seed(step)
+            want_t, want_q = _draft_model_sampled(model, seqs, 2, 3, probs, g_full)
+            got_t, got_q = _draft_model_sampled_cached(caches, seqs, 2, 3, probs, g_cached)
+            assert torch.equal(got_t, want_t), (step, got_t, want_t)
+            assert torch.allclose(got_q, want_q, atol=1e-6, rtol=0), float((got_q - want_q).abs().max())
+            assert caches.held(0) == (len(seqs[0]) - 1, together), (step, caches.held(0))
+            assert [caches.held(b)[0] for b in range(3)] == [len(s) - 1 for s in seqs]
+
+
 def test_draft_model_with_another_vocabulary_is_a_clear_error(tmp_path):
     from megatron_tree.decode.speculative import SpeculativeConfig, generate_speculative
     from megatron_tree.integrations.hf import HFTreeModel
