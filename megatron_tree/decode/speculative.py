@@ -466,16 +466,18 @@ class DraftCaches:
             cache = None
         return out.logits, cache
 
-    def _regroup(self, seqs: list[list[int]]) -> list[_DraftGroup]:
+    def _regroup(self, seqs: list[list[int]], done: list[bool] | None = None) -> list[_DraftGroup]:
         """The groups of this step: the rows of each kept group split by their current length (a split
         copies the cache and selects its batch rows), rows never drafted grouped by length; ordered by
-        their first rows (the order the rows' random draws follow)."""
+        their first rows (the order the rows' random draws follow). Finished rows (``done[b]``) leave
+        their group for good: they are never drafted again."""
         if len(seqs) != self.batch:
             raise ValueError(f"DraftCaches was made for {self.batch} rows, got {len(seqs)}")
         owner = {b: g for g in self.groups for b in g.rows}
         parts: dict = {}
         for b, seq in enumerate(seqs):
-            parts.setdefault((id(owner.get(b)), len(seq)), []).append(b)
+            if done is None or not done[b]:
+                parts.setdefault((id(owner.get(b)), len(seq)), []).append(b)
         groups = []
         for old in self.groups + [None]:
             mine = [rows for (gid, _), rows in parts.items() if gid == id(old)]
@@ -518,13 +520,16 @@ class DraftCaches:
         group.cache, group.seen = cache, len(seqs[rows[0]]) - 1
         return chains.reshape(n, width, depth), None
 
-    def chains(self, seqs: list[list[int]], width: int, depth: int) -> list[list[list[int]]]:
+    def chains(self, seqs: list[list[int]], width: int, depth: int,
+               done: list[bool] | None = None) -> list[list[list[int]]]:
         """Per row (its tokens so far: ``seqs[b]``): ``width`` chains of ``depth`` greedy draft tokens,
         chain c starting from the c-th most likely next token; the rows' cache is left holding each
-        row but its last token."""
-        out: list = [None] * len(seqs)
+        row but its last token. A finished row (``done[b]``) is not drafted: its chains repeat its last
+        token (the loop keeps none of its tokens)."""
+        out: list = [[[seq[-1]] * depth for _ in range(width)] for seq in seqs]
         # without a cache, row by row (rows of different lengths cannot share a full forward)
-        for group in self._regroup(seqs) if self.enabled else [_DraftGroup([b], None, 0) for b in range(len(seqs))]:
+        for group in self._regroup(seqs, done) if self.enabled else \
+                [_DraftGroup([b], None, 0) for b in range(len(seqs)) if done is None or not done[b]]:
             chains, logits = self._grow(group, seqs, width, depth,
                                         lambda last: torch.topk(last.float(), width).indices.reshape(-1, 1),
                                         lambda last: last.float().argmax(-1, keepdim=True))
@@ -543,17 +548,19 @@ class DraftCaches:
                 out[b] = row.tolist()
         return out
 
-    def sampled(self, seqs: list[list[int]], width: int, depth: int, probs, generator) -> tuple | None:
+    def sampled(self, seqs: list[list[int]], width: int, depth: int, probs, generator,
+                done: list[bool] | None = None) -> tuple | None:
         """Per row: ``width`` chains of ``depth`` tokens *sampled* from the draft model's distribution
         (``probs`` of its logits), a row's chains' first tokens drawn independently from one distribution;
         returns tokens (batch, width, depth) int64 and q (batch, width, depth, vocab) float64, the
         distribution each token was drawn from. The rows' cache is left holding each row but its last
         token, as :meth:`chains` leaves it. None when this model keeps no cache (the caller then runs
-        full forwards); it is found at the first forward, before any draw."""
+        full forwards); it is found at the first forward, before any draw. A finished row (``done[b]``)
+        is not drafted and draws nothing: its chains repeat its last token, each with q one-hot on it."""
         if not self.enabled:
             return None
         tokens, qs = [None] * len(seqs), [None] * len(seqs)
-        for group in self._regroup(seqs):
+        for group in self._regroup(seqs, done):
             qd = []
 
             def draw(q, qd=qd):
@@ -568,23 +575,30 @@ class DraftCaches:
             q = torch.stack(qd, dim=1).reshape(len(group.rows), width, depth, -1)
             for i, b in enumerate(group.rows):
                 tokens[b], qs[b] = chains[i], q[i]
+        vocab = next(q.shape[-1] for q in qs if q is not None)  # (the loop drafts only while a row is unfinished)
+        for b, seq in enumerate(seqs):
+            if tokens[b] is None:
+                tokens[b] = torch.full((width, depth), seq[-1], dtype=torch.long)
+                qs[b] = torch.nn.functional.one_hot(tokens[b], vocab).double()
         return torch.stack(tokens), torch.stack(qs)
 
 
 @torch.no_grad()
 def _draft_model_sampled_cached(caches: DraftCaches, seqs: list[list[int]], width: int, depth: int, probs,
-                                generator) -> tuple:
+                                generator, done: list[bool] | None = None) -> tuple:
     """:func:`_draft_model_sampled`'s result, drafted over the draft model's kept cache
     (:meth:`DraftCaches.sampled`): tokens (batch, width, depth) int64, q (batch, width, depth, vocab)
     float64. Falls back to full forwards for a draft model that keeps no cache."""
-    got = caches.sampled(seqs, width, depth, probs, generator)
+    got = caches.sampled(seqs, width, depth, probs, generator, done)
     return got if got is not None else _draft_model_sampled(caches.model, seqs, width, depth, probs, generator)
 
 
 @torch.no_grad()
-def _draft_model_drafts(caches: DraftCaches, seqs: list[list[int]], width: int, depth: int) -> list[list[list[int]]]:
-    """Per row: ``width`` chains of ``depth`` greedy tokens of the draft model (:meth:`DraftCaches.chains`)."""
-    return caches.chains(seqs, width, depth)
+def _draft_model_drafts(caches: DraftCaches, seqs: list[list[int]], width: int, depth: int,
+                        done: list[bool] | None = None) -> list[list[list[int]]]:
+    """Per row: ``width`` chains of ``depth`` greedy tokens of the draft model (:meth:`DraftCaches.chains`;
+    finished rows not drafted)."""
+    return caches.chains(seqs, width, depth, done)
 
 
 @torch.no_grad()
@@ -961,12 +975,12 @@ def generate_speculative(model, prompts: list[list[int]], max_new_tokens: int, *
                 elif cfg.method == "prompt_lookup":
                     chains = [prompt_lookup_drafts(s, width, depth, cfg.max_ngram, cfg.min_ngram) for s in seqs]
                 elif do_sample:
-                    drawn, qd = _draft_model_sampled_cached(draft_caches, seqs, width, depth, probs, generator)
+                    drawn, qd = _draft_model_sampled_cached(draft_caches, seqs, width, depth, probs, generator, done)
                     chains = drawn.tolist()
                     q = torch.cat([torch.zeros(batch, 1, qd.shape[-1], dtype=qd.dtype),
                                    qd.reshape(batch, width * depth, -1)], dim=1)
                 else:
-                    chains = _draft_model_drafts(draft_caches, seqs, width, depth)
+                    chains = _draft_model_drafts(draft_caches, seqs, width, depth, done)
                 tokens = torch.tensor([[s[-1]] + _build_tree(c, width, depth, s[-1]) for s, c in zip(seqs, chains)],
                                       dtype=torch.long)
             else:

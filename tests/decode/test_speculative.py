@@ -333,6 +333,37 @@ def test_draft_groups_that_meet_in_length_stay_apart_and_draw_in_row_order():
             assert [caches.held(b)[0] for b in range(3)] == [len(s) - 1 for s in seqs]
 
 
+def test_finished_rows_are_not_drafted():
+    """Rows that stop early (a stop token) leave the draft model's batch: the unfinished rows of one prompt
+    length stay one group, so every step costs exactly its depth in draft forwards (finished rows each ran
+    their own forwards before, every step to the end); tokens equal plain greedy generate's, and sampling
+    with a seed is reproducible."""
+    from megatron_tree.decode.generate import generate
+    from megatron_tree.decode.speculative import SpeculativeConfig
+    from megatron_tree.integrations.hf import HFTreeModel
+    from tests.helpers.hf_models import hf_model
+
+    target, draft = HFTreeModel(hf_model("llama", seed=0), None), hf_model("qwen2", seed=1)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 128, (6,), generator=g).tolist() for _ in range(8)]
+    plain = generate(target, prompts, 16, progress=False).tokens
+    stop = sorted({plain[b][b] for b in range(6)})  # rows 0-5 stop at different steps
+    want = generate(target, prompts, 16, stop_token_ids=stop, progress=False).tokens
+    assert len({len(t) for t in want}) > 2 and max(len(t) for t in want) > 6, want
+    calls = [0]
+    hook = draft.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    try:
+        cfg = SpeculativeConfig(method="draft_model", draft_model=draft, width=2, depth=3)
+        got = generate(target, prompts, 16, stop_token_ids=stop, progress=False, speculative=cfg)
+        assert got.tokens == want
+        assert calls[0] == got.drafted, (calls[0], got.drafted)  # one forward per draft token, all rows at once
+        runs = [generate(target, prompts, 16, stop_token_ids=stop, do_sample=True, seed=4, temperature=1.3,
+                         progress=False, speculative=cfg).tokens for _ in range(2)]
+        assert runs[0] == runs[1] and all(1 <= len(t) <= 16 for t in runs[0])
+    finally:
+        hook.remove()
+
+
 def test_draft_model_with_another_vocabulary_is_a_clear_error(tmp_path):
     from megatron_tree.decode.speculative import SpeculativeConfig, generate_speculative
     from megatron_tree.integrations.hf import HFTreeModel
