@@ -478,16 +478,20 @@ class DraftCaches:
         for b, seq in enumerate(seqs):
             if done is None or not done[b]:
                 parts.setdefault((id(owner.get(b)), len(seq)), []).append(b)
+        by_old: dict = {}  # id of a kept group (or of None) -> its rows' parts, in the rows' order
+        for (gid, _), rows in parts.items():
+            by_old.setdefault(gid, []).append(rows)
         groups = []
         for old in self.groups + [None]:
-            mine = [rows for (gid, _), rows in parts.items() if gid == id(old)]
+            mine = by_old.get(id(old), [])
+            if old is None:
+                groups += [_DraftGroup(rows, None, 0) for rows in mine]
+                continue
+            at = {b: i for i, b in enumerate(old.rows)}  # a row's batch index in the kept cache
             for i, rows in enumerate(mine):
-                if old is None:
-                    groups.append(_DraftGroup(rows, None, 0))
-                    continue
                 cache = old.cache if i == len(mine) - 1 else copy.deepcopy(old.cache)
                 if rows != old.rows:
-                    cache.batch_select_indices(torch.tensor([old.rows.index(b) for b in rows], device=self.dev))
+                    cache.batch_select_indices(torch.tensor([at[b] for b in rows], device=self.dev))
                 groups.append(_DraftGroup(rows, cache, old.seen))
         groups.sort(key=lambda g: g.rows[0])
         self.groups = groups
