@@ -46,7 +46,7 @@ from .groups import load_balanced_positions, tree_groups_from_megatron
 from .version import check_megatron_version, inference_mode_active, megatron_api, refuse_unsupported_features
 
 __all__ = [
-    "MARKER", "SLOT_MARKER", "NEVER", "CorePlan", "gather_seq", "TreeDotProductAttention", "TreeSelfAttention",
+    "MARKER", "SLOT_MARKER", "NEVER", "CorePlan", "PagedLayer", "gather_seq", "TreeDotProductAttention", "TreeSelfAttention",
     "use_tree_attention", "restore_core_attention", "get_gpt_layer_tree_spec", "check_tree_slots",
     "megatron_attention_fingerprint",
 ]
@@ -98,9 +98,15 @@ class _GatherSeq(torch.autograd.Function):
         return grad[r * ctx.rows:(r + 1) * ctx.rows], None, None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class CorePlan:
-    """What a context's ``store_key_value`` tells the core attention about the forward call that follows."""
+    """One static-batching forward's attention metadata, built once per step by the context.
+
+    A context's ``store_key_value`` returns it as the ``attn_mask_type`` of Megatron's tuple:
+    ``SelfAttention.forward`` passes that value unread to the core attention's ``forward``
+    (static batching), so the metadata travels with the call, not through module state. It *is*
+    the mask of that call: a causal mask by global positions, with padding and lengths.
+    """
 
     mode: str
     """``"prefill"`` (this rank's queries and keys, for the ring) or ``"decode"`` (replicated queries, local shard)."""
@@ -111,6 +117,26 @@ class CorePlan:
     is never visible (a position past every query, or a slot beyond ``k_lengths``)."""
     k_lengths: torch.Tensor | None = None
     """decode: (batch,) int32 valid keys of each row in this rank's shard."""
+    attend: object | None = None
+    """decode: the decode loop's ``DecodeStep`` (``generate``'s, through ``MegatronLM.decode_step``);
+    ``None``: a plain step of the core attention's ``strategy``/``comm_stats``."""
+
+
+@dataclass(frozen=True, eq=False)
+class PagedLayer:
+    """A dynamic-batching forward's handle on one layer's stored keys, built by the context's KV-cache hook.
+
+    Returned as the ``block_table`` of Megatron's tuple: ``SelfAttention.forward`` passes that value
+    unread to ``flash_decode_and_prefill`` (which :class:`TreeSelfAttention` fills), so the step's
+    metadata (``context.step``: positions, lengths, the block table) reaches the attention with the call.
+    """
+
+    context: object
+    """The ``TreeDynamicInferenceContext`` that stored the keys (asked to ``attend``; never imported here)."""
+    layer: int
+    """The layer's index in the context's KV cache."""
+    block_table: torch.Tensor
+    """(rows, blocks) int32, this step's block table on this rank (the context's step metadata)."""
 
 
 def _megatron_module_base():
@@ -195,7 +221,6 @@ class TreeDotProductAttention(_megatron_module_base()):
             )
         self.cp_size = cp_size
         self._groups: TreeGroups | None = None
-        self._pending: CorePlan | None = None
         self.comm_stats = None
         """A :class:`~megatron_tree.comm.CommStats` to record decode merges into (``None``: not recorded)."""
         self.prefill_stats = None
@@ -207,9 +232,6 @@ class TreeDotProductAttention(_megatron_module_base()):
         layers: while Megatron's ``InferenceMode`` is on, a forward with no inference context here is
         0.19's serial MTP draft step (``compute_mtp_single_step``), whose input is the same on every
         CP rank, so it is attended locally exactly as at CP = 1 (no gather, no CP layout)."""
-        self.current_step = None
-        """The decode loop's ``decode.generate.DecodeStep`` while ``MegatronLM.decode_step`` runs (its
-        ``attend`` is the decode attention; ``None``: a plain step of ``strategy``/``comm_stats``)."""
 
     @property
     def groups(self) -> TreeGroups:
@@ -252,39 +274,47 @@ class TreeDotProductAttention(_megatron_module_base()):
             "sequence on every rank"
         )
 
-    def dynamic_attention(self, attention, q, k, v, *megatron_args):
-        """Attention of a dynamic (packed, paged) batch, called by :class:`TreeSelfAttention`: the context
-        that stored this layer's keys (its ``store_key_value`` left ``_dynamic_pending``) attends over
-        them; ``None`` when no tree context did (Megatron's own context at CP = 1)."""
-        pending, self._dynamic_pending = getattr(self, "_dynamic_pending", None), None
-        if pending is None:
+    def dynamic_attention(self, attention, q, k, v, max_seqlen_q, max_seqlen_k, cu_seqlens_q, cu_seqlens_k,
+                          seqlens_k, block_table, is_decode_only):
+        """Attention of a dynamic (packed, paged) batch, called by :class:`TreeSelfAttention` with the
+        arguments of Megatron's ``flash_decode_and_prefill``: q [T, 1, hq, d] -> [T, 1, hq, d].
+
+        ``block_table`` is what the KV-cache hook returned in that slot of Megatron's tuple: a
+        :class:`PagedLayer` when a tree context stored this layer's keys (its context attends over
+        them), else Megatron's own block table (CP = 1 with Megatron's context): ``None``, decline.
+        """
+        if not isinstance(block_table, PagedLayer):
             return None
-        ctx, layer = pending
-        return ctx.attend(self, q, layer)
+        return block_table.context.attend(self, q, block_table.layer)
 
     # -- forward --------------------------------------------------------------------------
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
-        """query: [sq, b, hq, d]; key, value: [sk, b, hkv, d] -> context [sq, b, hq*d]."""
+        """query: [sq, b, hq, d]; key, value: [sk, b, hkv, d] -> context [sq, b, hq*d].
+
+        attn_mask_type: Megatron's ``AttnMaskType`` (training, Megatron's own contexts), or the
+        :class:`CorePlan` a tree context's KV-cache hook returned for this inference forward.
+        """
         if packed_seq_params is not None:
             raise NotImplementedError("packed (THD) sequences are not supported by TreeDotProductAttention")
         if attention_bias is not None:
             raise NotImplementedError("attention_bias is not supported by TreeDotProductAttention")
         if self.training and self.attention_dropout > 0:
             raise NotImplementedError("attention dropout is not supported by TreeDotProductAttention")
-        pending, self._pending = self._pending, None
+        # A context of ours hands this call's metadata over in Megatron's attn_mask_type slot (CorePlan).
+        plan = attn_mask_type if isinstance(attn_mask_type, CorePlan) else None
         q = query.transpose(0, 1)
         k = key.transpose(0, 1)
         v = value.transpose(0, 1)
         b, sq = q.shape[0], q.shape[1]
-        if pending is not None and pending.mode == "decode":
-            step = self.current_step if self.current_step is not None else DecodeStep(self.strategy, self.comm_stats)
-            out = step.attend(self.layer_number, q, k, v, self.groups, cache_seqlens=pending.k_lengths.to(q.device),
-                              softmax_scale=self.softmax_scale, q_positions=pending.q_positions.to(q.device),
-                              k_positions=pending.k_positions.to(q.device), backend=self.backend)
-        elif pending is not None:  # prefill: this rank's chunks, KV round the CP ring (the one prefill)
-            out = ring_prefill(q, k, v, pending.q_positions.to(q.device), pending.k_positions.to(q.device),
+        if plan is not None and plan.mode == "decode":
+            step = plan.attend if plan.attend is not None else DecodeStep(self.strategy, self.comm_stats)
+            out = step.attend(self.layer_number, q, k, v, self.groups, cache_seqlens=plan.k_lengths.to(q.device),
+                              softmax_scale=self.softmax_scale, q_positions=plan.q_positions.to(q.device),
+                              k_positions=plan.k_positions.to(q.device), backend=self.backend)
+        elif plan is not None:  # prefill: this rank's chunks, KV round the CP ring (the one prefill)
+            out = ring_prefill(q, k, v, plan.q_positions.to(q.device), plan.k_positions.to(q.device),
                                self.groups, softmax_scale=self.softmax_scale, backend=self.backend,
                                stats=self.prefill_stats, work=self.prefill_work)
         else:

@@ -51,7 +51,7 @@ from ...distributed import agreement
 from ...decode.generate import DecodeStep, row_digest
 from ...decode.paged import PagedKVCache, TokenSlots
 from ...distributed.topology import TreeGroups
-from .attention import check_tree_slots
+from .attention import PagedLayer, check_tree_slots
 from .groups import tree_groups_from_megatron
 from .static import unsharded_rope_table
 from .version import check_supported, init_gpt_wrapper, kv_block_allocator, refuse_unsupported_features
@@ -349,11 +349,13 @@ class TreeDynamicInferenceContext(_dynamic_context_base()):
 
 
 def adjust_key_value_dynamic(core, attention, ctx, query, key, value, rotary_pos_emb):
-    """The KV-cache hook for a dynamic context: RoPE, store this rank's tokens, hand back the block table.
+    """The KV-cache hook for a dynamic context: RoPE, store this rank's tokens, hand back the layer's pages.
 
     query: [T, 1, hq, d]; key, value: [T, 1, hkv, d] (T = padded tokens of the step).
     Returns Megatron's tuple ``(query, key, value, rotary_pos_emb=None, attn_mask_type,
-    block_table)``, or ``None`` for Megatron's own ``DynamicInferenceContext`` at CP = 1.
+    block_table)`` with ``block_table`` a :class:`~.attention.PagedLayer` (Megatron passes it unread
+    to the dynamic attention, :func:`dynamic_attention`), or ``None`` for Megatron's own
+    ``DynamicInferenceContext`` at CP = 1.
     """
     from megatron.core.transformer.enums import AttnMaskType
 
@@ -379,8 +381,7 @@ def adjust_key_value_dynamic(core, attention, ctx, query, key, value, rotary_pos
     layer = ctx.layer_map[attention.layer_number - 1]
     n = step.num_tokens
     ctx.kv_cache.write(layer, key[:n, 0], value[:n, 0], step.placed)
-    core._dynamic_pending = (ctx, layer)
-    return query, key, value, None, AttnMaskType.no_mask, step.block_table
+    return query, key, value, None, AttnMaskType.no_mask, PagedLayer(ctx, layer, step.block_table)
 
 
 def dynamic_attention(core, attention, q, k, v, *megatron_args):

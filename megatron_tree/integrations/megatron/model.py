@@ -189,7 +189,6 @@ class MegatronLM:
         self.groups = groups
         self.shape = shape
         self.config = _Config(shape.vocab_size, shape.num_attention_heads // tp_size, shape.kv_channels)
-        self._attention = [layer.self_attention.core_attention for layer in unwrap_model(model).decoder.layers]
         self._last: torch.Tensor | None = None
         unwrap_model(model).decoder.register_forward_hook(self._keep_last_token)
         from .attention import check_tree_slots
@@ -297,15 +296,11 @@ class MegatronLM:
 
         step = step if step is not None else DecodeStep(strategy, stats)
         ids = torch.as_tensor(next_ids, dtype=torch.long, device=self.device).reshape(-1, 1)
-        for attn in self._attention:
-            attn.current_step = step
-        plan = cache.plan_decode(0, ids.shape[0], 1)
+        plan = cache.plan_decode(0, ids.shape[0], 1, attend=step)  # the step's metadata carries the loop's step
         try:
             logits = self._run(ids, plan.positions.to(self.device), cache)[:, -1]
         finally:
             cache.step = None
-            for attn in self._attention:
-                attn.current_step = None
         return logits.float()
 
 

@@ -24,6 +24,7 @@ in :mod:`.dynamic`, the attention in :mod:`.attention`, the groups in :mod:`.gro
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -69,6 +70,9 @@ class ForwardPlan:
     """decode: (batch,) int32 tokens of each row this rank holds after the step, on the cache's device."""
     same_positions: bool | None = None
     """Every row's tokens sit at the same positions (known on the host; ``None``: not known)."""
+    attend: object | None = None
+    """decode: the decode loop's ``decode.generate.DecodeStep`` whose ``attend`` every layer runs
+    (``None``: a plain step of the core attention's ``strategy``)."""
 
     @property
     def width(self) -> int:
@@ -254,11 +258,12 @@ class TreeInferenceContext(_static_context_base()):
         self.step = plan
         return plan
 
-    def plan_decode(self, start: int, end: int, num_tokens: int = 1) -> ForwardPlan:
+    def plan_decode(self, start: int, end: int, num_tokens: int = 1, attend=None) -> ForwardPlan:
         """Plan ``num_tokens`` new tokens at the end of every row in ``[start, end)`` (rows may differ in length).
 
         The step planner (``decode.plan``) places them and sends the plan to the device in one
-        copy; after :meth:`rewind_step` the same call gets the same plan back.
+        copy; after :meth:`rewind_step` the same call gets the same plan back. attend: the decode
+        loop's ``DecodeStep``, carried by the plan to every layer's core attention (``None``: a plain step).
         """
         self._check_rows(start, end)
         for b in range(start, end):
@@ -280,7 +285,8 @@ class TreeInferenceContext(_static_context_base()):
                             step.slots, step.store, k_lengths=step.counts.to(torch.int32),
                             same_positions=step.host.same_positions)
             self._decode = (step, plan)
-        self.step = self._decode[1]
+        plan = self._decode[1]
+        self.step = plan if plan.attend is attend else dataclasses.replace(plan, attend=attend)
         return self.step
 
     def rewind_step(self) -> None:
@@ -320,8 +326,8 @@ class TreeInferenceContext(_static_context_base()):
         rotary_pos_emb, attn_mask_type, block_table)`` with RoPE already applied at global
         positions (so ``rotary_pos_emb`` is ``None``), and key/value either this rank's chunks of the
         prompt (prefill: the core attention passes them round the CP ring, ``decode.prefill.ring_prefill``)
-        or this rank's shard of the cache (decode); leaves ``core._pending``
-        (a :class:`~.attention.CorePlan`) for the core attention's forward.
+        or this rank's shard of the cache (decode), and ``attn_mask_type`` the step's
+        :class:`~.attention.CorePlan` (Megatron hands it to the core attention's forward unread).
         """
         plan = self.step
         if plan is None:
@@ -347,13 +353,13 @@ class TreeInferenceContext(_static_context_base()):
         v_buf[slot, rows] = value.to(v_buf.dtype)
         if plan.mode == "prefill":  # this rank's chunks only: the core attention runs decode.prefill's ring
             keys, values = key, value
-            core._pending = CorePlan("prefill", plan.positions, plan.positions)
+            meta = CorePlan("prefill", plan.positions, plan.positions)
         else:
             lengths = plan.k_lengths if plan.k_lengths is not None else self.local_lengths(b0, b1)
             n = self.local_max(b0, b1)  # host bookkeeping: no read of lengths
             keys, values = k_buf[:n, b0:b1], v_buf[:n, b0:b1]
-            core._pending = CorePlan("decode", plan.positions, self.local_positions[b0:b1, :n], lengths)
-        return query, keys, values, None, core.attn_mask_type, None
+            meta = CorePlan("decode", plan.positions, self.local_positions[b0:b1, :n], lengths, plan.attend)
+        return query, keys, values, None, meta, None
 
     def commit_step(self) -> None:
         """Close the planned step (after every layer has stored its keys/values)."""

@@ -317,6 +317,7 @@ def mixed_length_batch(rank) -> dict:
     from megatron_tree.integrations import megatron as mt
     from megatron_tree.integrations.megatron import checkpoint as mc
     from megatron_tree.integrations.megatron import model as mm
+    from megatron_tree.integrations.megatron.attention import CorePlan
     from tests.helpers.megatron_ckpt import engine_generate
 
     mt.initialize_model_parallel(4, [2, 2])
@@ -328,20 +329,33 @@ def mixed_length_batch(rank) -> dict:
     model = mm.build_gpt(shape, tree=True, cp=4, hierarchical=[2, 2], seed=3)
     mc.fill_from_global(model, mc.global_tensors(src))
     lm = mm.MegatronLM(model, mt.tree_groups_from_megatron(model.pg_collection), shape)
-    seen = []
+    seen, states = [], {}
 
-    def count(module, args):
+    def state(module):  # every attribute of the module, by object: what a forward could read besides its arguments
+        return {k: id(v) for k, v in vars(module).items()}
+
+    def count(module, args, kwargs):
         query, key = args[0], args[1]
-        seen.append((module._pending.mode if module._pending else None, module.layer_number, tuple(query.shape[:2]),
-                     key.shape[0]))
+        plan = kwargs.get("attn_mask_type")  # the context's CorePlan for this forward
+        mode = plan.mode if isinstance(plan, CorePlan) else None
+        seen.append((mode, module.layer_number, tuple(query.shape[:2]), key.shape[0]))
+        if mode == "decode":
+            states.setdefault(module.layer_number, []).append(state(module))
 
     for layer in model.decoder.layers:
-        layer.self_attention.core_attention.register_forward_pre_hook(count)
+        layer.self_attention.core_attention.register_forward_pre_hook(count, with_kwargs=True)
     gen = torch.Generator().manual_seed(9)
     prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in MIXED_LENGTHS]
     cache = lm.new_cache(2, max(MIXED_LENGTHS) + MIXED_NEW, block_size=16)
     res = generate(lm, prompts, MIXED_NEW, cache=cache, progress=False)
     out = {"tokens": res.tokens, "calls": list(seen), "shards": [cache.shard_lens(b) for b in range(2)]}
+    # The step's metadata reaches the core attention with the call (CorePlan), not through module state:
+    # each core attention is the same object, attribute for attribute, in every decode forward and after.
+    after = {layer.self_attention.core_attention.layer_number: state(layer.self_attention.core_attention)
+             for layer in model.decoder.layers}
+    out["core_state_changes"] = sorted({(n, k) for n, seq in states.items() for st in seq for k in
+                                        set(st) | set(after[n]) if st.get(k) != after[n].get(k)})
+    out["core_state_steps"] = {n: len(seq) for n, seq in states.items()}
     # strategy="shifted" through the same path: one SUM per layer per step after the first, and a
     # step whose shifts are far off raises the deferred flag and is redone on the same plan.
     from megatron_tree.comm import CommStats
@@ -473,6 +487,10 @@ def test_mixed_length_batch_is_prefilled_cp_sharded_then_decoded(megatron_result
     gets its own 2 and 128 query and key tokens (the ring brings the others'); then MIXED_NEW - 1 decode
     forwards of both rows. Megatron's static controller at CP = 1 needs 1 + 504 + 3 forwards."""
     base = megatron_results[0]["mixed_batch"]["megatron_cp1"]
+    for r in range(4):  # the decode step's metadata is an argument of the call, never state of the module
+        mixed = megatron_results[r]["mixed_batch"]
+        assert mixed["core_state_steps"] == {1: MIXED_NEW - 1, 2: MIXED_NEW - 1}, mixed["core_state_steps"]
+        assert mixed["core_state_changes"] == [], mixed["core_state_changes"]
     assert [len(t) for t in base] == [MIXED_NEW, MIXED_NEW]
     for r in range(4):
         mixed = megatron_results[r]["mixed_batch"]
