@@ -12,7 +12,7 @@ from .attention import tree_decode
 from .cache import CacheConfig, CacheOverflowError, ShardedKVCache
 from .generate import (DecodeCache, DecodeModel, DecodeStep, GenerationHook, GenerationResult, StepRunner,
                        generate)
-from .metadata import StepMetadata
+from .metadata import PrefillMetadata, StepMetadata, VerifyMetadata
 from .paged import PagedKVCache, PoolExhaustedError
 from .placement import LAYOUTS, PlacementError, RowPlacement, prefill_ranges
 from .plan import StepPlan, StepPlanner
@@ -25,4 +25,5 @@ __all__ = [
     "PoolExhaustedError", "LAYOUTS", "PlacementError", "RowPlacement", "prefill_ranges", "StepPlan",
     "StepPlanner", "PREFILL_METHODS", "allgather_prefill", "assemble_logits", "cp_prefill", "ring_prefill",
     "SpeculativeConfig", "SpeculativeResult", "generate_speculative", "verify_attention", "StepMetadata",
+    "PrefillMetadata", "VerifyMetadata",
 ]

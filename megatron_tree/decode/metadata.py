@@ -1,4 +1,5 @@
-"""``StepMetadata``: what one decode step's attention needs beyond q, k and v, built once per step.
+"""``StepMetadata``: what one decode step's attention needs beyond q, k and v, built once per step;
+``PrefillMetadata`` and ``VerifyMetadata``: the same for a prompt's forward and a speculative verification.
 
 Invariant: a cache fills its step's metadata on the host side of the step (placement is host
 bookkeeping, :mod:`.plan`) into device buffers it allocated with its storage, updated in place,
@@ -8,17 +9,19 @@ host. That is what lets ``torch.compile(fullgraph=True)`` trace a step once and 
 replay it: the values change, the graph does not.
 
 The object is passed explicitly: the cache that made it hands it to the layers' attention (the
-transformers integration reads ``TreeCache.metadata``), which hands its fields to
+transformers integration reads ``TreeCache.metadata``, one of these three while a forward runs and
+``None`` between forwards; its :attr:`mode` says which), which hands its fields to
 :func:`~megatron_tree.decode.attention.tree_decode` through :meth:`StepMetadata.attention_args`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
-__all__ = ["StepMetadata"]
+__all__ = ["PrefillMetadata", "StepMetadata", "VerifyMetadata"]
 
 
 @dataclass(eq=False)
@@ -37,6 +40,8 @@ class StepMetadata:
         each row still inside it (``cache_starts``; slots hold a row's tokens in arrival order, so
         positions ascend along a row and the slots before it only hold keys that left the window)
     """
+
+    mode: ClassVar[str] = "decode"
 
     seqlens: torch.Tensor
     q_positions: torch.Tensor
@@ -66,3 +71,37 @@ class StepMetadata:
             return {"cache_seqlens": self.seqlens}
         return {"cache_seqlens": self.seqlens, "q_positions": self.q_positions, "k_positions": self.k_positions,
                 "cache_starts": self.starts[window]}
+
+
+@dataclass(eq=False)
+class PrefillMetadata:
+    """A forward over (a window of) the prompts, on this CP rank: its queries attend by global positions.
+
+    q_positions: (batch, S) int64 -- global positions of this rank's query tokens; -1 marks filler
+    k_positions: (batch, N) int64 -- global positions of the keys the attention reads: this rank's
+        chunks (the forward's own tokens, the CP prefill brings the others'), or for a window of a
+        chunked prefill this rank's stored slots ``[0, kv_end)``
+    slots: (batch, S) int64 -- a window of a chunked prefill: this rank's storage slot of each of the
+        window's tokens (-1: filler); ``None`` for a forward over whole prompts
+    kv_end: a window of a chunked prefill: the storage slots its attention reads (``None`` otherwise)
+    """
+
+    mode: ClassVar[str] = "prefill"
+
+    q_positions: torch.Tensor
+    k_positions: torch.Tensor
+    slots: torch.Tensor | None = None
+    kv_end: int | None = None
+
+
+@dataclass(eq=False)
+class VerifyMetadata:
+    """A forward of T draft tokens per row over the committed cache (speculative verification, assisted
+    decoding's chain): the drafts are kept aside, not stored, and attend the committed keys and each other.
+
+    q_positions: (batch, T) int64 -- the drafts' global positions (each row's length plus the draft's depth)
+    """
+
+    mode: ClassVar[str] = "verify"
+
+    q_positions: torch.Tensor

@@ -777,11 +777,7 @@ def verify_forward(model, cache, tokens: torch.Tensor, mask: torch.Tensor, *, st
     b, t = tokens.shape
     depths = tree_depths(mask)
     pos = torch.tensor(cache.lengths, dtype=torch.long)[:, None] + depths[None, :]
-    cache._verify_positions = pos.to(cache.storage.positions.device)
-    cache._drafts = {}
-    cache._phase = "verify"
-    cache._padded_next = cache._padded
-    cache._written = set()
+    cache._begin_verify(pos)
     binding.active = cache
     binding.step = _VerifyStep(cache, mask.to(model.device), strategy, stats)
     orig = type(model.hf).forward.__get__(model.hf)
@@ -792,7 +788,7 @@ def verify_forward(model, cache, tokens: torch.Tensor, mask: torch.Tensor, *, st
     finally:
         binding.active = None
         binding.step = None
-        cache._phase = None
+        cache.metadata = None
     return out.logits
 
 

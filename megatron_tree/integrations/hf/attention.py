@@ -31,7 +31,8 @@ def tree_attention_forward(module, query, key, value, attention_mask, scaling=No
             "megatron_tree.integrations.hf.enable_tree_attention"
         )
     cache = binding.active
-    if cache is None or cache._phase is None:
+    meta = None if cache is None else cache.metadata  # the forward's metadata, built once by the cache
+    if meta is None:
         raise RuntimeError(
             f"{ATTN_IMPLEMENTATION!r} attention ran outside the sharded forward enable_tree_attention installed "
             "(was model.forward replaced after enabling?)"
@@ -57,24 +58,24 @@ def tree_attention_forward(module, query, key, value, attention_mask, scaling=No
     variants = dict(window=window, softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux"))
     q = query.transpose(1, 2)  # (b, q_len, hq, d)
     k, v = key.transpose(1, 2), value.transpose(1, 2)
-    if cache._phase == "prefill":
-        qpos, kpos = cache._q_positions.to(q.device), cache._k_positions.to(q.device)
+    if meta.mode == "prefill":
+        qpos, kpos = meta.q_positions.to(q.device), meta.k_positions.to(q.device)
         out = cp_prefill(q, k, v, qpos, kpos, binding.groups, method=binding.prefill, softmax_scale=scaling,
                          stats=binding.stats, work=binding.work, **variants)
     else:  # the one attention call of every integration: the decode loop's step (or a plain one)
         step = binding.step if binding.step is not None else DecodeStep(binding.strategy, binding.stats)
-        if cache._phase == "verify":  # speculative drafts: the committed shard as it stands (no new token)
+        if meta.mode == "verify":  # speculative drafts: the committed shard as it stands (no new token)
             variants["cache_seqlens"] = cache.storage.seqlens
             if cache._expands:  # (MLA) the drafts' expanded keys/values follow the shard's: split them off
                 t = q.shape[1]
                 variants["drafts"] = (k[:, -t:], v[:, -t:])
                 k, v = k[:, :-t], v[:, :-t]
-            if window is not None:  # the drafts' positions (set when the phase began) and the shard's, valid
-                # up to storage.seqlens: the drafts are kept aside, so the stored slots are the committed keys
-                variants["q_positions"] = cache._verify_positions.to(q.device)
+            if window is not None:  # the drafts' positions (VerifyMetadata) and the shard's, valid up to
+                # storage.seqlens: the drafts are kept aside, so the stored slots are the committed keys
+                variants["q_positions"] = meta.q_positions.to(q.device)
                 variants["k_positions"] = cache.storage.positions[:, :k.shape[1]].to(q.device)
         else:  # the step's metadata, built once by the cache for every layer (decode.metadata.StepMetadata)
-            variants.update(cache.metadata.attention_args(window))
+            variants.update(meta.attention_args(window))
         out = step.attend(module.layer_idx, q, k, v, binding.groups, softmax_scale=scaling, **variants)
     return out, None
 

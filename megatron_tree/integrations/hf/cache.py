@@ -9,6 +9,7 @@ from .common import UnsupportedModelError, _text_config
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ...decode.cache import CacheConfig, CacheOverflowError, ShardedKVCache
+from ...decode.metadata import PrefillMetadata, VerifyMetadata
 from ...distributed.topology import TreeGroups
 
 _HEADROOM = 256  # tokens per row an unsized cache makes room for beyond the prompt before it first grows
@@ -122,18 +123,17 @@ class TreeCache(Cache):
         self._nominal = 0
         self._prompt_lengths: list[int] = []
         self._steps = 0
-        self._phase: str | None = None
         self._local_positions: torch.Tensor | None = None
-        self._q_positions = self._k_positions = self._window_slots = None
-        self._verify_positions = None  # (batch, T) the verified drafts' global positions (verify phase)
-        self._kv_end: int | None = None
         self._prefill_chunk: int | None = None
         self._slots: torch.Tensor | None = None
         self._decode_positions: torch.Tensor | None = None
         self._written: set[int] = set()
         self.static = bool(static)
         self.metadata = None
-        """The decode step's ``StepMetadata`` (set when a decode forward starts; ``None`` before)."""
+        """The running forward's attention metadata, built once when it starts (``decode.metadata``): a
+        ``PrefillMetadata`` (the prompt, or a window of it), a ``StepMetadata`` (a decode step: buffers
+        updated in place) or a ``VerifyMetadata`` (drafts verified, not stored); ``None`` between forwards.
+        Its ``mode`` says which; every layer's attention reads it."""
 
     # ------------------------------------------------------------------ what transformers asks
 
@@ -196,7 +196,7 @@ class TreeCache(Cache):
         if isinstance(max_length, bool) or not isinstance(max_length, int):
             raise TypeError(f"TreeCache.crop takes an integer (negative: tokens to remove; positive: the length to "
                             f"keep), got {type(max_length).__name__} {max_length!r}")
-        if self._phase is not None:
+        if self.metadata is not None:
             raise RuntimeError("TreeCache.crop was called during a forward; crop between forwards")
         if max_length == 0:
             return
@@ -309,11 +309,8 @@ class TreeCache(Cache):
         self._prefill_chunk = chunk
         self._steps = 0
         self._padded_next = padded
-        self._phase = "prefill"
         self._local_positions = local
-        self._q_positions = self._k_positions = local
-        self._window_slots = None
-        self._kv_end = None
+        self.metadata = PrefillMetadata(local, local)
         self._written = set()
         return local
 
@@ -327,14 +324,11 @@ class TreeCache(Cache):
         (the global length transformers sees becomes ``padded`` only then).
         """
         local = self._local_positions
-        self._window_slots = q_slots
-        self._q_positions = torch.where(q_slots >= 0, local.gather(1, q_slots.clamp(min=0)), -1)
-        self._k_positions = self.storage.positions[:, :kv_end]
-        self._kv_end = kv_end
+        q_positions = torch.where(q_slots >= 0, local.gather(1, q_slots.clamp(min=0)), -1)
+        self.metadata = PrefillMetadata(q_positions, self.storage.positions[:, :kv_end], q_slots, kv_end)
         self._padded_next = padded if last else 0
-        self._phase = "prefill"
         self._written = set()
-        return self._q_positions
+        return q_positions
 
     def _reshape(self, heads: int, head_dim: int, head_dim_v: int) -> None:
         """Re-make the (still empty) storage for the shapes the layers store; the placement is replayed."""
@@ -382,7 +376,6 @@ class TreeCache(Cache):
         self.metadata.update_starts(windows)
         self._steps += 1
         self._padded_next = self._padded + 1
-        self._phase = "decode"
         self._written = set()
 
     def _begin_chain(self, batch: int, q_len: int) -> None:
@@ -393,11 +386,14 @@ class TreeCache(Cache):
         :meth:`_commit_chain` appends them all. Room for them is made (or refused) first."""
         self._check_filled(batch)
         self._make_room(q_len)
-        pos = self.storage.positions
-        self._verify_positions = torch.tensor(self.storage.lengths, dtype=torch.int64, device=pos.device)[:, None] \
-            + torch.arange(q_len, dtype=torch.int64, device=pos.device)[None, :]  # (batch, q_len), unpadded
+        self._begin_verify(torch.tensor(self.storage.lengths, dtype=torch.int64)[:, None]
+                           + torch.arange(q_len, dtype=torch.int64)[None, :])  # (batch, q_len), unpadded
+
+    def _begin_verify(self, positions: torch.Tensor) -> None:
+        """Start a forward of draft tokens at global ``positions`` (batch, T) over the filled cache: their
+        keys/values are kept aside (``_drafts``), never stored, and the global length stays."""
+        self.metadata = VerifyMetadata(positions.to(self.storage.positions.device))
         self._drafts = {}
-        self._phase = "verify"
         self._padded_next = self._padded
         self._written = set()
 
@@ -422,11 +418,11 @@ class TreeCache(Cache):
     def _finish(self) -> None:
         if self._written is None:  # a compiled step: its layers are not counted (see update)
             self._written = set()
-            self._phase = None
+            self.metadata = None
             self._padded = self._padded_next
             return
         missing = sorted(set(range(self.num_layers)) - self._written)
-        self._phase = None
+        self.metadata = None
         if missing:
             raise UnsupportedModelError(
                 f"layers {missing} of {self.num_layers} never stored keys/values in the TreeCache during this "
@@ -444,24 +440,25 @@ class TreeCache(Cache):
         shard of the layer, (batch, num_kv_heads, n, head_dim) views, valid up to
         ``storage.seqlens`` per row.
         """
-        if self._phase is None or self.storage is None:
+        meta = self.metadata
+        if meta is None or self.storage is None:
             raise RuntimeError(
                 "TreeCache.update was called outside a forward of a model enabled with enable_tree_attention; "
                 "pass the cache to that model's forward or generate"
             )
-        if self._phase == "decode" and torch.compiler.is_compiling():
+        if meta.mode == "decode" and torch.compiler.is_compiling():
             # A traced decode step: shapes were checked when it was traced (they cannot change without a
             # new trace), and the layers that stored are counted in the eager steps only.
             self._written = None
             self.storage.append_step(layer_idx, key_states.transpose(1, 2), value_states.transpose(1, 2))
-            ks, vs = self.storage.layer_kv(layer_idx, self.metadata.kv_len)
+            ks, vs = self.storage.layer_kv(layer_idx, meta.kv_len)
             return ks.transpose(1, 2), vs.transpose(1, 2)
         if not 0 <= layer_idx < self.num_layers:
             raise ValueError(f"layer_idx {layer_idx} is outside the cache's {self.num_layers} layers")
         b, h, s, d = key_states.shape
         hv, dv = value_states.shape[1], value_states.shape[-1]
         if (h, d, dv) != (self.num_kv_heads, self.head_dim, self.head_dim_v) and hv == h and \
-                self._phase == "prefill" and not self._written:
+                meta.mode == "prefill" and not self._written:
             self._reshape(h, d, dv)  # the first write of the sequence: the layer's own shapes, not the config's
         if (h, hv, d, dv) != (self.num_kv_heads, self.num_kv_heads, self.head_dim, self.head_dim_v):
             raise UnsupportedModelError(
@@ -471,20 +468,20 @@ class TreeCache(Cache):
             )
         self._written.add(layer_idx)
         k, v = key_states.transpose(1, 2), value_states.transpose(1, 2)  # (b, s, h, d)
-        if self._phase == "prefill" and self._window_slots is not None:  # one window of a chunked prefill
-            self.storage.write_prefill_slots(layer_idx, k, v, self._window_slots)
-            end = self._kv_end
+        if meta.mode == "prefill" and meta.slots is not None:  # one window of a chunked prefill
+            self.storage.write_prefill_slots(layer_idx, k, v, meta.slots)
+            end = meta.kv_end
             ks, vs = self.storage.k[layer_idx, :, :end], self.storage.v[layer_idx, :, :end]
             return ks.transpose(1, 2), vs.transpose(1, 2)
-        if self._phase == "prefill":
+        if meta.mode == "prefill":
             self.storage.write_prefill(layer_idx, k, v)
             return key_states, value_states
-        if self._phase == "verify":  # speculative verification: drafts are kept aside, never stored
+        if meta.mode == "verify":  # speculative verification: drafts are kept aside, never stored
             self._drafts[layer_idx] = (k, v)  # (decode.speculative.commit appends the accepted ones)
             ks, vs = self.storage.layer_kv(layer_idx)
             if self._expands:  # the module expands what it gets: the drafts go along, split off again after
                 ks, vs = torch.cat([ks, k.to(ks.dtype)], dim=1), torch.cat([vs, v.to(vs.dtype)], dim=1)
             return ks.transpose(1, 2), vs.transpose(1, 2)
         self.storage.append_step(layer_idx, k, v)
-        ks, vs = self.storage.layer_kv(layer_idx, self.metadata.kv_len)
+        ks, vs = self.storage.layer_kv(layer_idx, meta.kv_len)
         return ks.transpose(1, 2), vs.transpose(1, 2)

@@ -176,7 +176,7 @@ def _run(orig, binding, cache, call):
         cache._finish()
     finally:
         binding.active = None
-        cache._phase = None
+        cache.metadata = None
     return out
 
 
@@ -393,7 +393,7 @@ def _decode(orig, binding: _Binding, cache: TreeCache, call: dict, batch: int, q
         cache._finish()
     finally:
         binding.active = None
-        cache._phase = None
+        cache.metadata = None
     return CausalLMOutputWithPast(logits=logits[:, None])
 
 

@@ -1,0 +1,91 @@
+"""Each forward's attention metadata in the transformers integration: built once by the cache, one object that
+every layer's attention reads, of the forward's kind, and gone between forwards.
+
+Two gloo ranks (CP 2) run a tiny random Llama enabled with a prefill window far below the prompt (so the
+prompt takes several forwards) through transformers' ``generate``, then one forward of three new tokens per
+row on the filled cache (what assisted decoding verifies its candidates with: kept aside, not stored). A spy
+in place of the registered attention function records, for each layer's call, the cache's ``metadata``
+object and its ``mode``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tests.helpers.ranks import run_ranks
+
+CHUNK = 8  # windows of 8 prompt tokens at CP 2
+NEW = 10
+
+
+def _rank(rank, world):
+    from transformers import AttentionInterface
+
+    from megatron_tree.decode.metadata import (
+        PrefillMetadata,
+        StepMetadata,
+        VerifyMetadata,
+    )
+    from megatron_tree.distributed.topology import TreeGroups
+    from megatron_tree.integrations.hf import HFTreeModel, TreeCache
+    from megatron_tree.integrations.hf.attention import tree_attention_forward
+    from megatron_tree.integrations.hf.common import _MARK, ATTN_IMPLEMENTATION
+    from tests.helpers.hf_models import hf_model
+
+    calls = []
+
+    def spy(module, *args, **kwargs):
+        meta = getattr(module, _MARK).active.metadata
+        calls.append((module.layer_idx, meta))
+        return tree_attention_forward(module, *args, **kwargs)
+
+    hf = hf_model("llama")
+    hf.generation_config.eos_token_id = None
+    m = HFTreeModel(hf, TreeGroups.build(), max_prefill_tokens=CHUNK)
+    prompt = torch.tensor([[3, 4, 5, 6, 7, 3, 4, 5, 6, 7, 3, 4, 5, 6, 7, 3, 4, 5, 6, 7, 3, 4]])
+    AttentionInterface.register(ATTN_IMPLEMENTATION, spy)
+    try:
+        with torch.no_grad():
+            out = m.hf.generate(prompt, max_new_tokens=NEW, do_sample=False, pad_token_id=0,
+                                return_dict_in_generate=True)
+            chain = m.hf(input_ids=out.sequences[:, -3:], past_key_values=out.past_key_values, use_cache=True)
+    finally:
+        AttentionInterface.register(ATTN_IMPLEMENTATION, tree_attention_forward)
+    layers = hf.config.num_hidden_layers
+    forwards = [calls[i:i + layers] for i in range(0, len(calls), layers)]
+    kinds = {PrefillMetadata: "prefill", StepMetadata: "decode", VerifyMetadata: "verify"}
+    cache = out.past_key_values
+    # a write outside a forward is refused: there is no forward metadata to write by
+    try:
+        cache.update(torch.zeros(1, 2, 1, 8), torch.zeros(1, 2, 1, 8), 0)
+        stray = None
+    except RuntimeError as e:
+        stray = str(e)
+    return {
+        "complete": len(calls) % layers == 0,
+        "layer_order": all([i for i, _ in f] == list(range(layers)) for f in forwards),
+        "one_object": all(len({id(meta) for _, meta in f}) == 1 for f in forwards),
+        "mode_matches_type": all(meta.mode == kinds[type(meta)] for _, meta in calls),
+        "modes": [f[0][1].mode for f in forwards],
+        "is_tree_cache": isinstance(cache, TreeCache),
+        "after": cache.metadata,
+        "stray": stray,
+        "tokens": out.sequences.tolist(),
+        "chain_logits": chain.logits.shape,
+    }
+
+
+def test_every_forward_hands_its_layers_one_metadata_object_of_its_kind():
+    results = run_ranks(_rank, 2, timeout=300)
+    for r in results:
+        assert r["complete"] and r["layer_order"], r
+        assert r["one_object"]  # built once per forward, shared by every layer
+        assert r["mode_matches_type"]
+        modes = r["modes"]
+        # the 22-token prompt in windows (several forwards), then NEW - 1 decode steps, then the chain
+        w = len(modes) - NEW
+        assert w > 1 and modes == ["prefill"] * w + ["decode"] * (NEW - 1) + ["verify"], modes
+        assert tuple(r["chain_logits"]) == (1, 3, 128), r["chain_logits"]
+        assert r["is_tree_cache"] and r["after"] is None  # no forward metadata between forwards
+        assert r["stray"] is not None and "outside a forward" in r["stray"]
+    assert results[0]["tokens"] == results[1]["tokens"]
