@@ -8,7 +8,7 @@ import torch
 from .common import UnsupportedModelError, _text_config
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ...decode.cache import CacheConfig, CacheOverflowError, ShardedKVCache
+from ...decode.cache import CacheConfig, CacheOverflowError, ShardedKVCache, static_length
 from ...decode.metadata import PrefillMetadata, VerifyMetadata
 from ...distributed.topology import TreeGroups
 
@@ -84,7 +84,9 @@ class TreeCache(Cache):
     static: every decode step reads all of the storage's slots (masked by the rows' lengths), so
         its shapes never change: what a compiled (``torch.compile``) or graph-captured step needs to
         be traced once; default: only up to the longest row this rank holds (less work, a shape
-        that grows). Either way a decode step's metadata (:attr:`metadata`, a
+        that grows). A static cache's storage is sized for ``decode.cache.static_length`` of the
+        length it needs (two sizes per octave), so caches of nearby lengths share one trace; the
+        length it accepts (``max_seq_len``, or what it was sized for) is unchanged. Either way a decode step's metadata (:attr:`metadata`, a
         ``decode.metadata.StepMetadata``) lives in buffers updated in place.
     """
 
@@ -266,6 +268,8 @@ class TreeCache(Cache):
         # headroom per rank: no rank is ever full while placement decides, so its placement is
         # the unbounded rule's and a larger cache replays it exactly (see _grow).
         slack = cp * (self.cache_config.block_size + 2) if cp > 1 and self.growable and self.new_tokens is None else 0
+        if self.static:  # room for a bucket's length: caches made for nearby lengths share one compiled step
+            max_seq_len = static_length(max_seq_len)
         storage = ShardedKVCache(
             num_layers=self.num_layers, batch_size=batch, max_seq_len=max_seq_len + slack,
             num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, head_dim_v=self.head_dim_v, cp_size=cp,

@@ -48,16 +48,25 @@ def _generate(rank, world, arch, intra=None, strategy="auto"):
     counter = CompileCounterWithBackend("aot_eager")
     torch._dynamo.reset()
     runs = {}
-    for name, setting in (("eager", False), ("compiled", {"backend": backend})):
+    from megatron_tree.integrations.hf import TreeCache
+
+    for name, setting in (("eager", False), ("eager_static", False), ("compiled", {"backend": backend})):
         model = HFTreeModel(_model(arch), groups, strategy=strategy, compile_step=setting)
         hook = Logits()
-        tokens = generate(model, PROMPTS, STEPS + 1, hook=hook, progress=False).tokens
+        # the eager step over a cache of the compiled step's shape (static: every slot read, masked), and
+        # over the default one (only up to the longest row: other shapes, so float32 sums in another order)
+        cache = TreeCache(model.hf, groups, max_seq_len=max(map(len, PROMPTS)) + STEPS + 1, batch_size=len(PROMPTS),
+                          static=True) if name == "eager_static" else None
+        tokens = generate(model, PROMPTS, STEPS + 1, hook=hook, cache=cache, progress=False).tokens
         runs[name] = (tokens, torch.stack(hook.steps))
-    (want, want_logits), (got, got_logits) = runs["eager"], runs["compiled"]
+    (want, want_logits), (got, got_logits) = runs["eager_static"], runs["compiled"]
+    dynamic_tokens, dynamic_logits = runs["eager"]
     from tests.helpers.hf_models import hf_greedy
 
     reference = hf_greedy(_model(arch), PROMPTS, STEPS + 1)  # unmodified transformers, one process
-    return {"frames": counter.frame_count, "tokens_equal": got == want, "logits_equal": torch.equal(got_logits, want_logits),
+    return {"frames": counter.frame_count, "tokens_equal": got == want == dynamic_tokens,
+            "logits_equal": torch.equal(got_logits, want_logits),
+            "dynamic_close": torch.allclose(got_logits, dynamic_logits, rtol=0, atol=1e-5),
             "steps": len(got_logits), "ops": ops, "layers": len(_model(arch).model.layers),
             "transformers_equal": got == reference}
 
@@ -77,7 +86,8 @@ def _check(results, world):
     for r in results:
         assert r["steps"] == STEPS
         assert r["frames"] == 1  # one trace for every step: no recompilation, no graph break (fullgraph)
-        assert r["tokens_equal"] and r["logits_equal"]
+        assert r["tokens_equal"] and r["logits_equal"]  # bit for bit: the eager step on a cache of the same shape
+        assert r["dynamic_close"]  # and the default eager step's cache (other shapes)
         assert r["transformers_equal"]  # (the eager step shares the metadata: this checks it independently)
         # every layer's local attention and its CP merge are one opaque op each in the graph
         for op in ("megatron_tree.flash_decode", "megatron_tree.cp_merge"):
@@ -97,6 +107,46 @@ def test_windowed_softcapped_step_at_cp3_compiles_once_and_equals_eager():
     """Gemma 2: sliding-window layers between full ones, soft-capping; CP 3 (not a power of two) with
     prompts longer and shorter than the window: the window starts come from the step's metadata."""
     _check(run_ranks(_generate, 3, "gemma2", timeout=300), 3)
+
+
+SWEEP = (4, 9, 20, 27, 44, 58, 70, 90, 101, 120)
+"""Prompt lengths of an eval-like sweep: one generate call each (2 rows, the second one token shorter), sized for
+the prompt + SWEEP_NEW tokens -> static caches of 64 (6 calls), 96 (2) and 128 (2) tokens (``static_length``)."""
+SWEEP_NEW = 3
+
+
+def _sweep(rank, world):
+    import megatron_tree as mt
+    from megatron_tree.decode.cache import static_length
+    from megatron_tree.decode.generate import generate
+    from megatron_tree.integrations.hf import HFTreeModel
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("aot_eager")
+    torch._dynamo.reset()
+    groups = mt.TreeGroups.build()
+    model = HFTreeModel(_model("llama"), groups, compile_step={"backend": counter})
+    eager = HFTreeModel(_model("llama"), groups)  # (its tokens are transformers' own: the tests above)
+    g = torch.Generator().manual_seed(11)
+    frames, equal, sizes = [], [], []
+    for n in SWEEP:
+        prompts = [torch.randint(1, 120, (n - i,), generator=g).tolist() for i in range(2)]
+        tokens = generate(model, prompts, SWEEP_NEW, progress=False).tokens
+        frames.append(counter.frame_count)
+        equal.append(tokens == generate(eager, prompts, SWEEP_NEW, progress=False).tokens)
+        sizes.append(static_length(n + SWEEP_NEW))
+    return {"frames": frames, "equal": equal, "sizes": sizes}
+
+
+def test_caches_of_nearby_lengths_share_one_compiled_step():
+    """An eval's batches each make a cache for their longest prompt: static caches are sized by length bucket
+    (``decode.cache.static_length``), so a sweep of 10 lengths compiles once per bucket (3), not once per call
+    (10, before), and every call gives the eager step's tokens."""
+    for r in run_ranks(_sweep, 2, timeout=300):
+        assert all(r["equal"]), r["equal"]
+        assert r["sizes"] == [64] * 6 + [96] * 2 + [128] * 2
+        # a new trace exactly where the bucket changes
+        assert r["frames"] == [1] * 6 + [2] * 2 + [3] * 2, r["frames"]
 
 
 def _refusals(rank, world):
@@ -217,7 +267,10 @@ def _user_compiled_forward(rank, world, intra=None):
     prompt = PROMPTS[0]
     want = hf_greedy(hf_model("llama"), [prompt], STEPS)[0]  # unsharded, uncompiled transformers
     eager = _generate_logits(enable_tree_attention(hf_model("llama"), groups), prompt)
-    out = {"eager_equal": eager[0] == want}
+    # the eager step over a static TreeCache: the shapes a compiled step gets (every slot read, masked)
+    eager_static = _generate_logits(enable_tree_attention(hf_model("llama"), groups), prompt,
+                                    cache_implementation="static")
+    out = {"eager_equal": eager[0] == want == eager_static[0]}
     for cache in ("dynamic", "static"):
         kw = {"cache_implementation": "static"} if cache == "static" else {}
         for who in ("tree", "transformers"):
@@ -235,7 +288,8 @@ def _user_compiled_forward(rank, world, intra=None):
             model.forward = torch.compile(model.forward, fullgraph=True, backend=backend)
             tokens, logits = _generate_logits(model, prompt, **kw)
             out[who, cache] = {"frames": counter.frame_count, "tokens": tokens == want,
-                               "logits": torch.equal(logits, eager[1]) if who == "tree" else None,
+                               "logits": torch.equal(logits, eager_static[1]) if who == "tree" else None,
+                               "close": torch.allclose(logits, eager[1], rtol=0, atol=1e-5) if who == "tree" else None,
                                "merges": sum(o.startswith("megatron_tree.cp_merge") for o in ops),
                                "attentions": sum(o.startswith("megatron_tree.flash_decode") for o in ops)}
     return out
@@ -250,7 +304,8 @@ def _check_user_compiled(results):
             # one trace of the step's device half, one of the (empty) frame a fullgraph compile of the
             # prefill's forward counts; never more than transformers' own model needs
             assert tree["frames"] == 2 <= hf["frames"], (cache, tree)
-            assert tree["tokens"] and tree["logits"], (cache, tree)  # the eager step's logits, bit for bit
+            # the eager step's logits: bit for bit over a cache of the same shape, and close over the default one
+            assert tree["tokens"] and tree["logits"] and tree["close"], (cache, tree)
             # both layers' local attention and CP merge are in the traced step
             assert tree["merges"] == tree["attentions"] == 2, (cache, tree)
 
@@ -286,7 +341,7 @@ def _automatic_compile(rank, world):
     groups = mt.TreeGroups.build()
     prompt = PROMPTS[0]
     want = hf_greedy(hf_model("llama"), [prompt], STEPS)[0]
-    eager = _generate_logits(enable_tree_attention(hf_model("llama"), groups), prompt)
+    eager = _generate_logits(enable_tree_attention(hf_model("llama"), groups), prompt, cache_implementation="static")
     config = CompileConfig(backend=_recording_backend)
     config._compile_all_devices = True
     torch._dynamo.reset()
@@ -301,7 +356,7 @@ def test_transformers_automatic_compile_with_a_static_cache_compiles_the_tree_st
     compile on (its default on a GPU; its mode, reduce-overhead, is CUDA graphs there): transformers compiles
     ``model.__call__``, the call reaches the tree forward (a graph break: its host half is eager) and the
     decode step's device half is traced once, with every layer's attention and CP merge in it; the tokens of
-    unsharded transformers, the eager tree step's logits bit for bit."""
+    unsharded transformers, the eager tree step's logits (over a static cache too) bit for bit."""
     for r in run_ranks(_automatic_compile, 2, timeout=300):
         assert r["tokens"] and r["logits"]
         assert len(r["traced"]) == 1, [len(t) for t in r["traced"]]
@@ -439,20 +494,25 @@ def test_caches_of_many_sizes_each_compile_once_past_dynamos_recompile_limit():
     """Dynamo stops at ``recompile_limit`` (8) traces of one code object, and with ``fullgraph=True`` the
     ninth is an error: one compiled function shared by every cache failed at the ninth cache size (an eval
     sweeping context lengths; the fault soak's compiled cases, one model after another). Each step shape
-    has its own function now: 12 sizes, 12 traces, each cache's tokens those of the eager step."""
+    has its own function now: 12 sizes (12 length buckets: 64 to 3072 tokens), 12 traces, each cache's tokens
+    those of the eager step."""
+    from megatron_tree.decode.cache import static_length
     from megatron_tree.decode.generate import generate
     from megatron_tree.integrations.hf import HFTreeModel
     from torch._dynamo.testing import CompileCounterWithBackend
 
+    sizes = [64]
+    while len(sizes) < 12:
+        sizes.append(static_length(sizes[-1] + 1))
     counter = CompileCounterWithBackend("aot_eager")
     compiled = HFTreeModel(_model("llama"), None, compile_step={"backend": counter})
     eager = HFTreeModel(_model("llama"), None)
-    for n in range(12):
+    for n, size in enumerate(sizes):
         prompt = PROMPTS[n % len(PROMPTS)]
-        got = generate(compiled, [prompt], 3, cache=compiled.new_cache(1, len(prompt) + 3 + n), progress=False)
-        want = generate(eager, [prompt], 3, cache=eager.new_cache(1, len(prompt) + 3 + n), progress=False)
+        got = generate(compiled, [prompt], 3, cache=compiled.new_cache(1, size), progress=False)
+        want = generate(eager, [prompt], 3, cache=eager.new_cache(1, size), progress=False)
         assert got.tokens == want.tokens, n
-    assert counter.frame_count == 12
+    assert sizes[-1] == 3072 and counter.frame_count == 12
 
 
 def test_compiling_a_caller_of_the_model_says_what_to_compile():
