@@ -61,22 +61,25 @@ Layout = Literal["load_balanced", "contiguous"]
 
 STATIC_MIN_LENGTH = 64
 """The smallest length :func:`static_length` sizes a static cache for."""
+STATIC_LENGTHS_PER_OCTAVE = 4
+"""How many lengths :func:`static_length` has between two powers of two."""
 
 
 def static_length(tokens: int) -> int:
     """The length a static cache (fixed shapes: a compiled or graph-captured step) is sized for, to hold ``tokens``.
 
-    The smallest of 64, 96, 128, 192, 256, 384, ... (2**k and 3 * 2**(k-1): two sizes per octave) that is at
-    least ``tokens``. A compiled step is traced once per cache shape, so caches made for nearby lengths (an
-    eval's batches, each sized for its longest prompt) share one trace: a sweep of lengths from 1K to 4K takes
-    5 shapes, not one per batch. The price: at most 1.5x the slots (on average about 1.2x), which only the
-    storage pays on a GPU (the kernel stops at each row's length), and a CPU step's masked reads too.
+    The smallest of 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, ... (four per octave, evenly spaced) that
+    is at least ``tokens``. A compiled step is traced once per cache shape, so caches made for nearby lengths
+    (an eval's batches, each sized for its longest prompt) share one trace: a sweep of lengths from 1K to 4K
+    takes at most 8 shapes, not one per batch. The price: at most 1.25x the slots, paid in storage, in a CPU
+    step's masked reads, and on a GPU in kernel programs that find no key of the row and stop at once
+    (the kernel's split count follows the cache's length, which a captured launch cannot change).
     """
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
         raise ValueError(f"static_length: expected a token count (an int >= 0), got {tokens!r}")
     n = STATIC_MIN_LENGTH
     while n < tokens:
-        n = n * 3 // 2 if n & (n - 1) == 0 else n * 4 // 3  # 2**k -> 3 * 2**(k-1) -> 2**(k+1)
+        n += (1 << (n.bit_length() - 1)) // STATIC_LENGTHS_PER_OCTAVE  # a quarter of the octave n is in
     return n
 
 

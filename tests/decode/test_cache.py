@@ -181,17 +181,19 @@ def test_config_errors():
                                    cp_size=2, cp_rank=2)
 
 
-def test_static_length_buckets_two_per_octave():
-    """A static cache's length: the smallest of 64, 96, 128, 192, ... holding the tokens; never more than 1.5x
-    them (past the minimum); a count that is not an int >= 0 is refused."""
+def test_static_length_buckets_four_per_octave():
+    """A static cache's length: the smallest of 64, 80, 96, 112, 128, 160, ... holding the tokens; never more
+    than 1.25x them (past the minimum); a count that is not an int >= 0 is refused."""
     from megatron_tree.decode.cache import static_length
 
-    assert [static_length(n) for n in (0, 1, 64, 65, 96, 97, 128, 129, 192, 193, 4096, 4097)] == \
-        [64, 64, 64, 96, 96, 128, 128, 192, 192, 256, 4096, 6144]
+    assert [static_length(n) for n in (0, 1, 64, 65, 80, 81, 128, 129, 32768, 32800, 131072 + 64)] == \
+        [64, 64, 64, 80, 80, 96, 128, 160, 32768, 40960, 163840]
     sizes = sorted({static_length(n) for n in range(1, 70000)})
-    assert sizes[:8] == [64, 96, 128, 192, 256, 384, 512, 768]
-    assert all(b / a in (1.5, 4 / 3) for a, b in zip(sizes, sizes[1:]))
-    assert all(n <= static_length(n) <= max(64, 1.5 * n) for n in range(1, 70000, 7))
+    assert sizes[:10] == [64, 80, 96, 112, 128, 160, 192, 224, 256, 320]
+    for octave in range(6, 16):  # four lengths in each octave [2**k, 2**(k+1)), evenly spaced
+        inside = [n for n in sizes if 2 ** octave <= n < 2 ** (octave + 1)]
+        assert inside == [2 ** octave + j * 2 ** (octave - 2) for j in range(4)], octave
+    assert all(n <= static_length(n) <= max(64, 1.25 * n) for n in range(1, 70000, 7))
     for bad in (-1, 2.0, True, "8"):
         with pytest.raises(ValueError, match="static_length: expected a token count"):
             static_length(bad)

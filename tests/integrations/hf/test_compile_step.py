@@ -109,9 +109,9 @@ def test_windowed_softcapped_step_at_cp3_compiles_once_and_equals_eager():
     _check(run_ranks(_generate, 3, "gemma2", timeout=300), 3)
 
 
-SWEEP = (4, 9, 20, 27, 44, 58, 70, 90, 101, 120)
+SWEEP = (4, 9, 20, 27, 44, 58, 70, 74, 101, 107)
 """Prompt lengths of an eval-like sweep: one generate call each (2 rows, the second one token shorter), sized for
-the prompt + SWEEP_NEW tokens -> static caches of 64 (6 calls), 96 (2) and 128 (2) tokens (``static_length``)."""
+the prompt + SWEEP_NEW tokens -> static caches of 64 (6 calls), 80 (2) and 112 (2) tokens (``static_length``)."""
 SWEEP_NEW = 3
 
 
@@ -144,7 +144,7 @@ def test_caches_of_nearby_lengths_share_one_compiled_step():
     (10, before), and every call gives the eager step's tokens."""
     for r in run_ranks(_sweep, 2, timeout=300):
         assert all(r["equal"]), r["equal"]
-        assert r["sizes"] == [64] * 6 + [96] * 2 + [128] * 2
+        assert r["sizes"] == [64] * 6 + [80] * 2 + [112] * 2
         # a new trace exactly where the bucket changes
         assert r["frames"] == [1] * 6 + [2] * 2 + [3] * 2, r["frames"]
 
@@ -494,7 +494,7 @@ def test_caches_of_many_sizes_each_compile_once_past_dynamos_recompile_limit():
     """Dynamo stops at ``recompile_limit`` (8) traces of one code object, and with ``fullgraph=True`` the
     ninth is an error: one compiled function shared by every cache failed at the ninth cache size (an eval
     sweeping context lengths; the fault soak's compiled cases, one model after another). Each step shape
-    has its own function now: 12 sizes (12 length buckets: 64 to 3072 tokens), 12 traces, each cache's tokens
+    has its own function now: 12 sizes (12 length buckets: 64 to 448 tokens), 12 traces, each cache's tokens
     those of the eager step."""
     from megatron_tree.decode.cache import static_length
     from megatron_tree.decode.generate import generate
@@ -512,7 +512,7 @@ def test_caches_of_many_sizes_each_compile_once_past_dynamos_recompile_limit():
         got = generate(compiled, [prompt], 3, cache=compiled.new_cache(1, size), progress=False)
         want = generate(eager, [prompt], 3, cache=eager.new_cache(1, size), progress=False)
         assert got.tokens == want.tokens, n
-    assert sizes[-1] == 3072 and counter.frame_count == 12
+    assert sizes[-1] == 448 and counter.frame_count == 12
 
 
 def test_compiling_a_caller_of_the_model_says_what_to_compile():
