@@ -46,8 +46,8 @@ from .groups import load_balanced_positions, tree_groups_from_megatron
 from .version import check_megatron_version, inference_mode_active, megatron_api, refuse_unsupported_features
 
 __all__ = [
-    "MARKER", "SLOT_MARKER", "NEVER", "CorePlan", "PagedLayer", "gather_seq", "TreeDotProductAttention", "TreeSelfAttention",
-    "use_tree_attention", "restore_core_attention", "get_gpt_layer_tree_spec", "check_tree_slots",
+    "MARKER", "SLOT_MARKER", "NEVER", "CorePlan", "PagedLayer", "gather_seq", "TreeDotProductAttention",
+    "TreeSelfAttention", "use_tree_attention", "restore_core_attention", "get_gpt_layer_tree_spec", "check_tree_slots",
     "megatron_attention_fingerprint",
 ]
 
