@@ -1,0 +1,70 @@
+"""A decode forward that raises leaves the TreeCache as it was before it: the next step is exact.
+
+A decode forward places its new tokens (host bookkeeping, the rows' placement) before the layers run, and
+the layers that do run store their keys there. If a later layer raises, the global length must not grow and
+the placement must be taken back, or the next step lands one slot further and every later step reads a
+stray key (wrong logits, no error). Three gloo ranks (CP 3) run a tiny random Mistral with a sliding window
+and a prefill window below the prompts, on a left-padded batch of ragged prompts (29, 17 and 1 tokens);
+layer 1 raises once in a decode forward, then decoding goes on on the same cache. Each step's logits are
+compared with a single-process forward of the row's unpadded tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tests.helpers.ranks import run_ranks
+
+STEPS = 4
+
+
+def _rank(rank, world):
+    from megatron_tree.distributed.topology import TreeGroups
+    from megatron_tree.integrations.hf import HFTreeModel
+    from tests.helpers.hf_models import batch, hf_model
+
+    ref = hf_model("mistral", sliding_window=5)
+    hf = hf_model("mistral", sliding_window=5)
+    hf.generation_config.eos_token_id = None
+    m = HFTreeModel(hf, TreeGroups.build(), max_prefill_tokens=6)
+    ids, mask = batch()
+    rows = [ids[b][mask[b].bool()].tolist() for b in range(ids.shape[0])]
+    with torch.no_grad():
+        out = m.hf.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0,
+                            return_dict_in_generate=True)
+        cache = out.past_key_values
+        for b, row in enumerate(rows):
+            row += out.sequences[b, ids.shape[1]:].tolist()
+        length = cache.get_seq_length()
+
+        def step():  # each row's last token at its own position (the prompts are left-padded)
+            return m.hf(input_ids=torch.tensor([[r[-1]] for r in rows]),
+                        position_ids=torch.tensor([[len(r) - 1] for r in rows]), past_key_values=cache,
+                        use_cache=True).logits[:, -1]
+
+        def boom(module, args):
+            raise RuntimeError("layer 1 failed")
+
+        hook = m.hf.model.layers[1].register_forward_pre_hook(boom)
+        try:
+            step()
+            raised = None
+        except RuntimeError as e:
+            raised = str(e)
+        finally:
+            hook.remove()
+        after = {"raised": raised, "metadata": cache.metadata, "length": cache.get_seq_length() - length}
+        diffs = []
+        for _ in range(STEPS):
+            got = step()
+            want = torch.stack([ref(input_ids=torch.tensor([r]), use_cache=False).logits[0, -1] for r in rows])
+            diffs.append(float((got - want).abs().max()))
+            for r, t in zip(rows, want.argmax(-1).tolist()):
+                r.append(t)
+    return {"after": after, "diffs": diffs}
+
+
+def test_a_decode_forward_that_raises_leaves_the_cache_as_before():
+    for r in run_ranks(_rank, 3, timeout=600):
+        assert r["after"] == {"raised": "layer 1 failed", "metadata": None, "length": 0}, r["after"]
+        assert max(r["diffs"]) < 5e-5, r["diffs"]  # every step after the failed one exact
