@@ -6,7 +6,9 @@ the placement must be taken back, or the next step lands one slot further and ev
 stray key (wrong logits, no error). Three gloo ranks (CP 3) run a tiny random Mistral with a sliding window
 and a prefill window below the prompts, on a left-padded batch of ragged prompts (29, 17 and 1 tokens);
 layer 1 raises once in a decode forward, then decoding goes on on the same cache. Each step's logits are
-compared with a single-process forward of the row's unpadded tokens.
+compared with a single-process forward of the row's unpadded tokens. A decode step refused before its
+layers run (a compiled step on a cache that is not static) must leave no forward behind either: no
+metadata, the rows' lengths as before, ``crop`` allowed.
 """
 
 from __future__ import annotations
@@ -68,3 +70,33 @@ def test_a_decode_forward_that_raises_leaves_the_cache_as_before():
     for r in run_ranks(_rank, 3, timeout=600):
         assert r["after"] == {"raised": "layer 1 failed", "metadata": None, "length": 0}, r["after"]
         assert max(r["diffs"]) < 5e-5, r["diffs"]  # every step after the failed one exact
+
+
+def _refused_compiled_step(rank, world):
+    from megatron_tree.distributed.topology import TreeGroups
+    from megatron_tree.integrations.hf import HFTreeModel, TreeCache
+    from tests.helpers.hf_models import hf_model
+
+    hf = hf_model("llama")
+    groups = TreeGroups.build()
+    m = HFTreeModel(hf, groups, compile_step=True)
+    cache = TreeCache(hf, groups, static=False)  # a compiled step refuses it, before anything is traced
+    with torch.no_grad():
+        out = m.hf(input_ids=torch.tensor([[5, 17, 99, 3, 42, 7, 8]]), past_key_values=cache, use_cache=True)
+        length, rows = cache.get_seq_length(), list(cache.storage.lengths)
+        try:
+            m.hf(input_ids=out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
+            error = None
+        except ValueError as e:
+            error = str(e)
+        state = {"metadata": cache.metadata, "length": cache.get_seq_length() == length,
+                 "rows": list(cache.storage.lengths) == rows}
+        cache.crop(-1)  # between forwards: allowed
+    return {"error": error, "state": state, "cropped": list(cache.storage.lengths)}
+
+
+def test_a_refused_compiled_step_leaves_no_forward_behind():
+    for r in run_ranks(_refused_compiled_step, 2, timeout=300):
+        assert r["error"] is not None and "needs a static TreeCache" in r["error"], r["error"]
+        assert r["state"] == {"metadata": None, "length": True, "rows": True}, r["state"]
+        assert r["cropped"] == [6], r["cropped"]
