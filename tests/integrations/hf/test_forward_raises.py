@@ -5,8 +5,9 @@ the layers that do run store their keys there. If a later layer raises, the glob
 the placement must be taken back, or the next step lands one slot further and every later step reads a
 stray key (wrong logits, no error). Three gloo ranks (CP 3) run a tiny random Mistral with a sliding window
 and a prefill window below the prompts, on a left-padded batch of ragged prompts (29, 17 and 1 tokens);
-layer 1 raises once in a decode forward, then decoding goes on on the same cache. Each step's logits are
-compared with a single-process forward of the row's unpadded tokens. A decode step refused before its
+layer 1 raises once in a decode forward, then decoding goes on on the same cache: a forward of two new tokens
+per row (assisted decoding's chain), then single steps. Each forward's logits are compared with a
+single-process forward of the row's unpadded tokens. A decode step refused before its
 layers run (a compiled step on a cache that is not static) must leave no forward behind either: no
 metadata, the rows' lengths as before, ``crop`` allowed.
 """
@@ -56,7 +57,15 @@ def _rank(rank, world):
         finally:
             hook.remove()
         after = {"raised": raised, "metadata": cache.metadata, "length": cache.get_seq_length() - length}
-        diffs = []
+        # first two new tokens per row in one forward (assisted decoding's chain: it reads the shard as it
+        # stands, so the taken-back token must not count), then one token per step
+        chain = m.hf(input_ids=torch.tensor([[r[-1], 7] for r in rows]),
+                     position_ids=torch.tensor([[len(r) - 1, len(r)] for r in rows]), past_key_values=cache,
+                     use_cache=True).logits
+        want = torch.stack([ref(input_ids=torch.tensor([r + [7]]), use_cache=False).logits[0, -2:] for r in rows])
+        diffs = [float((chain - want).abs().max())]
+        for r, t in zip(rows, want[:, -1].argmax(-1).tolist()):
+            r += [7, t]
         for _ in range(STEPS):
             got = step()
             want = torch.stack([ref(input_ids=torch.tensor([r]), use_cache=False).logits[0, -1] for r in rows])
