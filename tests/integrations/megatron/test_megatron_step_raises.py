@@ -5,7 +5,9 @@ that run store their keys there. If a later layer raises, the placement must be 
 step lands one slot further and every later step reads a stray key (wrong logits, no error). Three gloo
 ranks (CP 3) build a tiny GPTModel with tree attention and Megatron's own model (CP = TP = 1) with the same
 weights; two rows of different lengths are prefilled, a decode step raises in the second layer (a pre-hook),
-then decoding goes on on the same cache, each step against Megatron's full causal forward.
+then decoding goes on on the same cache, each step against Megatron's full causal forward. Driven by hand
+(``plan_step``, the model's forward, ``commit_step``), a step whose forward raised stays planned: planning the
+next one must say to take it back with ``rewind_step()``, after which the step runs exact.
 """
 
 from __future__ import annotations
@@ -64,11 +66,39 @@ def _rank(rank, world):
             errs.append(max(float((logits[b] - ref(torch.tensor([s]))[0, -1].float()).abs().max())
                             for b, s in enumerate(seqs)))
             ids = logits.argmax(-1)
+        # Driven by hand (plan_step, the model's forward, commit_step): a forward that raised leaves its step
+        # planned; planning the next one says how to take it back, and after rewind_step it runs exact.
+        rows = [[3, 1, 4, 1, 5], [6, 0, 2, 8, 1]]
+        ctx = lm.new_cache(len(rows), 32, block_size=2)
+        nxt = lm.prefill(rows, ctx).argmax(-1)
+        for r, t in zip(rows, nxt.tolist()):
+            r.append(t)
+        plan = ctx.plan_step(len(rows[0]) - 1, 1)
+        hook = model.decoder.layers[1].register_forward_pre_hook(boom, with_kwargs=True)
+        try:
+            model(nxt[:, None], plan.positions, None, inference_context=ctx, runtime_gather_output=True)
+        except RuntimeError:
+            pass
+        finally:
+            hook.remove()
+        try:
+            ctx.plan_step(len(rows[0]) - 1, 1)
+            replan = None
+        except RuntimeError as e:
+            replan = str(e)
+        ctx.rewind_step()
+        plan = ctx.plan_step(len(rows[0]) - 1, 1)
+        logits = model(nxt[:, None], plan.positions, None, inference_context=ctx, runtime_gather_output=True)[:, -1]
+        ctx.commit_step()
+        by_hand = max(float((logits[b] - ref(torch.tensor([r]))[0, -1].float()).abs().max())
+                      for b, r in enumerate(rows))
         parallel_state.destroy_model_parallel()
-    return {"after": after, "errs": errs}
+    return {"after": after, "errs": errs, "replan": replan, "by_hand": by_hand}
 
 
 def test_decode_step_that_raises_leaves_the_cache_as_before():
     for r in run_ranks(_rank, 3, timeout=300):
         assert r["after"] == {"raised": "layer 2 failed", "step": None, "same_shards": True}, r["after"]
         assert max(r["errs"]) <= 1e-4, r["errs"]  # every step after the failed one matches Megatron at CP 1
+        assert r["replan"] is not None and "take it back with rewind_step()" in r["replan"], r["replan"]
+        assert r["by_hand"] <= 1e-4, r["by_hand"]
