@@ -395,8 +395,11 @@ class ShardedKVCache:
     def rewind_step(self) -> None:
         """Take the last decode step back so that it can run again on the same slots (``generate``'s
         redo of a ``shifted`` step): lengths are as before it; the next :meth:`begin_decode_step`
-        returns its plan again. The stored keys are left as they are (rewriting them is idempotent)."""
+        returns its plan again. The stored keys are left as they are (rewriting them is idempotent).
+        ``seqlens`` is as before the step too: a forward other than the step's redo (new tokens kept
+        aside, a verification) reads the shard as it stands, without the taken-back token."""
         self._planner.rewind()
+        self.seqlens.copy_(torch.tensor([row.counts[self.cp_rank] for row in self._rows], dtype=torch.int32))
 
     def truncate(self, lengths: list[int]) -> None:
         """Keep each row's first ``lengths[b]`` tokens (positions ``[0, lengths[b])``), dropping its later

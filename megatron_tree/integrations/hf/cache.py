@@ -419,6 +419,16 @@ class TreeCache(Cache):
         self._steps -= 1
         self._padded -= 1
 
+    def _abandon_decode(self) -> None:
+        """Take back a decode step that :meth:`_begin_decode` placed but whose forward raised (in a layer, in
+        a check before the layers ran, or in :meth:`_finish`): the global length never grew, and the rows'
+        placement is put back as before the step, so the cache is as it was and the next decode forward
+        places its token on the same slots (overwriting the keys the layers that ran had stored there)."""
+        self.metadata = None
+        self._written = set()
+        self.storage.rewind_step()
+        self._steps -= 1
+
     def _finish(self) -> None:
         if self._written is None:  # a compiled step: its layers are not counted (see update)
             self._written = set()

@@ -358,6 +358,18 @@ def _decode(orig, binding: _Binding, cache: TreeCache, call: dict, batch: int, q
     if q_len != 1:
         return _decode_chain(orig, binding, cache, call, batch, q_len)
     cache._begin_decode(batch, binding.windows)
+    before = cache.get_seq_length()
+    try:
+        return _placed_step(orig, binding, cache, call, prior)
+    except BaseException:
+        if cache.get_seq_length() == before:  # the step never finished: the cache is put back as before it
+            cache._abandon_decode()
+        raise
+
+
+def _placed_step(orig, binding: _Binding, cache: TreeCache, call: dict, prior=None):
+    """The forward of one new token per row that :meth:`TreeCache._begin_decode` has placed: eager, or the
+    compiled device half (:func:`device_step`). input_ids (batch, 1) -> logits (batch, 1, vocab)."""
     call["attention_mask"] = None
     users = user_compile.compiling(prior) and binding.compiled is None
     if binding.compiled is None and not users:

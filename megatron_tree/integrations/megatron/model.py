@@ -290,7 +290,8 @@ class MegatronLM:
 
         step: the loop's ``decode.generate.DecodeStep``: every layer's core attention runs its
         ``attend`` (``generate``'s ``shifted`` redo rewinds the cache and calls this again); without
-        one, a plain step of ``strategy``/``stats``.
+        one, a plain step of ``strategy``/``stats``. A forward that raises leaves the cache as before
+        the call (the step is rewound).
         """
         from ...decode.generate import DecodeStep
 
@@ -299,6 +300,11 @@ class MegatronLM:
         plan = cache.plan_decode(0, ids.shape[0], 1, attend=step)  # the step's metadata carries the loop's step
         try:
             logits = self._run(ids, plan.positions.to(self.device), cache)[:, -1]
+        except BaseException:
+            # The forward raised (in a layer, or a hook of the caller's): the step never happened, so its
+            # placement is taken back (the redo's path); the next step places its tokens on the same slots.
+            cache.rewind_step()
+            raise
         finally:
             cache.step = None
         return logits.float()

@@ -305,9 +305,13 @@ class TreeInferenceContext(_static_context_base()):
         b1 = self.max_batch_size if batch_size is None else b0 + batch_size
         lengths = set(self.lengths(b0, b1))
         if lengths != {start}:
+            # (a decode step planned and never committed: its forward raised, or commit_step was not called)
+            open_step = self.step is not None and self.step.mode == "decode"
             raise RuntimeError(
                 f"step starts at position {start} but the rows hold {sorted(lengths)} tokens; the CP-sharded cache "
-                "appends in order"
+                "appends in order" + ("; the last planned decode step was never committed (commit_step): if its "
+                                      "forward raised, take it back with rewind_step() and plan it again"
+                                      if open_step else "")
             )
         if start + num_tokens > self.max_sequence_length:
             raise ValueError(f"{start + num_tokens} tokens exceed max_sequence_length={self.max_sequence_length}")
