@@ -80,6 +80,20 @@ class ForwardPlan:
         return int(self.index.numel())
 
 
+@dataclass(frozen=True, eq=False)
+class _StepLayers:
+    """What every layer of one planned forward shares in :meth:`TreeInferenceContext.store_key_value`."""
+
+    slot: torch.Tensor
+    """[width, rows] int64: where this rank writes each token of the forward (its slot, or the spare slot)."""
+    rows: torch.Tensor
+    """[width, rows] int64: the batch row of each of those writes."""
+    n: int | None
+    """decode: the key slots the attention reads (the longest row this rank holds); prefill: None."""
+    meta: CorePlan
+    """The core attention's metadata for the forward (handed over in Megatron's ``attn_mask_type`` slot)."""
+
+
 def _static_context_base():
     from megatron.core.inference.contexts import StaticInferenceContext
 
@@ -143,6 +157,7 @@ class TreeInferenceContext(_static_context_base()):
         self.rope_table: torch.Tensor | None = None
         self._planner = StepPlanner([], self.cp_rank, spare=self.capacity, device="cpu")
         self._decode: tuple | None = None  # (the planner's plan, the ForwardPlan made from it)
+        self._layers: tuple | None = None  # (the ForwardPlan, what every layer of its step shares: _StepLayers)
         self._new_rows()
 
     def _new_rows(self) -> None:
@@ -150,6 +165,7 @@ class TreeInferenceContext(_static_context_base()):
                                   capacity=self.capacity) for _ in range(self.max_batch_size)]
         self._planner.reset(self.rows)
         self._decode = None
+        self._layers = None
 
     def reset(self):
         super().reset()
@@ -349,21 +365,33 @@ class TreeInferenceContext(_static_context_base()):
             query, key = self.apply_rope(query, key, plan.positions, core.config, core.pg_collection.cp,
                                         same_positions=plan.same_positions)
         k_buf, v_buf = self.buffers(core.layer_number, key, value)
+        shared = self._step_layers(plan, key.device)
         # Tokens another rank keeps go to the buffers' spare slot (never read; the step planner's
         # one trick): one scatter, no host read of which tokens are this rank's.
-        slot = plan.store.to(key.device).t()  # [width, rows]
-        rows = torch.arange(b0, b1, device=key.device)[None, :].expand_as(slot)
-        k_buf[slot, rows] = key.to(k_buf.dtype)
-        v_buf[slot, rows] = value.to(v_buf.dtype)
+        k_buf[shared.slot, shared.rows] = key.to(k_buf.dtype)
+        v_buf[shared.slot, shared.rows] = value.to(v_buf.dtype)
         if plan.mode == "prefill":  # this rank's chunks only: the core attention runs decode.prefill's ring
             keys, values = key, value
-            meta = CorePlan("prefill", plan.positions, plan.positions)
+        else:
+            keys, values = k_buf[:shared.n, b0:b1], v_buf[:shared.n, b0:b1]
+        return query, keys, values, None, shared.meta, None
+
+    def _step_layers(self, plan: ForwardPlan, device) -> _StepLayers:
+        """What every layer of ``plan``'s step shares, made by its first layer (once per step, not per layer)."""
+        if self._layers is not None and self._layers[0] is plan and self._layers[1].slot.device == device:
+            return self._layers[1]
+        b0, b1 = plan.rows
+        slot = plan.store.to(device).t()  # [width, rows]
+        rows = torch.arange(b0, b1, device=device)[None, :].expand_as(slot)
+        if plan.mode == "prefill":
+            n, meta = None, CorePlan("prefill", plan.positions, plan.positions)
         else:
             lengths = plan.k_lengths if plan.k_lengths is not None else self.local_lengths(b0, b1)
             n = self.local_max(b0, b1)  # host bookkeeping: no read of lengths
-            keys, values = k_buf[:n, b0:b1], v_buf[:n, b0:b1]
             meta = CorePlan("decode", plan.positions, self.local_positions[b0:b1, :n], lengths, plan.attend)
-        return query, keys, values, None, meta, None
+        shared = _StepLayers(slot, rows, n, meta)
+        self._layers = (plan, shared)
+        return shared
 
     def commit_step(self) -> None:
         """Close the planned step (after every layer has stored its keys/values)."""

@@ -329,7 +329,7 @@ def mixed_length_batch(rank) -> dict:
     model = mm.build_gpt(shape, tree=True, cp=4, hierarchical=[2, 2], seed=3)
     mc.fill_from_global(model, mc.global_tensors(src))
     lm = mm.MegatronLM(model, mt.tree_groups_from_megatron(model.pg_collection), shape)
-    seen, states = [], {}
+    seen, states, decode_plans = [], {}, []
 
     def state(module):  # every attribute of the module, by object: what a forward could read besides its arguments
         return {k: id(v) for k, v in vars(module).items()}
@@ -341,6 +341,7 @@ def mixed_length_batch(rank) -> dict:
         seen.append((mode, module.layer_number, tuple(query.shape[:2]), key.shape[0]))
         if mode == "decode":
             states.setdefault(module.layer_number, []).append(state(module))
+            decode_plans.append((module.layer_number, plan))
 
     for layer in model.decoder.layers:
         layer.self_attention.core_attention.register_forward_pre_hook(count, with_kwargs=True)
@@ -356,6 +357,8 @@ def mixed_length_batch(rank) -> dict:
     out["core_state_changes"] = sorted({(n, k) for n, seq in states.items() for st in seq for k in
                                         set(st) | set(after[n]) if st.get(k) != after[n].get(k)})
     out["core_state_steps"] = {n: len(seq) for n, seq in states.items()}
+    # one CorePlan per decode step, shared by both layers of that step
+    out["plan_per_step"] = [(a[0], b[0], a[1] is b[1]) for a, b in zip(decode_plans[::2], decode_plans[1::2])]
     # strategy="shifted" through the same path: one SUM per layer per step after the first, and a
     # step whose shifts are far off raises the deferred flag and is redone on the same plan.
     from megatron_tree.comm import CommStats
@@ -491,6 +494,7 @@ def test_mixed_length_batch_is_prefilled_cp_sharded_then_decoded(megatron_result
         mixed = megatron_results[r]["mixed_batch"]
         assert mixed["core_state_steps"] == {1: MIXED_NEW - 1, 2: MIXED_NEW - 1}, mixed["core_state_steps"]
         assert mixed["core_state_changes"] == [], mixed["core_state_changes"]
+        assert mixed["plan_per_step"] == [(1, 2, True)] * (MIXED_NEW - 1), mixed["plan_per_step"]
     assert [len(t) for t in base] == [MIXED_NEW, MIXED_NEW]
     for r in range(4):
         mixed = megatron_results[r]["mixed_batch"]
