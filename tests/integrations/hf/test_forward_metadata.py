@@ -5,7 +5,7 @@ Two gloo ranks (CP 2) run a tiny random Llama enabled with a prefill window far 
 prompt takes several forwards) through transformers' ``generate``, then one forward of three new tokens per
 row on the filled cache (what assisted decoding verifies its candidates with: kept aside, not stored). A spy
 in place of the registered attention function records, for each layer's call, the cache's ``metadata``
-object and its ``mode``. Then a decode step and a chain whose attention raises: they too leave no
+object and its ``mode``. Then a decode step, a chain and a speculative verification whose attention raises: they too leave no
 metadata behind (a crop after them is not refused as one made during a forward).
 """
 
@@ -31,6 +31,7 @@ def _rank(rank, world):
         StepMetadata,
         VerifyMetadata,
     )
+    from megatron_tree.decode.speculative import verify_forward
     from megatron_tree.distributed.topology import TreeGroups
     from megatron_tree.integrations.hf import HFTreeModel, TreeCache
     from megatron_tree.integrations.hf.attention import tree_attention_forward
@@ -67,7 +68,7 @@ def _rank(rank, world):
     except (RuntimeError, ValueError) as e:  # RuntimeError expected; any other is recorded for the assertion
         stray = str(e)
     after = getattr(cache.metadata, "mode", cache.metadata)  # (its mode: no tensors sent back)
-    # a forward whose attention raises (a decode step, then a 3-token chain) leaves no metadata behind either:
+    # a forward whose attention raises (a decode step, a 3-token chain, a verification) leaves no metadata behind either:
     # the next crop is not taken for one made during a forward
     failed = []
 
@@ -82,6 +83,10 @@ def _rank(rank, world):
                     m.hf(input_ids=ids, past_key_values=cache, use_cache=True)
             except _Broken as e:
                 failed.append((str(e), getattr(cache.metadata, "mode", cache.metadata)))  # (no tensors back)
+        try:  # speculative decoding's verification forward (two drafts, a chain), started on its own path
+            verify_forward(m, cache, out.sequences[:, -2:], torch.ones(2, 2, dtype=torch.bool).tril())
+        except _Broken as e:
+            failed.append((str(e), getattr(cache.metadata, "mode", cache.metadata)))
     finally:
         AttentionInterface.register(ATTN_IMPLEMENTATION, tree_attention_forward)
     length = cache.get_seq_length()
@@ -120,6 +125,6 @@ def test_every_forward_hands_its_layers_one_metadata_object_of_its_kind():
         assert r["is_tree_cache"] and r["after"] is None  # no forward metadata between forwards
         assert r["stray"] is not None and "outside a forward" in r["stray"]
         # a failed forward's metadata is dropped too (else the crop would be refused as made during a forward)
-        assert r["failed"] == [("layer 0", None), ("layer 0", None)], r["failed"]
+        assert r["failed"] == [("layer 0", None)] * 3, r["failed"]
         assert r["cropped"] == 1, r["cropped"]
     assert results[0]["tokens"] == results[1]["tokens"]
