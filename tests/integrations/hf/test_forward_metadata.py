@@ -5,8 +5,9 @@ Two gloo ranks (CP 2) run a tiny random Llama enabled with a prefill window far 
 prompt takes several forwards) through transformers' ``generate``, then one forward of three new tokens per
 row on the filled cache (what assisted decoding verifies its candidates with: kept aside, not stored). A spy
 in place of the registered attention function records, for each layer's call, the cache's ``metadata``
-object and its ``mode``. Then a decode step, a chain and a speculative verification whose attention raises: they too leave no
-metadata behind (a crop after them is not refused as one made during a forward).
+object and its ``mode`` (and, once, tries a crop: refused while the forward runs). Then a decode step, a
+chain and a speculative verification whose attention raises: they too leave no metadata behind (a crop
+after them is not refused as one made during a forward).
 """
 
 from __future__ import annotations
@@ -38,11 +39,18 @@ def _rank(rank, world):
     from megatron_tree.integrations.hf.common import _MARK, ATTN_IMPLEMENTATION
     from tests.helpers.hf_models import hf_model
 
-    calls = []
+    calls, inside = [], []
 
     def spy(module, *args, **kwargs):
-        meta = getattr(module, _MARK).active.metadata
+        active = getattr(module, _MARK).active
+        meta = active.metadata
         calls.append((module.layer_idx, meta))
+        if meta.mode == "verify" and not inside:  # a crop while the chain's layers run is refused
+            try:
+                active.crop(-1)
+                inside.append(None)
+            except RuntimeError as e:
+                inside.append(str(e))
         return tree_attention_forward(module, *args, **kwargs)
 
     hf = hf_model("llama")
@@ -108,6 +116,7 @@ def _rank(rank, world):
         "chain_logits": chain.logits.shape,
         "failed": failed,
         "cropped": cropped,
+        "crop_inside": inside,
     }
 
 
@@ -127,4 +136,5 @@ def test_every_forward_hands_its_layers_one_metadata_object_of_its_kind():
         # a failed forward's metadata is dropped too (else the crop would be refused as made during a forward)
         assert r["failed"] == [("layer 0", None)] * 3, r["failed"]
         assert r["cropped"] == 1, r["cropped"]
+        assert len(r["crop_inside"]) == 1 and "during a forward" in str(r["crop_inside"][0]), r["crop_inside"]
     assert results[0]["tokens"] == results[1]["tokens"]
