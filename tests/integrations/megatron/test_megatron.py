@@ -375,6 +375,15 @@ def mixed_length_batch(rank) -> dict:
         ids = logits.argmax(-1)
         redo_tokens.append((ids.tolist(), redone))
     out["shifted_redo"] = (redo_tokens, [cache.shard_lens(b) for b in range(2)])
+    # A rewound step run again gets the DecodeStep it is handed then, not the one its plan first carried:
+    # each step's CommStats counts that run's merges (2 layers, packed: one MAX and one SUM each).
+    from megatron_tree.decode.generate import DecodeStep
+
+    first, again = CommStats(), CommStats()
+    lm.decode_step(ids, cache, DecodeStep("packed", first))
+    cache.rewind_step()
+    lm.decode_step(ids, cache, DecodeStep("packed", again))
+    out["rewound_stats"] = [{name: dict(lv.ops) for name, lv in s.levels.items()} for s in (first, again)]
     from megatron_tree.decode.generate import DecodeCache, DecodeModel
 
     out["protocol"] = (isinstance(lm, DecodeModel), isinstance(cache, DecodeCache))  # generate's written protocol
@@ -521,6 +530,9 @@ def test_mixed_length_batch_is_prefilled_cp_sharded_then_decoded(megatron_result
         assert mixed["protocol"] == (True, True)  # MegatronLM and its context provide the loop's protocol
         steps, shards = mixed["shifted_redo"]
         assert [redone for _, redone in steps] == [False, True, False]
+        # the rewound step's second run merges into the stats of the step handed to it, not the first's
+        packed = {"cp": {"all_reduce_max": 2, "all_reduce_sum": 2}}
+        assert mixed["rewound_stats"] == [packed, packed], mixed["rewound_stats"]
         assert [t for t, _ in steps] == [[row[i + 1] for row in base] for i in range(MIXED_NEW - 1)]
         assert shards == [[5, 2, 2, 2], [129, 129, 129, 128]]
     # Megatron's controller: one prefill of the shortest prompt (8 tokens), then one forward per token.

@@ -133,8 +133,19 @@ def dynamic_rank(rank, world):
 
             eng = tree_engine()
             guard = GuardDecodeForwards(eng)  # every decode-only forward under sync_guard.no_host_sync
+            # Each layer's core attention before every forward of the run (its attributes, by object): the
+            # step's pages reach it in the block_table slot of the call (PagedLayer), never as module state.
+            cores, states = [layer.self_attention.core_attention for layer in model.decoder.layers], []
+            hooks = [layer.self_attention.register_forward_pre_hook(
+                lambda m, a, core=core, i=i, seen=states: seen.append((i, {k: id(v) for k, v in vars(core).items()})))
+                for i, (layer, core) in enumerate(zip(model.decoder.layers, cores))]
             # A fifth request longer than the context window arrives with the third.
             res[name] = run_dynamic(eng, stall_prompts() + [[7] * (MAX_LEN - 4)], NEW_TOKENS + [8], ARRIVALS + [3])
+            for h in hooks:
+                h.remove()
+            after = [{k: id(v) for k, v in vars(core).items()} for core in cores]
+            changed = {(i, k) for i, st in states for k in set(st) | set(after[i]) if st.get(k) != after[i].get(k)}
+            res[name + "_core_state"] = (len(states), sorted(changed))
             res[name + "_guard"] = (guard.guarded, list(guard.syncs))
             res[name + "_forwards"] = list(guard.forwards)
             res[name + "_stats"] = (stats.calls, {k: v.collectives for k, v in stats.levels.items()})
@@ -251,6 +262,9 @@ def test_dynamic_engine_cp2_cp4_cp2x2_equal_megatron_cp1(dyn):
             assert dyn[rank][name]["status"] == {0: "COMPLETED", 1: "COMPLETED", 2: "COMPLETED", 3: "COMPLETED",
                                                  4: "FAILED"}
         assert dyn[rank]["cp4_levels"] == [4] and dyn[rank]["cp2x2_levels"] == [2, 2]
+        for name in ("cp2", "cp4", "cp2x2"):  # the step's pages travel with the call, not as core-attention state
+            forwards, changed = dyn[rank][name + "_core_state"]
+            assert forwards == 2 * dyn[rank][name]["steps"] and changed == [], (rank, name, forwards, changed)
     # Every forward merges each of the 2 layers once: packed = MAX + SUM over the CP group;
     # two_level = that inside each simulated node, then across.
     steps = dyn[0]["cp4"]["steps"]
