@@ -136,7 +136,7 @@ class PagedLayer:
     layer: int
     """The layer's index in the context's KV cache."""
     block_table: torch.Tensor
-    """(rows, blocks) int32, this step's block table on this rank (the context's step metadata)."""
+    """(padded_tokens, width) int32: this rank's blocks of each packed token row's request (the step's)."""
 
 
 def _megatron_module_base():
@@ -285,7 +285,7 @@ class TreeDotProductAttention(_megatron_module_base()):
         """
         if not isinstance(block_table, PagedLayer):
             return None
-        return block_table.context.attend(self, q, block_table.layer)
+        return block_table.context.attend(self, q, block_table.layer, block_table.block_table)
 
     # -- forward --------------------------------------------------------------------------
 

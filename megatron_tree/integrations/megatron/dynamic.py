@@ -317,14 +317,15 @@ class TreeDynamicInferenceContext(_dynamic_context_base()):
         """The KV-cache hook, asked by ``TreeDotProductAttention``: see :func:`adjust_key_value_dynamic`."""
         return adjust_key_value_dynamic(core, attention, self, query, key, value, rotary_pos_emb)
 
-    def attend(self, core, q, layer: int):
+    def attend(self, core, q, layer: int, block_table: torch.Tensor):
         """The dynamic-attention hook, asked by ``TreeDotProductAttention`` for ``layer`` (whose keys it stored):
-        q [T, 1, hq, d] -> out [T, 1, hq, d], exact over the CP group (``tree_decode`` over the pages)."""
+        q [T, 1, hq, d] -> out [T, 1, hq, d], exact over the CP group (``tree_decode`` over the pages).
+        block_table: (T, width) int32, the step's, as the KV-cache hook handed it over (``PagedLayer``)."""
         step = self.step
         # The one attention call of every integration (``tree_decode`` over this rank's pages). Megatron's
         # engine has no place to run a step again, so ``shifted`` runs as ``packed`` here.
         return DecodeStep(core.strategy, core.comm_stats).attend(
-            layer, q, self.kv_cache.k[layer], self.kv_cache.v[layer], self.groups, block_table=step.block_table,
+            layer, q, self.kv_cache.k[layer], self.kv_cache.v[layer], self.groups, block_table=block_table,
             cache_seqlens=step.cache_seqlens, softmax_scale=core.softmax_scale, backend=core.backend,
         )
 
