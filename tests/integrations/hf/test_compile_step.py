@@ -544,20 +544,24 @@ def test_compiling_a_caller_of_the_model_says_what_to_compile():
 
 def test_a_user_compiled_forward_traces_each_step_shape_once_under_a_recompile_limit_of_one():
     """One process: ``model.forward = torch.compile(model.forward, fullgraph=True)`` through transformers'
-    generate for prompts of three lengths (three static caches, three step shapes) with Dynamo's
-    ``recompile_limit`` at 1: each step shape is a function of its own, traced once (a shared one would be
-    recompiled, an error at the limit under fullgraph=True); the tokens of unsharded transformers."""
+    generate for prompts of three lengths (three static caches of three length buckets, three step shapes) with
+    Dynamo's ``recompile_limit`` at 1: each step shape is a function of its own, traced once (a shared one would
+    be recompiled, an error at the limit under fullgraph=True); the tokens of unsharded transformers."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
+    from megatron_tree.decode.cache import static_length
     from megatron_tree.integrations.hf import enable_tree_attention
     from tests.helpers.hf_models import hf_greedy, hf_model
 
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, 120, (n,), generator=g).tolist() for n in (40, 60, 90)]
+    assert [static_length(len(p) + STEPS) for p in prompts] == [64, 80, 112]
     counter = CompileCounterWithBackend("aot_eager")
     model = enable_tree_attention(hf_model("llama"), None)
     model.forward = torch.compile(model.forward, fullgraph=True, backend=counter)
     torch._dynamo.reset()
     with torch._dynamo.config.patch(recompile_limit=1):
-        for prompt in PROMPTS:
+        for prompt in prompts:
             assert _generate_logits(model, prompt)[0] == hf_greedy(hf_model("llama"), [prompt], STEPS)[0], prompt
     torch._dynamo.reset()
-    assert counter.frame_count == len(PROMPTS) + 1  # a trace per step shape, one of a prefill's empty frame
+    assert counter.frame_count == len(prompts) + 1  # a trace per step shape, one of a prefill's empty frame
