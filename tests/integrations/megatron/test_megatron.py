@@ -366,7 +366,8 @@ def mixed_length_batch(rank) -> dict:
 
     st = CommStats()
     shifted = generate(lm, prompts, MIXED_NEW, cache=cache, strategy="shifted", stats=st, progress=False)
-    out["shifted"] = (shifted.tokens, st.fallbacks, dict(st.levels["cp"].ops))
+    # (no "cp" level: no merge reached the loop's stats -- the layers merged into a DecodeStep of their own)
+    out["shifted"] = (shifted.tokens, st.fallbacks, dict(st.levels["cp"].ops) if "cp" in st.levels else {})
     ids, runner, redo_tokens = lm.prefill(prompts, cache).argmax(-1), StepRunner("shifted", lm.groups), []
     for i in range(MIXED_NEW - 1):
         if i == 1:
@@ -525,7 +526,8 @@ def test_mixed_length_batch_is_prefilled_cp_sharded_then_decoded(megatron_result
         # shifted: the same tokens; step 0 packed (MAX + SUM per layer), later steps one SUM per layer
         tokens, fallbacks, ops = mixed["shifted"]
         assert tokens == base and fallbacks == 0, (r, tokens, fallbacks)
-        assert ops == {"all_reduce_max": 2, "all_reduce_sum": 2 * (MIXED_NEW - 1)}, ops
+        assert ops == {"all_reduce_max": 2, "all_reduce_sum": 2 * (MIXED_NEW - 1)}, \
+            f"the loop's CommStats counted {ops}: the layers did not merge through the loop's DecodeStep"
         # the redone step gives the same tokens and the cache advanced once per step
         assert mixed["protocol"] == (True, True)  # MegatronLM and its context provide the loop's protocol
         steps, shards = mixed["shifted_redo"]
