@@ -344,8 +344,15 @@ class TreeCache(Cache):
             raise RuntimeError("TreeCache: replaying the prompt's placement gave other positions")  # a bug
 
     def _grow(self) -> None:
-        """Double the storage: the rows' placement and this rank's tokens continue in a larger cache."""
+        """Double the storage: the rows' placement and this rank's tokens continue in a larger cache.
+
+        A static cache whose storage (sized by length bucket) already holds twice its length only
+        takes the larger length: a new storage of the same shape would copy every token for nothing,
+        and move the step's buffers (a captured step re-records on new addresses)."""
         old = self.storage
+        if self.static and static_length(2 * self._nominal) == static_length(self._nominal):
+            self._nominal *= 2
+            return
         new = self._allocate(old.batch_size, 2 * self._nominal)
         new.continue_from(old)
         self.storage = new

@@ -565,3 +565,40 @@ def test_a_user_compiled_forward_traces_each_step_shape_once_under_a_recompile_l
             assert _generate_logits(model, prompt)[0] == hf_greedy(hf_model("llama"), [prompt], STEPS)[0], prompt
     torch._dynamo.reset()
     assert counter.frame_count == len(prompts) + 1  # a trace per step shape, one of a prefill's empty frame
+
+
+def _continue_within_bucket(rank, world):
+    """generate 4 tokens after an 11-token prompt (a static cache sized for 15: storage of 64), then a second
+    generate on the same cache that needs 24 (the cache's length doubles to 30: still the 64 bucket)."""
+    import torch
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    import megatron_tree as mt
+    from megatron_tree.integrations.hf import enable_tree_attention
+    from tests.helpers.hf_models import hf_model
+
+    groups = mt.TreeGroups.build()
+    counter = CompileCounterWithBackend("aot_eager")
+    torch._dynamo.reset()
+    model = enable_tree_attention(hf_model("llama"), groups, compile_step={"backend": counter})
+    prompt = torch.randint(1, 128, (1, 11), generator=torch.Generator().manual_seed(1))
+    follow = torch.randint(1, 128, (1, 5), generator=torch.Generator().manual_seed(2))
+    kw = dict(do_sample=False, return_dict_in_generate=True, pad_token_id=0)
+    with torch.no_grad():
+        out = model.generate(prompt, max_new_tokens=4, min_new_tokens=4, **kw)
+        cache = out.past_key_values
+        before = (cache.storage.k.data_ptr(), cache.storage.capacity)
+        ids = torch.cat([out.sequences, follow], dim=1)
+        out2 = model.generate(ids, past_key_values=cache, max_new_tokens=8, min_new_tokens=8, **kw)
+        want = hf_model("llama").generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+    return {"storage_kept": (cache.storage.k.data_ptr(), cache.storage.capacity) == before,
+            "frames": counter.frame_count, "equal": out2.sequences.tolist() == want.tolist(), "lengths": cache.lengths}
+
+
+def test_a_static_cache_growing_within_its_bucket_keeps_its_storage():
+    """A second generate continuing a static cache past the length it was sized for, but within its storage's
+    bucket (``static_length``), keeps the storage (no copy, the step's buffers stay where a captured step reads
+    them), compiles no second step and gives transformers' tokens."""
+    for r in run_ranks(_continue_within_bucket, 2, timeout=300):
+        assert r["storage_kept"] and r["frames"] == 1 and r["equal"], r
+        assert r["lengths"] == [11 + 4 + 5 + 8 - 1]  # the last new token is not stored
