@@ -247,7 +247,7 @@ class ShardedKVCache:
         width = local.shape[1]
         n_local = min(width, self.capacity)
         self.positions[:, :n_local] = local[:, :n_local]
-        self.seqlens.copy_(torch.tensor([row.counts[self.cp_rank] for row in self._rows], dtype=torch.int32))
+        self._count_rows()
         return local
 
     def _layer(self, layer, what: str) -> int:
@@ -392,6 +392,10 @@ class ShardedKVCache:
         for buf, dim in ((self._k, 1), (self._v, 1), (self._positions, 0), (self.seqlens, 0)):
             buf.copy_(buf.index_select(dim, idx))  # in place: a compiled step keeps the storage's address
 
+    def _count_rows(self) -> None:
+        """``seqlens`` from the rows' placement (host bookkeeping): each row's tokens on this rank."""
+        self.seqlens.copy_(torch.tensor([row.counts[self.cp_rank] for row in self._rows], dtype=torch.int32))
+
     def rewind_step(self) -> None:
         """Take the last decode step back so that it can run again on the same slots (``generate``'s
         redo of a ``shifted`` step): lengths are as before it; the next :meth:`begin_decode_step`
@@ -399,7 +403,7 @@ class ShardedKVCache:
         ``seqlens`` is as before the step too: a forward other than the step's redo (new tokens kept
         aside, a verification) reads the shard as it stands, without the taken-back token."""
         self._planner.rewind()
-        self.seqlens.copy_(torch.tensor([row.counts[self.cp_rank] for row in self._rows], dtype=torch.int32))
+        self._count_rows()
 
     def truncate(self, lengths: list[int]) -> None:
         """Keep each row's first ``lengths[b]`` tokens (positions ``[0, lengths[b])``), dropping its later
@@ -422,7 +426,7 @@ class ShardedKVCache:
                              "token and cannot grow)")
         for row, n in zip(self._rows, lengths):
             row.truncate(n)
-        self.seqlens.copy_(torch.tensor([row.counts[self.cp_rank] for row in self._rows], dtype=torch.int32))
+        self._count_rows()
         slots = torch.arange(self.capacity, device=self.positions.device)
         self.positions.masked_fill_(slots[None, :] >= self.seqlens[:, None], -1)
         self._planner.reset(self._rows)

@@ -113,7 +113,7 @@ class Channel:
         parity, n = self._publish(tensor)
         self._wait(n, what)
         if n:  # every rank's slot in one view and one copy (any strides in out: copy_ follows them)
-            out.copy_(self._data[parity, :, :n].view(tensor.dtype).view(self.size, *tensor.shape))
+            out.copy_(self._slots(parity, tensor))
         return out
 
     def broadcast(self, tensor: torch.Tensor, src: int, what: str) -> torch.Tensor:
@@ -130,7 +130,7 @@ class Channel:
         parity, n = self._publish(tensor)
         self._wait(n, what)
         if n:
-            parts = self._data[parity, :, :n].view(tensor.dtype).view(self.size, *tensor.shape)
+            parts = self._slots(parity, tensor)
             if op == "sum":
                 acc = parts[0].clone()
                 for r in range(1, self.size):
@@ -141,6 +141,11 @@ class Channel:
                 acc = parts.amin(dim=0)
             tensor.copy_(acc)
         return tensor
+
+    def _slots(self, parity: int, like: torch.Tensor) -> torch.Tensor:
+        """Every rank's slot of ``parity`` as one (P, *like.shape) tensor of ``like``'s dtype."""
+        n = like.numel() * like.element_size()
+        return self._data[parity, :, :n].view(like.dtype).view(self.size, *like.shape)
 
     def _slot(self, parity: int, r: int, like: torch.Tensor) -> torch.Tensor:
         """Rank ``r``'s slot of ``parity`` as a contiguous tensor of ``like``'s dtype and shape."""

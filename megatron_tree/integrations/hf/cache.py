@@ -85,9 +85,10 @@ class TreeCache(Cache):
         its shapes never change: what a compiled (``torch.compile``) or graph-captured step needs to
         be traced once; default: only up to the longest row this rank holds (less work, a shape
         that grows). A static cache's storage is sized for ``decode.cache.static_length`` of the
-        length it needs (two sizes per octave), so caches of nearby lengths share one trace; the
-        length it accepts (``max_seq_len``, or what it was sized for) is unchanged. Either way a decode step's metadata (:attr:`metadata`, a
-        ``decode.metadata.StepMetadata``) lives in buffers updated in place.
+        length it needs (four sizes per octave), so caches of nearby lengths share one trace; the
+        length it accepts (``max_seq_len``, or what it was sized for) is unchanged. Either way a
+        decode step's metadata (:attr:`metadata`, a ``decode.metadata.StepMetadata``) lives in
+        buffers updated in place.
     """
 
     def __init__(self, config, groups: TreeGroups | None, *, max_seq_len: int | None = None,
