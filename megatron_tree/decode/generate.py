@@ -105,6 +105,10 @@ class DecodeModel(Protocol):
         the layer; the adapter may assume nothing else about the step (it may be run again after
         ``cache.rewind_step()``, with the same ids)."""
 
+    # Optional: ``step_batch(batch) -> int``, the batch to run ``batch`` prompts at (>= ``batch``; the
+    # same on every CP rank), for a model whose decode steps are compiled or captured per batch size.
+    # ``generate`` then repeats the last prompt in the extra rows and drops their tokens (its own cache only).
+
 
 # --------------------------------------------------------------------------- one decode step
 
@@ -392,6 +396,17 @@ def _agree_on_call(model, prompts, max_new_tokens, stop_token_ids, do_sample, te
     agreement.agree("generate", GENERATE_SIGNATURE, values, group, ranks, device=model.device)
 
 
+def _padded_rows(model, prompts: list[list[int]]) -> list[list[int]]:
+    """``prompts`` with the last repeated up to ``model.step_batch(len(prompts))`` rows (a model without
+    ``step_batch``: as they are)."""
+    fit = getattr(model, "step_batch", None)
+    n = len(prompts) if fit is None else fit(len(prompts))
+    if not isinstance(n, int) or n < len(prompts):
+        raise ValueError(f"{type(model).__name__}.step_batch({len(prompts)}) returned {n!r}; expected an int >= "
+                         f"{len(prompts)} (the batch to run the prompts at)")
+    return prompts + [prompts[-1]] * (n - len(prompts))
+
+
 def generate(
     model,
     prompts: list[list[int]],
@@ -424,7 +439,10 @@ def generate(
     seed: seeds the sampling generator (identical results for identical seeds)
     cache: reuse a cache from ``model.new_cache``; by default one sized
         ``max(len(prompt)) + max_new_tokens`` is made. Every prompt plus ``max_new_tokens``
-        must fit in it.
+        must fit in it. With a cache of its own and a model whose steps are compiled per batch size
+        (``step_batch``, e.g. ``HFTreeModel`` with ``compile_step``), the batch runs at the model's
+        size for it, the last prompt repeated in the extra rows: their tokens are dropped (rows never
+        see each other's keys, so the real rows attend exactly as in a batch of their own).
     strategy, stats: passed to ``tree_decode`` at every decode step (:class:`DecodeStep`).
         ``"shifted"``: one SUM per layer per step after the first; each layer's merge leaves a
         device flag, read once per step here (next to the logits' own host read), and a step
@@ -459,8 +477,12 @@ def generate(
     _agree_on_call(model, prompts, max_new_tokens, stop_token_ids, do_sample, temperature, top_k, top_p, seed,
                    strategy, prefill_method, broadcast, forced_tokens, cache)
     prompts = [list(p) for p in prompts]
+    batch = len(prompts)
+    rows = prompts
     if cache is None:
-        cache = model.new_cache(len(prompts), max(len(p) for p in prompts) + max_new_tokens)
+        rows = _padded_rows(model, prompts)
+        cache = model.new_cache(len(rows), max(len(p) for p in prompts) + max_new_tokens)
+    extra = len(rows) - batch
     stops = set(stop_token_ids or ())
     hook = hook if hook is not None else GenerationHook()
     groups = model.groups
@@ -490,7 +512,7 @@ def generate(
     try:
         hook.before_prefill()
         t0 = time.perf_counter()
-        logits = model.prefill(prompts, cache, **prefill_kw)
+        logits = model.prefill(rows, cache, **prefill_kw)[:batch]
         hook.after_prefill(logits)
         ids = choose(logits, 0)
         prefill_time = time.perf_counter() - t0
@@ -504,7 +526,9 @@ def generate(
             step_stats = hook.before_step(step)
             t0 = time.perf_counter()
             st = stats if step_stats is None else step_stats
-            logits, _ = runner.run(model, ids, cache, st)  # under shifted: its one flag read and redo
+            fed = ids if not extra else torch.cat([ids, ids[-1:].expand(extra)])  # extra rows copy the last
+            logits, _ = runner.run(model, fed, cache, st)  # under shifted: its one flag read and redo
+            logits = logits[:batch]
             hook.after_step(step, logits)
             ids = choose(logits, step + 1)
             step_times.append(time.perf_counter() - t0)

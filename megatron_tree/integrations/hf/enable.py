@@ -132,7 +132,7 @@ def check_model(model) -> None:
 def enable_tree_attention(model, groups: TreeGroups | None, *, strategy: str = "auto", prefill: str = "ring",
                           layout: str = "load_balanced", block_size: int = 16, stats: CommStats | None = None,
                           work: PrefillWork | None = None, max_prefill_tokens: int | None = None,
-                          compile_step: bool | dict = False):
+                          compile_step: bool | dict = False, batch_buckets=None):
     """Make ``model`` (a transformers causal LM) run CP-sharded over ``groups``; returns the same model.
 
     Every CP rank calls this on its own replica (same weights) and then runs the same
@@ -160,6 +160,13 @@ def enable_tree_attention(model, groups: TreeGroups | None, *, strategy: str = "
         A user's own ``model.forward = torch.compile(model.forward, fullgraph=True, ...)`` does the same
         with that call's settings (its prefill and host halves run eagerly; only the decode step's
         device half is traced, once per cache shape).
+    batch_buckets: the batch sizes compiled steps are made for (e.g. ``(1, 2, 4, 8)``, as serving
+        engines capture theirs): the package's ``generate`` (and the eval and lm-eval backend that
+        drive it) pads a batch up to the smallest bucket that holds it, repeating its last prompt,
+        and drops the extra rows' tokens; a step of any other batch runs eagerly, said once in a
+        warning. None (default): steps are compiled per batch as it comes, and a batch pads up to
+        a compiled one of at most twice its size (an eval's last, partial batch reuses the full
+        batches' step). Only with ``compile_step``.
 
     Raises :class:`UnsupportedModelError`, before any collective, for a model it cannot run
     exactly: attention modules whose code does not go through ``AttentionInterface``,
@@ -189,7 +196,7 @@ def enable_tree_attention(model, groups: TreeGroups | None, *, strategy: str = "
         existing.strategy, existing.prefill, existing.stats, existing.work = strategy, prefill, stats, work
         existing.max_prefill_tokens = max_prefill_tokens
         existing.layout, existing.block_size = layout, block_size
-        existing.compiled = _compile_setting(existing, strategy, compile_step)
+        existing.compiled = _compile_setting(existing, strategy, compile_step, batch_buckets)
         return model
     _check_model(model)
     cfg = _text_config(model.config)
@@ -219,7 +226,7 @@ def enable_tree_attention(model, groups: TreeGroups | None, *, strategy: str = "
         setattr(m, _MARK, binding)
     orig_forward, orig_generate = model.forward, model.generate
     binding.orig_forward = orig_forward
-    binding.compiled = _compile_setting(binding, strategy, compile_step)
+    binding.compiled = _compile_setting(binding, strategy, compile_step, batch_buckets)
 
     @functools.wraps(orig_forward)
     def forward(*args, **kwargs):
@@ -259,13 +266,13 @@ _TRACED_CALLER = (
 """What Dynamo says when a traced frame reaches the sharded forward (``user_compile.host_frame``)."""
 
 
-def _compile_setting(binding, strategy: str, setting):
+def _compile_setting(binding, strategy: str, setting, batch_buckets=None):
     """``forward.compile_step`` after the one check that needs the strategy."""
     if setting not in (False, None) and strategy == "shifted" and binding.cp_size > 1:  # (one rank: no merge)
         raise CompileError("strategy='shifted' carries every layer's lse between steps in host state and cannot "
                            "run in a compiled step (compile_step); use 'packed', 'auto' or another strategy, or "
                            "compile_step=False")
-    return compile_step(binding, setting)
+    return compile_step(binding, setting, batch_buckets)
 
 
 def disable_tree_attention(model):

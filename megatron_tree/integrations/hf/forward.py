@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -17,6 +18,8 @@ from ...comm.merge import CompileError
 from ...distributed import agreement
 from ...decode.prefill import assemble_logits
 from ...utils import user_compile
+
+log = logging.getLogger("megatron_tree.integrations")
 
 
 def _mask_lengths(mask: torch.Tensor, batch: int, seq: int) -> list[int]:
@@ -251,7 +254,8 @@ def _prefill(model, orig, binding: _Binding, cache: TreeCache, call: dict, batch
         return (batch, seq, _checksum(ids), _checksum(embeds), _checksum(mask), _checksum(pos.expand(batch, seq)),
                 _checksum(wanted),
                 binding.strategy, binding.prefill, binding.layout, binding.block_size, binding.new_tokens_hint,
-                binding.max_prefill_tokens, binding.compiled is not None, *(getattr(cfg, n, None) for n in _WIDTHS),
+                binding.max_prefill_tokens, None if binding.compiled is None else binding.compiled.setting(),
+                *(getattr(cfg, n, None) for n in _WIDTHS),
                 *(binding.settings_hint or (None,) * len(_SETTINGS)))
 
     # The model's shape too: replicas whose attention shapes agree but whose widths do not would pass every
@@ -360,19 +364,19 @@ def _decode(orig, binding: _Binding, cache: TreeCache, call: dict, batch: int, q
     cache._begin_decode(batch, binding.windows)
     before = cache.get_seq_length()
     try:
-        return _placed_step(orig, binding, cache, call, prior)
+        return _placed_step(orig, binding, cache, call, batch, prior)
     except BaseException:
         if cache.get_seq_length() == before:  # the step never finished: the cache is put back as before it
             cache._abandon_decode()
         raise
 
 
-def _placed_step(orig, binding: _Binding, cache: TreeCache, call: dict, prior=None):
+def _placed_step(orig, binding: _Binding, cache: TreeCache, call: dict, batch: int, prior=None):
     """The forward of one new token per row that :meth:`TreeCache._begin_decode` has placed: eager, or the
     compiled device half (:func:`device_step`). input_ids (batch, 1) -> logits (batch, 1, vocab)."""
     call["attention_mask"] = None
     users = user_compile.compiling(prior) and binding.compiled is None
-    if binding.compiled is None and not users:
+    if not users and (binding.compiled is None or not binding.compiled.runs(batch)):
         return _run(orig, binding, cache, call)
     what = "torch.compile around model.forward" if users else "compile_step"
     if not cache.static:
@@ -477,11 +481,17 @@ def device_step(binding: _Binding, ids: torch.Tensor, positions: torch.Tensor, c
     return out.logits[:, -1]
 
 
-def compile_step(binding: _Binding, setting) -> "CompiledSteps | None":
+def compile_step(binding: _Binding, setting, batch_buckets=None) -> "CompiledSteps | None":
     """:func:`device_step` compiled as ``compile_step`` asks: ``False``/``None`` -> None (eager steps),
     ``True`` -> ``torch.compile(..., fullgraph=True, dynamic=False)``, a dict -> the same with ``setting``
-    added (``backend``, ``mode``, ...)."""
+    added (``backend``, ``mode``, ...). ``batch_buckets``: the batch sizes steps are compiled for
+    (:class:`CompiledSteps`; None: any batch, a padded batch reusing a compiled one)."""
+    buckets = _batch_buckets(batch_buckets)
     if setting is False or setting is None:
+        if buckets is not None:
+            raise ValueError(f"batch_buckets={batch_buckets!r} sizes compiled decode steps, but compile_step is "
+                             f"{setting!r}: set compile_step (True or a dict of torch.compile arguments) or drop "
+                             "batch_buckets")
         return None
     if setting is True:
         setting = {}
@@ -497,7 +507,19 @@ def compile_step(binding: _Binding, setting) -> "CompiledSteps | None":
     if setting.get("dynamic"):
         raise ValueError("compile_step traces each decode step shape once with static shapes (every cache shape "
                          "has its own graph); dynamic=True cannot trace the cache's storage views: drop dynamic")
-    return CompiledSteps(binding, {**setting, "dynamic": False, "fullgraph": True})
+    return CompiledSteps(binding, {**setting, "dynamic": False, "fullgraph": True}, buckets)
+
+
+def _batch_buckets(value) -> tuple[int, ...] | None:
+    """``batch_buckets`` checked: None, or a non-empty collection of distinct positive ints -> sorted tuple."""
+    if value is None:
+        return None
+    items = tuple(value) if isinstance(value, (list, tuple, set, frozenset)) else None
+    if (not items or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in items)
+            or len(set(items)) != len(items)):
+        raise ValueError(f"batch_buckets must be a non-empty list of distinct positive batch sizes (e.g. "
+                         f"(1, 2, 4, 8)) or None, got {value!r}")
+    return tuple(sorted(items))
 
 
 class _ShapeSteps:
@@ -527,11 +549,50 @@ class _ShapeSteps:
 
 class CompiledSteps(_ShapeSteps):
     """The compiled decode steps of one model (``compile_step``): one ``torch.compile`` of :func:`device_step`
-    per step shape."""
+    per step shape.
 
-    def __init__(self, binding: _Binding, options: dict):
+    Batch sizes, as serving engines bucket them. Each batch size is its own trace (and, captured, its own
+    CUDA graph), so the package loop runs a batch of ``n`` rows at :meth:`batch_for` ``(n)`` rows, the
+    last prompt repeated in the extra rows (``decode.generate``; their tokens are dropped):
+
+    * ``batches=None`` (default): at the smallest batch already compiled that is at least ``n`` and at
+      most ``2n`` (an eval's last, partial batch reuses the full batches' step), else at ``n`` (a new trace);
+    * ``batches`` given (``enable_tree_attention(batch_buckets=...)``): at the smallest bucket that holds
+      ``n``. Steps are compiled only at those sizes; a step of any other batch (one larger than every
+      bucket, or transformers' own ``generate``, which the package does not pad) runs eagerly, said once
+      per model in a warning of the ``megatron_tree.integrations`` logger.
+    """
+
+    def __init__(self, binding: _Binding, options: dict, batches: tuple[int, ...] | None = None):
         super().__init__(binding)
         self.options = options
+        self.batches = batches
+        self.told = False
+
+    def batch_for(self, n: int) -> int:
+        """The batch the package loop runs ``n`` rows at (>= ``n``; ``n`` where no compiled size fits)."""
+        if self.batches is not None:
+            return next((b for b in self.batches if b >= n), n)
+        traced = sorted({key[-1][0] for key in self.steps})
+        return next((b for b in traced if n <= b <= 2 * n), n)
+
+    def runs(self, batch: int) -> bool:
+        """Whether a step of ``batch`` rows runs compiled; the first time one does not, a warning says why."""
+        if self.batches is None or batch in self.batches:
+            return True
+        if not self.told:
+            self.told = True
+            why = (f"larger than every bucket of batch_buckets={self.batches}" if batch > self.batches[-1]
+                   else f"not one of batch_buckets={self.batches}")
+            log.warning("a decode step of %d rows runs eagerly (not compiled): the batch is %s; the package's "
+                        "generate pads a batch up to a bucket, transformers' generate does not. Said once per "
+                        "model.", batch, why)
+        return False
+
+    def setting(self) -> str:
+        """The compile setting as every CP rank must have it alike (checked at each prefill)."""
+        opts = ", ".join(f"{k}={_named(v)}" for k, v in sorted(self.options.items()))
+        return f"{opts}; batch_buckets={self.batches}"
 
     def _make(self, step, cache: TreeCache):
         _check_capturable(self.options, cache.storage.k.device)
@@ -558,6 +619,15 @@ class UserSteps(_ShapeSteps):
 _STATIC_SHAPES = torch._dynamo.config.patch(assume_static_by_default=True, automatic_dynamic_shapes=False)
 """Dynamo's settings for a user-compiled step's trace, made once: a patch object is reusable, and making one
 per step cost ~20 us of a step's host time (entering it ~10 us)."""
+
+
+def _named(value) -> str:
+    """A compile option as text that is the same on every rank (a callable backend by its name, not its address)."""
+    if callable(value):
+        return getattr(value, "__qualname__", type(value).__qualname__)
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_named(v)}" for k, v in sorted(value.items())) + "}"
+    return repr(value)
 
 
 def _step_shape(ids: torch.Tensor, cache: TreeCache) -> tuple:

@@ -602,3 +602,82 @@ def test_a_static_cache_growing_within_its_bucket_keeps_its_storage():
     for r in run_ranks(_continue_within_bucket, 2, timeout=300):
         assert r["storage_kept"] and r["frames"] == 1 and r["equal"], r
         assert r["lengths"] == [11 + 4 + 5 + 8 - 1]  # the last new token is not stored
+
+
+def _batches(rank, world):
+    """Batch sizes of compiled steps: the lazy default, explicit buckets, and what the ranks must agree on."""
+    import logging
+
+    import megatron_tree as mt
+    from megatron_tree.decode.generate import generate
+    from megatron_tree.integrations.hf import HFTreeModel
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    said = []
+
+    class Said(logging.Handler):
+        def emit(self, record):
+            said.append(record.getMessage())
+
+    logging.getLogger("megatron_tree.integrations").addHandler(Said())
+    torch._dynamo.reset()
+    groups = mt.TreeGroups.build()
+    g = torch.Generator().manual_seed(5)
+    pool = [torch.randint(1, 120, (n,), generator=g).tolist() for n in (13, 7, 11, 4, 9)]
+    eager = HFTreeModel(_model("llama"), groups)
+    out = {}
+
+    def run(name, model, counter, prompts):
+        tokens = generate(model, prompts, SWEEP_NEW, progress=False).tokens
+        out[name] = {"padded_to": model.step_batch(len(prompts)), "frames": counter.frame_count,
+                     "equal": tokens == generate(eager, prompts, SWEEP_NEW, progress=False).tokens,
+                     "rows": len(tokens), "said": len(said)}
+
+    lazy_counter = CompileCounterWithBackend("aot_eager")
+    lazy = HFTreeModel(_model("llama"), groups, compile_step={"backend": lazy_counter})
+    run("lazy4", lazy, lazy_counter, pool[:4])  # the first batch: traced at 4
+    run("lazy3", lazy, lazy_counter, pool[:3])  # padded to 4: no new trace
+    run("lazy1", lazy, lazy_counter, pool[4:])  # 4 > 2 x 1: traced at 1
+    run("lazy2", lazy, lazy_counter, pool[1:3])  # padded to 4 (<= 2 x 2)
+    bucket_counter = CompileCounterWithBackend("aot_eager")
+    bucketed = HFTreeModel(_model("llama"), groups, compile_step={"backend": bucket_counter}, batch_buckets=[2])
+    run("bucket1", bucketed, bucket_counter, pool[4:])  # padded to the bucket 2
+    run("bucket3", bucketed, bucket_counter, pool[:3])  # larger than every bucket: eager, said once
+    run("bucket5", bucketed, bucket_counter, pool)  # eager, not said again
+    out["said"] = said
+    # every CP rank must hold the same compile setting: buckets, then torch.compile arguments
+    odd = HFTreeModel(_model("llama"), groups, compile_step={"backend": "aot_eager"},
+                      batch_buckets=(2,) if rank == 0 else (2, 4))
+    out["disagree_buckets"] = outcome(lambda: generate(odd, pool[:2], 2, progress=False))
+    modes = HFTreeModel(_model("llama"), groups, compile_step={"backend": "aot_eager"} if rank else True)
+    out["disagree_backend"] = outcome(lambda: generate(modes, pool[:2], 2, progress=False))
+    for name, kwargs in (("zero", {"compile_step": True, "batch_buckets": [0, 2]}),
+                         ("repeated", {"compile_step": True, "batch_buckets": (2, 2)}),
+                         ("text", {"compile_step": True, "batch_buckets": "4"}),
+                         ("uncompiled", {"batch_buckets": (1, 2)})):
+        out[name] = outcome(lambda: HFTreeModel(_model("llama"), groups, **kwargs))
+    return out
+
+
+def test_compiled_steps_bucket_batches_and_ranks_agree_on_the_setting():
+    """An eval's last, partial batch reuses the full batches' compiled step (padded with a copy of its last
+    prompt), explicit ``batch_buckets`` pad up to a bucket and run a batch beyond them eagerly, saying so
+    once; tokens equal the eager model's every time. Ranks whose compile settings differ all raise the same
+    DisagreementError at the prefill; bad buckets are refused, naming the setting."""
+    results = run_ranks(_batches, 2, timeout=300)
+    for r in results:
+        expect = {"lazy4": (4, 1), "lazy3": (4, 1), "lazy1": (1, 2), "lazy2": (4, 2),
+                  "bucket1": (2, 1), "bucket3": (3, 1), "bucket5": (5, 1)}
+        for name, (padded, frames) in expect.items():
+            assert (r[name]["padded_to"], r[name]["frames"]) == (padded, frames), (name, r[name])
+            assert r[name]["equal"], name
+        assert [r[n]["rows"] for n in ("lazy4", "lazy3", "lazy1", "lazy2")] == [4, 3, 1, 2]
+        # said once, at the first eager step, naming the batch and the buckets
+        assert [r[n]["said"] for n in ("lazy2", "bucket1", "bucket3", "bucket5")] == [0, 0, 1, 1]
+        assert "3 rows runs eagerly" in r["said"][0] and "batch_buckets=(2,)" in r["said"][0], r["said"]
+        for key, what in (("disagree_buckets", "batch_buckets="), ("disagree_backend", "backend=")):
+            assert r[key][0] == "DisagreementError" and "compile_step" in r[key][1] and what in r[key][1], r[key]
+        for key in ("zero", "repeated", "text"):
+            assert r[key][0] == "ValueError" and "batch_buckets must be" in r[key][1], r[key]
+        assert r["uncompiled"][0] == "ValueError" and "set compile_step" in r["uncompiled"][1]
+    assert results[0]["disagree_buckets"][1] == results[1]["disagree_buckets"][1]
