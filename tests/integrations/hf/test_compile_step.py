@@ -655,7 +655,7 @@ def _batches(rank, world):
                          ("repeated", {"compile_step": True, "batch_buckets": (2, 2)}),
                          ("text", {"compile_step": True, "batch_buckets": "4"}),
                          ("uncompiled", {"batch_buckets": (1, 2)})):
-        out[name] = outcome(lambda: HFTreeModel(_model("llama"), groups, **kwargs))
+        out[name] = outcome(lambda kw=kwargs: HFTreeModel(_model("llama"), groups, **kw))
     return out
 
 
