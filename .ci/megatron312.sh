@@ -11,7 +11,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${MEGATRON312_VENV:-$HOME/.cache/megatron_tree/venv312}
-TESTS=${MEGATRON312_TESTS:-tests/integrations/megatron/test_megatron_slots.py tests/integrations/megatron/test_megatron_rollout.py tests/eval/test_megatron_eval.py tests/integrations/megatron/test_megatron_scoring.py tests/integrations/megatron/test_megatron_dynamic_stall.py}
+TESTS=${MEGATRON312_TESTS:-tests/integrations/megatron/test_megatron_slots.py tests/integrations/megatron/test_megatron_rollout.py tests/eval/test_megatron_eval.py tests/integrations/megatron/test_megatron_scoring.py tests/integrations/megatron/test_megatron_dynamic_stall.py tests/integrations/megatron/test_megatron_step_raises.py}
 if [ ! -x "$VENV/bin/python" ]; then
     PY=${MEGATRON312_PYTHON:-python3.12}
     if ! $PY -V >/dev/null 2>&1; then

@@ -393,6 +393,24 @@ class TreeInferenceContext(_static_context_base()):
         self._layers = (plan, shared)
         return shared
 
+    def abandon_step(self) -> None:
+        """Take back the planned step whose forward raised, so that planning it again starts over: a decode
+        step is rewound (:meth:`rewind_step`: the same slots next time), a prefill's rows are emptied. The
+        keys some layers stored stay; the step run again overwrites them. No-op without a planned step."""
+        plan, self.step = self.step, None
+        if plan is None:
+            return
+        if plan.mode == "decode":
+            self.rewind_step()
+            return
+        b0, b1 = plan.rows
+        for b in range(b0, b1):  # (the step planner shares this list: it sees the empty rows)
+            self.rows[b] = RowPlacement(self.cp_size, layout=self.layout, block_size=self.block_size,
+                                        capacity=self.capacity)
+        self.local_positions[b0:b1].fill_(-1)
+        self._decode = None
+        self._layers = None
+
     def commit_step(self) -> None:
         """Close the planned step (after every layer has stored its keys/values)."""
         if self.step is None:
@@ -482,10 +500,15 @@ class TreeGPTInferenceWrapper(_gpt_wrapper_base()):
             logits = self.model(
                 local_tokens, local_pos, None, inference_context=ctx, runtime_gather_output=True
             )
+            if plan.mode == "prefill":  # this rank's chunk's logits -> the window's, on every rank (exact)
+                wanted = torch.arange(s - 1 if only_last else 0, s, device=logits.device)
+                logits = assemble_logits(logits, plan.positions, wanted, ctx.groups).to(logits.dtype)
+        except BaseException:
+            # the step never happened: its placement is taken back, so the controller's next call (the same
+            # window: Megatron advances its offset only after a forward returns) plans it afresh
+            ctx.abandon_step()
+            raise
         finally:
             ctx.materialize_only_last_token_logits = only_last
-        if plan.mode == "prefill":  # this rank's chunk's logits -> the window's, on every rank (exact)
-            wanted = torch.arange(s - 1 if only_last else 0, s, device=logits.device)
-            logits = assemble_logits(logits, plan.positions, wanted, ctx.groups).to(logits.dtype)
         ctx.commit_step()
         return logits

@@ -7,7 +7,9 @@ ranks (CP 3) build a tiny GPTModel with tree attention and Megatron's own model 
 weights; two rows of different lengths are prefilled, a decode step raises in the second layer (a pre-hook),
 then decoding goes on on the same cache, each step against Megatron's full causal forward. Driven by hand
 (``plan_step``, the model's forward, ``commit_step``), a step whose forward raised stays planned: planning the
-next one must say to take it back with ``rewind_step()``, after which the step runs exact.
+next one must say to take it back with ``rewind_step()``, after which the step runs exact. Through Megatron's
+``TreeGPTInferenceWrapper`` a prefill or decode forward that raises is taken back by the wrapper itself
+(``TreeInferenceContext.abandon_step``), so the controller's retry of the same window is exact.
 """
 
 from __future__ import annotations
@@ -92,8 +94,42 @@ def _rank(rank, world):
         ctx.commit_step()
         by_hand = max(float((logits[b] - ref(torch.tensor([r]))[0, -1].float()).abs().max())
                       for b, r in enumerate(rows))
+        wrapped = _through_wrapper(model, lm, ref, boom)
         parallel_state.destroy_model_parallel()
-    return {"after": after, "errs": errs, "replan": replan, "by_hand": by_hand}
+    return {"after": after, "errs": errs, "replan": replan, "by_hand": by_hand, "wrapped": wrapped}
+
+
+def _through_wrapper(model, lm, ref, boom):
+    """Megatron's controller path (``TreeGPTInferenceWrapper.run_one_forward_step``): a prefill and a decode
+    step whose forwards raise are taken back, so the controller's retry of the same window is exact."""
+    from megatron_tree.integrations.megatron import TreeGPTInferenceWrapper
+
+    rows = [[3, 1, 4, 1, 5, 9, 2], [6, 0, 2, 8, 1, 8, 2]]
+    ctx = lm.new_cache(len(rows), 32, block_size=2)
+    wrapper = TreeGPTInferenceWrapper(model, ctx)
+    wrapper.prep_model_for_inference()
+    tokens = torch.zeros(len(rows), 32, dtype=torch.long)
+    tokens[:, :len(rows[0])] = torch.tensor(rows)
+    inputs = wrapper.prep_inference_input(tokens)
+    start, end, out = 0, len(rows[0]), {"raised": [], "errs": []}
+    for step in range(3):
+        if step:
+            ctx.enable_decode_mode()
+        window = wrapper.get_batch_for_context_window(inputs, start, end)
+        hook = model.decoder.layers[1].register_forward_pre_hook(boom, with_kwargs=True)
+        try:
+            wrapper.run_one_forward_step(window)
+        except RuntimeError as e:
+            out["raised"].append(str(e))
+        finally:
+            hook.remove()
+        out["step"] = ctx.step
+        logits = wrapper.run_one_forward_step(window)[:, -1].float()  # the controller's retry of the same window
+        seen = inputs["tokens"][:, :end]
+        out["errs"].append(float((logits - ref(seen)[:, -1].float()).abs().max()))
+        inputs["tokens"][:, end] = logits.argmax(-1)
+        start, end = end, end + 1
+    return out
 
 
 def test_decode_step_that_raises_leaves_the_cache_as_before():
@@ -102,3 +138,6 @@ def test_decode_step_that_raises_leaves_the_cache_as_before():
         assert max(r["errs"]) <= 1e-4, r["errs"]  # every step after the failed one matches Megatron at CP 1
         assert r["replan"] is not None and "take it back with rewind_step()" in r["replan"], r["replan"]
         assert r["by_hand"] <= 1e-4, r["by_hand"]
+        # through Megatron's wrapper: the prefill and two decode steps each raised once, and their retries are exact
+        assert r["wrapped"]["raised"] == ["layer 2 failed"] * 3 and r["wrapped"]["step"] is None, r["wrapped"]
+        assert max(r["wrapped"]["errs"]) <= 1e-4, r["wrapped"]["errs"]
