@@ -105,8 +105,9 @@ class DecodeModel(Protocol):
         the layer; the adapter may assume nothing else about the step (it may be run again after
         ``cache.rewind_step()``, with the same ids)."""
 
-    # Optional: ``step_batch(batch) -> int``, the batch to run ``batch`` prompts at (>= ``batch``; the
-    # same on every CP rank), for a model whose decode steps are compiled or captured per batch size.
+    # Optional: ``step_batch(batch, max_seq_len) -> int``, the batch to run ``batch`` prompts at in a cache of
+    # ``max_seq_len`` tokens per row (>= ``batch``; the same on every CP rank), for a model whose decode steps
+    # are compiled or captured per batch size.
     # ``generate`` then repeats the last prompt in the extra rows and drops their tokens (its own cache only).
 
 
@@ -396,14 +397,14 @@ def _agree_on_call(model, prompts, max_new_tokens, stop_token_ids, do_sample, te
     agreement.agree("generate", GENERATE_SIGNATURE, values, group, ranks, device=model.device)
 
 
-def _padded_rows(model, prompts: list[list[int]]) -> list[list[int]]:
-    """``prompts`` with the last repeated up to ``model.step_batch(len(prompts))`` rows (a model without
-    ``step_batch``: as they are)."""
+def _padded_rows(model, prompts: list[list[int]], max_seq_len: int) -> list[list[int]]:
+    """``prompts`` with the last repeated up to ``model.step_batch(len(prompts), max_seq_len)`` rows (a model
+    without ``step_batch``: as they are)."""
     fit = getattr(model, "step_batch", None)
-    n = len(prompts) if fit is None else fit(len(prompts))
+    n = len(prompts) if fit is None else fit(len(prompts), max_seq_len)
     if not isinstance(n, int) or n < len(prompts):
-        raise ValueError(f"{type(model).__name__}.step_batch({len(prompts)}) returned {n!r}; expected an int >= "
-                         f"{len(prompts)} (the batch to run the prompts at)")
+        raise ValueError(f"{type(model).__name__}.step_batch({len(prompts)}, {max_seq_len}) returned {n!r}; "
+                         f"expected an int >= {len(prompts)} (the batch to run the prompts at)")
     return prompts + [prompts[-1]] * (n - len(prompts))
 
 
@@ -480,8 +481,9 @@ def generate(
     batch = len(prompts)
     rows = prompts
     if cache is None:
-        rows = _padded_rows(model, prompts)
-        cache = model.new_cache(len(rows), max(len(p) for p in prompts) + max_new_tokens)
+        longest = max(len(p) for p in prompts) + max_new_tokens
+        rows = _padded_rows(model, prompts, longest)
+        cache = model.new_cache(len(rows), longest)
     extra = len(rows) - batch
     stops = set(stop_token_ids or ())
     hook = hook if hook is not None else GenerationHook()

@@ -51,12 +51,13 @@ class HFTreeModel:
                          layout=layout or self._binding.layout, block_size=block_size or self._binding.block_size,
                          static=self._binding.compiled is not None)
 
-    def step_batch(self, batch: int) -> int:
-        """The batch ``generate`` runs ``batch`` prompts at: ``batch`` when decode steps run eagerly; with
-        ``compile_step``, the compiled steps' batch for it (``forward.CompiledSteps.batch_for``: a bucket,
-        or a batch already compiled), the last prompt repeated in the extra rows."""
+    def step_batch(self, batch: int, max_seq_len: int | None = None) -> int:
+        """The batch ``generate`` runs ``batch`` prompts at, in a cache of ``max_seq_len`` tokens per row:
+        ``batch`` when decode steps run eagerly; with ``compile_step``, the compiled steps' batch for it
+        (``forward.CompiledSteps.batch_for``: a bucket, or a batch already compiled for a cache of that
+        length bucket), the last prompt repeated in the extra rows."""
         compiled = self._binding.compiled
-        return batch if compiled is None else compiled.batch_for(batch)
+        return batch if compiled is None else compiled.batch_for(batch, max_seq_len)
 
     def _with(self, **over):
         b = self._binding

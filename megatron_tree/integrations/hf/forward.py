@@ -16,6 +16,7 @@ from .cache import TreeCache
 
 from ...comm.merge import CompileError
 from ...distributed import agreement
+from ...decode.cache import static_length
 from ...decode.prefill import assemble_logits
 from ...utils import user_compile
 
@@ -555,8 +556,9 @@ class CompiledSteps(_ShapeSteps):
     CUDA graph), so the package loop runs a batch of ``n`` rows at :meth:`batch_for` ``(n)`` rows, the
     last prompt repeated in the extra rows (``decode.generate``; their tokens are dropped):
 
-    * ``batches=None`` (default): at the smallest batch already compiled that is at least ``n`` and at
-      most ``2n`` (an eval's last, partial batch reuses the full batches' step), else at ``n`` (a new trace);
+    * ``batches=None`` (default): at the smallest batch already compiled for a cache of the same length
+      bucket that is at least ``n`` and at most ``2n`` (an eval's last, partial batch reuses the full
+      batches' step), else at ``n`` (a new trace either way: padding would only cost rows);
     * ``batches`` given (``enable_tree_attention(batch_buckets=...)``): at the smallest bucket that holds
       ``n``. Steps are compiled only at those sizes; a step of any other batch (one larger than every
       bucket, or transformers' own ``generate``, which the package does not pad) runs eagerly, said once
@@ -568,13 +570,23 @@ class CompiledSteps(_ShapeSteps):
         self.options = options
         self.batches = batches
         self.told = False
+        self.made: set[tuple[int, int | None]] = set()
+        """(batch, length bucket of the cache's ``max_seq_len``) of every step compiled so far."""
 
-    def batch_for(self, n: int) -> int:
-        """The batch the package loop runs ``n`` rows at (>= ``n``; ``n`` where no compiled size fits)."""
+    def batch_for(self, n: int, max_seq_len: int | None = None) -> int:
+        """The batch the package loop runs ``n`` rows at, for a cache of ``max_seq_len`` tokens per row
+        (>= ``n``; ``n`` where no compiled size fits)."""
         if self.batches is not None:
             return next((b for b in self.batches if b >= n), n)
-        traced = sorted({key[-1][0] for key in self.steps})
+        bucket = None if max_seq_len is None else static_length(max_seq_len)
+        traced = sorted(b for b, length in self.made if length == bucket)
         return next((b for b in traced if n <= b <= 2 * n), n)
+
+    def _make(self, step, cache: TreeCache):
+        _check_capturable(self.options, cache.storage.k.device)
+        length = None if cache.max_seq_len is None else static_length(cache.max_seq_len)
+        self.made.add((cache.storage.batch_size, length))
+        return torch.compile(step, **self.options)
 
     def runs(self, batch: int) -> bool:
         """Whether a step of ``batch`` rows runs compiled; the first time one does not, a warning says why."""
@@ -593,10 +605,6 @@ class CompiledSteps(_ShapeSteps):
         """The compile setting as every CP rank must have it alike (checked at each prefill)."""
         opts = ", ".join(f"{k}={_named(v)}" for k, v in sorted(self.options.items()))
         return f"{opts}; batch_buckets={self.batches}"
-
-    def _make(self, step, cache: TreeCache):
-        _check_capturable(self.options, cache.storage.k.device)
-        return torch.compile(step, **self.options)
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, cache: TreeCache) -> torch.Tensor:
         return self._for(ids, cache)(ids, positions, cache)

@@ -629,7 +629,8 @@ def _batches(rank, world):
 
     def run(name, model, counter, prompts):
         tokens = generate(model, prompts, SWEEP_NEW, progress=False).tokens
-        out[name] = {"padded_to": model.step_batch(len(prompts)), "frames": counter.frame_count,
+        padded_to = model.step_batch(len(prompts), max(map(len, prompts)) + SWEEP_NEW)  # (after: as it was)
+        out[name] = {"padded_to": padded_to, "frames": counter.frame_count,
                      "equal": tokens == generate(eager, prompts, SWEEP_NEW, progress=False).tokens,
                      "rows": len(tokens), "said": len(said)}
 
@@ -639,6 +640,8 @@ def _batches(rank, world):
     run("lazy3", lazy, lazy_counter, pool[:3])  # padded to 4: no new trace
     run("lazy1", lazy, lazy_counter, pool[4:])  # 4 > 2 x 1: traced at 1
     run("lazy2", lazy, lazy_counter, pool[1:3])  # padded to 4 (<= 2 x 2)
+    long = [torch.randint(1, 120, (n,), generator=g).tolist() for n in (70, 66, 61)]
+    run("lazy3_long", lazy, lazy_counter, long)  # a cache of another length bucket: a new trace, so not padded
     bucket_counter = CompileCounterWithBackend("aot_eager")
     bucketed = HFTreeModel(_model("llama"), groups, compile_step={"backend": bucket_counter}, batch_buckets=[2])
     run("bucket1", bucketed, bucket_counter, pool[4:])  # padded to the bucket 2
@@ -661,17 +664,17 @@ def _batches(rank, world):
 
 def test_compiled_steps_bucket_batches_and_ranks_agree_on_the_setting():
     """An eval's last, partial batch reuses the full batches' compiled step (padded with a copy of its last
-    prompt), explicit ``batch_buckets`` pad up to a bucket and run a batch beyond them eagerly, saying so
+    prompt; not where the cache's length bucket has no step to reuse), explicit ``batch_buckets`` pad up to a bucket and run a batch beyond them eagerly, saying so
     once; tokens equal the eager model's every time. Ranks whose compile settings differ all raise the same
     DisagreementError at the prefill; bad buckets are refused, naming the setting."""
     results = run_ranks(_batches, 2, timeout=300)
     for r in results:
-        expect = {"lazy4": (4, 1), "lazy3": (4, 1), "lazy1": (1, 2), "lazy2": (4, 2),
+        expect = {"lazy4": (4, 1), "lazy3": (4, 1), "lazy1": (1, 2), "lazy2": (4, 2), "lazy3_long": (3, 3),
                   "bucket1": (2, 1), "bucket3": (3, 1), "bucket5": (5, 1)}
         for name, (padded, frames) in expect.items():
             assert (r[name]["padded_to"], r[name]["frames"]) == (padded, frames), (name, r[name])
             assert r[name]["equal"], name
-        assert [r[n]["rows"] for n in ("lazy4", "lazy3", "lazy1", "lazy2")] == [4, 3, 1, 2]
+        assert [r[n]["rows"] for n in ("lazy4", "lazy3", "lazy1", "lazy2", "lazy3_long")] == [4, 3, 1, 2, 3]
         # said once, at the first eager step, naming the batch and the buckets
         assert [r[n]["said"] for n in ("lazy2", "bucket1", "bucket3", "bucket5")] == [0, 0, 1, 1]
         assert "3 rows runs eagerly" in r["said"][0] and "batch_buckets=(2,)" in r["said"][0], r["said"]
