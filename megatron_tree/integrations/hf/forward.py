@@ -559,8 +559,8 @@ class CompiledSteps(_ShapeSteps):
       most ``2n`` (an eval's last, partial batch reuses the full batches' step), else at ``n`` (a new trace);
     * ``batches`` given (``enable_tree_attention(batch_buckets=...)``): at the smallest bucket that holds
       ``n``. Steps are compiled only at those sizes; a step of any other batch (one larger than every
-      bucket, or transformers' own ``generate``, which the package does not pad) runs eagerly, said once
-      per model in a warning of the ``megatron_tree.integrations`` logger.
+      bucket, transformers' own ``generate`` or the package's with a cache passed in, neither padded) runs
+      eagerly, said once per model in a warning of the ``megatron_tree.integrations`` logger.
     """
 
     def __init__(self, binding: _Binding, options: dict, batches: tuple[int, ...] | None = None):
@@ -585,8 +585,8 @@ class CompiledSteps(_ShapeSteps):
             why = (f"larger than every bucket of batch_buckets={self.batches}" if batch > self.batches[-1]
                    else f"not one of batch_buckets={self.batches}")
             log.warning("a decode step of %d rows runs eagerly (not compiled): the batch is %s; the package's "
-                        "generate pads a batch up to a bucket, transformers' generate does not. Said once per "
-                        "model.", batch, why)
+                        "generate pads a batch up to a bucket only in a cache it makes itself (not in a cache "
+                        "passed to it), transformers' generate does not. Said once per model.", batch, why)
         return False
 
     def setting(self) -> str:
