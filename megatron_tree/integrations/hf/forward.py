@@ -5,8 +5,10 @@ a forward on a filled cache appends one token per row."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
+import operator
 
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -512,14 +514,26 @@ def compile_step(binding: _Binding, setting, batch_buckets=None) -> "CompiledSte
 
 
 def _batch_buckets(value) -> tuple[int, ...] | None:
-    """``batch_buckets`` checked: None, or a non-empty collection of distinct positive ints -> sorted tuple."""
+    """``batch_buckets`` checked: None, or a non-empty iterable of distinct positive integers (ints, numpy
+    integers, a ``range``) -> sorted tuple of ints."""
     if value is None:
         return None
-    items = tuple(value) if isinstance(value, (list, tuple, set, frozenset)) else None
-    if (not items or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in items)
-            or len(set(items)) != len(items)):
+    problem = None
+    try:
+        items = tuple(operator.index(b) for b in value) if not isinstance(value, (str, bytes)) else None
+    except TypeError:  # not iterable, or an item that is not an integer (a float, a bool is one)
+        items = None
+    if items is None or any(isinstance(b, bool) for b in value):
+        problem = "a list of integers"
+    elif not items:
+        problem = "non-empty"
+    elif min(items) < 1:
+        problem = f"positive (got {min(items)})"
+    elif len(set(items)) != len(items):
+        problem = "without repeats"
+    if problem is not None:
         raise ValueError(f"batch_buckets must be a non-empty list of distinct positive batch sizes (e.g. "
-                         f"(1, 2, 4, 8)) or None, got {value!r}")
+                         f"(1, 2, 4, 8)) or None; it must be {problem}, got {value!r}")
     return tuple(sorted(items))
 
 
@@ -561,8 +575,8 @@ class CompiledSteps(_ShapeSteps):
       batches' step), else at ``n`` (a new trace either way: padding would only cost rows);
     * ``batches`` given (``enable_tree_attention(batch_buckets=...)``): at the smallest bucket that holds
       ``n``. Steps are compiled only at those sizes; a step of any other batch (one larger than every
-      bucket, or transformers' own ``generate``, which the package does not pad) runs eagerly, said once
-      per model in a warning of the ``megatron_tree.integrations`` logger.
+      bucket, transformers' own ``generate`` or the package's with a cache passed in, neither padded) runs
+      eagerly, said once per model in a warning of the ``megatron_tree.integrations`` logger.
     """
 
     def __init__(self, binding: _Binding, options: dict, batches: tuple[int, ...] | None = None):
@@ -597,8 +611,8 @@ class CompiledSteps(_ShapeSteps):
             why = (f"larger than every bucket of batch_buckets={self.batches}" if batch > self.batches[-1]
                    else f"not one of batch_buckets={self.batches}")
             log.warning("a decode step of %d rows runs eagerly (not compiled): the batch is %s; the package's "
-                        "generate pads a batch up to a bucket, transformers' generate does not. Said once per "
-                        "model.", batch, why)
+                        "generate pads a batch up to a bucket only in a cache it makes itself (not in a cache "
+                        "passed to it), transformers' generate does not. Said once per model.", batch, why)
         return False
 
     def setting(self) -> str:
@@ -630,9 +644,18 @@ per step cost ~20 us of a step's host time (entering it ~10 us)."""
 
 
 def _named(value) -> str:
-    """A compile option as text that is the same on every rank (a callable backend by its name, not its address)."""
+    """A compile option as text that is the same on every rank and tells settings apart: a callable backend by
+    its name, not its address, with its settings -- a ``functools.partial``'s arguments, an object's text
+    attributes (``CompileCounterWithBackend("inductor")``'s backend) -- never counters that change as it runs."""
+    if isinstance(value, functools.partial):
+        args = [_named(a) for a in value.args] + [f"{k}={_named(v)}" for k, v in sorted(value.keywords.items())]
+        return f"partial({_named(value.func)}, {', '.join(args)})"
     if callable(value):
-        return getattr(value, "__qualname__", type(value).__qualname__)
+        name = getattr(value, "__qualname__", None)
+        if name is not None:  # a function or a class
+            return f"{getattr(value, '__module__', '')}.{name}"
+        texts = sorted((k, v) for k, v in vars(value).items() if isinstance(v, str)) if hasattr(value, "__dict__") else []
+        return f"{type(value).__module__}.{type(value).__qualname__}({', '.join(f'{k}={v!r}' for k, v in texts)})"
     if isinstance(value, dict):
         return "{" + ", ".join(f"{k}: {_named(v)}" for k, v in sorted(value.items())) + "}"
     return repr(value)

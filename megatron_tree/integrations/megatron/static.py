@@ -490,13 +490,12 @@ class TreeGPTInferenceWrapper(_gpt_wrapper_base()):
         b, s = tokens.shape
         start = ctx.sequence_len_offset
         plan = ctx.plan_step(start, s, b)
-        index = plan.index.to(tokens.device)
-        local_tokens = tokens.index_select(1, index)
-        local_pos = plan.positions.clamp(min=0).to(tokens.device)
         only_last = ctx.materialize_only_last_token_logits
-        if plan.mode == "prefill":
-            ctx.materialize_only_last_token_logits = False
         try:
+            local_tokens = tokens.index_select(1, plan.index.to(tokens.device))
+            local_pos = plan.positions.clamp(min=0).to(tokens.device)
+            if plan.mode == "prefill":
+                ctx.materialize_only_last_token_logits = False
             logits = self.model(
                 local_tokens, local_pos, None, inference_context=ctx, runtime_gather_output=True
             )

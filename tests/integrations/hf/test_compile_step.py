@@ -654,9 +654,18 @@ def _batches(rank, world):
     out["disagree_buckets"] = outcome(lambda: generate(odd, pool[:2], 2, progress=False))
     modes = HFTreeModel(_model("llama"), groups, compile_step={"backend": "aot_eager"} if rank else True)
     out["disagree_backend"] = outcome(lambda: generate(modes, pool[:2], 2, progress=False))
+    # callable backends of one class are told apart by their settings (not by the class name alone)
+    counted = HFTreeModel(_model("llama"), groups,
+                          compile_step={"backend": CompileCounterWithBackend("aot_eager" if rank else "eager")})
+    out["disagree_counter"] = outcome(lambda: generate(counted, pool[:2], 2, progress=False))
+    import numpy as np
+
+    out["accepted"] = [HFTreeModel(_model("llama"), groups, compile_step=True, batch_buckets=b)._binding.compiled.batches
+                       for b in (range(1, 3), [np.int64(4), 1])]
     for name, kwargs in (("zero", {"compile_step": True, "batch_buckets": [0, 2]}),
                          ("repeated", {"compile_step": True, "batch_buckets": (2, 2)}),
                          ("text", {"compile_step": True, "batch_buckets": "4"}),
+                         ("fraction", {"compile_step": True, "batch_buckets": [1, 2.5]}),
                          ("uncompiled", {"batch_buckets": (1, 2)})):
         out[name] = outcome(lambda kw=kwargs: HFTreeModel(_model("llama"), groups, **kw))
     return out
@@ -678,9 +687,96 @@ def test_compiled_steps_bucket_batches_and_ranks_agree_on_the_setting():
         # said once, at the first eager step, naming the batch and the buckets
         assert [r[n]["said"] for n in ("lazy2", "bucket1", "bucket3", "bucket5")] == [0, 0, 1, 1]
         assert "3 rows runs eagerly" in r["said"][0] and "batch_buckets=(2,)" in r["said"][0], r["said"]
-        for key, what in (("disagree_buckets", "batch_buckets="), ("disagree_backend", "backend=")):
+        for key, what in (("disagree_buckets", "batch_buckets="), ("disagree_backend", "backend="),
+                          ("disagree_counter", "CompileCounterWithBackend(backend='aot_eager')")):
             assert r[key][0] == "DisagreementError" and "compile_step" in r[key][1] and what in r[key][1], r[key]
-        for key in ("zero", "repeated", "text"):
+        assert r["accepted"] == [(1, 2), (1, 4)]  # a range, numpy integers: sorted ints
+        for key in ("zero", "repeated", "text", "fraction"):
             assert r[key][0] == "ValueError" and "batch_buckets must be" in r[key][1], r[key]
         assert r["uncompiled"][0] == "ValueError" and "set compile_step" in r["uncompiled"][1]
     assert results[0]["disagree_buckets"][1] == results[1]["disagree_buckets"][1]
+
+
+def _padded_rows(rank, world):
+    """A batch of 3 padded to the bucket 4 against the eager model's unpadded batch of 3: greedy (a hook's
+    logits), sampled with a seed, stopping on a token of the padded (last) row and of another row, teacher-forced;
+    then a cache passed in (not padded: eager, said once, naming the cache)."""
+    import logging
+
+    import megatron_tree as mt
+    from megatron_tree.decode.generate import GenerationHook, generate
+    from megatron_tree.integrations.hf import HFTreeModel
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    said = []
+
+    class Said(logging.Handler):
+        def emit(self, record):
+            said.append(record.getMessage())
+
+    class Logits(GenerationHook):
+        def __init__(self):
+            self.seen = []
+
+        def after_prefill(self, logits):
+            self.seen.append(logits.clone())
+
+        def after_step(self, step, logits):
+            self.seen.append(logits.clone())
+
+    logging.getLogger("megatron_tree.integrations").addHandler(Said())
+    torch._dynamo.reset()
+    groups = mt.TreeGroups.build()
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 90, (n,), generator=g).tolist() for n in (9, 4, 7)]  # around gemma2's window 5
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = HFTreeModel(_model("gemma2"), groups, compile_step={"backend": counter}, batch_buckets=(4,))
+    eager = HFTreeModel(_model("gemma2"), groups)
+
+    def both(**kw):
+        """(compiled, eager): tokens and the hook's logits of each."""
+        runs = []
+        for model in (compiled, eager):
+            hook = Logits()
+            runs.append((generate(model, prompts, SWEEP_NEW + 3, hook=hook, progress=False, **kw).tokens, hook.seen))
+        return runs
+
+    out = {"padded_to": compiled.step_batch(3)}
+    (got, got_logits), (greedy, want_logits) = both()
+    out["greedy"] = got == greedy
+    out["shapes"] = [tuple(x.shape) for x in got_logits] == [tuple(x.shape) for x in want_logits] == \
+        [(3, compiled.config.vocab_size)] * len(want_logits)
+    out["logits"] = max(float((a - b).abs().max()) for a, b in zip(got_logits, want_logits))
+    (got, _), (want, _) = both(do_sample=True, temperature=1.3, top_k=40, top_p=0.95, seed=11)
+    out["sampled"] = (got == want, len({tuple(r) for r in got}) > 1)
+    for name, stop in (("stop_last", greedy[-1][1]), ("stop_first", greedy[0][2])):
+        (got, _), (want_stop, _) = both(stop_token_ids=[stop])
+        out[name] = (got == want_stop, [len(r) for r in want_stop])
+    forced = torch.randint(3, 90, (3, SWEEP_NEW + 3), generator=g)
+    (_, got_logits), (_, want_logits) = both(forced_tokens=forced)
+    out["forced"] = max(float((a - b).abs().max()) for a, b in zip(got_logits, want_logits))
+    out["frames"] = counter.frame_count
+    before = len(said)
+    tokens = generate(compiled, prompts, SWEEP_NEW, cache=compiled.new_cache(3, 32), progress=False).tokens
+    out["own_cache"] = (tokens == generate(eager, prompts, SWEEP_NEW, progress=False).tokens, said[before:],
+                        counter.frame_count)
+    return out
+
+
+def test_padded_rows_leave_sampling_stops_forcing_and_hooks_to_the_real_rows():
+    """CP 3 (not a power of two), Gemma 2 (windows, soft-capping): the rows a batch is padded with are invisible
+    to everything the caller sees: a hook gets the real rows' logits (those of the unpadded eager batch), a
+    seeded sample draws the same tokens (the generator sees only the real rows), a stop token of the last row
+    (which the padded copy also produces) stops that row only, and teacher forcing feeds the real rows. A cache
+    the caller passes in is not padded: its 3-row step runs eagerly, the warning saying why."""
+    for r in run_ranks(_padded_rows, 3, timeout=300):
+        assert r["padded_to"] == 4 and r["greedy"] and r["shapes"], r
+        assert r["logits"] <= 1e-5 and r["forced"] <= 1e-5, r
+        assert r["sampled"] == (True, True), r["sampled"]
+        for name in ("stop_last", "stop_first"):
+            equal, lengths = r[name]
+            assert equal and min(lengths) < SWEEP_NEW + 3, (name, r[name])  # a row did stop early
+        assert r["frames"] == 1, r["frames"]  # every padded call: the one trace at 4 rows
+        equal, said, frames = r["own_cache"]
+        assert equal and frames == 1, r["own_cache"]
+        assert len(said) == 1 and "3 rows runs eagerly" in said[0] and "not in a cache passed to it" in said[0], said

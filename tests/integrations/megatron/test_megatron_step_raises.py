@@ -141,3 +141,120 @@ def test_decode_step_that_raises_leaves_the_cache_as_before():
         # through Megatron's wrapper: the prefill and two decode steps each raised once, and their retries are exact
         assert r["wrapped"]["raised"] == ["layer 2 failed"] * 3 and r["wrapped"]["step"] is None, r["wrapped"]
         assert max(r["wrapped"]["errs"]) <= 1e-4, r["wrapped"]["errs"]
+
+
+def _failing(module, times=1, pre=False):
+    """A hook on ``module`` whose first ``times`` calls raise "boom"; returns its handle."""
+    left = [times]
+
+    def hook(*args, **kwargs):
+        if left[0] > 0:
+            left[0] -= 1
+            raise RuntimeError("boom")
+
+    return module.register_forward_pre_hook(hook) if pre else module.register_forward_hook(hook)
+
+
+def _after_every_layer(rank, world):
+    """Failures after every layer stored its keys: the controller's retries, a row subset, and the engine going on."""
+    from megatron.core import parallel_state
+
+    from megatron_tree.integrations import megatron as mt
+    from megatron_tree.integrations.megatron import TreeGPTInferenceWrapper
+    from megatron_tree.integrations.megatron import checkpoint as mc
+    from megatron_tree.integrations.megatron import model as mm
+    from megatron_tree.integrations.megatron.cpu import megatron_on_cpu
+
+    with megatron_on_cpu():
+        groups = mt.initialize_model_parallel(world)
+        shape = mm.GPTShape(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                            initializer_range=0.2)
+        src = mm.build_gpt(shape, tree=False, pg_collection=mm.single_rank_groups(), seed=7)
+        model = mm.build_gpt(shape, tree=True, cp=world, seed=7)
+        mc.fill_from_global(model, mc.global_tensors(src))
+        lm = mm.MegatronLM(model, groups, shape)
+        ref = mm.MegatronReference(src)
+        out = {}
+
+        # the controller's path: the prefill raises after the last layer, decode steps raise before the output
+        # layer (every layer stored its keys) -- step 2 twice in a row -- and after the final norm
+        rows = [[3, 1, 4, 1, 5, 9, 2], [6, 0, 2, 8, 1, 8, 2]]
+        ctx = lm.new_cache(len(rows), 32, block_size=2)
+        wrapper = TreeGPTInferenceWrapper(model, ctx)
+        wrapper.prep_model_for_inference()
+        tokens = torch.zeros(len(rows), 32, dtype=torch.long)
+        tokens[:, :len(rows[0])] = torch.tensor(rows)
+        inputs = wrapper.prep_inference_input(tokens)
+        fails = {0: (model.decoder.layers[-1], 1, False), 1: (model.output_layer, 1, True),
+                 2: (model.output_layer, 2, True), 3: (model.decoder.final_layernorm, 1, False)}
+        start, end, raised, errs = 0, len(rows[0]), 0, []
+        for step in range(6):
+            if step:
+                ctx.enable_decode_mode()
+            window = wrapper.get_batch_for_context_window(inputs, start, end)
+            if step in fails:
+                module, times, pre = fails[step]
+                hook = _failing(module, times, pre)
+                for _ in range(times):
+                    try:
+                        wrapper.run_one_forward_step(window)
+                    except RuntimeError:
+                        raised += 1
+                hook.remove()
+            logits = wrapper.run_one_forward_step(window)[:, -1].float()
+            errs.append(float((logits - ref(inputs["tokens"][:, :end])[:, -1].float()).abs().max()))
+            inputs["tokens"][:, end] = logits.argmax(-1)
+            start, end = end, end + 1
+        out["controller"] = {"raised": raised, "errs": errs, "step": ctx.step}
+
+        # a subset of the rows (batch_size_offset 1): row 1's prefill raises after the last layer; row 0 keeps
+        # its tokens, row 1 is empty again, and the retried prefill and the decode steps after it are exact
+        seqs = [[3, 1, 4, 1, 5, 9, 2], [6, 0, 2, 8, 1, 8, 2]]
+        ctx = lm.new_cache(2, 32, block_size=2)
+        wrapper = TreeGPTInferenceWrapper(model, ctx)
+        wrapper.prep_model_for_inference()
+
+        def forward(toks, offset):
+            ctx.batch_size_offset = offset
+            try:
+                return wrapper._forward({"tokens": torch.tensor(toks), "position_ids": None, "attention_mask": None,
+                                         "inference_context": ctx})[:, -1].float()
+            finally:
+                ctx.batch_size_offset = 0
+
+        ctx.materialize_only_last_token_logits = True
+        first = forward(seqs[:1], 0)
+        hook = _failing(model.decoder.layers[-1])
+        try:
+            forward(seqs[1:], 1)
+        except RuntimeError:
+            pass
+        finally:
+            hook.remove()
+        out["subset_after"] = (ctx.lengths(), ctx.step)
+        ids = torch.cat([first, forward(seqs[1:], 1)]).argmax(-1)
+        sub_errs = []
+        ctx.sequence_len_offset = len(seqs[0])
+        ctx.enable_decode_mode()
+        for _ in range(3):
+            for s, t in zip(seqs, ids.tolist()):
+                s.append(t)
+            logits = forward([[t] for t in ids.tolist()], 0)
+            ctx.sequence_len_offset += 1
+            sub_errs.append(float((logits - ref(torch.tensor(seqs))[:, -1].float()).abs().max()))
+            ids = logits.argmax(-1)
+        out["subset_errs"] = sub_errs
+        parallel_state.destroy_model_parallel()
+    return out
+
+
+def test_failures_after_every_layer_stored_its_keys_are_taken_back():
+    """A prefill that raises after the last layer, a decode step that raises before the output layer (twice in a
+    row) or after the final norm: every layer wrote its keys, and the retries are exact all the same. A prefill of
+    a subset of the rows (``batch_size_offset``) that raises empties only its own rows."""
+    for r in run_ranks(_after_every_layer, 3, timeout=300):
+        assert r["controller"]["raised"] == 5 and r["controller"]["step"] is None, r["controller"]
+        assert max(r["controller"]["errs"]) <= 1e-4, r["controller"]["errs"]
+        assert r["subset_after"] == ([7, 0], None), r["subset_after"]
+        assert max(r["subset_errs"]) <= 1e-4, r["subset_errs"]
