@@ -642,11 +642,27 @@ def _batches(rank, world):
     run("lazy2", lazy, lazy_counter, pool[1:3])  # padded to 4 (<= 2 x 2)
     long = [torch.randint(1, 120, (n,), generator=g).tolist() for n in (70, 66, 61)]
     run("lazy3_long", lazy, lazy_counter, long)  # a cache of another length bucket: a new trace, so not padded
+    run("lazy5", lazy, lazy_counter, pool)  # 4 < 5: traced at 5
+    # the smallest size traced for this length bucket in [n, 2n]
+    out["lazy_fits"] = [lazy.step_batch(n, 13 + SWEEP_NEW) for n in (1, 2, 3, 4, 5)]
+    # a cache of the caller's own: the batch runs as it is (no extra rows), a new trace at 3
+    own = generate(lazy, pool[:3], SWEEP_NEW, cache=lazy.new_cache(3, 13 + SWEEP_NEW), progress=False).tokens
+    out["own_cache"] = (own == generate(eager, pool[:3], SWEEP_NEW, progress=False).tokens, lazy_counter.frame_count)
     bucket_counter = CompileCounterWithBackend("aot_eager")
     bucketed = HFTreeModel(_model("llama"), groups, compile_step={"backend": bucket_counter}, batch_buckets=[2])
     run("bucket1", bucketed, bucket_counter, pool[4:])  # padded to the bucket 2
     run("bucket3", bucketed, bucket_counter, pool[:3])  # larger than every bucket: eager, said once
     run("bucket5", bucketed, bucket_counter, pool)  # eager, not said again
+    two_counter = CompileCounterWithBackend("aot_eager")
+    two = HFTreeModel(_model("llama"), groups, compile_step={"backend": two_counter}, batch_buckets=[4, 2])
+    out["two_fits"] = [two.step_batch(n) for n in (1, 2, 3, 4, 5)]  # the smallest bucket holding n (unsorted given)
+    run("two3", two, two_counter, pool[:3])  # padded to the bucket 4
+    # transformers' generate does not pad: 3 rows, not a bucket, run eagerly (no trace), said once
+    ids = torch.tensor([p[:4] for p in pool[:3]])
+    kw = dict(max_new_tokens=SWEEP_NEW, min_new_tokens=SWEEP_NEW, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        seq = two.hf.generate(ids, **kw)
+        out["hf3"] = (seq.tolist() == _model("llama").generate(ids, **kw).tolist(), two_counter.frame_count)
     out["said"] = said
     # every CP rank must hold the same compile setting: buckets, then torch.compile arguments
     odd = HFTreeModel(_model("llama"), groups, compile_step={"backend": "aot_eager"},
@@ -662,13 +678,29 @@ def _batches(rank, world):
 
     out["accepted"] = [HFTreeModel(_model("llama"), groups, compile_step=True, batch_buckets=b)._binding.compiled.batches
                        for b in (range(1, 3), [np.int64(4), 1])]
+    # a callable backend is named by its name; a dict option by its values
+    named = HFTreeModel(_model("llama"), groups, compile_step={"backend": CompileCounterWithBackend("aot_eager")
+                                                              if rank else _other_backend})
+    out["disagree_callable"] = outcome(lambda: generate(named, pool[:2], 2, progress=False))
+    nested = HFTreeModel(_model("llama"), groups, compile_step={"backend": "inductor",
+                                                               "options": {"max_autotune": bool(rank)}})
+    out["disagree_options"] = outcome(lambda: generate(nested, pool[:2], 2, progress=False))
+    short = HFTreeModel(_model("llama"), groups)
+    short.step_batch = lambda n, max_seq_len: n - 1  # a model's step_batch must not drop prompts
+    out["bad_step_batch"] = outcome(lambda: generate(short, pool[:2], 2, progress=False))
     for name, kwargs in (("zero", {"compile_step": True, "batch_buckets": [0, 2]}),
                          ("repeated", {"compile_step": True, "batch_buckets": (2, 2)}),
                          ("text", {"compile_step": True, "batch_buckets": "4"}),
+                         ("flag", {"compile_step": True, "batch_buckets": [True, 2]}),
                          ("fraction", {"compile_step": True, "batch_buckets": [1, 2.5]}),
                          ("uncompiled", {"batch_buckets": (1, 2)})):
         out[name] = outcome(lambda kw=kwargs: HFTreeModel(_model("llama"), groups, **kw))
     return out
+
+
+def _other_backend(gm, example_inputs):
+    """A torch.compile backend of another name (its graph runs as traced)."""
+    return gm.forward
 
 
 def test_compiled_steps_bucket_batches_and_ranks_agree_on_the_setting():
@@ -679,21 +711,30 @@ def test_compiled_steps_bucket_batches_and_ranks_agree_on_the_setting():
     results = run_ranks(_batches, 2, timeout=300)
     for r in results:
         expect = {"lazy4": (4, 1), "lazy3": (4, 1), "lazy1": (1, 2), "lazy2": (4, 2), "lazy3_long": (3, 3),
-                  "bucket1": (2, 1), "bucket3": (3, 1), "bucket5": (5, 1)}
+                  "lazy5": (5, 4), "bucket1": (2, 1), "bucket3": (3, 1), "bucket5": (5, 1), "two3": (4, 1)}
         for name, (padded, frames) in expect.items():
             assert (r[name]["padded_to"], r[name]["frames"]) == (padded, frames), (name, r[name])
             assert r[name]["equal"], name
-        assert [r[n]["rows"] for n in ("lazy4", "lazy3", "lazy1", "lazy2", "lazy3_long")] == [4, 3, 1, 2, 3]
+        assert [r[n]["rows"] for n in ("lazy4", "lazy3", "lazy1", "lazy2", "lazy3_long", "lazy5", "two3")] == \
+            [4, 3, 1, 2, 3, 5, 3]
+        assert r["lazy_fits"] == [1, 4, 4, 4, 5] and r["two_fits"] == [2, 2, 4, 4, 5], r
+        assert r["own_cache"] == (True, 5), r["own_cache"]
+        assert r["hf3"] == (True, 1), r["hf3"]
         # said once, at the first eager step, naming the batch and the buckets
         assert [r[n]["said"] for n in ("lazy2", "bucket1", "bucket3", "bucket5")] == [0, 0, 1, 1]
         assert "3 rows runs eagerly" in r["said"][0] and "batch_buckets=(2,)" in r["said"][0], r["said"]
+        assert "larger than every bucket" in r["said"][0], r["said"]
+        assert len(r["said"]) == 2 and "3 rows runs eagerly" in r["said"][1], r["said"]
+        assert "not one of batch_buckets=(2, 4)" in r["said"][1], r["said"]
         for key, what in (("disagree_buckets", "batch_buckets="), ("disagree_backend", "backend="),
+                          ("disagree_callable", "_other_backend"), ("disagree_options", "max_autotune"),
                           ("disagree_counter", "CompileCounterWithBackend(backend='aot_eager')")):
             assert r[key][0] == "DisagreementError" and "compile_step" in r[key][1] and what in r[key][1], r[key]
         assert r["accepted"] == [(1, 2), (1, 4)]  # a range, numpy integers: sorted ints
-        for key in ("zero", "repeated", "text", "fraction"):
+        for key in ("zero", "repeated", "text", "flag", "fraction"):
             assert r[key][0] == "ValueError" and "batch_buckets must be" in r[key][1], r[key]
         assert r["uncompiled"][0] == "ValueError" and "set compile_step" in r["uncompiled"][1]
+        assert r["bad_step_batch"][0] == "ValueError" and "step_batch(2, " in r["bad_step_batch"][1] and "returned 1" in r["bad_step_batch"][1]
     assert results[0]["disagree_buckets"][1] == results[1]["disagree_buckets"][1]
 
 
