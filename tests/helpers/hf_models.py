@@ -41,7 +41,8 @@ def hf_greedy(model, prompts, new_tokens):
     plain argmax loop (the package's, with no stop tokens) does choose: this is a reference only for runs
     whose argmax never lands on EOS (a run that does fails the comparison; it cannot pass it wrongly). On
     the tiny llama, 3 ragged prompts over 70 tokens, the package's loop equals a plain argmax loop of full
-    forwards token for token, while this differs from the first EOS (token 2, 42)."""
+    forwards token for token, while this one departs at the first step where a row's argmax is EOS
+    (steps 2 and 42 of two of the rows)."""
     out = []
     with torch.no_grad():
         for p in prompts:
