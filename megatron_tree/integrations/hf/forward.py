@@ -597,7 +597,7 @@ class CompiledSteps(_ShapeSteps):
         return next((b for b in traced if n <= b <= 2 * n), n)
 
     def _make(self, step, cache: TreeCache):
-        _check_capturable(self.options, cache.storage.k.device)
+        _check_capturable(self.options, cache.storage.k.device, self.binding.groups)
         length = None if cache.max_seq_len is None else static_length(cache.max_seq_len)
         self.made.add((cache.storage.batch_size, length))
         return torch.compile(step, **self.options)
@@ -671,17 +671,35 @@ _CAPTURING_MODES = ("reduce-overhead", "max-autotune")
 """``torch.compile`` modes whose Inductor output replays as a CUDA graph."""
 
 
-def _check_capturable(options: dict, device: torch.device) -> None:
-    """A compile setting that asks for CUDA graphs on a cache that is not on a CUDA device is an error
-    naming the setting (Inductor would skip the capture with a log line and run the step uncaptured: not
-    what was asked for). Every rank checks the same setting on the same kind of device, so all raise alike."""
+def _check_capturable(options: dict, device: torch.device, groups=None) -> None:
+    """A compile setting that asks for CUDA graphs where they cannot be captured is an error naming the
+    setting (Inductor would skip the capture with a log line and run the step uncaptured, or the capture
+    would fail inside a collective: not what was asked for):
+
+    * a cache that is not on a CUDA device (CUDA graphs record CUDA work only);
+    * at CP > 1, a CP group (or one of its levels) whose backend is not NCCL: the captured step holds every
+      layer's merge, and only NCCL's collectives can be recorded (gloo copies CUDA tensors through the host).
+
+    Every rank checks the same setting on the same kind of device and groups, so all raise alike."""
     mode = options.get("mode")
     graphs = (options.get("options") or {}).get("triton.cudagraphs")
-    if device.type != "cuda" and (mode in _CAPTURING_MODES or graphs):
-        what = f"mode={mode!r}" if mode in _CAPTURING_MODES else "options={'triton.cudagraphs': True}"
+    if not (mode in _CAPTURING_MODES or graphs):
+        return
+    what = f"mode={mode!r}" if mode in _CAPTURING_MODES else "options={'triton.cudagraphs': True}"
+    if device.type != "cuda":
         raise ValueError(f"compile_step with {what} captures the decode step in a CUDA graph, but the KV cache is "
                          f"on {device.type}: CUDA graphs need CUDA tensors. Use compile_step=True (compiled, not "
                          "captured) here, or move the model to a GPU")
+    if groups is not None and groups.size > 1:
+        import torch.distributed as dist
+
+        backends = sorted({str(dist.get_backend(g)) for g in [groups.cp_group, *(lv.group for lv in groups.levels)]})
+        if backends != ["nccl"]:
+            raise ValueError(f"compile_step with {what} captures the decode step in a CUDA graph, every layer's CP "
+                             f"merge with it, but the CP group's collectives run on {', '.join(backends)}: only "
+                             "NCCL's collectives can be captured. Initialise the process groups with NCCL for CUDA "
+                             "tensors (TreeGroups.from_env does when CUDA is available), or use compile_step=True "
+                             "(compiled, not captured)")
 
 
 def _fresh_step(binding: _Binding, n: int):

@@ -166,10 +166,17 @@ def _refusals(rank, world):
     out["capture_cpu"] = outcome(lambda: generate(captured, PROMPTS, 3, progress=False))
     graphs = HFTreeModel(_model("llama"), groups, compile_step={"options": {"triton.cudagraphs": True}})
     out["graphs_cpu"] = outcome(lambda: generate(graphs, PROMPTS, 3, progress=False))
+    # CUDA graphs over a CP group that is not NCCL's (the merge's collectives cannot be recorded): refused by
+    # name before any trace (the check reads only the device's kind, so it runs here without a GPU)
+    from megatron_tree.integrations.hf.forward import _check_capturable
+
+    cuda = torch.device("cuda")
+    out["capture_gloo"] = outcome(lambda: _check_capturable({"mode": "reduce-overhead"}, cuda, groups))
+    out["graphs_gloo"] = outcome(lambda: _check_capturable({"options": {"triton.cudagraphs": True}}, cuda, groups))
+    out["capture_alone"] = outcome(lambda: _check_capturable({"mode": "reduce-overhead"}, cuda, None))
+    out["compiled_gloo"] = outcome(lambda: _check_capturable({"mode": "default"}, cuda, groups))
     # the merge op's fake (what a traced step is built from) against its real body, in bf16: same shapes,
     # dtypes (the accumulation dtype: float32 out, float64 lse from a float64 partial) and strides
-    import torch
-
     from megatron_tree.comm.merge import _op_names
 
     g = torch.Generator().manual_seed(rank)
@@ -193,6 +200,10 @@ def test_settings_a_compiled_step_cannot_hold_are_refused_on_every_rank():
         assert out["kind"][0] == "TypeError" and "compile_step must be a bool or a dict" in out["kind"][1]
         for key, what in (("capture_cpu", "mode='reduce-overhead'"), ("graphs_cpu", "triton.cudagraphs")):
             assert out[key][0] == "ValueError" and what in out[key][1] and "on cpu" in out[key][1], out[key]
+        for key, what in (("capture_gloo", "mode='reduce-overhead'"), ("graphs_gloo", "triton.cudagraphs")):
+            assert out[key][0] == "ValueError" and what in out[key][1] and "run on gloo" in out[key][1], out[key]
+            assert "only NCCL's collectives can be captured" in out[key][1]
+        assert out["capture_alone"][0] == out["compiled_gloo"][0] == "returned"  # one process; not captured
         assert out["opcheck"][0] == "returned", out["opcheck"]
         assert out["dtypes"] == ("torch.float32", "torch.float64")
     assert [{k: v[:2] for k, v in out.items() if k != "dtypes"} for out, _ in results] == \
