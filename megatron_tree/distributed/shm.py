@@ -102,6 +102,9 @@ class Channel:
             self._head = self._mem[:head].view(torch.int64).numpy().reshape(self.size, _LINE)
             self._data = self._mem[head:].view(2, self.size, slot_bytes)
         self._seq = 0
+        self._views: dict = {}
+        """(parity, dtype, shape) -> (this rank's slot, every rank's slots) as tensors of that dtype and shape:
+        a decode step's merges repeat a few shapes, and making the views anew cost ~1.5 us a view."""
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         self._spins = _SPINS if self.size <= cores else _SPINS_OVERSUBSCRIBED
 
@@ -144,8 +147,20 @@ class Channel:
 
     def _slots(self, parity: int, like: torch.Tensor) -> torch.Tensor:
         """Every rank's slot of ``parity`` as one (P, *like.shape) tensor of ``like``'s dtype."""
-        n = like.numel() * like.element_size()
-        return self._data[parity, :, :n].view(like.dtype).view(self.size, *like.shape)
+        return self._views_of(parity, like)[1]
+
+    def _views_of(self, parity: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this rank's slot, every rank's slots) of ``parity`` shaped as ``like`` (kept per shape and dtype)."""
+        key = (parity, like.dtype, like.shape)
+        views = self._views.get(key)
+        if views is None:
+            if len(self._views) >= 64:  # (a step repeats a few shapes; a run of many keeps only the latest)
+                self._views.clear()
+            n = like.numel() * like.element_size()
+            with torch.inference_mode(False):  # (a view made in inference mode may not be written outside it)
+                views = self._views[key] = (self._slot(parity, self.rank, like),
+                                            self._data[parity, :, :n].view(like.dtype).view(self.size, *like.shape))
+        return views
 
     def _slot(self, parity: int, r: int, like: torch.Tensor) -> torch.Tensor:
         """Rank ``r``'s slot of ``parity`` as a contiguous tensor of ``like``'s dtype and shape."""
@@ -157,7 +172,7 @@ class Channel:
         parity = self._seq % 2
         n = tensor.numel() * tensor.element_size()
         if n:
-            self._slot(parity, self.rank, tensor).copy_(tensor)
+            self._views_of(parity, tensor)[0].copy_(tensor)
         line = self._head[self.rank]
         line[1 + 2 * parity] = n
         line[2 + 2 * parity] = _DTYPES.index(tensor.dtype) if tensor.dtype in _DTYPES else -1

@@ -370,15 +370,20 @@ def _built_in_inference_mode(rank, world):
 
     with torch.inference_mode():  # e.g. groups made lazily inside a generation loop
         groups = mt.TreeGroups.build(transport="shm")
-        inside = collectives.all_gather(torch.tensor([rank]), groups.cp_group).tolist()
-    outside = collectives.all_gather(torch.tensor([rank]), groups.cp_group).tolist()  # e.g. a training step after
-    ch = shm.channel_of(groups.cp_group)  # an inference-tensor buffer refuses _publish's copy outside inference mode
-    return inside, outside, collectives.all_reduce(torch.ones(2), groups.cp_group).tolist(), ch._mem.is_inference()
+        # twice: both parities' slots, whose views the channel keeps per shape, are first made in inference mode
+        inside = [collectives.all_gather(torch.tensor([rank]), groups.cp_group).tolist() for _ in range(2)]
+        collectives.all_reduce(torch.ones(2), groups.cp_group)
+        collectives.all_reduce(torch.ones(2), groups.cp_group)
+    # e.g. a training step after: the same shapes again, through the kept views
+    outside = [collectives.all_gather(torch.tensor([rank]), groups.cp_group).tolist() for _ in range(2)]
+    ch = shm.channel_of(groups.cp_group)  # an inference-tensor buffer (or view) refuses a copy outside inference mode
+    totals = [collectives.all_reduce(torch.ones(2), groups.cp_group).tolist() for _ in range(2)]
+    return inside, outside, totals, ch._mem.is_inference()
 
 
 def test_a_channel_made_in_inference_mode_serves_collectives_outside_it():
-    for inside, outside, total, inference in run_ranks(_built_in_inference_mode, 2, timeout=120):
-        assert inside == outside == [[0], [1]] and total == [2.0, 2.0] and not inference
+    for inside, outside, totals, inference in run_ranks(_built_in_inference_mode, 2, timeout=120):
+        assert inside == outside == [[[0], [1]]] * 2 and totals == [[2.0, 2.0]] * 2 and not inference
 
 
 def _cannot_map(rank, world):
