@@ -440,7 +440,7 @@ def generate(
     seed: seeds the sampling generator (identical results for identical seeds)
     cache: reuse a cache from ``model.new_cache``; by default one sized
         ``max(len(prompt)) + max_new_tokens`` is made. Every prompt plus ``max_new_tokens``
-        must fit in it. With a cache of its own and a model whose steps are compiled per batch size
+        must fit in it. In the cache it makes itself, for a model whose steps are compiled per batch size
         (``step_batch``, e.g. ``HFTreeModel`` with ``compile_step``), the batch runs at the model's
         size for it, the last prompt repeated in the extra rows: their tokens are dropped (rows never
         see each other's keys, so the real rows attend exactly as in a batch of their own).

@@ -164,9 +164,10 @@ def enable_tree_attention(model, groups: TreeGroups | None, *, strategy: str = "
         engines capture theirs): the package's ``generate`` (and the lm-eval backend that drives it)
         pads a batch up to the smallest bucket that holds it, repeating its last prompt, and drops
         the extra rows' tokens, when it makes the cache itself (a cache passed in is not padded);
-        a step of any other batch runs eagerly, said once in a warning. None (default): steps are compiled per batch as it comes, and a batch pads up to
-        a compiled one of at most twice its size (an eval's last, partial batch reuses the full
-        batches' step). Only with ``compile_step``.
+        a step of any other batch runs eagerly, said once in a warning. None (default): steps are
+        compiled per batch as it comes, and a batch pads up to one already compiled for a cache of
+        the same length bucket, of at most twice its size (an eval's last, partial batch reuses the
+        full batches' step). Only with ``compile_step``.
 
     Raises :class:`UnsupportedModelError`, before any collective, for a model it cannot run
     exactly: attention modules whose code does not go through ``AttentionInterface``,

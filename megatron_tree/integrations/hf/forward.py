@@ -654,7 +654,8 @@ def _named(value) -> str:
         name = getattr(value, "__qualname__", None)
         if name is not None:  # a function or a class
             return f"{getattr(value, '__module__', '')}.{name}"
-        texts = sorted((k, v) for k, v in vars(value).items() if isinstance(v, str)) if hasattr(value, "__dict__") else []
+        attrs = vars(value) if hasattr(value, "__dict__") else {}
+        texts = sorted((k, v) for k, v in attrs.items() if isinstance(v, str))
         return f"{type(value).__module__}.{type(value).__qualname__}({', '.join(f'{k}={v!r}' for k, v in texts)})"
     if isinstance(value, dict):
         return "{" + ", ".join(f"{k}: {_named(v)}" for k, v in sorted(value.items())) + "}"
