@@ -687,8 +687,8 @@ def _batches(rank, world):
     out["disagree_counter"] = outcome(lambda: generate(counted, pool[:2], 2, progress=False))
     import numpy as np
 
-    out["accepted"] = [HFTreeModel(_model("llama"), groups, compile_step=True, batch_buckets=b)._binding.compiled.batches
-                       for b in (range(1, 3), [np.int64(4), 1])]
+    out["accepted"] = [HFTreeModel(_model("llama"), groups, compile_step=True,
+                                   batch_buckets=b)._binding.compiled.batches for b in (range(1, 3), [np.int64(4), 1])]
     # a callable backend is named by its name; a dict option by its values
     named = HFTreeModel(_model("llama"), groups, compile_step={"backend": CompileCounterWithBackend("aot_eager")
                                                               if rank else _other_backend})
@@ -716,9 +716,10 @@ def _other_backend(gm, example_inputs):
 
 def test_compiled_steps_bucket_batches_and_ranks_agree_on_the_setting():
     """An eval's last, partial batch reuses the full batches' compiled step (padded with a copy of its last
-    prompt; not where the cache's length bucket has no step to reuse), explicit ``batch_buckets`` pad up to a bucket and run a batch beyond them eagerly, saying so
-    once; tokens equal the eager model's every time. Ranks whose compile settings differ all raise the same
-    DisagreementError at the prefill; bad buckets are refused, naming the setting."""
+    prompt; not where the cache's length bucket has no step to reuse), explicit ``batch_buckets`` pad up to a
+    bucket and run a batch beyond them eagerly, saying so once; tokens equal the eager model's every time.
+    Ranks whose compile settings differ all raise the same DisagreementError at the prefill; bad buckets are
+    refused, naming the setting."""
     results = run_ranks(_batches, 2, timeout=300)
     for r in results:
         expect = {"lazy4": (4, 1), "lazy3": (4, 1), "lazy1": (1, 2), "lazy2": (4, 2), "lazy3_long": (3, 3),
@@ -745,7 +746,8 @@ def test_compiled_steps_bucket_batches_and_ranks_agree_on_the_setting():
         for key in ("zero", "repeated", "text", "flag", "fraction"):
             assert r[key][0] == "ValueError" and "batch_buckets must be" in r[key][1], r[key]
         assert r["uncompiled"][0] == "ValueError" and "set compile_step" in r["uncompiled"][1]
-        assert r["bad_step_batch"][0] == "ValueError" and "step_batch(2, " in r["bad_step_batch"][1] and "returned 1" in r["bad_step_batch"][1]
+        bad = r["bad_step_batch"]
+        assert bad[0] == "ValueError" and "step_batch(2, " in bad[1] and "returned 1" in bad[1], bad
     assert results[0]["disagree_buckets"][1] == results[1]["disagree_buckets"][1]
 
 
