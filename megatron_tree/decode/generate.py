@@ -108,7 +108,7 @@ class DecodeModel(Protocol):
     # Optional: ``step_batch(batch, max_seq_len) -> int``, the batch to run ``batch`` prompts at in a cache of
     # ``max_seq_len`` tokens per row (>= ``batch``; the same on every CP rank), for a model whose decode steps
     # are compiled or captured per batch size.
-    # ``generate`` then repeats the last prompt in the extra rows and drops their tokens (its own cache only).
+    # ``generate`` then repeats the shortest prompt in the extra rows and drops their tokens (its own cache only).
 
 
 # --------------------------------------------------------------------------- one decode step
@@ -398,14 +398,14 @@ def _agree_on_call(model, prompts, max_new_tokens, stop_token_ids, do_sample, te
 
 
 def _padded_rows(model, prompts: list[list[int]], max_seq_len: int) -> list[list[int]]:
-    """``prompts`` with the last repeated up to ``model.step_batch(len(prompts), max_seq_len)`` rows (a model
-    without ``step_batch``: as they are)."""
+    """``prompts`` with the shortest (the cheapest to prefill; the first of equals) repeated up to
+    ``model.step_batch(len(prompts), max_seq_len)`` rows (a model without ``step_batch``: as they are)."""
     fit = getattr(model, "step_batch", None)
     n = len(prompts) if fit is None else fit(len(prompts), max_seq_len)
     if not isinstance(n, int) or n < len(prompts):
         raise ValueError(f"{type(model).__name__}.step_batch({len(prompts)}, {max_seq_len}) returned {n!r}; "
                          f"expected an int >= {len(prompts)} (the batch to run the prompts at)")
-    return prompts + [prompts[-1]] * (n - len(prompts))
+    return prompts + [min(prompts, key=len)] * (n - len(prompts))
 
 
 def generate(
@@ -442,7 +442,7 @@ def generate(
         ``max(len(prompt)) + max_new_tokens`` is made. Every prompt plus ``max_new_tokens``
         must fit in it. In the cache it makes itself, for a model whose steps are compiled per batch size
         (``step_batch``, e.g. ``HFTreeModel`` with ``compile_step``), the batch runs at the model's
-        size for it, the last prompt repeated in the extra rows: their tokens are dropped (rows never
+        size for it, the shortest prompt repeated in the extra rows: their tokens are dropped (rows never
         see each other's keys, so the real rows attend exactly as in a batch of their own).
     strategy, stats: passed to ``tree_decode`` at every decode step (:class:`DecodeStep`).
         ``"shifted"``: one SUM per layer per step after the first; each layer's merge leaves a
@@ -485,6 +485,7 @@ def generate(
         rows = _padded_rows(model, prompts, longest)
         cache = model.new_cache(len(rows), longest)
     extra = len(rows) - batch
+    copied = min(range(batch), key=lambda b: len(prompts[b]))  # the row the extra rows copy
     stops = set(stop_token_ids or ())
     hook = hook if hook is not None else GenerationHook()
     groups = model.groups
@@ -528,7 +529,7 @@ def generate(
             step_stats = hook.before_step(step)
             t0 = time.perf_counter()
             st = stats if step_stats is None else step_stats
-            fed = ids if not extra else torch.cat([ids, ids[-1:].expand(extra)])  # extra rows copy the last
+            fed = ids if not extra else torch.cat([ids, ids[copied:copied + 1].expand(extra)])  # (copies of a row)
             logits, _ = runner.run(model, fed, cache, st)  # under shifted: its one flag read and redo
             logits = logits[:batch]
             hook.after_step(step, logits)

@@ -55,7 +55,7 @@ class HFTreeModel:
         """The batch ``generate`` runs ``batch`` prompts at, in a cache of ``max_seq_len`` tokens per row:
         ``batch`` when decode steps run eagerly; with ``compile_step``, the compiled steps' batch for it
         (``forward.CompiledSteps.batch_for``: a bucket, or a batch already compiled for a cache of that
-        length bucket), the last prompt repeated in the extra rows."""
+        length bucket), the shortest prompt repeated in the extra rows."""
         compiled = self._binding.compiled
         return batch if compiled is None else compiled.batch_for(batch, max_seq_len)
 

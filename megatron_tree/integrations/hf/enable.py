@@ -162,7 +162,7 @@ def enable_tree_attention(model, groups: TreeGroups | None, *, strategy: str = "
         device half is traced, once per cache shape).
     batch_buckets: the batch sizes compiled steps are made for (e.g. ``(1, 2, 4, 8)``, as serving
         engines capture theirs): the package's ``generate`` (and the lm-eval backend that drives it)
-        pads a batch up to the smallest bucket that holds it, repeating its last prompt, and drops
+        pads a batch up to the smallest bucket that holds it, repeating its shortest prompt, and drops
         the extra rows' tokens, when it makes the cache itself (a cache passed in is not padded);
         a step of any other batch runs eagerly, said once in a warning. None (default): steps are
         compiled per batch as it comes, and a batch pads up to one already compiled for a cache of

@@ -568,7 +568,7 @@ class CompiledSteps(_ShapeSteps):
 
     Batch sizes, as serving engines bucket them. Each batch size is its own trace (and, captured, its own
     CUDA graph), so the package loop runs a batch of ``n`` rows at :meth:`batch_for` ``(n)`` rows, the
-    last prompt repeated in the extra rows (``decode.generate``; their tokens are dropped):
+    shortest prompt repeated in the extra rows (``decode.generate``; their tokens are dropped):
 
     * ``batches=None`` (default): at the smallest batch already compiled for a cache of the same length
       bucket that is at least ``n`` and at most ``2n`` (an eval's last, partial batch reuses the full

@@ -715,7 +715,7 @@ def _other_backend(gm, example_inputs):
 
 
 def test_compiled_steps_bucket_batches_and_ranks_agree_on_the_setting():
-    """An eval's last, partial batch reuses the full batches' compiled step (padded with a copy of its last
+    """An eval's last, partial batch reuses the full batches' compiled step (padded with copies of its shortest
     prompt; not where the cache's length bucket has no step to reuse), explicit ``batch_buckets`` pad up to a
     bucket and run a batch beyond them eagerly, saying so once; tokens equal the eager model's every time.
     Ranks whose compile settings differ all raise the same DisagreementError at the prefill; bad buckets are
@@ -803,7 +803,8 @@ def _padded_rows(rank, world):
     out["logits"] = max(float((a - b).abs().max()) for a, b in zip(got_logits, want_logits))
     (got, _), (want, _) = both(do_sample=True, temperature=1.3, top_k=40, top_p=0.95, seed=11)
     out["sampled"] = (got == want, len({tuple(r) for r in got}) > 1)
-    for name, stop in (("stop_last", greedy[-1][1]), ("stop_first", greedy[0][2])):
+    # row 1 is the shortest: the padded row copies it (and produces its tokens)
+    for name, stop in (("stop_copied", greedy[1][1]), ("stop_first", greedy[0][2])):
         (got, _), (want_stop, _) = both(stop_token_ids=[stop])
         out[name] = (got == want_stop, [len(r) for r in want_stop])
     forced = torch.randint(3, 90, (3, SWEEP_NEW + 3), generator=g)
@@ -820,14 +821,14 @@ def _padded_rows(rank, world):
 def test_padded_rows_leave_sampling_stops_forcing_and_hooks_to_the_real_rows():
     """CP 3 (not a power of two), Gemma 2 (windows, soft-capping): the rows a batch is padded with are invisible
     to everything the caller sees: a hook gets the real rows' logits (those of the unpadded eager batch), a
-    seeded sample draws the same tokens (the generator sees only the real rows), a stop token of the last row
-    (which the padded copy also produces) stops that row only, and teacher forcing feeds the real rows. A cache
+    seeded sample draws the same tokens (the generator sees only the real rows), a stop token of the shortest
+    row (which the padded copy of it also produces) stops that row only, and teacher forcing feeds the real rows. A cache
     the caller passes in is not padded: its 3-row step runs eagerly, the warning saying why."""
     for r in run_ranks(_padded_rows, 3, timeout=300):
         assert r["padded_to"] == 4 and r["greedy"] and r["shapes"], r
         assert r["logits"] <= 1e-5 and r["forced"] <= 1e-5, r
         assert r["sampled"] == (True, True), r["sampled"]
-        for name in ("stop_last", "stop_first"):
+        for name in ("stop_copied", "stop_first"):
             equal, lengths = r[name]
             assert equal and min(lengths) < SWEEP_NEW + 3, (name, r[name])  # a row did stop early
         assert r["frames"] == 1, r["frames"]  # every padded call: the one trace at 4 rows
