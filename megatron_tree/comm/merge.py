@@ -371,6 +371,8 @@ def merge(
         return _traced_merge(out, lse, groups, strategy, stats, dtype, backend, shift, deferred)
     o, lse = _widened(out, lse, acc_dtype(out.dtype))
     check_shift(shift, tuple(lse.shape), o.device)
+    if isinstance(stats, collectives.StatsSlot):  # a compiled step's slot (one rank: nothing traced to record)
+        stats = None if torch.compiler.is_compiling() else stats.target
     if stats is not None:
         stats.calls += 1
     if groups.size == 1:
@@ -431,6 +433,8 @@ def _cp_merge_impl(out, lse, names, strategy, dtype, backend):
         raise RuntimeError(f"the compiled step's CP group {group_name!r} no longer exists (its TreeGroups was "
                            "freed): compile the step again for the groups it runs on")
     stats = collectives.by_op_name(stats_name) if stats_name else None
+    if isinstance(stats, collectives.StatsSlot):  # a compiled step's: this step's CommStats, or none
+        stats = stats.target
     o, l = merge(out, lse, groups, strategy, stats, dtype=dtype, backend=backend or None)
     # (an op may not return its inputs: a merge with nothing to merge hands back the widened partials)
     return (o.clone() if o.data_ptr() == out.data_ptr() else o), (l.clone() if l.data_ptr() == lse.data_ptr() else l)

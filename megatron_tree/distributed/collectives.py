@@ -104,6 +104,18 @@ def by_op_name(name: str):
     return _BY_OP_NAME.get(name)
 
 
+class StatsSlot:
+    """A stand-in for the :class:`CommStats` of a compiled step: the same object at every step, so a traced
+    step holds its name as a constant, while ``target`` -- the step's own ``CommStats`` -- changes from step
+    to step (a new ``CommStats`` per eval run would otherwise be a new constant: a new trace every time).
+    Whoever calls the compiled step sets ``target`` around the call; the traced merge op's eager body
+    records into it (``comm.merge``)."""
+
+    def __init__(self):
+        self.target: "CommStats | None" = None
+        give_op_name(self)
+
+
 @dataclass
 class LevelStats:
     """Traffic of one level, summed over calls, from this rank's point of view."""

@@ -85,6 +85,8 @@ class _Binding:
     user_steps: object = None
     """The decode steps a user's ``torch.compile`` around ``model.forward`` compiles (``forward.UserSteps``),
     made at the first such step."""
+    stats_slot: object = None
+    """The ``collectives.StatsSlot`` a compiled step records its traffic through (made at the first such step)."""
     step: object = None
     """The decode loop's ``decode.generate.DecodeStep`` while ``HFTreeModel.decode_step`` runs (its
     ``attend`` is every layer's decode attention); ``None``: a plain step of ``strategy``/``stats``."""

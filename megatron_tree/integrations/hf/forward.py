@@ -18,6 +18,8 @@ from .cache import TreeCache
 
 from ...comm.merge import CompileError
 from ...distributed import agreement
+from ...distributed.collectives import StatsSlot
+from ...decode.generate import DecodeStep
 from ...decode.cache import static_length
 from ...decode.prefill import assemble_logits
 from ...utils import user_compile
@@ -402,6 +404,15 @@ def _placed_step(orig, binding: _Binding, cache: TreeCache, call: dict, batch: i
         raise NotImplementedError(f"a compiled decode step takes input_ids only (position_ids come from the cache); "
                                   f"got {sorted(rest) or ['inputs_embeds']}")
     binding.active = cache
+    # The traced step sees a step of the same strategy whose stats are the binding's slot, the same object at
+    # every step: the step's own CommStats (a new one per eval run) would be a new constant -- a new trace
+    stats = binding.stats if step is None else step.stats
+    if stats is not None and binding.stats_slot is None:
+        binding.stats_slot = StatsSlot()
+    slot = None if stats is None else binding.stats_slot
+    binding.step = DecodeStep(binding.strategy if step is None else step.strategy, slot)
+    if slot is not None:
+        slot.target = stats
     try:
         if users:
             if binding.user_steps is None:
@@ -412,6 +423,9 @@ def _placed_step(orig, binding: _Binding, cache: TreeCache, call: dict, batch: i
         cache._finish()
     finally:
         binding.active = None
+        binding.step = step
+        if slot is not None:
+            slot.target = None
         cache.metadata = None
     return CausalLMOutputWithPast(logits=logits[:, None])
 

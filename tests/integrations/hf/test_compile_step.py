@@ -835,3 +835,40 @@ def test_padded_rows_leave_sampling_stops_forcing_and_hooks_to_the_real_rows():
         equal, said, frames = r["own_cache"]
         assert equal and frames == 1, r["own_cache"]
         assert len(said) == 1 and "3 rows runs eagerly" in said[0] and "not in a cache passed to it" in said[0], said
+
+
+def _stats(rank, world):
+    import megatron_tree as mt
+    from megatron_tree.comm.merge import CommStats
+    from megatron_tree.decode.generate import generate
+    from megatron_tree.integrations.hf import HFTreeModel
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    groups = mt.TreeGroups.build(intra_size=2) if world == 4 else mt.TreeGroups.build()
+    counter = CompileCounterWithBackend("aot_eager")
+    strategy = "two_level" if world == 4 else "packed"
+    compiled = HFTreeModel(_model("llama"), groups, strategy=strategy, compile_step={"backend": counter})
+    eager = HFTreeModel(_model("llama"), groups, strategy=strategy)
+    frames, same = [], []
+    for n in (4, 3, None, 5, 4):  # a new CommStats per call, as the eval makes one per run (None: no stats)
+        got = None if n is None else CommStats()
+        generate(compiled, PROMPTS, n or 3, stats=got, progress=False)
+        frames.append(counter.frame_count)
+        if got is not None:
+            want = CommStats()
+            generate(eager, PROMPTS, n, stats=want, progress=False)
+            same.append((got.as_dict() == want.as_dict(), got.calls))
+    return frames, same
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_compiled_steps_record_each_calls_stats_without_tracing_again(world):
+    """Each ``generate(stats=CommStats())`` of a compiled model records the same traffic as the eager model's (one
+    merge per layer per step, its collectives per level), and a new CommStats is not a new trace: the traced
+    step holds the model's one ``StatsSlot``, which points at the call's CommStats while it runs. One trace
+    with stats and one without, whatever the number of calls (before: one more per CommStats, and Dynamo's
+    recompile limit of 8 per step shape ended an eval of 9 runs with an error)."""
+    for frames, same in run_ranks(_stats, world, timeout=300):
+        assert frames == [1, 1, 2, 2, 2], frames
+        assert all(equal and calls > 0 for equal, calls in same), same
