@@ -112,6 +112,12 @@ class ModelConfig:
     initializer_range: float = 0.2
     """Std of the normal init of random weights (large enough that greedy decoding does
     not sit on near-ties, so sharded and unsharded runs pick the same tokens)."""
+    compile_step: bool | Literal["aot_eager", "reduce-overhead"] = False
+    """Decode steps compiled whole (``enable_tree_attention(compile_step=)``; sources ``hf`` and
+    ``random``): ``true`` (Inductor), ``reduce-overhead`` (Inductor with CUDA graphs: the captured
+    step, on CUDA devices over NCCL groups), ``aot_eager`` (Dynamo only, the eager kernels). Each
+    (context bucket, batch) of the sweep is traced once, before its timed steps (in the warmup); its
+    caches are static, sized by length bucket. Not with ``shifted`` in ``eval.strategies``."""
 
     def __post_init__(self):
         _positive(self, "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -338,6 +344,15 @@ class RunConfig:
 
     def __post_init__(self):
         ev = self.eval
+        if self.model.compile_step is not False:
+            if self.model.source == "megatron":
+                raise ConfigError(f"model.compile_step: {self.model.compile_step!r} compiles a transformers model's "
+                                  "decode steps (model.source hf or random); Megatron-Core's engines run eagerly here: "
+                                  "set it to false")
+            if "shifted" in ev.strategies:
+                raise ConfigError(f"model.compile_step: {self.model.compile_step!r} cannot run eval.strategies' "
+                                  "'shifted' (it carries every layer's lse between steps in host state); drop shifted "
+                                  "from eval.strategies, e.g. eval.strategies=[packed,two_level,allgather,auto]")
         if self.topology.transport == "shm" and self.model.source == "megatron":
             raise ConfigError("topology.transport: 'shm' needs model.source hf or random (source megatron runs on "
                               "Megatron-Core's own process groups); set it to backend")

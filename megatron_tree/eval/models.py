@@ -188,7 +188,7 @@ def _build_hf(m: ModelConfig, topo: TopologyConfig, *, cp_size, rank, device, en
         # Loaded before any group exists: every rank reads the same files and fails alike.
         model, bos = load_hf(m), _bos(m.path)
     groups = _cp_groups(topo, cp_size, env)
-    lm = load_model("hf", groups, model=model, device=device)
+    lm = load_model("hf", groups, model=model, device=device, compile_step=m.compile_step)
     ref, attn = None, "its own"
     if want_reference and rank == 0:
         ref = HFReference(lm.unsharded())  # same weight tensors, the attention the model had before (sdpa/eager)
@@ -198,7 +198,7 @@ def _build_hf(m: ModelConfig, topo: TopologyConfig, *, cp_size, rank, device, en
                      f"unmodified transformers {type(lm.hf).__name__} in one process (attn_implementation "
                      f"{attn}), same weight tensors", bos,
                      {"source": m.source, "class": f"transformers.{type(lm.hf).__name__}", "tp_size": 1,
-                      "model_type": getattr(lm.hf.config, "model_type", None)})
+                      "model_type": getattr(lm.hf.config, "model_type", None), "compile_step": m.compile_step})
 
 
 # --------------------------------------------------------------------------- Megatron-Core

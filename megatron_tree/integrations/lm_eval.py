@@ -88,7 +88,7 @@ from ..distributed import collectives
 from ..distributed.topology import TRANSPORTS
 from ..comm.merge import STRATEGIES
 from ..decode import PREFILL_METHODS, generate
-from .loading import load_model, model_groups
+from .loading import NAMED_COMPILE_STEPS, load_model, model_groups
 
 __all__ = ["BACKEND_NAME", "ModelArgs", "ModelArgsError", "RequestError", "TreeLM", "check_checkpoint",
            "model_args_from"]
@@ -100,8 +100,7 @@ _GEN_KWARGS = ("do_sample", "temperature", "top_k", "top_p")
 """Generation kwargs served (``until`` and ``max_gen_toks`` are read before them)."""
 
 
-_COMPILE_STEP = {"false": False, "true": True, "aot_eager": {"backend": "aot_eager"},
-                 "reduce-overhead": {"mode": "reduce-overhead"}}
+_COMPILE_STEP = {"false": False, "true": True, **NAMED_COMPILE_STEPS}
 """``compile_step`` model_arg -> ``enable_tree_attention(compile_step=)``."""
 
 

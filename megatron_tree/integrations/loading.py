@@ -20,7 +20,7 @@ import torch
 
 from ..distributed.topology import TreeGroups
 
-__all__ = ["Source", "SOURCES", "model_groups", "load_model"]
+__all__ = ["Source", "SOURCES", "model_groups", "load_model", "NAMED_COMPILE_STEPS"]
 
 Source = Literal["hf", "megatron"]
 SOURCES = ("hf", "megatron")
@@ -55,6 +55,11 @@ def model_groups(source: Source, cp_size: int, *, hierarchical: Sequence[int] | 
     return TreeGroups.build(cp_ranks, intra_size, transport=transport) if cp_size > 1 else None
 
 
+NAMED_COMPILE_STEPS = {"aot_eager": {"backend": "aot_eager"}, "reduce-overhead": {"mode": "reduce-overhead"}}
+"""``compile_step`` settings by the names the eval's config and lm-eval's model_args use (besides true and
+false): ``aot_eager`` (Dynamo only, the eager kernels), ``reduce-overhead`` (Inductor with CUDA graphs)."""
+
+
 def load_model(source: Source, groups: TreeGroups | None, *, device, dtype: torch.dtype = torch.float32,
                path: str | None = None, model=None, shape=None, dist_dir: str | None = None,
                global_tensors: dict | None = None, cp_size: int = 1, hierarchical: Sequence[int] | None = None,
@@ -64,7 +69,8 @@ def load_model(source: Source, groups: TreeGroups | None, *, device, dtype: torc
 
     hf: ``model`` (a transformers causal LM already loaded, e.g. after the eval's checkpoint check)
         wrapped as ``HFTreeModel``, or else the checkpoint at ``path`` loaded and checked by
-        ``load_hf_model`` (``dtype``, ``strategy``, ``prefill``, ``compile_step``);
+        ``load_hf_model`` (``dtype``); either way with ``strategy``, ``prefill`` and ``compile_step``
+        (a setting, or a name of :data:`NAMED_COMPILE_STEPS`);
     megatron: a ``GPTModel`` of ``shape`` with tree attention at CP ``cp_size`` (``hierarchical``,
         TP ``tp``, merge ``strategy``), its weights from the distributed checkpoint ``dist_dir`` or
         from ``global_tensors`` (unsharded tensors by name), wrapped as ``MegatronLM``.
@@ -72,11 +78,17 @@ def load_model(source: Source, groups: TreeGroups | None, *, device, dtype: torc
     """
     if source not in SOURCES:
         raise ValueError(f"unknown model source {source!r}; expected one of {SOURCES}")
+    if isinstance(compile_step, str):
+        if compile_step not in NAMED_COMPILE_STEPS:
+            raise ValueError(f"compile_step {compile_step!r} is not one of {sorted(NAMED_COMPILE_STEPS)} (or a bool, "
+                             "or a dict of torch.compile arguments)")
+        compile_step = NAMED_COMPILE_STEPS[compile_step]
     if source == "hf":
         from .hf import HFTreeModel, load_hf_model
 
         if model is not None:
-            return HFTreeModel(model.to(device).eval(), groups)
+            return HFTreeModel(model.to(device).eval(), groups, strategy=strategy, compile_step=compile_step,
+                               **({} if prefill is None else {"prefill": prefill}))
         if path is None:
             raise ValueError("load_model(source='hf') needs path= (a checkpoint directory) or model=")
         return load_hf_model(path, groups, dtype=dtype, device=device, strategy=strategy, prefill=prefill,

@@ -118,6 +118,10 @@ def test_values_are_read_not_guessed(tmp_path):
     (["topology.timeout_s=0"], "topology.timeout_s: must be positive"),
     (["topology.transport=tcp"], "topology.transport: must be one of ['auto', 'backend', 'shm'], got 'tcp'"),
     (["topology.transport=shm"], "topology.transport: 'shm' needs model.source hf or random"),
+    (["model.compile_step=true"], "model.compile_step: True compiles a transformers model's decode steps"),
+    (["model.source=random", "model.compile_step=aot_eager"], "cannot run eval.strategies' 'shifted'"),
+    (["model.source=random", "model.compile_step=fast", "eval.strategies=[packed]"],
+     "model.compile_step: expected"),
 ])
 def test_combinations_that_cannot_run(overrides, fragment):
     assert fragment in _err(None, overrides)

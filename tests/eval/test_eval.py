@@ -97,6 +97,28 @@ def test_single_process_run_writes_results_plot_and_wandb(tmp_path, clean_env, c
     assert printed.splitlines()[-1].startswith("verdict: EXACT: CP 1 (intra 1) vs unmodified transformers")
 
 
+def test_compiled_decode_steps_run_exact_and_are_recorded(tmp_path, clean_env):
+    """model.compile_step: the sweep's decode steps run compiled (here Dynamo with the eager kernels, aot_eager),
+    exact against the unmodified model, the setting in results.json. The same at CP 3 through torchrun:
+    ``torchrun --nproc_per_node 3 -m megatron_tree.eval ... model.compile_step=aot_eager`` (EXACT, 9.3e-06)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    out = tmp_path / "compiled"
+    assert E.main(["--config", LLAMA, f"output_dir={out}", *TINY, "eval.exactness.sample_rate=1.0",
+                   "eval.batch_sizes=[2, 1]", "model.compile_step=aot_eager", "wandb.enabled=false",
+                   "eval.attention_baselines=false"]) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["model"]["compile_step"] == "aot_eager"
+    assert res["exact"] is True and res["max_abs_dlogits"] < 1e-4 and res["tokens_match_reference"] is True
+    assert len(res["runs"]) == 8 and all(r["exactness"]["checked_steps"] == [0, 1, 2, 3] for r in res["runs"])
+    # traced once per batch (2, 1) x strategy (its merge is a constant of the graph) x warmup steps (no stats) or
+    # timed ones (the run's CommStats, through the model's one StatsSlot): 24 and 40 tokens share a length bucket,
+    # and a run's new CommStats is no new trace (16 before: every run traced again)
+    assert counters["stats"]["unique_graphs"] == 8, dict(counters["stats"])
+
+
 def test_exactness_catches_a_wrong_model(tmp_path, clean_env, capsys):
     """The check can fail: a replica with different weights must exceed the tolerance."""
     real = M.build
