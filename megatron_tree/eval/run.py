@@ -68,12 +68,17 @@ def random_prompts(seed: int, ctx: int, batch: int, vocab: int) -> list[list[int
 class StepTimer(GenerationHook):
     """Times the prefill and each decode step between a CP barrier and a device sync.
 
-    Steps ``>= timed_from`` are timed and record traffic into ``stats``; the logits of the
-    prefill, of the steps in ``keep`` (or of every step with ``keep_all``) are kept on the CPU.
+    Steps ``>= timed_from`` are timed and record traffic into ``stats``; the warmup steps before them
+    record into a scratch ``CommStats`` that is dropped (the same kind of step as the timed ones: a
+    compiled step is traced with or without stats, so the warmup pays the timed steps' trace); the logits
+    of the prefill, of the steps in ``keep`` (or of every step with ``keep_all``) are kept on the CPU.
     """
 
     def __init__(self, groups, device, *, timed_from: int, stats, keep=(), keep_all: bool = False, bar=None):
+        from ..distributed.collectives import CommStats
+
         self.groups, self.device, self.timed_from, self.stats = groups, device, timed_from, stats
+        self.scratch = CommStats() if stats is not None else None
         self.keep, self.keep_all, self.bar = set(keep), keep_all, bar
         self.prefill_time = 0.0
         self.prefill_logits = None
@@ -98,7 +103,7 @@ class StepTimer(GenerationHook):
 
     def before_step(self, step: int):
         self._barrier()
-        return self.stats if step >= self.timed_from else None
+        return self.stats if step >= self.timed_from else self.scratch
 
     def after_step(self, step: int, logits) -> None:
         _sync(self.device)
