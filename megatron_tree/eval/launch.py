@@ -227,6 +227,12 @@ def init_distributed(cfg: RunConfig, env) -> tuple[str, "object"]:
     if backend == "nccl":
         device = torch.device("cuda", int(env.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
+    if cfg.model.compile_step == "reduce-overhead" and device.type != "cuda":
+        # the same on every rank, before any process group or model: not a traceback per rank at the first step
+        raise ConfigError(f"model.compile_step: 'reduce-overhead' captures each decode step in a CUDA graph, which "
+                          f"needs CUDA devices over NCCL (dist.backend nccl, or auto on a GPU machine); this run is "
+                          f"on {device.type} over {backend}: use model.compile_step=true (Inductor, not captured) "
+                          f"or aot_eager")
     timeout = datetime.timedelta(seconds=cfg.topology.timeout_s)
     if "RANK" not in env:  # a single process, no launcher
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)

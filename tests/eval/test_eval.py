@@ -119,6 +119,24 @@ def test_compiled_decode_steps_run_exact_and_are_recorded(tmp_path, clean_env):
     assert counters["stats"]["unique_graphs"] == 4, dict(counters["stats"])
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is of a machine without CUDA")
+def test_reduce_overhead_without_cuda_is_a_config_error_before_the_model(tmp_path, clean_env, capsys):
+    """model.compile_step=reduce-overhead on a CPU run: one line naming the setting, the device and what to use,
+    before the model is built (before: a ValueError traceback on every rank from inside the first decode step,
+    naming ``compile_step=True``, an argument of enable_tree_attention, not the eval's setting)."""
+    def build(*args, **kwargs):
+        raise AssertionError("the model was built before the refusal")
+
+    clean_env.setattr(M, "build", build)
+    assert E.main(["--config", LLAMA, f"output_dir={tmp_path / 'ro'}", *TINY, "model.compile_step=reduce-overhead",
+                   "wandb.enabled=false"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith("megatron-tree-eval: rank 0: error: model.compile_step: 'reduce-overhead' captures"), err
+    assert "this run is on cpu over gloo: use model.compile_step=true" in err[0], err
+    assert not (tmp_path / "ro").exists()
+
+
 def test_exactness_catches_a_wrong_model(tmp_path, clean_env, capsys):
     """The check can fail: a replica with different weights must exceed the tolerance."""
     real = M.build
