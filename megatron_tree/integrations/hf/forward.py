@@ -420,6 +420,10 @@ def _placed_step(orig, binding: _Binding, cache: TreeCache, call: dict, batch: i
             logits = binding.user_steps(prior, ids, cache.metadata.q_positions, cache)
         else:
             logits = binding.compiled(ids, cache.metadata.q_positions, cache)
+        if slot is not None and binding.groups is not None and binding.cp_size == 1:
+            # a one-rank group: the traced merges issue no collective and record nothing (comm.merge), while the
+            # eager step counts one merge call per layer; counted here, outside the graph, the same
+            stats.calls += binding.num_layers
         cache._finish()
     finally:
         binding.active = None
