@@ -349,6 +349,10 @@ class RunConfig:
                 raise ConfigError(f"model.compile_step: {self.model.compile_step!r} compiles a transformers model's "
                                   "decode steps (model.source hf or random); Megatron-Core's engines run eagerly here: "
                                   "set it to false")
+            if ev.warmup_steps < 1:
+                raise ConfigError(f"eval.warmup_steps: 0 with model.compile_step {self.model.compile_step!r} would time "
+                                  "each (batch, strategy)'s first step with its compilation inside (a trace takes "
+                                  "seconds, a step milliseconds); set eval.warmup_steps to 1 or more")
             if "shifted" in ev.strategies:
                 raise ConfigError(f"model.compile_step: {self.model.compile_step!r} cannot run eval.strategies' "
                                   "'shifted' (it carries every layer's lse between steps in host state); drop shifted "

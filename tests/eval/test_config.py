@@ -120,6 +120,8 @@ def test_values_are_read_not_guessed(tmp_path):
     (["topology.transport=shm"], "topology.transport: 'shm' needs model.source hf or random"),
     (["model.compile_step=true"], "model.compile_step: True compiles a transformers model's decode steps"),
     (["model.source=random", "model.compile_step=aot_eager"], "cannot run eval.strategies' 'shifted'"),
+    (["model.source=random", "model.compile_step=true", "eval.strategies=[packed]", "eval.warmup_steps=0"],
+     "eval.warmup_steps: 0 with model.compile_step True would time"),
     (["model.source=random", "model.compile_step=fast", "eval.strategies=[packed]"],
      "model.compile_step: expected"),
 ])
