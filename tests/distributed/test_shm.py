@@ -106,6 +106,11 @@ def _collectives(rank, world, transport):
     out["bool"] = collectives.all_gather(torch.tensor([rank == 1, True]), g).tolist()
     empty = torch.empty(0, 3)
     out["empty"] = list(collectives.all_gather(empty, g).shape)
+    # one size in other shapes, back to back and on both slots: each collective reads its own shape
+    x = torch.arange(6.0) + 10 * rank
+    shapes = [(2, 3), (3, 2), (6,), (1, 6)] * 2
+    out["reshaped"] = [(collectives.all_gather(x.reshape(s), g).tolist(),
+                        collectives.all_reduce(x.reshape(s).clone(), g).tolist()) for s in shapes]
     for src in range(world):  # each rank the source once: every rank ends with the source's tensor, in place
         for dtype in (torch.int64, torch.float32, torch.uint8):
             x = (torch.arange(6) * 7 + 100 * rank).to(dtype)

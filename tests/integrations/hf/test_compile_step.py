@@ -175,6 +175,13 @@ def _refusals(rank, world):
     out["graphs_gloo"] = outcome(lambda: _check_capturable({"options": {"triton.cudagraphs": True}}, cuda, groups))
     out["capture_alone"] = outcome(lambda: _check_capturable({"mode": "reduce-overhead"}, cuda, None))
     out["compiled_gloo"] = outcome(lambda: _check_capturable({"mode": "default"}, cuda, groups))
+    # and a model's steps pass their groups to it: a step made for a cache on a CUDA device (a stand-in with only
+    # the device: no GPU here) over these gloo groups is refused before torch.compile
+    from types import SimpleNamespace
+
+    on_cuda = SimpleNamespace(storage=SimpleNamespace(k=SimpleNamespace(device=cuda)), max_seq_len=None)
+    steps = HFTreeModel(_model("llama"), groups, compile_step={"mode": "reduce-overhead"})._binding.compiled
+    out["capture_gloo_steps"] = outcome(lambda: steps._make(lambda: None, on_cuda))
     # the merge op's fake (what a traced step is built from) against its real body, in bf16: same shapes,
     # dtypes (the accumulation dtype: float32 out, float64 lse from a float64 partial) and strides
     from megatron_tree.comm.merge import _op_names
@@ -200,7 +207,8 @@ def test_settings_a_compiled_step_cannot_hold_are_refused_on_every_rank():
         assert out["kind"][0] == "TypeError" and "compile_step must be a bool or a dict" in out["kind"][1]
         for key, what in (("capture_cpu", "mode='reduce-overhead'"), ("graphs_cpu", "triton.cudagraphs")):
             assert out[key][0] == "ValueError" and what in out[key][1] and "on cpu" in out[key][1], out[key]
-        for key, what in (("capture_gloo", "mode='reduce-overhead'"), ("graphs_gloo", "triton.cudagraphs")):
+        for key, what in (("capture_gloo", "mode='reduce-overhead'"), ("graphs_gloo", "triton.cudagraphs"),
+                          ("capture_gloo_steps", "mode='reduce-overhead'")):
             assert out[key][0] == "ValueError" and what in out[key][1] and "run on gloo" in out[key][1], out[key]
             assert "only NCCL's collectives can be captured" in out[key][1]
         assert out["capture_alone"][0] == out["compiled_gloo"][0] == "returned"  # one process; not captured
@@ -837,6 +845,36 @@ def test_padded_rows_leave_sampling_stops_forcing_and_hooks_to_the_real_rows():
         assert len(said) == 1 and "3 rows runs eagerly" in said[0] and "not in a cache passed to it" in said[0], said
 
 
+def test_padded_rows_are_copies_of_the_shortest_prompt_fed_its_own_tokens():
+    """The extra rows of a padded batch prefill the shortest prompt (the first of equals: the cheapest rows to
+    add), and every decode step feeds them that row's token, so each extra row decodes exactly as the row it
+    copies (one process; the rows the caller sees are the unpadded batch's)."""
+    from megatron_tree.decode.generate import generate
+    from megatron_tree.integrations.hf import HFTreeModel
+
+    class Padded(HFTreeModel):
+        """An eager model that asks for two extra rows and keeps what it is given."""
+
+        def step_batch(self, batch, max_seq_len=None):
+            return batch + 2
+
+        def prefill(self, prompts, cache, **kw):
+            self.rows, self.fed = [list(p) for p in prompts], []
+            return super().prefill(prompts, cache, **kw)
+
+        def decode_step(self, next_ids, cache, step=None, **kw):
+            self.fed.append(next_ids.tolist())
+            return super().decode_step(next_ids, cache, step, **kw)
+
+    prompts = [[5, 17, 90, 3, 42, 8], [9, 10, 11], [1, 2, 3, 4], [7, 7, 7]]  # row 1 the shortest (row 3: as short)
+    model = Padded(_model("llama"), None)
+    tokens = generate(model, prompts, 5, progress=False).tokens
+    assert tokens == generate(HFTreeModel(_model("llama"), None), prompts, 5, progress=False).tokens
+    assert model.rows == prompts + [prompts[1]] * 2, model.rows
+    assert len(model.fed) == 4 and all(ids[4:] == [ids[1]] * 2 for ids in model.fed), model.fed
+    assert [ids[1] for ids in model.fed] == tokens[1][:4]
+
+
 def _stats(rank, world):
     import megatron_tree as mt
     from megatron_tree.comm.merge import CommStats
@@ -859,6 +897,28 @@ def _stats(rank, world):
             want = CommStats()
             generate(eager, PROMPTS, n, stats=want, progress=False)
             same.append((got.as_dict() == want.as_dict(), got.calls))
+    # a step of a batch beyond every bucket runs uncompiled, through the same slot: it records into the call's
+    # CommStats, not into the slot
+    bucketed = HFTreeModel(_model("llama"), groups, strategy=strategy, compile_step={"backend": "aot_eager"},
+                           batch_buckets=(1,))
+    got, want = CommStats(), CommStats()
+    generate(bucketed, PROMPTS, 3, stats=got, progress=False)
+    generate(eager, PROMPTS, 3, stats=want, progress=False)
+    same.append((got.as_dict() == want.as_dict(), got.calls))
+    # transformers' own generate with the model's stats (stats=): each compiled step records into them, and the
+    # steps after it are plain ones of the model's strategy and stats again
+    ids = torch.tensor([p[:3] for p in PROMPTS])
+    kw = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+    hf_stats = []
+    for compile_step in ({"backend": "aot_eager"}, False):
+        st = CommStats()
+        hf = HFTreeModel(_model("llama"), groups, strategy=strategy, stats=st, compile_step=compile_step).hf
+        with torch.no_grad():
+            seq = hf.generate(ids, **kw).tolist()
+            seq += hf.generate(ids, **kw).tolist()
+        hf_stats.append((seq, st.as_dict(), st.calls))
+    (seq, got, calls), (want_seq, want, _) = hf_stats
+    same.append((seq == want_seq and got == want, calls))
     return frames, same
 
 
