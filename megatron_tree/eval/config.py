@@ -116,8 +116,9 @@ class ModelConfig:
     """Decode steps compiled whole (``enable_tree_attention(compile_step=)``; sources ``hf`` and
     ``random``): ``true`` (Inductor), ``reduce-overhead`` (Inductor with CUDA graphs: the captured
     step, on CUDA devices over NCCL groups), ``aot_eager`` (Dynamo only, the eager kernels). Each
-    (context bucket, batch) of the sweep is traced once, before its timed steps (in the warmup); its
-    caches are static, sized by length bucket. Not with ``shifted`` in ``eval.strategies``."""
+    (length bucket, batch, strategy) of the sweep is traced once, in its first warmup step (so
+    ``eval.warmup_steps`` >= 1); its caches are static, sized by length bucket. Not with ``shifted``
+    in ``eval.strategies``."""
 
     def __post_init__(self):
         _positive(self, "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
