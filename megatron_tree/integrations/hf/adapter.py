@@ -46,10 +46,13 @@ class HFTreeModel:
 
     def new_cache(self, batch_size: int, max_seq_len: int, layout: str | None = None,
                   block_size: int | None = None) -> TreeCache:
-        """An empty cache for ``batch_size`` rows of up to ``max_seq_len`` tokens (1/CP of them per rank)."""
+        """An empty cache for ``batch_size`` rows of up to ``max_seq_len`` tokens (1/CP of them per rank); static
+        (fixed shapes) when the decode steps run compiled: ``compile_step``, or a user's
+        ``model.hf.forward = torch.compile(model.hf.forward, ...)``."""
+        user = hasattr(self.hf.__dict__.get("forward"), "_torchdynamo_orig_callable")  # (torch.compile's wrapper)
         return TreeCache(self.hf, self.groups, max_seq_len=max_seq_len, batch_size=batch_size,
                          layout=layout or self._binding.layout, block_size=block_size or self._binding.block_size,
-                         static=self._binding.compiled is not None)
+                         static=self._binding.compiled is not None or user)
 
     def step_batch(self, batch: int, max_seq_len: int | None = None) -> int:
         """The batch ``generate`` runs ``batch`` prompts at, in a cache of ``max_seq_len`` tokens per row:

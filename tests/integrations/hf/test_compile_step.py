@@ -933,3 +933,34 @@ def test_compiled_steps_record_each_calls_stats_without_tracing_again(world):
     for frames, same in run_ranks(_stats, world, timeout=300):
         assert frames == [1, 1, 2, 2, 2], frames
         assert all(equal and calls > 0 for equal, calls in same), same
+
+
+def _user_compiled_loop(rank, world):
+    import megatron_tree as mt
+    from megatron_tree.decode.generate import generate
+    from megatron_tree.integrations.hf import HFTreeModel
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    groups = mt.TreeGroups.build()
+    counter = CompileCounterWithBackend("aot_eager")
+    model = HFTreeModel(_model("llama"), groups)
+    model.hf.forward = torch.compile(model.hf.forward, fullgraph=True, backend=counter)
+    eager = HFTreeModel(_model("llama"), groups)
+    tokens, frames = [], []
+    for _ in range(2):
+        tokens.append(generate(model, PROMPTS, STEPS, progress=False).tokens)
+        frames.append(counter.frame_count)
+    return {"equal": tokens[0] == tokens[1] == generate(eager, PROMPTS, STEPS, progress=False).tokens,
+            "static": model.new_cache(3, 32).static, "frames": frames}
+
+
+def test_the_package_loop_runs_a_users_compiled_forward():
+    """A user's ``model.hf.forward = torch.compile(model.hf.forward, fullgraph=True)`` on an ``HFTreeModel`` and the
+    package's ``generate`` (not transformers'): the loop's caches are static, so the decode step's device half is
+    traced once for both calls (it was refused: "needs a static TreeCache"), the eager model's tokens, at CP 3."""
+    for r in run_ranks(_user_compiled_loop, 3, timeout=300):
+        assert r["equal"] and r["static"], r
+        # as under transformers' generate (_check_user_compiled): one trace of the step's device half and one of
+        # the (empty) frame a fullgraph compile of the prefill's forward counts -- none more in the second call
+        assert r["frames"] == [2, 2], r["frames"]
