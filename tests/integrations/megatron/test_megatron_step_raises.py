@@ -24,24 +24,29 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 STEPS = 4
 
 
-def _rank(rank, world):
-    from megatron.core import parallel_state
-
+def _models(world):
+    """(the tree GPTModel at CP ``world``, its ``MegatronLM``, Megatron's own model at CP 1 with the same weights)."""
     from megatron_tree.integrations import megatron as mt
     from megatron_tree.integrations.megatron import checkpoint as mc
     from megatron_tree.integrations.megatron import model as mm
+
+    groups = mt.initialize_model_parallel(world)
+    shape = mm.GPTShape(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                        initializer_range=0.2)
+    src = mm.build_gpt(shape, tree=False, pg_collection=mm.single_rank_groups(), seed=7)
+    model = mm.build_gpt(shape, tree=True, cp=world, seed=7)
+    mc.fill_from_global(model, mc.global_tensors(src))
+    return model, mm.MegatronLM(model, groups, shape), mm.MegatronReference(src)
+
+
+def _rank(rank, world):
+    from megatron.core import parallel_state
+
     from megatron_tree.integrations.megatron.cpu import megatron_on_cpu
 
     with megatron_on_cpu():
-        groups = mt.initialize_model_parallel(world)
-        shape = mm.GPTShape(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                            initializer_range=0.2)
-        src = mm.build_gpt(shape, tree=False, pg_collection=mm.single_rank_groups(), seed=7)
-        model = mm.build_gpt(shape, tree=True, cp=world, seed=7)
-        mc.fill_from_global(model, mc.global_tensors(src))
-        lm = mm.MegatronLM(model, groups, shape)
-        ref = mm.MegatronReference(src)
+        model, lm, ref = _models(world)
         seqs = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [6, 0, 2]]
         cache = lm.new_cache(len(seqs), 32, block_size=2)  # blocks of 2: new tokens move across ranks
         ids = lm.prefill(seqs, cache).argmax(-1)
@@ -159,22 +164,11 @@ def _after_every_layer(rank, world):
     """Failures after every layer stored its keys: the controller's retries, a row subset, and the engine going on."""
     from megatron.core import parallel_state
 
-    from megatron_tree.integrations import megatron as mt
     from megatron_tree.integrations.megatron import TreeGPTInferenceWrapper
-    from megatron_tree.integrations.megatron import checkpoint as mc
-    from megatron_tree.integrations.megatron import model as mm
     from megatron_tree.integrations.megatron.cpu import megatron_on_cpu
 
     with megatron_on_cpu():
-        groups = mt.initialize_model_parallel(world)
-        shape = mm.GPTShape(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                            initializer_range=0.2)
-        src = mm.build_gpt(shape, tree=False, pg_collection=mm.single_rank_groups(), seed=7)
-        model = mm.build_gpt(shape, tree=True, cp=world, seed=7)
-        mc.fill_from_global(model, mc.global_tensors(src))
-        lm = mm.MegatronLM(model, groups, shape)
-        ref = mm.MegatronReference(src)
+        model, lm, ref = _models(world)
         out = {}
 
         # the controller's path: the prefill raises after the last layer, decode steps raise before the output
