@@ -120,6 +120,11 @@ class TreeGroups:
         return self.size // self.intra_size
 
     @property
+    def process_groups(self) -> tuple:
+        """Every process group a merge over these groups may use: the CP group, then each level's."""
+        return (self.cp_group, *(lv.group for lv in self.levels))
+
+    @property
     def is_hierarchical(self) -> bool:
         return len(self.levels) == 2
 
@@ -139,8 +144,7 @@ class TreeGroups:
             "cp_ranks": list(self.cp_ranks),
             # what the small collectives go through: "shm" where a channel was attached (transport="shm" on
             # gloo ranks of one x86-64 host), else the groups' backend
-            "transport": "shm" if any(shm.channel_of(g) is not None
-                                      for g in [self.cp_group] + [lv.group for lv in self.levels]) else "backend",
+            "transport": "shm" if any(shm.channel_of(g) is not None for g in self.process_groups) else "backend",
         }
 
     # ------------------------------------------------------------------ builders

@@ -712,7 +712,7 @@ def _check_capturable(options: dict, device: torch.device, groups=None) -> None:
     if groups is not None and groups.size > 1:
         import torch.distributed as dist
 
-        backends = sorted({str(dist.get_backend(g)) for g in [groups.cp_group, *(lv.group for lv in groups.levels)]})
+        backends = sorted({str(dist.get_backend(g)) for g in groups.process_groups})
         if backends != ["nccl"]:
             raise ValueError(f"compile_step with {what} captures the decode step in a CUDA graph, every layer's CP "
                              f"merge with it, but the CP group's collectives run on {', '.join(backends)}: only "
