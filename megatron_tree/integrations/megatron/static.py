@@ -160,9 +160,11 @@ class TreeInferenceContext(_static_context_base()):
         self._layers: tuple | None = None  # (the ForwardPlan, what every layer of its step shares: _StepLayers)
         self._new_rows()
 
+    def _empty_row(self) -> RowPlacement:
+        return RowPlacement(self.cp_size, layout=self.layout, block_size=self.block_size, capacity=self.capacity)
+
     def _new_rows(self) -> None:
-        self.rows = [RowPlacement(self.cp_size, layout=self.layout, block_size=self.block_size,
-                                  capacity=self.capacity) for _ in range(self.max_batch_size)]
+        self.rows = [self._empty_row() for _ in range(self.max_batch_size)]
         self._planner.reset(self.rows)
         self._decode = None
         self._layers = None
@@ -405,8 +407,7 @@ class TreeInferenceContext(_static_context_base()):
             return
         b0, b1 = plan.rows
         for b in range(b0, b1):  # (the step planner shares this list: it sees the empty rows)
-            self.rows[b] = RowPlacement(self.cp_size, layout=self.layout, block_size=self.block_size,
-                                        capacity=self.capacity)
+            self.rows[b] = self._empty_row()
         self.local_positions[b0:b1].fill_(-1)
         self._decode = None
         self._layers = None
