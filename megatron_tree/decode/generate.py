@@ -397,15 +397,15 @@ def _agree_on_call(model, prompts, max_new_tokens, stop_token_ids, do_sample, te
     agreement.agree("generate", GENERATE_SIGNATURE, values, group, ranks, device=model.device)
 
 
-def _padded_rows(model, prompts: list[list[int]], max_seq_len: int) -> list[list[int]]:
-    """``prompts`` with the shortest (the cheapest to prefill; the first of equals) repeated up to
-    ``model.step_batch(len(prompts), max_seq_len)`` rows (a model without ``step_batch``: as they are)."""
+def _step_rows(model, batch: int, max_seq_len: int) -> int:
+    """The rows ``generate`` runs ``batch`` prompts at: ``model.step_batch(batch, max_seq_len)`` (a model
+    without ``step_batch``: ``batch``), checked."""
     fit = getattr(model, "step_batch", None)
-    n = len(prompts) if fit is None else fit(len(prompts), max_seq_len)
-    if not isinstance(n, int) or n < len(prompts):
-        raise ValueError(f"{type(model).__name__}.step_batch({len(prompts)}, {max_seq_len}) returned {n!r}; "
-                         f"expected an int >= {len(prompts)} (the batch to run the prompts at)")
-    return prompts + [min(prompts, key=len)] * (n - len(prompts))
+    n = batch if fit is None else fit(batch, max_seq_len)
+    if not isinstance(n, int) or n < batch:
+        raise ValueError(f"{type(model).__name__}.step_batch({batch}, {max_seq_len}) returned {n!r}; "
+                         f"expected an int >= {batch} (the batch to run the prompts at)")
+    return n
 
 
 def generate(
@@ -479,13 +479,14 @@ def generate(
                    strategy, prefill_method, broadcast, forced_tokens, cache)
     prompts = [list(p) for p in prompts]
     batch = len(prompts)
-    rows = prompts
+    extra = 0
     if cache is None:
         longest = max(len(p) for p in prompts) + max_new_tokens
-        rows = _padded_rows(model, prompts, longest)
-        cache = model.new_cache(len(rows), longest)
-    extra = len(rows) - batch
-    copied = min(range(batch), key=lambda b: len(prompts[b]))  # the row the extra rows copy
+        extra = _step_rows(model, batch, longest) - batch
+        cache = model.new_cache(batch + extra, longest)
+    # the extra rows copy the shortest prompt (the cheapest to prefill; the first of equals) and its tokens
+    copied = min(range(batch), key=lambda b: len(prompts[b]))
+    rows = prompts + [prompts[copied]] * extra
     stops = set(stop_token_ids or ())
     hook = hook if hook is not None else GenerationHook()
     groups = model.groups
