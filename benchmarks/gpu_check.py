@@ -189,7 +189,8 @@ def _small_llama(device, dtype):
     cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                       num_attention_heads=8, num_key_value_heads=2, head_dim=128)
     torch.manual_seed(0)
-    return HFTreeModel(LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval(), None)
+    # eager steps: step_model captures decode_step in a CUDA graph of its own (the default would compile it)
+    return HFTreeModel(LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval(), None, compile_step=False)
 
 
 def step_model(results: Results, device: torch.device, dry: bool, log) -> None:

@@ -169,6 +169,18 @@ class CommStats:
         self.fallbacks = 0
         self.levels.clear()
 
+    def add(self, other: CommStats) -> None:
+        """Add ``other``'s counts to these (a captured step's traffic, replayed: ``forward.CompiledSteps``)."""
+        self.calls += other.calls
+        self.fallbacks += other.fallbacks
+        for level, theirs in other.levels.items():
+            mine = self.levels.setdefault(level, LevelStats())
+            mine.collectives += theirs.collectives
+            mine.payload_bytes += theirs.payload_bytes
+            mine.sent_bytes += theirs.sent_bytes
+            for op, n in theirs.ops.items():
+                mine.ops[op] = mine.ops.get(op, 0) + n
+
     def as_dict(self) -> dict:
         return {
             "calls": self.calls,

@@ -112,13 +112,15 @@ class ModelConfig:
     initializer_range: float = 0.2
     """Std of the normal init of random weights (large enough that greedy decoding does
     not sit on near-ties, so sharded and unsharded runs pick the same tokens)."""
-    compile_step: bool | Literal["aot_eager", "reduce-overhead"] = False
+    compile_step: bool | Literal["auto", "aot_eager", "reduce-overhead"] = "auto"
     """Decode steps compiled whole (``enable_tree_attention(compile_step=)``; sources ``hf`` and
-    ``random``): ``true`` (Inductor), ``reduce-overhead`` (Inductor with CUDA graphs: the captured
-    step, on CUDA devices over NCCL groups), ``aot_eager`` (Dynamo only, the eager kernels). Each
-    (length bucket, batch, strategy) of the sweep is traced once, in its first warmup step (so
-    ``eval.warmup_steps`` >= 1); its caches are static, sized by length bucket. Not with ``shifted``
-    in ``eval.strategies``."""
+    ``random``): ``auto`` (default: captured in CUDA graphs on GPUs over NCCL, except ``shifted``'s
+    steps and when ``eval.warmup_steps`` is 0; eager on CPU and over gloo), ``false`` (eager),
+    ``true`` (Inductor), ``reduce-overhead`` (Inductor with CUDA graphs: the captured step, on CUDA
+    devices over NCCL groups), ``aot_eager`` (Dynamo only, the eager kernels). Each (length bucket,
+    batch, strategy) of the sweep is traced once, in its first warmup step (so an explicit setting
+    needs ``eval.warmup_steps`` >= 1); its caches are static, sized by length bucket. An explicit
+    setting does not run ``shifted`` in ``eval.strategies``."""
 
     def __post_init__(self):
         _positive(self, "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -345,7 +347,7 @@ class RunConfig:
 
     def __post_init__(self):
         ev = self.eval
-        if self.model.compile_step is not False:
+        if self.model.compile_step not in (False, "auto"):
             if self.model.source == "megatron":
                 raise ConfigError(f"model.compile_step: {self.model.compile_step!r} compiles a transformers model's "
                                   "decode steps (model.source hf or random); Megatron-Core's engines run eagerly here: "

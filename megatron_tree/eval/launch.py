@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import sys
 import time
@@ -283,7 +284,10 @@ def run_eval(cfg: RunConfig, env=None) -> dict | None:
         ev = cfg.eval
         phases = {"setup_s": time.perf_counter() - t_start}
         t0 = time.perf_counter()
-        em = models.build(cfg.model, cfg.topology, cp_size=cp_size, rank=rank, device=device, env=env,
+        model_cfg = cfg.model
+        if model_cfg.compile_step == "auto" and ev.warmup_steps == 0:  # a capture would be timed: eager steps
+            model_cfg = dataclasses.replace(model_cfg, compile_step=False)
+        em = models.build(model_cfg, cfg.topology, cp_size=cp_size, rank=rank, device=device, env=env,
                           want_reference=ev.exactness.enabled, checkpoint=checkpoint, stack=stack)
         phases["model_s"] = time.perf_counter() - t0
         topo = em.groups.describe()

@@ -100,7 +100,7 @@ _GEN_KWARGS = ("do_sample", "temperature", "top_k", "top_p")
 """Generation kwargs served (``until`` and ``max_gen_toks`` are read before them)."""
 
 
-_COMPILE_STEP = {"false": False, "true": True, **NAMED_COMPILE_STEPS}
+_COMPILE_STEP = {"auto": "auto", "false": False, "true": True, **NAMED_COMPILE_STEPS}
 """``compile_step`` model_arg -> ``enable_tree_attention(compile_step=)``."""
 
 
@@ -158,8 +158,9 @@ class ModelArgs:
     """Draft chains per step (the tree's branching) with ``speculative``."""
     speculative_depth: int = 4
     """Draft tokens per chain with ``speculative``."""
-    compile_step: Literal["false", "true", "aot_eager", "reduce-overhead"] = "false"
-    """Decode steps compiled whole (``enable_tree_attention(compile_step=)``, ``source=hf``): ``true``
+    compile_step: Literal["auto", "false", "true", "aot_eager", "reduce-overhead"] = "auto"
+    """Decode steps compiled whole (``enable_tree_attention(compile_step=)``, ``source=hf``): ``auto``
+    (default: captured in CUDA graphs on a GPU over NCCL, eager elsewhere), ``false`` (eager), ``true``
     (Inductor), ``reduce-overhead`` (Inductor with CUDA graphs: a captured step on a GPU), ``aot_eager``
     (Dynamo without code generation, for checking); one compilation per cache shape, so it pays where
     a shape serves many steps."""
@@ -210,10 +211,10 @@ def model_args_from(args: dict) -> ModelArgs:
     if a.get("speculative") and a.get("source") == "megatron":
         raise ModelArgsError("model_args speculative is available with source=hf only (the draft verification step "
                              "runs through transformers' layers)")
-    a["compile_step"] = str(a.get("compile_step", "false")).lower()
+    a["compile_step"] = str(a.get("compile_step", "auto")).lower()
     if a["compile_step"] not in _COMPILE_STEP:
         raise ModelArgsError(f"model_args compile_step={args['compile_step']!r} is not one of {sorted(_COMPILE_STEP)}")
-    if a["compile_step"] != "false" and a.get("source") == "megatron":
+    if a["compile_step"] not in ("auto", "false") and a.get("source") == "megatron":
         raise ModelArgsError("model_args compile_step is available with source=hf only (Megatron-Core's engine "
                              "runs its own decode step)")
     if a.get("transport", "auto") not in TRANSPORTS:

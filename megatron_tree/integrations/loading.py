@@ -64,13 +64,13 @@ def load_model(source: Source, groups: TreeGroups | None, *, device, dtype: torc
                path: str | None = None, model=None, shape=None, dist_dir: str | None = None,
                global_tensors: dict | None = None, cp_size: int = 1, hierarchical: Sequence[int] | None = None,
                tp: int = 1, seed: int | None = None, strategy: str = "auto", prefill: str | None = None,
-               compile_step=False):
+               compile_step="auto"):
     """The adapter the generation loop drives, for ``source`` on this rank's ``groups``.
 
     hf: ``model`` (a transformers causal LM already loaded, e.g. after the eval's checkpoint check)
         wrapped as ``HFTreeModel``, or else the checkpoint at ``path`` loaded and checked by
         ``load_hf_model`` (``dtype``); either way with ``strategy``, ``prefill`` and ``compile_step``
-        (a setting, or a name of :data:`NAMED_COMPILE_STEPS`);
+        (a setting of ``enable_tree_attention``, ``"auto"`` by default, or a name of :data:`NAMED_COMPILE_STEPS`);
     megatron: a ``GPTModel`` of ``shape`` with tree attention at CP ``cp_size`` (``hierarchical``,
         TP ``tp``, merge ``strategy``), its weights from the distributed checkpoint ``dist_dir`` or
         from ``global_tensors`` (unsharded tensors by name), wrapped as ``MegatronLM``.
@@ -78,9 +78,9 @@ def load_model(source: Source, groups: TreeGroups | None, *, device, dtype: torc
     """
     if source not in SOURCES:
         raise ValueError(f"unknown model source {source!r}; expected one of {SOURCES}")
-    if isinstance(compile_step, str):
+    if isinstance(compile_step, str) and compile_step != "auto":
         if compile_step not in NAMED_COMPILE_STEPS:
-            raise ValueError(f"compile_step {compile_step!r} is not one of {sorted(NAMED_COMPILE_STEPS)} (or a bool, "
+            raise ValueError(f"compile_step {compile_step!r} is not one of {sorted(NAMED_COMPILE_STEPS)} (or auto, a bool, "
                              "or a dict of torch.compile arguments)")
         compile_step = NAMED_COMPILE_STEPS[compile_step]
     if source == "hf":

@@ -119,6 +119,31 @@ def test_compiled_decode_steps_run_exact_and_are_recorded(tmp_path, clean_env):
     assert counters["stats"]["unique_graphs"] == 4, dict(counters["stats"])
 
 
+def test_the_default_compile_step_is_auto_and_eager_without_warmup(tmp_path, clean_env):
+    """model.compile_step defaults to auto (captured on GPUs over NCCL, eager here: nothing is traced), recorded
+    as such; with eval.warmup_steps 0 the model is built eager (a capture would be timed)."""
+    from torch._dynamo.utils import counters
+
+    built = []
+    real_build = M.build
+
+    def build(m, *args, **kwargs):
+        built.append(m.compile_step)
+        return real_build(m, *args, **kwargs)
+
+    clean_env.setattr(M, "build", build)
+    torch._dynamo.reset()
+    counters.clear()
+    for warmup, out in ((1, tmp_path / "auto"), (0, tmp_path / "cold")):
+        assert E.main(["--config", LLAMA, f"output_dir={out}", *TINY, f"eval.warmup_steps={warmup}",
+                       "eval.batch_sizes=[2]", "eval.context_lengths=[24]", "wandb.enabled=false",
+                       "eval.attention_baselines=false"]) == 0
+        res = json.loads((out / "results.json").read_text())
+        assert res["exact"] is True and res["model"]["compile_step"] == ("auto" if warmup else False)
+    assert built == ["auto", False]
+    assert counters["stats"]["unique_graphs"] == 0  # eager on CPU
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is of a machine without CUDA")
 def test_reduce_overhead_without_cuda_is_a_config_error_before_the_model(tmp_path, clean_env, capsys):
     """model.compile_step=reduce-overhead on a CPU run: one line naming the setting, the device and what to use,

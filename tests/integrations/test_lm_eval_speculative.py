@@ -100,7 +100,11 @@ def test_compile_step_generate_until_equals_plain(checkpoint):
     from megatron_tree.integrations import lm_eval as backend
 
     reqs = [Req(c, {"until": ["."], "max_gen_toks": 10}) for c in CONTEXTS]
-    plain = _lm(checkpoint).generate_until(reqs)
+    default = _lm(checkpoint)
+    plain = default.generate_until(reqs)
+    steps = default.model._binding.compiled  # the default, auto: captured on a GPU, eager on this CPU
+    assert default.args.compile_step == "auto" and steps.auto and not steps.steps
+    assert _lm(checkpoint, ",compile_step=false").generate_until(reqs) == plain
     lm = _lm(checkpoint, ",compile_step=aot_eager")
     assert lm.generate_until(reqs) == plain
     assert lm.model._binding.compiled.steps, "no decode step was compiled"

@@ -4,7 +4,9 @@ checkpoint check) is wrapped with every setting asked for, as a checkpoint loade
 from __future__ import annotations
 
 import pytest
+import torch
 
+from megatron_tree.integrations.hf.forward import compiled_for
 from megatron_tree.integrations.loading import load_model
 from tests.helpers.hf_models import hf_model
 
@@ -19,7 +21,10 @@ def test_a_model_passed_in_keeps_its_strategy_prefill_and_compile_step(name, set
     options = binding.compiled.options
     assert {k: options.get(k) for k in setting} == setting, options  # aot_eager: Dynamo only, not Inductor
     plain = load_model("hf", None, device="cpu", model=hf_model("llama"))._binding
-    assert (plain.strategy, plain.compiled) == ("auto", None)
+    assert plain.strategy == "auto" and plain.compiled.auto  # the default: captured on a GPU, eager here
+    assert compiled_for(plain, torch.device("cpu")) is None and compiled_for(plain, torch.device("cuda")) is not None
+    eager = load_model("hf", None, device="cpu", model=hf_model("llama"), compile_step=False)._binding
+    assert eager.compiled is None
 
 
 def test_an_unknown_compile_step_name_is_refused_naming_the_names():

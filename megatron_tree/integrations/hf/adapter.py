@@ -8,6 +8,7 @@ import torch
 from .common import _MARK, _Binding, _text_config
 from .cache import TreeCache
 from .enable import enable_tree_attention
+from .forward import compiled_for
 
 from ...distributed.collectives import CommStats
 from ...decode.generate import DecodeStep
@@ -52,14 +53,14 @@ class HFTreeModel:
         user = hasattr(self.hf.__dict__.get("forward"), "_torchdynamo_orig_callable")  # (torch.compile's wrapper)
         return TreeCache(self.hf, self.groups, max_seq_len=max_seq_len, batch_size=batch_size,
                          layout=layout or self._binding.layout, block_size=block_size or self._binding.block_size,
-                         static=self._binding.compiled is not None or user)
+                         static=compiled_for(self._binding, self.device) is not None or user)
 
     def step_batch(self, batch: int, max_seq_len: int | None = None) -> int:
         """The batch ``generate`` runs ``batch`` prompts at, in a cache of ``max_seq_len`` tokens per row:
         ``batch`` when decode steps run eagerly; with ``compile_step``, the compiled steps' batch for it
         (``forward.CompiledSteps.batch_for``: a bucket, or a batch already compiled for a cache of that
         length bucket), the shortest prompt repeated in the extra rows."""
-        compiled = self._binding.compiled
+        compiled = compiled_for(self._binding, self.device)
         return batch if compiled is None else compiled.batch_for(batch, max_seq_len)
 
     def _with(self, **over):

@@ -8,7 +8,7 @@ import inspect
 
 from .common import _MARK, ATTN_IMPLEMENTATION, UnsupportedModelError, _Binding, _describe, _same_groups, _text_config
 from . import attention  # noqa: F401 -- registers ATTN_IMPLEMENTATION with transformers' AttentionInterface
-from .forward import _sharded_forward, compile_step
+from .forward import AUTO, _sharded_forward, compile_step
 from ...comm.merge import CompileError
 from .generate import _sharded_generate
 import transformers
@@ -132,7 +132,7 @@ def check_model(model) -> None:
 def enable_tree_attention(model, groups: TreeGroups | None, *, strategy: str = "auto", prefill: str = "ring",
                           layout: str = "load_balanced", block_size: int = 16, stats: CommStats | None = None,
                           work: PrefillWork | None = None, max_prefill_tokens: int | None = None,
-                          compile_step: bool | dict = False, batch_buckets=None):
+                          compile_step: bool | str | dict = "auto", batch_buckets=None):
     """Make ``model`` (a transformers causal LM) run CP-sharded over ``groups``; returns the same model.
 
     Every CP rank calls this on its own replica (same weights) and then runs the same
@@ -153,10 +153,14 @@ def enable_tree_attention(model, groups: TreeGroups | None, *, strategy: str = "
         attention (visible pairs, blocks attended and skipped, kernel launches, un-hidden ring wait)
     compile_step: compile every decode step's device half with ``torch.compile(fullgraph=True)`` --
         ``True``, or a dict of ``torch.compile`` arguments (``{"mode": "reduce-overhead"}``: CUDA
-        graphs). The step's host half places the new tokens and fills the cache's ``StepMetadata``;
+        graphs). ``"auto"`` (default): captured in CUDA graphs (``{"mode": "reduce-overhead"}``) where
+        the cache is on a GPU and the CP group runs NCCL (or is one process), with a strategy other than
+        ``shifted``; eager everywhere else (CPU, gloo groups), and eager from the first step whose
+        compilation fails (a warning says why). ``False``: always eager. The step's host half places the new tokens and fills the cache's ``StepMetadata``;
         the compiled half (every layer's cache write, local attention and CP merge, the merge as one
         opaque op) reads only those buffers, so it is traced once. Caches become static (every step
-        reads all of a rank's slots, masked by the rows' lengths). Not with ``strategy="shifted"``.
+        reads all of a rank's slots, masked by the rows' lengths). An explicit setting is refused with
+        ``strategy="shifted"`` (CP > 1) and, capturing, on CPU caches or non-NCCL groups.
         A user's own ``model.forward = torch.compile(model.forward, fullgraph=True, ...)`` does the same
         with that call's settings (its prefill and host halves run eagerly; only the decode step's
         device half is traced, once per cache shape).
@@ -167,7 +171,7 @@ def enable_tree_attention(model, groups: TreeGroups | None, *, strategy: str = "
         a step of any other batch runs eagerly, said once in a warning. None (default): steps are
         compiled per batch as it comes, and a batch pads up to one already compiled for a cache of
         the same length bucket, of at most twice its size (an eval's last, partial batch reuses the
-        full batches' step). Only with ``compile_step``.
+        full batches' step). Not with ``compile_step=False``.
 
     Raises :class:`UnsupportedModelError`, before any collective, for a model it cannot run
     exactly: attention modules whose code does not go through ``AttentionInterface``,
@@ -269,7 +273,8 @@ _TRACED_CALLER = (
 
 def _compile_setting(binding, strategy: str, setting, batch_buckets=None):
     """``forward.compile_step`` after the one check that needs the strategy."""
-    if setting not in (False, None) and strategy == "shifted" and binding.cp_size > 1:  # (one rank: no merge)
+    explicit = setting not in (False, None) and not (isinstance(setting, str) and setting == AUTO)
+    if explicit and strategy == "shifted" and binding.cp_size > 1:  # (one rank: no merge; auto: eager steps)
         raise CompileError("strategy='shifted' carries every layer's lse between steps in host state and cannot "
                            "run in a compiled step (compile_step); use 'packed', 'auto' or another strategy, or "
                            "compile_step=False")

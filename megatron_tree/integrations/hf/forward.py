@@ -5,6 +5,7 @@ a forward on a filled cache appends one token per row."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import inspect
 import logging
@@ -18,7 +19,7 @@ from .cache import TreeCache
 
 from ...comm.merge import CompileError
 from ...distributed import agreement
-from ...distributed.collectives import StatsSlot
+from ...distributed.collectives import CommStats, StatsSlot
 from ...decode.generate import DecodeStep
 from ...decode.cache import static_length
 from ...decode.prefill import assemble_logits
@@ -101,7 +102,7 @@ def _sharded_forward(model, orig, binding: _Binding, args, kwargs, prior=None):
         # static (shapes fixed, what a compiled step needs) when steps are compiled -- compile_step, or
         # a torch.compile around this forward -- or when the caller handed a compileable cache
         # (generate(cache_implementation="static"): transformers then compiles the decode calls itself)
-        static = (binding.compiled is not None or user_compile.compiling(prior)
+        static = (compiled_for(binding, src.device) is not None or user_compile.compiling(prior)
                   or (cache is not None and bool(getattr(cache, "is_compileable", False))))
         cache = TreeCache(model, binding.groups, layout=binding.layout, block_size=binding.block_size,
                           new_tokens=binding.new_tokens_hint, static=static)
@@ -380,8 +381,14 @@ def _placed_step(orig, binding: _Binding, cache: TreeCache, call: dict, batch: i
     """The forward of one new token per row that :meth:`TreeCache._begin_decode` has placed: eager, or the
     compiled device half (:func:`device_step`). input_ids (batch, 1) -> logits (batch, 1, vocab)."""
     call["attention_mask"] = None
-    users = user_compile.compiling(prior) and binding.compiled is None
-    if not users and (binding.compiled is None or not binding.compiled.runs(batch)):
+    step = binding.step
+    # the package loop's step carries the shifts; transformers' generate hands none, its strategy decides
+    strategy = getattr(step, "strategy", binding.strategy)
+    compiled = compiled_for(binding, cache.storage.k.device, strategy)
+    if compiled is not None and compiled.auto and not cache.static:
+        compiled = None  # a cache made dynamic (by its caller): the default runs its steps eagerly
+    users = user_compile.compiling(prior) and (binding.compiled is None or binding.compiled.auto)
+    if not users and (compiled is None or not compiled.runs(batch)):
         return _run(orig, binding, cache, call)
     what = "torch.compile around model.forward" if users else "compile_step"
     if not cache.static:
@@ -389,9 +396,7 @@ def _placed_step(orig, binding: _Binding, cache: TreeCache, call: dict, batch: i
                          "what the model makes itself when its prefill runs compiled or compile_step is set): its "
                          "shapes must not change; this cache is not static (made with static=False, or filled by an "
                          "uncompiled prefill)")
-    # the package loop's step carries the shifts; transformers' generate hands none, its strategy decides
-    step = binding.step
-    shifted = getattr(step, "strategy", binding.strategy) == "shifted" or getattr(step, "shifts", None) is not None
+    shifted = strategy == "shifted" or getattr(step, "shifts", None) is not None
     if shifted and binding.cp_size > 1:  # (one rank: no merge)
         raise CompileError(f"strategy='shifted' carries every layer's lse between steps in host state and cannot "
                            f"run in a compiled step ({what}); use 'packed', 'auto' or another strategy, or "
@@ -411,15 +416,18 @@ def _placed_step(orig, binding: _Binding, cache: TreeCache, call: dict, batch: i
         binding.stats_slot = StatsSlot()
     slot = None if stats is None else binding.stats_slot
     binding.step = DecodeStep(binding.strategy if step is None else step.strategy, slot)
+    replayed = slot is not None and not users and compiled.captures  # (its op bodies do not run at a replay)
     if slot is not None:
-        slot.target = stats
+        slot.target = compiled.recording() if replayed else stats
     try:
         if users:
             if binding.user_steps is None:
                 binding.user_steps = UserSteps(binding)
             logits = binding.user_steps(prior, ids, cache.metadata.q_positions, cache)
         else:
-            logits = binding.compiled(ids, cache.metadata.q_positions, cache)
+            logits = compiled(ids, cache.metadata.q_positions, cache)
+            if replayed:
+                compiled.account(ids, cache, binding.step.strategy, slot.target, stats)
         if slot is not None and binding.groups is not None and binding.cp_size == 1:
             # a one-rank group: the traced merges issue no collective and record nothing (comm.merge), while the
             # eager step counts one merge call per layer; counted here, outside the graph, the same
@@ -502,12 +510,32 @@ def device_step(binding: _Binding, ids: torch.Tensor, positions: torch.Tensor, c
     return out.logits[:, -1]
 
 
+AUTO = "auto"
+"""The default ``compile_step``: decode steps captured in CUDA graphs where they can be (:data:`AUTO_OPTIONS`
+on a CUDA cache whose CP group runs NCCL, or one process), eager everywhere else (:meth:`CompiledSteps.applies`)."""
+
+AUTO_OPTIONS = {"mode": "reduce-overhead"}
+"""What :data:`AUTO` compiles with where it applies: Inductor, its output replayed as a CUDA graph."""
+
+
+def compiled_for(binding: _Binding, device: torch.device, strategy: str | None = None) -> CompiledSteps | None:
+    """The model's compiled steps if decode steps on a cache on ``device`` with ``strategy`` (default: the
+    model's) run compiled (:meth:`CompiledSteps.applies`), else None (eager)."""
+    compiled = binding.compiled
+    if compiled is None or compiled.applies(device, strategy or binding.strategy):
+        return compiled
+    return None
+
+
 def compile_step(binding: _Binding, setting, batch_buckets=None) -> "CompiledSteps | None":
     """:func:`device_step` compiled as ``compile_step`` asks: ``False``/``None`` -> None (eager steps),
     ``True`` -> ``torch.compile(..., fullgraph=True, dynamic=False)``, a dict -> the same with ``setting``
-    added (``backend``, ``mode``, ...). ``batch_buckets``: the batch sizes steps are compiled for
+    added (``backend``, ``mode``, ...), ``"auto"`` -> :data:`AUTO_OPTIONS` where a step can be captured and
+    eager steps elsewhere. ``batch_buckets``: the batch sizes steps are compiled for
     (:class:`CompiledSteps`; None: any batch, a padded batch reusing a compiled one)."""
     buckets = _batch_buckets(batch_buckets)
+    if setting == AUTO and isinstance(setting, str):
+        return CompiledSteps(binding, {**AUTO_OPTIONS, "dynamic": False, "fullgraph": True}, buckets, auto=True)
     if setting is False or setting is None:
         if buckets is not None:
             raise ValueError(f"batch_buckets={batch_buckets!r} sizes compiled decode steps, but compile_step is "
@@ -517,7 +545,7 @@ def compile_step(binding: _Binding, setting, batch_buckets=None) -> "CompiledSte
     if setting is True:
         setting = {}
     if not isinstance(setting, dict):
-        raise TypeError(f"compile_step must be a bool or a dict of torch.compile arguments, got "
+        raise TypeError(f"compile_step must be a bool, 'auto' or a dict of torch.compile arguments, got "
                         f"{type(setting).__name__} {setting!r}")
     if setting.get("fullgraph") is False:
         raise ValueError("compile_step compiles the whole step (fullgraph=True): a graph break would run part "
@@ -595,15 +623,75 @@ class CompiledSteps(_ShapeSteps):
       ``n``. Steps are compiled only at those sizes; a step of any other batch (one larger than every
       bucket, transformers' own ``generate`` or the package's with a cache passed in, neither padded) runs
       eagerly, said once per model in a warning of the ``megatron_tree.integrations`` logger.
+
+    With ``auto`` (the default ``compile_step="auto"``), the steps are captured (:data:`AUTO_OPTIONS`) only where
+    :meth:`applies`, and a step whose compilation fails runs eagerly from then on, said once in a warning: the
+    user asked for nothing, so nothing is refused. An explicit setting raises instead.
     """
 
-    def __init__(self, binding: _Binding, options: dict, batches: tuple[int, ...] | None = None):
+    capture_devices = ("cuda",)
+    """The device kinds :data:`AUTO` captures on (CUDA graphs record CUDA work only)."""
+    capture_backends = ("nccl",)
+    """The process-group backends :data:`AUTO` captures a CP > 1 step over (a CUDA graph records NCCL's
+    collectives; gloo copies CUDA tensors through the host)."""
+
+    def __init__(self, binding: _Binding, options: dict, batches: tuple[int, ...] | None = None, auto: bool = False):
         super().__init__(binding)
         self.options = options
         self.batches = batches
+        self.auto = auto
         self.told = False
+        self.failed: str | None = None
+        """Why an ``auto`` step's compilation failed (its steps run eagerly since), or None."""
         self.made: set[tuple[int, int | None]] = set()
         """(batch, length bucket of the cache's ``max_seq_len``) of every step compiled so far."""
+        self._backends: tuple[str, ...] | None = None
+        self.captures = _captures(options)
+        """Whether the steps replay as CUDA graphs: the merge op's body, which records the traffic, runs when a
+        step is traced and recorded, not at its replays; :meth:`account` counts the replays."""
+        self.traffic: dict = {}
+        """(step shape, strategy) -> the traffic of one such step, as its op bodies recorded it."""
+        self._recorded = CommStats()
+
+    def recording(self) -> CommStats:
+        """The cleared record a captured step's op bodies write into (handed to :meth:`account` after it)."""
+        self._recorded.reset()
+        return self._recorded
+
+    def account(self, ids: torch.Tensor, cache: TreeCache, strategy: str, recorded: CommStats,
+                stats: CommStats) -> None:
+        """Add one captured step's traffic to ``stats``: what its op bodies ``recorded`` when they ran (a trace,
+        Inductor's warmup run, the graph's recording), remembered per step shape and strategy; else (a replay,
+        nothing recorded) what the same step recorded when they last ran."""
+        key = (_step_shape(ids, cache), strategy)
+        if recorded.calls or recorded.levels:
+            self.traffic[key] = copy.deepcopy(recorded)
+            stats.add(recorded)
+        elif key in self.traffic:
+            stats.add(self.traffic[key])
+
+    def applies(self, device: torch.device, strategy: str | None = None) -> bool:
+        """Whether decode steps on a cache on ``device`` (with the merge ``strategy``) run compiled: always for an
+        explicit setting (its refusals are raised where they apply); for ``auto``, where the step can be
+        captured -- a device of :attr:`capture_devices`, a CP group of one rank or on NCCL, a strategy that
+        keeps no host state between steps (not ``shifted`` at CP > 1) -- and no compilation has failed."""
+        if not self.auto:
+            return True
+        if self.failed is not None or device.type not in self.capture_devices:
+            return False
+        if strategy == "shifted" and self.binding.cp_size > 1:
+            return False
+        return set(self._group_backends()) <= set(self.capture_backends)
+
+    def _group_backends(self) -> tuple[str, ...]:
+        groups = self.binding.groups
+        if groups is None or groups.size == 1:
+            return ()
+        if self._backends is None:  # read once: a model's groups do not change
+            import torch.distributed as dist
+
+            self._backends = tuple(sorted({str(dist.get_backend(g)) for g in groups.process_groups}))
+        return self._backends
 
     def batch_for(self, n: int, max_seq_len: int | None = None) -> int:
         """The batch the package loop runs ``n`` rows at, for a cache of ``max_seq_len`` tokens per row
@@ -636,10 +724,26 @@ class CompiledSteps(_ShapeSteps):
     def setting(self) -> str:
         """The compile setting as every CP rank must have it alike (checked at each prefill)."""
         opts = ", ".join(f"{k}={_named(v)}" for k, v in sorted(self.options.items()))
-        return f"{opts}; batch_buckets={self.batches}"
+        return f"{AUTO + ': ' if self.auto else ''}{opts}; batch_buckets={self.batches}"
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, cache: TreeCache) -> torch.Tensor:
-        return self._for(ids, cache)(ids, positions, cache)
+        fn = self._for(ids, cache)
+        if not self.auto:
+            return fn(ids, positions, cache)
+        try:
+            return fn(ids, positions, cache)
+        except torch._dynamo.exc.TorchDynamoException as e:
+            # Raised while tracing or compiling, before the step's graph ran: nothing was written or sent, and
+            # every rank compiles the same step alike. Eager from here on.
+            # (a backend's own error, which BackendCompilerFailed wraps)
+            cause = getattr(e, "inner_exception", None) or e.__cause__ or e
+            first = next((line for line in str(cause).splitlines() if line.strip()), "")
+            self.failed = f"{type(e).__name__}" + (f", {type(cause).__name__}: {first}" if cause is not e else
+                                                   f": {first}")
+            log.warning("compile_step='auto' could not compile the decode step (%s); this model's decode steps run "
+                        "eagerly from now on. compile_step=False skips the attempt; an explicit setting (True, or "
+                        "a dict of torch.compile arguments) raises the error instead.", self.failed)
+            return device_step(self.binding, ids, positions, cache)
 
 
 class UserSteps(_ShapeSteps):
@@ -690,6 +794,11 @@ _CAPTURING_MODES = ("reduce-overhead", "max-autotune")
 """``torch.compile`` modes whose Inductor output replays as a CUDA graph."""
 
 
+def _captures(options: dict) -> bool:
+    """Whether ``torch.compile`` arguments ask for CUDA graphs."""
+    return options.get("mode") in _CAPTURING_MODES or bool((options.get("options") or {}).get("triton.cudagraphs"))
+
+
 def _check_capturable(options: dict, device: torch.device, groups=None) -> None:
     """A compile setting that asks for CUDA graphs where they cannot be captured is an error naming the
     setting (Inductor would skip the capture with a log line and run the step uncaptured, or the capture
@@ -701,8 +810,7 @@ def _check_capturable(options: dict, device: torch.device, groups=None) -> None:
 
     Every rank checks the same setting on the same kind of device and groups, so all raise alike."""
     mode = options.get("mode")
-    graphs = (options.get("options") or {}).get("triton.cudagraphs")
-    if not (mode in _CAPTURING_MODES or graphs):
+    if not _captures(options):
         return
     what = f"mode={mode!r}" if mode in _CAPTURING_MODES else "options={'triton.cudagraphs': True}"
     if device.type != "cuda":

@@ -204,7 +204,7 @@ def test_settings_a_compiled_step_cannot_hold_are_refused_on_every_rank():
         for key in ("shifted", "shifted_model"):
             assert out[key][0] == name and "strategy='shifted'" in out[key][1]
         assert out["fullgraph"][0] == "ValueError" and "fullgraph=False" in out["fullgraph"][1]
-        assert out["kind"][0] == "TypeError" and "compile_step must be a bool or a dict" in out["kind"][1]
+        assert out["kind"][0] == "TypeError" and "compile_step must be a bool, 'auto' or a dict" in out["kind"][1]
         for key, what in (("capture_cpu", "mode='reduce-overhead'"), ("graphs_cpu", "triton.cudagraphs")):
             assert out[key][0] == "ValueError" and what in out[key][1] and "on cpu" in out[key][1], out[key]
         for key, what in (("capture_gloo", "mode='reduce-overhead'"), ("graphs_gloo", "triton.cudagraphs"),
@@ -226,12 +226,130 @@ def test_captured_step_on_cuda_equals_eager():
     from megatron_tree.decode.generate import generate
     from megatron_tree.integrations.hf import HFTreeModel
 
-    runs = {}
-    for name, setting in (("eager", False), ("captured", {"mode": "reduce-overhead"})):
+    runs, made = {}, {}
+    for name, setting in (("eager", False), ("captured", {"mode": "reduce-overhead"}), ("default", "auto")):
         model = HFTreeModel(_model("llama").cuda(), None, compile_step=setting)
         runs[name] = generate(model, PROMPTS, STEPS + 1, progress=False).tokens
-    assert runs["captured"] == runs["eager"]
+        compiled = model._binding.compiled
+        made[name] = None if compiled is None else (sorted(compiled.made), compiled.failed)
+        if name == "default":  # transformers' own generate on the same model: captured steps too
+            ids = torch.tensor([PROMPTS[0]], device="cuda")
+            runs["transformers"] = model.hf.generate(ids, max_new_tokens=STEPS, do_sample=False)[0].tolist()
+    assert runs["captured"] == runs["eager"] == runs["default"]
+    assert runs["transformers"] == PROMPTS[0] + runs["eager"][0][:STEPS]
+    assert made["default"][0] and made["default"][1] is None, made  # the default captured, and nothing failed
     del mt
+
+
+def _auto(rank, world):
+    """The default compile_step ('auto') on CPU ranks over gloo: eager steps, as compile_step=False; where it
+    would capture (on a GPU over NCCL or alone), a step compiled; a compilation that fails: eager from then on."""
+    import logging
+
+    import megatron_tree as mt
+    from megatron_tree.decode.generate import generate
+    from megatron_tree.integrations.hf import HFTreeModel
+
+    groups = mt.TreeGroups.build()
+    out = {}
+    eager = HFTreeModel(_model("llama"), groups, compile_step=False)
+    want = generate(eager, PROMPTS, STEPS, progress=False).tokens
+    default = HFTreeModel(_model("llama"), groups)
+    steps = default._binding.compiled
+    out["default"] = (steps.auto, generate(default, PROMPTS, STEPS, progress=False).tokens == want,
+                      sorted(steps.made), default.new_cache(2, 32).static, default.step_batch(3, 32))
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    alone = HFTreeModel(_model("llama"), None)._binding.compiled
+    out["applies"] = {"cpu_gloo": steps.applies(cpu), "cuda_gloo": steps.applies(cuda),
+                      "cuda_alone": alone.applies(cuda), "cpu_alone": alone.applies(cpu),
+                      "cuda_alone_shifted": alone.applies(cuda, "shifted")}
+    steps.capture_backends = ("gloo",)  # as NCCL groups would be (none here)
+    out["applies"].update(cuda_nccl=steps.applies(cuda), cuda_nccl_shifted=steps.applies(cuda, "shifted"))
+    # Where it applies (CPU and gloo made capturable here, compiled by aot_eager: Inductor's CUDA graphs need a
+    # GPU), the steps compile: a trace per (batch, cache bucket), the eager tokens; 'shifted' runs eagerly on
+    # the same static caches (no refusal: the user asked for nothing)
+    def capturable(model, backend):
+        steps = model._binding.compiled
+        steps.capture_devices, steps.capture_backends = ("cpu",), ("gloo",)
+        steps.options = {"backend": backend, "dynamic": False, "fullgraph": True}
+        return steps
+
+    applied = HFTreeModel(_model("llama"), groups)
+    steps = capturable(applied, "aot_eager")
+    got = [generate(applied, PROMPTS, STEPS, strategy=s, progress=False).tokens for s in ("packed", "shifted")]
+    out["applied"] = (got == [want, want], sorted(steps.made), applied.new_cache(2, 32).static)
+
+    # a backend that fails: one warning, the failing step and every later one eager, caches dynamic again
+    def broken(gm, example_inputs):
+        raise RuntimeError("no code generation for this step")
+
+    failing = HFTreeModel(_model("llama"), groups)
+    steps = capturable(failing, broken)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("megatron_tree.integrations").addHandler(handler)
+    try:
+        got = [generate(failing, PROMPTS, STEPS, progress=False).tokens for _ in range(2)]
+    finally:
+        logging.getLogger("megatron_tree.integrations").removeHandler(handler)
+    out["failing"] = (got == [want, want], steps.failed, [r.getMessage() for r in records],
+                      failing.new_cache(2, 32).static)
+    # an explicit setting that fails raises, as before
+    explicit = HFTreeModel(_model("llama"), groups, compile_step={"backend": broken})
+    out["explicit"] = outcome(lambda: generate(explicit, PROMPTS, STEPS, progress=False))
+    return out
+
+
+def test_the_default_compile_step_captures_only_where_it_can_and_falls_back_to_eager():
+    for out in run_ranks(_auto, 2, timeout=300):
+        auto, equal, made, static, batch = out["default"]
+        assert auto and equal and made == [] and not static and batch == 3  # CPU over gloo: eager, as before
+        assert out["applies"] == {"cpu_gloo": False, "cuda_gloo": False, "cuda_alone": True, "cpu_alone": False,
+                                  "cuda_alone_shifted": True, "cuda_nccl": True, "cuda_nccl_shifted": False}
+        equal, made, static = out["applied"]
+        assert equal and made == [(3, 64)] and static, out["applied"]
+        equal, failed, messages, static = out["failing"]
+        assert equal and not static
+        assert failed is not None and "BackendCompilerFailed" in failed and "no code generation" in failed
+        assert len(messages) == 1 and "compile_step='auto' could not compile the decode step" in messages[0]
+        assert "no code generation" in messages[0] and "compile_step=False" in messages[0]
+        assert out["explicit"][0] == "BackendCompilerFailed" and "no code generation" in out["explicit"][1]
+
+
+def test_a_captured_steps_replays_count_the_traffic_its_recording_recorded():
+    """CUDA graphs replay kernels, not Python: the merge op's body, which records a step's collectives, runs when
+    a captured step is traced and recorded, never at a replay. ``CompiledSteps.account`` adds to the call's
+    ``CommStats`` what the op bodies recorded, or, for a step that recorded nothing (a replay), what the same
+    step shape and strategy recorded when they last ran. (The captured path itself needs a GPU: the CUDA test.)"""
+    from megatron_tree import CommStats
+    from megatron_tree.integrations.hf import HFTreeModel
+
+    model = HFTreeModel(_model("llama"), None, compile_step={"mode": "reduce-overhead"})
+    steps = model._binding.compiled
+    assert steps.captures and not HFTreeModel(_model("llama"), None, compile_step=True)._binding.compiled.captures
+    cache, other = model.new_cache(2, 32), model.new_cache(4, 32)
+    model.prefill([[1, 2, 3], [4, 5]], cache)  # (storage is made at the prefill)
+    model.prefill([[1, 2, 3], [4, 5], [6], [7]], other)
+    ids = torch.zeros(2, 1, dtype=torch.long)
+    stats = CommStats()
+    recorded = steps.recording()  # the trace / recording: the op bodies ran
+    recorded.calls += 2
+    recorded.record_all_reduce("intra", "all_reduce_sum", 1000, 4)
+    recorded.record("inter", "all_gather", 64, 32)
+    steps.account(ids, cache, "packed", recorded, stats)
+    one = stats.as_dict()
+    assert one["calls"] == 2 and one["levels"]["intra"]["sent_bytes"] == 1500 and one["levels"]["inter"]["ops"] == {
+        "all_gather": 1}
+    for _ in range(3):  # replays: nothing recorded, the recording's traffic counted again
+        steps.account(ids, cache, "packed", steps.recording(), stats)
+    four = stats.as_dict()
+    assert four["calls"] == 8 and four["levels"]["intra"] == {"collectives": 4, "payload_bytes": 4000,
+                                                                "sent_bytes": 6000, "ops": {"all_reduce_sum": 4}}
+    # a step of another shape or strategy that recorded nothing adds nothing: it has no recording of its own
+    steps.account(torch.zeros(4, 1, dtype=torch.long), other, "packed", steps.recording(), stats)
+    steps.account(ids, cache, "two_level", steps.recording(), stats)
+    assert stats.as_dict() == four
 
 
 def _transformers_generate(rank, world):
@@ -712,7 +830,8 @@ def _batches(rank, world):
                          ("text", {"compile_step": True, "batch_buckets": "4"}),
                          ("flag", {"compile_step": True, "batch_buckets": [True, 2]}),
                          ("fraction", {"compile_step": True, "batch_buckets": [1, 2.5]}),
-                         ("uncompiled", {"batch_buckets": (1, 2)})):
+                         ("uncompiled", {"compile_step": False, "batch_buckets": (1, 2)}),
+                         ("default", {"batch_buckets": (1, 2)})):  # (auto: the buckets of its captured steps)
         out[name] = outcome(lambda kw=kwargs: HFTreeModel(_model("llama"), groups, **kw))
     return out
 
@@ -754,6 +873,7 @@ def test_compiled_steps_bucket_batches_and_ranks_agree_on_the_setting():
         for key in ("zero", "repeated", "text", "flag", "fraction"):
             assert r[key][0] == "ValueError" and "batch_buckets must be" in r[key][1], r[key]
         assert r["uncompiled"][0] == "ValueError" and "set compile_step" in r["uncompiled"][1]
+        assert r["default"][0] == "returned", r["default"]
         bad = r["bad_step_batch"]
         assert bad[0] == "ValueError" and "step_batch(2, " in bad[1] and "returned 1" in bad[1], bad
     assert results[0]["disagree_buckets"][1] == results[1]["disagree_buckets"][1]
