@@ -428,7 +428,9 @@ def _placed_step(orig, binding: _Binding, cache: TreeCache, call: dict, batch: i
             logits = compiled(ids, cache.metadata.q_positions, cache)
             if replayed:
                 compiled.account(ids, cache, binding.step.strategy, slot.target, stats)
-        if slot is not None and binding.groups is not None and binding.cp_size == 1:
+        # (an 'auto' step whose compilation failed just now ran eagerly: its merges counted their calls)
+        traced = users or compiled.failed is None
+        if slot is not None and traced and binding.groups is not None and binding.cp_size == 1:
             # a one-rank group: the traced merges issue no collective and record nothing (comm.merge), while the
             # eager step counts one merge call per layer; counted here, outside the graph, the same
             stats.calls += binding.num_layers

@@ -317,6 +317,42 @@ def test_the_default_compile_step_captures_only_where_it_can_and_falls_back_to_e
         assert out["explicit"][0] == "BackendCompilerFailed" and "no code generation" in out["explicit"][1]
 
 
+def _fallback_stats(rank, world):
+    """The CommStats of a generation whose first decode step the default fails to compile (CPU and gloo made
+    capturable, a backend that raises), of one that compiles (aot_eager) and of compile_step=False."""
+    import megatron_tree as mt
+    from megatron_tree import CommStats
+    from megatron_tree.decode.generate import generate
+    from megatron_tree.integrations.hf import HFTreeModel
+
+    def broken(gm, example_inputs):
+        raise RuntimeError("no code generation for this step")
+
+    groups = mt.TreeGroups.build()
+    out = {}
+    for name, backend in (("eager", None), ("compiled", "aot_eager"), ("failing", broken)):
+        stats = CommStats()
+        model = HFTreeModel(_model("llama"), groups, compile_step=False if backend is None else "auto")
+        if backend is not None:
+            steps = model._binding.compiled
+            steps.capture_devices, steps.capture_backends = ("cpu",), ("gloo",)
+            steps.options = {"backend": backend, "dynamic": False, "fullgraph": True}
+        out[name] = (generate(model, PROMPTS, 5, stats=stats, progress=False).tokens, stats.as_dict())
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_step_the_default_fails_to_compile_counts_its_traffic_once(world):
+    """The step whose compilation fails runs eagerly inside ``CompiledSteps.__call__``: its merges record their
+    calls themselves, so a one-rank group's step must not add the calls a traced step leaves to be counted
+    outside the graph (counted twice, the failing step's calls were double). Every run: the eager counts."""
+    for out in run_ranks(_fallback_stats, world, timeout=300):
+        tokens, stats = out["eager"]
+        assert stats["calls"] == 4 * 2  # four decode steps (the fifth token), two layers, one merge each
+        for name in ("compiled", "failing"):
+            assert out[name] == (tokens, stats), (name, out[name], stats)
+
+
 def test_a_captured_steps_replays_count_the_traffic_its_recording_recorded():
     """CUDA graphs replay kernels, not Python: the merge op's body, which records a step's collectives, runs when
     a captured step is traced and recorded, never at a replay. ``CompiledSteps.account`` adds to the call's
