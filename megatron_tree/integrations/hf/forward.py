@@ -428,7 +428,9 @@ def _placed_step(orig, binding: _Binding, cache: TreeCache, call: dict, batch: i
             logits = compiled(ids, cache.metadata.q_positions, cache)
             if replayed:
                 compiled.account(ids, cache, binding.step.strategy, slot.target, stats)
-        if slot is not None and binding.groups is not None and binding.cp_size == 1:
+        # (an 'auto' step whose compilation failed just now ran eagerly: its merges counted their calls)
+        traced = users or compiled.failed is None
+        if slot is not None and traced and binding.groups is not None and binding.cp_size == 1:
             # a one-rank group: the traced merges issue no collective and record nothing (comm.merge), while the
             # eager step counts one merge call per layer; counted here, outside the graph, the same
             stats.calls += binding.num_layers
@@ -691,9 +693,7 @@ class CompiledSteps(_ShapeSteps):
         if groups is None or groups.size == 1:
             return ()
         if self._backends is None:  # read once: a model's groups do not change
-            import torch.distributed as dist
-
-            self._backends = tuple(sorted({str(dist.get_backend(g)) for g in groups.process_groups}))
+            self._backends = tuple(_cuda_backends(groups))
         return self._backends
 
     def batch_for(self, n: int, max_seq_len: int | None = None) -> int:
@@ -821,15 +821,31 @@ def _check_capturable(options: dict, device: torch.device, groups=None) -> None:
                          f"on {device.type}: CUDA graphs need CUDA tensors. Use compile_step=True (compiled, not "
                          "captured) here, or move the model to a GPU")
     if groups is not None and groups.size > 1:
-        import torch.distributed as dist
-
-        backends = sorted({str(dist.get_backend(g)) for g in groups.process_groups})
+        backends = _cuda_backends(groups)
         if backends != ["nccl"]:
             raise ValueError(f"compile_step with {what} captures the decode step in a CUDA graph, every layer's CP "
                              f"merge with it, but the CP group's collectives run on {', '.join(backends)}: only "
                              "NCCL's collectives can be captured. Initialise the process groups with NCCL for CUDA "
                              "tensors (TreeGroups.from_env does when CUDA is available), or use compile_step=True "
                              "(compiled, not captured)")
+
+
+def _cuda_backends(groups) -> list[str]:
+    """groups: a ``TreeGroups`` -> the backends that run CUDA tensors' collectives in its CP group and its levels'
+    groups, distinct, sorted (``["nccl"]``: capturable).
+
+    Read from each group's backend config, not its backend name: a group made with ``"cpu:gloo,cuda:nccl"``
+    is named by that text, and one of ``init_process_group()`` without a backend on a GPU machine
+    ``undefined`` (config ``cuda:nccl``), while both run CUDA tensors on NCCL. A group with no backend for
+    CUDA tensors is named by its whole config (e.g. ``cpu:gloo``)."""
+    import torch.distributed as dist
+
+    out = set()
+    for g in groups.process_groups:
+        config = str(dist.get_backend_config(g))
+        devices = dict(part.split(":", 1) for part in config.split(",") if ":" in part)
+        out.add(devices.get("cuda", config) if devices else config)
+    return sorted(out)
 
 
 def _fresh_step(binding: _Binding, n: int):

@@ -317,6 +317,77 @@ def test_the_default_compile_step_captures_only_where_it_can_and_falls_back_to_e
         assert out["explicit"][0] == "BackendCompilerFailed" and "no code generation" in out["explicit"][1]
 
 
+def _device_backends(rank, world):
+    """What the default reads of groups whose default group was made with a backend per device
+    ("cpu:gloo,cuda:gloo" here, where there is no NCCL; "cpu:gloo,cuda:nccl" on a GPU machine)."""
+    import torch.distributed as dist
+
+    import megatron_tree as mt
+    from megatron_tree.decode.generate import generate
+    from megatron_tree.integrations.hf import HFTreeModel
+
+    groups = mt.TreeGroups.build()
+    model = HFTreeModel(_model("llama"), groups)
+    steps = model._binding.compiled
+    out = {"name": str(dist.get_backend(groups.cp_group)), "read": steps._group_backends()}
+    steps.capture_backends = ("gloo",)  # as NCCL would be (the backend serving CUDA tensors; none here)
+    out["applies"] = (steps.applies(torch.device("cuda")), steps.applies(torch.device("cpu")))
+    eager = HFTreeModel(_model("llama"), groups, compile_step=False)
+    out["tokens"] = generate(model, PROMPTS, 4, progress=False).tokens == generate(eager, PROMPTS, 4,
+                                                                                  progress=False).tokens
+    explicit = HFTreeModel(_model("llama"), groups, compile_step={"mode": "reduce-overhead"})
+    out["explicit"] = outcome(lambda: generate(explicit, PROMPTS, 4, progress=False))
+    return out
+
+
+def test_the_default_reads_the_backend_that_runs_cuda_tensors_of_a_group_with_one_per_device():
+    """A group made with ``"cpu:gloo,cuda:nccl"`` (torch's way to serve CPU and CUDA tensors) runs CUDA tensors'
+    collectives on NCCL: the default captures there. It reads the backend serving CUDA tensors from the group's
+    backend config, not the group's name (which matched no capturable backend: eager steps on every GPU of such
+    a job, and an explicit setting's refusal naming 'cpu:gloo,cuda:nccl' as not NCCL)."""
+    for out in run_ranks(_device_backends, 2, backend="cpu:gloo,cuda:gloo", timeout=300):
+        assert out["name"] == "cpu:gloo,cuda:gloo" and out["read"] == ("gloo",), out
+        assert out["applies"] == (True, False) and out["tokens"]
+        kind, message, _ = out["explicit"]
+        assert kind == "ValueError" and "KV cache is on cpu" in message, out["explicit"]
+
+
+def _fallback_stats(rank, world):
+    """The CommStats of a generation whose first decode step the default fails to compile (CPU and gloo made
+    capturable, a backend that raises), of one that compiles (aot_eager) and of compile_step=False."""
+    import megatron_tree as mt
+    from megatron_tree import CommStats
+    from megatron_tree.decode.generate import generate
+    from megatron_tree.integrations.hf import HFTreeModel
+
+    def broken(gm, example_inputs):
+        raise RuntimeError("no code generation for this step")
+
+    groups = mt.TreeGroups.build()
+    out = {}
+    for name, backend in (("eager", None), ("compiled", "aot_eager"), ("failing", broken)):
+        stats = CommStats()
+        model = HFTreeModel(_model("llama"), groups, compile_step=False if backend is None else "auto")
+        if backend is not None:
+            steps = model._binding.compiled
+            steps.capture_devices, steps.capture_backends = ("cpu",), ("gloo",)
+            steps.options = {"backend": backend, "dynamic": False, "fullgraph": True}
+        out[name] = (generate(model, PROMPTS, 5, stats=stats, progress=False).tokens, stats.as_dict())
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_step_the_default_fails_to_compile_counts_its_traffic_once(world):
+    """The step whose compilation fails runs eagerly inside ``CompiledSteps.__call__``: its merges record their
+    calls themselves, so a one-rank group's step must not add the calls a traced step leaves to be counted
+    outside the graph (counted twice, the failing step's calls were double). Every run: the eager counts."""
+    for out in run_ranks(_fallback_stats, world, timeout=300):
+        tokens, stats = out["eager"]
+        assert stats["calls"] == 4 * 2  # four decode steps (the fifth token), two layers, one merge each
+        for name in ("compiled", "failing"):
+            assert out[name] == (tokens, stats), (name, out[name], stats)
+
+
 def test_a_captured_steps_replays_count_the_traffic_its_recording_recorded():
     """CUDA graphs replay kernels, not Python: the merge op's body, which records a step's collectives, runs when
     a captured step is traced and recorded, never at a replay. ``CompiledSteps.account`` adds to the call's
