@@ -351,7 +351,8 @@ def run_eval(cfg: RunConfig, env=None) -> dict | None:
         results = None
         ok = True
         if rank == 0:
-            results = report.build_results(name=cfg.name, launch=launch, config=to_dict(cfg), model=em.info,
+            results = report.build_results(name=cfg.name, launch=launch, config=to_dict(cfg),
+                                           model={**em.info, **models.compiled_steps(em)},
                                            runs=runs, passkey=passkey, perplexity=ppl,
                                            reference=em.reference_name if ev.exactness.enabled else None,
                                            engine=ev.engine)

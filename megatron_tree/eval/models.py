@@ -56,6 +56,18 @@ class EvalModel:
     """Recorded in results.json ``model``."""
 
 
+def compiled_steps(em: EvalModel) -> dict:
+    """What ``model.compile_step`` did in this run (a transformers source), for results.json ``model``:
+    ``compiled_steps``, the (batch, cache length bucket) of every decode step compiled (captured, on a GPU
+    under ``auto``), empty where the steps ran eagerly; ``compile_failed``, why a compilation the default
+    tried failed (its steps then ran eagerly), or None. Empty for Megatron sources."""
+    compiled = getattr(getattr(em.lm, "_binding", None), "compiled", None)
+    if compiled is None:
+        return {} if not hasattr(em.lm, "_binding") else {"compiled_steps": [], "compile_failed": None}
+    made = sorted(compiled.made, key=lambda m: (m[0], -1 if m[1] is None else m[1]))
+    return {"compiled_steps": [list(m) for m in made], "compile_failed": compiled.failed}
+
+
 def gpt_shape(m: ModelConfig):
     """The Megatron GPT shape of ``model:`` (Hugging Face field names map one to one)."""
     from ..integrations.megatron.model import GPTShape

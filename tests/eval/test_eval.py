@@ -111,6 +111,8 @@ def test_compiled_decode_steps_run_exact_and_are_recorded(tmp_path, clean_env):
                    "eval.attention_baselines=false"]) == 0
     res = json.loads((out / "results.json").read_text())
     assert res["model"]["compile_step"] == "aot_eager"
+    # each (batch, cache length bucket) compiled: 24 and 40 tokens (+ steps) share one bucket
+    assert res["model"]["compiled_steps"] == [[1, 64], [2, 64]] and res["model"]["compile_failed"] is None
     assert res["exact"] is True and res["max_abs_dlogits"] < 1e-4 and res["tokens_match_reference"] is True
     assert len(res["runs"]) == 8 and all(r["exactness"]["checked_steps"] == [0, 1, 2, 3] for r in res["runs"])
     # traced once per batch (2, 1) x strategy (its merge is a constant of the graph), in the warmup step: 24 and
@@ -140,6 +142,7 @@ def test_the_default_compile_step_is_auto_and_eager_without_warmup(tmp_path, cle
                        "eval.attention_baselines=false"]) == 0
         res = json.loads((out / "results.json").read_text())
         assert res["exact"] is True and res["model"]["compile_step"] == ("auto" if warmup else False)
+        assert res["model"]["compiled_steps"] == [] and res["model"]["compile_failed"] is None  # eager here
     assert built == ["auto", False]
     assert counters["stats"]["unique_graphs"] == 0  # eager on CPU
 

@@ -541,8 +541,8 @@ def compile_step(binding: _Binding, setting, batch_buckets=None) -> "CompiledSte
     if setting is False or setting is None:
         if buckets is not None:
             raise ValueError(f"batch_buckets={batch_buckets!r} sizes compiled decode steps, but compile_step is "
-                             f"{setting!r}: set compile_step (True or a dict of torch.compile arguments) or drop "
-                             "batch_buckets")
+                             f"{setting!r}: set compile_step ('auto', the default, True or a dict of torch.compile "
+                             "arguments) or drop batch_buckets")
         return None
     if setting is True:
         setting = {}
