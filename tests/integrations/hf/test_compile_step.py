@@ -256,6 +256,7 @@ def _auto(rank, world):
     want = generate(eager, PROMPTS, STEPS, progress=False).tokens
     default = HFTreeModel(_model("llama"), groups)
     steps = default._binding.compiled
+    out["mode"] = (steps.options.get("mode"), steps.captures)  # where it applies: Inductor's CUDA graphs
     out["default"] = (steps.auto, generate(default, PROMPTS, STEPS, progress=False).tokens == want,
                       sorted(steps.made), default.new_cache(2, 32).static, default.step_batch(3, 32))
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
@@ -263,6 +264,9 @@ def _auto(rank, world):
     out["applies"] = {"cpu_gloo": steps.applies(cpu), "cuda_gloo": steps.applies(cuda),
                       "cuda_alone": alone.applies(cuda), "cpu_alone": alone.applies(cpu),
                       "cuda_alone_shifted": alone.applies(cuda, "shifted")}
+    # a CP group of one process over gloo: no collective in its step, so nothing the capture cannot record
+    single = HFTreeModel(_model("llama"), mt.TreeGroups.build([[0], [1]]))._binding.compiled
+    out["applies"]["cuda_one_rank_gloo"] = single.applies(cuda)
     steps.capture_backends = ("gloo",)  # as NCCL groups would be (none here)
     out["applies"].update(cuda_nccl=steps.applies(cuda), cuda_nccl_shifted=steps.applies(cuda, "shifted"))
     # Where it applies (CPU and gloo made capturable here, compiled by aot_eager: Inductor's CUDA graphs need a
@@ -306,7 +310,9 @@ def test_the_default_compile_step_captures_only_where_it_can_and_falls_back_to_e
         auto, equal, made, static, batch = out["default"]
         assert auto and equal and made == [] and not static and batch == 3  # CPU over gloo: eager, as before
         assert out["applies"] == {"cpu_gloo": False, "cuda_gloo": False, "cuda_alone": True, "cpu_alone": False,
-                                  "cuda_alone_shifted": True, "cuda_nccl": True, "cuda_nccl_shifted": False}
+                                  "cuda_alone_shifted": True, "cuda_nccl": True, "cuda_nccl_shifted": False,
+                                  "cuda_one_rank_gloo": True}
+        assert out["mode"] == ("reduce-overhead", True), out["mode"]
         equal, made, static = out["applied"]
         assert equal and made == [(3, 64)] and static, out["applied"]
         equal, failed, messages, static = out["failing"]
