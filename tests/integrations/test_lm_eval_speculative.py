@@ -95,7 +95,8 @@ def test_speculative_model_args_bad_input(checkpoint):
 
 def test_compile_step_generate_until_equals_plain(checkpoint):
     """``compile_step=aot_eager``: ``generate_until``'s decode steps run compiled (Dynamo, one trace per cache
-    shape), with the eager backend's strings; a bad value or ``source=megatron`` is refused by name."""
+    shape), with the eager backend's strings; a bad value or ``source=megatron`` is refused by name (not the
+    default, ``auto``, nor ``false``: Megatron's engine runs them as it runs its own step)."""
     offline_env()
     from megatron_tree.integrations import lm_eval as backend
 
@@ -105,10 +106,13 @@ def test_compile_step_generate_until_equals_plain(checkpoint):
     steps = default.model._binding.compiled  # the default, auto: captured on a GPU, eager on this CPU
     assert default.args.compile_step == "auto" and steps.auto and not steps.steps
     assert _lm(checkpoint, ",compile_step=false").generate_until(reqs) == plain
+    llama, tok = checkpoint
+    for extra in ({}, {"compile_step": "auto"}, {"compile_step": "false"}):
+        args = backend.model_args_from({"pretrained": llama, "tokenizer": tok, "source": "megatron", **extra})
+        assert args.compile_step == extra.get("compile_step", "auto"), (extra, args.compile_step)
     lm = _lm(checkpoint, ",compile_step=aot_eager")
     assert lm.generate_until(reqs) == plain
     assert lm.model._binding.compiled.steps, "no decode step was compiled"
-    llama, tok = checkpoint
     for extra, message in ((",compile_step=yes", "compile_step='yes' is not one of"),
                            (",source=megatron,compile_step=true", "compile_step is available with source=hf only"),
                            (",compile_step=reduce-overhead", "captures the decode step in a CUDA graph, but the "

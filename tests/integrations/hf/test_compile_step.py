@@ -256,6 +256,7 @@ def _auto(rank, world):
     want = generate(eager, PROMPTS, STEPS, progress=False).tokens
     default = HFTreeModel(_model("llama"), groups)
     steps = default._binding.compiled
+    out["mode"] = (steps.options.get("mode"), steps.captures)  # where it applies: Inductor's CUDA graphs
     out["default"] = (steps.auto, generate(default, PROMPTS, STEPS, progress=False).tokens == want,
                       sorted(steps.made), default.new_cache(2, 32).static, default.step_batch(3, 32))
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
@@ -263,6 +264,9 @@ def _auto(rank, world):
     out["applies"] = {"cpu_gloo": steps.applies(cpu), "cuda_gloo": steps.applies(cuda),
                       "cuda_alone": alone.applies(cuda), "cpu_alone": alone.applies(cpu),
                       "cuda_alone_shifted": alone.applies(cuda, "shifted")}
+    # a CP group of one process over gloo: no collective in its step, so nothing the capture cannot record
+    single = HFTreeModel(_model("llama"), mt.TreeGroups.build([[0], [1]]))._binding.compiled
+    out["applies"]["cuda_one_rank_gloo"] = single.applies(cuda)
     steps.capture_backends = ("gloo",)  # as NCCL groups would be (none here)
     out["applies"].update(cuda_nccl=steps.applies(cuda), cuda_nccl_shifted=steps.applies(cuda, "shifted"))
     # Where it applies (CPU and gloo made capturable here, compiled by aot_eager: Inductor's CUDA graphs need a
@@ -306,7 +310,9 @@ def test_the_default_compile_step_captures_only_where_it_can_and_falls_back_to_e
         auto, equal, made, static, batch = out["default"]
         assert auto and equal and made == [] and not static and batch == 3  # CPU over gloo: eager, as before
         assert out["applies"] == {"cpu_gloo": False, "cuda_gloo": False, "cuda_alone": True, "cpu_alone": False,
-                                  "cuda_alone_shifted": True, "cuda_nccl": True, "cuda_nccl_shifted": False}
+                                  "cuda_alone_shifted": True, "cuda_nccl": True, "cuda_nccl_shifted": False,
+                                  "cuda_one_rank_gloo": True}
+        assert out["mode"] == ("reduce-overhead", True), out["mode"]
         equal, made, static = out["applied"]
         assert equal and made == [(3, 64)] and static, out["applied"]
         equal, failed, messages, static = out["failing"]
@@ -406,6 +412,7 @@ def test_a_captured_steps_replays_count_the_traffic_its_recording_recorded():
     stats = CommStats()
     recorded = steps.recording()  # the trace / recording: the op bodies ran
     recorded.calls += 2
+    recorded.fallbacks += 1
     recorded.record_all_reduce("intra", "all_reduce_sum", 1000, 4)
     recorded.record("inter", "all_gather", 64, 32)
     steps.account(ids, cache, "packed", recorded, stats)
@@ -415,8 +422,9 @@ def test_a_captured_steps_replays_count_the_traffic_its_recording_recorded():
     for _ in range(3):  # replays: nothing recorded, the recording's traffic counted again
         steps.account(ids, cache, "packed", steps.recording(), stats)
     four = stats.as_dict()
-    assert four["calls"] == 8 and four["levels"]["intra"] == {"collectives": 4, "payload_bytes": 4000,
-                                                                "sent_bytes": 6000, "ops": {"all_reduce_sum": 4}}
+    assert four["calls"] == 8 and four["fallbacks"] == 4
+    assert four["levels"]["intra"] == {"collectives": 4, "payload_bytes": 4000, "sent_bytes": 6000,
+                                       "ops": {"all_reduce_sum": 4}}
     # a step of another shape or strategy that recorded nothing adds nothing: it has no recording of its own
     steps.account(torch.zeros(4, 1, dtype=torch.long), other, "packed", steps.recording(), stats)
     steps.account(ids, cache, "two_level", steps.recording(), stats)
@@ -1155,3 +1163,73 @@ def test_the_package_loop_runs_a_users_compiled_forward():
         # as under transformers' generate (_check_user_compiled): one trace of the step's device half and one of
         # the (empty) frame a fullgraph compile of the prefill's forward counts -- none more in the second call
         assert r["frames"] == [2, 2], r["frames"]
+
+
+def _auto_edges(rank, world):
+    """The default compile_step's edges on CPU ranks over gloo: what it leaves eager (a cache transformers' forward
+    makes, a batch bucket, a model of strategy shifted, a dynamic cache its caller made), a graph that fails as it
+    runs (not a compilation: raised, not swallowed), and the traffic of the steps it captures counted as the eager
+    steps' (CPU and gloo made capturable here, as in _auto)."""
+    import megatron_tree as mt
+    from megatron_tree import CommStats
+    from megatron_tree.decode.generate import generate
+    from megatron_tree.integrations.hf import HFTreeModel
+    from megatron_tree.integrations.hf.cache import TreeCache
+
+    groups = mt.TreeGroups.build()
+    out = {}
+    default = HFTreeModel(_model("llama"), groups, batch_buckets=(4,))
+    with torch.no_grad():
+        made = default.hf(torch.tensor([PROMPTS[1]]), use_cache=True).past_key_values
+    out["eager"] = (made.static, default.step_batch(3, 32))
+    # a model of strategy 'shifted' at CP 2: eager steps by default (an explicit setting is refused at enable)
+    eager = HFTreeModel(_model("llama"), groups, compile_step=False)
+    want = CommStats()  # (a strategy other than the model's: the traffic is remembered per step's strategy)
+    tokens = generate(eager, PROMPTS, STEPS, strategy="packed", stats=want, progress=False).tokens
+    shifted = HFTreeModel(_model("llama"), groups, strategy="shifted")
+    out["shifted"] = (shifted._binding.compiled.auto, generate(shifted, PROMPTS, STEPS, progress=False).tokens ==
+                      generate(eager, PROMPTS, STEPS, strategy="shifted", progress=False).tokens)
+
+    def capturable(model, backend):
+        steps = model._binding.compiled
+        steps.capture_devices, steps.capture_backends = ("cpu",), ("gloo",)
+        steps.options = {"backend": backend, "dynamic": False, "fullgraph": True}
+        return steps
+
+    def fails_as_it_runs(gm, example_inputs):
+        def run(*args):
+            raise RuntimeError("the step's graph failed as it ran")
+        return run
+
+    running = HFTreeModel(_model("llama"), groups)
+    steps = capturable(running, fails_as_it_runs)
+    out["runtime"] = (outcome(lambda: generate(running, PROMPTS, STEPS, progress=False)), steps.failed)
+
+    captured = HFTreeModel(_model("llama"), groups)
+    steps = capturable(captured, "aot_eager")
+    steps.captures = True  # as a CUDA graph's steps: their traffic goes through account (here every step records)
+    runs = []
+    for _ in range(2):
+        got = CommStats()
+        ran = generate(captured, PROMPTS, STEPS, strategy="packed", stats=got, progress=False)
+        runs.append((ran.tokens == tokens, got.as_dict() == want.as_dict(), got.calls))
+    out["captured"] = (runs, want.calls, [strategy for _, strategy in steps.traffic])
+    # a dynamic cache its caller made: the default runs its steps eagerly (an explicit setting refuses it)
+    made = sorted(steps.made)
+    dynamic = TreeCache(captured.hf, groups, max_seq_len=32, batch_size=len(PROMPTS), static=False)
+    out["dynamic"] = (generate(captured, PROMPTS, STEPS, cache=dynamic, progress=False).tokens == tokens,
+                      sorted(steps.made) == made)
+    return out
+
+
+def test_the_default_leaves_eager_what_it_cannot_capture_and_raises_what_fails_as_it_runs():
+    for out in run_ranks(_auto_edges, 2, timeout=300):
+        static, batch = out["eager"]
+        assert not static and batch == 3, out["eager"]  # eager on CPU: a dynamic cache, no bucket padding
+        assert out["shifted"] == (True, True), out["shifted"]
+        (kind, message, _), failed = out["runtime"]
+        assert kind == "RuntimeError" and "failed as it ran" in message and failed is None, out["runtime"]
+        runs, calls, keys = out["captured"]
+        assert calls > 0 and runs == [(True, True, calls)] * 2, out["captured"]
+        assert keys and set(keys) == {"packed"}, keys
+        assert out["dynamic"] == (True, True), out["dynamic"]
