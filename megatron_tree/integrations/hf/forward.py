@@ -648,15 +648,12 @@ class CompiledSteps(_ShapeSteps):
         self.made: set[tuple[int, int | None]] = set()
         """(batch, length bucket of the cache's ``max_seq_len``) of every step compiled so far."""
         self._backends: tuple[str, ...] | None = None
+        self.captures = _captures(options)
+        """Whether the steps replay as CUDA graphs: the merge op's body, which records the traffic, runs when a
+        step is traced and recorded, not at its replays; :meth:`account` counts the replays."""
         self.traffic: dict = {}
         """(step shape, strategy) -> the traffic of one such step, as its op bodies recorded it."""
         self._recorded = CommStats()
-
-    @property
-    def captures(self) -> bool:
-        """Whether the steps replay as CUDA graphs: the merge op's body, which records the traffic, runs when a
-        step is traced and recorded, not at its replays; :meth:`account` counts the replays."""
-        return _captures(self.options)
 
     def recording(self) -> CommStats:
         """The cleared record a captured step's op bodies write into (handed to :meth:`account` after it)."""
