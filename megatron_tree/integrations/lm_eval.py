@@ -211,7 +211,7 @@ def model_args_from(args: dict) -> ModelArgs:
     if a.get("speculative") and a.get("source") == "megatron":
         raise ModelArgsError("model_args speculative is available with source=hf only (the draft verification step "
                              "runs through transformers' layers)")
-    a["compile_step"] = str(a.get("compile_step", "auto")).lower()
+    a["compile_step"] = str(a.get("compile_step", ModelArgs.compile_step)).lower()
     if a["compile_step"] not in _COMPILE_STEP:
         raise ModelArgsError(f"model_args compile_step={args['compile_step']!r} is not one of {sorted(_COMPILE_STEP)}")
     if a["compile_step"] not in ("auto", "false") and a.get("source") == "megatron":
