@@ -426,6 +426,10 @@ def _placed_step(orig, binding: _Binding, cache: TreeCache, call: dict, batch: i
             logits = binding.user_steps(prior, ids, cache.metadata.q_positions, cache)
         else:
             logits = compiled(ids, cache.metadata.q_positions, cache)
+            if compiled.captures:
+                # A CUDA graph's outputs live in its memory pool and the next replay writes over them; a
+                # caller may keep a step's logits (a hook, the eval's exactness check): (batch, vocab) copied out
+                logits = logits.clone()
             if replayed:
                 compiled.account(ids, cache, binding.step.strategy, slot.target, stats)
         # (an 'auto' step whose compilation failed just now ran eagerly: its merges counted their calls)

@@ -220,22 +220,35 @@ def test_settings_a_compiled_step_cannot_hold_are_refused_on_every_rank():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs (mode='reduce-overhead') need a CUDA device")
 def test_captured_step_on_cuda_equals_eager():
-    """One process on CUDA: the step compiled with mode='reduce-overhead' (Inductor's CUDA graphs) replays
-    with the eager step's tokens."""
+    """One process on CUDA: the step compiled with mode='reduce-overhead' (Inductor's CUDA graphs), asked for
+    and by default, replays with the eager step's tokens; logits a hook kept are not overwritten by the next
+    replay; transformers' generate runs the default's captured steps."""
     import megatron_tree as mt
-    from megatron_tree.decode.generate import generate
+    from megatron_tree.decode.generate import GenerationHook, generate
     from megatron_tree.integrations.hf import HFTreeModel
 
-    runs, made = {}, {}
+    class Kept(GenerationHook):  # keeps every step's logits as handed over (no copy): a replay must not overwrite them
+        def __init__(self):
+            self.steps = []
+
+        def after_step(self, step, logits):
+            self.steps.append(logits)
+
+    runs, made, kept = {}, {}, {}
     for name, setting in (("eager", False), ("captured", {"mode": "reduce-overhead"}), ("default", "auto")):
         model = HFTreeModel(_model("llama").cuda(), None, compile_step=setting)
-        runs[name] = generate(model, PROMPTS, STEPS + 1, progress=False).tokens
+        hook = Kept()
+        runs[name] = generate(model, PROMPTS, STEPS + 1, hook=hook, progress=False).tokens
+        kept[name] = torch.stack(hook.steps)
         compiled = model._binding.compiled
         made[name] = None if compiled is None else (sorted(compiled.made), compiled.failed)
         if name == "default":  # transformers' own generate on the same model: captured steps too
             ids = torch.tensor([PROMPTS[0]], device="cuda")
             runs["transformers"] = model.hf.generate(ids, max_new_tokens=STEPS, do_sample=False)[0].tolist()
     assert runs["captured"] == runs["eager"] == runs["default"]
+    for name in ("captured", "default"):  # (Inductor's fused float32 sums: close, not bitwise)
+        gap = (kept[name] - kept["eager"]).abs().max()
+        assert torch.allclose(kept[name], kept["eager"], rtol=0, atol=1e-4), (name, gap)
     assert runs["transformers"] == PROMPTS[0] + runs["eager"][0][:STEPS]
     assert made["default"][0] and made["default"][1] is None, made  # the default captured, and nothing failed
     del mt
@@ -346,7 +359,7 @@ def _device_backends(rank, world):
     return out
 
 
-def test_the_default_reads_the_backend_that_runs_cuda_tensors_of_a_group_with_one_per_device():
+def test_the_default_reads_the_backend_that_runs_gpu_tensors_of_a_group_with_one_per_device():
     """A group made with ``"cpu:gloo,cuda:nccl"`` (torch's way to serve CPU and CUDA tensors) runs CUDA tensors'
     collectives on NCCL: the default captures there. It reads the backend serving CUDA tensors from the group's
     backend config, not the group's name (which matched no capturable backend: eager steps on every GPU of such
