@@ -483,4 +483,7 @@ class ShardedKVCache:
         """
         layer = self._layer(layer, "layer_kv")
         n = min(self.local_max if n is None else n, self.capacity)
-        return self.k.select(0, layer).narrow(1, 0, n), self.v.select(0, layer).narrow(1, 0, n)
+        # Sliced from the storage itself, not from ``k``/``v`` (views of it): a compiled step that wrote the
+        # storage (``append_step``) and read a view of it would take two aliased inputs, which AOTAutograd merges
+        # into one base that Inductor no longer sees as static, and CUDA graphs skip a step with mutated inputs
+        return self._k.select(0, layer).narrow(1, 0, n), self._v.select(0, layer).narrow(1, 0, n)

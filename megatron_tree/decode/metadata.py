@@ -62,6 +62,11 @@ class StepMetadata:
             else:
                 self.starts[w] = starts
 
+    def buffers(self) -> tuple[torch.Tensor, ...]:
+        """Every tensor of this metadata a step reads (the window starts included): persistent, so a cache whose
+        steps are compiled marks them static (a CUDA graph then reads them in place, not a copy per replay)."""
+        return (self.seqlens, self.q_positions, self.k_positions, self.store, *self.starts.values())
+
     def attention_args(self, window: int | None = None) -> dict:
         """``tree_decode`` keyword arguments of a layer with sliding ``window`` (``None``: full causal).
 

@@ -386,6 +386,10 @@ class TreeCache(Cache):
         self._decode_positions = pos[:, None]
         self.metadata = self.storage.step_metadata(self.static)
         self.metadata.update_starts(windows)
+        if self.static:  # the metadata's own views and the windows' starts, made after the storage (once each)
+            for t in self.metadata.buffers():
+                if getattr(t, "_dynamo_static_input_type", None) is None:
+                    torch._dynamo.mark_static_address(t)
         self._steps += 1
         self._padded_next = self._padded + 1
         self._written = set()

@@ -23,6 +23,7 @@ from ...distributed.collectives import CommStats, StatsSlot
 from ...decode.generate import DecodeStep
 from ...decode.cache import static_length
 from ...decode.prefill import assemble_logits
+from ...ops import resolve_backend
 from ...utils import user_compile
 
 log = logging.getLogger("megatron_tree.integrations")
@@ -424,8 +425,11 @@ def _placed_step(orig, binding: _Binding, cache: TreeCache, call: dict, batch: i
             if binding.user_steps is None:
                 binding.user_steps = UserSteps(binding)
             logits = binding.user_steps(prior, ids, cache.metadata.q_positions, cache)
+            if logits.is_cuda:  # the user's compile may capture (reduce-overhead): copied out, as below
+                logits = logits.clone()
         else:
-            logits = compiled(ids, cache.metadata.q_positions, cache)
+            with torch.no_grad():  # (inference only: a step traced with grad enabled would be a training graph)
+                logits = compiled(ids, cache.metadata.q_positions, cache)
             if compiled.captures:
                 # A CUDA graph's outputs live in its memory pool and the next replay writes over them; a
                 # caller may keep a step's logits (a hook, the eval's exactness check): (batch, vocab) copied out
@@ -680,13 +684,16 @@ class CompiledSteps(_ShapeSteps):
         """Whether decode steps on a cache on ``device`` (with the merge ``strategy``) run compiled: always for an
         explicit setting (its refusals are raised where they apply); for ``auto``, where the step can be
         captured -- a device of :attr:`capture_devices`, a CP group of one rank or on NCCL, a strategy that
-        keeps no host state between steps (not ``shifted`` at CP > 1) -- and no compilation has failed."""
+        keeps no host state between steps (not ``shifted`` at CP > 1), on CUDA the triton kernels (not
+        ``MEGATRON_TREE_BACKEND=torch``) -- and no compilation has failed."""
         if not self.auto:
             return True
         if self.failed is not None or device.type not in self.capture_devices:
             return False
         if strategy == "shifted" and self.binding.cp_size > 1:
             return False
+        if device.type == "cuda" and resolve_backend(device) != "triton":
+            return False  # the torch kernels read the rows' lengths on the host: not capturable
         return set(self._group_backends()) <= set(self.capture_backends)
 
     def _group_backends(self) -> tuple[str, ...]:
@@ -821,6 +828,12 @@ def _check_capturable(options: dict, device: torch.device, groups=None) -> None:
         raise ValueError(f"compile_step with {what} captures the decode step in a CUDA graph, but the KV cache is "
                          f"on {device.type}: CUDA graphs need CUDA tensors. Use compile_step=True (compiled, not "
                          "captured) here, or move the model to a GPU")
+    backend = resolve_backend(device)
+    if backend != "triton":
+        raise ValueError(f"compile_step with {what} captures the decode step in a CUDA graph, but its attention runs "
+                         f"the {backend!r} kernels (MEGATRON_TREE_BACKEND), which read the rows' lengths on the host: "
+                         "a capture cannot hold that. Unset MEGATRON_TREE_BACKEND (triton on CUDA), or use "
+                         "compile_step=True (compiled, not captured)")
     if groups is not None and groups.size > 1:
         backends = _cuda_backends(groups)
         if backends != ["nccl"]:

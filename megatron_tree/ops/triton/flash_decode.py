@@ -432,11 +432,14 @@ _WORKSPACE: dict = {}
 def _workspace(numel: int, device: torch.device) -> torch.Tensor:
     """An fp32 buffer of ``numel`` elements for the split partials, reused across calls.
 
-    One buffer per (device, stream), so kernels ordered on one stream never race. While a
-    CUDA graph is being captured a fresh buffer comes from the graph's private pool instead
-    (a reused buffer could be freed or grown under a graph that still points at it).
+    One buffer per device, on its default stream only, so kernels ordered on one stream never race.
+    On any other stream a fresh buffer: while a CUDA graph is captured it comes from the graph's
+    private pool (a reused buffer could be freed or grown under a graph that still points at it),
+    and Inductor's CUDA graphs run their warmup on a stream of their own, allocating from that pool
+    too, whose blocks they may hand out again (a cached one would then be shared).
     """
-    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+    if (device.type != "cuda" or torch.cuda.is_current_stream_capturing()
+            or torch.cuda.current_stream(device) != torch.cuda.default_stream(device)):
         return torch.empty(numel, dtype=torch.float32, device=device)
     key = (device.index, torch.cuda.current_stream(device).cuda_stream)
     buf = _WORKSPACE.get(key)

@@ -234,6 +234,9 @@ def test_captured_step_on_cuda_equals_eager():
         def after_step(self, step, logits):
             self.steps.append(logits)
 
+    from torch._dynamo.utils import counters
+
+    counters.clear()
     runs, made, kept = {}, {}, {}
     for name, setting in (("eager", False), ("captured", {"mode": "reduce-overhead"}), ("default", "auto")):
         model = HFTreeModel(_model("llama").cuda(), None, compile_step=setting)
@@ -251,7 +254,62 @@ def test_captured_step_on_cuda_equals_eager():
         assert torch.allclose(kept[name], kept["eager"], rtol=0, atol=1e-4), (name, gap)
     assert runs["transformers"] == PROMPTS[0] + runs["eager"][0][:STEPS]
     assert made["default"][0] and made["default"][1] is None, made  # the default captured, and nothing failed
+    # and Inductor did not skip a capture (mutated inputs it copies, a CPU tensor, an op it cannot record)
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
     del mt
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_a_compiled_steps_graph_takes_every_input_but_the_token_ids_as_static(arch):
+    """What lets Inductor's CUDA graphs capture a step, checked on CPU: every tensor the compiled step reads --
+    weights, the cache's storage (written in place), the step's metadata, Gemma 2's window starts -- reaches
+    Inductor as a static input (a CUDA graph reads it in place; a copied input that the step writes makes
+    Inductor skip the capture: "mutated inputs"); only the new token ids (batch, 1) are copied per replay.
+    Before: the attention read views of the storage the cache write wrote, AOTAutograd merged the aliased
+    pair into one base and no input at all stayed static."""
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    from megatron_tree.decode.generate import generate
+    from megatron_tree.integrations.hf import HFTreeModel
+
+    seen = {}
+
+    def inner(gm, example_inputs, **kwargs):
+        seen["shapes"] = [tuple(t.shape) if isinstance(t, torch.Tensor) else t for t in example_inputs]
+        seen["static"] = sorted(kwargs.get("static_input_idxs") or [])
+        return compile_fx_inner(gm, example_inputs, **kwargs)
+
+    def inductor(gm, example_inputs):
+        return compile_fx(gm, example_inputs, inner_compile=inner)
+
+    torch._dynamo.reset()
+    eager = generate(HFTreeModel(_model(arch), None, compile_step=False), PROMPTS, 4, progress=False).tokens
+    model = HFTreeModel(_model(arch), None, compile_step={"backend": inductor})
+    # (the caches would hand back an earlier compilation without calling inner)
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        assert generate(model, PROMPTS, 4, progress=False).tokens == eager
+    copied = [(i, shape) for i, shape in enumerate(seen["shapes"]) if i not in seen["static"]]
+    assert copied == [(seen["shapes"].index((len(PROMPTS), 1)), (len(PROMPTS), 1))], (copied, len(seen["shapes"]))
+    assert len(seen["shapes"]) > 20  # the weights, the storage and the metadata are inputs, not constants
+
+
+def test_capture_needs_the_triton_kernels(monkeypatch):
+    """MEGATRON_TREE_BACKEND=torch on CUDA: its kernels read the rows' lengths on the host, which a CUDA graph
+    cannot record (the capture would fail inside the step). The default runs such steps eagerly; an explicit
+    capturing setting is refused naming the variable. (Reads only the device's kind: no GPU needed.)"""
+    from megatron_tree.integrations.hf import HFTreeModel
+    from megatron_tree.integrations.hf.forward import _check_capturable
+
+    cuda = torch.device("cuda")
+    steps = HFTreeModel(_model("llama"), None)._binding.compiled
+    monkeypatch.setenv("MEGATRON_TREE_BACKEND", "torch")
+    assert not steps.applies(cuda)
+    with pytest.raises(ValueError, match=r"runs the 'torch' kernels \(MEGATRON_TREE_BACKEND\)"):
+        _check_capturable({"mode": "reduce-overhead"}, cuda, None)
+    _check_capturable({"backend": "aot_eager"}, cuda, None)  # compiled, not captured: fine
+    monkeypatch.setenv("MEGATRON_TREE_BACKEND", "triton")
+    assert steps.applies(cuda)
+    _check_capturable({"mode": "reduce-overhead"}, cuda, None)
 
 
 def _auto(rank, world):
