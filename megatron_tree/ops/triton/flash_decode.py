@@ -438,14 +438,13 @@ def _workspace(numel: int, device: torch.device) -> torch.Tensor:
     and Inductor's CUDA graphs run their warmup on a stream of their own, allocating from that pool
     too, whose blocks they may hand out again (a cached one would then be shared).
     """
-    if (device.type != "cuda" or torch.cuda.is_current_stream_capturing()
-            or torch.cuda.current_stream(device) != torch.cuda.default_stream(device)):
+    # (a capture never runs on the default stream: CUDA refuses to capture it)
+    if device.type != "cuda" or torch.cuda.current_stream(device) != torch.cuda.default_stream(device):
         return torch.empty(numel, dtype=torch.float32, device=device)
-    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
-    buf = _WORKSPACE.get(key)
+    buf = _WORKSPACE.get(device.index)
     if buf is None or buf.numel() < numel:
         buf = torch.empty(max(numel, 1 << 20), dtype=torch.float32, device=device)
-        _WORKSPACE[key] = buf
+        _WORKSPACE[device.index] = buf
     return buf[:numel]
 
 
