@@ -5,7 +5,6 @@ a forward on a filled cache appends one token per row."""
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import inspect
 import logging
@@ -675,7 +674,8 @@ class CompiledSteps(_ShapeSteps):
         nothing recorded) what the same step recorded when they last ran."""
         key = (_step_shape(ids, cache), strategy)
         if recorded.calls or recorded.levels:
-            self.traffic[key] = copy.deepcopy(recorded)
+            remembered = self.traffic[key] = CommStats()
+            remembered.add(recorded)
             stats.add(recorded)
         elif key in self.traffic:
             stats.add(self.traffic[key])
@@ -688,13 +688,11 @@ class CompiledSteps(_ShapeSteps):
         ``MEGATRON_TREE_BACKEND=torch``) -- and no compilation has failed."""
         if not self.auto:
             return True
-        if self.failed is not None or device.type not in self.capture_devices:
+        if self.failed is not None or (strategy == "shifted" and self.binding.cp_size > 1):
             return False
-        if strategy == "shifted" and self.binding.cp_size > 1:
+        if device.type not in self.capture_devices:  # (before the groups' backends are read)
             return False
-        if device.type == "cuda" and resolve_backend(device) != "triton":
-            return False  # the torch kernels read the rows' lengths on the host: not capturable
-        return set(self._group_backends()) <= set(self.capture_backends)
+        return _capture_obstacle(device, self._group_backends(), self.capture_devices, self.capture_backends) is None
 
     def _group_backends(self) -> tuple[str, ...]:
         groups = self.binding.groups
@@ -817,31 +815,38 @@ def _check_capturable(options: dict, device: torch.device, groups=None) -> None:
 
     * a cache that is not on a CUDA device (CUDA graphs record CUDA work only);
     * at CP > 1, a CP group (or one of its levels) whose backend is not NCCL: the captured step holds every
-      layer's merge, and only NCCL's collectives can be recorded (gloo copies CUDA tensors through the host).
+      layer's merge, and only NCCL's collectives can be recorded (gloo copies CUDA tensors through the host);
+    * on CUDA, kernels other than triton's (``MEGATRON_TREE_BACKEND=torch`` reads the rows' lengths on the host).
 
-    Every rank checks the same setting on the same kind of device and groups, so all raise alike."""
+    The rule itself is :func:`_capture_obstacle`'s. Every rank checks the same setting on the same kind of device and groups, so all raise alike."""
     mode = options.get("mode")
     if not _captures(options):
         return
     what = f"mode={mode!r}" if mode in _CAPTURING_MODES else "options={'triton.cudagraphs': True}"
-    if device.type != "cuda":
-        raise ValueError(f"compile_step with {what} captures the decode step in a CUDA graph, but the KV cache is "
-                         f"on {device.type}: CUDA graphs need CUDA tensors. Use compile_step=True (compiled, not "
-                         "captured) here, or move the model to a GPU")
-    backend = resolve_backend(device)
-    if backend != "triton":
-        raise ValueError(f"compile_step with {what} captures the decode step in a CUDA graph, but its attention runs "
-                         f"the {backend!r} kernels (MEGATRON_TREE_BACKEND), which read the rows' lengths on the host: "
-                         "a capture cannot hold that. Unset MEGATRON_TREE_BACKEND (triton on CUDA), or use "
-                         "compile_step=True (compiled, not captured)")
-    if groups is not None and groups.size > 1:
-        backends = _cuda_backends(groups)
-        if backends != ["nccl"]:
-            raise ValueError(f"compile_step with {what} captures the decode step in a CUDA graph, every layer's CP "
-                             f"merge with it, but the CP group's collectives run on {', '.join(backends)}: only "
-                             "NCCL's collectives can be captured. Initialise the process groups with NCCL for CUDA "
-                             "tensors (TreeGroups.from_env does when CUDA is available), or use compile_step=True "
-                             "(compiled, not captured)")
+    problem = _capture_obstacle(device, _cuda_backends(groups) if groups is not None and groups.size > 1 else ())
+    if problem is not None:
+        raise ValueError(f"compile_step with {what} captures the decode step in a CUDA graph{problem}")
+
+
+def _capture_obstacle(device: torch.device, backends, devices=("cuda",), allowed=("nccl",)) -> str | None:
+    """What keeps a decode step on a cache on ``device``, at CP > 1 over groups whose CUDA collectives run on
+    ``backends`` (empty: one rank), from being captured in a CUDA graph -- the rest of a sentence, what to do
+    included -- or None. The one rule of :func:`_check_capturable` (which raises it) and
+    :meth:`CompiledSteps.applies` (which runs such steps eagerly); ``devices`` and ``allowed``: the device kinds
+    and backends that capture (:attr:`CompiledSteps.capture_devices`, :attr:`CompiledSteps.capture_backends`)."""
+    if device.type not in devices:
+        return (f", but the KV cache is on {device.type}: CUDA graphs need CUDA tensors. Use compile_step=True "
+                "(compiled, not captured) here, or move the model to a GPU")
+    kernels = resolve_backend(device) if device.type == "cuda" else "triton"
+    if kernels != "triton":
+        return (f", but its attention runs the {kernels!r} kernels (MEGATRON_TREE_BACKEND), which read the rows' "
+                "lengths on the host: a capture cannot hold that. Unset MEGATRON_TREE_BACKEND (triton on CUDA), or "
+                "use compile_step=True (compiled, not captured)")
+    if not set(backends) <= set(allowed):
+        return (f", every layer's CP merge with it, but the CP group's collectives run on {', '.join(backends)}: "
+                "only NCCL's collectives can be captured. Initialise the process groups with NCCL for CUDA tensors "
+                "(TreeGroups.from_env does when CUDA is available), or use compile_step=True (compiled, not captured)")
+    return None
 
 
 def _cuda_backends(groups) -> list[str]:
