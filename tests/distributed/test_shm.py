@@ -18,6 +18,7 @@ import time
 import pytest
 
 from megatron_tree.distributed import shm
+from tests.helpers.launching import free_port
 from tests.helpers.ranks import outcome, run_ranks
 
 pytestmark = pytest.mark.skipif(not shm.supported(), reason="the shared-memory channel needs x86-64 and /dev/shm")
@@ -344,13 +345,10 @@ except Exception as e:
 def test_a_dead_peer_that_hosted_the_store_is_still_named_at_once(tmp_path):
     # Outside torchrun rank 0 hosts the TCPStore (MASTER_ADDR/PORT): its death took the peers' records with it,
     # and the survivors spun for the whole group timeout, the dead rank unnamed.
-    import socket
     import subprocess
     import sys
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     script = tmp_path / "store_host_dies.py"
     script.write_text(_STORE_HOST_DIES)
     procs = [subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
