@@ -9,7 +9,7 @@ Every integration (Megatron-Core, transformers, the lm-eval backend) is a thin a
 """
 
 from .attention import tree_decode
-from .cache import CacheConfig, CacheOverflowError, ShardedKVCache
+from .cache import CacheConfig, CacheOverflowError, ShardedKVCache, StoragePool
 from .generate import (DecodeCache, DecodeModel, DecodeStep, GenerationHook, GenerationResult, StepRunner,
                        generate)
 from .metadata import PrefillMetadata, StepMetadata, VerifyMetadata
@@ -20,7 +20,7 @@ from .prefill import PREFILL_METHODS, allgather_prefill, assemble_logits, cp_pre
 from .speculative import SpeculativeConfig, SpeculativeResult, generate_speculative, verify_attention
 
 __all__ = [
-    "tree_decode", "CacheConfig", "CacheOverflowError", "ShardedKVCache", "GenerationHook",
+    "tree_decode", "CacheConfig", "CacheOverflowError", "ShardedKVCache", "StoragePool", "GenerationHook",
     "GenerationResult", "generate", "DecodeModel", "DecodeCache", "DecodeStep", "StepRunner", "PagedKVCache",
     "PoolExhaustedError", "LAYOUTS", "PlacementError", "RowPlacement", "prefill_ranges", "StepPlan",
     "StepPlanner", "PREFILL_METHODS", "allgather_prefill", "assemble_logits", "cp_prefill", "ring_prefill",

@@ -103,6 +103,60 @@ class CacheConfig:
             raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
 
 
+class StoragePool:
+    """The storage of one model's last static cache that ended, kept for the model's next cache of the same shape.
+
+    A captured decode step (a CUDA graph) reads and writes the cache's storage at the addresses it was recorded
+    with. A new cache's storage lives at other addresses, so without the pool the first step of every new cache
+    records the graph again -- each ``generate`` call of an eval or of lm-eval's requests -- and Inductor's
+    CUDA-graph trees keep every recording, checking each new call against them in turn. (transformers keeps
+    one static cache per model for the same reason.) A cache made with a pool hands its storage back when it
+    ends -- it is garbage, or ``reset`` -- and the model's next cache of the same :meth:`key` takes it over
+    (``start_prefill`` resets it): the steps replay what was recorded for it.
+
+    One storage is kept, the last one handed back. A cache of another shape drops it before its own storage is
+    allocated, so the pool never adds a storage to the peak memory of a new one; between calls it holds what
+    one cache held (:meth:`clear` lets it go).
+    """
+
+    def __init__(self):
+        self._key: tuple | None = None
+        self._storage: ShardedKVCache | None = None
+        self.reused = 0
+        """How many caches took over a storage handed back (rather than allocating their own)."""
+
+    @staticmethod
+    def key(**kwargs) -> tuple:
+        """What makes two storages interchangeable: every :class:`ShardedKVCache` constructor argument
+        (``torch.device`` normalised: ``"cuda"`` and ``"cuda:0"`` name one device only once it is resolved)."""
+        dev = torch.device(kwargs["device"])
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        return tuple(sorted({**kwargs, "device": dev}.items(), key=lambda kv: kv[0]))
+
+    def take(self, key: tuple) -> ShardedKVCache | None:
+        """The storage handed back under ``key`` (now the caller's), else None: a storage of another key is
+        dropped first (the caller allocates next)."""
+        storage, self._storage = self._storage, None
+        if storage is not None and self._key == key:
+            self.reused += 1
+            return storage
+        return None
+
+    def give(self, key: tuple, storage: ShardedKVCache) -> None:
+        """Keep ``storage`` (its cache ended) for the next :meth:`take` of ``key``; drops the one kept before."""
+        self._key, self._storage = key, storage
+
+    def clear(self) -> None:
+        """Let the kept storage go (its memory returns to torch's allocator)."""
+        self._key = self._storage = None
+
+    @property
+    def holds(self) -> int:
+        """Bytes of keys and values kept (0 when empty)."""
+        return 0 if self._storage is None else self._storage.kv_nbytes
+
+
 def _zeros(shape: tuple, dtype, device, head_major: bool) -> torch.Tensor:
     """Zeros of (layers, batch, slots, heads, dim), stored (layers, batch, heads, slots, dim) if ``head_major``."""
     if not head_major:

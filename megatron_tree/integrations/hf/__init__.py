@@ -49,13 +49,13 @@ checkpoint directory every loader runs first).
 from .common import ATTN_IMPLEMENTATION, MIN_TRANSFORMERS, UnsupportedModelError
 from .cache import TreeCache
 from .attention import tree_attention_forward
-from .enable import check_model, disable_tree_attention, enable_tree_attention
+from .enable import check_model, disable_tree_attention, enable_tree_attention, release_cache_storage
 from .adapter import HFTreeModel, load_hf_model
 from .checkpoint import CheckpointError, check_checkpoint
 
 __all__ = [
     "ATTN_IMPLEMENTATION", "MIN_TRANSFORMERS", "UnsupportedModelError", "TreeCache", "tree_attention_forward",
     "check_model",
-    "enable_tree_attention", "disable_tree_attention", "HFTreeModel", "load_hf_model",
+    "enable_tree_attention", "disable_tree_attention", "release_cache_storage", "HFTreeModel", "load_hf_model",
     "CheckpointError", "check_checkpoint",
 ]

@@ -49,11 +49,13 @@ class HFTreeModel:
                   block_size: int | None = None) -> TreeCache:
         """An empty cache for ``batch_size`` rows of up to ``max_seq_len`` tokens (1/CP of them per rank); static
         (fixed shapes) when the decode steps run compiled: ``compile_step``, or a user's
-        ``model.hf.forward = torch.compile(model.hf.forward, ...)``."""
+        ``model.hf.forward = torch.compile(model.hf.forward, ...)``; a static cache's storage is the one the
+        model's last cache of that shape left (the model's ``decode.cache.StoragePool``), once that cache ended."""
         user = hasattr(self.hf.__dict__.get("forward"), "_torchdynamo_orig_callable")  # (torch.compile's wrapper)
         return TreeCache(self.hf, self.groups, max_seq_len=max_seq_len, batch_size=batch_size,
                          layout=layout or self._binding.layout, block_size=block_size or self._binding.block_size,
-                         static=compiled_for(self._binding, self.device) is not None or user)
+                         static=compiled_for(self._binding, self.device) is not None or user,
+                         pool=self._binding.pool)
 
     def step_batch(self, batch: int, max_seq_len: int | None = None) -> int:
         """The batch ``generate`` runs ``batch`` prompts at, in a cache of ``max_seq_len`` tokens per row:

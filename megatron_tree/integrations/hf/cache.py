@@ -3,12 +3,14 @@ rank's share of every layer (through the decode tier's ``ShardedKVCache``)."""
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from .common import UnsupportedModelError, _text_config
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ...decode.cache import CacheConfig, CacheOverflowError, ShardedKVCache, static_length
+from ...decode.cache import CacheConfig, CacheOverflowError, ShardedKVCache, StoragePool, static_length
 from ...decode.metadata import PrefillMetadata, VerifyMetadata
 from ...distributed.topology import TreeGroups
 
@@ -39,7 +41,11 @@ class _TreeLayer(CacheLayerMixin):
 
     def __init__(self, owner: "TreeCache"):
         super().__init__()
-        self._owner = owner
+        self._ref = weakref.ref(owner)  # (not the cache itself: a cycle would keep an ended cache until a gc pass)
+
+    @property
+    def _owner(self) -> "TreeCache":
+        return self._ref()
 
     def lazy_initialization(self, key_states, value_states) -> None:
         return None
@@ -88,13 +94,16 @@ class TreeCache(Cache):
         length it needs (four sizes per octave), so caches of nearby lengths share one trace; the
         length it accepts (``max_seq_len``, or what it was sized for) is unchanged. Either way a
         decode step's metadata (:attr:`metadata`, a ``decode.metadata.StepMetadata``) lives in
-        buffers updated in place.
+        buffers updated in place. A static cache keeps its storage for a new prompt of the same shape.
+    pool: a static cache's storage comes from, and returns to, this ``decode.cache.StoragePool`` (the
+        model's, when the model makes the cache): the model's next cache of the same shape then reads and
+        writes the same addresses, which a captured step replays on; default None (its own storage)
     """
 
     def __init__(self, config, groups: TreeGroups | None, *, max_seq_len: int | None = None,
                  layout: str = "load_balanced", block_size: int = 16, new_tokens: int | None = None,
                  batch_size: int | None = None, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None, static: bool = False):
+                 device: torch.device | str | None = None, static: bool = False, pool: StoragePool | None = None):
         model = config if isinstance(config, torch.nn.Module) else None
         cfg = _text_config(model.config if model is not None else config)
         self.num_layers = int(cfg.num_hidden_layers)
@@ -132,6 +141,10 @@ class TreeCache(Cache):
         self._decode_positions: torch.Tensor | None = None
         self._written: set[int] = set()
         self.static = bool(static)
+        self._pool = pool
+        self._storage_key: tuple | None = None
+        self._hand_back: weakref.finalize | None = None
+        """Gives a pooled storage back to :attr:`_pool` when this cache is garbage (or, called, at :meth:`reset`)."""
         self.metadata = None
         """The running forward's attention metadata, built once when it starts (``decode.metadata``): a
         ``PrefillMetadata`` (the prompt, or a window of it), a ``StepMetadata`` (a decode step: buffers
@@ -157,6 +170,9 @@ class TreeCache(Cache):
         return -1 if self._batch is None else self._batch
 
     def reset(self) -> None:
+        if self._hand_back is not None:  # the storage goes back to the model's pool (for its next cache)
+            self._hand_back()
+            self._hand_back = self._storage_key = None
         self.storage = None
         self._padded = 0
         self._prompt_lengths = []
@@ -271,17 +287,30 @@ class TreeCache(Cache):
         slack = cp * (self.cache_config.block_size + 2) if cp > 1 and self.growable and self.new_tokens is None else 0
         if self.static:  # room for a bucket's length: caches made for nearby lengths share one compiled step
             max_seq_len = static_length(max_seq_len)
-        storage = ShardedKVCache(
-            num_layers=self.num_layers, batch_size=batch, max_seq_len=max_seq_len + slack,
-            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, head_dim_v=self.head_dim_v, cp_size=cp,
-            cp_rank=rank,
-            config=self.cache_config, dtype=self.dtype, device=self.device,
-        )
-        if self.static:
+        shape = dict(num_layers=self.num_layers, batch_size=batch, max_seq_len=max_seq_len + slack,
+                     num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, head_dim_v=self.head_dim_v, cp_size=cp,
+                     cp_rank=rank, config=self.cache_config, dtype=self.dtype, device=self.device)
+        if not self.static:
+            return ShardedKVCache(**shape)
+        # A static storage keeps its addresses for as long as it can (a captured step replays on them): the
+        # same storage for a new prompt of the same shape, else the one the model's last cache handed back.
+        key = StoragePool.key(**shape)
+        if self.storage is not None and key == self._storage_key:
+            return self.storage  # (start_prefill resets it)
+        storage = self._pool.take(key) if self._pool is not None else None
+        if storage is None:
+            storage = ShardedKVCache(**shape)
             # A compiled step writes these in place and a CUDA graph replays on their addresses: tell
             # Dynamo they are static (else Inductor copies them into its graph's inputs, or skips the graph).
             for t in storage.step_buffers():
                 torch._dynamo.mark_static_address(t)
+        if self._hand_back is not None:  # the storage this one replaces (a larger one, other head shapes) is dropped
+            self._hand_back.detach()
+            self._hand_back = None
+        self._storage_key = key
+        if self._pool is not None:
+            self._hand_back = weakref.finalize(self, self._pool.give, key, storage)
+            self._hand_back.atexit = False
         return storage
 
     def _check_prefill(self, lengths: list[int]) -> int:

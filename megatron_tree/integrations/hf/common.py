@@ -15,6 +15,7 @@ from ...utils.extras import require
 
 transformers = require("hf", "megatron_tree.integrations.hf")
 
+from ...decode.cache import StoragePool
 from ...distributed.collectives import CommStats
 from ...distributed.topology import TreeGroups
 
@@ -90,6 +91,9 @@ class _Binding:
     step: object = None
     """The decode loop's ``decode.generate.DecodeStep`` while ``HFTreeModel.decode_step`` runs (its
     ``attend`` is every layer's decode attention); ``None``: a plain step of ``strategy``/``stats``."""
+    pool: StoragePool = field(default_factory=StoragePool)
+    """Where the static caches the model makes (compiled steps) leave their storage when they end, for the next
+    cache of the same shape: a captured step then replays on the same addresses instead of recording anew."""
 
     @property
     def cp_size(self) -> int:

@@ -281,11 +281,25 @@ def _compile_setting(binding, strategy: str, setting, batch_buckets=None):
     return compile_step(binding, setting, batch_buckets)
 
 
+def release_cache_storage(model) -> int:
+    """Let go of the cache storage a tree-enabled ``model`` keeps for its next static cache (see
+    ``decode.cache.StoragePool``: compiled steps replay on it); returns the bytes of keys and values let go
+    (0: none was kept, or the model is not tree-enabled). The memory returns to torch's allocator
+    (``torch.cuda.empty_cache()`` hands it back to the device)."""
+    binding = getattr(model, _MARK, None)
+    if binding is None:
+        return 0
+    held = binding.pool.holds
+    binding.pool.clear()
+    return held
+
+
 def disable_tree_attention(model):
     """Undo :func:`enable_tree_attention`: the previous attention implementation, forward and generate."""
     binding = getattr(model, _MARK, None)
     if binding is None:
         return model
+    binding.pool.clear()
     for name in ("forward", "generate", "create_masks_for_generate"):
         if name in model.__dict__:
             del model.__dict__[name]

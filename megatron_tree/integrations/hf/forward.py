@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import inspect
 import logging
 import operator
@@ -105,7 +106,7 @@ def _sharded_forward(model, orig, binding: _Binding, args, kwargs, prior=None):
         static = (compiled_for(binding, src.device) is not None or user_compile.compiling(prior)
                   or (cache is not None and bool(getattr(cache, "is_compileable", False))))
         cache = TreeCache(model, binding.groups, layout=binding.layout, block_size=binding.block_size,
-                          new_tokens=binding.new_tokens_hint, static=static)
+                          new_tokens=binding.new_tokens_hint, static=static, pool=binding.pool)
     elif not isinstance(cache, TreeCache):
         raise ValueError(
             f"got a {type(cache).__name__} holding {cache.get_seq_length()} tokens; tree attention continues only "
@@ -607,11 +608,22 @@ class _ShapeSteps:
         self.steps: dict = {}
 
     def _for(self, ids: torch.Tensor, cache: TreeCache):
+        """(the step function of this shape, whether it was made now: its first call traces it)."""
         key = _step_shape(ids, cache)
         fn = self.steps.get(key)
         if fn is None:
             fn = self.steps[key] = self._make(_fresh_step(self.binding, len(self.steps)), cache)
-        return fn
+            return fn, True
+        return fn, False
+
+    @staticmethod
+    def _traced() -> None:
+        """After a step's first call, which traced it: collect the trace's garbage. Dynamo's variable trackers
+        of the trace hold the cache it ran on in reference cycles, which Python's garbage collector frees only in
+        a full pass (it counts objects, not the GPU memory they hold): until then that cache's storage -- GBs
+        at long context -- stayed allocated after its generate returned, and its storage did not return to
+        the model's pool (``decode.cache.StoragePool``) for the next cache. Once per step shape."""
+        gc.collect()
 
     def _make(self, step, cache: TreeCache):
         return step
@@ -736,11 +748,14 @@ class CompiledSteps(_ShapeSteps):
         return f"{AUTO + ': ' if self.auto else ''}{opts}; batch_buckets={self.batches}"
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, cache: TreeCache) -> torch.Tensor:
-        fn = self._for(ids, cache)
+        fn, new = self._for(ids, cache)
         if not self.auto:
-            return fn(ids, positions, cache)
+            out = fn(ids, positions, cache)
+            if new:
+                self._traced()
+            return out
         try:
-            return fn(ids, positions, cache)
+            out = fn(ids, positions, cache)
         except torch._dynamo.exc.TorchDynamoException as e:
             # Raised while tracing or compiling, before the step's graph ran: nothing was written or sent, and
             # every rank compiles the same step alike. Eager from here on.
@@ -753,6 +768,9 @@ class CompiledSteps(_ShapeSteps):
                         "eagerly from now on. compile_step=False skips the attempt; an explicit setting (True, or "
                         "a dict of torch.compile arguments) raises the error instead.", self.failed)
             return device_step(self.binding, ids, positions, cache)
+        if new:
+            self._traced()
+        return out
 
 
 class UserSteps(_ShapeSteps):
@@ -761,12 +779,15 @@ class UserSteps(_ShapeSteps):
     it with the user's backend, mode and ``fullgraph``; the forward's host half around it never reaches Dynamo."""
 
     def __call__(self, prior, ids: torch.Tensor, positions: torch.Tensor, cache: TreeCache) -> torch.Tensor:
-        fn = self._for(ids, cache)
+        fn, new = self._for(ids, cache)
         # Static shapes whatever the user's dynamic= says: each step shape has its own function already, and a
         # symbolic trace of the step makes the storage views' base sizes symbolic, which the backends cannot
         # trace back to an input (an error, or a graph that reads the wrong slots)
         with _STATIC_SHAPES:
-            return user_compile.with_callback(prior, fn, ids, positions, cache)
+            out = user_compile.with_callback(prior, fn, ids, positions, cache)
+        if new:
+            self._traced()
+        return out
 
 
 _STATIC_SHAPES = torch._dynamo.config.patch(assume_static_by_default=True, automatic_dynamic_shapes=False)

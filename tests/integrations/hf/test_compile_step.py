@@ -891,6 +891,68 @@ def test_a_static_cache_growing_within_its_bucket_keeps_its_storage():
         assert r["lengths"] == [11 + 4 + 5 + 8 - 1]  # the last new token is not stored
 
 
+def test_a_models_next_cache_of_the_same_shape_takes_over_the_last_ones_storage():
+    """A captured step replays on the addresses it was recorded with, so each new cache of a model with compiled
+    steps takes over the storage its last cache of that shape left when it ended (``decode.cache.StoragePool``):
+    every generate call of an eval or of lm-eval's requests then replays the recorded step instead of recording
+    it anew. The cache ends when its generate returns (no garbage-collector pass: the trace's own reference
+    cycles are collected once, after a step's first call); a cache still alive keeps its storage; a cache of
+    another shape drops the kept one; ``reset`` hands one back. Tokens stay eager's throughout."""
+    import gc
+    import weakref
+
+    from megatron_tree.decode.generate import generate
+    from megatron_tree.integrations.hf import HFTreeModel
+
+    torch._dynamo.reset()
+    eager = generate(HFTreeModel(_model("llama"), None, compile_step=False), PROMPTS, 4, progress=False).tokens
+    model = HFTreeModel(_model("llama"), None, compile_step={"backend": "aot_eager"})
+    pool = model._binding.pool
+    made = []
+    new_cache = model.new_cache
+    model.new_cache = lambda *a, **k: made.append(new_cache(*a, **k)) or made[-1]
+
+    def storage_of(cache):
+        return cache.storage._k.data_ptr(), cache.storage.step_buffers()[-1].data_ptr()
+
+    gc.disable()  # every cache below must end when its last reference goes
+    try:
+        addresses, alive = [], []
+        for _ in range(3):
+            assert generate(model, PROMPTS, 4, progress=False).tokens == eager
+            addresses.append(storage_of(made[-1]))
+            alive.append(weakref.ref(made.pop()))
+            assert alive[-1]() is None  # (the loop's cache ended with its generate)
+        assert pool.reused == 2 and len(set(addresses)) == 1, (pool.reused, addresses)
+
+        # a cache the caller still holds keeps its storage: the next cache gets storage of its own
+        held = model.new_cache(len(PROMPTS), 64)
+        assert generate(model, PROMPTS, 4, progress=False, cache=held).tokens == eager
+        assert storage_of(held) == addresses[0] and pool.reused == 3
+        assert generate(model, PROMPTS, 4, progress=False).tokens == eager
+        assert storage_of(made.pop()) != storage_of(held) and pool.reused == 3
+        assert generate(model, PROMPTS[:1], 4, progress=False).tokens == eager[:1]  # another shape (batch 1)
+        made.clear()
+        assert pool.reused == 3 and pool.holds > 0
+        held.reset()  # hands the storage back: the next cache of its shape takes it
+        assert generate(model, PROMPTS, 4, progress=False).tokens == eager
+        assert storage_of(made.pop()) == addresses[0] and pool.reused == 4
+        # transformers' generate: the cache its prefill makes ends with it, the next call takes the storage over
+        ids = torch.tensor([PROMPTS[0]])
+        first = model.hf.generate(ids, max_new_tokens=4, do_sample=False)
+        before = pool.reused
+        assert torch.equal(model.hf.generate(ids, max_new_tokens=4, do_sample=False), first)
+        assert pool.reused == before + 1
+        assert first[0, len(PROMPTS[0]):].tolist() == eager[0]
+    finally:
+        gc.enable()
+    from megatron_tree.integrations.hf import release_cache_storage
+
+    kept = pool.holds
+    assert kept == pool._storage.kv_nbytes > 0 and release_cache_storage(model.hf) == kept
+    assert pool.holds == 0 and release_cache_storage(model.hf) == 0
+
+
 def _batches(rank, world):
     """Batch sizes of compiled steps: the lazy default, explicit buckets, and what the ranks must agree on."""
     import logging
