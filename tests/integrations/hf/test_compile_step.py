@@ -222,7 +222,8 @@ def test_settings_a_compiled_step_cannot_hold_are_refused_on_every_rank():
 def test_captured_step_on_cuda_equals_eager():
     """One process on CUDA: the step compiled with mode='reduce-overhead' (Inductor's CUDA graphs), asked for
     and by default, replays with the eager step's tokens; logits a hook kept are not overwritten by the next
-    replay; transformers' generate runs the default's captured steps."""
+    replay; a second generate of the same shape replays the first one's recordings (the storage taken over);
+    transformers' generate runs the default's captured steps."""
     import megatron_tree as mt
     from megatron_tree.decode.generate import GenerationHook, generate
     from megatron_tree.integrations.hf import HFTreeModel
@@ -245,7 +246,17 @@ def test_captured_step_on_cuda_equals_eager():
         kept[name] = torch.stack(hook.steps)
         compiled = model._binding.compiled
         made[name] = None if compiled is None else (sorted(compiled.made), compiled.failed)
-        if name == "default":  # transformers' own generate on the same model: captured steps too
+        if name == "default":
+            # a second call of the same shape takes over the first cache's storage and replays the graphs
+            # recorded for it: no new recording (the tree manager counts each one)
+            from torch._inductor import cudagraph_trees
+
+            manager = cudagraph_trees.get_container(torch.cuda.current_device()).tree_manager
+            recordings, reused = manager.debug_fail_counter, model._binding.pool.reused
+            assert generate(model, PROMPTS, STEPS + 1, progress=False).tokens == runs[name]
+            assert model._binding.pool.reused == reused + 1
+            assert manager.debug_fail_counter == recordings, (recordings, manager.debug_fail_counter)
+            # transformers' own generate on the same model: captured steps too
             ids = torch.tensor([PROMPTS[0]], device="cuda")
             runs["transformers"] = model.hf.generate(ids, max_new_tokens=STEPS, do_sample=False)[0].tolist()
     assert runs["captured"] == runs["eager"] == runs["default"]
