@@ -60,12 +60,16 @@ def compiled_steps(em: EvalModel) -> dict:
     """What ``model.compile_step`` did in this run (a transformers source), for results.json ``model``:
     ``compiled_steps``, the (batch, cache length bucket) of every decode step compiled (captured, on a GPU
     under ``auto``), empty where the steps ran eagerly; ``compile_failed``, why a compilation the default
-    tried failed (its steps then ran eagerly), or None. Empty for Megatron sources."""
-    compiled = getattr(getattr(em.lm, "_binding", None), "compiled", None)
+    tried failed (its steps then ran eagerly), or None; ``cache_storage_reused``, how many of the run's caches took
+    over the storage of the one before (``decode.cache.StoragePool``: a captured step then replays, not records).
+    Empty for Megatron sources."""
+    binding = getattr(em.lm, "_binding", None)
+    compiled = getattr(binding, "compiled", None)
     if compiled is None:
-        return {} if not hasattr(em.lm, "_binding") else {"compiled_steps": [], "compile_failed": None}
+        return {} if binding is None else {"compiled_steps": [], "compile_failed": None, "cache_storage_reused": 0}
     made = sorted(compiled.made, key=lambda m: (m[0], -1 if m[1] is None else m[1]))
-    return {"compiled_steps": [list(m) for m in made], "compile_failed": compiled.failed}
+    return {"compiled_steps": [list(m) for m in made], "compile_failed": compiled.failed,
+            "cache_storage_reused": binding.pool.reused}
 
 
 def gpt_shape(m: ModelConfig):

@@ -113,6 +113,9 @@ def test_compiled_decode_steps_run_exact_and_are_recorded(tmp_path, clean_env):
     assert res["model"]["compile_step"] == "aot_eager"
     # each (batch, cache length bucket) compiled: 24 and 40 tokens (+ steps) share one bucket
     assert res["model"]["compiled_steps"] == [[1, 64], [2, 64]] and res["model"]["compile_failed"] is None
+    # the caches of consecutive runs of one shape share storage: the warmup's second strategy, then the second
+    # strategy of each (context, batch); a new batch size allocates (the 24 and 40 tokens share one bucket)
+    assert res["model"]["cache_storage_reused"] == 1 + 2 * 2
     assert res["exact"] is True and res["max_abs_dlogits"] < 1e-4 and res["tokens_match_reference"] is True
     assert len(res["runs"]) == 8 and all(r["exactness"]["checked_steps"] == [0, 1, 2, 3] for r in res["runs"])
     # traced once per batch (2, 1) x strategy (its merge is a constant of the graph), in the warmup step: 24 and
