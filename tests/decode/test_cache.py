@@ -197,3 +197,43 @@ def test_static_length_buckets_four_per_octave():
     for bad in (-1, 2.0, True, "8"):
         with pytest.raises(ValueError, match="static_length: expected a token count"):
             static_length(bad)
+
+
+def test_storage_pool_hands_its_one_storage_to_the_next_take_of_the_same_key_only():
+    """StoragePool keeps the last storage handed back and gives it to the next cache of exactly its shape: any
+    constructor argument that differs (dtype, batch, device, length, heads, CP rank, layout, ...) is another key,
+    whose take drops the kept storage (its cache allocates next: never two storages at once). "cpu" and
+    torch.device("cpu") are one device."""
+    from megatron_tree.decode.cache import StoragePool
+
+    shape = dict(num_layers=2, batch_size=3, max_seq_len=64, num_kv_heads=2, head_dim=4, head_dim_v=4, cp_size=2,
+                 cp_rank=0, config=CacheConfig(), dtype=torch.float32, device=torch.device("cpu"))
+    key = StoragePool.key(**shape)
+    assert StoragePool.key(**{**shape, "device": "cpu"}) == key
+    assert StoragePool.key(**{**shape, "config": CacheConfig()}) == key
+    others = dict(num_layers=3, batch_size=2, max_seq_len=80, num_kv_heads=1, head_dim=8, head_dim_v=2, cp_size=3,
+                  cp_rank=1, config=CacheConfig(layout="contiguous"), dtype=torch.bfloat16, device="meta")
+    keys = {name: StoragePool.key(**{**shape, name: value}) for name, value in others.items()}
+    keys["block_size"] = StoragePool.key(**{**shape, "config": CacheConfig(block_size=8)})
+    assert all(k != key for k in keys.values()) and len(set(keys.values())) == len(keys), keys
+    if torch.cuda.is_available():  # "cuda" names the current device
+        cuda = f"cuda:{torch.cuda.current_device()}"
+        assert StoragePool.key(**{**shape, "device": "cuda"}) == StoragePool.key(**{**shape, "device": cuda})
+
+    s1, s2 = (ShardedKVCache(**{**shape, "cp_size": 1}) for _ in range(2))
+    pool = StoragePool()
+    assert pool.take(key) is None and pool.holds == 0 and pool.reused == 0
+    pool.give(key, s1)
+    assert pool.holds == s1.kv_nbytes > 0
+    for name, other in keys.items():  # another shape: nothing, and the kept storage is dropped
+        pool.give(key, s1)
+        assert pool.take(other) is None and pool.holds == 0, name
+        assert pool.take(key) is None, name
+    assert pool.reused == 0
+    pool.give(key, s1)
+    pool.give(key, s2)  # one storage kept: the last one handed back
+    assert pool.take(key) is s2 and pool.reused == 1 and pool.holds == 0
+    assert pool.take(key) is None and pool.reused == 1  # taken once only
+    pool.give(key, s1)
+    pool.clear()
+    assert pool.holds == 0 and pool.take(key) is None and pool.reused == 1

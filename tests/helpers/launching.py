@@ -42,11 +42,16 @@ def free_port() -> int:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             return s.getsockname()[1]
-    with open(os.path.join(tempfile.gettempdir(), "megatron_tree_test_ports"), "a+") as f:
+    # one counter per user: a file another user made (mode 0644) cannot be opened for writing
+    with open(os.path.join(tempfile.gettempdir(), f"megatron_tree_test_ports.{os.getuid()}"), "a+") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         f.seek(0)
-        text = f.read().strip()
-        nxt = int(text) if text.isdigit() else os.getpid() % span
+        try:  # (a file left empty or corrupt: start anywhere; str.isdigit also passes "²", which int refuses)
+            nxt = int(f.read())
+        except ValueError:
+            nxt = -1
+        if nxt < 0:
+            nxt = os.getpid() % span
         for i in range(span):
             port = _FIRST_PORT + (nxt + i) % span
             with socket.socket() as s:

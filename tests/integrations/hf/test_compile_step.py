@@ -964,6 +964,117 @@ def test_a_models_next_cache_of_the_same_shape_takes_over_the_last_ones_storage(
     assert pool.holds == 0 and release_cache_storage(model.hf) == 0
 
 
+def test_a_cache_on_storage_taken_over_reads_none_of_the_keys_left_there():
+    """A cache that takes a storage over (its own again for new prompts, or the model's last cache's) finds the
+    keys and values of the prompts before it in the slots, of longer prompts too: its tokens are eager's all the
+    same (its rows' free slots are never read, whatever they hold). A cache that grew out of its length bucket
+    hands back its last storage (the larger one), which the next cache of that length takes over; disabling
+    tree attention lets the kept storage go."""
+    import gc
+
+    from megatron_tree.decode.generate import generate
+    from megatron_tree.integrations.hf import HFTreeModel, TreeCache, disable_tree_attention
+
+    g = torch.Generator().manual_seed(7)
+    long = [torch.randint(1, 128, (n,), generator=g).tolist() for n in (57, 44, 60)]  # + 4 new: the 64 bucket
+    torch._dynamo.reset()
+    ref = HFTreeModel(_model("llama"), None, compile_step=False)
+    want = {"long": generate(ref, long, 4, progress=False).tokens,
+            "short": generate(ref, PROMPTS, 4, progress=False).tokens,
+            "grown": generate(ref, long[:1], 10, progress=False).tokens}
+    model = HFTreeModel(_model("llama"), None, compile_step={"backend": "aot_eager"})
+    pool = model._binding.pool
+    gc.disable()  # every cache below must end when its last reference goes
+    try:
+        held = model.new_cache(len(PROMPTS), 64)
+        address = None
+        for name, prompts in (("long", long), ("short", PROMPTS), ("long", long), ("short", PROMPTS)):
+            assert generate(model, prompts, 4, progress=False, cache=held).tokens == want[name], name
+            address = address or held.storage._k.data_ptr()
+            assert held.storage._k.data_ptr() == address, name  # (its own storage, for each new prompt)
+        reused = pool.reused
+        del held
+        for name, prompts in (("long", long), ("short", PROMPTS)):  # new caches on the storage held filled
+            assert generate(model, prompts, 4, progress=False).tokens == want[name], name
+        assert pool.reused == reused + 2 and pool._storage._k.data_ptr() == address
+
+        # sized for 4 new tokens (64 slots), grown to 128 slots by 10: the 128-slot storage goes back
+        # (through transformers' generate: decode.generate takes caches of a fixed max_seq_len only)
+        grown = TreeCache(model.hf, None, new_tokens=4, batch_size=1, static=True, pool=pool)
+        ids = torch.tensor(long[:1])
+        out = model.hf.generate(ids, past_key_values=grown, max_new_tokens=10, min_new_tokens=10, do_sample=False)
+        assert [out[0, ids.shape[1]:].tolist()] == want["grown"] and grown.storage.max_seq_len == 128
+        kept, address = grown.kv_nbytes, grown.storage._k.data_ptr()
+        del grown
+        assert pool.holds == kept and pool._storage._k.data_ptr() == address
+        reused = pool.reused
+        cache = model.new_cache(1, 128)
+        assert generate(model, long[:1], 10, progress=False, cache=cache).tokens == want["grown"]
+        assert pool.reused == reused + 1 and cache.storage._k.data_ptr() == address
+        del cache
+    finally:
+        gc.enable()
+    assert pool.holds > 0
+    disable_tree_attention(model.hf)
+    assert pool.holds == 0
+
+
+def _after_longer_prompts(rank, world):
+    """Tokens of longer prompts, then of the short PROMPTS on the storage they left, compiled and eager."""
+    import gc
+
+    import megatron_tree as mt
+    from megatron_tree.decode.generate import generate
+    from megatron_tree.integrations.hf import HFTreeModel
+
+    groups = mt.TreeGroups.build()
+    g = torch.Generator().manual_seed(7)
+    long = [torch.randint(1, 128, (n,), generator=g).tolist() for n in (57, 44, 60)]
+    torch._dynamo.reset()
+    runs = {}
+    for name, setting in (("eager", False), ("compiled", {"backend": "aot_eager"})):
+        model = HFTreeModel(_model("llama"), groups, compile_step=setting)
+        gc.disable()  # (the long prompts' cache ends with its generate)
+        try:
+            runs[name] = [generate(model, p, 4, progress=False).tokens for p in (long, PROMPTS)]
+        finally:
+            gc.enable()
+    return {"equal": runs["compiled"] == runs["eager"], "reused": model._binding.pool.reused}
+
+
+def test_at_cp2_a_cache_on_the_storage_of_longer_prompts_reads_none_of_their_keys():
+    """At CP 2 a rank's slot holds another position for another prompt length (the load-balanced layout's
+    chunks): the slots the long prompts filled past the short ones' tokens hold positions the short prompts'
+    steps come to, so a cache that took the storage over must not see them (the placement starts afresh)."""
+    for r in run_ranks(_after_longer_prompts, 2, timeout=300):
+        assert r == {"equal": True, "reused": 1}, r
+
+
+def test_a_user_compiled_forwards_cache_ends_with_its_generate():
+    """Under a user's ``torch.compile`` of the forward the cache transformers' generate makes ends when the call
+    returns (the step's trace is collected after its first call): the next call takes its storage over."""
+    import gc
+
+    from megatron_tree.integrations.hf import enable_tree_attention
+    from megatron_tree.integrations.hf.common import _MARK
+
+    ids = torch.tensor([PROMPTS[0]])
+    with torch.no_grad():
+        want = _model("llama").generate(ids, max_new_tokens=4, do_sample=False)
+    torch._dynamo.reset()
+    model = enable_tree_attention(_model("llama"), None)
+    model.forward = torch.compile(model.forward, fullgraph=True, backend="aot_eager")
+    pool = getattr(model, _MARK).pool
+    gc.disable()
+    try:
+        with torch.no_grad():
+            for call in range(3):
+                assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False), want), call
+                assert pool.reused == call, (call, pool.reused)
+    finally:
+        gc.enable()
+
+
 def _batches(rank, world):
     """Batch sizes of compiled steps: the lazy default, explicit buckets, and what the ranks must agree on."""
     import logging
