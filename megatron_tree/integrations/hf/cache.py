@@ -97,7 +97,7 @@ class TreeCache(Cache):
         buffers updated in place. A static cache keeps its storage for a new prompt of the same shape.
     pool: a static cache's storage comes from, and returns to, this ``decode.cache.StoragePool`` (the
         model's, when the model makes the cache): the model's next cache of the same shape then reads and
-        writes the same addresses, which a captured step replays on; default None (its own storage)
+        writes the same addresses, which a captured step replays on; default None (a pool of the cache's own)
     """
 
     def __init__(self, config, groups: TreeGroups | None, *, max_seq_len: int | None = None,
@@ -141,7 +141,9 @@ class TreeCache(Cache):
         self._decode_positions: torch.Tensor | None = None
         self._written: set[int] = set()
         self.static = bool(static)
-        self._pool = pool
+        self._pool = pool if pool is not None or not self.static else StoragePool()
+        """Where a static cache's storage returns at :meth:`reset` (or when the cache ends) and comes from at the next
+        prompt: the model's, else one of the cache's own (its storage then kept across ``reset`` for a new prompt)."""
         self._storage_key: tuple | None = None
         self._hand_back: weakref.finalize | None = None
         """Gives a pooled storage back to :attr:`_pool` when this cache is garbage (or, called, at :meth:`reset`)."""

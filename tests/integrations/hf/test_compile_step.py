@@ -218,13 +218,8 @@ def test_settings_a_compiled_step_cannot_hold_are_refused_on_every_rank():
         [{k: v[:2] for k, v in results[0][0].items() if k != "dtypes"}] * 2
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs (mode='reduce-overhead') need a CUDA device")
-def test_captured_step_on_cuda_equals_eager():
-    """One process on CUDA: the step compiled with mode='reduce-overhead' (Inductor's CUDA graphs), asked for
-    and by default, replays with the eager step's tokens; logits a hook kept are not overwritten by the next
-    replay; a second generate of the same shape replays the first one's recordings (the storage taken over);
-    transformers' generate runs the default's captured steps."""
-    import megatron_tree as mt
+def _captured_runs(runs: dict, made: dict, kept: dict) -> None:
+    """The CUDA test's generate calls: eager, captured as asked, captured by default (twice, and transformers')."""
     from megatron_tree.decode.generate import GenerationHook, generate
     from megatron_tree.integrations.hf import HFTreeModel
 
@@ -235,10 +230,6 @@ def test_captured_step_on_cuda_equals_eager():
         def after_step(self, step, logits):
             self.steps.append(logits)
 
-    from torch._dynamo.utils import counters
-
-    counters.clear()
-    runs, made, kept = {}, {}, {}
     for name, setting in (("eager", False), ("captured", {"mode": "reduce-overhead"}), ("default", "auto")):
         model = HFTreeModel(_model("llama").cuda(), None, compile_step=setting)
         hook = Kept()
@@ -259,6 +250,26 @@ def test_captured_step_on_cuda_equals_eager():
             # transformers' own generate on the same model: captured steps too
             ids = torch.tensor([PROMPTS[0]], device="cuda")
             runs["transformers"] = model.hf.generate(ids, max_new_tokens=STEPS, do_sample=False)[0].tolist()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs (mode='reduce-overhead') need a CUDA device")
+def test_captured_step_on_cuda_equals_eager():
+    """One process on CUDA: the step compiled with mode='reduce-overhead' (Inductor's CUDA graphs), asked for
+    and by default, replays with the eager step's tokens; logits a hook kept are not overwritten by the next
+    replay; a second generate of the same shape replays the first one's recordings (the storage taken over);
+    transformers' generate runs the default's captured steps."""
+    import gc
+
+    import megatron_tree as mt
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    runs, made, kept = {}, {}, {}
+    gc.disable()  # (a cache must end with its generate, not at a collection that happens to run)
+    try:
+        _captured_runs(runs, made, kept)
+    finally:
+        gc.enable()
     assert runs["captured"] == runs["eager"] == runs["default"]
     for name in ("captured", "default"):  # (Inductor's fused float32 sums: close, not bitwise)
         gap = (kept[name] - kept["eager"]).abs().max()
@@ -968,8 +979,8 @@ def test_a_cache_on_storage_taken_over_reads_none_of_the_keys_left_there():
     """A cache that takes a storage over (its own again for new prompts, or the model's last cache's) finds the
     keys and values of the prompts before it in the slots, of longer prompts too: its tokens are eager's all the
     same (its rows' free slots are never read, whatever they hold). A cache that grew out of its length bucket
-    hands back its last storage (the larger one), which the next cache of that length takes over; disabling
-    tree attention lets the kept storage go."""
+    hands back its last storage (the larger one), which the next cache of that length takes over; a static cache
+    made without the model's pool keeps its own across ``reset``; disabling tree attention lets the kept storage go."""
     import gc
 
     from megatron_tree.decode.generate import generate
@@ -1012,6 +1023,14 @@ def test_a_cache_on_storage_taken_over_reads_none_of_the_keys_left_there():
         assert generate(model, long[:1], 10, progress=False, cache=cache).tokens == want["grown"]
         assert pool.reused == reused + 1 and cache.storage._k.data_ptr() == address
         del cache
+        # a static cache the user made without the model's pool keeps its own storage across reset and new prompts
+        own = TreeCache(model.hf, None, max_seq_len=64, batch_size=len(PROMPTS), static=True)
+        storages = []  # (the objects, not their addresses: a freed storage's memory may come back at the same one)
+        for name, prompts in (("long", long), ("short", PROMPTS), ("long", long)):
+            assert generate(model, prompts, 4, progress=False, cache=own).tokens == want[name], name
+            storages.append(own.storage)
+            own.reset()
+        assert all(st is storages[0] for st in storages) and pool.reused == reused + 1  # (not the model's pool)
     finally:
         gc.enable()
     assert pool.holds > 0
