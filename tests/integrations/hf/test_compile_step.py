@@ -960,7 +960,7 @@ def test_a_models_next_cache_of_the_same_shape_takes_over_the_last_ones_storage(
     from megatron_tree.integrations.hf import release_cache_storage
 
     kept = pool.holds
-    assert kept == pool._storage.kv_nbytes > 0 and release_cache_storage(model.hf) == kept
+    assert kept == pool._kept[1].kv_nbytes > 0 and release_cache_storage(model.hf) == kept
     assert pool.holds == 0 and release_cache_storage(model.hf) == 0
 
 
