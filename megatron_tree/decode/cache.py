@@ -126,6 +126,11 @@ class StoragePool:
         another storage's key."""
         self.reused = 0
         """How many caches took over a storage handed back (rather than allocating their own)."""
+        self.layer_shapes: dict[tuple, tuple] = {}
+        """``{(heads, head_dim, head_dim_v) the config describes: what the layers store}``, where they differ: a
+        cache learns it at its first write and re-makes its storage (``TreeCache._reshape``); the model's later
+        caches start with the layers' shapes, so their first storage is of the key kept here (else each one
+        dropped the kept storage for one of the config's shapes, then allocated anew at its first write)."""
 
     @staticmethod
     def key(**kwargs) -> tuple:

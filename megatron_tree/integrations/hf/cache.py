@@ -107,7 +107,9 @@ class TreeCache(Cache):
         model = config if isinstance(config, torch.nn.Module) else None
         cfg = _text_config(model.config if model is not None else config)
         self.num_layers = int(cfg.num_hidden_layers)
-        self.num_kv_heads, self.head_dim, self.head_dim_v = _kv_shape(cfg)
+        self._config_shape = _kv_shape(cfg)
+        shape = self._config_shape if pool is None else pool.layer_shapes.get(self._config_shape, self._config_shape)
+        self.num_kv_heads, self.head_dim, self.head_dim_v = shape  # (what the model's layers stored, if learned)
         self._expands = bool(getattr(cfg, "kv_lora_rank", None))
         """The layers expand what :meth:`update` returns (MLA's latent into keys and values): in a forward of
         several new tokens their keys travel with the shard (see :meth:`update`)."""
@@ -367,6 +369,8 @@ class TreeCache(Cache):
     def _reshape(self, heads: int, head_dim: int, head_dim_v: int) -> None:
         """Re-make the (still empty) storage for the shapes the layers store; the placement is replayed."""
         self.num_kv_heads, self.head_dim, self.head_dim_v = heads, head_dim, head_dim_v
+        if self._pool is not None:  # the model's next caches start with these shapes (and the storage kept of them)
+            self._pool.layer_shapes[self._config_shape] = (heads, head_dim, head_dim_v)
         old = self.storage
         self.storage = self._allocate(old.batch_size, self._nominal)
         local = self.storage.start_prefill(self._prompt_lengths, self._prefill_chunk)

@@ -1377,3 +1377,34 @@ def test_the_default_leaves_eager_what_it_cannot_capture_and_raises_what_fails_a
         assert calls > 0 and runs == [(True, True, calls)] * 2, out["captured"]
         assert keys and set(keys) == {"packed"}, keys
         assert out["dynamic"] == (True, True), out["dynamic"]
+
+
+def test_a_model_whose_layers_store_other_shapes_than_its_config_still_reuses_the_kept_storage():
+    """A config that misdescribes the layers' KV shapes (here num_key_value_heads set after the model was built:
+    the layers keep 2 heads) sizes each cache's first storage wrongly, and the first write re-makes it
+    (``TreeCache._reshape``). The model's pool remembers the layers' shapes: its later caches start with them and
+    take over the storage the last one left (before, each one dropped the kept storage when it allocated for the
+    config's shapes, so a captured step re-recorded at every generate). Tokens stay transformers' own."""
+    import gc
+
+    from megatron_tree.integrations.hf import enable_tree_attention
+    from megatron_tree.integrations.hf.common import _MARK
+    from tests.helpers.hf_models import hf_model
+
+    def model(**kw):
+        m = hf_model("llama")
+        m.config.num_key_value_heads = 4  # (the layers keep their 2 KV heads)
+        return m if not kw else enable_tree_attention(m, None, **kw)
+
+    torch._dynamo.reset()
+    ids = torch.tensor([PROMPTS[0]])
+    with torch.no_grad():
+        want = model().generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+        compiled = model(compile_step={"backend": "aot_eager"})
+        pool = getattr(compiled, _MARK).pool
+        for _ in range(3):
+            got = compiled.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+            assert torch.equal(got, want)
+            gc.collect()
+    assert pool.reused == 2, pool.reused  # (0 before: every cache allocated twice)
+    assert pool.layer_shapes == {(4, 16, 16): (2, 16, 16)}
