@@ -3,6 +3,7 @@ rank's share of every layer (through the decode tier's ``ShardedKVCache``)."""
 
 from __future__ import annotations
 
+import copy
 import weakref
 
 import torch
@@ -170,6 +171,22 @@ class TreeCache(Cache):
         if self.storage is not None:
             return self.storage.batch_size
         return -1 if self._batch is None else self._batch
+
+    def __deepcopy__(self, memo) -> "TreeCache":
+        """A cache of its own (transformers' prefix reuse: ``copy.deepcopy(prompt_cache)`` per continuation): its
+        tokens and storage copied, its layers its own (they hold their cache weakly, and a weak reference is
+        copied as is: it would name the cache copied), the model's pool and the CP group shared, not copied; a
+        pooled copy hands its own storage back when it ends."""
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        shared = {"_pool": self._pool, "groups": self.groups, "_hand_back": None,
+                  "layers": [_TreeLayer(new) for _ in self.layers]}
+        for name, value in self.__dict__.items():
+            setattr(new, name, shared[name] if name in shared else copy.deepcopy(value, memo))
+        if self._hand_back is not None and new.storage is not None:
+            new._hand_back = weakref.finalize(new, new._pool.give, new._storage_key, new.storage)
+            new._hand_back.atexit = False
+        return new
 
     def reset(self) -> None:
         if self._hand_back is not None:  # the storage goes back to the model's pool (for its next cache)

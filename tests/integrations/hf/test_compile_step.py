@@ -1408,3 +1408,49 @@ def test_a_model_whose_layers_store_other_shapes_than_its_config_still_reuses_th
             gc.collect()
     assert pool.reused == 2, pool.reused  # (0 before: every cache allocated twice)
     assert pool.layer_shapes == {(4, 16, 16): (2, 16, 16)}
+
+
+def test_a_deep_copy_of_a_static_cache_is_a_cache_of_its_own():
+    """transformers' prefix reuse (``copy.deepcopy(prompt_cache)``, then a generate per continuation) on a model
+    with compiled steps: the copy's layers answer for the copy (not for the cache copied, which they pointed to
+    once the layers held their cache weakly), the copy shares the model's storage pool (a deep copy had copied
+    the pool, with the storage it kept), and it hands its own storage back when it ends. Tokens: eager's."""
+    import copy
+    import gc
+
+    from megatron_tree.integrations.hf import enable_tree_attention
+    from megatron_tree.integrations.hf.common import _MARK
+    from tests.helpers.hf_models import hf_model
+
+    torch._dynamo.reset()
+    prefix = torch.tensor([PROMPTS[0]])
+    tails = ([7, 8], [9, 10, 11])
+    runs = {}
+    for name, setting in (("eager", False), ("compiled", {"backend": "aot_eager"})):
+        model = enable_tree_attention(hf_model("llama"), None, compile_step=setting)
+        pool = getattr(model, _MARK).pool
+        with torch.no_grad():
+            model.generate(prefix, max_new_tokens=4, do_sample=False, pad_token_id=0)  # (the pool keeps its storage)
+            gc.collect()
+            prompt_cache = model(prefix, use_cache=True).past_key_values
+            out = []
+            for tail in tails:
+                cache = copy.deepcopy(prompt_cache)
+                if name == "compiled":
+                    assert cache._pool is pool and cache.storage is not prompt_cache.storage
+                    assert [layer.get_seq_length() for layer in cache.layers] == [len(PROMPTS[0])] * 2
+                ids = torch.cat([prefix, torch.tensor([tail])], dim=1)
+                out.append(model.generate(ids, past_key_values=cache, max_new_tokens=5, do_sample=False,
+                                          pad_token_id=0).tolist())
+                if name == "compiled":  # the copy grew; the prompt's cache and its layers did not
+                    assert [layer.get_seq_length() for layer in cache.layers] == [cache.get_seq_length()] * 2
+                    assert cache.get_seq_length() > prompt_cache.get_seq_length() == len(PROMPTS[0])
+                del cache
+                gc.collect()
+            runs[name] = out
+        if name == "compiled":
+            reused = pool.reused
+            del prompt_cache
+            gc.collect()
+            assert pool.holds > 0 and pool.reused == reused
+    assert runs["compiled"] == runs["eager"]
