@@ -172,6 +172,18 @@ class TreeCache(Cache):
             return self.storage.batch_size
         return -1 if self._batch is None else self._batch
 
+    def __copy__(self) -> "TreeCache":
+        """Another handle on the same storage (and layers of its own, see :meth:`__deepcopy__`). Shared, the
+        storage no longer returns to the model's pool when this cache ends: the copy may still decode on it, and
+        the model's next cache would take it over (two caches writing one storage)."""
+        new = type(self).__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        new.layers = [_TreeLayer(new) for _ in self.layers]
+        if self._hand_back is not None:
+            self._hand_back.detach()
+        self._hand_back = new._hand_back = None
+        return new
+
     def __deepcopy__(self, memo) -> "TreeCache":
         """A cache of its own (transformers' prefix reuse: ``copy.deepcopy(prompt_cache)`` per continuation): its
         tokens and storage copied, its layers its own (they hold their cache weakly, and a weak reference is

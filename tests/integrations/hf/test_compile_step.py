@@ -1454,3 +1454,40 @@ def test_a_deep_copy_of_a_static_cache_is_a_cache_of_its_own():
             gc.collect()
             assert pool.holds > 0 and pool.reused == reused
     assert runs["compiled"] == runs["eager"]
+
+
+def test_a_shallow_copy_keeps_the_storage_from_the_pool():
+    """``copy.copy(cache)`` shares the cache's storage. The cache copied ending must not hand that storage to the
+    model's pool while the copy still decodes on it: the model's next cache of the same shape would take it over
+    and the two conversations would write each other's keys (before: both went on silently with wrong tokens).
+    Both conversations, interleaved step by step, give the eager model's tokens."""
+    import copy
+    import gc
+
+    from megatron_tree.integrations.hf import enable_tree_attention
+    from tests.helpers.hf_models import hf_model
+
+    torch._dynamo.reset()
+
+    def run(setting):
+        model = enable_tree_attention(hf_model("llama"), None, compile_step=setting)
+        seqs = [torch.tensor([PROMPTS[0]]), torch.tensor([[9, 8, 7, 6, 5]])]
+        with torch.no_grad():
+            out = model(seqs[0], use_cache=True)
+            alias = copy.copy(out.past_key_values)
+            seqs[0] = torch.cat([seqs[0], out.logits[:, -1:].argmax(-1)], 1)
+            del out
+            gc.collect()  # the cache copied ends; its copy goes on
+            out = model(seqs[1], use_cache=True)  # a new conversation, a cache of the same shape
+            caches = [alias, out.past_key_values]
+            seqs[1] = torch.cat([seqs[1], out.logits[:, -1:].argmax(-1)], 1)
+            shared = caches[0].storage is caches[1].storage
+            for _ in range(6):
+                for i in (0, 1):
+                    last = torch.tensor([[int(seqs[i][0, -1])]])
+                    logits = model(last, past_key_values=caches[i], use_cache=True).logits
+                    seqs[i] = torch.cat([seqs[i], logits[:, -1:].argmax(-1)], 1)
+        return [s.tolist() for s in seqs], shared
+
+    (want, _), (got, shared) = run(False), run({"backend": "aot_eager"})
+    assert not shared and got == want
