@@ -1491,3 +1491,29 @@ def test_a_shallow_copy_keeps_the_storage_from_the_pool():
 
     (want, _), (got, shared) = run(False), run({"backend": "aot_eager"})
     assert not shared and got == want
+
+
+def test_a_step_fed_a_slice_of_its_sequence_compiles_once():
+    """The usual hand-written decode loop feeds ``seq[:, -1:]``: a (batch, 1) view whose stride is the sequence's
+    length, one more at every step. The compiled step is traced once all the same (it takes a contiguous copy):
+    before, Dynamo recompiled it at every step on the stride of the ids and an explicit compile_step raised at
+    the 9th ("recompile limit exceeded"). Tokens: eager's."""
+    from megatron_tree.integrations.hf import enable_tree_attention
+    from tests.helpers.hf_models import hf_model
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    runs = {}
+    for name, setting in (("eager", False), ("compiled", {"backend": counter})):
+        model = enable_tree_attention(hf_model("llama"), None, compile_step=setting)
+        seq = torch.tensor([PROMPTS[0]])
+        with torch.no_grad():
+            out = model(seq, use_cache=True)
+            cache = out.past_key_values
+            for _ in range(STEPS):
+                seq = torch.cat([seq, out.logits[:, -1:].argmax(-1)], 1)
+                out = model(seq[:, -1:], past_key_values=cache, use_cache=True)
+        runs[name] = seq.tolist()
+    assert runs["compiled"] == runs["eager"]
+    assert counter.frame_count == 1, counter.frame_count
