@@ -120,10 +120,17 @@ class StoragePool:
     """
 
     def __init__(self):
-        self._key: tuple | None = None
-        self._storage: ShardedKVCache | None = None
+        self._kept: tuple[tuple, ShardedKVCache] | None = None
+        """(key, storage): one object, swapped whole -- a cache's finalizer may give a storage back in the middle
+        of a :meth:`take` (a gc pass there, or in another thread), and a storage must never be handed out under
+        another storage's key."""
         self.reused = 0
         """How many caches took over a storage handed back (rather than allocating their own)."""
+        self.layer_shapes: dict[tuple, tuple] = {}
+        """``{(heads, head_dim, head_dim_v) the config describes: what the layers store}``, where they differ: a
+        cache learns it at its first write and re-makes its storage (``TreeCache._reshape``); the model's later
+        caches start with the layers' shapes, so their first storage is of the key kept here (else each one
+        dropped the kept storage for one of the config's shapes, then allocated anew at its first write)."""
 
     @staticmethod
     def key(**kwargs) -> tuple:
@@ -137,24 +144,25 @@ class StoragePool:
     def take(self, key: tuple) -> ShardedKVCache | None:
         """The storage handed back under ``key`` (now the caller's), else None: a storage of another key is
         dropped first (the caller allocates next)."""
-        storage, self._storage = self._storage, None
-        if storage is not None and self._key == key:
+        kept, self._kept = self._kept, None
+        if kept is not None and kept[0] == key:
             self.reused += 1
-            return storage
+            return kept[1]
         return None
 
     def give(self, key: tuple, storage: ShardedKVCache) -> None:
         """Keep ``storage`` (its cache ended) for the next :meth:`take` of ``key``; drops the one kept before."""
-        self._key, self._storage = key, storage
+        self._kept = (key, storage)
 
     def clear(self) -> None:
         """Let the kept storage go (its memory returns to torch's allocator)."""
-        self._key = self._storage = None
+        self._kept = None
 
     @property
     def holds(self) -> int:
         """Bytes of keys and values kept (0 when empty)."""
-        return 0 if self._storage is None else self._storage.kv_nbytes
+        kept = self._kept
+        return 0 if kept is None else kept[1].kv_nbytes
 
 
 def _zeros(shape: tuple, dtype, device, head_major: bool) -> torch.Tensor:

@@ -3,6 +3,7 @@ rank's share of every layer (through the decode tier's ``ShardedKVCache``)."""
 
 from __future__ import annotations
 
+import copy
 import weakref
 
 import torch
@@ -107,7 +108,9 @@ class TreeCache(Cache):
         model = config if isinstance(config, torch.nn.Module) else None
         cfg = _text_config(model.config if model is not None else config)
         self.num_layers = int(cfg.num_hidden_layers)
-        self.num_kv_heads, self.head_dim, self.head_dim_v = _kv_shape(cfg)
+        self._config_shape = _kv_shape(cfg)
+        shape = self._config_shape if pool is None else pool.layer_shapes.get(self._config_shape, self._config_shape)
+        self.num_kv_heads, self.head_dim, self.head_dim_v = shape  # (what the model's layers stored, if learned)
         self._expands = bool(getattr(cfg, "kv_lora_rank", None))
         """The layers expand what :meth:`update` returns (MLA's latent into keys and values): in a forward of
         several new tokens their keys travel with the shard (see :meth:`update`)."""
@@ -170,6 +173,34 @@ class TreeCache(Cache):
         if self.storage is not None:
             return self.storage.batch_size
         return -1 if self._batch is None else self._batch
+
+    def __copy__(self) -> "TreeCache":
+        """Another handle on the same storage (and layers of its own, see :meth:`__deepcopy__`). Shared, the
+        storage no longer returns to the model's pool when this cache ends: the copy may still decode on it, and
+        the model's next cache would take it over (two caches writing one storage)."""
+        new = type(self).__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        new.layers = [_TreeLayer(new) for _ in self.layers]
+        if self._hand_back is not None:
+            self._hand_back.detach()
+        self._hand_back = new._hand_back = None
+        return new
+
+    def __deepcopy__(self, memo) -> "TreeCache":
+        """A cache of its own (transformers' prefix reuse: ``copy.deepcopy(prompt_cache)`` per continuation): its
+        tokens and storage copied, its layers its own (they hold their cache weakly, and a weak reference is
+        copied as is: it would name the cache copied), the model's pool and the CP group shared, not copied; a
+        pooled copy hands its own storage back when it ends."""
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        shared = {"_pool": self._pool, "groups": self.groups, "_hand_back": None,
+                  "layers": [_TreeLayer(new) for _ in self.layers]}
+        for name, value in self.__dict__.items():
+            setattr(new, name, shared[name] if name in shared else copy.deepcopy(value, memo))
+        if self._hand_back is not None and new.storage is not None:
+            new._hand_back = weakref.finalize(new, new._pool.give, new._storage_key, new.storage)
+            new._hand_back.atexit = False
+        return new
 
     def reset(self) -> None:
         if self._hand_back is not None:  # the storage goes back to the model's pool (for its next cache)
@@ -369,6 +400,8 @@ class TreeCache(Cache):
     def _reshape(self, heads: int, head_dim: int, head_dim_v: int) -> None:
         """Re-make the (still empty) storage for the shapes the layers store; the placement is replayed."""
         self.num_kv_heads, self.head_dim, self.head_dim_v = heads, head_dim, head_dim_v
+        if self._pool is not None:  # the model's next caches start with these shapes (and the storage kept of them)
+            self._pool.layer_shapes[self._config_shape] = (heads, head_dim, head_dim_v)
         old = self.storage
         self.storage = self._allocate(old.batch_size, self._nominal)
         local = self.storage.start_prefill(self._prompt_lengths, self._prefill_chunk)

@@ -409,6 +409,10 @@ def _placed_step(orig, binding: _Binding, cache: TreeCache, call: dict, batch: i
     if ids is None or rest:
         raise NotImplementedError(f"a compiled decode step takes input_ids only (position_ids come from the cache); "
                                   f"got {sorted(rest) or ['inputs_embeds']}")
+    if ids.stride() != (ids.shape[-1], 1):
+        # A trace is specialised to its inputs' strides: the slice ``seq[:, -1:]`` of a growing sequence has a new
+        # one at every step (a recompilation each, and an explicit setting's error at the recompile limit)
+        ids = ids.clone(memory_format=torch.contiguous_format)
     binding.active = cache
     # The traced step sees a step of the same strategy whose stats are the binding's slot, the same object at
     # every step: the step's own CommStats (a new one per eval run) would be a new constant -- a new trace

@@ -971,7 +971,7 @@ def test_a_models_next_cache_of_the_same_shape_takes_over_the_last_ones_storage(
     from megatron_tree.integrations.hf import release_cache_storage
 
     kept = pool.holds
-    assert kept == pool._storage.kv_nbytes > 0 and release_cache_storage(model.hf) == kept
+    assert kept == pool._kept[1].kv_nbytes > 0 and release_cache_storage(model.hf) == kept
     assert pool.holds == 0 and release_cache_storage(model.hf) == 0
 
 
@@ -1507,3 +1507,143 @@ def test_the_default_leaves_eager_what_it_cannot_capture_and_raises_what_fails_a
         assert calls > 0 and runs == [(True, True, calls)] * 2, out["captured"]
         assert keys and set(keys) == {"packed"}, keys
         assert out["dynamic"] == (True, True), out["dynamic"]
+
+
+def test_a_model_whose_layers_store_other_shapes_than_its_config_still_reuses_the_kept_storage():
+    """A config that misdescribes the layers' KV shapes (here num_key_value_heads set after the model was built:
+    the layers keep 2 heads) sizes each cache's first storage wrongly, and the first write re-makes it
+    (``TreeCache._reshape``). The model's pool remembers the layers' shapes: its later caches start with them and
+    take over the storage the last one left (before, each one dropped the kept storage when it allocated for the
+    config's shapes, so a captured step re-recorded at every generate). Tokens stay transformers' own."""
+    import gc
+
+    from megatron_tree.integrations.hf import enable_tree_attention
+    from megatron_tree.integrations.hf.common import _MARK
+    from tests.helpers.hf_models import hf_model
+
+    def model(**kw):
+        m = hf_model("llama")
+        m.config.num_key_value_heads = 4  # (the layers keep their 2 KV heads)
+        return m if not kw else enable_tree_attention(m, None, **kw)
+
+    torch._dynamo.reset()
+    ids = torch.tensor([PROMPTS[0]])
+    with torch.no_grad():
+        want = model().generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+        compiled = model(compile_step={"backend": "aot_eager"})
+        pool = getattr(compiled, _MARK).pool
+        for _ in range(3):
+            got = compiled.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+            assert torch.equal(got, want)
+            gc.collect()
+    assert pool.reused == 2, pool.reused  # (0 before: every cache allocated twice)
+    assert pool.layer_shapes == {(4, 16, 16): (2, 16, 16)}
+
+
+def test_a_deep_copy_of_a_static_cache_is_a_cache_of_its_own():
+    """transformers' prefix reuse (``copy.deepcopy(prompt_cache)``, then a generate per continuation) on a model
+    with compiled steps: the copy's layers answer for the copy (not for the cache copied, which they pointed to
+    once the layers held their cache weakly), the copy shares the model's storage pool (a deep copy had copied
+    the pool, with the storage it kept), and it hands its own storage back when it ends. Tokens: eager's."""
+    import copy
+    import gc
+
+    from megatron_tree.integrations.hf import enable_tree_attention
+    from megatron_tree.integrations.hf.common import _MARK
+    from tests.helpers.hf_models import hf_model
+
+    torch._dynamo.reset()
+    prefix = torch.tensor([PROMPTS[0]])
+    tails = ([7, 8], [9, 10, 11])
+    runs = {}
+    for name, setting in (("eager", False), ("compiled", {"backend": "aot_eager"})):
+        model = enable_tree_attention(hf_model("llama"), None, compile_step=setting)
+        pool = getattr(model, _MARK).pool
+        with torch.no_grad():
+            model.generate(prefix, max_new_tokens=4, do_sample=False, pad_token_id=0)  # (the pool keeps its storage)
+            gc.collect()
+            prompt_cache = model(prefix, use_cache=True).past_key_values
+            out = []
+            for tail in tails:
+                cache = copy.deepcopy(prompt_cache)
+                if name == "compiled":
+                    assert cache._pool is pool and cache.storage is not prompt_cache.storage
+                    assert [layer.get_seq_length() for layer in cache.layers] == [len(PROMPTS[0])] * 2
+                ids = torch.cat([prefix, torch.tensor([tail])], dim=1)
+                out.append(model.generate(ids, past_key_values=cache, max_new_tokens=5, do_sample=False,
+                                          pad_token_id=0).tolist())
+                if name == "compiled":  # the copy grew; the prompt's cache and its layers did not
+                    assert [layer.get_seq_length() for layer in cache.layers] == [cache.get_seq_length()] * 2
+                    assert cache.get_seq_length() > prompt_cache.get_seq_length() == len(PROMPTS[0])
+                del cache
+                gc.collect()
+            runs[name] = out
+        if name == "compiled":
+            reused = pool.reused
+            del prompt_cache
+            gc.collect()
+            assert pool.holds > 0 and pool.reused == reused
+    assert runs["compiled"] == runs["eager"]
+
+
+def test_a_shallow_copy_keeps_the_storage_from_the_pool():
+    """``copy.copy(cache)`` shares the cache's storage. The cache copied ending must not hand that storage to the
+    model's pool while the copy still decodes on it: the model's next cache of the same shape would take it over
+    and the two conversations would write each other's keys (before: both went on silently with wrong tokens).
+    Both conversations, interleaved step by step, give the eager model's tokens."""
+    import copy
+    import gc
+
+    from megatron_tree.integrations.hf import enable_tree_attention
+    from tests.helpers.hf_models import hf_model
+
+    torch._dynamo.reset()
+
+    def run(setting):
+        model = enable_tree_attention(hf_model("llama"), None, compile_step=setting)
+        seqs = [torch.tensor([PROMPTS[0]]), torch.tensor([[9, 8, 7, 6, 5]])]
+        with torch.no_grad():
+            out = model(seqs[0], use_cache=True)
+            alias = copy.copy(out.past_key_values)
+            seqs[0] = torch.cat([seqs[0], out.logits[:, -1:].argmax(-1)], 1)
+            del out
+            gc.collect()  # the cache copied ends; its copy goes on
+            out = model(seqs[1], use_cache=True)  # a new conversation, a cache of the same shape
+            caches = [alias, out.past_key_values]
+            seqs[1] = torch.cat([seqs[1], out.logits[:, -1:].argmax(-1)], 1)
+            shared = caches[0].storage is caches[1].storage
+            for _ in range(6):
+                for i in (0, 1):
+                    last = torch.tensor([[int(seqs[i][0, -1])]])
+                    logits = model(last, past_key_values=caches[i], use_cache=True).logits
+                    seqs[i] = torch.cat([seqs[i], logits[:, -1:].argmax(-1)], 1)
+        return [s.tolist() for s in seqs], shared
+
+    (want, _), (got, shared) = run(False), run({"backend": "aot_eager"})
+    assert not shared and got == want
+
+
+def test_a_step_fed_a_slice_of_its_sequence_compiles_once():
+    """The usual hand-written decode loop feeds ``seq[:, -1:]``: a (batch, 1) view whose stride is the sequence's
+    length, one more at every step. The compiled step is traced once all the same (it takes a contiguous copy):
+    before, Dynamo recompiled it at every step on the stride of the ids and an explicit compile_step raised at
+    the 9th ("recompile limit exceeded"). Tokens: eager's."""
+    from megatron_tree.integrations.hf import enable_tree_attention
+    from tests.helpers.hf_models import hf_model
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    runs = {}
+    for name, setting in (("eager", False), ("compiled", {"backend": counter})):
+        model = enable_tree_attention(hf_model("llama"), None, compile_step=setting)
+        seq = torch.tensor([PROMPTS[0]])
+        with torch.no_grad():
+            out = model(seq, use_cache=True)
+            cache = out.past_key_values
+            for _ in range(STEPS):
+                seq = torch.cat([seq, out.logits[:, -1:].argmax(-1)], 1)
+                out = model(seq[:, -1:], past_key_values=cache, use_cache=True)
+        runs[name] = seq.tolist()
+    assert runs["compiled"] == runs["eager"]
+    assert counter.frame_count == 1, counter.frame_count
