@@ -1007,7 +1007,7 @@ def test_a_cache_on_storage_taken_over_reads_none_of_the_keys_left_there():
         del held
         for name, prompts in (("long", long), ("short", PROMPTS)):  # new caches on the storage held filled
             assert generate(model, prompts, 4, progress=False).tokens == want[name], name
-        assert pool.reused == reused + 2 and pool._storage._k.data_ptr() == address
+        assert pool.reused == reused + 2 and pool._kept[1]._k.data_ptr() == address
 
         # sized for 4 new tokens (64 slots), grown to 128 slots by 10: the 128-slot storage goes back
         # (through transformers' generate: decode.generate takes caches of a fixed max_seq_len only)
@@ -1017,7 +1017,7 @@ def test_a_cache_on_storage_taken_over_reads_none_of_the_keys_left_there():
         assert [out[0, ids.shape[1]:].tolist()] == want["grown"] and grown.storage.max_seq_len == 128
         kept, address = grown.kv_nbytes, grown.storage._k.data_ptr()
         del grown
-        assert pool.holds == kept and pool._storage._k.data_ptr() == address
+        assert pool.holds == kept and pool._kept[1]._k.data_ptr() == address
         reused = pool.reused
         cache = model.new_cache(1, 128)
         assert generate(model, long[:1], 10, progress=False, cache=cache).tokens == want["grown"]
