@@ -365,7 +365,7 @@ def _decode(orig, binding: _Binding, cache: TreeCache, call: dict, batch: int, q
             "(causality and padding come from global token positions)"
         )
     if mask is not None and mask.shape[-1] >= q_len:
-        _check_unpadded(mask[:, -q_len:])
+        _check_unpadded(mask, q_len)
     if q_len != 1:
         return _decode_chain(orig, binding, cache, call, batch, q_len)
     cache._begin_decode(batch, binding.windows)
@@ -456,15 +456,24 @@ def _placed_step(orig, binding: _Binding, cache: TreeCache, call: dict, batch: i
     return CausalLMOutputWithPast(logits=logits[:, None])
 
 
-_PADDED_NEW = "the attention_mask marks a new (decoded) token as padding; only prompts may be padded"
+_PADDED_NEW = ("the attention_mask marks a new (decoded) token as padding, or a token after a row's first real one; "
+               "only prompts may be padded, at their start (generate makes the mask from pad_token_id when none is "
+               "passed: a generated token equal to the pad token id then looks like padding -- pass the "
+               "attention_mask, e.g. the ones of the generate that made the tokens)")
 
 
-def _check_unpadded(new: torch.Tensor) -> None:
-    """Every entry of ``new`` (the new tokens' columns of the attention_mask) is 1, checked without a host
-    read: ``torch._assert_async`` (a decode step reads no device value on the host). On CPU it raises at
-    once, here a ValueError; on CUDA a 0 is a device-side assert, surfacing at the step's next sync."""
+def _check_unpadded(mask: torch.Tensor, q_len: int) -> None:
+    """The decode forward's (batch, seq) attention_mask: every entry of its last ``q_len`` columns (the new tokens)
+    is 1 and every row is left-padded (zeros, then ones: the cache holds every token after a row's padding, and
+    attends to all of them), checked without a host read: ``torch._assert_async`` (a decode step reads no device
+    value on the host). On CPU it raises at once, here a ValueError; on CUDA a 0 is a device-side assert,
+    surfacing at the step's next sync. (A hole in the mask -- a decoded token equal to the pad token id, in a mask
+    generate made from the ids -- would otherwise be attended to here and masked by transformers.)"""
+    ok = mask[:, -q_len:].all()
+    if mask.shape[-1] > 1:
+        ok = ok & (mask[:, 1:] >= mask[:, :-1]).all()
     try:
-        torch._assert_async(new.all(), _PADDED_NEW)
+        torch._assert_async(ok, _PADDED_NEW)
     except RuntimeError as e:
         if _PADDED_NEW not in str(e):
             raise

@@ -95,3 +95,36 @@ def test_second_generate_on_the_returned_cache_grows_it_and_equals_one_process()
             assert res["window_plain"][0] == res["window_plain"][1]
             kind, msg, _ = res["sized"]
             assert kind == "CacheOverflowError" and "max_seq_len=14" in msg, msg
+
+
+def test_a_continued_generate_whose_mask_hides_a_decoded_token_is_refused():
+    """Without an attention_mask, generate makes one from pad_token_id: continuing a cache whose decoded tokens
+    include the pad token id hides them (transformers masks them out; the tree cache holds them and would attend
+    to them: a silent other answer before). Refused on the step's host half naming the mask, with the cache as it
+    was; continued with the mask, the tokens are transformers' own."""
+    import pytest
+
+    from megatron_tree.integrations.hf import enable_tree_attention
+
+    prompt = torch.tensor([[5, 17, 90, 3, 42, 8]])
+    with torch.no_grad():
+        first = _model().generate(prompt, max_new_tokens=FIRST, do_sample=False)
+    pad = int(first[0, prompt.shape[1]])  # the first decoded token, which the cache holds, taken as the pad id
+    assert pad not in prompt[0].tolist()  # (else the prompt itself holds the pad id: the prefill's own error)
+    plain, model = _model(), enable_tree_attention(_model(), None)
+    for m in (plain, model):
+        m.generation_config.pad_token_id = pad
+    with torch.no_grad():
+        want = plain.generate(prompt, max_new_tokens=FIRST, do_sample=False, return_dict_in_generate=True)
+        out = model.generate(prompt, max_new_tokens=FIRST, do_sample=False, return_dict_in_generate=True)
+        assert torch.equal(out.sequences, want.sequences) and torch.equal(out.sequences, first)
+        cache, length = out.past_key_values, out.past_key_values.get_seq_length()
+        with pytest.raises(ValueError, match="a generated token equal to the pad token id then looks like padding"):
+            model.generate(out.sequences, past_key_values=cache, max_new_tokens=SECOND, do_sample=False)
+        assert cache.get_seq_length() == length and cache.lengths == [prompt.shape[1] + FIRST - 1]
+        mask = torch.ones_like(out.sequences)
+        again = model.generate(out.sequences, attention_mask=mask, past_key_values=cache, max_new_tokens=SECOND,
+                               do_sample=False)
+        expected = plain.generate(want.sequences, attention_mask=mask, past_key_values=want.past_key_values,
+                                  max_new_tokens=SECOND, do_sample=False)
+    assert torch.equal(again, expected), (again, expected)
