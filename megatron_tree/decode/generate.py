@@ -55,11 +55,11 @@ class DecodeCache(Protocol):
 
     @property
     def batch_size(self) -> int:
-        """Rows of the cache."""
+        """Rows of the cache (-1: not fixed yet, it takes the prompts' rows)."""
 
     @property
-    def max_seq_len(self) -> int:
-        """Most tokens (prompt and generated) one row may hold."""
+    def max_seq_len(self) -> int | None:
+        """Most tokens (prompt and generated) one row may hold (None: the cache grows as rows need)."""
 
     def rewind_step(self) -> None:
         """Take the last decode step back: the rows' lengths are as before it, and the next decode
@@ -365,10 +365,10 @@ def _check_call(model, prompts, max_new_tokens, do_sample, temperature, top_k, t
             f"({len(prompts)}, {max_new_tokens})"
         )
     if cache is not None:
-        if cache.batch_size != len(prompts):
+        if cache.batch_size not in (-1, len(prompts)):  # (-1: a cache that takes its rows from the prompts)
             raise ValueError(f"cache has batch size {cache.batch_size} but {len(prompts)} prompts were given")
         for i, p in enumerate(prompts):
-            if len(p) + max_new_tokens > cache.max_seq_len:
+            if cache.max_seq_len is not None and len(p) + max_new_tokens > cache.max_seq_len:  # (None: it grows)
                 raise CacheOverflowError(
                     f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it needs "
                     f"{len(p) + max_new_tokens} slots, beyond the cache's max_seq_len {cache.max_seq_len}"

@@ -128,3 +128,35 @@ def test_a_continued_generate_whose_mask_hides_a_decoded_token_is_refused():
         expected = plain.generate(want.sequences, attention_mask=mask, past_key_values=want.past_key_values,
                                   max_new_tokens=SECOND, do_sample=False)
     assert torch.equal(again, expected), (again, expected)
+
+
+def _package_loop_growing(rank, world):
+    """decode.generate on TreeCaches the caller made without a size or a batch: eager's tokens, the storage grown."""
+    import megatron_tree as mt
+    from megatron_tree.decode.generate import generate
+    from megatron_tree.integrations.hf import HFTreeModel, TreeCache
+
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(1, 128, (n,), generator=g).tolist() for n in (13, 8, 3)]
+    model = HFTreeModel(_model(), mt.TreeGroups.build() if world > 1 else None)
+    want = generate(model, prompts, 30, progress=False).tokens
+    out = {}
+    for name, kw in (("unsized", {}), ("small", {"new_tokens": 2}), ("rows", {"batch_size": 3})):
+        cache = TreeCache(model.hf, model.groups, **kw)
+        out[name] = (generate(model, prompts, 30, progress=False, cache=cache).tokens == want, cache.storage.max_seq_len)
+    out["wrong_rows"] = outcome(lambda: generate(model, prompts, 4, progress=False,
+                                                 cache=TreeCache(model.hf, model.groups, batch_size=2)))
+    return out
+
+
+def test_the_package_loop_takes_a_cache_that_grows():
+    """A TreeCache made without max_seq_len grows as rows need, and one without batch_size takes the prompts'
+    rows: decode.generate takes them (it compared the prompts with a size of None and a batch of -1 before: a
+    TypeError, or a refusal naming batch size -1), with the default cache's tokens, at CP 1 and 2; a cache made
+    for another batch is still refused by name."""
+    for world in (1, 2):
+        for r in run_ranks(_package_loop_growing, world, timeout=300):
+            assert r["unsized"][0] and r["rows"][0] and r["small"][0], r
+            assert r["small"][1] >= 13 + 30 > 2 * 13, r  # (sized for 13 + 2 at prefill, then doubled as needed)
+            kind, said = r["wrong_rows"][:2]  # (at CP 2 naming the ranks: "ranks [0, 1]: ...")
+            assert kind == "ValueError" and said.endswith("cache has batch size 2 but 3 prompts were given"), r
