@@ -762,14 +762,11 @@ class CompiledSteps(_ShapeSteps):
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, cache: TreeCache) -> torch.Tensor:
         fn, new = self._for(ids, cache)
-        if not self.auto:
-            out = fn(ids, positions, cache)
-            if new:
-                self._traced()
-            return out
         try:
             out = fn(ids, positions, cache)
         except torch._dynamo.exc.TorchDynamoException as e:
+            if not self.auto:  # an explicit setting: the error is the user's to see
+                raise
             # Raised while tracing or compiling, before the step's graph ran: nothing was written or sent, and
             # every rank compiles the same step alike. Eager from here on.
             # (a backend's own error, which BackendCompilerFailed wraps)
