@@ -9,16 +9,16 @@ GPU. For each dtype (bf16, fp16, fp32) and a SmolLM2-135M and a Llama-8B attenti
 * rank 0's share of a ``--tokens`` prompt at CP ``--cp`` in the load-balanced layout, over every
   rank's KV block in ring order: the kernel launches counted (``ops.prefill_attention(calls=)``)
   and asserted to be ``fused_prefill.select_kernel``'s choice (a masked piece may take the
-  memory-efficient kernel, a piece past the lse bound the exact decode path), never ``decode`` for
-  an ordinary prompt;
+  memory-efficient kernel, a ``cuda_cudnn`` piece below ``CUDNN_MIN_FLOP`` flash), never ``decode``
+  for an ordinary prompt;
 * the merged result against float64 attention on a 2048-token prompt (error printed and stored;
   within 2x the error of the same-dtype SDPA, flash-attention's rule);
 * seconds per ring of local steps against causal SDPA over the whole prompt in one call (what one
   GPU does without CP), CUDA events, medians of 5;
-* for fp16/bf16, the same ring on every fused kernel that can run it (``cuda_flash``, the opt-in
-  ``cuda_cudnn``, ``flash_attn`` when importable): its error against float64 on the short prompt,
+* for fp16/bf16, the same ring on every fused kernel that can run it (``cuda_flash``, ``cuda_cudnn``
+  on every piece, ``flash_attn`` when importable): its error against float64 on the short prompt,
   the first call's seconds (cuDNN builds a plan per new shape) and the median of the next 5 -- the
-  measured table ``select_kernel``'s CUDA default is to be chosen from.
+  measurement ``fused_prefill.CUDNN_ARCHS`` and ``CUDNN_MIN_FLOP`` are to be checked against.
 
 Writes ``prefill_gpu.json`` to ``--out``; exits 1 if a dispatch or error check fails.
 """
@@ -45,13 +45,15 @@ def _positions(tokens, cp, rank):
 
 
 def ring_of_rank0(q, k, v, tokens, cp, calls, kernel=None):
-    """Rank 0's queries over every rank's block, merged: what ``ring_prefill`` computes on rank 0."""
+    """Rank 0's queries over every rank's block, merged: what ``ring_prefill`` computes on rank 0.
+    A forced ``kernel`` runs every piece it can take (cuDNN's small pieces too: ``cudnn_min_flop=0``)."""
     qpos = _positions(tokens, cp, 0).cuda()
     outs, lses = [], []
     for r in range(cp):
         kp = _positions(tokens, cp, r).cuda()
+        forced = {} if kernel is None else {"kernel": kernel, "cudnn_min_flop": 0}
         o, l = ops.prefill_attention(q[:, qpos], k[:, kp], v[:, kp], q_positions=qpos[None], k_positions=kp[None],
-                                     calls=calls, kernel=kernel)
+                                     calls=calls, **forced)
         outs.append(o)
         lses.append(l)
     return ops.merge_states(torch.stack(outs), torch.stack(lses))[0], qpos
@@ -126,9 +128,12 @@ def main(argv=None):
             if row["err"] > max(2 * row["sdpa_err"], 1e-5):
                 ok = False
                 row["fail"] = "error above 2x same-dtype SDPA"
-            if "decode" in calls or want_kernel not in calls:
+            # cuDNN's pieces below CUDNN_MIN_FLOP (all of a 2K prompt's) run on flash
+            allowed = {want_kernel, "cuda_efficient"} | ({fused_prefill._flash_kernel()}
+                                                         if want_kernel == "cuda_cudnn" else set())
+            if not calls or not set(calls) <= allowed:
                 ok = False
-                row["fail"] = f"dispatch: ran {calls}, expected {want_kernel}"
+                row["fail"] = f"dispatch: ran {calls}, expected {sorted(allowed)}"
             # speed on the long prompt
             n = args.tokens
             q, k, v = (torch.randn(1, n, h, d, device="cuda", generator=g, dtype=dtype) for h in (hq, hkv, hkv))

@@ -466,6 +466,7 @@ def prefill_attention(
     window: int | None = None,
     softcap: float | None = None,
     calls: dict | None = None,
+    cudnn_min_flop: float = fused_prefill.CUDNN_MIN_FLOP,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Local causal attention of a prefill query chunk over one KV block, on fused kernels that return the lse.
 
@@ -478,6 +479,8 @@ def prefill_attention(
         backend (``torch``/``triton``) of the exact path (``flash_decode`` with positions); window,
         softcap: as for :func:`flash_decode` (they, and a V head dim other than K's, run the exact path);
         calls: a dict counting the kernel launches by name
+        cudnn_min_flop: the ``cuda_cudnn`` kernel's smaller pieces run on flash (``fused_prefill.CUDNN_MIN_FLOP``:
+            cuDNN plans each new shape); 0 runs them all on cuDNN
     returns out: (batch, seqlen_q, nheads_q, headdim) float32 (float64 for float64 input): a partial
             that will be merged again stays unrounded (bf16 is rounded once, after the last merge);
             lse: (batch, nheads_q, seqlen_q) float64, natural log, -inf where no key is visible:
@@ -503,4 +506,5 @@ def prefill_attention(
     contract.check_decode_inputs(q, k, v, None, q_positions, k_positions, by_value=False)
     return fused_prefill.prefill_attention(q, k, v, q_positions=q_positions, k_positions=k_positions,
                                            softmax_scale=softmax_scale, kernel=kernel, backend=backend,
-                                           exact_attention=flash_decode, calls=calls)
+                                           exact_attention=flash_decode, calls=calls,
+                                           cudnn_min_flop=cudnn_min_flop)

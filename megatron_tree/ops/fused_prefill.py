@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Literal
 
@@ -51,15 +52,32 @@ from . import contract, reference
 
 __all__ = [
     "prefill_attention", "select_kernel", "plan", "Segment", "KERNELS", "LSE_BOUND", "LSE_BOUND_16BIT",
-    "MIN_RUN", "TILE",
+    "MIN_RUN", "TILE", "CUDNN_ARCHS", "CUDNN_MAX_HEAD_DIM", "CUDNN_MIN_FLOP",
 ]
 
 KERNELS = ("cpu_flash", "cuda_flash", "cuda_efficient", "flash_attn", "cuda_cudnn", "decode")
 """Kernels a local prefill step may run: torch's fused CPU flash attention, torch's CUDA flash and
 memory-efficient attention (aten ops), flash-attn's ``flash_attn_func`` when importable, torch's cuDNN
-attention (``aten._scaled_dot_product_cudnn_attention`` with its lse; opt-in, ``kernel="cuda_cudnn"``,
-until a GPU run of ``benchmarks.prefill_gpu`` has measured it against the others), and the exact
-decode path (``ops.flash_decode`` with positions, float64 lse) as the fallback."""
+attention (``aten._scaled_dot_product_cudnn_attention`` with its lse; the default where
+:data:`CUDNN_ARCHS` says it was measured faster, for pieces of at least :data:`CUDNN_MIN_FLOP`), and the
+exact decode path (``ops.flash_decode`` with positions, float64 lse) as the fallback."""
+
+CUDNN_ARCHS = (9,)
+"""Compute-capability majors where a prefill defaults to cuDNN attention, from a measurement: on one H200
+(sm90; torch 2.11, CUDA 13, 2026-12-04) bf16 causal attention ran at 573-650 TFLOP/s on torch's cuDNN
+kernel and 248-350 TFLOP/s on its FA2 kernel (``aten._flash_attention_forward``) at 16K-64K tokens, with
+cuDNN's lse within 1.5e-6 of float64. Other GPUs keep flash until a run of ``benchmarks.prefill_gpu``
+measures them."""
+
+CUDNN_MAX_HEAD_DIM = 128
+"""Largest head dim the cuDNN default is used for (a multiple of 8 up to it; larger ones stay on flash)."""
+
+CUDNN_MIN_FLOP = 1e12
+"""Smallest piece (4 * batch * query heads * head dim * visible scores) the ``cuda_cudnn`` kernel runs on
+cuDNN; smaller pieces run on flash. cuDNN builds a plan for each new shape (tens of ms of host time,
+measured on the H200); at the measured rates a piece of this size saves 1.3-2 ms per call, so the plan is
+repaid within one prompt by a model of ~32 layers (every layer calls the same shapes), and a smaller piece
+would spend more on planning than it saves."""
 
 LSE_BOUND = 64.0
 """A float32 piece whose rows all have |lse| below this is used without the shifted second pass:
@@ -80,7 +98,7 @@ _NEG_INF = float("-inf")
 
 def select_kernel(device: torch.device | str, dtype: torch.dtype, head_dim: int, *,
                   head_dim_v: int | None = None, window: int | None = None, softcap: float | None = None,
-                  flash_attn_importable: bool | None = None) -> str:
+                  flash_attn_importable: bool | None = None, capability: tuple[int, int] | None = None) -> str:
     """The kernel a local prefill step runs for (device, dtype, head dims, variants); one of :data:`KERNELS`.
 
     This is the one prefill kernel choice of the package (``ops.prefill_kernel`` adds a caller's
@@ -90,12 +108,18 @@ def select_kernel(device: torch.device | str, dtype: torch.dtype, head_dim: int,
       exact decode path with positions (the fused kernels take none of them);
     * CPU, any floating dtype: ``cpu_flash`` (``aten._scaled_dot_product_flash_attention_for_cpu``;
       GQA natively, lse float32, float64 for float64 input);
-    * CUDA fp16/bf16, head dim a multiple of 8 up to 256: ``flash_attn`` when the package imports,
-      else ``cuda_flash`` (``aten._flash_attention_forward``, GQA natively);
+    * CUDA fp16/bf16, head dim a multiple of 8 up to :data:`CUDNN_MAX_HEAD_DIM`, on a GPU whose
+      compute capability is in the measured table :data:`CUDNN_ARCHS` (Hopper): ``cuda_cudnn`` (its
+      small pieces run on flash, :data:`CUDNN_MIN_FLOP`; a GPU where cuDNN's first call disagrees
+      with flash runs flash throughout and says so once);
+    * other CUDA fp16/bf16, head dim a multiple of 8 up to 256: ``flash_attn`` when the package
+      imports, else ``cuda_flash`` (``aten._flash_attention_forward``, GQA natively);
     * CUDA fp32 (or a head dim flash does not take) up to 256: ``cuda_efficient``
       (``aten._efficient_attention_forward``; equal heads only, so GQA folds the query heads of a
       KV head into its batch axis over stride-0 KV: no copy);
     * anything else (float64 on CUDA, head dim > 256): ``decode``.
+
+    capability: the CUDA device's (major, minor); default: asked of the device (none without CUDA).
     """
     if unfused_variants(head_dim, head_dim_v, window, softcap):
         return "decode"
@@ -105,10 +129,24 @@ def select_kernel(device: torch.device | str, dtype: torch.dtype, head_dim: int,
     if kind != "cuda" or dtype not in (torch.float16, torch.bfloat16, torch.float32) or head_dim > 256:
         return "decode"
     if dtype != torch.float32 and head_dim % 8 == 0:
-        if flash_attn_importable is None:
-            flash_attn_importable = _flash_attn_func() is not None
-        return "flash_attn" if flash_attn_importable else "cuda_flash"
+        if capability is None:
+            capability = _capability(device)
+        if capability is not None and capability[0] in CUDNN_ARCHS and head_dim <= CUDNN_MAX_HEAD_DIM:
+            return "cuda_cudnn"
+        return _flash_kernel(flash_attn_importable)
     return "cuda_efficient"
+
+
+def _flash_kernel(flash_attn_importable: bool | None = None) -> str:
+    if flash_attn_importable is None:
+        flash_attn_importable = _flash_attn_func() is not None
+    return "flash_attn" if flash_attn_importable else "cuda_flash"
+
+
+def _capability(device) -> tuple[int, int] | None:
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability(torch.device(device))
 
 
 def unfused_variants(head_dim: int, head_dim_v: int | None, window, softcap) -> list[str]:
@@ -125,6 +163,32 @@ def _flash_attn_func():
     except Exception:  # noqa: BLE001 -- a broken install is as good as none
         return None
     return flash_attn_func
+
+
+@functools.lru_cache(maxsize=None)
+def _cudnn_agrees(device: str, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether cuDNN attention, on its first call for (device, dtype, head dim), gives flash's output and
+    lse on a small causal GQA piece (64 queries, 2 query heads over 1 KV head). The cuDNN default rests on
+    one GPU's measurement; a torch, cuDNN or GPU where the op returns something else (another lse layout,
+    another causal alignment) or raises gets flash for all its pieces and one warning, not a wrong answer.
+    One host read per (device, dtype, head dim) in the process."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 64, h, head_dim, generator=g).to(device=device, dtype=dtype) for h in (2, 1, 1))
+    flash = _flash_kernel()
+    scale = head_dim ** -0.5
+    try:
+        out, lse = _LAUNCH["cuda_cudnn"](q, k, v, scale, True, None)
+        want_out, want_lse = _LAUNCH[flash](q, k, v, scale, True, None)
+        d_out = float((out.float() - want_out.float()).abs().max())
+        d_lse = float((lse.float().reshape(want_lse.shape) - want_lse.float()).abs().max())
+        problem = None if d_out <= 2e-2 and d_lse <= 1e-3 else \
+            f"differs from {flash} (max |d out| {d_out:.3g}, max |d lse| {d_lse:.3g})"
+    except Exception as e:  # noqa: BLE001 -- any failure of the op means: do not use it here
+        problem = f"raised {type(e).__name__}: {str(e)[:200]}"
+    if problem is not None:
+        warnings.warn(f"prefill: cuDNN attention on {device} ({dtype}, head dim {head_dim}) {problem} on a check "
+                      f"piece; prefill pieces run on {flash} instead", RuntimeWarning, stacklevel=2)
+    return problem is None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -326,10 +390,24 @@ def _take(t: torch.Tensor, index) -> torch.Tensor:
 class _Runner:
     """Runs the pieces of one plan on one kernel, with the precision refinement of the module docstring."""
 
-    def __init__(self, kernel, scale, bound, backend, acc, exact_attention, calls=None):
+    def __init__(self, kernel, scale, bound, backend, acc, exact_attention, calls=None,
+                 cudnn_min_flop=CUDNN_MIN_FLOP):
         self.kernel, self.scale, self.bound, self.backend, self.acc = kernel, scale, bound, backend, acc
         self.exact_attention = exact_attention
         self.calls = calls
+        self.cudnn_min_flop = cudnn_min_flop
+
+    def launcher(self, q, k, causal, masked) -> str:
+        """The kernel one piece launches: a masked piece of a maskless kernel runs on the memory-efficient
+        one; a ``cuda_cudnn`` piece below ``cudnn_min_flop`` (or where cuDNN failed its check) on flash."""
+        if masked and self.kernel in _MASKLESS:
+            return "cuda_efficient"
+        if self.kernel == "cuda_cudnn":
+            b, length, hq, d = q.shape
+            flop = 4 * b * hq * d * length * k.shape[1] / (2 if causal else 1)
+            if flop < self.cudnn_min_flop or not _cudnn_agrees(str(q.device), q.dtype, d):
+                return _flash_kernel()
+        return self.kernel
 
     def count(self, name: str) -> None:
         if self.calls is not None:
@@ -347,8 +425,7 @@ class _Runner:
         if visible is not None:
             mask = torch.zeros(visible.shape, dtype=mdtype, device=q.device).masked_fill_(~visible, _NEG_INF)
             mask = mask[None, None]
-        # flash (aten or flash-attn) and cuDNN take no mask: a ragged piece runs on the memory-efficient kernel
-        name = "cuda_efficient" if mask is not None and self.kernel in _MASKLESS else self.kernel
+        name = self.launcher(q, k, causal, mask is not None)
         launch = _LAUNCH[name]
         self.count(name)
         out, lse = launch(q, k, v, self.scale, causal, mask)
@@ -419,6 +496,7 @@ def prefill_attention(
     tile: int = TILE,
     exact_attention=None,
     calls: dict | None = None,
+    cudnn_min_flop: float = CUDNN_MIN_FLOP,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of a query chunk over one KV block, as a partial state (inputs validated by ``ops``).
 
@@ -435,6 +513,8 @@ def prefill_attention(
         fused kernels cannot form exactly; ``ops`` passes it in (this module sits below ``ops``)
     calls: a dict that counts the kernel launches by name (one of :data:`KERNELS`; the shifted
         second pass counts as a second launch), or None
+    cudnn_min_flop: the ``cuda_cudnn`` kernel runs smaller pieces on flash (:data:`CUDNN_MIN_FLOP`;
+        0 runs every unmasked piece on cuDNN, as a benchmark timing cuDNN itself wants)
     returns out: (batch, seqlen_q, nheads_q, headdim) float32 (float64 for float64 input), 0 where
             no key is visible; lse: (batch, nheads_q, seqlen_q) float64, natural log, -inf there
     """
@@ -458,7 +538,7 @@ def prefill_attention(
     if exact_attention is None:
         raise TypeError("fused_prefill.prefill_attention needs exact_attention (ops.prefill_attention passes "
                         "ops.flash_decode); call ops.prefill_attention")
-    runner = _Runner(name, scale, lse_bound, backend, acc, exact_attention, calls)
+    runner = _Runner(name, scale, lse_bound, backend, acc, exact_attention, calls, cudnn_min_flop)
     out = lse = None
     if sq and n:  # (the CPU kernel dies on an empty axis: never call it so)
         for rows in groups:

@@ -312,7 +312,8 @@ def test_cuda_dispatch_of_a_prefill_step_without_a_gpu(monkeypatch):
             return fused_prefill._cpu_flash(q, k, v, scale, causal, mask)
         monkeypatch.setitem(fused_prefill._LAUNCH, name, record)
 
-    assert fused_prefill.select_kernel("cuda", torch.bfloat16, 64, flash_attn_importable=False) == "cuda_flash"
+    assert fused_prefill.select_kernel("cuda", torch.bfloat16, 64, flash_attn_importable=False,
+                                       capability=(8, 0)) == "cuda_flash"
     assert fused_prefill.select_kernel("cuda", torch.float32, 64) == "cuda_efficient"
     # the one choice also routes what no fused kernel takes to the exact path, on every device
     for device in ("cpu", "cuda"):

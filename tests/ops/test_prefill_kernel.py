@@ -7,6 +7,7 @@ skipped" and "a diagonal block is one causal call" are asserted, not assumed.
 """
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -209,14 +210,25 @@ def test_kernel_dispatch_by_device_dtype_and_head_dim():
     sel = fused_prefill.select_kernel
     for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
         assert sel("cpu", dtype, 64) == "cpu_flash"
-    assert sel("cuda", torch.bfloat16, 64, flash_attn_importable=False) == "cuda_flash"
-    assert sel("cuda", torch.float16, 128, flash_attn_importable=False) == "cuda_flash"
-    assert sel("cuda", torch.bfloat16, 128, flash_attn_importable=True) == "flash_attn"
-    assert sel("cuda", torch.bfloat16, 100, flash_attn_importable=True) == "cuda_efficient"  # not a multiple of 8
-    assert sel("cuda", torch.float32, 64) == "cuda_efficient"  # flash takes 16-bit only
-    assert sel("cuda", torch.float64, 64) == "decode"
-    assert sel("cuda", torch.bfloat16, 512) == "decode"
-    assert set(fused_prefill.KERNELS) >= {"cpu_flash", "cuda_flash", "cuda_efficient", "flash_attn", "decode"}
+    for ampere in ((8, 0), (8, 9)):  # not in the measured table: flash
+        assert sel("cuda", torch.bfloat16, 64, flash_attn_importable=False, capability=ampere) == "cuda_flash"
+        assert sel("cuda", torch.float16, 128, flash_attn_importable=False, capability=ampere) == "cuda_flash"
+        assert sel("cuda", torch.bfloat16, 128, flash_attn_importable=True, capability=ampere) == "flash_attn"
+    # Hopper, measured: cuDNN for 16-bit head dims it takes, flash-attn installed or not
+    for dtype in (torch.bfloat16, torch.float16):
+        for d in (64, 128):
+            for importable in (False, True):
+                assert sel("cuda", dtype, d, flash_attn_importable=importable, capability=(9, 0)) == "cuda_cudnn"
+    assert fused_prefill.CUDNN_ARCHS == (9,) and 10 not in fused_prefill.CUDNN_ARCHS
+    assert sel("cuda", torch.bfloat16, 192, flash_attn_importable=False, capability=(9, 0)) == "cuda_flash"
+    assert sel("cuda", torch.bfloat16, 128, flash_attn_importable=False, capability=(10, 0)) == "cuda_flash"
+    for cap in ((8, 0), (9, 0)):
+        assert sel("cuda", torch.bfloat16, 100, flash_attn_importable=True, capability=cap) == "cuda_efficient"
+        assert sel("cuda", torch.float32, 64, capability=cap) == "cuda_efficient"  # flash and cuDNN: 16-bit only
+        assert sel("cuda", torch.float64, 64, capability=cap) == "decode"
+        assert sel("cuda", torch.bfloat16, 512, capability=cap) == "decode"
+    assert set(fused_prefill.KERNELS) >= {"cpu_flash", "cuda_flash", "cuda_efficient", "flash_attn", "cuda_cudnn",
+                                          "decode"}
 
 
 def test_bad_input_names_the_problem():
@@ -265,9 +277,38 @@ def test_cuda_kernels_match_fp64(dtype, kernel):
         q, k, v = _inputs(2, qp.shape[1], kp.numel(), 8, 2, d=64)
         want, _ = _want(q, k, v, qp, kp)
         dev = [t.to("cuda", dtype) for t in (q, k, v)]
-        out, lse = ops.prefill_attention(*dev, q_positions=qp.cuda(), k_positions=kp.cuda(), kernel=kernel)
+        calls = {}
+        out, lse = ops.prefill_attention(*dev, q_positions=qp.cuda(), k_positions=kp.cuda(), kernel=kernel,
+                                         cudnn_min_flop=0, calls=calls)
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         assert float((out.double().cpu() - want).abs().max()) < tol
+        assert kernel in calls, calls
+
+
+@pytest.mark.skipif(not torch.cuda.is_available()
+                    or torch.cuda.get_device_capability()[0] not in fused_prefill.CUDNN_ARCHS,
+                    reason="needs a CUDA GPU of the measured table's architectures (fused_prefill.CUDNN_ARCHS)")
+def test_cuda_cudnn_is_the_default_where_measured_and_passes_its_check():
+    """On a GPU of the measured table a 16-bit prefill defaults to cuDNN; its first-call check against
+    flash passes (no warning), and a prompt whose diagonal piece reaches the bound runs it on cuDNN, exact."""
+    import warnings
+    fused_prefill._cudnn_agrees.cache_clear()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="prefill: cuDNN")
+        for dtype in (torch.bfloat16, torch.float16):
+            for d in (64, 128):
+                assert fused_prefill.select_kernel("cuda", dtype, d) == "cuda_cudnn"
+                assert fused_prefill._cudnn_agrees(str(torch.device("cuda")), dtype, d)
+        n, hq, hkv, d = 1024, 8, 2, 128
+        q, k, v = _inputs(1, n, n, hq, hkv, d=d)
+        pos = _ar(0, n)[None]
+        want, _ = _want(q, k, v, pos, pos)
+        calls = {}
+        out, _ = ops.prefill_attention(*(t.to("cuda", torch.bfloat16) for t in (q, k, v)), q_positions=pos.cuda(),
+                                       k_positions=pos.cuda(), calls=calls,
+                                       cudnn_min_flop=4 * hq * d * n * n / 2)
+    assert calls == {"cuda_cudnn": 1}
+    assert float((out.double().cpu() - want).abs().max()) < 2e-2
 
 
 def _efficient_contract(q, k, v, bias, causal, scale):
@@ -339,6 +380,7 @@ def test_cuda_cudnn_glue_on_cpu(monkeypatch):
 
     monkeypatch.setitem(fused_prefill._LAUNCH, "cuda_cudnn", cudnn)
     monkeypatch.setitem(fused_prefill._LAUNCH, "cuda_efficient", efficient)
+    monkeypatch.setattr(fused_prefill, "_cudnn_agrees", lambda device, dtype, head_dim: True)  # (its own tests below)
     assert "cuda_cudnn" in fused_prefill.KERNELS and ops.prefill_kernel(torch.zeros(1, 1, 2, 8, device="meta"),
                                                                         torch.zeros(1, 1, 1, 8, device="meta"),
                                                                         "cuda_cudnn") == "cuda_cudnn"
@@ -350,12 +392,114 @@ def test_cuda_cudnn_glue_on_cpu(monkeypatch):
     for kp, ragged, diagonal in cases:
         launched.clear()
         q, k, v = _inputs(2, qp.shape[1], kp.numel(), 6, 2, dtype=torch.float32)
-        _check(q, k, v, qp, kp, kernel="cuda_cudnn", min_run=4, tile=8)
+        _check(q, k, v, qp, kp, kernel="cuda_cudnn", min_run=4, tile=8, cudnn_min_flop=0)
         kinds = {name for name, _ in launched}
         assert "cuda_cudnn" in kinds and kinds <= {"cuda_cudnn", "cuda_efficient"}, launched
         assert ("cuda_efficient" in kinds) == ragged, launched
         if diagonal is not None:
             assert any(causal for name, causal in launched if name == "cuda_cudnn") == diagonal, launched
+
+
+class _Launched(list):
+    """(kernel, causal, queries, keys) of each launch; ``cudnn_op`` is the stand-in cuDNN op."""
+    cudnn_op = staticmethod(_cudnn_contract)
+
+
+@pytest.fixture
+def cudnn_on_cpu(monkeypatch):
+    """The cuDNN and flash launchers as recorders over CPU stand-ins with their contracts, cuDNN's
+    first-call check forgotten before and after (it is cached per process)."""
+    launched = _Launched()
+
+    def cudnn(q, k, v, scale, causal, mask):
+        launched.append(("cuda_cudnn", causal, q.shape[1], k.shape[1]))
+        return fused_prefill._cuda_cudnn(q, k, v, scale, causal, mask, op=launched.cudnn_op)
+
+    def flash(q, k, v, scale, causal, mask):  # square causal pieces only, like aten's flash
+        assert not causal or q.shape[1] == k.shape[1]
+        launched.append(("cuda_flash", causal, q.shape[1], k.shape[1]))
+        return fused_prefill._cpu_flash(q, k, v, scale, causal, mask)
+
+    monkeypatch.setitem(fused_prefill._LAUNCH, "cuda_cudnn", cudnn)
+    monkeypatch.setitem(fused_prefill._LAUNCH, "cuda_flash", flash)
+    monkeypatch.setattr(fused_prefill, "_flash_kernel", lambda importable=None: "cuda_flash")
+    fused_prefill._cudnn_agrees.cache_clear()
+    yield launched
+    fused_prefill._cudnn_agrees.cache_clear()
+
+
+def _diagonal_case():
+    """40 queries at positions 60..99 over keys 0..99: one unmasked piece of 40 x 60 (2400 scores)
+    and one causal diagonal piece of 40 x 40 (800 visible scores); 4 query heads of 16 over 2 KV heads."""
+    q, k, v = _inputs(1, 40, 100, 4, 2, dtype=torch.float32)
+    return q, k, v, _ar(60, 100)[None], _ar(0, 100)
+
+
+def test_cudnn_runs_the_pieces_worth_a_plan_and_flash_the_rest(cudnn_on_cpu):
+    """cuDNN builds a plan for each new shape, so a ``cuda_cudnn`` prefill runs a piece on cuDNN only when
+    its FLOPs (4 * batch * heads * head dim * visible scores) reach ``cudnn_min_flop``, on flash below:
+    with the bound between the two pieces' sizes the unmasked piece runs on cuDNN and the diagonal one on
+    flash; the default bound (a 64 K-query model's sizes) sends this small prompt to flash; 0 sends both
+    to cuDNN. Exact every time."""
+    q, k, v, qp, kp = _diagonal_case()
+    per_score = 4 * 4 * 16
+    assert fused_prefill.CUDNN_MIN_FLOP > per_score * 2400
+    for bound, want in ((per_score * 2000, {("cuda_cudnn", False, 40, 60), ("cuda_flash", True, 40, 40)}),
+                        (fused_prefill.CUDNN_MIN_FLOP, {("cuda_flash", False, 40, 60), ("cuda_flash", True, 40, 40)}),
+                        (0, {("cuda_cudnn", False, 40, 60), ("cuda_cudnn", True, 40, 40)}),
+                        (per_score * 800, {("cuda_cudnn", False, 40, 60), ("cuda_cudnn", True, 40, 40)}),
+                        (per_score * 800 + 1, {("cuda_cudnn", False, 40, 60), ("cuda_flash", True, 40, 40)})):
+        cudnn_on_cpu.clear()
+        calls = {}
+        _check(q, k, v, qp, kp, kernel="cuda_cudnn", cudnn_min_flop=bound, calls=calls)
+        pieces = [entry for entry in cudnn_on_cpu if entry[2:] != (64, 64)]  # not cuDNN's first-call check
+        assert set(pieces) == want and len(pieces) == 2, (bound, cudnn_on_cpu)
+        assert sum(calls.values()) == 2 and set(calls) == {name for name, *_ in want}
+    # through ops (the validated entry) the bound is the same knob
+    cudnn_on_cpu.clear()
+    ops.prefill_attention(q, k, v, q_positions=qp, k_positions=kp, kernel="cuda_cudnn", cudnn_min_flop=0)
+    assert {name for name, *_ in cudnn_on_cpu} == {"cuda_cudnn"}
+
+
+@pytest.mark.parametrize("fault", ["raises", "lse_layout", "no_causal_mask"])
+def test_a_cudnn_that_disagrees_with_flash_on_its_first_call_is_not_used(cudnn_on_cpu, fault):
+    """cuDNN as the default rests on one GPU's measurement: where the op raises, returns its lse in another
+    layout, or ignores the causal flag, its check piece (64 queries, causal, GQA) disagrees with flash, a
+    RuntimeWarning names it once, and every piece runs on flash: exact, never a wrong answer."""
+    def broken(q, k, v, causal, scale):
+        if fault == "raises":
+            raise RuntimeError("cuDNN Frontend error: no valid execution plan")
+        out, lse = _cudnn_contract(q, k, v, causal and fault != "no_causal_mask", scale)
+        if fault == "lse_layout":  # (B, L, H) read as (B, H, L)
+            lse = lse[..., 0].transpose(1, 2).contiguous()
+        return out, lse
+
+    cudnn_on_cpu.cudnn_op = broken
+    q, k, v, qp, kp = _diagonal_case()
+    with pytest.warns(RuntimeWarning, match=r"cuDNN attention on cpu \(torch.float32, head dim 16\) .*"
+                                            r"prefill pieces run on cuda_flash instead"):
+        _check(q, k, v, qp, kp, kernel="cuda_cudnn", cudnn_min_flop=0)
+    assert {name for name, *_ in cudnn_on_cpu} <= {"cuda_cudnn", "cuda_flash"}
+    pieces = [entry for entry in cudnn_on_cpu if entry[2:] != (64, 64)]  # not the check piece
+    assert pieces and {name for name, *_ in pieces} == {"cuda_flash"}, cudnn_on_cpu
+    cudnn_on_cpu.clear()
+    with warnings.catch_warnings():
+        # the check is made once per (device, dtype, head dim)
+        warnings.filterwarnings("error", message="prefill: cuDNN")
+        _check(q, k, v, qp, kp, kernel="cuda_cudnn", cudnn_min_flop=0)
+    assert {name for name, *_ in cudnn_on_cpu} == {"cuda_flash"}
+
+
+def test_a_cudnn_that_agrees_is_checked_once_and_used(cudnn_on_cpu):
+    q, k, v, qp, kp = _diagonal_case()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="prefill: cuDNN")
+        _check(q, k, v, qp, kp, kernel="cuda_cudnn", cudnn_min_flop=0)
+        checks = [e for e in cudnn_on_cpu if e[2:] == (64, 64)]
+        assert len(checks) == 2 and {e[0] for e in checks} == {"cuda_cudnn", "cuda_flash"}  # both sides once
+        cudnn_on_cpu.clear()
+        _check(q, k, v, qp, kp, kernel="cuda_cudnn", cudnn_min_flop=0)
+    assert sorted(cudnn_on_cpu) == [("cuda_cudnn", False, 40, 60), ("cuda_cudnn", True, 40, 40)]
 
 
 def test_the_kernel_choice_is_made_once_and_refuses_a_fused_kernel_with_variants():
