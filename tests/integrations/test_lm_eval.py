@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from tests.helpers.ranks import run_ranks
-from tests.helpers.lm_eval import BATCH, SHARED, TASK_DIR, TASKS, Req, close_enough, offline_env, build_tokenizer, evaluate, per_request, write_tasks  # noqa: F401
+from tests.helpers.lm_eval import BATCH, SHARED, TASK_DIR, TASKS, Req, close_enough, offline_env, build_tokenizer, evaluate, included_tasks_only, per_request, write_tasks  # noqa: F401
 
 pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install 'megatron_tree[lmeval]')")
 
@@ -119,7 +119,8 @@ def _rank_eval(rank, world, workdir, runs, cli=None, bad_cp=None):
     if cli is not None:
         from megatron_tree.eval.lm_eval import main
 
-        out["cli"] = main(cli)
+        with included_tasks_only():  # the CLI without indexing lm-eval's own tasks (see the helper)
+            out["cli"] = main(cli)
     return out
 
 
