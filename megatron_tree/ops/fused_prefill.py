@@ -181,7 +181,8 @@ def _cudnn_agrees(device: str, dtype: torch.dtype, head_dim: int) -> bool:
         want_out, want_lse = _LAUNCH[flash](q, k, v, scale, True, None)
         d_out = float((out.float() - want_out.float()).abs().max())
         d_lse = float((lse.float().reshape(want_lse.shape) - want_lse.float()).abs().max())
-        problem = None if d_out <= 2e-2 and d_lse <= 1e-3 else \
+        # bounds of a few 16-bit roundings of |out| < 4 and of float32 lse; a wrong mask or layout is off by O(1)
+        problem = None if d_out <= 0.1 and d_lse <= 1e-2 else \
             f"differs from {flash} (max |d out| {d_out:.3g}, max |d lse| {d_lse:.3g})"
     except Exception as e:  # noqa: BLE001 -- any failure of the op means: do not use it here
         problem = f"raised {type(e).__name__}: {str(e)[:200]}"
