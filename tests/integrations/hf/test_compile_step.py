@@ -103,39 +103,54 @@ def _shared_results(runs, name):
     """One body's result on every rank of a shared run (:func:`_shared_body`), or the failure of the test."""
     got = []
     for rank, out in enumerate(runs):
-        kind, value = out[name]
+        kind, value = out.get(name, ("not run", "not in this session's shared run"))
         if kind != "returned":
             pytest.fail(f"{name} on rank {rank}: {kind}\n{value}", pytrace=False)
         got.append(value)
     return got
 
 
-def _shared_run(world):
-    return run_ranks(_shared_body, world, tuple(_SHARED[world]), timeout=300 * len(_SHARED[world]))
+def _shares(name):
+    """Marks a test that reads the body ``name`` of a shared run (:data:`_SHARED`): a run holds the selected tests'."""
+    def mark(test):
+        test.shared_body = name
+        return test
+    return mark
+
+
+def _shared_run(request, world):
+    """The bodies of ``world`` ranks that this session's selected tests read, run once (:func:`_shared_body`)."""
+    wanted = set()
+    for item in request.session.items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if getattr(item, "module", None) is request.module and params.get("world", world) == world:
+            wanted.add(getattr(getattr(item, "function", None), "shared_body", None))
+    names = tuple(name for name in _SHARED[world] if name in wanted)
+    return run_ranks(_shared_body, world, names, timeout=300 * len(names))
 
 
 @pytest.fixture(scope="module")
-def cp1():
-    """The bodies of this module's one-rank tests, run once on 1 gloo rank (:func:`_shared_body`)."""
-    return _shared_run(1)
+def cp1(request):
+    """The bodies of this module's one-rank tests, run once on 1 gloo rank."""
+    return _shared_run(request, 1)
 
 
 @pytest.fixture(scope="module")
-def cp2():
-    """The CP 2 bodies of this module's tests, run once on 2 gloo ranks (:func:`_shared_body`)."""
-    return _shared_run(2)
+def cp2(request):
+    """The CP 2 bodies of this module's tests, run once on 2 gloo ranks."""
+    return _shared_run(request, 2)
 
 
 @pytest.fixture(scope="module")
-def cp3():
+def cp3(request):
     """The CP 3 bodies, run once on 3 gloo ranks."""
-    return _shared_run(3)
+    return _shared_run(request, 3)
 
 
 @pytest.fixture(scope="module")
-def cp4():
+def cp4(request):
     """The 2x2 and CP 4 bodies, run once on 4 gloo ranks."""
-    return _shared_run(4)
+    return _shared_run(request, 4)
 
 
 def _model(arch):
@@ -161,15 +176,18 @@ def _check(results, world):
             assert sum(o.startswith(op) for o in r["ops"]) == r["layers"], op
 
 
+@_shares("llama")
 def test_llama_step_at_cp2_compiles_once_and_equals_eager(cp2):
     _check(_shared_results(cp2, "llama"), 2)
 
 
+@_shares("llama_2x2")
 def test_llama_step_at_2x2_compiles_once_and_equals_eager(cp4):
     """Two levels (intra-node, then across nodes): the merge strategy two_level, in the graph as one op."""
     _check(_shared_results(cp4, "llama_2x2"), 4)
 
 
+@_shares("gemma2")
 def test_windowed_softcapped_step_at_cp3_compiles_once_and_equals_eager(cp3):
     """Gemma 2: sliding-window layers between full ones, soft-capping; CP 3 (not a power of two) with
     prompts longer and shorter than the window: the window starts come from the step's metadata."""
@@ -206,6 +224,7 @@ def _sweep(rank, world):
     return {"frames": frames, "equal": equal, "sizes": sizes}
 
 
+@_shares("sweep")
 def test_caches_of_nearby_lengths_share_one_compiled_step(cp2):
     """An eval's batches each make a cache for their longest prompt: static caches are sized by length bucket
     (``decode.cache.static_length``), so a sweep of 10 lengths compiles once per bucket (3), not once per call
@@ -266,6 +285,7 @@ def _refusals(rank, world):
     return out, CompileError.__name__
 
 
+@_shares("refusals")
 def test_settings_a_compiled_step_cannot_hold_are_refused_on_every_rank(cp2):
     results = _shared_results(cp2, "refusals")
     for out, name in results:
@@ -468,6 +488,7 @@ def _auto(rank, world):
     return out
 
 
+@_shares("auto")
 def test_the_default_compile_step_captures_only_where_it_can_and_falls_back_to_eager(cp2):
     for out in _shared_results(cp2, "auto"):
         auto, equal, made, static, batch = out["default"]
@@ -545,6 +566,7 @@ def _fallback_stats(rank, world):
     return out
 
 
+@_shares("fallback_stats")
 @pytest.mark.parametrize("world", [1, 2])
 def test_a_step_the_default_fails_to_compile_counts_its_traffic_once(world, request):
     """The step whose compilation fails runs eagerly inside ``CompiledSteps.__call__``: its merges record their
@@ -612,6 +634,7 @@ def _transformers_generate(rank, world):
     return counter.frame_count, got == want
 
 
+@_shares("transformers_generate")
 def test_transformers_generate_runs_compiled_steps_with_its_own_tokens(cp2):
     """``model.generate`` of a model enabled with compile_step at CP 2: the tokens of unsharded transformers,
     at most one compilation per cache shape (two prompts of different lengths: two static caches), as
@@ -690,6 +713,7 @@ def _check_user_compiled(results):
             assert tree["merges"] == tree["attentions"] == 2, (cache, tree)
 
 
+@_shares("user_compiled")
 def test_user_compiled_forward_inside_transformers_generate_at_cp2(cp2):
     """``model.forward = torch.compile(model.forward, fullgraph=True)`` after enable_tree_attention, then
     transformers' own ``generate`` (its dynamic cache, and cache_implementation="static"), at CP 2: no graph
@@ -731,6 +755,7 @@ def _automatic_compile(rank, world):
     return {"tokens": tokens == want, "logits": torch.equal(logits, eager[1]), "traced": list(_TRACED)}
 
 
+@_shares("automatic_compile")
 def test_transformers_automatic_compile_with_a_static_cache_compiles_the_tree_step(cp2):
     """``generate(cache_implementation="static")`` on a tree-enabled model at CP 2 with transformers' automatic
     compile on (its default on a GPU; its mode, reduce-overhead, is CUDA graphs there): transformers compiles
@@ -744,6 +769,7 @@ def test_transformers_automatic_compile_with_a_static_cache_compiles_the_tree_st
             assert sum(t.startswith(op) for t in r["traced"][0]) == 2, op  # one per layer
 
 
+@_shares("user_compiled_2x2")
 def test_user_compiled_forward_inside_transformers_generate_at_2x2(cp4):
     """The same over two levels (two nodes of two ranks): the two-level merge in the user's graph."""
     _check_user_compiled(_shared_results(cp4, "user_compiled_2x2"))
@@ -783,6 +809,7 @@ def _static_padded(rank, world):
     return out
 
 
+@_shares("static_padded")
 def test_static_cache_generate_of_a_left_padded_batch(cp3):
     """transformers builds the prefill's masks itself when its cache is compileable (a StaticCache), from the
     model's ``create_masks_for_generate``: without a mask function for tree attention that mask was a dict of
@@ -839,6 +866,7 @@ def _shifted_user_compile(rank, world):
                                               pad_token_id=0))
 
 
+@_shares("shifted_user_compile")
 def test_shifted_under_a_user_compile_is_refused_by_name(cp2):
     """strategy='shifted' with model.forward compiled by the user, in transformers' generate at CP 2: the
     forward's own CompileError naming the strategy and what to change, on every rank (the check read only the
@@ -860,6 +888,7 @@ def _split_setting(rank, world):
     return outcome(lambda: generate(model, PROMPTS, 3, progress=False))
 
 
+@_shares("split_setting")
 def test_ranks_that_disagree_on_compile_step_raise_the_same_error(cp2):
     """One rank compiles its steps, the other does not: a DisagreementError naming compile_step and each
     rank's value, the same on both ranks, at the prefill (before any step)."""
@@ -975,6 +1004,7 @@ def _continue_within_bucket(rank, world):
             "frames": counter.frame_count, "equal": out2.sequences.tolist() == want.tolist(), "lengths": cache.lengths}
 
 
+@_shares("continue_within_bucket")
 def test_a_static_cache_growing_within_its_bucket_keeps_its_storage(cp2):
     """A second generate continuing a static cache past the length it was sized for, but within its storage's
     bucket (``static_length``), keeps the storage (no copy, the step's buffers stay where a captured step reads
@@ -1132,6 +1162,7 @@ def _after_longer_prompts(rank, world):
     return {"equal": runs["compiled"] == runs["eager"], "reused": model._binding.pool.reused}
 
 
+@_shares("after_longer_prompts")
 def test_at_cp2_a_cache_on_the_storage_of_longer_prompts_reads_none_of_their_keys(cp2):
     """At CP 2 a rank's slot holds another position for another prompt length (the load-balanced layout's
     chunks): the slots the long prompts filled past the short ones' tokens hold positions the short prompts'
@@ -1265,6 +1296,7 @@ def _other_backend(gm, example_inputs):
     return gm.forward
 
 
+@_shares("batches")
 def test_compiled_steps_bucket_batches_and_ranks_agree_on_the_setting(cp2):
     """An eval's last, partial batch reuses the full batches' compiled step (padded with copies of its shortest
     prompt; not where the cache's length bucket has no step to reuse), explicit ``batch_buckets`` pad up to a
@@ -1370,6 +1402,7 @@ def _padded_rows(rank, world):
     return out
 
 
+@_shares("padded_rows")
 def test_padded_rows_leave_sampling_stops_forcing_and_hooks_to_the_real_rows(cp3):
     """CP 3 (not a power of two), Gemma 2 (windows, soft-capping): the rows a batch is padded with are invisible
     to everything the caller sees: a hook gets the real rows' logits (those of the unpadded eager batch), a
@@ -1466,6 +1499,7 @@ def _stats(rank, world):
     return frames, same
 
 
+@_shares("stats")
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_compiled_steps_record_each_calls_stats_without_tracing_again(world, request):
     """Each ``generate(stats=CommStats())`` of a compiled model records the same traffic as the eager model's (one
@@ -1499,6 +1533,7 @@ def _user_compiled_loop(rank, world):
             "static": model.new_cache(3, 32).static, "frames": frames}
 
 
+@_shares("user_compiled_loop")
 def test_the_package_loop_runs_a_users_compiled_forward(cp3):
     """A user's ``model.hf.forward = torch.compile(model.hf.forward, fullgraph=True)`` on an ``HFTreeModel`` and the
     package's ``generate`` (not transformers'): the loop's caches are static, so the decode step's device half is
@@ -1567,6 +1602,7 @@ def _auto_edges(rank, world):
     return out
 
 
+@_shares("auto_edges")
 def test_the_default_leaves_eager_what_it_cannot_capture_and_raises_what_fails_as_it_runs(cp2):
     for out in _shared_results(cp2, "auto_edges"):
         static, batch = out["eager"]
