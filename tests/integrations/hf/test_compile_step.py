@@ -71,6 +71,88 @@ def _generate(rank, world, arch, intra=None, strategy="auto"):
             "transformers_equal": got == reference}
 
 
+def _shared_body(rank, world, names):
+    """Several tests' rank bodies, one after the other, in one run of ``world`` ranks: the processes start, import
+    and warm Dynamo up once instead of once per test. Each body runs as it would alone: Dynamo reset before it, the
+    integrations logger's handlers put back after it, its result copied as it returns (a list it keeps, such as
+    a logging handler's, must not see the next bodies). The first body that raises on a rank ends that rank's run
+    (every later body reported not run there), so no body's collectives meet another body's."""
+    import logging
+    import pickle
+    import traceback
+
+    logger = logging.getLogger("megatron_tree.integrations")
+    out = {}
+    for name in names:
+        body, args = _SHARED[world][name]
+        torch._dynamo.reset()
+        handlers = list(logger.handlers)
+        try:
+            out[name] = ("returned", pickle.loads(pickle.dumps(body(rank, world, *args))))
+        except BaseException:  # noqa: BLE001 -- the test of this body raises it
+            out[name] = ("raised", traceback.format_exc())
+            break
+        finally:
+            logger.handlers[:] = handlers
+    for name in names:
+        out.setdefault(name, ("not run", "an earlier body raised on this rank"))
+    return out
+
+
+def _shared_results(runs, name):
+    """One body's result on every rank of a shared run (:func:`_shared_body`), or the failure of the test."""
+    got = []
+    for rank, out in enumerate(runs):
+        kind, value = out.get(name, ("not run", "not in this session's shared run"))
+        if kind != "returned":
+            pytest.fail(f"{name} on rank {rank}: {kind}\n{value}", pytrace=False)
+        got.append(value)
+    return got
+
+
+def _shares(name):
+    """Marks a test that reads the body ``name`` of a shared run (:data:`_SHARED`): a run holds the selected tests'."""
+    def mark(test):
+        test.shared_body = name
+        return test
+    return mark
+
+
+def _shared_run(request, world):
+    """The bodies of ``world`` ranks that this session's selected tests read, run once (:func:`_shared_body`)."""
+    wanted = set()
+    for item in request.session.items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if getattr(item, "module", None) is request.module and params.get("world", world) == world:
+            wanted.add(getattr(getattr(item, "function", None), "shared_body", None))
+    names = tuple(name for name in _SHARED[world] if name in wanted)
+    return run_ranks(_shared_body, world, names, timeout=300 * len(names))
+
+
+@pytest.fixture(scope="module")
+def cp1(request):
+    """The bodies of this module's one-rank tests, run once on 1 gloo rank."""
+    return _shared_run(request, 1)
+
+
+@pytest.fixture(scope="module")
+def cp2(request):
+    """The CP 2 bodies of this module's tests, run once on 2 gloo ranks."""
+    return _shared_run(request, 2)
+
+
+@pytest.fixture(scope="module")
+def cp3(request):
+    """The CP 3 bodies, run once on 3 gloo ranks."""
+    return _shared_run(request, 3)
+
+
+@pytest.fixture(scope="module")
+def cp4(request):
+    """The 2x2 and CP 4 bodies, run once on 4 gloo ranks."""
+    return _shared_run(request, 4)
+
+
 def _model(arch):
     from tests.helpers.hf_models import hf_model
 
@@ -94,19 +176,22 @@ def _check(results, world):
             assert sum(o.startswith(op) for o in r["ops"]) == r["layers"], op
 
 
-def test_llama_step_at_cp2_compiles_once_and_equals_eager():
-    _check(run_ranks(_generate, 2, "llama", timeout=300), 2)
+@_shares("llama")
+def test_llama_step_at_cp2_compiles_once_and_equals_eager(cp2):
+    _check(_shared_results(cp2, "llama"), 2)
 
 
-def test_llama_step_at_2x2_compiles_once_and_equals_eager():
+@_shares("llama_2x2")
+def test_llama_step_at_2x2_compiles_once_and_equals_eager(cp4):
     """Two levels (intra-node, then across nodes): the merge strategy two_level, in the graph as one op."""
-    _check(run_ranks(_generate, 4, "llama", 2, "two_level", timeout=300), 4)
+    _check(_shared_results(cp4, "llama_2x2"), 4)
 
 
-def test_windowed_softcapped_step_at_cp3_compiles_once_and_equals_eager():
+@_shares("gemma2")
+def test_windowed_softcapped_step_at_cp3_compiles_once_and_equals_eager(cp3):
     """Gemma 2: sliding-window layers between full ones, soft-capping; CP 3 (not a power of two) with
     prompts longer and shorter than the window: the window starts come from the step's metadata."""
-    _check(run_ranks(_generate, 3, "gemma2", timeout=300), 3)
+    _check(_shared_results(cp3, "gemma2"), 3)
 
 
 SWEEP = (4, 9, 20, 27, 44, 58, 70, 74, 101, 107)
@@ -122,7 +207,8 @@ def _sweep(rank, world):
     from megatron_tree.integrations.hf import HFTreeModel
     from torch._dynamo.testing import CompileCounterWithBackend
 
-    counter = CompileCounterWithBackend("aot_eager")
+    # (a count of Dynamo's traces: its "eager" backend runs each traced graph as it is, no AOTAutograd pass)
+    counter = CompileCounterWithBackend("eager")
     torch._dynamo.reset()
     groups = mt.TreeGroups.build()
     model = HFTreeModel(_model("llama"), groups, compile_step={"backend": counter})
@@ -138,11 +224,12 @@ def _sweep(rank, world):
     return {"frames": frames, "equal": equal, "sizes": sizes}
 
 
-def test_caches_of_nearby_lengths_share_one_compiled_step():
+@_shares("sweep")
+def test_caches_of_nearby_lengths_share_one_compiled_step(cp2):
     """An eval's batches each make a cache for their longest prompt: static caches are sized by length bucket
     (``decode.cache.static_length``), so a sweep of 10 lengths compiles once per bucket (3), not once per call
     (10, before), and every call gives the eager step's tokens."""
-    for r in run_ranks(_sweep, 2, timeout=300):
+    for r in _shared_results(cp2, "sweep"):
         assert all(r["equal"]), r["equal"]
         assert r["sizes"] == [64] * 6 + [80] * 2 + [112] * 2
         # a new trace exactly where the bucket changes
@@ -198,8 +285,9 @@ def _refusals(rank, world):
     return out, CompileError.__name__
 
 
-def test_settings_a_compiled_step_cannot_hold_are_refused_on_every_rank():
-    results = run_ranks(_refusals, 2, timeout=300)
+@_shares("refusals")
+def test_settings_a_compiled_step_cannot_hold_are_refused_on_every_rank(cp2):
+    results = _shared_results(cp2, "refusals")
     for out, name in results:
         for key in ("shifted", "shifted_model"):
             assert out[key][0] == name and "strategy='shifted'" in out[key][1]
@@ -398,8 +486,9 @@ def _auto(rank, world):
     return out
 
 
-def test_the_default_compile_step_captures_only_where_it_can_and_falls_back_to_eager():
-    for out in run_ranks(_auto, 2, timeout=300):
+@_shares("auto")
+def test_the_default_compile_step_captures_only_where_it_can_and_falls_back_to_eager(cp2):
+    for out in _shared_results(cp2, "auto"):
         auto, equal, made, static, batch = out["default"]
         assert auto and equal and made == [] and not static and batch == 3  # CPU over gloo: eager, as before
         assert out["applies"] == {"cpu_gloo": False, "cuda_gloo": False, "cuda_alone": True, "cpu_alone": False,
@@ -475,12 +564,13 @@ def _fallback_stats(rank, world):
     return out
 
 
+@_shares("fallback_stats")
 @pytest.mark.parametrize("world", [1, 2])
-def test_a_step_the_default_fails_to_compile_counts_its_traffic_once(world):
+def test_a_step_the_default_fails_to_compile_counts_its_traffic_once(world, request):
     """The step whose compilation fails runs eagerly inside ``CompiledSteps.__call__``: its merges record their
     calls themselves, so a one-rank group's step must not add the calls a traced step leaves to be counted
     outside the graph (counted twice, the failing step's calls were double). Every run: the eager counts."""
-    for out in run_ranks(_fallback_stats, world, timeout=300):
+    for out in _shared_results(request.getfixturevalue(f"cp{world}"), "fallback_stats"):
         tokens, stats = out["eager"]
         assert stats["calls"] == 4 * 2  # four decode steps (the fifth token), two layers, one merge each
         for name in ("compiled", "failing"):
@@ -542,11 +632,12 @@ def _transformers_generate(rank, world):
     return counter.frame_count, got == want
 
 
-def test_transformers_generate_runs_compiled_steps_with_its_own_tokens():
+@_shares("transformers_generate")
+def test_transformers_generate_runs_compiled_steps_with_its_own_tokens(cp2):
     """``model.generate`` of a model enabled with compile_step at CP 2: the tokens of unsharded transformers,
     at most one compilation per cache shape (two prompts of different lengths: two static caches), as
     transformers' own model with a static cache needs."""
-    results = run_ranks(_transformers_generate, 2, timeout=300)
+    results = _shared_results(cp2, "transformers_generate")
     for frames, equal in results:
         assert equal
         assert 1 <= frames <= 2
@@ -582,7 +673,8 @@ def _user_compiled_forward(rank, world, intra=None):
     out = {"eager_equal": eager[0] == want == eager_static[0]}
     for cache in ("dynamic", "static"):
         kw = {"cache_implementation": "static"} if cache == "static" else {}
-        for who in ("tree", "transformers"):
+        # transformers' own model compiled is one process's work, the same on every rank (no groups): rank 0's
+        for who in ("tree", "transformers") if rank == 0 else ("tree",):
             ops = []
             counter = CompileCounterWithBackend("aot_eager")
 
@@ -608,7 +700,7 @@ def _check_user_compiled(results):
     for r in results:
         assert r["eager_equal"]
         for cache, theirs in (("dynamic", 3), ("static", 2)):
-            tree, hf = r["tree", cache], r["transformers", cache]
+            tree, hf = r["tree", cache], results[0]["transformers", cache]  # (rank 0 compiled transformers' own)
             assert hf["frames"] == theirs and hf["tokens"], (cache, hf)  # transformers' own count
             # one trace of the step's device half, one of the (empty) frame a fullgraph compile of the
             # prefill's forward counts; never more than transformers' own model needs
@@ -619,12 +711,13 @@ def _check_user_compiled(results):
             assert tree["merges"] == tree["attentions"] == 2, (cache, tree)
 
 
-def test_user_compiled_forward_inside_transformers_generate_at_cp2():
+@_shares("user_compiled")
+def test_user_compiled_forward_inside_transformers_generate_at_cp2(cp2):
     """``model.forward = torch.compile(model.forward, fullgraph=True)`` after enable_tree_attention, then
     transformers' own ``generate`` (its dynamic cache, and cache_implementation="static"), at CP 2: no graph
     break (fullgraph), two compilations over 12 steps (transformers' own model: 3 and 2), the tokens of
     unsharded transformers and the eager tree step's logits bit for bit."""
-    _check_user_compiled(run_ranks(_user_compiled_forward, 2, timeout=300))
+    _check_user_compiled(_shared_results(cp2, "user_compiled"))
 
 
 _TRACED: list = []
@@ -660,22 +753,24 @@ def _automatic_compile(rank, world):
     return {"tokens": tokens == want, "logits": torch.equal(logits, eager[1]), "traced": list(_TRACED)}
 
 
-def test_transformers_automatic_compile_with_a_static_cache_compiles_the_tree_step():
+@_shares("automatic_compile")
+def test_transformers_automatic_compile_with_a_static_cache_compiles_the_tree_step(cp2):
     """``generate(cache_implementation="static")`` on a tree-enabled model at CP 2 with transformers' automatic
     compile on (its default on a GPU; its mode, reduce-overhead, is CUDA graphs there): transformers compiles
     ``model.__call__``, the call reaches the tree forward (a graph break: its host half is eager) and the
     decode step's device half is traced once, with every layer's attention and CP merge in it; the tokens of
     unsharded transformers, the eager tree step's logits (over a static cache too) bit for bit."""
-    for r in run_ranks(_automatic_compile, 2, timeout=300):
+    for r in _shared_results(cp2, "automatic_compile"):
         assert r["tokens"] and r["logits"]
         assert len(r["traced"]) == 1, [len(t) for t in r["traced"]]
         for op in ("megatron_tree.flash_decode", "megatron_tree.cp_merge"):
             assert sum(t.startswith(op) for t in r["traced"][0]) == 2, op  # one per layer
 
 
-def test_user_compiled_forward_inside_transformers_generate_at_2x2():
+@_shares("user_compiled_2x2")
+def test_user_compiled_forward_inside_transformers_generate_at_2x2(cp4):
     """The same over two levels (two nodes of two ranks): the two-level merge in the user's graph."""
-    _check_user_compiled(run_ranks(_user_compiled_forward, 4, 2, timeout=300))
+    _check_user_compiled(_shared_results(cp4, "user_compiled_2x2"))
 
 
 def _static_padded(rank, world):
@@ -712,13 +807,14 @@ def _static_padded(rank, world):
     return out
 
 
-def test_static_cache_generate_of_a_left_padded_batch():
+@_shares("static_padded")
+def test_static_cache_generate_of_a_left_padded_batch(cp3):
     """transformers builds the prefill's masks itself when its cache is compileable (a StaticCache), from the
     model's ``create_masks_for_generate``: without a mask function for tree attention that mask was a dict of
     Nones (Qwen2: an AttributeError in the prefill's check) or None (Llama: the padding attended, other tokens,
     no error). The tree-enabled model hands the 2-D padding mask through: transformers' tokens at CP 3 on
     rows of 29, 17 and 1 tokens, eager and under a user's compile."""
-    for r in run_ranks(_static_padded, 3, timeout=300):
+    for r in _shared_results(cp3, "static_padded"):
         for case, got in r.items():
             assert got is True, (case, got)
 
@@ -768,11 +864,12 @@ def _shifted_user_compile(rank, world):
                                               pad_token_id=0))
 
 
-def test_shifted_under_a_user_compile_is_refused_by_name():
+@_shares("shifted_user_compile")
+def test_shifted_under_a_user_compile_is_refused_by_name(cp2):
     """strategy='shifted' with model.forward compiled by the user, in transformers' generate at CP 2: the
     forward's own CompileError naming the strategy and what to change, on every rank (the check read only the
     package loop's step, so Dynamo traced the merge and reported "Observed exception" with the reason buried)."""
-    results = run_ranks(_shifted_user_compile, 2, timeout=300)
+    results = _shared_results(cp2, "shifted_user_compile")
     assert results[0][:2] == results[1][:2]
     kind, message, _ = results[0]
     assert kind == "CompileError", results[0]
@@ -789,10 +886,11 @@ def _split_setting(rank, world):
     return outcome(lambda: generate(model, PROMPTS, 3, progress=False))
 
 
-def test_ranks_that_disagree_on_compile_step_raise_the_same_error():
+@_shares("split_setting")
+def test_ranks_that_disagree_on_compile_step_raise_the_same_error(cp2):
     """One rank compiles its steps, the other does not: a DisagreementError naming compile_step and each
     rank's value, the same on both ranks, at the prefill (before any step)."""
-    results = run_ranks(_split_setting, 2, timeout=120)
+    results = _shared_results(cp2, "split_setting")
     assert results[0][:2] == results[1][:2]
     kind, message, seconds = results[0]
     assert kind == "DisagreementError" and "compile_step" in message
@@ -813,7 +911,7 @@ def test_caches_of_many_sizes_each_compile_once_past_dynamos_recompile_limit():
     sizes = [64]
     while len(sizes) < 12:
         sizes.append(static_length(sizes[-1] + 1))
-    counter = CompileCounterWithBackend("aot_eager")
+    counter = CompileCounterWithBackend("eager")  # (Dynamo's traces and its limit: no AOTAutograd pass needed)
     compiled = HFTreeModel(_model("llama"), None, compile_step={"backend": counter})
     eager = HFTreeModel(_model("llama"), None)
     for n, size in enumerate(sizes):
@@ -904,11 +1002,12 @@ def _continue_within_bucket(rank, world):
             "frames": counter.frame_count, "equal": out2.sequences.tolist() == want.tolist(), "lengths": cache.lengths}
 
 
-def test_a_static_cache_growing_within_its_bucket_keeps_its_storage():
+@_shares("continue_within_bucket")
+def test_a_static_cache_growing_within_its_bucket_keeps_its_storage(cp2):
     """A second generate continuing a static cache past the length it was sized for, but within its storage's
     bucket (``static_length``), keeps the storage (no copy, the step's buffers stay where a captured step reads
     them), compiles no second step and gives transformers' tokens."""
-    for r in run_ranks(_continue_within_bucket, 2, timeout=300):
+    for r in _shared_results(cp2, "continue_within_bucket"):
         assert r["storage_kept"] and r["frames"] == 1 and r["equal"], r
         assert r["lengths"] == [11 + 4 + 5 + 8 - 1]  # the last new token is not stored
 
@@ -1061,11 +1160,12 @@ def _after_longer_prompts(rank, world):
     return {"equal": runs["compiled"] == runs["eager"], "reused": model._binding.pool.reused}
 
 
-def test_at_cp2_a_cache_on_the_storage_of_longer_prompts_reads_none_of_their_keys():
+@_shares("after_longer_prompts")
+def test_at_cp2_a_cache_on_the_storage_of_longer_prompts_reads_none_of_their_keys(cp2):
     """At CP 2 a rank's slot holds another position for another prompt length (the load-balanced layout's
     chunks): the slots the long prompts filled past the short ones' tokens hold positions the short prompts'
     steps come to, so a cache that took the storage over must not see them (the placement starts afresh)."""
-    for r in run_ranks(_after_longer_prompts, 2, timeout=300):
+    for r in _shared_results(cp2, "after_longer_prompts"):
         assert r == {"equal": True, "reused": 1}, r
 
 
@@ -1194,13 +1294,14 @@ def _other_backend(gm, example_inputs):
     return gm.forward
 
 
-def test_compiled_steps_bucket_batches_and_ranks_agree_on_the_setting():
+@_shares("batches")
+def test_compiled_steps_bucket_batches_and_ranks_agree_on_the_setting(cp2):
     """An eval's last, partial batch reuses the full batches' compiled step (padded with copies of its shortest
     prompt; not where the cache's length bucket has no step to reuse), explicit ``batch_buckets`` pad up to a
     bucket and run a batch beyond them eagerly, saying so once; tokens equal the eager model's every time.
     Ranks whose compile settings differ all raise the same DisagreementError at the prefill; bad buckets are
     refused, naming the setting."""
-    results = run_ranks(_batches, 2, timeout=300)
+    results = _shared_results(cp2, "batches")
     for r in results:
         expect = {"lazy4": (4, 1), "lazy3": (4, 1), "lazy1": (1, 2), "lazy2": (4, 2), "lazy3_long": (3, 3),
                   "lazy5": (5, 4), "bucket1": (2, 1), "bucket3": (3, 1), "bucket5": (5, 1), "two3": (4, 1)}
@@ -1299,13 +1400,14 @@ def _padded_rows(rank, world):
     return out
 
 
-def test_padded_rows_leave_sampling_stops_forcing_and_hooks_to_the_real_rows():
+@_shares("padded_rows")
+def test_padded_rows_leave_sampling_stops_forcing_and_hooks_to_the_real_rows(cp3):
     """CP 3 (not a power of two), Gemma 2 (windows, soft-capping): the rows a batch is padded with are invisible
     to everything the caller sees: a hook gets the real rows' logits (those of the unpadded eager batch), a
     seeded sample draws the same tokens (the generator sees only the real rows), a stop token of the shortest
     row (which the padded copy of it also produces) stops that row only, and teacher forcing feeds the real rows. A cache
     the caller passes in is not padded: its 3-row step runs eagerly, the warning saying why."""
-    for r in run_ranks(_padded_rows, 3, timeout=300):
+    for r in _shared_results(cp3, "padded_rows"):
         assert r["padded_to"] == 4 and r["greedy"] and r["shapes"], r
         assert r["logits"] <= 1e-5 and r["forced"] <= 1e-5, r
         assert r["sampled"] == (True, True), r["sampled"]
@@ -1395,15 +1497,16 @@ def _stats(rank, world):
     return frames, same
 
 
+@_shares("stats")
 @pytest.mark.parametrize("world", [1, 2, 4])
-def test_compiled_steps_record_each_calls_stats_without_tracing_again(world):
+def test_compiled_steps_record_each_calls_stats_without_tracing_again(world, request):
     """Each ``generate(stats=CommStats())`` of a compiled model records the same traffic as the eager model's (one
     merge per layer per step, its collectives per level), and a new CommStats is not a new trace: the traced
     step holds the model's one ``StatsSlot``, which points at the call's CommStats while it runs. One trace
     with stats and one without, whatever the number of calls (before: one more per CommStats, and Dynamo's
     recompile limit of 8 per step shape ended an eval of 9 runs with an error). A one-rank group too: its merges
     are no collectives, but the compiled step counts its merge calls as the eager one does (before: none)."""
-    for frames, same in run_ranks(_stats, world, timeout=300):
+    for frames, same in _shared_results(request.getfixturevalue(f"cp{world}"), "stats"):
         assert frames == [1, 1, 2, 2, 2], frames
         assert all(equal and calls > 0 for equal, calls in same), same
 
@@ -1428,11 +1531,12 @@ def _user_compiled_loop(rank, world):
             "static": model.new_cache(3, 32).static, "frames": frames}
 
 
-def test_the_package_loop_runs_a_users_compiled_forward():
+@_shares("user_compiled_loop")
+def test_the_package_loop_runs_a_users_compiled_forward(cp3):
     """A user's ``model.hf.forward = torch.compile(model.hf.forward, fullgraph=True)`` on an ``HFTreeModel`` and the
     package's ``generate`` (not transformers'): the loop's caches are static, so the decode step's device half is
     traced once for both calls (it was refused: "needs a static TreeCache"), the eager model's tokens, at CP 3."""
-    for r in run_ranks(_user_compiled_loop, 3, timeout=300):
+    for r in _shared_results(cp3, "user_compiled_loop"):
         assert r["equal"] and r["static"], r
         # as under transformers' generate (_check_user_compiled): one trace of the step's device half and one of
         # the (empty) frame a fullgraph compile of the prefill's forward counts -- none more in the second call
@@ -1496,8 +1600,9 @@ def _auto_edges(rank, world):
     return out
 
 
-def test_the_default_leaves_eager_what_it_cannot_capture_and_raises_what_fails_as_it_runs():
-    for out in run_ranks(_auto_edges, 2, timeout=300):
+@_shares("auto_edges")
+def test_the_default_leaves_eager_what_it_cannot_capture_and_raises_what_fails_as_it_runs(cp2):
+    for out in _shared_results(cp2, "auto_edges"):
         static, batch = out["eager"]
         assert not static and batch == 3, out["eager"]  # eager on CPU: a dynamic cache, no bucket padding
         assert out["shifted"] == (True, True), out["shifted"]
@@ -1647,3 +1752,21 @@ def test_a_step_fed_a_slice_of_its_sequence_compiles_once():
         runs[name] = seq.tolist()
     assert runs["compiled"] == runs["eager"]
     assert counter.frame_count == 1, counter.frame_count
+
+
+
+_SHARED = {
+    1: {"stats": (_stats, ()), "fallback_stats": (_fallback_stats, ())},
+    2: {"llama": (_generate, ("llama",)), "sweep": (_sweep, ()), "refusals": (_refusals, ()), "auto": (_auto, ()),
+        "auto_edges": (_auto_edges, ()), "fallback_stats": (_fallback_stats, ()), "stats": (_stats, ()),
+        "transformers_generate": (_transformers_generate, ()), "user_compiled": (_user_compiled_forward, ()),
+        "automatic_compile": (_automatic_compile, ()), "shifted_user_compile": (_shifted_user_compile, ()),
+        "split_setting": (_split_setting, ()), "continue_within_bucket": (_continue_within_bucket, ()),
+        "after_longer_prompts": (_after_longer_prompts, ()), "batches": (_batches, ())},
+    3: {"gemma2": (_generate, ("gemma2",)), "static_padded": (_static_padded, ()), "padded_rows": (_padded_rows, ()),
+        "user_compiled_loop": (_user_compiled_loop, ())},
+    4: {"llama_2x2": (_generate, ("llama", 2, "two_level")), "user_compiled_2x2": (_user_compiled_forward, (2,)),
+        "stats": (_stats, ())},
+}
+"""Per number of ranks, the bodies of this module's tests that run together in one run of that many ranks
+(the ``cp1`` .. ``cp4`` fixtures; run_ranks' defaults: gloo, one thread per rank)."""
