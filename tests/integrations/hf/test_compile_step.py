@@ -130,27 +130,17 @@ def _shared_run(request, world):
 
 
 @pytest.fixture(scope="module")
-def cp1(request):
-    """The bodies of this module's one-rank tests, run once on 1 gloo rank."""
-    return _shared_run(request, 1)
+def shared(request):
+    """``shared(world, name)``: the body ``name``'s result on every rank of this module's one run of ``world``
+    ranks, which holds the bodies of the selected tests (:func:`_shared_run`), started at its first use."""
+    runs = {}
 
+    def results(world, name):
+        if world not in runs:
+            runs[world] = _shared_run(request, world)
+        return _shared_results(runs[world], name)
 
-@pytest.fixture(scope="module")
-def cp2(request):
-    """The CP 2 bodies of this module's tests, run once on 2 gloo ranks."""
-    return _shared_run(request, 2)
-
-
-@pytest.fixture(scope="module")
-def cp3(request):
-    """The CP 3 bodies, run once on 3 gloo ranks."""
-    return _shared_run(request, 3)
-
-
-@pytest.fixture(scope="module")
-def cp4(request):
-    """The 2x2 and CP 4 bodies, run once on 4 gloo ranks."""
-    return _shared_run(request, 4)
+    return results
 
 
 def _model(arch):
@@ -177,21 +167,21 @@ def _check(results, world):
 
 
 @_shares("llama")
-def test_llama_step_at_cp2_compiles_once_and_equals_eager(cp2):
-    _check(_shared_results(cp2, "llama"), 2)
+def test_llama_step_at_cp2_compiles_once_and_equals_eager(shared):
+    _check(shared(2, "llama"), 2)
 
 
 @_shares("llama_2x2")
-def test_llama_step_at_2x2_compiles_once_and_equals_eager(cp4):
+def test_llama_step_at_2x2_compiles_once_and_equals_eager(shared):
     """Two levels (intra-node, then across nodes): the merge strategy two_level, in the graph as one op."""
-    _check(_shared_results(cp4, "llama_2x2"), 4)
+    _check(shared(4, "llama_2x2"), 4)
 
 
 @_shares("gemma2")
-def test_windowed_softcapped_step_at_cp3_compiles_once_and_equals_eager(cp3):
+def test_windowed_softcapped_step_at_cp3_compiles_once_and_equals_eager(shared):
     """Gemma 2: sliding-window layers between full ones, soft-capping; CP 3 (not a power of two) with
     prompts longer and shorter than the window: the window starts come from the step's metadata."""
-    _check(_shared_results(cp3, "gemma2"), 3)
+    _check(shared(3, "gemma2"), 3)
 
 
 SWEEP = (4, 9, 20, 27, 44, 58, 70, 74, 101, 107)
@@ -225,11 +215,11 @@ def _sweep(rank, world):
 
 
 @_shares("sweep")
-def test_caches_of_nearby_lengths_share_one_compiled_step(cp2):
+def test_caches_of_nearby_lengths_share_one_compiled_step(shared):
     """An eval's batches each make a cache for their longest prompt: static caches are sized by length bucket
     (``decode.cache.static_length``), so a sweep of 10 lengths compiles once per bucket (3), not once per call
     (10, before), and every call gives the eager step's tokens."""
-    for r in _shared_results(cp2, "sweep"):
+    for r in shared(2, "sweep"):
         assert all(r["equal"]), r["equal"]
         assert r["sizes"] == [64] * 6 + [80] * 2 + [112] * 2
         # a new trace exactly where the bucket changes
@@ -286,8 +276,8 @@ def _refusals(rank, world):
 
 
 @_shares("refusals")
-def test_settings_a_compiled_step_cannot_hold_are_refused_on_every_rank(cp2):
-    results = _shared_results(cp2, "refusals")
+def test_settings_a_compiled_step_cannot_hold_are_refused_on_every_rank(shared):
+    results = shared(2, "refusals")
     for out, name in results:
         for key in ("shifted", "shifted_model"):
             assert out[key][0] == name and "strategy='shifted'" in out[key][1]
@@ -487,8 +477,8 @@ def _auto(rank, world):
 
 
 @_shares("auto")
-def test_the_default_compile_step_captures_only_where_it_can_and_falls_back_to_eager(cp2):
-    for out in _shared_results(cp2, "auto"):
+def test_the_default_compile_step_captures_only_where_it_can_and_falls_back_to_eager(shared):
+    for out in shared(2, "auto"):
         auto, equal, made, static, batch = out["default"]
         assert auto and equal and made == [] and not static and batch == 3  # CPU over gloo: eager, as before
         assert out["applies"] == {"cpu_gloo": False, "cuda_gloo": False, "cuda_alone": True, "cpu_alone": False,
@@ -566,11 +556,11 @@ def _fallback_stats(rank, world):
 
 @_shares("fallback_stats")
 @pytest.mark.parametrize("world", [1, 2])
-def test_a_step_the_default_fails_to_compile_counts_its_traffic_once(world, request):
+def test_a_step_the_default_fails_to_compile_counts_its_traffic_once(world, shared):
     """The step whose compilation fails runs eagerly inside ``CompiledSteps.__call__``: its merges record their
     calls themselves, so a one-rank group's step must not add the calls a traced step leaves to be counted
     outside the graph (counted twice, the failing step's calls were double). Every run: the eager counts."""
-    for out in _shared_results(request.getfixturevalue(f"cp{world}"), "fallback_stats"):
+    for out in shared(world, "fallback_stats"):
         tokens, stats = out["eager"]
         assert stats["calls"] == 4 * 2  # four decode steps (the fifth token), two layers, one merge each
         for name in ("compiled", "failing"):
@@ -633,11 +623,11 @@ def _transformers_generate(rank, world):
 
 
 @_shares("transformers_generate")
-def test_transformers_generate_runs_compiled_steps_with_its_own_tokens(cp2):
+def test_transformers_generate_runs_compiled_steps_with_its_own_tokens(shared):
     """``model.generate`` of a model enabled with compile_step at CP 2: the tokens of unsharded transformers,
     at most one compilation per cache shape (two prompts of different lengths: two static caches), as
     transformers' own model with a static cache needs."""
-    results = _shared_results(cp2, "transformers_generate")
+    results = shared(2, "transformers_generate")
     for frames, equal in results:
         assert equal
         assert 1 <= frames <= 2
@@ -712,12 +702,12 @@ def _check_user_compiled(results):
 
 
 @_shares("user_compiled")
-def test_user_compiled_forward_inside_transformers_generate_at_cp2(cp2):
+def test_user_compiled_forward_inside_transformers_generate_at_cp2(shared):
     """``model.forward = torch.compile(model.forward, fullgraph=True)`` after enable_tree_attention, then
     transformers' own ``generate`` (its dynamic cache, and cache_implementation="static"), at CP 2: no graph
     break (fullgraph), two compilations over 12 steps (transformers' own model: 3 and 2), the tokens of
     unsharded transformers and the eager tree step's logits bit for bit."""
-    _check_user_compiled(_shared_results(cp2, "user_compiled"))
+    _check_user_compiled(shared(2, "user_compiled"))
 
 
 _TRACED: list = []
@@ -754,13 +744,13 @@ def _automatic_compile(rank, world):
 
 
 @_shares("automatic_compile")
-def test_transformers_automatic_compile_with_a_static_cache_compiles_the_tree_step(cp2):
+def test_transformers_automatic_compile_with_a_static_cache_compiles_the_tree_step(shared):
     """``generate(cache_implementation="static")`` on a tree-enabled model at CP 2 with transformers' automatic
     compile on (its default on a GPU; its mode, reduce-overhead, is CUDA graphs there): transformers compiles
     ``model.__call__``, the call reaches the tree forward (a graph break: its host half is eager) and the
     decode step's device half is traced once, with every layer's attention and CP merge in it; the tokens of
     unsharded transformers, the eager tree step's logits (over a static cache too) bit for bit."""
-    for r in _shared_results(cp2, "automatic_compile"):
+    for r in shared(2, "automatic_compile"):
         assert r["tokens"] and r["logits"]
         assert len(r["traced"]) == 1, [len(t) for t in r["traced"]]
         for op in ("megatron_tree.flash_decode", "megatron_tree.cp_merge"):
@@ -768,9 +758,9 @@ def test_transformers_automatic_compile_with_a_static_cache_compiles_the_tree_st
 
 
 @_shares("user_compiled_2x2")
-def test_user_compiled_forward_inside_transformers_generate_at_2x2(cp4):
+def test_user_compiled_forward_inside_transformers_generate_at_2x2(shared):
     """The same over two levels (two nodes of two ranks): the two-level merge in the user's graph."""
-    _check_user_compiled(_shared_results(cp4, "user_compiled_2x2"))
+    _check_user_compiled(shared(4, "user_compiled_2x2"))
 
 
 def _static_padded(rank, world):
@@ -808,13 +798,13 @@ def _static_padded(rank, world):
 
 
 @_shares("static_padded")
-def test_static_cache_generate_of_a_left_padded_batch(cp3):
+def test_static_cache_generate_of_a_left_padded_batch(shared):
     """transformers builds the prefill's masks itself when its cache is compileable (a StaticCache), from the
     model's ``create_masks_for_generate``: without a mask function for tree attention that mask was a dict of
     Nones (Qwen2: an AttributeError in the prefill's check) or None (Llama: the padding attended, other tokens,
     no error). The tree-enabled model hands the 2-D padding mask through: transformers' tokens at CP 3 on
     rows of 29, 17 and 1 tokens, eager and under a user's compile."""
-    for r in _shared_results(cp3, "static_padded"):
+    for r in shared(3, "static_padded"):
         for case, got in r.items():
             assert got is True, (case, got)
 
@@ -865,11 +855,11 @@ def _shifted_user_compile(rank, world):
 
 
 @_shares("shifted_user_compile")
-def test_shifted_under_a_user_compile_is_refused_by_name(cp2):
+def test_shifted_under_a_user_compile_is_refused_by_name(shared):
     """strategy='shifted' with model.forward compiled by the user, in transformers' generate at CP 2: the
     forward's own CompileError naming the strategy and what to change, on every rank (the check read only the
     package loop's step, so Dynamo traced the merge and reported "Observed exception" with the reason buried)."""
-    results = _shared_results(cp2, "shifted_user_compile")
+    results = shared(2, "shifted_user_compile")
     assert results[0][:2] == results[1][:2]
     kind, message, _ = results[0]
     assert kind == "CompileError", results[0]
@@ -887,10 +877,10 @@ def _split_setting(rank, world):
 
 
 @_shares("split_setting")
-def test_ranks_that_disagree_on_compile_step_raise_the_same_error(cp2):
+def test_ranks_that_disagree_on_compile_step_raise_the_same_error(shared):
     """One rank compiles its steps, the other does not: a DisagreementError naming compile_step and each
     rank's value, the same on both ranks, at the prefill (before any step)."""
-    results = _shared_results(cp2, "split_setting")
+    results = shared(2, "split_setting")
     assert results[0][:2] == results[1][:2]
     kind, message, seconds = results[0]
     assert kind == "DisagreementError" and "compile_step" in message
@@ -1003,11 +993,11 @@ def _continue_within_bucket(rank, world):
 
 
 @_shares("continue_within_bucket")
-def test_a_static_cache_growing_within_its_bucket_keeps_its_storage(cp2):
+def test_a_static_cache_growing_within_its_bucket_keeps_its_storage(shared):
     """A second generate continuing a static cache past the length it was sized for, but within its storage's
     bucket (``static_length``), keeps the storage (no copy, the step's buffers stay where a captured step reads
     them), compiles no second step and gives transformers' tokens."""
-    for r in _shared_results(cp2, "continue_within_bucket"):
+    for r in shared(2, "continue_within_bucket"):
         assert r["storage_kept"] and r["frames"] == 1 and r["equal"], r
         assert r["lengths"] == [11 + 4 + 5 + 8 - 1]  # the last new token is not stored
 
@@ -1161,11 +1151,11 @@ def _after_longer_prompts(rank, world):
 
 
 @_shares("after_longer_prompts")
-def test_at_cp2_a_cache_on_the_storage_of_longer_prompts_reads_none_of_their_keys(cp2):
+def test_at_cp2_a_cache_on_the_storage_of_longer_prompts_reads_none_of_their_keys(shared):
     """At CP 2 a rank's slot holds another position for another prompt length (the load-balanced layout's
     chunks): the slots the long prompts filled past the short ones' tokens hold positions the short prompts'
     steps come to, so a cache that took the storage over must not see them (the placement starts afresh)."""
-    for r in _shared_results(cp2, "after_longer_prompts"):
+    for r in shared(2, "after_longer_prompts"):
         assert r == {"equal": True, "reused": 1}, r
 
 
@@ -1295,13 +1285,13 @@ def _other_backend(gm, example_inputs):
 
 
 @_shares("batches")
-def test_compiled_steps_bucket_batches_and_ranks_agree_on_the_setting(cp2):
+def test_compiled_steps_bucket_batches_and_ranks_agree_on_the_setting(shared):
     """An eval's last, partial batch reuses the full batches' compiled step (padded with copies of its shortest
     prompt; not where the cache's length bucket has no step to reuse), explicit ``batch_buckets`` pad up to a
     bucket and run a batch beyond them eagerly, saying so once; tokens equal the eager model's every time.
     Ranks whose compile settings differ all raise the same DisagreementError at the prefill; bad buckets are
     refused, naming the setting."""
-    results = _shared_results(cp2, "batches")
+    results = shared(2, "batches")
     for r in results:
         expect = {"lazy4": (4, 1), "lazy3": (4, 1), "lazy1": (1, 2), "lazy2": (4, 2), "lazy3_long": (3, 3),
                   "lazy5": (5, 4), "bucket1": (2, 1), "bucket3": (3, 1), "bucket5": (5, 1), "two3": (4, 1)}
@@ -1401,13 +1391,13 @@ def _padded_rows(rank, world):
 
 
 @_shares("padded_rows")
-def test_padded_rows_leave_sampling_stops_forcing_and_hooks_to_the_real_rows(cp3):
+def test_padded_rows_leave_sampling_stops_forcing_and_hooks_to_the_real_rows(shared):
     """CP 3 (not a power of two), Gemma 2 (windows, soft-capping): the rows a batch is padded with are invisible
     to everything the caller sees: a hook gets the real rows' logits (those of the unpadded eager batch), a
     seeded sample draws the same tokens (the generator sees only the real rows), a stop token of the shortest
     row (which the padded copy of it also produces) stops that row only, and teacher forcing feeds the real rows. A cache
     the caller passes in is not padded: its 3-row step runs eagerly, the warning saying why."""
-    for r in _shared_results(cp3, "padded_rows"):
+    for r in shared(3, "padded_rows"):
         assert r["padded_to"] == 4 and r["greedy"] and r["shapes"], r
         assert r["logits"] <= 1e-5 and r["forced"] <= 1e-5, r
         assert r["sampled"] == (True, True), r["sampled"]
@@ -1499,14 +1489,14 @@ def _stats(rank, world):
 
 @_shares("stats")
 @pytest.mark.parametrize("world", [1, 2, 4])
-def test_compiled_steps_record_each_calls_stats_without_tracing_again(world, request):
+def test_compiled_steps_record_each_calls_stats_without_tracing_again(world, shared):
     """Each ``generate(stats=CommStats())`` of a compiled model records the same traffic as the eager model's (one
     merge per layer per step, its collectives per level), and a new CommStats is not a new trace: the traced
     step holds the model's one ``StatsSlot``, which points at the call's CommStats while it runs. One trace
     with stats and one without, whatever the number of calls (before: one more per CommStats, and Dynamo's
     recompile limit of 8 per step shape ended an eval of 9 runs with an error). A one-rank group too: its merges
     are no collectives, but the compiled step counts its merge calls as the eager one does (before: none)."""
-    for frames, same in _shared_results(request.getfixturevalue(f"cp{world}"), "stats"):
+    for frames, same in shared(world, "stats"):
         assert frames == [1, 1, 2, 2, 2], frames
         assert all(equal and calls > 0 for equal, calls in same), same
 
@@ -1532,11 +1522,11 @@ def _user_compiled_loop(rank, world):
 
 
 @_shares("user_compiled_loop")
-def test_the_package_loop_runs_a_users_compiled_forward(cp3):
+def test_the_package_loop_runs_a_users_compiled_forward(shared):
     """A user's ``model.hf.forward = torch.compile(model.hf.forward, fullgraph=True)`` on an ``HFTreeModel`` and the
     package's ``generate`` (not transformers'): the loop's caches are static, so the decode step's device half is
     traced once for both calls (it was refused: "needs a static TreeCache"), the eager model's tokens, at CP 3."""
-    for r in _shared_results(cp3, "user_compiled_loop"):
+    for r in shared(3, "user_compiled_loop"):
         assert r["equal"] and r["static"], r
         # as under transformers' generate (_check_user_compiled): one trace of the step's device half and one of
         # the (empty) frame a fullgraph compile of the prefill's forward counts -- none more in the second call
@@ -1601,8 +1591,8 @@ def _auto_edges(rank, world):
 
 
 @_shares("auto_edges")
-def test_the_default_leaves_eager_what_it_cannot_capture_and_raises_what_fails_as_it_runs(cp2):
-    for out in _shared_results(cp2, "auto_edges"):
+def test_the_default_leaves_eager_what_it_cannot_capture_and_raises_what_fails_as_it_runs(shared):
+    for out in shared(2, "auto_edges"):
         static, batch = out["eager"]
         assert not static and batch == 3, out["eager"]  # eager on CPU: a dynamic cache, no bucket padding
         assert out["shifted"] == (True, True), out["shifted"]
@@ -1769,4 +1759,4 @@ _SHARED = {
         "stats": (_stats, ())},
 }
 """Per number of ranks, the bodies of this module's tests that run together in one run of that many ranks
-(the ``cp1`` .. ``cp4`` fixtures; run_ranks' defaults: gloo, one thread per rank)."""
+(the ``shared`` fixture; run_ranks' defaults: gloo, one thread per rank)."""
