@@ -17,6 +17,13 @@ A local task's relative ``dataset_kwargs.data_files`` are read relative to its t
 alone reads them relative to the working directory; a path that is not found beside the task file
 keeps that meaning).
 
+A run whose ``--tasks`` are all plain task names defined under ``--include_path`` indexes that path
+alone (:func:`included_tasks_only`): lm-eval's CLI otherwise reads all of its own ~15,000 task files
+on every rank before it looks at the include path, about 10 s of CPU per process, for tasks it will
+not run. An included task overrides a built-in one of the same name in lm-eval's full index too, so
+the tasks that run are the same. Groups, tags, patterns, YAML paths and names that are not in the
+include path take lm-eval's full index, as before.
+
 Bad input exits with status 2 and one line naming the problem, on every rank that sees it.
 """
 
@@ -28,7 +35,7 @@ import os
 import sys
 from pathlib import Path
 
-__all__ = ["main", "resolve_data_files"]
+__all__ = ["included_tasks_only", "main", "resolve_data_files"]
 
 _RANK0_ONLY_FLAGS = ("--wandb_args", "--wandb_config_args")
 _LAUNCHER_FLAGS = ("--local_rank", "--local-rank")
@@ -78,6 +85,48 @@ def _check_model_args(argv: list[str], backend) -> None:
 
     args = backend.model_args_from(lm_utils.simple_parse_args_string(_flag(argv, "--model_args") or ""))
     backend.check_checkpoint(args)
+
+
+def _included_task_names(argv: list[str]) -> list[str] | None:
+    """The ``--tasks`` of argv when each is a plain task (not a group, tag, pattern or YAML path) that the
+    ``--include_path`` directory defines, else None (the run needs lm-eval's full task index)."""
+    include, tasks = _flag(argv, "--include_path"), _flag(argv, "--tasks")
+    if not include or not tasks or not os.path.isdir(include):
+        return None
+    import inspect
+
+    from lm_eval.tasks import TaskManager
+
+    if "include_defaults" not in inspect.signature(TaskManager).parameters:  # an lm-eval without the switch
+        return None
+    plain = set(TaskManager(include_path=include, include_defaults=False).all_subtasks)
+    names = [t.strip() for t in tasks.split(",")]  # a pattern or a YAML path is no task's name
+    return names if all(n in plain for n in names) else None
+
+
+@contextlib.contextmanager
+def included_tasks_only(argv: list[str]):
+    """While lm-eval's CLI runs ``argv``: a task index of ``--include_path`` alone where every task it names is
+    a plain task defined there (:func:`_included_task_names`); otherwise nothing changes. Yields whether the
+    index is the include path's alone."""
+    import lm_eval.tasks
+
+    if _included_task_names(argv) is None:
+        yield False
+        return
+    full_index = lm_eval.tasks.TaskManager
+
+    class IncludePathIndex(full_index):
+        """lm-eval's TaskManager without its built-in tasks (the CLI imports the name from lm_eval.tasks)."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **{**kwargs, "include_defaults": False})
+
+    lm_eval.tasks.TaskManager = IncludePathIndex
+    try:
+        yield True
+    finally:
+        lm_eval.tasks.TaskManager = full_index
 
 
 def resolve_data_files(cfg: dict, task_dir) -> dict:
@@ -156,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     lm_eval.simple_evaluate = simple_evaluate
     try:
         _check_model_args(argv, backend)
-        with _task_files_beside_yaml():
+        with included_tasks_only(argv), _task_files_beside_yaml():
             cli_evaluate()
     except (backend.ModelArgsError, backend.RequestError) as e:
         print(f"megatron_tree.eval.lm_eval: rank {_global_rank()}: {e}", file=sys.stderr, flush=True)

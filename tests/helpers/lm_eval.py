@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 
@@ -59,30 +58,6 @@ def evaluate(model, model_args, tasks_dir: str, tasks=TASKS, **kw):
     return lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=list(tasks), batch_size=BATCH,
                                    device="cpu", log_samples=True, task_manager=TaskManager(include_path=tasks_dir, include_defaults=False),
                                    **kw)
-
-
-@contextlib.contextmanager
-def included_tasks_only():
-    """lm-eval's CLI (``cli_evaluate``) with a task index of ``--include_path`` alone.
-
-    The CLI always indexes lm-eval's own ~15,000 task files before ``--include_path`` (10 s of CPU per
-    rank alone, tens of seconds for 4 ranks on 2 cores); a run that names only included tasks needs
-    none of them, as :func:`evaluate`'s ``TaskManager(include_defaults=False)`` shows. Everything else
-    is the CLI's own path. examples/lm_eval_backend.py (run by tests/test_examples.py) keeps the full
-    index: the backend's CLI over lm-eval's own tasks stays tested there."""
-    import lm_eval.tasks
-
-    full_index = lm_eval.tasks.TaskManager
-
-    class IncludedTasksOnly(full_index):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **{**kwargs, "include_defaults": False})
-
-    lm_eval.tasks.TaskManager = IncludedTasksOnly  # evaluate_config imports it from here at call time
-    try:
-        yield
-    finally:
-        lm_eval.tasks.TaskManager = full_index
 
 
 def per_request(results) -> dict:

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from tests.helpers.ranks import run_ranks
-from tests.helpers.lm_eval import BATCH, SHARED, TASK_DIR, TASKS, Req, close_enough, offline_env, build_tokenizer, evaluate, included_tasks_only, per_request, write_tasks  # noqa: F401
+from tests.helpers.lm_eval import BATCH, SHARED, TASK_DIR, TASKS, Req, close_enough, offline_env, build_tokenizer, evaluate, per_request, write_tasks  # noqa: F401
 
 pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install 'megatron_tree[lmeval]')")
 
@@ -119,8 +119,7 @@ def _rank_eval(rank, world, workdir, runs, cli=None, bad_cp=None):
     if cli is not None:
         from megatron_tree.eval.lm_eval import main
 
-        with included_tasks_only():  # the CLI without indexing lm-eval's own tasks (see the helper)
-            out["cli"] = main(cli)
+        out["cli"] = main(cli)
     return out
 
 
@@ -278,3 +277,37 @@ def test_bad_input(workdir, capsys, monkeypatch):
               "--include_path", os.path.join(workdir, "tasks"), "--device", "cpu"])
     assert e.value.code == 2
     assert "rank 0: unknown model_args key(s) ['bogus']" in capsys.readouterr().err
+
+
+def test_the_cli_indexes_the_include_path_alone_where_it_defines_every_task(tmp_path):
+    """lm-eval's CLI reads its ~15,000 own task files on every rank before --include_path: where every task
+    named is a plain task of the include path, only that path is indexed (an included task overrides a
+    built-in one of its name in the full index too); a group, a tag, a pattern, a YAML path, a built-in
+    task or no include path keep lm-eval's full index."""
+    import shutil
+
+    import lm_eval.tasks
+    from megatron_tree.eval.lm_eval import _included_task_names, included_tasks_only
+
+    full = lm_eval.tasks.TaskManager
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    for name in ("mt_choice", "mt_gen"):
+        shutil.copy(os.path.join(TASK_DIR, f"{name}.yaml"), tasks)
+    (tasks / "both.yaml").write_text("group: mt_both\ntask:\n  - mt_choice\n  - mt_gen\n")
+    (tasks / "tagged.yaml").write_text((tasks / "mt_gen.yaml").read_text().replace("task: mt_gen", "task: mt_tagged\ntag: mt_tag"))
+    include = ["--include_path", str(tasks)]
+    assert _included_task_names(["--model", "megatron_tree", *include, "--tasks", "mt_choice,mt_gen"]) == \
+        ["mt_choice", "mt_gen"]
+    with included_tasks_only([*include, "--tasks=mt_tagged"]) as alone:
+        assert alone and lm_eval.tasks.TaskManager is not full
+        index = lm_eval.tasks.TaskManager(include_path=str(tasks))  # as lm-eval's CLI builds it
+        assert "mt_tagged" in index.all_tasks and "hellaswag" not in index.all_tasks
+    assert lm_eval.tasks.TaskManager is full
+    for argv in ([*include, "--tasks", "mt_choice,hellaswag"], [*include, "--tasks", "mt_*"],
+                 [*include, "--tasks", str(tasks / "mt_gen.yaml")], [*include, "--tasks", "mt_both"],
+                 [*include, "--tasks", "mt_tag"], ["--tasks", "mt_choice"],
+                 ["--include_path", str(tmp_path / "missing"), "--tasks", "mt_choice"]):
+        assert _included_task_names(argv) is None, argv
+        with included_tasks_only(argv) as alone:
+            assert alone is False and lm_eval.tasks.TaskManager is full, argv

@@ -33,7 +33,7 @@ from tests.helpers.launching import train_checkpoint
 pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install 'megatron_tree[lmeval]')")
 pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 
-from tests.helpers.lm_eval import close_enough, offline_env, Req, build_tokenizer, evaluate, included_tasks_only, per_request, write_tasks  # noqa: E402
+from tests.helpers.lm_eval import close_enough, offline_env, Req, build_tokenizer, evaluate, per_request, write_tasks  # noqa: E402
 
 TASKS = ["mt_choice", "mt_gen", "mt_ppl", "mt_letters"]
 MAX_LENGTH = 64
@@ -150,10 +150,9 @@ def _rank(rank, world, workdir):
         out["oracle"] = per_request(evaluate(oracle, None, tasks, tasks=TASKS))
     lm.close()
     # The CLI end to end: a second backend in this process (Megatron's groups made again), one results file.
-    with included_tasks_only():  # the CLI without indexing lm-eval's own tasks (see the helper)
-        out["cli"] = _cli(["--model", "megatron_tree", "--model_args", f"{base},cp_size=2", "--tasks", "mt_choice",
-                           "--include_path", tasks, "--batch_size", "2", "--device", "cpu",
-                           "--output_path", os.path.join(workdir, "cli_out")])
+    out["cli"] = _cli(["--model", "megatron_tree", "--model_args", f"{base},cp_size=2", "--tasks", "mt_choice",
+                       "--include_path", tasks, "--batch_size", "2", "--device", "cpu",
+                       "--output_path", os.path.join(workdir, "cli_out")])
     return out
 
 
