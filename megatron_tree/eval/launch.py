@@ -474,6 +474,9 @@ def main(argv=None) -> int:
             print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
             return 0
         remove_stale_results(cfg.output_dir, rank)
+        world = int(env.get("WORLD_SIZE", 1))
+        if world > 1:  # sizes that cannot fit the launch fail in a second, before the frameworks' imports
+            check_launch(cfg, world, env)
         check_extras(cfg)
         run_eval(cfg, env)
     except MissingExtraError as e:
