@@ -1,7 +1,7 @@
 """The README's lm-evaluation-harness recipe as a complete program: the ``megatron_tree`` backend at
 CP 2 against lm-eval's own ``hf`` backend in one process.
 
-Run (from anywhere, offline, about a minute on 2 CPU cores):
+Run (from anywhere, offline, about 35 s on 2 CPU cores):
 
     python examples/lm_eval_backend.py [OUTPUT_DIR]
 
