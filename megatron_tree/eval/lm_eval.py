@@ -87,11 +87,37 @@ def _check_model_args(argv: list[str], backend) -> None:
     backend.check_checkpoint(args)
 
 
+def _tasks_flag(argv: list[str]) -> str | None:
+    """The one ``--tasks V`` / ``--tasks=V`` of argv when it is the only way argv names tasks, else None: a
+    repeated flag, ``-t``, an abbreviation (``--task``) or space-separated names after it (lm-eval takes
+    ``nargs="+"`` and adds up repeats) are read by lm-eval's own parser alone."""
+    found = []
+    for i, a in enumerate(argv):
+        name = a.split("=", 1)[0]
+        if a.startswith("-t") and not a.startswith("--") or len(name) > 3 and "--tasks".startswith(name):
+            found.append(i)
+    if len(found) != 1 or argv[found[0]].split("=", 1)[0] != "--tasks":
+        return None
+    i = found[0]
+    if "=" in argv[i]:
+        value, after = argv[i].split("=", 1)[1], i + 1
+    elif i + 1 < len(argv):
+        value, after = argv[i + 1], i + 2
+    else:
+        return None
+    if after < len(argv) and not argv[after].startswith("-"):
+        return None  # more names after the first
+    return value
+
+
 def _included_task_names(argv: list[str]) -> list[str] | None:
     """The ``--tasks`` of argv when each is a plain task (not a group, tag, pattern or YAML path) that the
     ``--include_path`` directory defines, else None (the run needs lm-eval's full task index)."""
-    include, tasks = _flag(argv, "--include_path"), _flag(argv, "--tasks")
+    include, tasks = _flag(argv, "--include_path"), _tasks_flag(argv)
     if not include or not tasks or not os.path.isdir(include):
+        return None
+    names = [t.strip() for t in tasks.split(",")]
+    if any(set("*?[") & set(n) for n in names):  # lm-eval matches each name as a pattern over the whole index
         return None
     import inspect
 
@@ -100,7 +126,6 @@ def _included_task_names(argv: list[str]) -> list[str] | None:
     if "include_defaults" not in inspect.signature(TaskManager).parameters:  # an lm-eval without the switch
         return None
     plain = set(TaskManager(include_path=include, include_defaults=False).all_subtasks)
-    names = [t.strip() for t in tasks.split(",")]  # a pattern or a YAML path is no task's name
     return names if all(n in plain for n in names) else None
 
 

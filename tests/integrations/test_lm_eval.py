@@ -296,9 +296,10 @@ def test_the_cli_indexes_the_include_path_alone_where_it_defines_every_task(tmp_
         shutil.copy(os.path.join(TASK_DIR, f"{name}.yaml"), tasks)
     (tasks / "both.yaml").write_text("group: mt_both\ntask:\n  - mt_choice\n  - mt_gen\n")
     (tasks / "tagged.yaml").write_text((tasks / "mt_gen.yaml").read_text().replace("task: mt_gen", "task: mt_tagged\ntag: mt_tag"))
+    (tasks / "starred.yaml").write_text((tasks / "mt_gen.yaml").read_text().replace("task: mt_gen", "task: mt_g*"))
     include = ["--include_path", str(tasks)]
-    assert _included_task_names(["--model", "megatron_tree", *include, "--tasks", "mt_choice,mt_gen"]) == \
-        ["mt_choice", "mt_gen"]
+    assert _included_task_names(["--model", "megatron_tree", *include, "--tasks", "mt_choice,mt_gen", "--device",
+                                 "cpu"]) == ["mt_choice", "mt_gen"]
     with included_tasks_only([*include, "--tasks=mt_tagged"]) as alone:
         assert alone and lm_eval.tasks.TaskManager is not full
         index = lm_eval.tasks.TaskManager(include_path=str(tasks))  # as lm-eval's CLI builds it
@@ -307,7 +308,12 @@ def test_the_cli_indexes_the_include_path_alone_where_it_defines_every_task(tmp_
     for argv in ([*include, "--tasks", "mt_choice,hellaswag"], [*include, "--tasks", "mt_*"],
                  [*include, "--tasks", str(tasks / "mt_gen.yaml")], [*include, "--tasks", "mt_both"],
                  [*include, "--tasks", "mt_tag"], ["--tasks", "mt_choice"],
-                 ["--include_path", str(tmp_path / "missing"), "--tasks", "mt_choice"]):
+                 ["--include_path", str(tmp_path / "missing"), "--tasks", "mt_choice"],
+                 # lm-eval also reads space-separated names, repeated flags, -t and abbreviations: its parser alone
+                 [*include, "--tasks", "mt_choice", "hellaswag"], [*include, "--tasks", "mt_gen", "--tasks", "hellaswag"],
+                 [*include, "-t", "hellaswag", "--tasks", "mt_choice"], [*include, "--task", "mt_choice"],
+                 # a name lm-eval would also match as a pattern over the full index (mt_gen and mt_g* here)
+                 [*include, "--tasks", "mt_g*"]):
         assert _included_task_names(argv) is None, argv
         with included_tasks_only(argv) as alone:
             assert alone is False and lm_eval.tasks.TaskManager is full, argv
