@@ -17,12 +17,12 @@ A local task's relative ``dataset_kwargs.data_files`` are read relative to its t
 alone reads them relative to the working directory; a path that is not found beside the task file
 keeps that meaning).
 
-A run whose ``--tasks`` are all plain task names defined under ``--include_path`` indexes that path
-alone (:func:`included_tasks_only`): lm-eval's CLI otherwise reads all of its own ~15,000 task files
-on every rank before it looks at the include path, about 10 s of CPU per process, for tasks it will
-not run. An included task overrides a built-in one of the same name in lm-eval's full index too, so
-the tasks that run are the same. Groups, tags, patterns, YAML paths and names that are not in the
-include path take lm-eval's full index, as before.
+A run whose one ``--tasks a,b`` names only plain tasks defined under ``--include_path`` indexes that
+path alone (:func:`included_tasks_only`): lm-eval's CLI otherwise reads all of its own ~15,000 task
+files on every rank before it looks at the include path, about 10 s of CPU per process, for tasks it
+will not run. An included task overrides a built-in one of the same name in lm-eval's full index too,
+so the tasks that run are the same. Space-separated or repeated ``--tasks``, ``-t``, groups, tags,
+patterns, YAML paths and names that are not in the include path take lm-eval's full index, as before.
 
 Bad input exits with status 2 and one line naming the problem, on every rank that sees it.
 """
