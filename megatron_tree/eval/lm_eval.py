@@ -98,16 +98,10 @@ def _tasks_flag(argv: list[str]) -> str | None:
             found.append(i)
     if len(found) != 1 or argv[found[0]].split("=", 1)[0] != "--tasks":
         return None
-    i = found[0]
-    if "=" in argv[i]:
-        value, after = argv[i].split("=", 1)[1], i + 1
-    elif i + 1 < len(argv):
-        value, after = argv[i + 1], i + 2
-    else:
-        return None
+    after = found[0] + (1 if "=" in argv[found[0]] else 2)  # the token after its value
     if after < len(argv) and not argv[after].startswith("-"):
         return None  # more names after the first
-    return value
+    return _flag(argv, "--tasks")
 
 
 def _included_task_names(argv: list[str]) -> list[str] | None:

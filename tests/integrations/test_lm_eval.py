@@ -311,6 +311,7 @@ def test_the_cli_indexes_the_include_path_alone_where_it_defines_every_task(tmp_
                  ["--include_path", str(tmp_path / "missing"), "--tasks", "mt_choice"],
                  # lm-eval also reads space-separated names, repeated flags, -t and abbreviations: its parser alone
                  [*include, "--tasks", "mt_choice", "hellaswag"], [*include, "--tasks", "mt_gen", "--tasks", "hellaswag"],
+                 [*include, "--tasks", "hellaswag", "--tasks", "mt_gen"],
                  [*include, "-t", "hellaswag", "--tasks", "mt_choice"], [*include, "--task", "mt_choice"],
                  # a name lm-eval would also match as a pattern over the full index (mt_gen and mt_g* here)
                  [*include, "--tasks", "mt_g*"]):
