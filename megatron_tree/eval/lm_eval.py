@@ -77,6 +77,23 @@ def _flag(argv: list[str], name: str) -> str | None:
     return value
 
 
+_LM_EVAL_INPUT_CHECKS = ("lm_eval/config/evaluate_config.py", "lm_eval/_cli/")
+"""Where lm-eval checks its CLI input (tasks not found, conflicting flags, a bad ``--config`` file, ``key=value``
+lists): an error raised there is bad input, reported in one line."""
+
+
+def _raised_by_lm_eval_input_check(e: BaseException) -> bool:
+    """Whether ``e`` (a ValueError, TypeError or OSError) was raised by lm-eval's own check of its CLI input
+    (:data:`_LM_EVAL_INPUT_CHECKS`), judged by the innermost frame of its traceback."""
+    if not isinstance(e, (ValueError, TypeError, OSError)) or e.__traceback__ is None:
+        return False
+    tb = e.__traceback__
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    where = Path(tb.tb_frame.f_code.co_filename).as_posix()
+    return any(part in where for part in _LM_EVAL_INPUT_CHECKS)
+
+
 def _check_model_args(argv: list[str], backend) -> None:
     """Refuse bad ``--model_args`` of this backend before lm-eval indexes its tasks (the same on every rank)."""
     if _flag(argv, "--model") != backend.BACKEND_NAME:
@@ -228,6 +245,12 @@ def main(argv: list[str] | None = None) -> int:
             cli_evaluate()
     except (backend.ModelArgsError, backend.RequestError) as e:
         print(f"megatron_tree.eval.lm_eval: rank {_global_rank()}: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from e
+    except (ValueError, TypeError, OSError) as e:
+        if not _raised_by_lm_eval_input_check(e):
+            raise
+        # lm-eval's own check of its flags (e.g. "Tasks not found: x"): one line, not a traceback per rank
+        print(f"megatron_tree.eval.lm_eval: rank {_global_rank()}: error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2) from e
     finally:
         lm_eval.simple_evaluate = original

@@ -278,6 +278,22 @@ def test_bad_input(workdir, capsys, monkeypatch):
     assert e.value.code == 2
     assert "rank 0: unknown model_args key(s) ['bogus']" in capsys.readouterr().err
 
+    # lm-eval's own checks of its flags: one line and status 2 too, not a traceback
+    tasks = os.path.join(workdir, "tasks")
+    for argv, message in ((["--tasks", "mt_choice,no_such_task"], "Tasks not found: no_such_task"),
+                          (["--config", os.path.join(workdir, "missing.yaml")], "Config file not found: ")):
+        with pytest.raises(SystemExit) as e:
+            main(["--model", "megatron_tree", "--model_args", f"pretrained={llama}", "--include_path", tasks, *argv])
+        assert e.value.code == 2, argv
+        err = capsys.readouterr().err
+        assert f"megatron_tree.eval.lm_eval: rank 0: error: {message}" in err and "Traceback" not in err, err
+    # and only those: the same exception types raised anywhere else are not taken for bad input
+    from megatron_tree.eval.lm_eval import _raised_by_lm_eval_input_check
+
+    with pytest.raises(ValueError) as e:
+        raise ValueError("Tasks not found: x")
+    assert not _raised_by_lm_eval_input_check(e.value)
+
 
 def test_the_cli_indexes_the_include_path_alone_where_it_defines_every_task(tmp_path):
     """lm-eval's CLI reads its ~15,000 own task files on every rank before --include_path: where every task
