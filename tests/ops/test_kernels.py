@@ -171,6 +171,32 @@ def test_split_count_fills_whole_waves():
     assert choose_num_splits(64, 8, wave) == 32 and choose_num_splits(1, 1, wave) == 1
 
 
+def test_launches_are_built_with_host_integers_not_tritons_constexpr_functions(monkeypatch):
+    """Building a launch is host time on every eager call: ``triton.cdiv`` / ``triton.next_power_of_2`` unwrap
+    their arguments per call (several microseconds each, seven calls a decode launch), so the launchers use the
+    kernel tier's plain ``cdiv`` / ``next_pow2``, which agree with Triton's."""
+    import triton
+
+    from megatron_tree.ops.triton import flash_decode as fd
+    from megatron_tree.ops.triton import merge as mk
+
+    for n in range(1, 1100):
+        assert mk.next_pow2(n) == triton.next_power_of_2(n), n
+        for b in (1, 3, 16, 64, 257):
+            assert mk.cdiv(n, b) == triton.cdiv(n, b), (n, b)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a launcher called one of Triton's constexpr functions on the host")
+
+    monkeypatch.setattr(triton, "cdiv", refused)
+    monkeypatch.setattr(triton, "next_power_of_2", refused)
+    q, k = torch.zeros(1, 1, 32, 80, dtype=torch.bfloat16), torch.zeros(1, 4096, 8, 80, dtype=torch.bfloat16)
+    _, _, launches = fd.decode_launches(q, k, k, cache_seqlens=torch.tensor([4000], dtype=torch.int32), num_splits=4)
+    assert len(launches) == 2 and launches[0].kwargs["BLOCK_D"] == 128  # split, then merged; 80 padded to 128
+    outs, lses = torch.zeros(130, 1, 1, 8, 80), torch.zeros(130, 1, 8, 1)
+    assert mk.merge_launch(outs, lses, outs[0], lses[0]).kwargs["BLOCK_P"] == mk.MAX_BLOCK_P
+
+
 @needs_interpreter
 def test_one_split_writes_the_output_and_allocates_nothing_else():
     """No placeholder fill for absent cache_seqlens/positions and no partials for one split:

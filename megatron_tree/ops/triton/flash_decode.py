@@ -59,7 +59,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .merge import INTERPRETED, Launch, merge_launch, round_like_gpu
+from .merge import INTERPRETED, Launch, cdiv, merge_launch, next_pow2, round_like_gpu
 
 __all__ = ["flash_decode", "decode_launches", "decode_config", "choose_num_splits", "waves", "SUPPORTED_DTYPES",
            "MAX_HEADDIM", "MAX_BLOCK_M", "MAX_SPLITS", "INTERPRETED"]
@@ -316,10 +316,10 @@ def decode_config(headdim: int, rows: int, dtype: torch.dtype, paged: bool = Fal
             raise ValueError(f"flash_decode kernel supports {name} 1..{MAX_HEADDIM}, got {dim}")
     if dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"flash_decode kernel supports {SUPPORTED_DTYPES}, got {dtype}")
-    block_dv = max(16, triton.next_power_of_2(headdim_v))
-    block_d = max(16, triton.next_power_of_2(headdim), block_dv)  # tile sizes follow the wider
+    block_dv = max(16, next_pow2(headdim_v))
+    block_d = max(16, next_pow2(headdim), block_dv)  # tile sizes follow the wider
     cfg = _tiles(block_d, block_dv, rows, dtype, paged)
-    cfg["BLOCK_D"] = max(16, triton.next_power_of_2(headdim))
+    cfg["BLOCK_D"] = max(16, next_pow2(headdim))
     cfg["BLOCK_DV"] = block_dv
     return cfg
 
@@ -334,7 +334,7 @@ def _tiles(block_d: int, block_dv: int, rows: int, dtype: torch.dtype, paged: bo
         return {"BLOCK_M": 16, "BLOCK_N": 32 if block_d <= 128 else 16, "BLOCK_D": block_d,
                 "DOT_PRECISION": "tf32x3", "num_warps": 4 if block_d <= 128 else 8,
                 "num_stages": 4 if paged else 2}
-    block_m = 16 if rows <= 16 else min(triton.next_power_of_2(rows), max(16, MAX_BLOCK_M * 64 // block_d))
+    block_m = 16 if rows <= 16 else min(next_pow2(rows), max(16, MAX_BLOCK_M * 64 // block_d))
     return {
         "BLOCK_M": block_m,
         # 64 keys x D per tile (32 for D = 256 or 64-row tiles): K and V tiles of 16 KB per
@@ -545,7 +545,7 @@ def decode_launches(q, k, v, *, block_table=None, cache_seqlens=None, softmax_sc
     qpos, kpos = (q_positions, k_positions) if causal else (q, q)
     s_bt = block_table.stride(0) if block_table is not None else 0
 
-    m_blocks = triton.cdiv(g * sq, cfg["BLOCK_M"])
+    m_blocks = cdiv(g * sq, cfg["BLOCK_M"])
     programs = b * hkv * m_blocks
     constants = {
         "HEAD_DIM": d, "BLOCK_D": cfg["BLOCK_D"], "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"],
@@ -570,14 +570,14 @@ def decode_launches(q, k, v, *, block_table=None, cache_seqlens=None, softmax_sc
             constants,
         )
 
-    tiles = triton.cdiv(max(n, 1), cfg["BLOCK_N"])
+    tiles = cdiv(max(n, 1), cfg["BLOCK_N"])
     if num_splits is None:
         # The compiled kernel is the same for any split count (chunk is a runtime argument).
         num_splits = choose_num_splits(tiles, programs, waves(split_launch((programs, 1), out, lse, n), dev))
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    chunk = triton.cdiv(tiles, num_splits) * cfg["BLOCK_N"]
-    num_splits = triton.cdiv(max(n, 1), chunk)
+    chunk = cdiv(tiles, num_splits) * cfg["BLOCK_N"]
+    num_splits = cdiv(max(n, 1), chunk)
     if num_splits == 1:  # the split kernel writes the result itself, rounded once
         return out, lse, [split_launch((programs, 1), out, lse, chunk)]
 

@@ -27,6 +27,18 @@ __all__ = ["merge_states", "merge_launch", "Launch", "MAX_BLOCK_P", "merge_confi
            "round_like_gpu", "INTERPRETED"]
 
 MAX_BLOCK_P = 128
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) of host integers. ``triton.cdiv`` and ``triton.next_power_of_2`` are Triton's constexpr functions
+    (Triton >= 3.5): usable inside kernels, each host call unwraps its arguments -- microseconds a call, several
+    per launch."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= ``n`` (n >= 1) of a host integer (see :func:`cdiv`)."""
+    return 1 << (n - 1).bit_length()
 """Partial states whose lse one program reads at once (P up to this needs no running rescale)."""
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -132,8 +144,8 @@ def merge_config(headdim: int, p: int) -> dict:
     """
     if not 1 <= headdim <= MAX_HEADDIM:
         raise ValueError(f"merge kernel supports head dims 1..{MAX_HEADDIM}, got {headdim}")
-    block_d = max(16, triton.next_power_of_2(headdim))
-    block_p = min(MAX_BLOCK_P, max(2, triton.next_power_of_2(p)))
+    block_d = max(16, next_pow2(headdim))
+    block_p = min(MAX_BLOCK_P, max(2, next_pow2(p)))
     num_warps = 4 if block_p * block_d >= 1024 else 1
     chunk_p = max(min(block_p, 32 * 32 * num_warps // block_d), 8 * 32 * num_warps // block_d)
     return {"BLOCK_D": block_d, "BLOCK_P": block_p, "CHUNK_P": chunk_p, "num_warps": num_warps}
