@@ -310,7 +310,11 @@ def decode_config(headdim: int, rows: int, dtype: torch.dtype, paged: bool = Fal
     ``tests/ops/test_aot.py`` compiles every configuration this returns for sm_80 and sm_90 and
     checks registers (<= 168 for fp16/bf16), spills and the instructions used.
     """
-    headdim_v = headdim if headdim_v is None else headdim_v
+    return dict(_decode_config(headdim, rows, dtype, paged, headdim if headdim_v is None else headdim_v))
+
+
+@functools.lru_cache(maxsize=1024)  # host time: built once per shape, copied per call (callers may update it)
+def _decode_config(headdim: int, rows: int, dtype: torch.dtype, paged: bool, headdim_v: int) -> dict:
     for name, dim in (("head dims", headdim), ("V head dims", headdim_v)):
         if not 1 <= dim <= MAX_HEADDIM:
             raise ValueError(f"flash_decode kernel supports {name} 1..{MAX_HEADDIM}, got {dim}")
@@ -399,6 +403,7 @@ def waves(launch: Launch, device: torch.device) -> int:
     return wave
 
 
+@functools.lru_cache(maxsize=4096)  # a loop over up to MAX_SPLITS counts: ~40 us of host time per eager call
 def choose_num_splits(tiles: int, programs: int, wave: int) -> int:
     """KV splits per (row, KV head, query-row block) so the grid fills whole waves.
 

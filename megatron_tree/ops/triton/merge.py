@@ -16,6 +16,7 @@ the grid. No torch.distributed here.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -135,6 +136,12 @@ def _merge_kernel(
 
 
 def merge_config(headdim: int, p: int) -> dict:
+    """:func:`_merge_config` (see there), a copy per call: built once per shape (host time)."""
+    return dict(_merge_config(headdim, p))
+
+
+@functools.lru_cache(maxsize=1024)
+def _merge_config(headdim: int, p: int) -> dict:
     """Launch constants for a head dim and P partial states.
 
     ``BLOCK_D``: the head dim's next power of two; ``BLOCK_P``: lse values read at once (P's
