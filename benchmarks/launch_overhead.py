@@ -1,0 +1,166 @@
+"""The host time of an eager GPU call, in its parts, measured on a CPU (no GPU needed).
+
+An eager ``mt.flash_decode`` on CUDA tensors spends its host time in two places: this package's Python
+(input checks, the custom op, the backend choice, building the launch: :func:`~megatron_tree.ops.triton.
+flash_decode.decode_launches`) and Triton's own launch path (``kernel[grid](...)``: its binder
+specialises every argument and builds the cache key, then the C launcher runs). Issue 31 bounds the whole
+at 40 us per call on the GPU machine. Both parts are Python and can be timed here:
+
+- ``ours``: ``mt.flash_decode(..., backend="triton")`` / ``mt.merge_states(..., backend="triton")`` on CPU
+  tensors with the kernel launch replaced by a no-op -- the package's whole path up to ``kernel[grid]``;
+- ``decode_launches``: building the launches alone (a part of ``ours``);
+- ``triton_binder``: what ``JITFunction.run`` does for the same launch before the C launcher -- the binder
+  of Triton's CUDA backend (sm_90) and the cache key -- per launch of the call (split kernel and merge).
+
+Split counts are chosen for an H200's wave (:data:`H200_WAVE`), so the launches are the GPU's: a split
+kernel and the merge of its partials where the grid is small. Not counted: the C launcher and the driver (a few us per launch on the GPU machine) and CUDA's caching
+allocator (``torch.empty`` on CUDA, against CPU's here). The CPU tensors' value checks (``cache_seqlens``
+read on the host, which CUDA tensors skip) are inside ``ours``, so it overstates the GPU path a little.
+Times are this machine's CPU's: compare the parts with each other, not with a GPU host's.
+
+Same clock and rounds as ``benchmarks.host_path``: median over interleaved rounds of the mean thread CPU
+time per call, one thread.
+
+    TRITON_INTERPRET=1 PYTHONPATH=$PWD python -m benchmarks.launch_overhead --out benchmarks/results/launch_overhead.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+
+import torch
+
+__all__ = ["main"]
+
+SHAPES = {"llama8b_32k": (1, 32, 8, 128, 32768), "llama8b_b8_4k": (8, 32, 8, 128, 4096),
+          "llama8b_b64_4k": (64, 32, 8, 128, 4096)}
+"""Name -> B, Hq, Hkv, D, N of a bf16 decode call (one query token); N only sets the split count."""
+H200_WAVE = 132 * 3
+"""Programs per wave the split count is chosen for, as on an H200: 132 SMs x 3 resident programs of the bf16
+decode kernel (<= 168 registers x 4 warps); CPU's stand-in wave would choose other split counts, so other launches."""
+
+
+def _binder(launch):
+    """A callable doing, for ``launch``, what Triton's ``JITFunction.run`` does before the C launcher on sm_90:
+    bind and specialise the arguments (its binder for the CUDA backend) and build the kernel cache key."""
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
+    from triton.runtime import jit
+
+    from megatron_tree.ops.triton.aot import _as_jit
+
+    kernel = _as_jit(launch.kernel)
+    binder = jit.create_function_from_signature(kernel.signature, kernel.params, CUDABackend(GPUTarget("cuda", 90, 32)))
+    args, kwargs = launch.args, {**launch.kwargs, "debug": False}
+
+    def bind():
+        _, specialization, options = binder(*args, **kwargs)
+        return str(specialization) + str(options)
+
+    return bind
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=None, help="a JSON path (a markdown table is written beside it)")
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--warmup", type=int, default=50)
+    ap.add_argument("--before", default=None,
+                    help="a JSON this script wrote for other code (e.g. the commit before a change): its times go "
+                         "beside this run's in the markdown and under 'before' in the JSON")
+    args = ap.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("benchmarks.launch_overhead: set TRITON_INTERPRET=1 (CPU tensors take the Triton path "
+                         "through the interpreter's kernel objects; no kernel runs)")
+    torch.set_num_threads(1)
+    import megatron_tree as mt
+    from megatron_tree.ops.triton import flash_decode as fd
+    from megatron_tree.ops.triton import merge as mk
+
+    from .host_path import _time
+
+    run, waves = mk.Launch.run, fd.waves
+    mk.Launch.run = lambda self: None  # no kernel runs: the host path up to kernel[grid] is what is timed
+    fd.waves = lambda launch, device: H200_WAVE  # the GPU's split counts, so the GPU's launches
+    try:
+        rows = []
+        for name, (b, hq, hkv, d, n) in SHAPES.items():
+            g = torch.Generator().manual_seed(0)
+            q = torch.randn(b, 1, hq, d, generator=g).to(torch.bfloat16)
+            k = torch.zeros(b, n, hkv, d, dtype=torch.bfloat16)
+            lens = torch.full((b,), n - 3, dtype=torch.int32)
+            outs, lses = torch.randn(2, b, 1, hq, d, generator=g), torch.randn(2, b, hq, 1, generator=g)
+            _, _, launches = fd.decode_launches(q, k, k, cache_seqlens=lens)
+            merge = mk.merge_launch(outs, lses, torch.empty(b, 1, hq, d), torch.empty(b, hq, 1))
+            binders = [_binder(launch) for launch in launches]
+            fns = {
+                "flash_decode_ours": lambda: mt.flash_decode(q, k, k, cache_seqlens=lens, backend="triton"),
+                "decode_launches": lambda: fd.decode_launches(q, k, k, cache_seqlens=lens),
+                "flash_decode_triton_binder": lambda: [bind() for bind in binders],
+                "merge_states_ours": lambda: mt.merge_states(outs, lses, backend="triton"),
+                "merge_states_triton_binder": _binder(merge),
+            }
+            times = _time(fns, args.rounds, args.reps, args.warmup)
+            us = {key: t["median_us"] for key, t in times.items()}
+            rows.append({"shape": name, "B": b, "Hq": hq, "Hkv": hkv, "D": d, "N": n, "launches": len(launches),
+                         "times": times, "flash_decode_total_us": us["flash_decode_ours"] + us["flash_decode_triton_binder"],
+                         "merge_states_total_us": us["merge_states_ours"] + us["merge_states_triton_binder"]})
+    finally:
+        mk.Launch.run, fd.waves = run, waves
+    import triton
+
+    result = {"command": "TRITON_INTERPRET=1 PYTHONPATH=$PWD python -m benchmarks.launch_overhead "
+                         + " ".join(sys.argv[1:] if argv is None else argv),
+              "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
+              "cpu": platform.processor() or platform.machine(), "rounds": args.rounds, "reps": args.reps,
+              "rows": rows}
+    if args.before:
+        with open(args.before, encoding="utf-8") as f:
+            before = json.load(f)
+        result["before"] = {"file": args.before, "command": before["command"], "rows": before["rows"]}
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+        with open(os.path.splitext(args.out)[0] + ".md", "w") as f:
+            f.write(_markdown(result))
+    print(_markdown(result))
+    return result
+
+
+def _markdown(result: dict) -> str:
+    lines = ["# Host time of an eager GPU call, in its parts, on this CPU", "",
+             f"`{result['command']}` -- torch {result['torch']}, triton {result['triton']}, {result['rounds']} rounds x "
+             f"{result['reps']} calls, median of the mean thread CPU time per call (us)", "",
+             "| call (bf16) | launches | ours | of which decode_launches | Triton's binder + key | total |",
+             "|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        t = {k: v["median_us"] for k, v in r["times"].items()}
+        shape = f"B {r['B']}, {r['Hq']}/{r['Hkv']}, D {r['D']}, N {r['N']}"
+        lines.append(f"| flash_decode {shape} | {r['launches']} | {t['flash_decode_ours']:.1f} | "
+                     f"{t['decode_launches']:.1f} | {t['flash_decode_triton_binder']:.1f} | "
+                     f"{r['flash_decode_total_us']:.1f} |")
+        lines.append(f"| merge_states P 2, {shape} | 1 | {t['merge_states_ours']:.1f} | | "
+                     f"{t['merge_states_triton_binder']:.1f} | {r['merge_states_total_us']:.1f} |")
+    if "before" in result:
+        lines += ["", f"Before (`{result['before']['command']}`), run right before this one -> this run, us:", "",
+                  "| call (bf16) | ours | of which decode_launches | Triton's binder + key |", "|---|---|---|---|"]
+        for old, new in zip(result["before"]["rows"], result["rows"]):
+            o = {k: v["median_us"] for k, v in old["times"].items()}
+            t = {k: v["median_us"] for k, v in new["times"].items()}
+            shape = f"B {new['B']}, {new['Hq']}/{new['Hkv']}, D {new['D']}, N {new['N']}"
+            lines.append(f"| flash_decode {shape} | {o['flash_decode_ours']:.1f} -> {t['flash_decode_ours']:.1f} | "
+                         f"{o['decode_launches']:.1f} -> {t['decode_launches']:.1f} | "
+                         f"{o['flash_decode_triton_binder']:.1f} -> {t['flash_decode_triton_binder']:.1f} |")
+    lines += ["", "Not counted: Triton's C launcher and the driver, and CUDA's caching allocator (CPU tensors here).",
+              "Issue 31's bound on the GPU machine: eager flash_decode <= 40 us per call."]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
