@@ -56,9 +56,13 @@ def _binder(launch):
     kernel = _as_jit(launch.kernel)
     binder = jit.create_function_from_signature(kernel.signature, kernel.params, CUDABackend(GPUTarget("cuda", 90, 32)))
     args, kwargs = launch.args, {**launch.kwargs, "debug": False}
+    key_cache: dict = {}
+    compute_key = getattr(jit, "compute_cache_key", None)  # Triton >= 3.5 memoises the key per specialisation
 
     def bind():
         _, specialization, options = binder(*args, **kwargs)
+        if compute_key is not None:
+            return compute_key(key_cache, specialization, options)
         return str(specialization) + str(options)
 
     return bind
