@@ -88,9 +88,27 @@ def main(argv=None) -> dict:
 
     from .host_path import _time
 
-    run, waves = mk.Launch.run, fd.waves
+    from megatron_tree.ops import dispatch
+
+    run, waves, moded = mk.Launch.run, fd.waves, dispatch._moded
     mk.Launch.run = lambda self: None  # no kernel runs: the host path up to kernel[grid] is what is timed
     fd.waves = lambda launch, device: H200_WAVE  # the GPU's split counts, so the GPU's launches
+    via_op = [False]
+    # the per-call test of the direct path, refused while a *_via_op callable runs: the same call through the op
+    dispatch._moded = lambda t: via_op[0] or moded(t)
+
+    def through_the_op(call):
+        def timed():
+            via_op[0] = True
+            try:
+                return call()
+            finally:
+                via_op[0] = False
+        return timed
+
+    # which path a plain CUDA tensor takes in this code: the direct one since dispatch._plain admits CUDA (before,
+    # dispatch._plain_cpu sent CUDA through the op)
+    cuda_path = "direct" if hasattr(dispatch, "_plain") else "via_op"
     try:
         rows = []
         for name, (b, hq, hkv, d, n) in SHAPES.items():
@@ -102,27 +120,32 @@ def main(argv=None) -> dict:
             _, _, launches = fd.decode_launches(q, k, k, cache_seqlens=lens)
             merge = mk.merge_launch(outs, lses, torch.empty(b, 1, hq, d), torch.empty(b, hq, 1))
             binders = [_binder(launch) for launch in launches]
+            decode = lambda: mt.flash_decode(q, k, k, cache_seqlens=lens, backend="triton")  # noqa: E731
+            merge_call = lambda: mt.merge_states(outs, lses, backend="triton")  # noqa: E731
             fns = {
-                "flash_decode_ours": lambda: mt.flash_decode(q, k, k, cache_seqlens=lens, backend="triton"),
+                "flash_decode_direct": decode,
+                "flash_decode_via_op": through_the_op(decode),
                 "decode_launches": lambda: fd.decode_launches(q, k, k, cache_seqlens=lens),
                 "flash_decode_triton_binder": lambda: [bind() for bind in binders],
-                "merge_states_ours": lambda: mt.merge_states(outs, lses, backend="triton"),
+                "merge_states_direct": merge_call,
+                "merge_states_via_op": through_the_op(merge_call),
                 "merge_states_triton_binder": _binder(merge),
             }
             times = _time(fns, args.rounds, args.reps, args.warmup)
             us = {key: t["median_us"] for key, t in times.items()}
             rows.append({"shape": name, "B": b, "Hq": hq, "Hkv": hkv, "D": d, "N": n, "launches": len(launches),
-                         "times": times, "flash_decode_total_us": us["flash_decode_ours"] + us["flash_decode_triton_binder"],
-                         "merge_states_total_us": us["merge_states_ours"] + us["merge_states_triton_binder"]})
+                         "times": times,
+                         "flash_decode_total_us": us[f"flash_decode_{cuda_path}"] + us["flash_decode_triton_binder"],
+                         "merge_states_total_us": us[f"merge_states_{cuda_path}"] + us["merge_states_triton_binder"]})
     finally:
-        mk.Launch.run, fd.waves = run, waves
+        mk.Launch.run, fd.waves, dispatch._moded = run, waves, moded
     import triton
 
     result = {"command": "TRITON_INTERPRET=1 PYTHONPATH=$PWD python -m benchmarks.launch_overhead "
                          + " ".join(sys.argv[1:] if argv is None else argv),
               "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
               "cpu": platform.processor() or platform.machine(), "rounds": args.rounds, "reps": args.reps,
-              "rows": rows}
+              "cuda_path": cuda_path, "rows": rows}
     if args.before:
         with open(args.before, encoding="utf-8") as f:
             before = json.load(f)
@@ -138,29 +161,34 @@ def main(argv=None) -> dict:
 
 
 def _markdown(result: dict) -> str:
+    path = result.get("cuda_path", "via_op")
     lines = ["# Host time of an eager GPU call, in its parts, on this CPU", "",
              f"`{result['command']}` -- torch {result['torch']}, triton {result['triton']}, {result['rounds']} rounds x "
              f"{result['reps']} calls, median of the mean thread CPU time per call (us)", "",
-             "| call (bf16) | launches | ours | of which decode_launches | Triton's binder + key | total |",
-             "|---|---|---|---|---|---|"]
+             f"A plain CUDA tensor takes the **{'direct path' if path == 'direct' else 'path through the op'}** in this "
+             "code; total = that path + Triton's binder and key.", "",
+             "| call (bf16) | launches | ours, direct | ours, through the op | of which decode_launches | "
+             "Triton's binder + key | total |", "|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         t = {k: v["median_us"] for k, v in r["times"].items()}
         shape = f"B {r['B']}, {r['Hq']}/{r['Hkv']}, D {r['D']}, N {r['N']}"
-        lines.append(f"| flash_decode {shape} | {r['launches']} | {t['flash_decode_ours']:.1f} | "
-                     f"{t['decode_launches']:.1f} | {t['flash_decode_triton_binder']:.1f} | "
-                     f"{r['flash_decode_total_us']:.1f} |")
-        lines.append(f"| merge_states P 2, {shape} | 1 | {t['merge_states_ours']:.1f} | | "
-                     f"{t['merge_states_triton_binder']:.1f} | {r['merge_states_total_us']:.1f} |")
+        lines.append(f"| flash_decode {shape} | {r['launches']} | {t['flash_decode_direct']:.1f} | "
+                     f"{t['flash_decode_via_op']:.1f} | {t['decode_launches']:.1f} | "
+                     f"{t['flash_decode_triton_binder']:.1f} | {r['flash_decode_total_us']:.1f} |")
+        lines.append(f"| merge_states P 2, {shape} | 1 | {t['merge_states_direct']:.1f} | {t['merge_states_via_op']:.1f} "
+                     f"| | {t['merge_states_triton_binder']:.1f} | {r['merge_states_total_us']:.1f} |")
     if "before" in result:
-        lines += ["", f"Before (`{result['before']['command']}`), run right before this one -> this run, us:", "",
-                  "| call (bf16) | ours | of which decode_launches | Triton's binder + key |", "|---|---|---|---|"]
+        lines += ["", f"Before (`{result['before']['command']}`), run right before this one -> this run, us "
+                  "(the path a CUDA tensor takes in each; total with Triton's binder and key):", "",
+                  "| call (bf16) | ours, the CUDA path | of which decode_launches | total |", "|---|---|---|---|"]
+        old_path = result["before"].get("cuda_path", "via_op")
         for old, new in zip(result["before"]["rows"], result["rows"]):
             o = {k: v["median_us"] for k, v in old["times"].items()}
             t = {k: v["median_us"] for k, v in new["times"].items()}
             shape = f"B {new['B']}, {new['Hq']}/{new['Hkv']}, D {new['D']}, N {new['N']}"
-            lines.append(f"| flash_decode {shape} | {o['flash_decode_ours']:.1f} -> {t['flash_decode_ours']:.1f} | "
+            lines.append(f"| flash_decode {shape} | {o[f'flash_decode_{old_path}']:.1f} -> {t[f'flash_decode_{path}']:.1f} | "
                          f"{o['decode_launches']:.1f} -> {t['decode_launches']:.1f} | "
-                         f"{o['flash_decode_triton_binder']:.1f} -> {t['flash_decode_triton_binder']:.1f} |")
+                         f"{old['flash_decode_total_us']:.1f} -> {new['flash_decode_total_us']:.1f} |")
     lines += ["", "Not counted: Triton's C launcher and the driver, and CUDA's caching allocator (CPU tensors here).",
               "Issue 31's bound on the GPU machine: eager flash_decode <= 40 us per call."]
     return "\n".join(lines) + "\n"

@@ -198,17 +198,18 @@ def _remember(key, check):
     return value
 
 
-def _plain_cpu(t) -> bool:
-    """Whether ``t`` is a plain CPU tensor: the half, remembered per signature, of the test whether
-    a call may run the op's body directly -- plain eager work on a plain CPU tensor, where the op
-    boundary (there for ``torch.compile``, CUDA graphs and the host-sync guard, which treat the op
-    as one opaque node) would only cost host time. A tensor subclass or CUDA goes through the op;
-    so do a traced call and a call :func:`_moded` finds."""
-    return type(t) is torch.Tensor and t.device.type == "cpu"
+def _plain(t) -> bool:
+    """Whether ``t`` is a plain CPU or CUDA tensor: the half, remembered per signature, of the test whether a call
+    may run the op's body directly -- plain eager work, where the op boundary (there for ``torch.compile``, its
+    CUDA graphs and the host-sync guard, which treat the op as one opaque node) would only cost host time: about
+    16 us a call, as much as the rest of an eager call's path before Triton's launcher
+    (``benchmarks/launch_overhead.py``). A tensor subclass or another device goes through the op; so do a traced
+    call and a call :func:`_moded` finds. A capture with ``torch.cuda.graph`` records the same kernels either way."""
+    return type(t) is torch.Tensor and t.device.type in ("cpu", "cuda")
 
 
 def _moded(t: torch.Tensor) -> bool:
-    """The per-call half of :func:`_plain_cpu`'s test: a torch function or dispatch mode is on
+    """The per-call half of :func:`_plain`'s test: a torch function or dispatch mode is on
     (``sync_guard.no_host_sync``, fake tensors), or ``t`` records gradients -- the call goes
     through the op."""
     return (torch._C._is_torch_function_mode_enabled() or torch._C._len_torch_dispatch_stack() != 0
@@ -216,14 +217,15 @@ def _moded(t: torch.Tensor) -> bool:
 
 
 _BELOW_AUTOGRAD = torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradCPU) | \
+    torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradCUDA) | \
     torch._C.DispatchKeySet(torch._C.DispatchKey.ADInplaceOrView)
-"""The dispatch keys a plain-eager CPU call has no use for: with no input recording gradients
+"""The dispatch keys a plain-eager call has no use for: with no input recording gradients
 (:func:`_moded`) the autograd and view-tracking layers only pass each of the body's torch calls
 on, at a fixed host cost per call (about a sixth of a tiny merge's, benchmarks/host_path.py)."""
 
 
 def _direct(body, *args):
-    """``body(*args)`` -- an op's CPU implementation, for a call :func:`_plain_cpu` and :func:`_moded` admit -- with the
+    """``body(*args)`` -- an op's implementation, for a call :func:`_plain` and :func:`_moded` admit -- with the
     dispatcher starting below autograd, as it does inside the op (its autograd fallback redispatches
     there too): the same kernels, the same bits, less host time per torch call."""
     with torch._C._ExcludeDispatchKeyGuard(_BELOW_AUTOGRAD):
@@ -266,7 +268,7 @@ def _env(backend, compiling: bool):
 
 def _decode_signature(q, k, v, cache_seqlens, q_positions, k_positions, block_table, out_dtype, lse_dtype, window,
                       softcap, cache_starts, sinks, backend) -> tuple[str, str, bool]:
-    """(kernel backend, resolved backend, whether q is a plain CPU tensor) of a :func:`flash_decode`
+    """(kernel backend, resolved backend, whether q is a plain CPU or CUDA tensor) of a :func:`flash_decode`
     call, after the shape-only checks of the contract, remembered per signature (:func:`_remember`).
     The value checks run inside the op, on every call (``_check_values``)."""
     compiling = torch.compiler.is_compiling()
@@ -292,7 +294,7 @@ def _decode_signature(q, k, v, cache_seqlens, q_positions, k_positions, block_ta
         resolved = resolve_backend(q.device, backend)
         forced = backend is not None or env[0] is not None
         return (_kernel_backend(resolved, q.dtype, forced, max(q.shape[-1], v.shape[-1]), out_dtype), resolved,
-                _plain_cpu(q))
+                _plain(q))
 
     return _remember(key, check)
 
@@ -318,7 +320,7 @@ def _merge_signature(outs, lses, backend, compiling: bool) -> tuple[str, bool]:
         contract.check_merge_inputs(outs, lses)
         forced = backend is not None or env[0] is not None
         name = _kernel_backend(resolve_backend(outs.device, backend), outs.dtype, forced, outs.shape[-1])
-        return name, _plain_cpu(outs) and type(lses) is torch.Tensor
+        return name, _plain(outs) and type(lses) is torch.Tensor
 
     return check() if key is None else _remember(key, check)
 
@@ -393,12 +395,12 @@ def _decode(q, k, v, block_table, cache_seqlens, softmax_scale, q_positions, k_p
             lse_dtype, window, softcap, sinks, cache_starts):
     """:func:`flash_decode_resolved` with positional arguments (keyword passing is a measurable part of a
     tiny call's host time)."""
-    name, resolved, plain_cpu = _decode_signature(q, k, v, cache_seqlens, q_positions, k_positions, block_table,
+    name, resolved, plain = _decode_signature(q, k, v, cache_seqlens, q_positions, k_positions, block_table,
                                                   out_dtype, lse_dtype, window, softcap, cache_starts, sinks, backend)
     window = None if window is None else int(window)
     softcap = None if softcap is None else float(softcap)
-    # the direct eager path: _plain_cpu known from the signature, the rest per call
-    direct = plain_cpu and not (torch.compiler.is_compiling() or _moded(q))
+    # the direct eager path: _plain known from the signature, the rest per call
+    direct = plain and not (torch.compiler.is_compiling() or _moded(q))
     if sinks is None:
         if direct:  # _direct, inlined
             with torch._C._ExcludeDispatchKeyGuard(_BELOW_AUTOGRAD):
@@ -423,13 +425,13 @@ def merge_states(outs: torch.Tensor, lses: torch.Tensor, *, backend: str | None 
     or lses (float64 lses are used whole: the merge is then exact at large score magnitudes).
     """
     compiling = torch.compiler.is_compiling()
-    name, plain_cpu = _merge_signature(outs, lses, backend, compiling)
+    name, plain = _merge_signature(outs, lses, backend, compiling)
     if outs.shape[0] == 1:  # one state is the result: a copy (never a view of the input), lse widened
         return (torch.clone(outs[0], memory_format=torch.contiguous_format),
                 lses[0].to(torch.promote_types(lses.dtype, contract.acc_dtype(outs.dtype)),
                            memory_format=torch.contiguous_format, copy=True))
-    # the direct eager path (_plain_cpu known from the signature, the rest per call); _direct inlined
-    if plain_cpu and not (compiling or _moded(outs)):
+    # the direct eager path (_plain known from the signature, the rest per call); _direct inlined
+    if plain and not (compiling or _moded(outs)):
         with torch._C._ExcludeDispatchKeyGuard(_BELOW_AUTOGRAD):
             return _merge_states_impl(outs, lses, name)
     return _merge_states_op(outs, lses, name)

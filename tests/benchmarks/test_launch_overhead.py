@@ -12,15 +12,19 @@ def test_the_parts_of_an_eager_gpu_calls_host_time_are_measured_and_the_stubs_un
     from megatron_tree.ops.triton import flash_decode as fd
     from megatron_tree.ops.triton import merge as mk
 
-    run, waves = mk.Launch.run, fd.waves
+    from megatron_tree.ops import dispatch
+
+    run, waves, moded = mk.Launch.run, fd.waves, dispatch._moded
     out = tmp_path / "lo.json"
     result = launch_overhead.main(["--rounds", "1", "--reps", "2", "--warmup", "1", "--out", str(out)])
-    assert (mk.Launch.run, fd.waves) == (run, waves)
+    assert (mk.Launch.run, fd.waves, dispatch._moded) == (run, waves, moded)
+    assert result["cuda_path"] == "direct"  # plain CUDA tensors skip the op boundary in eager calls
     assert {r["shape"]: r["launches"] for r in result["rows"]} == \
         {"llama8b_32k": 2, "llama8b_b8_4k": 2, "llama8b_b64_4k": 1}  # split + merge where the grid is small
     for r in result["rows"]:
         t = {k: v["median_us"] for k, v in r["times"].items()}
         assert all(v > 0 for v in t.values()), t
-        assert r["flash_decode_total_us"] == t["flash_decode_ours"] + t["flash_decode_triton_binder"]
+        assert r["flash_decode_total_us"] == t["flash_decode_direct"] + t["flash_decode_triton_binder"]
     assert json.loads(out.read_text())["rows"] == json.loads(json.dumps(result["rows"]))
-    assert "| flash_decode B 1, 32/8, D 128, N 32768 | 2 |" in out.with_suffix(".md").read_text()
+    md = out.with_suffix(".md").read_text()
+    assert "| flash_decode B 1, 32/8, D 128, N 32768 | 2 |" in md and "takes the **direct path**" in md
