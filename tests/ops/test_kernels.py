@@ -601,6 +601,27 @@ def test_cuda_split_count_fills_whole_waves_of_this_gpu():
 
 
 @needs_cuda
+def test_cuda_direct_eager_path_gives_the_ops_bits():
+    """A plain CUDA tensor's eager call runs the op's body directly (no op boundary: host time); it must give the
+    op's own bits, split or not, and a call under the host-sync guard (a dispatch mode) still goes through the op."""
+    from megatron_tree.utils.sync_guard import no_host_sync
+
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(3, 1, 32, 128, generator=g).bfloat16().cuda()
+    k, v = (torch.randn(3, 4096, 8, 128, generator=g).bfloat16().cuda() for _ in range(2))
+    lens = torch.tensor([0, 1000, 4096], dtype=torch.int32, device="cuda")
+    direct = ops.flash_decode(q, k, v, cache_seqlens=lens, lse_dtype=torch.float64)
+    via_op = torch.ops.megatron_tree.flash_decode(q, k, v, lens, None, None, None, "triton", None, None, torch.float64)
+    assert all(torch.equal(a, b) for a, b in zip(direct, via_op))
+    outs, lses = torch.randn(2, 3, 1, 32, 128, generator=g).cuda(), torch.randn(2, 3, 32, 1, generator=g).cuda()
+    merged = ops.merge_states(outs, lses)
+    assert all(torch.equal(a, b) for a, b in zip(merged, torch.ops.megatron_tree.merge_states(outs, lses, "triton")))
+    with no_host_sync("the direct path's dispatch"):
+        guarded = ops.flash_decode(q, k, v, cache_seqlens=lens, lse_dtype=torch.float64)
+    assert all(torch.equal(a, b) for a, b in zip(direct, guarded))
+
+
+@needs_cuda
 def test_cuda_out_dtype_float32_one_rounding():
     g = torch.Generator().manual_seed(9)
     q = torch.randn(2, 1, 32, 128, generator=g).bfloat16().cuda()
