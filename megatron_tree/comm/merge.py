@@ -99,7 +99,7 @@ from ..ops import dispatch as ops
 from ..distributed.agreement import disagreement
 from ..distributed.collectives import CommError, CommStats, DisagreementError, LevelStats
 from .cost import choose_strategy  # the policy of auto, resolved once per (groups, shape, dtype)
-from ..ops.contract import acc_dtype
+from ..ops.contract import acc_dtype, no_backward
 from ..ops.reference import lse_weights, normalize, weighted
 from .strategies import STRATEGIES
 from ..distributed.topology import TreeGroups
@@ -386,8 +386,9 @@ def merge(
             return o, lse
         result = _run(_stages(_SYNC, strategy, o, lse, groups, stats, shift))
         if strategy == "shifted":
-            return _settle_shifted(result, o, lse, groups, stats, deferred)
-        return result
+            result = _settle_shifted(result, o, lse, groups, stats, deferred)
+        # the collectives record no gradient: a backward through the merge raises rather than drop the peers' part
+        return no_backward("the CP merge", result, (out, lse))
 
 
 # --------------------------------------------------------------------------- the merge in a traced step
@@ -418,8 +419,9 @@ def _traced_merge(out, lse, groups, strategy, stats, dtype, backend, shift, defe
             "is redone from the host when a flag is raised: a compiled or graph-captured step cannot hold it; "
             "use strategy='packed', 'two_level', 'allgather', 'allreduce3' or 'auto'"
         )
-    return torch.ops.megatron_tree.cp_merge(out, lse, _op_names(groups, stats), strategy,
-                                            out.dtype if dtype is None else dtype, backend or "")
+    merged = torch.ops.megatron_tree.cp_merge(out, lse, _op_names(groups, stats), strategy,
+                                              out.dtype if dtype is None else dtype, backend or "")
+    return no_backward("the CP merge", merged, (out, lse))
 
 
 torch.library.define("megatron_tree::cp_merge",

@@ -21,13 +21,42 @@ import torch
 
 __all__ = [
     "acc_dtype", "check_decode_inputs", "check_cache_seqlens", "check_block_table", "check_merge_inputs",
-    "check_sinks", "check_variants", "kv_length", "lse_acc_dtype", "LSE_DTYPES", "MAX_WINDOW",
+    "check_sinks", "check_variants", "kv_length", "lse_acc_dtype", "no_backward", "LSE_DTYPES", "MAX_WINDOW",
 ]
 
 LSE_DTYPES = (torch.float32, torch.float64)
 """Dtypes a partial state's lse may be asked in (``lse_dtype=``)."""
 MAX_WINDOW = 2 ** 31 - 1
 """Largest sliding window (positions are compared as int32 in the kernel)."""
+
+
+class _NoBackward(torch.autograd.Function):
+    """Views of its first ``n`` tensors whose backward raises (:func:`no_backward`)."""
+
+    @staticmethod
+    def forward(ctx, what, n, *tensors):
+        ctx.what = what
+        return tuple(t.view_as(t) for t in tensors[:n])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(
+            f"{ctx.what} has no backward: megatron_tree's decode, merge and CP attention are inference only, and a "
+            "gradient through them would be wrong (the kernels and collectives record none). Run the forward under "
+            "torch.no_grad() or torch.inference_mode(); to train a transformers model, disable_tree_attention(model) "
+            "first"
+        )
+
+
+def no_backward(what: str, outputs: tuple, inputs: tuple = ()) -> tuple:
+    """``outputs`` of code with no backward (the ops' kernels, the CP collectives) computed from ``inputs``: as they
+    are, or, where gradients are being recorded for any of them, views whose backward raises a RuntimeError naming
+    ``what`` -- so a backward through them is an error, not a silently wrong (or silently missing) gradient, even
+    where the outputs came out of a collective detached from the inputs. Free when gradients are off."""
+    tensors = [t for t in (*outputs, *inputs) if isinstance(t, torch.Tensor)]
+    if not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors):
+        return tuple(outputs)
+    return _NoBackward.apply(what, len(outputs), *outputs, *(t for t in inputs if isinstance(t, torch.Tensor)))
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -91,10 +120,14 @@ def check_decode_inputs(q, k, v, cache_seqlens=None, q_positions=None, k_positio
     if dk != d:
         raise ValueError(f"head dim of k ({dk}) differs from q's ({d}): q and k share one head dim (v may have "
                          "its own)")
-    if hkv == 0 or hq % hkv != 0:
+    if hkv == 0:
+        raise ValueError(f"k and v must have at least one KV head, got shape {tuple(k.shape)} (heads is dim 2)")
+    if hq % hkv != 0:
         raise ValueError(
             f"number of query heads ({hq}) must be a multiple of the number of KV heads ({hkv})"
         )
+    if d == 0 or v.shape[3] == 0:
+        raise ValueError(f"head dims must be at least 1, got q/k {d} and v {v.shape[3]}")
     if out_dtype is not None and not (isinstance(out_dtype, torch.dtype) and out_dtype.is_floating_point):
         raise TypeError(f"out_dtype must be a floating-point torch.dtype or None, got {out_dtype!r}")
     lse_acc_dtype(lse_dtype, q.dtype)  # raises for anything but float32 / float64 / None

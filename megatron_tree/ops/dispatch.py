@@ -407,12 +407,14 @@ def _decode(q, k, v, block_table, cache_seqlens, softmax_scale, q_positions, k_p
                 out, lse = _flash_decode_impl(q, k, v, cache_seqlens, softmax_scale, q_positions, k_positions, name,
                                               block_table, out_dtype, lse_dtype, cache_starts, window, softcap)
             return out, lse, resolved
-        return (*_flash_decode_op(q, k, v, cache_seqlens, softmax_scale, q_positions, k_positions, name, block_table,
-                                  out_dtype, lse_dtype, cache_starts, window, softcap), resolved)
+        out, lse = _flash_decode_op(q, k, v, cache_seqlens, softmax_scale, q_positions, k_positions, name,
+                                    block_table, out_dtype, lse_dtype, cache_starts, window, softcap)
+        return (*contract.no_backward("flash_decode", (out, lse), (q, k, v)), resolved)
     # The sink joins the finished state: unrounded partial and whole lse first, one rounding after.
     args = (q, k, v, cache_seqlens, softmax_scale, q_positions, k_positions, name, block_table,
             contract.acc_dtype(q.dtype), torch.float64, cache_starts, window, softcap)
-    out, lse = _direct(_flash_decode_impl, *args) if direct else _flash_decode_op(*args)
+    out, lse = _direct(_flash_decode_impl, *args) if direct else contract.no_backward("flash_decode",
+                                                                                   _flash_decode_op(*args), (q, k, v))
     out, lse = reference.add_sink(out, lse, sinks)
     return (out.to(q.dtype if out_dtype is None else out_dtype),
             lse.to(contract.lse_acc_dtype(lse_dtype, q.dtype)), resolved)
@@ -434,7 +436,7 @@ def merge_states(outs: torch.Tensor, lses: torch.Tensor, *, backend: str | None 
     if plain and not (compiling or _moded(outs)):
         with torch._C._ExcludeDispatchKeyGuard(_BELOW_AUTOGRAD):
             return _merge_states_impl(outs, lses, name)
-    return _merge_states_op(outs, lses, name)
+    return contract.no_backward("merge_states", _merge_states_op(outs, lses, name), (outs, lses))
 
 
 def prefill_kernel(q: torch.Tensor, v: torch.Tensor, kernel: str | None = None, *, window: int | None = None,

@@ -24,6 +24,7 @@ from ...decode.generate import DecodeStep
 from ...decode.cache import static_length
 from ...decode.prefill import assemble_logits
 from ...ops import resolve_backend
+from ...ops.contract import no_backward
 from ...utils import user_compile
 
 log = logging.getLogger("megatron_tree.integrations")
@@ -131,6 +132,9 @@ def _sharded_forward(model, orig, binding: _Binding, args, kwargs, prior=None):
         out = _prefill(model, orig, binding, cache, call, batch, q_len)
     if not (filled and q_len == 1) and user_compile.compiling(prior):  # (one new token per row: the compiled step)
         user_compile.ran_whole(prior)  # a fullgraph=True compile around a forward that traced nothing
+    if binding.groups is not None and binding.groups.size > 1 and isinstance(out.get("logits"), torch.Tensor):
+        # the peers' rows arrive by collectives that record no gradient: a backward must raise, not drop them
+        out["logits"], = no_backward("a transformers forward with tree attention at CP > 1", (out["logits"],))
     out[binding.cache_kwarg] = cache if returned else None
     return out if return_dict is not False else out.to_tuple()
 
