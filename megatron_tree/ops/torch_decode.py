@@ -161,6 +161,9 @@ def decode(q, k, v, block_table, cache_seqlens, softmax_scale, q_positions, k_po
     second read of the lengths are measurable parts of a tiny call's host time."""
     b, sq, hq, d = q.shape
     dv = v.shape[3]
+    if b * sq * hq == 0:  # no query row: nothing to attend (ATen's fused kernel traps on seqlen_q 0)
+        return (q.new_empty((b, sq, hq, dv), dtype=q.dtype if out_dtype is None else out_dtype),
+                q.new_empty((b, hq, sq), dtype=contract.lse_acc_dtype(lse_dtype, q.dtype)))
     if lens is None:
         lens = cache_seqlens.tolist() if cache_seqlens is not None else [contract.kv_length(k, block_table)] * b
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)

@@ -237,6 +237,24 @@ def test_ops_validates_inputs_on_cpu():
         ops.merge_states(torch.zeros(2, 3), torch.zeros(2))
     with pytest.raises(TypeError, match=r"lse_dtype must be one of .*float32.*float64.* or None, got torch.float16"):
         ops.flash_decode(q, k, v, lse_dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"k and v must have at least one KV head, got shape \(3, 57, 0, 32\)"):
+        ops.flash_decode(q[:, :, :0], k[:, :, :0], v[:, :, :0])
+    with pytest.raises(ValueError, match="head dims must be at least 1, got q/k 0 and v 0"):
+        ops.flash_decode(q[..., :0], k[..., :0], v[..., :0])
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_no_query_rows_give_empty_outputs(backend):
+    """A call with no query token (seqlen_q 0), no query head or no batch row returns empty outputs of the contract's
+    shapes (ATen's fused CPU kernel would trap on seqlen_q 0 and end the process); tree_decode too."""
+    q, k, v = _inputs()
+    lens = torch.tensor([0, 20, 57], dtype=torch.int32)
+    b, _, hq, d = q.shape
+    for sl, want in ((q[:, :0], ((b, 0, hq, d), (b, hq, 0))), (q[:0], ((0, 1, hq, d), (0, hq, 1)))):
+        kv = (k, v) if sl.shape[0] else (k[:0], v[:0])
+        out, lse = ops.flash_decode(sl, *kv, cache_seqlens=lens[:sl.shape[0]], backend=backend)
+        assert (tuple(out.shape), tuple(lse.shape)) == want
+    assert tuple(mt.tree_decode(q[:, :0], k, v, None, cache_seqlens=lens, backend=backend).shape) == (b, 0, hq, d)
 
 
 def test_custom_ops_pass_opcheck():
