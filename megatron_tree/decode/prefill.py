@@ -34,6 +34,7 @@ mismatched buffers, never a wait for the timeout.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -250,17 +251,27 @@ def ring_prefill(
                                       level="cp", stats=stats, what=f"ring prefill, round {step}")
         t0 = time.perf_counter()
         bk, bv, bp = block
-        if bp.numel() and int(bp.min()) <= q_last:
-            out, lse = _local(q, bk, bv, q_pos, bp, softmax_scale, backend, window, softcap, kernel, work)
-            if acc_out is None:
-                acc_out, acc_lse = out, lse
-            else:
-                acc_out, acc_lse = ops.merge_states(torch.stack([acc_out, out]), torch.stack([acc_lse, lse]))
-            if work is not None:
-                work.blocks += 1
-                work.pairs += visible_pairs(q_pos, bp)
-        elif work is not None:  # every key is in the future (or padding): skipped
-            work.skipped += 1
+        try:
+            if bp.numel() and int(bp.min()) <= q_last:
+                out, lse = _local(q, bk, bv, q_pos, bp, softmax_scale, backend, window, softcap, kernel, work)
+                if acc_out is None:
+                    acc_out, acc_lse = out, lse
+                else:
+                    acc_out, acc_lse = ops.merge_states(torch.stack([acc_out, out]), torch.stack([acc_lse, lse]))
+                if work is not None:
+                    work.blocks += 1
+                    work.pairs += visible_pairs(q_pos, bp)
+            elif work is not None:  # every key is in the future (or padding): skipped
+                work.skipped += 1
+        except BaseException:
+            # This round's blocks were posted before the computation failed. Finish them before raising, so the
+            # ranks stay in step: a peer that fails alike has posted the same round, and the next call's round 0
+            # must not meet these messages. A peer that did not fail goes on to the next round and gets the
+            # groups' timeout's CommError.
+            if pending is not None:
+                with contextlib.suppress(Exception):
+                    pending.wait()
+            raise
         t1 = time.perf_counter()
         if pending is not None:
             pending.wait()

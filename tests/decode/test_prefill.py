@@ -354,3 +354,43 @@ def test_cuda_dispatch_of_a_prefill_step_without_a_gpu(monkeypatch):
     want, _ = partial_attention(big.double(), k.double(), v.double(), q_positions=kpos, k_positions=kpos)
     assert float((out.double() - want).abs().max()) <= 1e-5
     assert work.kernels.get("decode", 0) >= 1 and work.kernels.get("cuda_flash", 0) >= 1, work.kernels
+
+
+def _fail_then_retry(rank, world):
+    import datetime
+
+    import megatron_tree as mt
+    from megatron_tree.decode import prefill
+
+    groups = mt.TreeGroups.build(timeout=datetime.timedelta(seconds=20))
+    n = 12
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, n, h, 16, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+    pos = torch.arange(n)[None].expand(2, n)
+    (lo, hi), = prefill_ranges(n, world, "contiguous")[groups.rank]
+    mine = pos[:, lo:hi]
+    local = prefill._local
+
+    def failing(*args, **kwargs):
+        raise MemoryError("the local attention ran out of memory")  # the same on every rank, after round 0 posted
+
+    prefill._local = failing
+    try:
+        prefill.ring_prefill(q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], mine, mine, groups)
+        failed = None
+    except MemoryError as e:
+        failed = str(e)
+    finally:
+        prefill._local = local
+    out = prefill.ring_prefill(q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], mine, mine, groups)  # the next call
+    want, _ = partial_attention(q, k, v, q_positions=pos, k_positions=pos)
+    return failed, float((out - want[:, lo:hi]).abs().max())
+
+
+def test_a_ring_prefill_that_fails_alike_on_every_rank_leaves_the_next_call_in_step():
+    """The local attention raising on every rank (e.g. out of memory) after a round's blocks are posted: the error
+    reaches the caller, and the next ring prefill on the same groups runs exact instead of meeting the old round's
+    messages and timing out."""
+    for failed, err in run_ranks(_fail_then_retry, 3, timeout=120):
+        assert failed == "the local attention ran out of memory"
+        assert err < 1e-12, err
