@@ -331,7 +331,7 @@ def preset_names() -> list[str]:
 
 def load_preset(name_or_path: str) -> Preset:
     """A preset by name (``dgx_h100``, ``pcie_4090``, ``cpu_gloo``) or by YAML path."""
-    import yaml
+    from ..utils import yaml_files
 
     path = Path(name_or_path)
     if not path.suffix:
@@ -340,7 +340,10 @@ def load_preset(name_or_path: str) -> Preset:
         raise FileNotFoundError(
             f"no cost-model preset {name_or_path!r} (looked for {path}); available: {preset_names()}")
     with open(path) as f:
-        data = yaml.safe_load(f)
+        try:
+            data = yaml_files.load(f)
+        except yaml_files.DuplicateKeyError as e:  # plain YAML would keep the last one silently
+            raise ValueError(f"{path}: {e}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: a preset must be a YAML mapping, got {type(data).__name__}")
     return Preset.from_dict(data, str(path))

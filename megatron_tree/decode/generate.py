@@ -322,6 +322,33 @@ def sample_next(
     return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
 
+def _is_int(t) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool)
+
+
+def _values_and_types(values: list) -> str:
+    """The first few bad values and their types, as an error shows them."""
+    types = sorted({type(t).__name__ for t in values})
+    return f"{values[:5]}{' ...' if len(values) > 5 else ''} ({', '.join(types)})"
+
+
+def stop_id_set(stop_token_ids) -> frozenset:
+    """``stop_token_ids`` checked: ``None`` or a collection (list, tuple, set) of int token ids.
+
+    A single id is refused (pass ``[id]``) rather than guessed, as is a string or a float id.
+    """
+    if stop_token_ids is None:
+        return frozenset()
+    if isinstance(stop_token_ids, (str, bytes)) or not isinstance(stop_token_ids, (list, tuple, set, frozenset)):
+        hint = f"; for one id pass [{stop_token_ids!r}]" if _is_int(stop_token_ids) else ""
+        raise TypeError(f"stop_token_ids must be a list (or tuple/set) of int token ids or None, got "
+                        f"{type(stop_token_ids).__name__} {stop_token_ids!r}{hint}")
+    not_int = [t for t in stop_token_ids if not _is_int(t)]
+    if not_int:
+        raise TypeError(f"stop_token_ids: token ids must be integers, got {_values_and_types(not_int)}")
+    return frozenset(stop_token_ids)
+
+
 def _check_args(prompts, max_new_tokens, do_sample, temperature, top_k, top_p, vocab):
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise ValueError("prompts must be a non-empty list of token-id lists")
@@ -330,7 +357,10 @@ def _check_args(prompts, max_new_tokens, do_sample, temperature, top_k, top_p, v
             raise TypeError(f"prompt {i} must be a list of token ids, got {type(p).__name__}")
         if len(p) == 0:
             raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
-        bad = [t for t in p if not isinstance(t, int) or not 0 <= t < vocab]
+        not_int = [t for t in p if not _is_int(t)]
+        if not_int:
+            raise TypeError(f"prompt {i}: token ids must be integers, got {_values_and_types(not_int)}")
+        bad = [t for t in p if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt {i} has token ids outside [0, {vocab}): {bad[:5]}")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -389,7 +419,7 @@ def _agree_on_call(model, prompts, max_new_tokens, stop_token_ids, do_sample, te
         _check_call(model, prompts, max_new_tokens, do_sample, temperature, top_k, top_p, forced_tokens, cache)
         forced = None if forced_tokens is None else tuple(row_digest(r) for r in forced_tokens.detach().cpu().tolist())
         return (len(prompts), tuple(len(p) for p in prompts), tuple(row_digest(p) for p in prompts), max_new_tokens,
-                tuple(sorted(set(stop_token_ids or ()))), bool(do_sample), float(temperature), top_k,
+                tuple(sorted(stop_id_set(stop_token_ids))), bool(do_sample), float(temperature), top_k,
                 None if top_p is None else float(top_p), seed, strategy, prefill_method, bool(broadcast), forced)
 
     groups = model.groups
@@ -436,7 +466,8 @@ def generate(
         every CP rank must pass equal prompts and arguments, else every rank raises the same
         ``DisagreementError`` naming each rank's value; a rank whose own arguments are bad makes
         every rank raise its error, naming it; one small all-gather per call)
-    stop_token_ids: a row stops after producing one of these ids
+    stop_token_ids: a row stops after producing one of these ids: a list (tuple, set) of ints, e.g.
+        ``[eos_id]``; a single int or a non-integer id is a ``TypeError`` naming it
     seed: seeds the sampling generator (identical results for identical seeds)
     cache: reuse a cache from ``model.new_cache``; by default one sized
         ``max(len(prompt)) + max_new_tokens`` is made. Every prompt plus ``max_new_tokens``
@@ -487,7 +518,7 @@ def generate(
     # the extra rows copy the shortest prompt (the cheapest to prefill; the first of equals) and its tokens
     copied = min(range(batch), key=lambda b: len(prompts[b]))
     rows = prompts + [prompts[copied]] * extra
-    stops = set(stop_token_ids or ())
+    stops = stop_id_set(stop_token_ids)
     hook = hook if hook is not None else GenerationHook()
     groups = model.groups
     rank0 = groups is None or groups.rank == 0

@@ -45,7 +45,7 @@ from ..distributed.topology import TreeGroups
 from ..ops import dispatch as ops
 from ..ops.contract import acc_dtype
 from ..ops.reference import add_sink, merge_states, soft_cap
-from .generate import DecodeStep, GenerationResult, row_digest
+from .generate import DecodeStep, GenerationResult, row_digest, stop_id_set
 
 __all__ = ["check_draft_tree", "draft_attention", "verify_attention", "tree_mask", "SpeculativeConfig",
            "SpeculativeResult", "prompt_lookup_drafts", "generate_speculative", "VERIFY_SIGNATURE", "target_probs",
@@ -902,12 +902,12 @@ def generate_speculative(model, prompts: list[list[int]], max_new_tokens: int, *
             f"{type(model).__name__}: its decode step must take T draft rows with a tree mask")
     groups = model.groups
     vocab = model.vocab_size
-    stops = set(stop_token_ids or ())
 
     def call_values():
         from .generate import _check_args
 
         _check_args(prompts, max_new_tokens, do_sample, temperature, top_k, top_p, vocab)
+        stops = stop_id_set(stop_token_ids)
         cfg.check(vocab)
         dv = _vocab_of(cfg.draft_model) if cfg.method == "draft_model" else None
         return (len(prompts), tuple(len(p) for p in prompts), tuple(row_digest(p) for p in prompts),
@@ -917,6 +917,7 @@ def generate_speculative(model, prompts: list[list[int]], max_new_tokens: int, *
 
     group, ranks = (None, ()) if groups is None else (groups.cp_group, groups.cp_ranks)
     agreement.agree("generate_speculative", SPECULATIVE_SIGNATURE, call_values, group, ranks, device=model.device)
+    stops = stop_id_set(stop_token_ids)
     prompts = [list(p) for p in prompts]
     if cache is None:
         cache = model.new_cache(len(prompts), max(len(p) for p in prompts) + max_new_tokens)

@@ -445,7 +445,8 @@ def launcher_rendezvous(env) -> dict | None:
     """The default group's rendezvous from the launcher's variables, checked; ``None``: no launcher.
 
     Returns ``{"rank", "world_size", "master_addr", "master_port", "local_rank", "launcher"}``
-    (``master_addr``/``master_port`` ``None`` for a world of one). Every half-set or unreadable
+    (``master_addr``/``master_port`` ``None`` for a world of one without ``MASTER_ADDR``: an
+    in-process group; with it, both are checked as for any world). Every half-set or unreadable
     variable is a :class:`LauncherEnvError` naming it; nothing here waits on another process
     (under Slurm without MASTER_ADDR, ``scontrol show hostnames`` is run, bounded to 30 s).
     """
@@ -478,15 +479,20 @@ def launcher_rendezvous(env) -> dict | None:
         local_rank = _int_var({name: merged["LOCAL_RANK"]}, name, 0, (per_node or world) - 1,
                               "this process's index on its node")
     addr, port = env.get("MASTER_ADDR") or None, env.get("MASTER_PORT") or None
-    if world > 1:
+    # A world of one rendezvous in process, unless MASTER_ADDR names a host: then it goes through TCP
+    # like any world, so its port is checked the same way (else torch's own cast error, naming None).
+    if world > 1 or addr is not None:
         if addr is None:
             if not slurm:
                 raise LauncherEnvError(f"MASTER_ADDR is not set but RANK={rank} and WORLD_SIZE={world} are; "
                                        "expected the rendezvous host (torchrun and the deepspeed launcher set it)")
         if port is None:
             if not slurm:
+                alone = (f" (MASTER_ADDR={addr} is set, so even a world of 1 rendezvous over TCP; unset "
+                         "MASTER_ADDR for an in-process group)") if world == 1 else ""
                 raise LauncherEnvError(f"MASTER_PORT is not set but RANK={rank} and WORLD_SIZE={world} are; "
-                                       "expected the rendezvous port (torchrun and the deepspeed launcher set it)")
+                                       "expected the rendezvous port (torchrun and the deepspeed launcher set it)"
+                                       + alone)
             job = env.get("SLURM_JOB_ID")
             if job is None:
                 raise LauncherEnvError("MASTER_PORT is not set and SLURM_JOB_ID is not either; set MASTER_PORT")
@@ -494,6 +500,8 @@ def launcher_rendezvous(env) -> dict | None:
         port = str(_int_var({"MASTER_PORT": port}, "MASTER_PORT", 1, 65535, "a TCP port"))
         if addr is None:
             addr = _first_slurm_host(env)
+    else:
+        port = None  # in process: no port is read
     return {"rank": rank, "world_size": world, "master_addr": addr, "master_port": port,
             "local_rank": local_rank, "launcher": launcher}
 

@@ -29,6 +29,7 @@ from typing import Any, Literal
 import yaml
 
 from ..comm.strategies import STRATEGIES
+from ..utils import yaml_files
 
 __all__ = [
     "ConfigError", "ModelConfig", "TopologyConfig", "DistConfig", "ExactnessConfig",
@@ -518,7 +519,9 @@ def parse_overrides(items) -> list[tuple[str, Any]]:
         if not key:
             raise ConfigError(f"override {item!r}: the key is empty")
         try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
+            value = yaml_files.load(raw) if raw.strip() else ""
+        except yaml_files.DuplicateKeyError as e:
+            raise ConfigError(f"override {item!r}: {e}") from None
         except yaml.YAMLError:
             value = raw
         out.append((key, value))
@@ -563,7 +566,9 @@ def load_config(path: str | os.PathLike | None = None, overrides=()) -> RunConfi
             raise ConfigError(f"config file {str(path)!r} does not exist (cwd {os.getcwd()})")
         with open(path, encoding="utf-8") as f:
             try:
-                data = yaml.safe_load(f) or {}
+                data = yaml_files.load(f) or {}
+            except yaml_files.DuplicateKeyError as e:  # YAML itself would keep the last one silently
+                raise ConfigError(f"config file {str(path)!r}: {e}") from None
             except yaml.YAMLError as e:
                 raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from None
         if not isinstance(data, dict):

@@ -27,8 +27,8 @@ from .config import ConfigError, EvalConfig
 from ..decode.generate import GenerationHook, generate
 
 __all__ = ["percentile", "peak_memory", "random_prompts", "StepTimer", "decode", "run_one", "warm_up",
-           "compare_with_reference", "DynamicStepTimer", "decode_dynamic", "compare_dynamic_with_reference",
-           "passkey_eval", "perplexity_eval"]
+           "compare_with_reference", "resolved_strategy", "DynamicStepTimer", "decode_dynamic",
+           "compare_dynamic_with_reference", "passkey_eval", "perplexity_eval"]
 
 
 def percentile(values, q: float) -> float:
@@ -199,6 +199,24 @@ def compare_with_reference(em, prompts, tokens, out, sampled, tolerance, device,
     }
 
 
+def resolved_strategy(strategy: str, engine: str, groups, merge_shape: tuple) -> str:
+    """The merge a run's decode steps actually run, as the report labels it (``auto->allgather``).
+
+    ``auto``: what the cost model picks for this step's merge state (fp32 partials of
+    ``merge_shape``; ``none (CP 1)`` at CP 1). ``shifted`` on Megatron's dynamic engine: ``packed``
+    (the engine has no place to redo a step, so its attention passes no shift: docs/strategies.md,
+    ``integrations.megatron.dynamic``), two all-reduces per layer where ``shifted`` would take one.
+    Any other: itself.
+    """
+    if strategy == "auto":
+        from ..comm.merge import choose_strategy
+
+        return "none (CP 1)" if groups.size == 1 else choose_strategy(groups, merge_shape, 4)
+    if strategy == "shifted" and engine == "dynamic":
+        return "packed"
+    return strategy
+
+
 def run_one(em, ev: EvalConfig, seed: int, device, ctx: int, batch: int, strategy: str, *, rank: int, bar=None,
             ref_cache: _ReferenceCache | None = None) -> dict:
     """One (context length, batch size, strategy) run; the returned dict is results.json's ``runs[i]``."""
@@ -241,12 +259,7 @@ def run_one(em, ev: EvalConfig, seed: int, device, ctx: int, batch: int, strateg
         exact = compare_dynamic_with_reference(em, prompts, toks, out["log_probs"], ex.tolerance, device, ref_cache)
     elif check and rank == 0:
         exact = compare_with_reference(em, prompts, toks, out, sampled, ex.tolerance, device, ref_cache)
-    resolved = strategy
-    if strategy == "auto":  # what the cost model picks for this step's merge state (fp32 partials)
-        from ..comm.merge import choose_strategy
-
-        resolved = "none (CP 1)" if em.groups.size == 1 else choose_strategy(
-            em.groups, (batch, 1, em.heads, em.head_dim), 4)
+    resolved = resolved_strategy(strategy, ev.engine, em.groups, (batch, 1, em.heads, em.head_dim))
     return {
         "context_length": ctx, "batch_size": batch, "strategy": strategy, "resolved_strategy": resolved,
         "engine": ev.engine, "prefill_s": out["prefill_time"],

@@ -203,6 +203,16 @@ class WandbSettings:
 _WANDB_KEYS = {"enabled", "project", "team", "group"}
 
 
+def _unique_keys(pairs: list, path) -> dict:
+    seen = set()
+    for key, _ in pairs:
+        if key in seen:
+            raise ValueError(f"ds_config {path}: duplicate key {key!r} in one JSON object; JSON readers keep "
+                             "only the last (DeepSpeed's own refuses it), so each key may appear once")
+        seen.add(key)
+    return dict(pairs)
+
+
 def load_ds_config(ds_config) -> dict:
     """A ds_config as a dict: a dict (returned as is), or a path to a JSON (or YAML) file."""
     if isinstance(ds_config, dict):
@@ -211,12 +221,17 @@ def load_ds_config(ds_config) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"ds_config {path} does not exist")
     text = path.read_text()
+    # A key written twice is an error naming it, as DeepSpeed's own reader makes it for JSON
+    # (deepspeed.runtime.config's object_pairs_hook); plain json/yaml would keep the last silently.
     if path.suffix in (".yaml", ".yml"):
-        import yaml
+        from ..utils import yaml_files
 
-        data = yaml.safe_load(text)
+        try:
+            data = yaml_files.load(text)
+        except yaml_files.DuplicateKeyError as e:
+            raise ValueError(f"ds_config {path}: {e}") from None
     else:
-        data = json.loads(text)
+        data = json.loads(text, object_pairs_hook=lambda pairs: _unique_keys(pairs, path))
     if not isinstance(data, dict):
         raise ValueError(f"ds_config {path} must hold a mapping, got {type(data).__name__}")
     return data

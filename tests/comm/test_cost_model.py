@@ -50,6 +50,15 @@ def test_preset_errors_name_the_key():
         cost.load_preset("no_such_machine")
 
 
+def test_preset_file_with_a_key_twice_names_it(tmp_path):
+    """A user's preset file that sets a key twice is refused (plain YAML keeps the last silently)."""
+    text = (cost.PRESET_DIR / "cpu_gloo.yaml").read_text()
+    path = tmp_path / "mine.yaml"
+    path.write_text(text + "\nkernel_bw: 1.0e+9\n")
+    with pytest.raises(ValueError, match=r"mine.yaml: duplicate key 'kernel_bw' at line \d+"):
+        cost.load_preset(str(path))
+
+
 def test_presets_ship_with_the_package(tmp_path):
     """setup.py's package_data carries the presets beside cost.py: setuptools' build of the
     package (what a wheel or a non-editable install copies) holds every preset, and each loads."""

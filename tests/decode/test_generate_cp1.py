@@ -175,6 +175,19 @@ def test_bad_generation_input(model):
         model.prefill([[]], model.new_cache(1, 8))
     with pytest.raises(ValueError, match=r"outside \[0, 128\): \[128\]"):
         generate(model, [[1, 128]], 4, progress=False)
+    # in range but not integers: the error says so, naming the values and their type
+    with pytest.raises(TypeError, match=r"prompt 0: token ids must be integers, got \[1.0, 2.7, 3.0\] \(float\)"):
+        generate(model, [[1.0, 2.7, 3.0]], 4, progress=False)
+    with pytest.raises(TypeError, match=r"prompt 1: token ids must be integers, got \[True\] \(bool\)"):
+        generate(model, [[1, 2], [3, True]], 4, progress=False)
+    # stop_token_ids is a collection of ids: a single id is refused with the spelling that works
+    with pytest.raises(TypeError, match=r"stop_token_ids must be a list \(or tuple/set\) of int token ids or None, "
+                                        r"got int 5; for one id pass \[5\]"):
+        generate(model, PROMPTS, 2, stop_token_ids=5, progress=False)
+    with pytest.raises(TypeError, match=r"stop_token_ids must be a list .* got str '</s>'"):
+        generate(model, PROMPTS, 2, stop_token_ids="</s>", progress=False)
+    with pytest.raises(TypeError, match=r"stop_token_ids: token ids must be integers, got \[5.0\] \(float\)"):
+        generate(model, PROMPTS, 2, stop_token_ids=[5.0], progress=False)
     cache = model.new_cache(2, 20)
     with pytest.raises(CacheOverflowError, match="prompt 1 has 13 tokens; with max_new_tokens=8 it needs 21"):
         generate(model, PROMPTS, 8, cache=cache, progress=False)

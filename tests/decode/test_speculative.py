@@ -385,6 +385,11 @@ def test_draft_model_with_another_vocabulary_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match=r"draft_model must be a causal LM module .* got dict"):
         generate_speculative(target, [[1, 2, 3]], 4, progress=False,
                              speculative=SpeculativeConfig(method="draft_model", draft_model={"layers": 2}))
+    # the same argument checks as generate's: a single stop id, float prompt ids
+    with pytest.raises(TypeError, match=r"stop_token_ids must be a list .* got int 5; for one id pass \[5\]"):
+        generate(target, [[1, 2, 3]], 4, stop_token_ids=5, progress=False, speculative=SpeculativeConfig())
+    with pytest.raises(TypeError, match=r"prompt 0: token ids must be integers, got \[2.5\] \(float\)"):
+        generate_speculative(target, [[1, 2.5, 3]], 4, progress=False)
 
 
 def test_a_draft_model_loaded_by_the_package_runs_as_its_transformers_model(tmp_path):

@@ -123,6 +123,11 @@ def test_no_launcher_says_what_to_do():
     ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}, "MASTER_PORT is not set but RANK=0"),
     ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "99999"},
      "MASTER_PORT='99999' is out of range; expected a TCP port"),
+    # a world of one with MASTER_ADDR rendezvous over TCP too: the same checks as at world 2
+    ({"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"},
+     "MASTER_PORT is not set but RANK=0 and WORLD_SIZE=1 are; expected the rendezvous port"),
+    ({"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "http"},
+     "MASTER_PORT='http' is not an integer; expected a TCP port"),
     ({"SLURM_PROCID": "0"}, "SLURM_PROCID is set but SLURM_NTASKS is not"),
     ({"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "3", "MASTER_PORT": "PORT"},
      "LOCAL_WORLD_SIZE=3 does not divide WORLD_SIZE=4"),
@@ -146,6 +151,9 @@ def test_slurm_port_from_job_id_and_mapping_shared_with_the_eval():
                                         "local_rank": 1, "launcher": "slurm"}
     assert map_slurm_env(env) == {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
     assert launcher_rendezvous({"PATH": "/bin"}) is None
+    # a world of one without MASTER_ADDR: an in-process group, whatever MASTER_PORT says
+    alone = launcher_rendezvous({"RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": "29500"})
+    assert alone["master_addr"] is None and alone["master_port"] is None
 
 
 def test_build_without_a_group_says_to_initialise_or_use_from_env():

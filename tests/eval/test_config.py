@@ -149,6 +149,37 @@ def test_override_wins_over_yaml(tmp_path):
     assert (cfg.eval.decode_steps, cfg.eval.warmup_steps) == (3, 1)
 
 
+def test_a_key_written_twice_is_an_error_naming_it_and_its_lines(tmp_path):
+    """Plain YAML keeps the last of two equal keys silently (the first ``model:`` section would be
+    gone); the config reader refuses a repeat at any depth, naming its path and both lines."""
+    msg = _err(_yaml(tmp_path, """
+        model:
+          hidden_size: 64
+        model:
+          hidden_size: 32
+    """))
+    assert "c.yaml" in msg and "duplicate key 'model' at line 4 (first at line 2)" in msg, msg
+    msg = _err(_yaml(tmp_path, """
+        eval:
+          decode_steps: 4
+          exactness: {tolerance: 1.0e-3, tolerance: 1.0e-2}
+          decode_steps: 5
+    """))
+    assert "duplicate key 'eval.exactness.tolerance' at line 4 (first at line 4)" in msg, msg
+    assert "duplicate key 'eval.decode_steps'" in _err(_yaml(tmp_path, "eval:\n  decode_steps: 4\n  decode_steps: 5\n"))
+    assert "duplicate key 'eval.strategies[0].x'" in _err(_yaml(tmp_path, "eval: {strategies: [{x: 1, x: 2}]}\n"))
+    # an override's value is read by the same rules
+    assert "override 'model.rope_scaling={factor: 2.0, factor: 4.0}': duplicate key 'factor'" in _err(
+        None, ["model.rope_scaling={factor: 2.0, factor: 4.0}"])
+    # merge keys still override, as YAML means them to
+    cfg = load_config(_yaml(tmp_path, """
+        eval:
+          <<: {decode_steps: 7, warmup_steps: 1}
+          decode_steps: 3
+    """))
+    assert (cfg.eval.decode_steps, cfg.eval.warmup_steps) == (3, 1)
+
+
 def test_missing_or_malformed_file(tmp_path):
     assert "does not exist" in _err(str(tmp_path / "nope.yaml"))
     assert "expected a mapping at the top level" in _err(_yaml(tmp_path, "- a\n- b\n"))

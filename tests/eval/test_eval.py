@@ -527,6 +527,46 @@ def test_dynamic_engine_comparison_reads_the_right_positions():
     assert not chosen_badly["tokens_match_reference"] and not chosen_badly["within_tolerance"]
 
 
+def _strategy_rank(rank, world):
+    """One layer's attention as Megatron's dynamic engine calls it (``DynamicTreeContext.attend``: a
+    plain ``DecodeStep`` of the core attention's strategy), per strategy: ops per level and output."""
+    from megatron_tree import CommStats, TreeGroups
+    from megatron_tree.decode.generate import DecodeStep
+
+    groups = TreeGroups.build()
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(2, 1, 4, 8, generator=g)
+    k, v = (torch.randn(world, 2, 6, 2, 8, generator=g)[rank] for _ in range(2))
+    lens = torch.full((2,), 6, dtype=torch.int32)
+    out = {}
+    for strategy in ("shifted", "packed"):
+        stats = CommStats()
+        o = DecodeStep(strategy, stats).attend(0, q, k, v, groups, cache_seqlens=lens)
+        out[strategy] = ({n: dict(s.ops) for n, s in stats.levels.items()}, o.tolist())
+    out["label"] = R.resolved_strategy("shifted", "dynamic", groups, (2, 1, 4, 8))
+    return out
+
+
+def test_shifted_on_the_dynamic_engine_is_labelled_as_the_packed_it_runs():
+    """Megatron's dynamic engine has no place to redo a step, so its attention passes no shift and a
+    ``shifted`` run merges with ``packed`` (docs/strategies.md): the report labels it
+    ``shifted->packed``, as it labels ``auto`` with its pick; the static engine's ``shifted`` is itself."""
+    from tests.helpers.ranks import run_ranks
+    from megatron_tree.eval import report
+
+    for out in run_ranks(_strategy_rank, 2, timeout=300):
+        assert out["packed"][0] == {"cp": {"all_reduce_max": 1, "all_reduce_sum": 1}}
+        assert out["shifted"] == out["packed"]  # the same collectives (MAX + SUM) and the same output
+        assert out["label"] == "packed"
+    assert R.resolved_strategy("shifted", "static", None, (2, 1, 4, 8)) == "shifted"
+    assert R.resolved_strategy("packed", "dynamic", None, (2, 1, 4, 8)) == "packed"
+    row = {"context_length": 40, "batch_size": 1, "strategy": "shifted", "resolved_strategy": "packed",
+           "prefill_s": 0.5, "decode_latency_ms": {"p50": 1.0, "p90": 2.0, "p99": 3.0}, "tokens_per_s": 9.0,
+           "comm_per_step": {"levels": {"cp": {"collectives": 4.0, "sent_bytes": 64.0}}}, "exactness": None}
+    assert report._table_row(row)[2] == "shifted->packed"
+    assert " shifted->packed " in report.summary_line(row)
+
+
 @pytest.mark.parametrize("flags, fragment", [
     (["--top_p", "2.0"], "--top_p must lie in (0, 1], got 2.0"),
     (["--top_k", "-1"], "--top_k must be >= 0 (0: no top-k), got -1"),

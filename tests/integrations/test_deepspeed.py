@@ -85,6 +85,15 @@ def test_wandb_settings_defaults_and_errors(tmp_path):
         wandb_settings({"wandb": {"entity": "x"}})
     with pytest.raises(FileNotFoundError):
         wandb_settings(tmp_path / "missing.json")
+    # a key written twice is refused, naming it (DeepSpeed's own JSON reader refuses it too), where
+    # plain json/yaml would keep the last section silently
+    path.write_text("wandb:\n  enabled: true\nwandb:\n  project: p\n")
+    with pytest.raises(ValueError, match=r"c.yaml: duplicate key 'wandb' at line 3 \(first at line 1\)"):
+        wandb_settings(path)
+    js = tmp_path / "ds.json"
+    js.write_text('{"wandb": {"enabled": true, "enabled": false}}')
+    with pytest.raises(ValueError, match="ds.json: duplicate key 'enabled'"):
+        wandb_settings(js)
 
 
 def test_wandb_settings_defaults_are_deepspeeds_own():

@@ -206,3 +206,34 @@ def test_rollout_in_training_layout_equals_cp1(results):
         assert tree["kv"]["megatron_memory_buffer"] == 0
         assert tree["kv"]["tree_kv_cache"] == (BLOCKS - 1) * BLOCK * BYTES_PER_TOKEN // 2
         assert out["fingerprint"]["patched"] == []
+
+
+def _gather_rank(rank, world):
+    import torch.distributed as dist
+
+    from megatron_tree import TreeGroups
+    from megatron_tree.integrations.megatron.attention import _GatherSeq, gather_seq
+
+    groups = TreeGroups.build()
+    g = torch.Generator().manual_seed(5)
+    chunks = [torch.randn(3, 2, generator=g, dtype=torch.float64) for _ in range(world)]
+    weights = [torch.randn(3 * world, 2, generator=g, dtype=torch.float64) for _ in range(world)]
+    mine = chunks[rank].clone().requires_grad_(True)
+    with torch.no_grad():
+        plain = gather_seq(chunks[rank], groups, "test gather")
+    out = _GatherSeq.apply(mine, groups, "test gather")
+    (out * weights[rank]).sum().backward()
+    # the reference in one process: rank r's loss is <weights[r], cat(chunks)>, so the sum of every
+    # rank's loss has gradient sum_r weights[r] with respect to the whole sequence
+    want = sum(weights)[rank * 3:(rank + 1) * 3]
+    dist.barrier()
+    return {"gathered": out.detach().tolist(), "plain": plain.tolist(), "cat": torch.cat(chunks).tolist(),
+            "grad": mine.grad.tolist(), "want": want.tolist()}
+
+
+def test_training_layout_gather_backward_sums_every_ranks_gradient():
+    """docs/integrations.md: the training layout's key/value gather has a backward, an all-reduce of the
+    gathered tensor's gradient over the CP group, of which each rank keeps its own chunk's slice."""
+    for out in run_ranks(_gather_rank, 2, timeout=300):
+        assert out["gathered"] == out["plain"] == out["cat"]
+        torch.testing.assert_close(torch.tensor(out["grad"]), torch.tensor(out["want"]), rtol=1e-12, atol=1e-12)
