@@ -305,7 +305,7 @@ def test_bad_input(workdir, capsys, monkeypatch):
     # --apply_chat_template is refused by name before the model loads; a model_args key that the lm-eval flag
     # given beside it contradicts is refused (the same value twice is not a contradiction)
     tasks = os.path.join(workdir, "tasks")
-    for argv, message in ((["--model_args", f"pretrained={llama}", "--apply_chat_template"],
+    for argv, message in ((["--model_args", f"pretrained={llama}", "--device", "cpu", "--apply_chat_template"],
                            "--apply_chat_template is not supported by --model megatron_tree"),
                           (["--model_args", f"pretrained={llama},batch_size=2", "--batch_size", "4"],
                            "model_args batch_size=2 and --batch_size 4 disagree"),
