@@ -577,6 +577,19 @@ def test_generate_stops_at_the_models_eos(tmp_path, clean_env, capsys):
     conf = json.loads((ckpt / "config.json").read_text())
     (ckpt / "config.json").write_text(json.dumps({**conf, "eos_token_id": full[k]}))
     assert run() == full[:k + 1]
+    # other sources: the tokenizer's EOS (tokenizer_config.json's eos_token beside tokenizer.json), as
+    # Megatron-LM stops at its tokenizer's end-of-document id; none named there, no EOS stop
+    from tokenizers import Tokenizer
+
+    tok_file = str(ckpt / "tokenizer.json")
+    tok = Tokenizer.from_file(tok_file)
+    tok.add_special_tokens(["</s>"])
+    tok.save(tok_file)
+    cfg = load_config(LLAMA, ["model.source=random", f"model.tokenizer={tok_file}"])
+    assert G.eos_ids(cfg, tok_file) == []
+    for eos in ("</s>", {"content": "</s>", "special": True}):
+        (ckpt / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos}))
+        assert G.eos_ids(cfg, tok_file) == [tok.token_to_id("</s>")] == [300]
 
 
 def test_single_process_ignores_the_simulated_node_layout(clean_env, capsys):
