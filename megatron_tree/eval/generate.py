@@ -7,7 +7,10 @@ built by the eval's :mod:`megatron_tree.eval.models` -- and the one generation l
 length, rows of different lengths in one batch, CP rank 0's choice broadcast each step).
 Only the prompts and the sampling come from the command line, under Megatron-LM's names
 (``--out-seq-length``, ``--temperature``, ``--top_k``, ``--top_p``, ``--greedy``,
-``--sample-input-file``, ``--sample-output-file``).
+``--sample-input-file``, ``--sample-output-file``). A row stops at the model's EOS
+(:func:`eos_ids`: transformers' ``eos_token_id``, or the tokenizer's, as Megatron-LM stops at its
+end-of-document id) or at a ``--stop-token-id``; ``--ignore-eos`` keeps only the latter.
+``--greedy`` with a flag that asks for sampling is refused, naming both.
 
 Prompts are text when a tokenizer is configured (``model.tokenizer`` or
 ``<model.path>/tokenizer.json``), else whitespace-separated token ids. Global rank 0
@@ -50,7 +53,10 @@ def parse_args(argv):
     p.add_argument("--top_p", "--top-p", dest="top_p", type=float, default=None)
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: model.seed)")
     p.add_argument("--stop-token-id", dest="stop", type=int, action="append", default=[],
-                   help="a row stops after producing this id (repeatable)")
+                   help="a row stops after producing this id (repeatable), besides the model's EOS")
+    p.add_argument("--ignore-eos", dest="ignore_eos", action="store_true",
+                   help="do not stop at the model's EOS (Megatron-Core's SamplingParams.no_early_termination); "
+                        "--stop-token-id ids still stop a row")
     p.add_argument("--token-ids", action="store_true", help="prompts are token ids even when a tokenizer is configured")
     p.add_argument("overrides", nargs="*", help="dotted key=value config overrides, e.g. model.path=/ckpt")
     args, unknown = p.parse_known_args(argv)
@@ -68,6 +74,11 @@ def parse_args(argv):
         p.error(f"--top_k must be >= 0 (0: no top-k), got {args.top_k}")
     if args.temperature is not None and not args.temperature >= 0:
         p.error(f"--temperature must be >= 0 (0: greedy), got {args.temperature}")
+    if args.greedy:  # argmax decoding and a flag that asks for sampling contradict each other: say which was meant
+        knobs = [f"{flag} {v}" for flag, v, off in (("--temperature", args.temperature, 0), ("--top_k", args.top_k, 0),
+                                                     ("--top_p", args.top_p, None)) if v is not None and v != off]
+        if knobs:
+            p.error(f"--greedy contradicts {', '.join(knobs)} (greedy takes the argmax; the others sample): give one")
     if args.top_k == 0:
         args.top_k = None
     return args
@@ -112,6 +123,51 @@ def read_prompts(args, tok, vocab: int) -> tuple[list[str], list[list[int]]]:
     return texts, ids
 
 
+def _ids(value) -> list[int]:
+    """An ``eos_token_id`` field (an int, a list of ints or null) as a list."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return [value]
+    if isinstance(value, list):
+        return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
+    return []
+
+
+def eos_ids(cfg: RunConfig, tok_file: str | None) -> list[int]:
+    """The model's end-of-sequence ids, where a row stops by default (file reads only, the same on every rank).
+
+    A transformers checkpoint (``model.source=hf``): ``generation_config.json``'s ``eos_token_id`` where that file
+    exists, else ``config.json``'s -- what transformers' ``generate`` stops at (an int or a list). Otherwise
+    (``megatron``, ``random``): the tokenizer's EOS, as Megatron-LM stops at its tokenizer's end-of-document id:
+    the ``eos_token`` of the ``tokenizer_config.json`` beside ``tokenizer.json``. None known: no default stop.
+    """
+    import json
+
+    def read(path):
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+
+    m = cfg.model
+    if m.source == "hf" and m.path:
+        gen = os.path.join(m.path, "generation_config.json")
+        conf = os.path.join(m.path, "config.json")
+        if os.path.isfile(gen):
+            return _ids(read(gen).get("eos_token_id"))
+        return _ids(read(conf).get("eos_token_id")) if os.path.isfile(conf) else []
+    if tok_file is None:
+        return []
+    tok_conf = os.path.join(os.path.dirname(tok_file), "tokenizer_config.json")
+    if not os.path.isfile(tok_conf):
+        return []
+    eos = read(tok_conf).get("eos_token")
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    if not isinstance(eos, str):
+        return []
+    from tokenizers import Tokenizer
+
+    eos_id = Tokenizer.from_file(tok_file).token_to_id(eos)
+    return [] if eos_id is None else [eos_id]
+
+
 def generate_main(cfg: RunConfig, args, env) -> list[dict] | None:
     """Build the model at the config's layout, generate, and return the rows on global rank 0."""
     from .launch import check_launch, check_model, init_distributed, single_process_topology, tokenizer_path
@@ -129,6 +185,7 @@ def generate_main(cfg: RunConfig, args, env) -> list[dict] | None:
 
         tok = Tokenizer.from_file(tok_file)
     texts, prompts = read_prompts(args, tok, cfg.model.vocab_size)
+    stop = list(args.stop) if args.ignore_eos else sorted(set(args.stop) | set(eos_ids(cfg, tok_file)))
     need = max(len(p) for p in prompts) + args.max_new_tokens - 1  # the last token's position is never run
     if need > max_pos and not cfg.eval.allow_beyond_max_position:  # the eval's rule, before any collective
         longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
@@ -153,7 +210,7 @@ def generate_main(cfg: RunConfig, args, env) -> list[dict] | None:
         sample = sample and not args.greedy and args.temperature != 0
         res = generate(em.lm, prompts, args.max_new_tokens, do_sample=sample,
                        temperature=args.temperature or 1.0, top_k=args.top_k, top_p=args.top_p,
-                       stop_token_ids=args.stop, seed=cfg.model.seed if args.seed is None else args.seed,
+                       stop_token_ids=stop, seed=cfg.model.seed if args.seed is None else args.seed,
                        progress=rank == 0 and cfg.eval.progress)
         if rank != 0:
             return None

@@ -24,7 +24,10 @@ will not run. An included task overrides a built-in one of the same name in lm-e
 so the tasks that run are the same. Space-separated or repeated ``--tasks``, ``-t``, groups, tags,
 patterns, YAML paths and names that are not in the include path take lm-eval's full index, as before.
 
-Bad input exits with status 2 and one line naming the problem, on every rank that sees it.
+Bad input exits with status 2 and one line naming the problem, on every rank that sees it: among it
+``--apply_chat_template`` (refused before the model loads) and a ``--batch_size`` / ``--max_batch_size`` /
+``--device`` given with a value that the same ``model_args`` key contradicts (where both agree, or the flag is
+not given, the ``model_args`` value is taken).
 """
 
 from __future__ import annotations
@@ -94,13 +97,43 @@ def _raised_by_lm_eval_input_check(e: BaseException) -> bool:
     return any(part in where for part in _LM_EVAL_INPUT_CHECKS)
 
 
+_MODEL_FLAGS = ("batch_size", "max_batch_size", "device")
+"""lm-eval's flags that reach the backend beside ``--model_args``, which may set the same keys."""
+
+
+def _given_model_flags(argv: list[str]) -> dict:
+    """The :data:`_MODEL_FLAGS` that ``argv`` gives on lm-eval's command line, as lm-eval's own parser reads them
+    (abbreviations and ``-b`` included); an argv it cannot parse gives {} (lm-eval reports it itself)."""
+    import argparse
+    import io
+
+    from lm_eval._cli.run import Run
+
+    commands = argparse.ArgumentParser(add_help=False).add_subparsers(dest="command")
+    Run.create(commands)
+    run = commands.choices["run"]
+    try:
+        with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+            ns, _ = run.parse_known_args(argv[1:] if argv[:1] == ["run"] else argv)
+    except SystemExit:
+        return {}
+    return {k: getattr(ns, k) for k in _MODEL_FLAGS if getattr(ns, k, None) is not None}
+
+
 def _check_model_args(argv: list[str], backend) -> None:
-    """Refuse bad ``--model_args`` of this backend before lm-eval indexes its tasks (the same on every rank)."""
+    """Refuse bad ``--model_args`` of this backend before lm-eval indexes its tasks (the same on every rank),
+    and a ``model_args`` key that an lm-eval flag given beside it contradicts (the ``model_args`` value would
+    win: :meth:`TreeLM.create_from_arg_obj`)."""
     if _flag(argv, "--model") != backend.BACKEND_NAME:
         return
     from lm_eval import utils as lm_utils
 
-    args = backend.model_args_from(lm_utils.simple_parse_args_string(_flag(argv, "--model_args") or ""))
+    given = lm_utils.simple_parse_args_string(_flag(argv, "--model_args") or "")
+    args = backend.model_args_from(given)
+    for key, value in _given_model_flags(argv).items():
+        if key in given and str(given[key]) != str(value):
+            raise backend.ModelArgsError(f"model_args {key}={given[key]} and --{key} {value} disagree; give one (a "
+                                         f"model_args value wins over the flag)")
     backend.check_checkpoint(args)
 
 
@@ -233,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
 
     @functools.wraps(original)
     def simple_evaluate(*args, **kwargs):
+        if kwargs.get("model") == backend.BACKEND_NAME and kwargs.get("apply_chat_template"):
+            raise backend.ModelArgsError(backend.CHAT_TEMPLATE_REFUSED)  # before the model loads
         results = original(*args, **kwargs)
         return results if _global_rank() == 0 else None
 

@@ -48,7 +48,7 @@ ranks consecutive as in the ``hf`` path). Its prefill is ``ring`` (``allgather``
 
 Not supported yet (refused with a message naming it): prefix sharing of a context across
 continuations of more than one token (each prefills it again), ``batch_size=auto``, chat
-templates, generation kwargs other than ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
+templates (``--apply_chat_template``), generation kwargs other than ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
 ``until``, ``max_gen_toks``; serving a Megatron model at TP or PP > 1 (it runs at TP = PP = 1;
 a checkpoint saved at another layout is resharded on load). A request longer than
 ``max_length`` is an error, never a truncation.
@@ -90,7 +90,7 @@ from ..comm.merge import STRATEGIES
 from ..decode import PREFILL_METHODS, generate
 from .loading import NAMED_COMPILE_STEPS, load_model, model_groups
 
-__all__ = ["BACKEND_NAME", "ModelArgs", "ModelArgsError", "RequestError", "TreeLM", "check_checkpoint",
+__all__ = ["BACKEND_NAME", "CHAT_TEMPLATE_REFUSED", "ModelArgs", "ModelArgsError", "RequestError", "TreeLM", "check_checkpoint",
            "model_args_from"]
 
 BACKEND_NAME = "megatron_tree"
@@ -98,6 +98,50 @@ BACKEND_NAME = "megatron_tree"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _GEN_KWARGS = ("do_sample", "temperature", "top_k", "top_p")
 """Generation kwargs served (``until`` and ``max_gen_toks`` are read before them)."""
+
+
+CHAT_TEMPLATE_REFUSED = (f"--apply_chat_template is not supported by --model {BACKEND_NAME} (its requests are scored "
+                         "and generated on the prompt text as the task gives it); run without it")
+_MAX_TOKEN_KEYS = ("max_gen_toks", "max_new_tokens", "max_tokens", "max_completion_tokens")
+"""lm-eval's names of the generation budget (``normalize_gen_kwargs``), in its order of priority."""
+
+
+def _sampling(kw: dict, asked: dict, i: int) -> tuple[bool, float, int | None, float | None]:
+    """(do_sample, temperature, top_k, top_p) of one request's normalized gen kwargs ``kw``, read as transformers'
+    ``generate`` (lm-eval's ``hf``) reads them: sampling needs ``do_sample`` and a temperature above 0 (else
+    greedy, the rest ignored); ``top_k`` 0 or None is no top-k and ``top_p`` 1.0 or None no top-p. A value
+    transformers refuses when sampling (a temperature below 0, a ``top_k`` below 0 or not an integer, a
+    ``top_p`` outside (0, 1]) is a :class:`RequestError` naming the key as the request (``asked``) gave it."""
+
+    def bad(name, why):
+        return RequestError(f"generate_until request {i}: {name}={asked.get(name, kw.get(name))!r} {why}")
+
+    try:
+        temperature = float(kw["temperature"]) if kw.get("temperature") is not None else 1.0
+    except (TypeError, ValueError):
+        raise bad("temperature", "is not a number") from None
+    if not bool(kw.get("do_sample", False)) or temperature == 0:
+        return False, 1.0, None, None
+    if not temperature > 0:
+        raise bad("temperature", "must be >= 0 (0: greedy)")
+    top_k, top_p = kw.get("top_k"), kw.get("top_p")
+    if top_k is not None:
+        try:
+            whole = float(top_k) == int(top_k)
+        except (TypeError, ValueError):
+            whole = False
+        if not whole or isinstance(top_k, bool) or int(top_k) < 0:
+            raise bad("top_k", "must be an integer >= 0 (0: no top-k)")
+        top_k = int(top_k) or None
+    if top_p is not None:
+        try:
+            top_p = float(top_p)
+        except (TypeError, ValueError):
+            raise bad("top_p", "is not a number") from None
+        if not 0 < top_p <= 1:
+            raise bad("top_p", "must lie in (0, 1] (1: no top-p)")
+        top_p = None if top_p == 1 else top_p
+    return True, temperature, top_k, top_p
 
 
 _COMPILE_STEP = {"auto": "auto", "false": False, "true": True, **NAMED_COMPILE_STEPS}
@@ -403,14 +447,25 @@ class TreeLM(TemplateLM):
 
     @classmethod
     def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None):
-        args = lm_utils.simple_parse_args_string(arg_string)
-        extra = {k: v for k, v in (additional_config or {}).items() if v is not None}
-        return cls(**args, **extra)
+        return cls.create_from_arg_obj(lm_utils.simple_parse_args_string(arg_string), additional_config)
 
     @classmethod
     def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None):
-        extra = {k: v for k, v in (additional_config or {}).items() if v is not None}
+        """``model_args`` over lm-eval's ``--batch_size`` / ``--max_batch_size`` / ``--device``
+        (``additional_config``): a key in both takes the ``model_args`` value (lm-eval's CLI always passes
+        ``batch_size``, 1 by default, so the flag's value alone cannot say whether it was given)."""
+        extra = {k: v for k, v in (additional_config or {}).items() if v is not None and k not in arg_dict}
         return cls(**dict(arg_dict), **extra)
+
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        """Chat templates are refused (:class:`ModelArgsError` naming ``--apply_chat_template``): lm-eval asks
+        here first when the flag is given."""
+        if chat_template:
+            raise ModelArgsError(CHAT_TEMPLATE_REFUSED)
+        return None
+
+    def apply_chat_template(self, chat_history, add_generation_prompt: bool = True) -> str:
+        raise ModelArgsError(CHAT_TEMPLATE_REFUSED)
 
     # ------------------------------------------------------------------ lm-eval's distributed slots
 
@@ -623,15 +678,23 @@ class TreeLM(TemplateLM):
         for i, (context, gen_kwargs) in enumerate(args):  # every request checked before any forward
             if not isinstance(gen_kwargs, dict):
                 raise RequestError(f"generate_until request {i}: gen_kwargs must be a dict, got {gen_kwargs!r}")
-            kw = normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)
+            try:
+                kw = normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)
+            except (TypeError, ValueError) as e:  # e.g. max_gen_toks=ten: int() of it
+                raise RequestError(f"generate_until request {i}: gen_kwargs {gen_kwargs!r}: {e}") from None
             until = handle_stop_sequences(kw.pop("until", None), eos=eos)
             max_gen = int(kw.pop("max_gen_toks"))
+            if max_gen < 1:  # lm-eval's hf would still generate one token (max_length = the context's)
+                name = next((n for n in _MAX_TOKEN_KEYS if gen_kwargs.get(n) is not None), "max_gen_toks")
+                raise RequestError(f"generate_until request {i}: {name}={gen_kwargs.get(name, max_gen)!r} must be a "
+                                   "positive integer (tokens to generate)")
             other = sorted(set(kw) - set(_GEN_KWARGS))
             if other:
                 raise RequestError(
                     f"generate_until request {i} asks for generation kwargs {other}; the megatron_tree backend "
                     f"serves {['until', 'max_gen_toks', *_GEN_KWARGS]}"
                 )
+            sampling = _sampling(kw, gen_kwargs, i)
             ctx = self.tok_encode(context)
             if not ctx:
                 raise RequestError(f"generate_until request {i} has an empty context")
@@ -640,9 +703,7 @@ class TreeLM(TemplateLM):
                     f"generate_until request {i} has a context of {len(ctx)} tokens; with max_gen_toks={max_gen} it "
                     f"needs {len(ctx) + max_gen}, beyond max_length={self.max_length}; this backend never truncates"
                 )
-            sample = bool(kw.get("do_sample", False)) and float(kw.get("temperature", 1.0) or 0.0) > 0
-            plans.append((ctx, until, max_gen, sample, float(kw.get("temperature", 1.0) or 1.0),
-                          kw.get("top_k"), kw.get("top_p")))
+            plans.append((ctx, until, max_gen, *sampling))
         res: list[str | None] = [None] * len(args)
         groups: dict[str, list[int]] = {}  # one batch never mixes generation kwargs (lm-eval's hf neither)
         for i, (_, gen_kwargs) in enumerate(args):
@@ -656,9 +717,7 @@ class TreeLM(TemplateLM):
             seed = self.args.seed + self._generations
             self._generations += 1
             out = self._generate([plans[i][0] for i in chunk], max_gen, do_sample=sample, temperature=temp,
-                                 top_k=None if top_k is None else int(top_k),
-                                 top_p=None if top_p is None else float(top_p),
-                                 stop_token_ids=self._stop_ids(until), seed=seed)
+                                 top_k=top_k, top_p=top_p, stop_token_ids=self._stop_ids(until), seed=seed)
             self.prefill_tokens += sum(len(plans[i][0]) for i in chunk)
             for i, toks in zip(chunk, out):
                 s = postprocess_generated_text(self.tok_decode(toks), until, None)

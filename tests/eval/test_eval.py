@@ -572,6 +572,9 @@ def test_shifted_on_the_dynamic_engine_is_labelled_as_the_packed_it_runs():
     (["--top_k", "-1"], "--top_k must be >= 0 (0: no top-k), got -1"),
     (["--temperature", "-0.5"], "--temperature must be >= 0 (0: greedy), got -0.5"),
     (["--out-seq-length", "0"], "--out-seq-length must be a positive integer, got 0"),
+    # --greedy with a flag that asks for sampling: which one was meant is not guessed
+    (["--greedy", "--temperature", "0.7"], "--greedy contradicts --temperature 0.7"),
+    (["--greedy", "--top_k", "5", "--top_p", "0.9"], "--greedy contradicts --top_k 5, --top_p 0.9"),
 ])
 def test_generate_megatron_refuses_bad_sampling_flags_before_building(clean_env, capsys, flags, fragment):
     from megatron_tree.eval import generate as G
@@ -581,6 +584,52 @@ def test_generate_megatron_refuses_bad_sampling_flags_before_building(clean_env,
     assert exc.value.code == 2
     assert fragment in capsys.readouterr().err
     assert not torch.distributed.is_initialized()
+
+
+def test_generate_stops_at_the_models_eos(tmp_path, clean_env, capsys):
+    """eval.generate stops a row at the checkpoint's EOS (generation_config.json's eos_token_id, an int or a
+    list, as transformers' generate stops), and the tokens before it are the ones a run with --ignore-eos
+    generates; --ignore-eos keeps --stop-token-id. --greedy with --temperature 0 (greedy too) is no contradiction."""
+    from megatron_tree.eval import generate as G
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    _tiny_checkpoint(ckpt)
+    out = tmp_path / "out.jsonl"
+
+    def run(*flags):
+        rc = G.main(["--config", LLAMA, "model.source=hf", f"model.path={ckpt}", "eval.progress=false",
+                     "--prompt", "The sky is", "--out-seq-length", "8", "--greedy", "--temperature", "0",
+                     "--sample-output-file", str(out), *flags])
+        assert rc == 0, capsys.readouterr().err
+        return json.loads(out.read_text())["tokens"]
+
+    (ckpt / "generation_config.json").write_text(json.dumps({"eos_token_id": 319}))  # never generated below
+    full = run("--ignore-eos")
+    assert len(full) == 8
+    k = next(i for i in range(1, 8) if full[i] not in full[:i])  # the first token not generated before it
+    (ckpt / "generation_config.json").write_text(json.dumps({"eos_token_id": [319, full[k]]}))
+    assert run() == full[:k + 1]
+    assert run("--ignore-eos") == full
+    assert run("--ignore-eos", "--stop-token-id", str(full[k])) == full[:k + 1]
+    # no generation_config.json: config.json's eos_token_id, as transformers falls back to it
+    (ckpt / "generation_config.json").unlink()
+    conf = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**conf, "eos_token_id": full[k]}))
+    assert run() == full[:k + 1]
+    # other sources: the tokenizer's EOS (tokenizer_config.json's eos_token beside tokenizer.json), as
+    # Megatron-LM stops at its tokenizer's end-of-document id; none named there, no EOS stop
+    from tokenizers import Tokenizer
+
+    tok_file = str(ckpt / "tokenizer.json")
+    tok = Tokenizer.from_file(tok_file)
+    tok.add_special_tokens(["</s>"])
+    tok.save(tok_file)
+    cfg = load_config(LLAMA, ["model.source=random", f"model.tokenizer={tok_file}"])
+    assert G.eos_ids(cfg, tok_file) == []
+    for eos in ("</s>", {"content": "</s>", "special": True}):
+        (ckpt / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos}))
+        assert G.eos_ids(cfg, tok_file) == [tok.token_to_id("</s>")] == [300]
 
 
 def test_single_process_ignores_the_simulated_node_layout(clean_env, capsys):

@@ -18,6 +18,7 @@ import glob
 import json
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -261,14 +262,37 @@ def test_bad_input(workdir, capsys, monkeypatch):
             backend.TreeLM.create_from_arg_string(args)
         assert message in str(e.value), (args, str(e.value))
 
-    lm = backend.TreeLM.create_from_arg_string(f"pretrained={llama},tokenizer={tok},max_length=16", {"device": "cpu"})
+    # model_args batch_size/device beside lm-eval's --batch_size/--device (which its CLI always passes, 1 by
+    # default): the model_args value is taken, not a TypeError for a keyword given twice
+    lm = backend.TreeLM.create_from_arg_obj(
+        {"pretrained": llama, "tokenizer": tok, "max_length": 16, "batch_size": 2, "device": "cpu"},
+        {"batch_size": 1, "max_batch_size": None, "device": "cpu"})
+    assert lm.batch_size == 2 and lm.device.type == "cpu"
     with pytest.raises(backend.RequestError, match="needs 18 tokens .* beyond max_length=16; this backend never"):
         lm.loglikelihood([Req("the cat " * 8, " sees the dog")])
     with pytest.raises(backend.RequestError, match="context of 12 tokens; with max_gen_toks=8 it needs 20"):
         lm.generate_until([Req("the cat " * 6, {"until": ["."], "max_gen_toks": 8})])
     with pytest.raises(backend.RequestError, match=r"generation kwargs \['num_beams'\]"):
         lm.generate_until([Req("the cat", {"until": ["."], "max_gen_toks": 2, "num_beams": 4})])
+    # generation kwargs transformers refuses when sampling, and a budget of no tokens: one line naming the
+    # key as the request gave it, never the decode loop's own argument names
+    for gen_kwargs, message in (({"do_sample": True, "top_k": -1, "max_gen_toks": 4}, "top_k=-1 must be an integer >= 0"),
+                                ({"do_sample": True, "top_k": 2.5, "max_gen_toks": 4}, "top_k=2.5 must be an integer >= 0"),
+                                ({"do_sample": True, "top_p": 1.5, "max_gen_toks": 4}, "top_p=1.5 must lie in (0, 1]"),
+                                ({"do_sample": True, "temperature": -1.0, "max_gen_toks": 4}, "temperature=-1.0 must be >= 0"),
+                                ({"max_gen_toks": 0}, "max_gen_toks=0 must be a positive integer"),
+                                ({"max_new_tokens": -3}, "max_new_tokens=-3 must be a positive integer"),
+                                ({"max_gen_toks": "ten"}, "'max_gen_toks': 'ten'")):
+        with pytest.raises(backend.RequestError, match=f"request 0: .*{re.escape(message)}"):
+            lm.generate_until([Req("the cat", {"until": ["."], **gen_kwargs})])
     assert lm.scored == 0 and lm.prefill_tokens == 0, "a refused batch must not run"
+    # top_k=0 and top_p=1.0 are transformers' "no top-k" / "no top-p": the same draws as neither given
+    sampled = []
+    for extra in ({}, {"top_k": 0}, {"top_p": 1.0}, {"top_k": 0, "top_p": 1.0}):
+        lm._generations = 0  # each call's first batch draws with seed + 0
+        sampled.append(lm.generate_until([Req("the cat", {"until": ["."], "max_gen_toks": 6, "do_sample": True,
+                                                          **extra})]))
+    assert sampled[1:] == sampled[:1] * 3, sampled
     # A request that fits runs, and a rolling document longer than max_length is windowed, not refused.
     assert len(lm.loglikelihood_rolling([Req("the cat sees the dog " * 8)])) == 1
 
@@ -277,6 +301,23 @@ def test_bad_input(workdir, capsys, monkeypatch):
               "--include_path", os.path.join(workdir, "tasks"), "--device", "cpu"])
     assert e.value.code == 2
     assert "rank 0: unknown model_args key(s) ['bogus']" in capsys.readouterr().err
+
+    # --apply_chat_template is refused by name before the model loads; a model_args key that the lm-eval flag
+    # given beside it contradicts is refused (the same value twice is not a contradiction)
+    tasks = os.path.join(workdir, "tasks")
+    for argv, message in ((["--model_args", f"pretrained={llama}", "--device", "cpu", "--apply_chat_template"],
+                           "--apply_chat_template is not supported by --model megatron_tree"),
+                          (["--model_args", f"pretrained={llama},batch_size=2", "--batch_size", "4"],
+                           "model_args batch_size=2 and --batch_size 4 disagree"),
+                          (["--model_args", f"pretrained={llama},device=cuda", "--device", "cpu"],
+                           "model_args device=cuda and --device cpu disagree")):
+        with pytest.raises(SystemExit) as e:
+            main(["--model", "megatron_tree", "--tasks", "mt_gen", "--include_path", tasks, *argv])
+        assert e.value.code == 2, argv
+        err = capsys.readouterr().err
+        assert f"megatron_tree.eval.lm_eval: rank 0: {message}" in err and "Traceback" not in err, err
+    with pytest.raises(backend.ModelArgsError, match="--apply_chat_template is not supported"):
+        lm.chat_template(True)  # lm-eval's Python API asks the model first
 
     # lm-eval's own checks of its flags: one line and status 2 too, not a traceback
     tasks = os.path.join(workdir, "tasks")
