@@ -146,7 +146,8 @@ def enable_tree_attention(model, groups: TreeGroups | None, *, strategy: str = "
     layout, block_size: placement of the prompt and of decoded tokens (``cache.CacheConfig``)
     stats: a :class:`~megatron_tree.CommStats` that records every collective of the forwards
     max_prefill_tokens: the most prompt tokens one forward computes (all CP ranks together); a longer
-        prompt is prefilled in windows of that many tokens (rounded down to a multiple of 2 x CP),
+        prompt is prefilled in windows of that many tokens (rounded down to a multiple of 2 x CP, and at
+        least 2 x CP),
         one forward each over the cache so far, each window load-balanced on its own: exact, and
         the memory of a forward is bounded by the window (None: one forward over the whole prompt)
     work: a :class:`~megatron_tree.decode.prefill.PrefillWork` that counts this rank's prefill

@@ -326,11 +326,12 @@ def _prefill(model, orig, binding: _Binding, cache: TreeCache, call: dict, batch
 def prefill_chunk(max_prefill_tokens: int | None, cp_size: int) -> int | None:
     """The window a chunked prefill runs per forward: ``max_prefill_tokens`` rounded down to a multiple
     of ``2 * cp_size`` (so every window's load-balanced chunks are equal and no rank holds more than
-    its share), or as it is when smaller than that; None: no chunking."""
+    its share), and at least ``2 * cp_size`` (one chunk pair per rank: a smaller window cannot be
+    balanced, and a rank would be handed more of the prompt than its cache holds); None: no chunking."""
     if max_prefill_tokens is None:
         return None
     unit = 2 * cp_size
-    return max_prefill_tokens if max_prefill_tokens < unit else max_prefill_tokens - max_prefill_tokens % unit
+    return max(unit, max_prefill_tokens - max_prefill_tokens % unit)
 
 
 def _windows(local: torch.Tensor, chunk: int, count: int) -> list:
