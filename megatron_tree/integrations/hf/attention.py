@@ -28,7 +28,9 @@ def tree_attention_forward(module, query, key, value, attention_mask, scaling=No
     if binding is None:
         raise RuntimeError(
             f"{type(module).__name__} runs attn_implementation={ATTN_IMPLEMENTATION!r} but was not prepared by "
-            "megatron_tree.integrations.hf.enable_tree_attention"
+            "megatron_tree.integrations.hf.enable_tree_attention; enable_tree_attention sets the implementation on "
+            "the model's config, so a second model built from the same config object runs it too: build other "
+            "models from a copy of the config (copy.deepcopy(config))"
         )
     cache = binding.active
     meta = None if cache is None else cache.metadata  # the forward's metadata, built once by the cache

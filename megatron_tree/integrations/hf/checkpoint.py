@@ -480,6 +480,11 @@ def load_checked(path, dtype: torch.dtype = torch.float32, group=None, ranks=(),
     Returns ``(model, checked)``. After ``from_pretrained``, a parameter transformers reports
     missing or of another shape is a :class:`CheckpointError` too (it would have been re-initialised).
     """
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point
+            or isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype)
+            and getattr(torch, dtype).is_floating_point):
+        raise TypeError(f"{site}: dtype must be a floating-point torch.dtype or its name (e.g. torch.bfloat16 or "
+                        f"'bfloat16'), got {dtype!r}")
     checked = check_checkpoint_alike(path, group, ranks, site=site)
     from transformers import AutoModelForCausalLM
 

@@ -82,6 +82,10 @@ def test_good_checkpoint_loads_the_saved_weights_and_logits(good):
         want = saved(ids).logits
         assert torch.equal(lm.unsharded()(input_ids=ids).logits, want)  # the same class and attention: bit for bit
         torch.testing.assert_close(lm.hf(ids, use_cache=False).logits, want, rtol=0, atol=5e-5)  # tree attention
+    assert load_hf_model(path, None, dtype="bfloat16").hf.dtype == torch.bfloat16  # a dtype's name, as transformers
+    for bad in ("bf16", torch.int8, 16):
+        with pytest.raises(TypeError, match=r"load_hf_model: dtype must be a floating-point torch.dtype or its name"):
+            load_hf_model(path, None, dtype=bad)
 
 
 def test_tied_embeddings_and_transformers_ignored_keys_are_not_reported(tmp_path):
