@@ -644,6 +644,12 @@ def test_cuda_direct_eager_path_gives_the_ops_bits():
     outs, lses = torch.randn(2, 3, 1, 32, 128, generator=g).cuda(), torch.randn(2, 3, 32, 1, generator=g).cuda()
     merged = ops.merge_states(outs, lses)
     assert all(torch.equal(a, b) for a, b in zip(merged, torch.ops.megatron_tree.merge_states(outs, lses, "triton")))
+    # and they did skip the op: no megatron_tree:: op in a CPU profile of the same calls (equal bits alone would hold
+    # for a CUDA tensor sent through the op)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        ops.flash_decode(q, k, v, cache_seqlens=lens, lse_dtype=torch.float64)
+        ops.merge_states(outs, lses)
+    assert not [e.name for e in prof.events() if e.name.startswith("megatron_tree::")]
     with no_host_sync("the direct path's dispatch"):
         guarded = ops.flash_decode(q, k, v, cache_seqlens=lens, lse_dtype=torch.float64)
     assert all(torch.equal(a, b) for a, b in zip(direct, guarded))
