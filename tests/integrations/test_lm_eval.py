@@ -334,6 +334,24 @@ def test_bad_input(workdir, capsys, monkeypatch):
     with pytest.raises(ValueError) as e:
         raise ValueError("Tasks not found: x")
     assert not _raised_by_lm_eval_input_check(e.value)
+    import lm_eval.utils
+    from lm_eval.api.model import LM
+    from lm_eval.api.registry import register_model
+
+    with pytest.raises(TypeError) as e:  # lm-eval's, but not a check of its CLI input
+        lm_eval.utils.hash_dict_images([])
+    assert not _raised_by_lm_eval_input_check(e.value)
+
+    @register_model("mt_test_failing")
+    class Failing(LM):  # a backend that fails on its own: its error stands, with its traceback
+        def __init__(self, **kwargs):
+            raise ValueError("a backend's own failure")
+
+        loglikelihood = loglikelihood_rolling = generate_until = None
+
+    with pytest.raises(ValueError, match="a backend's own failure"):
+        main(["--model", "mt_test_failing", "--include_path", tasks, "--tasks", "mt_choice"])
+    assert "megatron_tree.eval.lm_eval: rank 0: error" not in capsys.readouterr().err
 
 
 def test_the_cli_indexes_the_include_path_alone_where_it_defines_every_task(tmp_path):

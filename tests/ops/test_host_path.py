@@ -170,6 +170,38 @@ def test_direct_eager_path_gives_the_ops_bits_and_no_host_sync_around_them(fresh
     assert torch.equal(out, mt.flash_decode(q, k, v, cache_seqlens=lens)[0])
 
 
+def test_only_plain_tensors_take_the_direct_path(fresh):
+    """Which calls skip the op boundary, seen in a CPU profile (an op call is a ``megatron_tree::`` event): a plain
+    eager call does; a tensor subclass in any input, a device other than CPU or CUDA, or a call under a dispatch
+    mode goes through the op."""
+    import collections
+
+    class Sub(torch.Tensor):
+        pass
+
+    def op_calls(call):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            call()
+        return collections.Counter(e.name for e in prof.events() if e.name.startswith("megatron_tree::"))
+
+    def guarded(call):
+        with no_host_sync("the op boundary"):
+            return call()
+
+    q, k, v = _inputs(b=3)
+    outs, lses = torch.randn(2, 3, 1, 4, 16), torch.randn(2, 3, 4, 1)
+    decode, merge = {"megatron_tree::flash_decode": 1}, {"megatron_tree::merge_states": 1}
+    assert op_calls(lambda: mt.flash_decode(q, k, v)) == {}
+    assert op_calls(lambda: mt.merge_states(outs, lses)) == {}
+    assert op_calls(lambda: mt.flash_decode(q.as_subclass(Sub), k, v)) == decode
+    assert op_calls(lambda: mt.merge_states(outs.as_subclass(Sub), lses)) == merge
+    assert op_calls(lambda: mt.merge_states(outs, lses.as_subclass(Sub))) == merge
+    assert op_calls(lambda: mt.merge_states(outs.to("meta"), lses.to("meta"))) == merge  # nor another device
+    # under the mode the op is recorded as called and again as the mode runs it
+    assert set(op_calls(lambda: guarded(lambda: mt.flash_decode(q, k, v)))) == set(decode)
+    assert set(op_calls(lambda: guarded(lambda: mt.merge_states(outs, lses)))) == set(merge)
+
+
 def _world1_rank(rank, world):
     import torch
 

@@ -190,11 +190,39 @@ def test_launches_are_built_with_host_integers_not_tritons_constexpr_functions(m
 
     monkeypatch.setattr(triton, "cdiv", refused)
     monkeypatch.setattr(triton, "next_power_of_2", refused)
+    # the configs are cached per shape: built afresh here, or an earlier test's call would hide a Triton call in them
+    fd._decode_config.cache_clear()
+    mk._merge_config.cache_clear()
     q, k = torch.zeros(1, 1, 32, 80, dtype=torch.bfloat16), torch.zeros(1, 4096, 8, 80, dtype=torch.bfloat16)
     _, _, launches = fd.decode_launches(q, k, k, cache_seqlens=torch.tensor([4000], dtype=torch.int32), num_splits=4)
     assert len(launches) == 2 and launches[0].kwargs["BLOCK_D"] == 128  # split, then merged; 80 padded to 128
+    # 32 query rows per KV head: a row block of their next power of two
+    _, _, launches = fd.decode_launches(q, k[:, :, :1], k[:, :, :1], num_splits=1)
+    assert launches[0].kwargs["BLOCK_M"] == 32
     outs, lses = torch.zeros(130, 1, 1, 8, 80), torch.zeros(130, 1, 8, 1)
     assert mk.merge_launch(outs, lses, outs[0], lses[0]).kwargs["BLOCK_P"] == mk.MAX_BLOCK_P
+
+
+def test_cached_launch_configs_are_copies_a_caller_may_change():
+    """decode_config / merge_config are built once per shape and cached; a caller's change to what they return (as
+    decode_launches makes for ``block_n=`` and ``config=``) must not reach the next call of the same shape."""
+    from megatron_tree.ops.triton import flash_decode as fd
+    from megatron_tree.ops.triton import merge as mk
+
+    default = dict(fd.decode_config(64, 4, torch.bfloat16))  # a snapshot, whatever decode_config returns
+    assert default["BLOCK_N"] != 16 and default["num_warps"] != 8
+    q, k = torch.zeros(1, 1, 8, 64, dtype=torch.bfloat16), torch.zeros(1, 512, 2, 64, dtype=torch.bfloat16)
+    _, _, [launch] = fd.decode_launches(q, k, k, num_splits=1, block_n=16, config={"num_warps": 8})
+    assert (launch.kwargs["BLOCK_N"], launch.kwargs["num_warps"]) == (16, 8)
+    assert fd.decode_config(64, 4, torch.bfloat16) == default
+    _, _, [launch] = fd.decode_launches(q, k, k, num_splits=1)
+    assert (launch.kwargs["BLOCK_N"], launch.kwargs["num_warps"]) == (default["BLOCK_N"], default["num_warps"])
+    # the cache tells shapes apart by every argument: a narrower V head dim (MLA) has its own, narrower V tile
+    assert (fd.decode_config(128, 4, torch.bfloat16)["BLOCK_DV"],
+            fd.decode_config(128, 4, torch.bfloat16, headdim_v=64)["BLOCK_DV"]) == (128, 64)
+    cfg = mk.merge_config(64, 4)
+    cfg["BLOCK_P"] = 1
+    assert mk.merge_config(64, 4)["BLOCK_P"] == 4
 
 
 @needs_interpreter
@@ -616,6 +644,12 @@ def test_cuda_direct_eager_path_gives_the_ops_bits():
     outs, lses = torch.randn(2, 3, 1, 32, 128, generator=g).cuda(), torch.randn(2, 3, 32, 1, generator=g).cuda()
     merged = ops.merge_states(outs, lses)
     assert all(torch.equal(a, b) for a, b in zip(merged, torch.ops.megatron_tree.merge_states(outs, lses, "triton")))
+    # and they did skip the op: no megatron_tree:: op in a CPU profile of the same calls (equal bits alone would hold
+    # for a CUDA tensor sent through the op)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        ops.flash_decode(q, k, v, cache_seqlens=lens, lse_dtype=torch.float64)
+        ops.merge_states(outs, lses)
+    assert not [e.name for e in prof.events() if e.name.startswith("megatron_tree::")]
     with no_host_sync("the direct path's dispatch"):
         guarded = ops.flash_decode(q, k, v, cache_seqlens=lens, lse_dtype=torch.float64)
     assert all(torch.equal(a, b) for a, b in zip(direct, guarded))
