@@ -223,7 +223,7 @@ def main(argv=None) -> dict:
         best_hf = min((ok[k]["ms_per_token"] for k in ("hf_eager", "hf_static_compiled") if k in ok),
                       default=float("nan"))
         for v in ok.values():
-            v["tokens_equal"] = v["tokens"] == ref
+            v["tokens_equal"] = None if ref is None else v["tokens"] == ref  # None: no hf_eager tokens to compare
             v["vs_best_transformers"] = v["ms_per_token"] / best_hf
             v["vs_floor"] = v["ms_per_token"] / floor if floor > 0 else float("nan")
         result["contexts"][str(context)] = {"floor_ms": floor, "runs": runs}

@@ -28,6 +28,7 @@ __all__ = ["merge_states", "merge_launch", "Launch", "MAX_BLOCK_P", "merge_confi
            "round_like_gpu", "INTERPRETED"]
 
 MAX_BLOCK_P = 128
+"""Partial states whose lse one program reads at once (P up to this needs no running rescale)."""
 
 
 def cdiv(a: int, b: int) -> int:
@@ -40,7 +41,6 @@ def cdiv(a: int, b: int) -> int:
 def next_pow2(n: int) -> int:
     """The smallest power of two >= ``n`` (n >= 1) of a host integer (see :func:`cdiv`)."""
     return 1 << (n - 1).bit_length()
-"""Partial states whose lse one program reads at once (P up to this needs no running rescale)."""
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEADDIM = 256
