@@ -399,8 +399,10 @@ def _decode(q, k, v, block_table, cache_seqlens, softmax_scale, q_positions, k_p
                                                   out_dtype, lse_dtype, window, softcap, cache_starts, sinks, backend)
     window = None if window is None else int(window)
     softcap = None if softcap is None else float(softcap)
-    # the direct eager path: _plain known from the signature, the rest per call
-    direct = plain and not (torch.compiler.is_compiling() or _moded(q))
+    # the direct eager path: _plain known from the signature, the rest per call (k or v recording gradients, not only
+    # q, takes the op, whose outputs refuse a backward: contract.no_backward)
+    direct = plain and not (torch.compiler.is_compiling() or _moded(q)
+                            or (k.requires_grad or v.requires_grad) and torch.is_grad_enabled())
     if sinks is None:
         if direct:  # _direct, inlined
             with torch._C._ExcludeDispatchKeyGuard(_BELOW_AUTOGRAD):
@@ -433,7 +435,7 @@ def merge_states(outs: torch.Tensor, lses: torch.Tensor, *, backend: str | None 
                 lses[0].to(torch.promote_types(lses.dtype, contract.acc_dtype(outs.dtype)),
                            memory_format=torch.contiguous_format, copy=True))
     # the direct eager path (_plain known from the signature, the rest per call); _direct inlined
-    if plain and not (compiling or _moded(outs)):
+    if plain and not (compiling or _moded(outs) or lses.requires_grad and torch.is_grad_enabled()):
         with torch._C._ExcludeDispatchKeyGuard(_BELOW_AUTOGRAD):
             return _merge_states_impl(outs, lses, name)
     return contract.no_backward("merge_states", _merge_states_op(outs, lses, name), (outs, lses))

@@ -35,6 +35,14 @@ def test_the_ops_give_the_same_outputs_with_gradients_on_and_refuse_a_backward()
         merged[0].sum().backward()
     with torch.no_grad():  # no gradient recorded: plain tensors, nothing wrapped
         assert mt.flash_decode(qg, k, k, cache_seqlens=lens)[0].grad_fn is None
+    # only the keys, or only the partial lses, recording gradients: the same refusal, not a silently missing gradient
+    out, _ = mt.flash_decode(q, k.clone().requires_grad_(), k, cache_seqlens=lens)
+    assert torch.equal(out.detach(), want[0])
+    with pytest.raises(RuntimeError, match=f"flash_decode {NO_BACKWARD}"):
+        out.sum().backward()
+    merged = mt.merge_states(outs, lses.clone().requires_grad_())
+    with pytest.raises(RuntimeError, match=f"merge_states {NO_BACKWARD}"):
+        merged[0].sum().backward()
 
 
 def _backward(rank, world):
