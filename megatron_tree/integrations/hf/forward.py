@@ -132,11 +132,29 @@ def _sharded_forward(model, orig, binding: _Binding, args, kwargs, prior=None):
         out = _prefill(model, orig, binding, cache, call, batch, q_len)
     if not (filled and q_len == 1) and user_compile.compiling(prior):  # (one new token per row: the compiled step)
         user_compile.ran_whole(prior)  # a fullgraph=True compile around a forward that traced nothing
-    if binding.groups is not None and binding.groups.size > 1 and isinstance(out.get("logits"), torch.Tensor):
-        # the peers' rows arrive by collectives that record no gradient: a backward must raise, not drop them
-        out["logits"], = no_backward("a transformers forward with tree attention at CP > 1", (out["logits"],))
+    if torch.is_grad_enabled() and isinstance(out.get("logits"), torch.Tensor):
+        _refuse_backward(model, binding, out, embeds, filled, q_len)
     out[binding.cache_kwarg] = cache if returned else None
     return out if return_dict is not False else out.to_tuple()
+
+
+def _refuse_backward(model, binding: _Binding, out, embeds, filled: bool, q_len: int) -> None:
+    """Where a forward with gradients on read keys that record none -- the peers' (CP > 1, by collectives), a cache
+    it continues, or the earlier windows of a chunked prefill (stored in the cache) -- its logits become views whose
+    backward raises (``contract.no_backward``) instead of a gradient that silently lacks those keys' part. They
+    are tied to every parameter that records gradients (and to ``inputs_embeds``), so every rank's logits refuse
+    alike, also those that arrive by a collective. A one-rank prefill in one forward reads no such key: its
+    gradient is transformers' own."""
+    chunk = prefill_chunk(binding.max_prefill_tokens, binding.cp_size)
+    cp = binding.groups is not None and binding.groups.size > 1
+    if not (cp or filled or chunk is not None and q_len > chunk):
+        return
+    inputs = tuple(p for p in model.parameters() if p.requires_grad)
+    inputs += (embeds,) if isinstance(embeds, torch.Tensor) and embeds.requires_grad else ()
+    what = ("a transformers forward with tree attention at CP > 1" if cp else
+            "a transformers forward with tree attention over a cache" if filled else
+            "a chunked prefill (max_prefill_tokens) with tree attention")
+    out["logits"], = no_backward(what, (out["logits"],), inputs)
 
 
 def _length_dependent(rotary) -> bool:

@@ -81,14 +81,29 @@ def _backward(rank, world):
         hf = max(float((a.grad - b.grad).abs().max()) for a, b in zip(model.parameters(), ref.parameters()))
     except RuntimeError as e:
         hf = str(e)
-    return tree, same, hf
+
+    def refused(**kw):  # the message of a backward through another forward, or None if it ran
+        m = mt.hf.enable_tree_attention(tf.LlamaForCausalLM(copy.deepcopy(cfg)), groups, **kw.pop("enable", {}))
+        try:
+            m(ids, **kw).logits.float().pow(2).sum().backward()
+        except RuntimeError as e:
+            return str(e)
+        return None
+
+    # a chunked prefill reads its earlier windows' keys back from the cache; logits_to_keep=1 leaves the last row's
+    # logits to one rank, which the others receive by a collective: both refuse on every rank
+    return tree, same, hf, refused(enable={"max_prefill_tokens": 4}), refused(logits_to_keep=1)
 
 
 def test_a_backward_through_tree_attention_raises_on_every_rank_and_world_1s_prefill_stays_exact():
-    [(tree, same, hf)] = run_ranks(_backward, 1)
+    [(tree, same, hf, chunked, kept)] = run_ranks(_backward, 1)
     assert NO_BACKWARD in tree and tree.startswith("flash_decode")  # world 1: the local op alone
-    assert same and hf == 0.0  # a world-1 prefill runs no op of ours: transformers' own gradient
-    for tree, same, hf in run_ranks(_backward, 2):
+    assert same and hf == 0.0  # a world-1 prefill in one forward runs no op of ours: transformers' own gradient
+    assert chunked.startswith(f"a chunked prefill (max_prefill_tokens) with tree attention {NO_BACKWARD}"), chunked
+    assert kept is None  # (one rank, one forward: nothing read back, the gradient is transformers')
+    cp2 = f"a transformers forward with tree attention at CP > 1 {NO_BACKWARD}"
+    for tree, same, hf, chunked, kept in run_ranks(_backward, 2):
         assert tree.startswith("the CP merge " + NO_BACKWARD), tree
         assert same  # the forward with gradients on gives the no-grad logits
-        assert isinstance(hf, str) and hf.startswith(f"a transformers forward with tree attention at CP > 1 {NO_BACKWARD}"), hf
+        for got in (hf, chunked, kept):
+            assert isinstance(got, str) and got.startswith(cp2), got
