@@ -332,8 +332,9 @@ def _values_and_types(values: list) -> str:
     return f"{values[:5]}{' ...' if len(values) > 5 else ''} ({', '.join(types)})"
 
 
-def stop_id_set(stop_token_ids) -> frozenset:
-    """``stop_token_ids`` checked: ``None`` or a collection (list, tuple, set) of int token ids.
+def stop_id_set(stop_token_ids, vocab: int | None = None) -> frozenset:
+    """``stop_token_ids`` checked: ``None`` or a collection (list, tuple, set) of int token ids, each in
+    ``[0, vocab)`` when ``vocab`` is given (an id outside it could never be generated: a typo would never stop).
 
     A single id is refused (pass ``[id]``) rather than guessed, as is a string or a float id.
     """
@@ -346,6 +347,10 @@ def stop_id_set(stop_token_ids) -> frozenset:
     not_int = [t for t in stop_token_ids if not _is_int(t)]
     if not_int:
         raise TypeError(f"stop_token_ids: token ids must be integers, got {_values_and_types(not_int)}")
+    outside = sorted(t for t in stop_token_ids if vocab is not None and not 0 <= t < vocab)
+    if outside:
+        raise ValueError(f"stop_token_ids outside the model's vocabulary [0, {vocab}): {outside[:5]}; such a token is "
+                         "never generated, so it would never stop a row")
     return frozenset(stop_token_ids)
 
 
@@ -419,7 +424,7 @@ def _agree_on_call(model, prompts, max_new_tokens, stop_token_ids, do_sample, te
         _check_call(model, prompts, max_new_tokens, do_sample, temperature, top_k, top_p, forced_tokens, cache)
         forced = None if forced_tokens is None else tuple(row_digest(r) for r in forced_tokens.detach().cpu().tolist())
         return (len(prompts), tuple(len(p) for p in prompts), tuple(row_digest(p) for p in prompts), max_new_tokens,
-                tuple(sorted(stop_id_set(stop_token_ids))), bool(do_sample), float(temperature), top_k,
+                tuple(sorted(stop_id_set(stop_token_ids, model.vocab_size))), bool(do_sample), float(temperature), top_k,
                 None if top_p is None else float(top_p), seed, strategy, prefill_method, bool(broadcast), forced)
 
     groups = model.groups

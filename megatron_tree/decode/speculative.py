@@ -907,7 +907,7 @@ def generate_speculative(model, prompts: list[list[int]], max_new_tokens: int, *
         from .generate import _check_args
 
         _check_args(prompts, max_new_tokens, do_sample, temperature, top_k, top_p, vocab)
-        stops = stop_id_set(stop_token_ids)
+        stops = stop_id_set(stop_token_ids, vocab)
         cfg.check(vocab)
         dv = _vocab_of(cfg.draft_model) if cfg.method == "draft_model" else None
         return (len(prompts), tuple(len(p) for p in prompts), tuple(row_digest(p) for p in prompts),

@@ -188,6 +188,10 @@ def test_bad_generation_input(model):
         generate(model, PROMPTS, 2, stop_token_ids="</s>", progress=False)
     with pytest.raises(TypeError, match=r"stop_token_ids: token ids must be integers, got \[5.0\] \(float\)"):
         generate(model, PROMPTS, 2, stop_token_ids=[5.0], progress=False)
+    # an id the model can never generate would never stop a row: a typo, refused
+    for bad in ([-1], [3, 128], [10 ** 9]):
+        with pytest.raises(ValueError, match=r"stop_token_ids outside the model's vocabulary \[0, 128\): \["):
+            generate(model, PROMPTS, 2, stop_token_ids=bad, progress=False)
     cache = model.new_cache(2, 20)
     with pytest.raises(CacheOverflowError, match="prompt 1 has 13 tokens; with max_new_tokens=8 it needs 21"):
         generate(model, PROMPTS, 8, cache=cache, progress=False)
