@@ -659,8 +659,8 @@ class TreeLM(TemplateLM):
             special = set(self.tokenizer.all_special_ids)
             texts = self.tokenizer.batch_decode([[i] for i in range(len(self.tokenizer))])
             ids.update(i for i, s in enumerate(texts) if i not in special and any(t in s for t in terms))
-        vocab = self.model.vocab_size  # (a tokenizer may know ids past the model's logits: never generated)
-        return sorted(i for i in ids if i is not None and 0 <= i < vocab)
+        vocab = getattr(self.model, "vocab_size", None)  # a tokenizer may know ids past the model's logits
+        return sorted(i for i in ids if i is not None and (vocab is None or 0 <= i < vocab))
 
     def _generate(self, prompts: list[list[int]], max_new_tokens: int, **kw) -> list[list[int]]:
         """Each prompt's new tokens (up to and including a stop token): the decode tier's one loop."""
