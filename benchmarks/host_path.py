@@ -130,16 +130,25 @@ def main(argv=None) -> dict:
                          "after": [round(x, 2) for x in os.getloadavg()],
                          "note": "1, 5, 15 min load averages of the machine (os.getloadavg) as the run began and ended"},
     }
-    if args.before:
-        with open(args.before) as f:
-            before = json.load(f)
-        result["before"] = {"file": args.before, "command": before["command"], "rows": before["rows"]}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
-    with open(os.path.splitext(args.out)[0] + ".md", "w") as f:
-        f.write(_markdown(result))
-    print(_markdown(result))
+    return write(result, args.before, args.out, _markdown)
+
+
+def write(result: dict, before: str | None, out: str | None, markdown) -> dict:
+    """Finish a benchmark's run: ``before``'s run (a JSON this benchmark wrote for other code) under
+    ``result["before"]``, then ``result`` as JSON at ``out`` (when given) with ``markdown(result)`` beside it
+    (same name, ``.md``), and the markdown printed. Returns ``result``."""
+    if before:
+        with open(before, encoding="utf-8") as f:
+            old = json.load(f)
+        result["before"] = {"file": before, **{k: v for k, v in old.items() if k != "before"}}
+    text = markdown(result)
+    if out:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=2)
+        with open(os.path.splitext(out)[0] + ".md", "w", encoding="utf-8") as f:
+            f.write(text)
+    print(text)
     return result
 
 

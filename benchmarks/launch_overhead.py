@@ -27,7 +27,6 @@ time per call, one thread.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -86,7 +85,7 @@ def main(argv=None) -> dict:
     from megatron_tree.ops.triton import flash_decode as fd
     from megatron_tree.ops.triton import merge as mk
 
-    from .host_path import _time
+    from .host_path import _time, write
 
     from megatron_tree.ops import dispatch
 
@@ -146,18 +145,7 @@ def main(argv=None) -> dict:
               "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
               "cpu": platform.processor() or platform.machine(), "rounds": args.rounds, "reps": args.reps,
               "cuda_path": cuda_path, "rows": rows}
-    if args.before:
-        with open(args.before, encoding="utf-8") as f:
-            before = json.load(f)
-        result["before"] = {"file": args.before, "command": before["command"], "rows": before["rows"]}
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
-        with open(os.path.splitext(args.out)[0] + ".md", "w") as f:
-            f.write(_markdown(result))
-    print(_markdown(result))
-    return result
+    return write(result, args.before, args.out, _markdown)
 
 
 def _markdown(result: dict) -> str:
