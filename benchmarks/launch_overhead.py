@@ -92,6 +92,7 @@ def main(argv=None) -> dict:
     run, waves, moded = mk.Launch.run, fd.waves, dispatch._moded
     mk.Launch.run = lambda self: None  # no kernel runs: the host path up to kernel[grid] is what is timed
     fd.waves = lambda launch, device: H200_WAVE  # the GPU's split counts, so the GPU's launches
+    fd.clear_plans()  # split counts are planned once per call signature: none planned with another wave
     via_op = [False]
     # the per-call test of the direct path, refused while a *_via_op callable runs: the same call through the op
     dispatch._moded = lambda t: via_op[0] or moded(t)
@@ -138,6 +139,7 @@ def main(argv=None) -> dict:
                          "merge_states_total_us": us[f"merge_states_{cuda_path}"] + us["merge_states_triton_binder"]})
     finally:
         mk.Launch.run, fd.waves, dispatch._moded = run, waves, moded
+        fd.clear_plans()
     import triton
 
     result = {"command": "TRITON_INTERPRET=1 PYTHONPATH=$PWD python -m benchmarks.launch_overhead "

@@ -225,10 +225,113 @@ def test_cached_launch_configs_are_copies_a_caller_may_change():
     assert mk.merge_config(64, 4)["BLOCK_P"] == 4
 
 
+def _launch_calls():
+    """decode_launches calls that differ from the first in one argument each: ``name -> (q, k, v, kwargs)``."""
+    g = torch.Generator().manual_seed(3)
+
+    def t(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    q, k, v = t(2, 1, 8, 64), t(2, 96, 2, 64), t(2, 96, 2, 64)
+    lens, pos = torch.tensor([90, 7], dtype=torch.int32), torch.tensor([[95], [95]])
+    wide = t(2, 96, 4, 64)
+    return {
+        "base": (q, k, k, {"cache_seqlens": lens}),
+        "own v": (q, k, v, {"cache_seqlens": lens}),
+        "fp16": (q.half(), k.half(), k.half(), {"cache_seqlens": lens}),
+        "k strided": (q, wide[:, :, ::2], k, {"cache_seqlens": lens}),
+        "v head dim 32": (q, k, k[..., :32], {"cache_seqlens": lens}),
+        # one signature part each: a slice keeps the strides, a strided view the shape; the plan does not check dtypes
+        "q 4 heads": (q[:, :, :4], k, k, {"cache_seqlens": lens}),
+        "q strided": (t(2, 1, 16, 64)[:, :, ::2], k, k, {"cache_seqlens": lens}),
+        "q fp16": (q.half(), k, k, {"cache_seqlens": lens}),
+        "k N 80": (q, k[:, :80], k, {"cache_seqlens": lens}),
+        "k fp16": (q, k.half(), k, {"cache_seqlens": lens}),
+        "v strided": (q, k, wide[:, :, 1::2], {"cache_seqlens": lens}),
+        "v fp16": (q, k, k.half(), {"cache_seqlens": lens}),
+        "seqlens int64": (q, k, k, {"cache_seqlens": lens.long()}),
+        "N 160": (q, t(2, 160, 2, 64), t(2, 160, 2, 64), {"cache_seqlens": lens}),
+        "B 3": (t(3, 1, 8, 64), t(3, 96, 2, 64), t(3, 96, 2, 64), {"cache_seqlens": torch.tensor([1, 2, 3]).int()}),
+        "Sq 2": (t(2, 2, 8, 64), k, k, {"cache_seqlens": lens}),
+        "MQA": (q, k[:, :, :1], k[:, :, :1], {"cache_seqlens": lens}),
+        "no seqlens": (q, k, k, {}),
+        "starts": (q, k, k, {"cache_seqlens": lens, "cache_starts": torch.tensor([3, 0], dtype=torch.int32)}),
+        "paged": (q, t(7, 16, 2, 64), t(7, 16, 2, 64),
+                  {"cache_seqlens": lens, "block_table": torch.tensor([[0, 1, 2, 3, 4, 5], [6, 5, 4, 3, 2, 1]]).int()}),
+        "paged, table strided": (q, t(7, 16, 2, 64), t(7, 16, 2, 64),
+                                 {"cache_seqlens": lens, "block_table": (torch.arange(24).view(2, 12) % 7).int()[:, :6]}),
+        "paged, 5 blocks a row": (q, t(7, 16, 2, 64), t(7, 16, 2, 64),
+                                  {"cache_seqlens": lens,
+                                   "block_table": torch.tensor([[0, 1, 2, 3, 4, 5], [6, 5, 4, 3, 2, 1]]).int()[:, :5]}),
+        "positions": (q, k, k, {"cache_seqlens": lens, "q_positions": pos, "k_positions": torch.arange(96)}),
+        "q positions strided": (q, k, k, {"cache_seqlens": lens, "q_positions": torch.tensor([[95, 0], [95, 0]])[:, :1],
+                                          "k_positions": torch.arange(96)}),
+        "positions 2D": (q, k, k, {"cache_seqlens": lens, "q_positions": pos,
+                                   "k_positions": torch.arange(96).expand(2, 96)}),
+        "positions 2D, own rows": (q, k, k, {"cache_seqlens": lens, "q_positions": pos,
+                                             "k_positions": torch.arange(192).view(2, 96) % 96}),
+        "window": (q, k, k, {"cache_seqlens": lens, "q_positions": pos, "k_positions": torch.arange(96),
+                             "window": 16}),
+        "softcap": (q, k, k, {"cache_seqlens": lens, "softcap": 30.0}),
+        "scale": (q, k, k, {"cache_seqlens": lens, "softmax_scale": 0.5}),
+        "out fp32": (q, k, k, {"cache_seqlens": lens, "out_dtype": torch.float32}),
+        "lse fp64": (q, k, k, {"cache_seqlens": lens, "lse_dtype": torch.float64}),
+        "3 splits": (q, k, k, {"cache_seqlens": lens, "num_splits": 3}),
+        "block_n 16": (q, k, k, {"cache_seqlens": lens, "block_n": 16}),
+        "8 warps": (q, k, k, {"cache_seqlens": lens, "config": {"num_warps": 8}}),
+    }
+
+
+def _described(launches, inputs):
+    """A launch list with every tensor named: the input it is (the first of ``inputs`` that it is), else its
+    layout -- two builds of one call describe alike exactly when they launch alike."""
+    def name(a):
+        if not isinstance(a, torch.Tensor):
+            return a
+        role = next((key for key, x in inputs.items() if x is a), None)
+        return role or ("new", tuple(a.shape), a.stride(), a.dtype)
+
+    return [(launch.kernel, launch.grid, tuple(name(a) for a in launch.args), sorted(launch.kwargs.items()))
+            for launch in launches]
+
+
+def test_a_launch_planned_once_per_call_signature_is_what_each_call_would_build_afresh():
+    """decode_launches plans a signature once and fills in each call's tensors: a call that differs from an
+    earlier one in any one argument (shape, stride, dtype, a tensor present or not, a scalar) gets its own plan,
+    identical to the one it builds with no plan kept; a repeated call reuses its plan with its own tensors."""
+    from megatron_tree.ops.triton import flash_decode as fd
+
+    calls = _launch_calls()
+    fd.clear_plans()
+    planned = {}
+    for name, (q, k, v, kw) in calls.items():  # in order: each after the call it differs from
+        planned[name] = _described(fd.decode_launches(q, k, v, **kw)[2], {"q": q, "k": k, "v": v, **kw})
+    assert len(fd._PLANS) == len(calls) - 1  # one plan per signature: "own v" is base's, with its own v
+    for name, (q, k, v, kw) in calls.items():
+        fd.clear_plans()
+        afresh = _described(fd.decode_launches(q, k, v, **kw)[2], {"q": q, "k": k, "v": v, **kw})
+        assert planned[name] == afresh, name
+    assert any(len(d) == 2 for d in planned.values()) and any(len(d) == 1 for d in planned.values())
+    # a repeated signature: no new plan, this call's tensors (and fresh outputs) in the launches
+    q, k, v, kw = calls["own v"]
+    q2, k2, v2 = q.clone(), k.clone(), v.clone()
+    fd.clear_plans()
+    out1, lse1, _ = fd.decode_launches(q, k, v, **kw)
+    out2, lse2, launches = fd.decode_launches(q2, k2, v2, **kw)
+    assert len(fd._PLANS) == 1 and len(launches) == 1
+    assert all(a is b for a, b in zip(launches[0].args[:3], (q2, k2, v2)))
+    assert out2 is not out1 and launches[0].args[7] is out2 and launches[0].args[8] is lse2
+    # a scalar given as a tensor is planned for that call only (a tensor's hash is its identity, not its value)
+    _, _, [launch] = fd.decode_launches(q, k, v, cache_seqlens=kw["cache_seqlens"], num_splits=1,
+                                        softmax_scale=torch.tensor(0.25))
+    assert len(fd._PLANS) == 1 and launch.args[10] == 0.25
+
+
 @needs_interpreter
 def test_one_split_writes_the_output_and_allocates_nothing_else():
     """No placeholder fill for absent cache_seqlens/positions and no partials for one split:
-    the only tensors a call creates are its outputs (and, with splits, one workspace)."""
+    the only tensors a call creates are its outputs (and, with splits, the partials: on CPU their own two buffers,
+    on a CUDA device's default stream views of one reused workspace)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Ops(TorchDispatchMode):
@@ -247,7 +350,7 @@ def test_one_split_writes_the_output_and_allocates_nothing_else():
     assert launches[0].args[7] is out and launches[0].args[8] is lse  # written in place, no merge
     with Ops() as mode:
         _, _, launches = fd.decode_launches(q, k, v, num_splits=3, block_n=32)
-    assert mode.seen.count("empty") == 3 and not {"fill", "full", "copy_", "zero_", "_to_copy"} & set(mode.seen)
+    assert mode.seen.count("empty") == 4 and not {"fill", "full", "copy_", "zero_", "_to_copy"} & set(mode.seen)
     assert len(launches) == 2 and launches[0].grid == (2 * 2, 3)
     ref_o, ref_l = reference.partial_attention(q, k, v)
     for launch in launches:
@@ -693,3 +796,23 @@ def test_cuda_graph_keeps_its_own_workspace():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, want)
+
+
+@needs_cuda
+def test_cuda_split_calls_of_one_signature_share_the_workspace_views_and_give_fresh_calls_bits():
+    """On the default stream a planned split call's partials are the same views of the one workspace every time
+    (no view built per call), and its results are those of the same call built with no plan kept."""
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 1, 32, 128, generator=g).bfloat16().to(dev)
+    k, v = (torch.randn(2, 8192, 8, 128, generator=g).bfloat16().to(dev) for _ in range(2))
+    lens = torch.tensor([8000, 17], dtype=torch.int32, device=dev)
+    fd_cuda().clear_plans()
+    first = fd_cuda().decode_launches(q, k, v, cache_seqlens=lens, num_splits=4)
+    second = fd_cuda().decode_launches(q, k, v, cache_seqlens=lens, num_splits=4)
+    assert len(second[2]) == 2 and all(a is b for a, b in zip(first[2][0].args[7:9], second[2][0].args[7:9]))
+    for launch in second[2]:
+        launch.run()
+    fd_cuda().clear_plans()
+    fresh = fd_cuda().flash_decode(q, k, v, cache_seqlens=lens, num_splits=4)
+    assert torch.equal(second[0], fresh[0]) and torch.equal(second[1], fresh[1])

@@ -54,12 +54,13 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from .merge import INTERPRETED, Launch, cdiv, merge_launch, next_pow2, round_like_gpu
+from .merge import INTERPRETED, Launch, cdiv, merge_plan, next_pow2, round_like_gpu
 
 __all__ = ["flash_decode", "decode_launches", "decode_config", "choose_num_splits", "waves", "SUPPORTED_DTYPES",
            "MAX_HEADDIM", "MAX_BLOCK_M", "MAX_SPLITS", "INTERPRETED"]
@@ -434,23 +435,36 @@ def choose_num_splits(tiles: int, programs: int, wave: int) -> int:
 _WORKSPACE: dict = {}
 
 
-def _workspace(numel: int, device: torch.device) -> torch.Tensor:
-    """An fp32 buffer of ``numel`` elements for the split partials, reused across calls.
+def _partials(o_shape: tuple, l_shape: tuple, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Buffers for the split partials: o ``o_shape`` fp32, lse ``l_shape`` fp64 (merged again: kept whole).
 
-    One buffer per device, on its default stream only, so kernels ordered on one stream never race.
-    On any other stream a fresh buffer: while a CUDA graph is captured it comes from the graph's
-    private pool (a reused buffer could be freed or grown under a graph that still points at it),
-    and Inductor's CUDA graphs run their warmup on a stream of their own, allocating from that pool
-    too, whose blocks they may hand out again (a cached one would then be shared).
+    On a CUDA device's default stream, views of one reused workspace per device (the lse part starting
+    64-byte aligned), made once per shape pair and kept with the buffer: kernels ordered on one stream
+    never race. On any other stream fresh buffers: while a CUDA graph is captured they come from the
+    graph's private pool (a reused buffer could be freed or grown under a graph that still points at it),
+    and Inductor's CUDA graphs run their warmup on a stream of their own, allocating from that pool too,
+    whose blocks they may hand out again (a cached one would then be shared). On CPU fresh buffers too
+    (threads of one process may decode at once).
     """
     # (a capture never runs on the default stream: CUDA refuses to capture it)
     if device.type != "cuda" or torch.cuda.current_stream(device) != torch.cuda.default_stream(device):
-        return torch.empty(numel, dtype=torch.float32, device=device)
-    buf = _WORKSPACE.get(device.index)
+        return (torch.empty(o_shape, dtype=torch.float32, device=device),
+                torch.empty(l_shape, dtype=torch.float64, device=device))
+    o_numel, l_numel = math.prod(o_shape), math.prod(l_shape)
+    o_pad = -(-o_numel // 16) * 16
+    numel = o_pad + 2 * l_numel
+    buf, views = _WORKSPACE.get(device.index, (None, None))
     if buf is None or buf.numel() < numel:
-        buf = torch.empty(max(numel, 1 << 20), dtype=torch.float32, device=device)
-        _WORKSPACE[device.index] = buf
-    return buf[:numel]
+        buf, views = torch.empty(max(numel, 1 << 20), dtype=torch.float32, device=device), {}
+        _WORKSPACE[device.index] = buf, views
+    parts = views.get((o_shape, l_shape))
+    if parts is None:
+        parts = (buf[:o_numel].view(o_shape),
+                 buf[o_pad:o_pad + 2 * l_numel].view(torch.float64).view(l_shape))
+        if len(views) >= 256:  # bounded: shapes of a long-running server come and go
+            views.clear()
+        views[(o_shape, l_shape)] = parts
+    return parts
 
 
 def flash_decode(
@@ -508,6 +522,34 @@ def flash_decode(
     return out, lse
 
 
+class _Plan(NamedTuple):
+    """What :func:`decode_launches` builds for one call signature, without the call's tensors.
+
+    out, lse: (shape, dtype) of the results; partials: (o shape, lse shape) of the split partials,
+    or None; split: (grid, trailing args, constants) of the split kernel's launch, None when the
+    call is empty; merge: (kernel, grid, trailing args, constants) of the merge launch, or None.
+    The trailing args follow the launch's tensors: split (q, k, v, seqlens, table, qpos, kpos, o,
+    l, starts), merge (partial o, partial lse, out, lse).
+    """
+
+    out: tuple
+    lse: tuple
+    partials: tuple | None
+    split: tuple | None
+    merge: tuple | None
+
+
+_PLANS: dict = {}
+"""Call signature -> :class:`_Plan`: a launch is built once per signature (host time), then filled with
+each call's tensors. Cleared past ``_MAX_PLANS`` signatures and by :func:`clear_plans`."""
+_MAX_PLANS = 4096
+
+
+def clear_plans() -> None:
+    """Forget every built plan (e.g. after replacing :func:`waves`, which split counts depend on)."""
+    _PLANS.clear()
+
+
 def decode_launches(q, k, v, *, block_table=None, cache_seqlens=None, softmax_scale=None, q_positions=None,
                     k_positions=None, out_dtype=None, lse_dtype=None, num_splits=None, block_n=None, config=None,
                     window=None, softcap=None, cache_starts=None):
@@ -516,7 +558,60 @@ def decode_launches(q, k, v, *, block_table=None, cache_seqlens=None, softmax_sc
     Same arguments and shapes as :func:`flash_decode`; returns ``(out, lse, launches)``: one
     launch (the split kernel writing ``out`` itself) or two (split kernel, then merge).
     Split out so that ``tests/ops/test_aot.py`` compiles exactly what a real call would launch.
+    What the launches hold besides the tensors depends only on the call's signature (shapes,
+    strides, dtypes, device, which tensors are present, the scalar arguments), so it is planned
+    once per signature (:class:`_Plan`) and each call fills in its tensors.
     """
+    try:
+        key = (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, v.shape, v.stride(), v.dtype,
+               None if block_table is None else (block_table.shape, block_table.stride(), block_table.dtype),
+               None if cache_seqlens is None else cache_seqlens.dtype,
+               None if cache_starts is None else cache_starts.dtype,
+               None if q_positions is None else (q_positions.shape, q_positions.stride(), q_positions.dtype),
+               None if k_positions is None else (k_positions.shape, k_positions.stride(), k_positions.dtype),
+               _scalar(softmax_scale), out_dtype, lse_dtype, _scalar(num_splits), _scalar(block_n), _scalar(window),
+               _scalar(softcap), None if config is None else tuple(sorted(config.items())))
+        plan = _PLANS.get(key)
+    except TypeError:  # an unhashable argument (a tensor scalar, a config value): planned for this call only
+        key = plan = None
+    if plan is None:
+        plan = _plan(q, k, v, block_table=block_table, cache_seqlens=cache_seqlens, softmax_scale=softmax_scale,
+                     q_positions=q_positions, k_positions=k_positions, out_dtype=out_dtype, lse_dtype=lse_dtype,
+                     num_splits=num_splits, block_n=block_n, config=config, window=window, softcap=softcap,
+                     cache_starts=cache_starts)
+        if key is not None:
+            if len(_PLANS) >= _MAX_PLANS:
+                _PLANS.clear()
+            _PLANS[key] = plan
+    dev = q.device
+    out = torch.empty(plan.out[0], dtype=plan.out[1], device=dev)
+    lse = torch.empty(plan.lse[0], dtype=plan.lse[1], device=dev)
+    if plan.split is None:
+        return out, lse, []
+    # absent tensors are compile-time absent; q stands in for their pointers (never read)
+    head = (q, k, v, q if cache_seqlens is None else cache_seqlens, q if block_table is None else block_table,
+            q if q_positions is None else q_positions, q if k_positions is None else k_positions)
+    starts = q if cache_starts is None else cache_starts
+    grid, tail, constants = plan.split
+    if plan.merge is None:  # the split kernel writes the result itself, rounded once
+        return out, lse, [Launch(_split_kv_kernel, grid, head + (out, lse, starts) + tail, dict(constants))]
+    o_part, lse_part = _partials(*plan.partials, dev)
+    kernel, m_grid, m_tail, m_constants = plan.merge
+    return out, lse, [Launch(_split_kv_kernel, grid, head + (o_part, lse_part, starts) + tail, dict(constants)),
+                      Launch(kernel, m_grid, (o_part, lse_part, out, lse) + m_tail, dict(m_constants))]
+
+
+def _scalar(x):
+    """``x`` as part of a plan's key: a tensor (hashed by identity, not value) is unhashable here."""
+    if isinstance(x, torch.Tensor):
+        raise TypeError("a tensor scalar")
+    return x
+
+
+def _plan(q, k, v, *, block_table, cache_seqlens, softmax_scale, q_positions, k_positions, out_dtype, lse_dtype,
+          num_splits, block_n, config, window, softcap, cache_starts) -> _Plan:
+    """The :class:`_Plan` of a call of :func:`decode_launches` (its arguments): reads the tensors' shapes,
+    strides, dtypes and device only."""
     b, sq, hq, d = q.shape
     hkv, dv = k.shape[2], v.shape[3]
     page = 0 if block_table is None else k.shape[1]
@@ -528,13 +623,12 @@ def decode_launches(q, k, v, *, block_table=None, cache_seqlens=None, softmax_sc
         cfg["BLOCK_N"] = block_n
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     dev = q.device
-    out_dtype = q.dtype if out_dtype is None else out_dtype
-    out = torch.empty((b, sq, hq, dv), dtype=out_dtype, device=dev)
+    out_spec = ((b, sq, hq, dv), q.dtype if out_dtype is None else out_dtype)
     if lse_dtype not in (None, torch.float32, torch.float64):
         raise TypeError(f"lse_dtype must be torch.float32, torch.float64 or None, got {lse_dtype!r}")
-    lse = torch.empty((b, hq, sq), dtype=torch.float32 if lse_dtype is None else lse_dtype, device=dev)
+    lse_spec = ((b, hq, sq), torch.float32 if lse_dtype is None else lse_dtype)
     if b * sq * hq == 0:
-        return out, lse, []
+        return _Plan(out_spec, lse_spec, None, None, None)
     causal = q_positions is not None
     if window is not None and not causal:
         raise ValueError("window needs q_positions and k_positions (a bound on global key positions)")
@@ -543,11 +637,6 @@ def decode_launches(q, k, v, *, block_table=None, cache_seqlens=None, softmax_sc
         s_kp = (k_positions.stride(0), k_positions.stride(1)) if k_positions.dim() == 2 else (0, k_positions.stride(0))
     else:
         s_qp = s_kp = (0, 0)
-    # Absent tensors are compile-time absent; q stands in for their pointers (never read).
-    seqlens = cache_seqlens if cache_seqlens is not None else q
-    starts = cache_starts if cache_starts is not None else q
-    table = block_table if block_table is not None else q
-    qpos, kpos = (q_positions, k_positions) if causal else (q, q)
     s_bt = block_table.stride(0) if block_table is not None else 0
 
     m_blocks = cdiv(g * sq, cfg["BLOCK_M"])
@@ -561,37 +650,46 @@ def decode_launches(q, k, v, *, block_table=None, cache_seqlens=None, softmax_sc
         "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"],
     }
 
-    def split_launch(grid, o, l, chunk):
-        # o, l: the final (out, lse), or the partials with a leading split dimension.
-        s_op, s_lp = (o.stride(0), l.stride(0)) if o.dim() == 5 else (0, 0)
-        return Launch(
-            _split_kv_kernel, grid,
-            (q, k, v, seqlens, table, qpos, kpos, o, l, starts,
-             scale, 0 if window is None else min(int(window), 2 ** 31 - 1),
-             1.0 if softcap is None else float(softcap),
-             n, sq, g, hkv, chunk, m_blocks,
-             *q.stride(), *k.stride(), *v.stride(), s_bt, *s_qp, *s_kp,
-             s_op, *o.stride()[-4:], s_lp, *l.stride()[-3:]),
-            constants,
-        )
+    def tail(o_stride, l_stride, chunk):
+        # what follows the tensors of a split launch writing o, l (contiguous, of these strides): the final
+        # (out, lse), or the partials with a leading split dimension
+        s_op, s_lp = (o_stride[0], l_stride[0]) if len(o_stride) == 5 else (0, 0)
+        return (scale, 0 if window is None else min(int(window), 2 ** 31 - 1),
+                1.0 if softcap is None else float(softcap),
+                n, sq, g, hkv, chunk, m_blocks,
+                *q.stride(), *k.stride(), *v.stride(), s_bt, *s_qp, *s_kp,
+                s_op, *o_stride[-4:], s_lp, *l_stride[-3:])
 
     tiles = cdiv(max(n, 1), cfg["BLOCK_N"])
+    out_stride, lse_stride = _contiguous(out_spec[0]), _contiguous(lse_spec[0])
     if num_splits is None:
-        # The compiled kernel is the same for any split count (chunk is a runtime argument).
-        num_splits = choose_num_splits(tiles, programs, waves(split_launch((programs, 1), out, lse, n), dev))
+        # The compiled kernel is the same for any split count (chunk is a runtime argument); the
+        # wave is read from the kernel compiled for this call's tensors.
+        out, lse = torch.empty(out_spec[0], dtype=out_spec[1], device=dev), torch.empty(lse_spec[0], dtype=lse_spec[1],
+                                                                                         device=dev)
+        pick = (q, k, v, q if cache_seqlens is None else cache_seqlens, q if block_table is None else block_table,
+                q_positions if causal else q, k_positions if causal else q, out, lse,
+                q if cache_starts is None else cache_starts)
+        probe = Launch(_split_kv_kernel, (programs, 1), pick + tail(out_stride, lse_stride, n), constants)
+        num_splits = choose_num_splits(tiles, programs, waves(probe, dev))
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     chunk = cdiv(tiles, num_splits) * cfg["BLOCK_N"]
     num_splits = cdiv(max(n, 1), chunk)
-    if num_splits == 1:  # the split kernel writes the result itself, rounded once
-        return out, lse, [split_launch((programs, 1), out, lse, chunk)]
+    if num_splits == 1:
+        return _Plan(out_spec, lse_spec, None, ((programs, 1), tail(out_stride, lse_stride, chunk), constants), None)
+    # the partials: o (P, B, Sq, Hq, Dv) fp32, lse (P, B, Hq, Sq) fp64, contiguous (:func:`_partials`)
+    o_shape, l_shape = (num_splits, b, sq, hq, dv), (num_splits, b, hq, sq)
+    o_stride, l_stride = _contiguous(o_shape), _contiguous(l_shape)
+    merge = merge_plan(o_shape, o_stride, l_stride, out_stride, lse_stride)
+    return _Plan(out_spec, lse_spec, (o_shape, l_shape),
+                 ((programs, num_splits), tail(o_stride, l_stride, chunk), constants), merge)
 
-    # Partials in one reused workspace: o (P, B, Sq, Hq, D) fp32, then lse (P, B, Hq, Sq) fp64
-    # (merged again: kept whole) starting 64-byte aligned.
-    o_numel = num_splits * b * sq * hq * dv
-    o_pad = -(-o_numel // 16) * 16
-    work = _workspace(o_pad + 2 * num_splits * b * hq * sq, dev)
-    o_part = work[:o_numel].view(num_splits, b, sq, hq, dv)
-    lse_part = work[o_pad:].view(torch.float64).view(num_splits, b, hq, sq)
-    split = split_launch((programs, num_splits), o_part, lse_part, chunk)
-    return out, lse, [split, merge_launch(o_part, lse_part, out, lse)]
+
+def _contiguous(shape: tuple) -> tuple:
+    """The strides of a contiguous tensor of ``shape``."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))

@@ -186,14 +186,19 @@ def merge_launch(outs: torch.Tensor, lses: torch.Tensor, out: torch.Tensor, lse:
     out: (batch, seqlen_q, nheads_q, headdim) fp16/bf16/fp32 (written)
     lse: (batch, nheads_q, seqlen_q) float32 or float64 (written)
     """
-    p, b, sq, hq, d = outs.shape
-    cfg = merge_config(d, p)
-    return Launch(
-        _merge_kernel, (b * sq * hq,),
-        (outs, lses, out, lse, p, sq, hq,
-         *outs.stride(), *lses.stride(), *out.stride(), *lse.stride()),
-        {"HEAD_DIM": d, "EXACT_ROUNDING": INTERPRETED, **cfg},
-    )
+    kernel, grid, tail, constants = merge_plan(outs.shape, outs.stride(), lses.stride(), out.stride(), lse.stride())
+    return Launch(kernel, grid, (outs, lses, out, lse) + tail, constants)
+
+
+def merge_plan(shape: tuple, outs_stride: tuple, lses_stride: tuple, out_stride: tuple, lse_stride: tuple) -> tuple:
+    """What :func:`merge_launch` launches besides its four tensors, from their layout alone:
+    ``(kernel, grid, trailing args, constants)``; the args are ``(outs, lses, out, lse) + trailing``.
+
+    shape: outs' (P, batch, seqlen_q, nheads_q, headdim); the strides: of outs, lses, out, lse.
+    """
+    p, b, sq, hq, d = shape
+    return (_merge_kernel, (b * sq * hq,), (p, sq, hq, *outs_stride, *lses_stride, *out_stride, *lse_stride),
+            {"HEAD_DIM": d, "EXACT_ROUNDING": INTERPRETED, **merge_config(d, p)})
 
 
 def merge_states(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
