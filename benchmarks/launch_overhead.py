@@ -10,7 +10,15 @@ at 40 us per call on the GPU machine. Both parts are Python and can be timed her
   tensors with the kernel launch replaced by a no-op -- the package's whole path up to ``kernel[grid]``;
 - ``decode_launches``: building the launches alone (a part of ``ours``);
 - ``triton_binder``: what ``JITFunction.run`` does for the same launch before the C launcher -- the binder
-  of Triton's CUDA backend (sm_90) and the cache key -- per launch of the call (split kernel and merge).
+  of Triton's CUDA backend (sm_90) and the cache key -- per launch of the call (split kernel and merge);
+  since planned launches keep their compiled kernel (``megatron_tree/ops/triton/launch.py``), only a
+  signature's first call (or every call with ``MEGATRON_TREE_FAST_LAUNCH=0``) pays it;
+- ``fast_launch``: what a planned launch does instead on the calls after the first, before the C launcher:
+  the 16-byte alignment test of its tensors and the argument tuple (not counted: Triton's
+  ``launch_metadata`` and torch's current device and stream, which need a GPU).
+
+``total`` is ``ours`` + ``fast_launch`` (a signature's every call after its first); ``total, JIT`` is
+``ours`` + ``triton_binder`` (every call through Triton's JIT).
 
 Split counts are chosen for an H200's wave (:data:`H200_WAVE`), so the launches are the GPU's: a split
 kernel and the merge of its partials where the grid is small. Not counted: the C launcher and the driver (a few us per launch on the GPU machine) and CUDA's caching
@@ -27,6 +35,7 @@ time per call, one thread.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import platform
 import sys
@@ -67,6 +76,21 @@ def _binder(launch):
     return bind
 
 
+def _fast(launch):
+    """A callable doing, for ``launch`` (planned: it has a fast slot), what :meth:`Launch.run` does in Python on the
+    calls after a signature's first before the C launcher: the tensors' alignment test and the argument tuple."""
+    from megatron_tree.ops.triton.aot import _as_jit
+    from megatron_tree.ops.triton.launch import _aligned, constexpr_values
+
+    args, n = launch.args, launch.fast.tensors
+    constexprs = constexpr_values(_as_jit(launch.kernel), len(args), launch.kwargs)
+
+    def fast():
+        return _aligned(args, n) and args + constexprs
+
+    return fast
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None, help="a JSON path (a markdown table is written beside it)")
@@ -92,7 +116,8 @@ def main(argv=None) -> dict:
     run, waves, moded = mk.Launch.run, fd.waves, dispatch._moded
     mk.Launch.run = lambda self: None  # no kernel runs: the host path up to kernel[grid] is what is timed
     fd.waves = lambda launch, device: H200_WAVE  # the GPU's split counts, so the GPU's launches
-    fd.clear_plans()  # split counts are planned once per call signature: none planned with another wave
+    clear_plans = getattr(fd, "clear_plans", lambda: None)  # (code before launch plans: --before runs)
+    clear_plans()  # split counts are planned once per call signature: none planned with another wave
     via_op = [False]
     # the per-call test of the direct path, refused while a *_via_op callable runs: the same call through the op
     dispatch._moded = lambda t: via_op[0] or moded(t)
@@ -118,8 +143,11 @@ def main(argv=None) -> dict:
             lens = torch.full((b,), n - 3, dtype=torch.int32)
             outs, lses = torch.randn(2, b, 1, hq, d, generator=g), torch.randn(2, b, hq, 1, generator=g)
             _, _, launches = fd.decode_launches(q, k, k, cache_seqlens=lens)
-            merge = mk.merge_launch(outs, lses, torch.empty(b, 1, hq, d), torch.empty(b, hq, 1))
+            planned = hasattr(mk, "planned_launch")  # launches with a fast slot (not in code before them)
+            merge = mk.planned_launch(outs, lses)[2] if planned else \
+                mk.merge_launch(outs, lses, torch.empty(b, 1, hq, d), torch.empty(b, hq, 1))
             binders = [_binder(launch) for launch in launches]
+            fasts = [_fast(launch) for launch in launches] if planned else []
             decode = lambda: mt.flash_decode(q, k, k, cache_seqlens=lens, backend="triton")  # noqa: E731
             merge_call = lambda: mt.merge_states(outs, lses, backend="triton")  # noqa: E731
             fns = {
@@ -127,19 +155,27 @@ def main(argv=None) -> dict:
                 "flash_decode_via_op": through_the_op(decode),
                 "decode_launches": lambda: fd.decode_launches(q, k, k, cache_seqlens=lens),
                 "flash_decode_triton_binder": lambda: [bind() for bind in binders],
+                **({"flash_decode_fast_launch": lambda: [fast() for fast in fasts]} if planned else {}),
                 "merge_states_direct": merge_call,
                 "merge_states_via_op": through_the_op(merge_call),
                 "merge_states_triton_binder": _binder(merge),
+                **({"merge_states_fast_launch": _fast(merge)} if planned else {}),
             }
             times = _time(fns, args.rounds, args.reps, args.warmup)
             us = {key: t["median_us"] for key, t in times.items()}
             rows.append({"shape": name, "B": b, "Hq": hq, "Hkv": hkv, "D": d, "N": n, "launches": len(launches),
                          "times": times,
-                         "flash_decode_total_us": us[f"flash_decode_{cuda_path}"] + us["flash_decode_triton_binder"],
-                         "merge_states_total_us": us[f"merge_states_{cuda_path}"] + us["merge_states_triton_binder"]})
+                         "flash_decode_total_us": us[f"flash_decode_{cuda_path}"]
+                         + us.get("flash_decode_fast_launch", us["flash_decode_triton_binder"]),
+                         "flash_decode_total_jit_us": us[f"flash_decode_{cuda_path}"]
+                         + us["flash_decode_triton_binder"],
+                         "merge_states_total_us": us[f"merge_states_{cuda_path}"]
+                         + us.get("merge_states_fast_launch", us["merge_states_triton_binder"]),
+                         "merge_states_total_jit_us": us[f"merge_states_{cuda_path}"]
+                         + us["merge_states_triton_binder"]})
     finally:
         mk.Launch.run, fd.waves, dispatch._moded = run, waves, moded
-        fd.clear_plans()
+        clear_plans()
     import triton
 
     result = {"command": "TRITON_INTERPRET=1 PYTHONPATH=$PWD python -m benchmarks.launch_overhead "
@@ -156,20 +192,24 @@ def _markdown(result: dict) -> str:
              f"`{result['command']}` -- torch {result['torch']}, triton {result['triton']}, {result['rounds']} rounds x "
              f"{result['reps']} calls, median of the mean thread CPU time per call (us)", "",
              f"A plain CUDA tensor takes the **{'direct path' if path == 'direct' else 'path through the op'}** in this "
-             "code; total = that path + Triton's binder and key.", "",
+             "code. total = that path + the fast launch (a planned launch's calls after its signature's first); "
+             "total, JIT = that path + Triton's binder and key (every call through Triton's JIT).", "",
              "| call (bf16) | launches | ours, direct | ours, through the op | of which decode_launches | "
-             "Triton's binder + key | total |", "|---|---|---|---|---|---|---|"]
+             "fast launch | Triton's binder + key | total | total, JIT |", "|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         t = {k: v["median_us"] for k, v in r["times"].items()}
         shape = f"B {r['B']}, {r['Hq']}/{r['Hkv']}, D {r['D']}, N {r['N']}"
         lines.append(f"| flash_decode {shape} | {r['launches']} | {t['flash_decode_direct']:.1f} | "
                      f"{t['flash_decode_via_op']:.1f} | {t['decode_launches']:.1f} | "
-                     f"{t['flash_decode_triton_binder']:.1f} | {r['flash_decode_total_us']:.1f} |")
+                     f"{t.get('flash_decode_fast_launch', math.nan):.1f} | {t['flash_decode_triton_binder']:.1f} | "
+                     f"{r['flash_decode_total_us']:.1f} | {r['flash_decode_total_jit_us']:.1f} |")
         lines.append(f"| merge_states P 2, {shape} | 1 | {t['merge_states_direct']:.1f} | {t['merge_states_via_op']:.1f} "
-                     f"| | {t['merge_states_triton_binder']:.1f} | {r['merge_states_total_us']:.1f} |")
+                     f"| | {t.get('merge_states_fast_launch', math.nan):.1f} | {t['merge_states_triton_binder']:.1f} | "
+                     f"{r['merge_states_total_us']:.1f} | {r['merge_states_total_jit_us']:.1f} |")
     if "before" in result:
         lines += ["", f"Before (`{result['before']['command']}`), run right before this one -> this run, us "
-                  "(the path a CUDA tensor takes in each; total with Triton's binder and key):", "",
+                  "(the path a CUDA tensor takes in each; total: with its launch path after a signature's first call "
+                  "-- Triton's binder and key where the code had no fast launch):", "",
                   "| call (bf16) | ours, the CUDA path | of which decode_launches | total |", "|---|---|---|---|"]
         old_path = result["before"].get("cuda_path", "via_op")
         for old, new in zip(result["before"]["rows"], result["rows"]):
@@ -179,7 +219,8 @@ def _markdown(result: dict) -> str:
             lines.append(f"| flash_decode {shape} | {o[f'flash_decode_{old_path}']:.1f} -> {t[f'flash_decode_{path}']:.1f} | "
                          f"{o['decode_launches']:.1f} -> {t['decode_launches']:.1f} | "
                          f"{old['flash_decode_total_us']:.1f} -> {new['flash_decode_total_us']:.1f} |")
-    lines += ["", "Not counted: Triton's C launcher and the driver, and CUDA's caching allocator (CPU tensors here).",
+    lines += ["", "Not counted: Triton's C launcher and the driver, torch's current device and stream, Triton's "
+              "launch_metadata, and CUDA's caching allocator (CPU tensors here).",
               "Issue 31's bound on the GPU machine: eager flash_decode <= 40 us per call."]
     return "\n".join(lines) + "\n"
 

@@ -32,18 +32,19 @@ def test_the_parts_of_an_eager_gpu_calls_host_time_are_measured_and_the_stubs_un
     for r in result["rows"]:
         t = {k: v["median_us"] for k, v in r["times"].items()}
         assert all(v > 0 for v in t.values()), t
-        assert r["flash_decode_total_us"] == t["flash_decode_direct"] + t["flash_decode_triton_binder"]
-        assert r["merge_states_total_us"] == t["merge_states_direct"] + t["merge_states_triton_binder"]
+        assert r["flash_decode_total_us"] == t["flash_decode_direct"] + t["flash_decode_fast_launch"]
+        assert r["merge_states_total_us"] == t["merge_states_direct"] + t["merge_states_fast_launch"]
+        assert r["flash_decode_total_jit_us"] == t["flash_decode_direct"] + t["flash_decode_triton_binder"]
+        assert r["merge_states_total_jit_us"] == t["merge_states_direct"] + t["merge_states_triton_binder"]
     assert json.loads(out.read_text())["rows"] == json.loads(json.dumps(result["rows"]))
     md = out.with_suffix(".md").read_text()
     assert "| flash_decode B 1, 32/8, D 128, N 32768 | 2 |" in md and "takes the **direct path**" in md
 
-    # --before: the earlier file's times on the path a CUDA tensor took there (recorded: through the op)
+    # --before: the earlier file's times on the path a CUDA tensor took there (as it recorded)
     before = os.path.join(os.path.dirname(launch_overhead.__file__), "results", "launch_overhead_before.json")
     with open(before, encoding="utf-8") as f:
         old = json.load(f)
-    assert old["cuda_path"] == "via_op"
     result = launch_overhead.main(["--rounds", "1", "--reps", "1", "--warmup", "0", "--before", before])
-    o = old["rows"][0]["times"]["flash_decode_via_op"]["median_us"]
+    o = old["rows"][0]["times"][f"flash_decode_{old['cuda_path']}"]["median_us"]
     t = result["rows"][0]["times"]["flash_decode_direct"]["median_us"]
     assert f"| flash_decode B 1, 32/8, D 128, N 32768 | {o:.1f} -> {t:.1f} |" in launch_overhead._markdown(result)

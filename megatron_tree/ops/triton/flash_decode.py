@@ -60,7 +60,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .merge import INTERPRETED, Launch, cdiv, merge_plan, next_pow2, round_like_gpu
+from .launch import FastSlot, Launch
+from .merge import INTERPRETED, cdiv, merge_plan, next_pow2, round_like_gpu
 
 __all__ = ["flash_decode", "decode_launches", "decode_config", "choose_num_splits", "waves", "SUPPORTED_DTYPES",
            "MAX_HEADDIM", "MAX_BLOCK_M", "MAX_SPLITS", "INTERPRETED"]
@@ -526,10 +527,11 @@ class _Plan(NamedTuple):
     """What :func:`decode_launches` builds for one call signature, without the call's tensors.
 
     out, lse: (shape, dtype) of the results; partials: (o shape, lse shape) of the split partials,
-    or None; split: (grid, trailing args, constants) of the split kernel's launch, None when the
-    call is empty; merge: (kernel, grid, trailing args, constants) of the merge launch, or None.
-    The trailing args follow the launch's tensors: split (q, k, v, seqlens, table, qpos, kpos, o,
-    l, starts), merge (partial o, partial lse, out, lse).
+    or None; split: (grid, trailing args, constants, fast slot) of the split kernel's launch, None
+    when the call is empty; merge: (kernel, grid, trailing args, constants, fast slot) of the merge
+    launch, or None. The trailing args follow the launch's tensors: split (q, k, v, seqlens, table,
+    qpos, kpos, o, l, starts), merge (partial o, partial lse, out, lse). The fast slots keep each
+    launch's compiled kernel for the calls after the first (:mod:`.launch`).
     """
 
     out: tuple
@@ -592,13 +594,13 @@ def decode_launches(q, k, v, *, block_table=None, cache_seqlens=None, softmax_sc
     head = (q, k, v, q if cache_seqlens is None else cache_seqlens, q if block_table is None else block_table,
             q if q_positions is None else q_positions, q if k_positions is None else k_positions)
     starts = q if cache_starts is None else cache_starts
-    grid, tail, constants = plan.split
+    grid, tail, constants, slot = plan.split
     if plan.merge is None:  # the split kernel writes the result itself, rounded once
-        return out, lse, [Launch(_split_kv_kernel, grid, head + (out, lse, starts) + tail, dict(constants))]
+        return out, lse, [Launch(_split_kv_kernel, grid, head + (out, lse, starts) + tail, dict(constants), slot)]
     o_part, lse_part = _partials(*plan.partials, dev)
-    kernel, m_grid, m_tail, m_constants = plan.merge
-    return out, lse, [Launch(_split_kv_kernel, grid, head + (o_part, lse_part, starts) + tail, dict(constants)),
-                      Launch(kernel, m_grid, (o_part, lse_part, out, lse) + m_tail, dict(m_constants))]
+    kernel, m_grid, m_tail, m_constants, m_slot = plan.merge
+    return out, lse, [Launch(_split_kv_kernel, grid, head + (o_part, lse_part, starts) + tail, dict(constants), slot),
+                      Launch(kernel, m_grid, (o_part, lse_part, out, lse) + m_tail, dict(m_constants), m_slot)]
 
 
 def _scalar(x):
@@ -677,13 +679,14 @@ def _plan(q, k, v, *, block_table, cache_seqlens, softmax_scale, q_positions, k_
     chunk = cdiv(tiles, num_splits) * cfg["BLOCK_N"]
     num_splits = cdiv(max(n, 1), chunk)
     if num_splits == 1:
-        return _Plan(out_spec, lse_spec, None, ((programs, 1), tail(out_stride, lse_stride, chunk), constants), None)
+        return _Plan(out_spec, lse_spec, None,
+                     ((programs, 1), tail(out_stride, lse_stride, chunk), constants, FastSlot(10)), None)
     # the partials: o (P, B, Sq, Hq, Dv) fp32, lse (P, B, Hq, Sq) fp64, contiguous (:func:`_partials`)
     o_shape, l_shape = (num_splits, b, sq, hq, dv), (num_splits, b, hq, sq)
     o_stride, l_stride = _contiguous(o_shape), _contiguous(l_shape)
-    merge = merge_plan(o_shape, o_stride, l_stride, out_stride, lse_stride)
+    merge = merge_plan(o_shape, o_stride, l_stride, out_stride, lse_stride) + (FastSlot(4),)
     return _Plan(out_spec, lse_spec, (o_shape, l_shape),
-                 ((programs, num_splits), tail(o_stride, l_stride, chunk), constants), merge)
+                 ((programs, num_splits), tail(o_stride, l_stride, chunk), constants, FastSlot(10)), merge)
 
 
 def _contiguous(shape: tuple) -> tuple:

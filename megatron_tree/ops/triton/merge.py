@@ -17,12 +17,13 @@ the grid. No torch.distributed here.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
+
+from .launch import FastSlot, Launch
 
 __all__ = ["merge_states", "merge_launch", "Launch", "MAX_BLOCK_P", "merge_config", "SUPPORTED_DTYPES",
            "round_like_gpu", "INTERPRETED"]
@@ -162,22 +163,6 @@ INTERPRETED = not isinstance(_merge_kernel, JITFunction)
 """True when ``TRITON_INTERPRET=1`` was set before import (kernels then run on CPU tensors)."""
 
 
-class Launch(NamedTuple):
-    """One kernel launch, built but not run: ``kernel[grid](*args, **kwargs)``.
-
-    Launchers return these so that ``tests/ops/test_aot.py`` can compile, for sm_80 and sm_90,
-    exactly the specialisations a real call launches.
-    """
-
-    kernel: object
-    grid: tuple
-    args: tuple
-    kwargs: dict
-
-    def run(self) -> None:
-        self.kernel[self.grid](*self.args, **self.kwargs)
-
-
 def merge_launch(outs: torch.Tensor, lses: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> Launch:
     """The launch that writes the merge of P partial states into ``out`` and ``lse`` (any strides).
 
@@ -233,8 +218,32 @@ def merge_states(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, 
     lse_dtype = torch.float64 if lses.dtype == torch.float64 else torch.float32
     if p == 1:
         return outs[0], lses[0].to(lse_dtype)
-    out = torch.empty((b, sq, hq, d), dtype=outs.dtype, device=outs.device)
-    lse = torch.empty((b, hq, sq), dtype=lse_dtype, device=outs.device)
-    if b * sq * hq:
-        merge_launch(outs, lses.to(lse_dtype), out, lse).run()
+    out, lse, launch = planned_launch(outs, lses.to(lse_dtype))
+    if launch is not None:
+        launch.run()
     return out, lse
+
+
+def planned_launch(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Launch | None]:
+    """``(out, lse, launch)``: the outputs of merging ``outs`` and ``lses`` (out in outs' dtype, lse in lses'), fresh
+    and contiguous, and the :func:`merge_launch` that writes them (None for an empty merge), planned once per
+    signature of ``outs`` and ``lses`` (shape, strides, dtypes, device: what the launch holds besides its tensors;
+    host time), with the plan's fast slot (:mod:`.launch`)."""
+    p, b, sq, hq, d = outs.shape
+    out = torch.empty((b, sq, hq, d), dtype=outs.dtype, device=outs.device)
+    lse = torch.empty((b, hq, sq), dtype=lses.dtype, device=outs.device)
+    if b * sq * hq == 0:
+        return out, lse, None
+    key = (outs.shape, outs.stride(), outs.dtype, lses.stride(), lses.dtype, outs.device)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = merge_plan(outs.shape, outs.stride(), lses.stride(), out.stride(), lse.stride()) + (FastSlot(4),)
+        if len(_PLANS) >= 1024:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    kernel, grid, tail, constants, slot = plan
+    return out, lse, Launch(kernel, grid, (outs, lses, out, lse) + tail, constants, slot)
+
+
+_PLANS: dict = {}
+"""merge_states' launches by signature: (kernel, grid, trailing args, constants, fast slot) (:mod:`.launch`)."""
