@@ -306,6 +306,27 @@ def test_cp1_forward_generate_and_disable():
         torch.testing.assert_close(model(ids, attention_mask=mask).logits, want, rtol=0, atol=0)
 
 
+def test_cp1_generate_under_autocast():
+    """An fp32 model under torch.autocast(bfloat16) hands the attention an fp32 q and k (rotary runs in fp32) with a
+    bf16 v, and in decode a bf16 query over the fp32 cache; transformers' sdpa runs them in the autocast dtype. It
+    was a TypeError ('q, k, v must share one dtype') naming no autocast; now it computes as sdpa does."""
+    from megatron_tree.integrations.hf import enable_tree_attention
+
+    ids, mask = batch()
+    ref = hf_model("llama", seed=5)
+    model = enable_tree_attention(copy.deepcopy(ref), None)
+    kw = dict(attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False, output_logits=True,
+              return_dict_in_generate=True)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        want = ref.generate(ids, **kw)
+        got = model.generate(ids, **kw)
+    assert got.sequences.tolist() == want.sequences.tolist()
+    for g, w in zip(got.logits, want.logits):
+        assert g.dtype == w.dtype  # the lm head ran under autocast alike
+        # bf16 rounding: sdpa and transformers' own eager attention differ by 0.16 here
+        torch.testing.assert_close(g.float(), w.float(), rtol=0, atol=0.25)
+
+
 def test_eval_protocol_cp1(tmp_path):
     """load_hf_model's HFTreeModel drives the library's own generation loop; unsharded() is the plain model."""
     from megatron_tree.decode.generate import generate
