@@ -327,6 +327,27 @@ def test_cp1_generate_under_autocast():
         torch.testing.assert_close(g.float(), w.float(), rtol=0, atol=0.25)
 
 
+def test_cp1_float64_model_keeps_float64_logits():
+    """A float64 model's prefill logits came back through float32 (the logits' assembly cast them): 2e-7 off
+    transformers' own in float64, a float64 tensor with float32's digits. Now they are float64 throughout."""
+    from megatron_tree.integrations.hf import enable_tree_attention
+
+    ids, mask = batch()
+    ref = hf_model("llama", seed=7).double()
+    model = enable_tree_attention(copy.deepcopy(ref), None)
+    with torch.no_grad():
+        want = ref(ids[:1]).logits
+        got = model(ids[:1], use_cache=False).logits
+        assert got.dtype == torch.float64
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+        kw = dict(attention_mask=mask, max_new_tokens=4, min_new_tokens=4, do_sample=False, output_logits=True,
+                  return_dict_in_generate=True)
+        a, b = ref.generate(ids, **kw), model.generate(ids, **kw)
+    assert a.sequences.tolist() == b.sequences.tolist()
+    for w, g in zip(a.logits, b.logits):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-12)
+
+
 def test_eval_protocol_cp1(tmp_path):
     """load_hf_model's HFTreeModel drives the library's own generation loop; unsharded() is the plain model."""
     from megatron_tree.decode.generate import generate
