@@ -348,6 +348,29 @@ def test_cp1_float64_model_keeps_float64_logits():
         torch.testing.assert_close(g, w, rtol=0, atol=1e-12)
 
 
+def test_cp1_cache_made_from_a_config_takes_the_layers_dtype():
+    """TreeCache(model.config, groups), as transformers' DynamicCache(config=model.config) is made, knows no dtype:
+    its storage was float32, so a bfloat16 model's first decode step was a TypeError ('q, k, v must share one
+    dtype'). Made from a config without dtype / device, the storage now takes the layers' own at the first write."""
+    from megatron_tree.integrations.hf import TreeCache, enable_tree_attention
+
+    ids, mask = batch()
+    ref = hf_model("llama", seed=7).to(torch.bfloat16)
+    model = enable_tree_attention(copy.deepcopy(ref), None)
+    kw = dict(attention_mask=mask, max_new_tokens=4, min_new_tokens=4, do_sample=False, output_logits=True,
+              return_dict_in_generate=True)
+    with torch.no_grad():
+        cache = TreeCache(model.config, None)
+        got = model.generate(ids, cache=cache, **kw)
+        own = model.generate(ids, **kw)  # the cache generate makes from the model itself
+        want = ref.generate(ids, **kw)
+    assert cache.storage.k.dtype == torch.bfloat16 and cache.dtype == torch.bfloat16
+    assert got.sequences.tolist() == own.sequences.tolist() == want.sequences.tolist()
+    for g, o in zip(got.logits, own.logits):
+        torch.testing.assert_close(g, o, rtol=0, atol=0)
+    assert TreeCache(model.config, None, dtype=torch.float16).dtype == torch.float16  # a given dtype is kept
+
+
 def test_eval_protocol_cp1(tmp_path):
     """load_hf_model's HFTreeModel drives the library's own generation loop; unsharded() is the plain model."""
     from megatron_tree.decode.generate import generate
