@@ -359,9 +359,10 @@ def assemble_logits(
     device: where the all-reduce runs (NCCL: a CUDA device; default local_logits' device)
     signature: ``(site, names, values)`` the CP group's agreement checks before the all-reduce
         (default ``("prefill logits", ("batch", "positions", "vocab"), (B, K, vocab))``)
-    returns (batch, K, vocab) float32 on local_logits' device, identical on every CP rank
+    returns (batch, K, vocab) float32 (float64 for float64 logits: ``contract.acc_dtype``, never narrower
+        than the model computed them) on local_logits' device, identical on every CP rank
 
-    Collectives (CP > 1): one all-reduce SUM of (batch, K, vocab) float32 inside the CP group's
+    Collectives (CP > 1): one all-reduce SUM of (batch, K, vocab) in that dtype inside the CP group's
     :class:`~megatron_tree.distributed.agreement.Agreement` on ``signature``. The rank holding a position
     contributes its logits, every other rank zeros, so the sum is exact (x + 0 = x) and
     bitwise identical on every rank; each position is held by exactly one rank (the placement
@@ -369,6 +370,7 @@ def assemble_logits(
     prefill logits: the transformers, Megatron static and ``MegatronLM`` prefills all use it.
     """
     b, w, vocab = local_logits.shape
+    dtype = contract.acc_dtype(local_logits.dtype)
     wanted = wanted.to(device=local_logits.device, dtype=torch.int64)
     if wanted.dim() == 1:
         wanted = wanted[None, :].expand(b, -1)
@@ -376,10 +378,10 @@ def assemble_logits(
     hit = (positions[:, :, None] == wanted[:, None, :]) & (wanted[:, None, :] >= 0)  # (B, W, K)
     if w:
         pick = hit.to(torch.int64).argmax(dim=1)  # (B, K): the local token that holds it, if any
-        mine = local_logits.gather(1, pick[..., None].expand(-1, -1, vocab)).float()
+        mine = local_logits.gather(1, pick[..., None].expand(-1, -1, vocab)).to(dtype)
         mine = torch.where(hit.any(dim=1)[..., None], mine, torch.zeros((), device=mine.device))
     else:  # this rank holds no token of the prompt
-        mine = torch.zeros(b, wanted.shape[1], vocab, device=local_logits.device)
+        mine = torch.zeros(b, wanted.shape[1], vocab, dtype=dtype, device=local_logits.device)
     if groups is None or groups.size == 1:
         return mine
     site, names, values = signature or ("prefill logits", ("batch", "positions", "vocab"), tuple(mine.shape))

@@ -105,7 +105,8 @@ def check_decode_inputs(q, k, v, cache_seqlens=None, q_positions=None, k_positio
         if not t.is_floating_point():
             raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
     if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v must share one dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")
+        raise TypeError(f"q, k, v must share one dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}"
+                        + _autocast_hint(q.device.type))
     if not (q.device == k.device == v.device):
         raise ValueError(
             f"q, k, v must be on one device, got q={q.device}, k={k.device}, v={v.device}"
@@ -159,6 +160,18 @@ def check_decode_inputs(q, k, v, cache_seqlens=None, q_positions=None, k_positio
         for name, t in (("q_positions", q_positions), ("k_positions", k_positions)):
             if t.device != q.device:
                 raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+
+
+def _autocast_hint(device_type: str) -> str:
+    """The mismatch's likely cause when ``torch.autocast`` is on: autocast casts the projections' outputs (and
+    rotary embeddings compute in float32), while these entry points are no autocast op and cast nothing."""
+    if not torch.is_autocast_enabled(device_type):
+        return ""
+    return (f" -- torch.autocast({device_type!r}, dtype={torch.get_autocast_dtype(device_type)}) is on: it casts the "
+            "projections that made q, k and v (a cache keeps its own dtype), but this function is no autocast op "
+            "and casts nothing; cast q, k and v to one dtype first (as autocast does for scaled_dot_product_attention: "
+            f"all to {torch.get_autocast_dtype(device_type)}). transformers models enabled by "
+            "megatron_tree.hf.enable_tree_attention (mt.hf) cast them themselves")
 
 
 def _used_blocks(block_table, block_size: int, cache_seqlens, cache_starts) -> torch.Tensor:

@@ -530,6 +530,9 @@ def prefill_attention(
         # 16-bit on CPU: compute in float32 (the CPU kernel accumulates in float32 anyway and its
         # 16-bit path is slower), so the partial's out is not rounded to 16 bits before the merge.
         q, k, v = q.to(acc), k.to(acc), v.to(acc)
+    # every kernel here wants a unit-stride head dim; the CPU one does not check it and silently reads the wrong
+    # elements of a view like k[..., ::2] (a copy only for such inputs)
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     if lse_bound is None:
         lse_bound = LSE_BOUND_16BIT if q.dtype in (torch.float16, torch.bfloat16) else LSE_BOUND
     qpos = q_positions.to(torch.int64)

@@ -84,6 +84,9 @@ def _fused(q, k, v, lens: list, starts: list | None, scale: float):
     the loop below."""
     b, sq, hq, dv = q.shape[0], q.shape[1], q.shape[2], v.shape[3]
     n = k.shape[1]
+    # the kernel does not check that the head dim has unit stride and silently reads the wrong elements of a
+    # view like k[..., ::2]: such inputs are copied (the loop's matmuls take any strides)
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     if n > 0 and lens == [n] * b and not (starts and any(starts)):  # every row whole: one call for all rows
         out, lse = _FUSED(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale)
         # out (b, sq, hq, dv): the kernel's own layout; lse (b, hq, sq), contiguous already for one token

@@ -104,6 +104,12 @@ def test_a_new_signature_raises_the_same_clear_errors(fresh):
         mt.flash_decode(q, k, v, cache_seqlens=lens[:1])
     with pytest.raises(TypeError, match="q, k, v must share one dtype"):
         mt.flash_decode(q, k.double(), v, cache_seqlens=lens)
+    # under torch.autocast the mismatch comes from autocast's casts (these functions are no autocast op): said so
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(TypeError, match=r"torch.autocast\('cpu', "
+                                                                        r"dtype=torch.bfloat16\) is on"):
+        mt.flash_decode(q.bfloat16(), k, v, cache_seqlens=lens)
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(TypeError, match="torch.autocast"):
+        mt.tree_decode(q.bfloat16(), k, v, None, cache_seqlens=lens)
     # True == 1 and hash(True) == hash(1): the remembered window=1 must not let window=True through
     with pytest.raises(TypeError, match="window must be an int"):
         mt.flash_decode(q, k, v, cache_seqlens=lens, q_positions=torch.zeros(2, 1, dtype=torch.int64),

@@ -110,6 +110,28 @@ def test_torch_path_causal_several_queries_strided_cache(hkv):
     assert torch.allclose(lse[fin], ref_l[fin], atol=2e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_head_dim_with_a_stride_reads_the_right_elements(dtype):
+    """q, k, v whose head dim is strided (views like ``x[..., ::2]``): ATen's fused CPU flash kernel, behind the
+    float32 decode and every CPU prefill, does not check that the head dim has unit stride and read the wrong
+    elements (decode 1.6, prefill 2.7 off); now such inputs are copied first. Against the fp64 reference."""
+    g = torch.Generator().manual_seed(0)
+    wide = lambda *shape: torch.randn(*shape[:-1], 2 * shape[-1], generator=g, dtype=dtype)[..., ::2]  # noqa: E731
+    q, k, v = wide(2, 1, 4, 8), wide(2, 6, 2, 8), wide(2, 6, 2, 8)
+    lens = torch.tensor([3, 6], dtype=torch.int32)
+    want, want_lse = reference.partial_attention(*(t.double() for t in (q, k, v)), cache_seqlens=lens)
+    out, lse = mt.flash_decode(q, k, v, cache_seqlens=lens)
+    torch.testing.assert_close(out.double(), want, rtol=0, atol=1e-6)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=0, atol=1e-6)
+    torch.testing.assert_close(mt.tree_decode(q, k, v, None, cache_seqlens=lens).double(), want, rtol=0, atol=1e-6)
+    pos = torch.arange(6)[None].expand(2, -1)
+    qp = wide(2, 6, 4, 8)
+    want, _ = reference.partial_attention(*(t.double() for t in (qp, k, v)), q_positions=pos, k_positions=pos)
+    got = ops.prefill_attention(qp, k, v, q_positions=pos, k_positions=pos)
+    got = got[0] if isinstance(got, tuple) else got
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("page", [4, 16])
 def test_torch_path_paged_equals_contiguous_and_reference(page, dtype):

@@ -3,6 +3,8 @@ prompt chunks, ``tree_decode`` (through the decode loop's step) over the rank's 
 
 from __future__ import annotations
 
+import torch
+
 from .common import _MARK, ATTN_IMPLEMENTATION, UnsupportedModelError
 from transformers import AttentionInterface
 
@@ -60,6 +62,7 @@ def tree_attention_forward(module, query, key, value, attention_mask, scaling=No
     variants = dict(window=window, softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux"))
     q = query.transpose(1, 2)  # (b, q_len, hq, d)
     k, v = key.transpose(1, 2), value.transpose(1, 2)
+    q, k, v = _autocast(q, k, v)
     if meta.mode == "prefill":
         qpos, kpos = meta.q_positions.to(q.device), meta.k_positions.to(q.device)
         out = cp_prefill(q, k, v, qpos, kpos, binding.groups, method=binding.prefill, softmax_scale=scaling,
@@ -80,6 +83,23 @@ def tree_attention_forward(module, query, key, value, attention_mask, scaling=No
             variants.update(meta.attention_args(window))
         out = step.attend(module.layer_idx, q, k, v, binding.groups, softmax_scale=scaling, **variants)
     return out, None
+
+
+def _autocast(q, k, v):
+    """q, k, v as the attention they replace sees them under ``torch.autocast``: transformers' ``sdpa`` (and its
+    ``eager`` matmuls) run in the autocast dtype there, so an fp32 model under ``autocast(dtype=bfloat16)`` hands
+    over an fp32 q and k (rotary embeddings compute in fp32) with a bf16 v, and a decode step's fp32 cached keys
+    with a bf16 query. Autocast casts every fp16/bf16/fp32 input of ``scaled_dot_product_attention`` to its dtype
+    (float64 is left alone); so does this, so the model's tokens are transformers' own under autocast too."""
+    kind = q.device.type
+    if not torch.is_autocast_enabled(kind):
+        return q, k, v
+    dtype = torch.get_autocast_dtype(kind)
+    cast = lambda t: t.to(dtype) if t.dtype in _AUTOCAST_ELIGIBLE and t.dtype != dtype else t  # noqa: E731
+    return cast(q), cast(k), cast(v)
+
+
+_AUTOCAST_ELIGIBLE = (torch.float16, torch.bfloat16, torch.float32)
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, tree_attention_forward)

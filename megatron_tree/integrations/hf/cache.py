@@ -82,6 +82,8 @@ class TreeCache(Cache):
     using it with a model enabled on another group is an error.
 
     config: the model (or its config): layers, KV heads and head size are read from it
+    dtype, device: the storage's; default the model's parameters', or, for a cache made from a config, the
+        layers' own (their keys' at the prompt's first write, as transformers' caches take them)
     groups: the CP group (``None``: one process)
     max_seq_len: real tokens per row to make room for (overflow is a ``CacheOverflowError``)
     new_tokens: with ``max_seq_len=None``, size the storage at prefill for the prompt plus
@@ -126,6 +128,10 @@ class TreeCache(Cache):
         self.cache_config = CacheConfig(layout=layout, block_size=block_size)
         self.max_seq_len = max_seq_len
         self.new_tokens = new_tokens
+        # Made from a config with no dtype / device, the storage takes the layers' own (their keys' at the first
+        # write, as transformers' own caches do): float32 on the CPU until then
+        self._follow_dtype = model is None and dtype is None
+        self._follow_device = model is None and device is None
         if model is not None:
             p = next(model.parameters())
             dtype = dtype or p.dtype
@@ -397,9 +403,13 @@ class TreeCache(Cache):
         self._written = set()
         return q_positions
 
-    def _reshape(self, heads: int, head_dim: int, head_dim_v: int) -> None:
-        """Re-make the (still empty) storage for the shapes the layers store; the placement is replayed."""
+    def _reshape(self, heads: int, head_dim: int, head_dim_v: int, dtype: torch.dtype | None = None,
+                 device: torch.device | None = None) -> None:
+        """Re-make the (still empty) storage for the shapes (and, for a cache made from a config, the dtype and
+        device) the layers store; the placement is replayed."""
         self.num_kv_heads, self.head_dim, self.head_dim_v = heads, head_dim, head_dim_v
+        self.dtype = self.dtype if dtype is None else dtype
+        self.device = self.device if device is None else device
         if self._pool is not None:  # the model's next caches start with these shapes (and the storage kept of them)
             self._pool.layer_shapes[self._config_shape] = (heads, head_dim, head_dim_v)
         old = self.storage
@@ -547,9 +557,14 @@ class TreeCache(Cache):
             raise ValueError(f"layer_idx {layer_idx} is outside the cache's {self.num_layers} layers")
         b, h, s, d = key_states.shape
         hv, dv = value_states.shape[1], value_states.shape[-1]
-        if (h, d, dv) != (self.num_kv_heads, self.head_dim, self.head_dim_v) and hv == h and \
-                meta.mode == "prefill" and not self._written:
-            self._reshape(h, d, dv)  # the first write of the sequence: the layer's own shapes, not the config's
+        if meta.mode == "prefill" and not self._written:  # the first write of the sequence: the layer's own shapes
+            # (not the config's), and for a cache made from a config without them its dtype and device
+            dtype = key_states.dtype if self._follow_dtype else self.dtype
+            device = key_states.device if self._follow_device else self.device
+            shape = (h, d, dv) if hv == h else (self.num_kv_heads, self.head_dim, self.head_dim_v)
+            if shape != (self.num_kv_heads, self.head_dim, self.head_dim_v) or dtype != self.dtype \
+                    or device != self.device:
+                self._reshape(*shape, dtype=dtype, device=device)
         if (h, hv, d, dv) != (self.num_kv_heads, self.num_kv_heads, self.head_dim, self.head_dim_v):
             raise UnsupportedModelError(
                 f"layer {layer_idx} stores keys of {h} heads of size {d} and values of {hv} heads of size {dv}; "

@@ -240,7 +240,7 @@ def _prefill(model, orig, binding: _Binding, cache: TreeCache, call: dict, batch
 
     Collectives (CP > 1): an all-gather of the call's arguments and of whether this rank's checks of
     them passed (``agreement.agree``), the prefill method's per layer
-    (``prefill.cp_prefill``), one all-reduce SUM of (batch, K, vocab) float32.
+    (``prefill.cp_prefill``), one all-reduce SUM of (batch, K, vocab) float32 (float64 for a float64 model).
     """
     ids, embeds = call.get("input_ids"), call.get("inputs_embeds")
     device = (ids if ids is not None else embeds).device

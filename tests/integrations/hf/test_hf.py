@@ -306,6 +306,71 @@ def test_cp1_forward_generate_and_disable():
         torch.testing.assert_close(model(ids, attention_mask=mask).logits, want, rtol=0, atol=0)
 
 
+def test_cp1_generate_under_autocast():
+    """An fp32 model under torch.autocast(bfloat16) hands the attention an fp32 q and k (rotary runs in fp32) with a
+    bf16 v, and in decode a bf16 query over the fp32 cache; transformers' sdpa runs them in the autocast dtype. It
+    was a TypeError ('q, k, v must share one dtype') naming no autocast; now it computes as sdpa does."""
+    from megatron_tree.integrations.hf import enable_tree_attention
+
+    ids, mask = batch()
+    ref = hf_model("llama", seed=5)
+    model = enable_tree_attention(copy.deepcopy(ref), None)
+    kw = dict(attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False, output_logits=True,
+              return_dict_in_generate=True)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        want = ref.generate(ids, **kw)
+        got = model.generate(ids, **kw)
+    assert got.sequences.tolist() == want.sequences.tolist()
+    for g, w in zip(got.logits, want.logits):
+        assert g.dtype == w.dtype  # the lm head ran under autocast alike
+        # bf16 rounding: sdpa and transformers' own eager attention differ by 0.16 here
+        torch.testing.assert_close(g.float(), w.float(), rtol=0, atol=0.25)
+
+
+def test_cp1_float64_model_keeps_float64_logits():
+    """A float64 model's prefill logits came back through float32 (the logits' assembly cast them): 2e-7 off
+    transformers' own in float64, a float64 tensor with float32's digits. Now they are float64 throughout."""
+    from megatron_tree.integrations.hf import enable_tree_attention
+
+    ids, mask = batch()
+    ref = hf_model("llama", seed=7).double()
+    model = enable_tree_attention(copy.deepcopy(ref), None)
+    with torch.no_grad():
+        want = ref(ids[:1]).logits
+        got = model(ids[:1], use_cache=False).logits
+        assert got.dtype == torch.float64
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+        kw = dict(attention_mask=mask, max_new_tokens=4, min_new_tokens=4, do_sample=False, output_logits=True,
+                  return_dict_in_generate=True)
+        a, b = ref.generate(ids, **kw), model.generate(ids, **kw)
+    assert a.sequences.tolist() == b.sequences.tolist()
+    for w, g in zip(a.logits, b.logits):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-12)
+
+
+def test_cp1_cache_made_from_a_config_takes_the_layers_dtype():
+    """TreeCache(model.config, groups), as transformers' DynamicCache(config=model.config) is made, knows no dtype:
+    its storage was float32, so a bfloat16 model's first decode step was a TypeError ('q, k, v must share one
+    dtype'). Made from a config without dtype / device, the storage now takes the layers' own at the first write."""
+    from megatron_tree.integrations.hf import TreeCache, enable_tree_attention
+
+    ids, mask = batch()
+    ref = hf_model("llama", seed=7).to(torch.bfloat16)
+    model = enable_tree_attention(copy.deepcopy(ref), None)
+    kw = dict(attention_mask=mask, max_new_tokens=4, min_new_tokens=4, do_sample=False, output_logits=True,
+              return_dict_in_generate=True)
+    with torch.no_grad():
+        cache = TreeCache(model.config, None)
+        got = model.generate(ids, cache=cache, **kw)
+        own = model.generate(ids, **kw)  # the cache generate makes from the model itself
+        want = ref.generate(ids, **kw)
+    assert cache.storage.k.dtype == torch.bfloat16 and cache.dtype == torch.bfloat16
+    assert got.sequences.tolist() == own.sequences.tolist() == want.sequences.tolist()
+    for g, o in zip(got.logits, own.logits):
+        torch.testing.assert_close(g, o, rtol=0, atol=0)
+    assert TreeCache(model.config, None, dtype=torch.float16).dtype == torch.float16  # a given dtype is kept
+
+
 def test_eval_protocol_cp1(tmp_path):
     """load_hf_model's HFTreeModel drives the library's own generation loop; unsharded() is the plain model."""
     from megatron_tree.decode.generate import generate
