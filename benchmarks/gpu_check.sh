@@ -54,7 +54,7 @@ timeout 30 "$PY" -m benchmarks.precision --backend triton --device cuda --tokens
   > "$OUT/precision.md" 2>&1
 prec_rc=$?
 
-timeout 120 "$PY" -m pytest tests/ops/test_kernels.py tests/ops/test_prefill_kernel.py -k cuda -q -rA -p no:cacheprovider \
+timeout 120 "$PY" -m pytest tests/ops/test_kernels.py tests/ops/test_prefill_kernel.py tests/ops/test_launch.py -k cuda -q -rA -p no:cacheprovider \
   --junitxml="$OUT/cuda_tests.xml" > "$OUT/cuda_tests.log" 2>&1
 cuda_rc=$?
 

@@ -18,7 +18,8 @@ Two modes:
   ``flash_attn`` (``flash_attn_with_kvcache``, when importable). The ``ours`` row also
   carries the device time of each kernel (split vs merge, CUDA events around each launch)
   and the split count; every row carries ``wall_per_call_s``, the host time per call of
-  back-to-back calls (launch overhead included: eager vs graph). Before every timed call the L2 cache is flushed by *reading* a
+  back-to-back calls (launch overhead included: eager vs graph), and the ``ours`` row
+  ``wall_per_call_jit_s``, the same with every launch through Triton's JIT (no fast launch). Before every timed call the L2 cache is flushed by *reading* a
   buffer larger than it (a write would leave dirty lines whose write-back overlaps the
   timed kernel). Bandwidth is reported in GB/s, as a fraction of ``--peak-tbps`` (H200:
   4.8 TB/s) and as a fraction of a device-to-device copy measured in the same run.
@@ -295,6 +296,15 @@ def _one_config(cfg, methods, timer, device, dtype, b, n, hq, hkv, meta, log) ->
                 extra[name] = _kernel_times(q, k, v, timer, cfg.rounds)
             if device.type == "cuda":
                 extra.setdefault(name, {})["wall_per_call_s"] = _wall_per_call(call)
+            if name == "ours" and device.type == "cuda":  # the same calls with every launch through Triton's JIT
+                from megatron_tree.ops.triton import launch as launch_path
+
+                fast = launch_path.FAST_LAUNCH
+                launch_path.FAST_LAUNCH = False
+                try:
+                    extra[name]["wall_per_call_jit_s"] = _wall_per_call(call)
+                finally:
+                    launch_path.FAST_LAUNCH = fast
         except Exception as e:  # OOM or an unsupported backend: recorded, not fatal
             errors[name] = f"{type(e).__name__}: {str(e)[:300]}"
         if device.type == "cuda":
@@ -351,6 +361,8 @@ def _fmt(row) -> str:
         text += f"  [{row['sdpa_backend']}]"
     if "wall_per_call_s" in row:
         text += f"  host {row['wall_per_call_s'] * 1e6:.0f} us/call"
+    if "wall_per_call_jit_s" in row:
+        text += f" ({row['wall_per_call_jit_s'] * 1e6:.0f} with every launch through Triton's JIT)"
     return text
 
 
