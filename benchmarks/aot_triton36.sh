@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Compile every kernel configuration with Triton 3.6.0 -- the GPU machine's version -- for
 # sm_80 and sm_90, and hold its machine code to the checks of tests/ops/test_aot.py (no 16-bit
-# scalar loads, 128-bit cp.async K/V copies, fp16/bf16 MMAs, <= 168 registers, no spills).
+# scalar loads, 128-bit cp.async K/V copies, fp16/bf16 MMAs, <= 168 registers, no spills), and
+# hold the fast launch (megatron_tree/ops/triton/launch.py) to its binder (tests/ops/test_launch.py).
 # No GPU needed. Not part of CI (.ci/run): it installs a second Triton and takes minutes.
 #
 #   bash benchmarks/aot_triton36.sh              # report in ./aot_triton36
@@ -25,6 +26,11 @@ set +e
 MEGATRON_TREE_AOT_MATRIX=full MEGATRON_TREE_AOT_REPORT="$OUT/rows.json" PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" \
   "$VENV/bin/python" -m pytest tests/ops/test_aot.py -q -p no:cacheprovider -p no:timeout 2>&1 | tee "$OUT/pytest.log"
 rc=${PIPESTATUS[0]}
+# The fast launch's CPU checks against this Triton's own binder (argument order, one compiled kernel per plan);
+# the file's interpreter tests are left out: Triton 3.6's interpreter fails with numpy 2.
+PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "$VENV/bin/python" -m pytest tests/ops/test_launch.py -q -p no:cacheprovider \
+  -k "binds or fix_the_compiled or constexpr" 2>&1 | tee "$OUT/launch_pytest.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 set -e
 
 # One table row per compiled kernel (the numbers docs/kernels.md quotes).
