@@ -428,11 +428,19 @@ class DraftCaches:
     (its cache copied and its batch rows selected), never merged.
 
     A model whose forward returns no croppable cache runs without one (full forwards over the whole
-    sequence per draft token).
+    sequence per draft token). A tree-enabled draft model (``load_hf_model``'s, with or without CP groups)
+    drafts through its plain replica sharing its weights (``integrations.hf.adapter.unsharded_replica``):
+    tree attention's ``TreeCache`` holds a shard of every row and cannot repeat or select rows, which a
+    tree of width > 1 and a group's split need.
     """
 
     def __init__(self, model, batch: int):
-        self.model = model = _draft_module(model)
+        model = _draft_module(model)
+        if getattr(model, "_megatron_tree", None) is not None:  # (integrations.hf.common._MARK: tree-enabled)
+            from ..integrations.hf.adapter import unsharded_replica
+
+            model = unsharded_replica(model)
+        self.model = model
         self.dev = next(model.parameters()).device
         # transformers renamed the cache argument and output (past_key_values -> cache); use what it takes
         params = inspect.signature(model.forward).parameters

@@ -411,6 +411,36 @@ def test_a_draft_model_loaded_by_the_package_runs_as_its_transformers_model(tmp_
     assert runs["wrapped"].accepted == runs["module"].accepted and runs["wrapped"].drafted > 0
 
 
+def test_a_tree_enabled_draft_model_drafts_trees_and_rows_that_finish(tmp_path):
+    """A tree-enabled draft model (load_hf_model's, or the transformers model inside it) drafts a tree of width
+    > 1 and a batch whose rows finish at different steps: tree attention's cache cannot repeat or select rows
+    (it raised NotImplementedError from TreeCache.batch_repeat_interleave), so the draft runs as its plain
+    replica; the tokens equal plain greedy generate's, with and without stop tokens, and sampling is seeded."""
+    from megatron_tree.decode.generate import generate
+    from megatron_tree.decode.speculative import SpeculativeConfig
+    from megatron_tree.integrations.hf import HFTreeModel, load_hf_model
+    from tests.helpers.hf_models import hf_model
+
+    target = HFTreeModel(hf_model("llama", seed=0), None)
+    make_checkpoint(tmp_path, seed=1)
+    wrapped = load_hf_model(str(tmp_path), None)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 128, (6,), generator=g).tolist() for _ in range(3)]
+    plain = generate(target, prompts, 10, progress=False).tokens
+    stop = [plain[0][2]]  # row 0 stops at its third token: its draft group splits
+    want = generate(target, prompts, 10, stop_token_ids=stop, progress=False).tokens
+    assert len(want[0]) == 3 < max(len(t) for t in want), want
+    for d in (wrapped, wrapped.hf):
+        cfg = SpeculativeConfig(method="draft_model", draft_model=d, width=2, depth=3)
+        got = generate(target, prompts, 10, stop_token_ids=stop, progress=False, speculative=cfg)
+        assert got.tokens == want and got.drafted > 0
+    sampled = generate(target, prompts, 10, stop_token_ids=stop, do_sample=True, seed=2, progress=False,
+                       speculative=cfg).tokens
+    assert all(1 <= len(t) <= 10 for t in sampled), sampled
+    # the draft model itself stays tree-enabled and unchanged
+    assert wrapped.hf.model.layers[0].self_attn.config._attn_implementation == "megatron_tree"
+
+
 # --------------------------------------------------------------------------- generation through transformers
 
 NEW = 24
