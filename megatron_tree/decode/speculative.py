@@ -768,9 +768,13 @@ class _VerifyStep(DecodeStep):
                                 check=False, **kwargs)
 
 
+VERIFY_FORWARD_SIGNATURE = ("batch", "rows", "tokens", "mask", "cache_lengths")
+"""What every CP rank of one :func:`verify_forward` call must pass alike (checked when ``check=True``)."""
+
+
 @torch.no_grad()
 def verify_forward(model, cache, tokens: torch.Tensor, mask: torch.Tensor, *, strategy: str = "auto",
-                   stats: CommStats | None = None) -> torch.Tensor:
+                   stats: CommStats | None = None, check: bool = True) -> torch.Tensor:
     """Run T draft rows per batch row through ``model`` (an ``HFTreeModel``) without storing them.
 
     tokens: (batch, T) int64, the same on every rank; row 0 of each is the root (the last chosen
@@ -778,10 +782,40 @@ def verify_forward(model, cache, tokens: torch.Tensor, mask: torch.Tensor, *, st
     row's depth (siblings share one); a sliding-window layer's drafts see the committed keys and
     ancestors their window holds by those positions. Returns (batch, T, vocab) logits, identical on
     every rank; the drafts' keys/values of every layer stay in ``cache._drafts`` for :func:`commit`.
+
+    check: first compare the call across the CP group (``agreement.agree``: one small all-gather of the
+    tokens', the mask's and the cache's digests), after this rank's own checks (tokens (batch, T)
+    integer ids in the vocabulary, the cache's batch, a tree mask of T rows), so a bad call or ranks
+    handed different drafts raise the same error on every rank instead of each rank computing other
+    logits; a loop that agreed on its step's drafts already (or broadcast them) passes ``False``.
     """
     binding = model._binding
     if cache.storage is None:
         raise ValueError("TreeCache is empty: run the prompt's prefill before verifying drafts")
+
+    def values():
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.dtype.is_floating_point \
+                or tokens.dtype == torch.bool or tokens.is_complex():
+            raise ValueError(f"tokens must be a (batch, T) integer tensor of token ids, got "
+                             f"{tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__}"
+                             f"{f' {tokens.dtype}' if isinstance(tokens, torch.Tensor) else ''}")
+        nb, nt = tokens.shape
+        if nb != cache.batch_size:
+            raise ValueError(f"tokens have {nb} batch rows, the cache holds {cache.batch_size}")
+        check_draft_tree(mask, nt)
+        ids = tokens.detach().cpu()
+        vocab = model.vocab_size
+        if nt and not (0 <= int(ids.min()) and int(ids.max()) < vocab):
+            bad = ids[(ids < 0) | (ids >= vocab)].tolist()
+            raise ValueError(f"tokens hold ids outside the model's vocabulary [0, {vocab}): {bad[:5]}")
+        return (nb, nt, _tensor_digest(ids.long()), _tensor_digest(mask.detach().cpu()), tuple(cache.lengths))
+
+    groups = model.groups
+    if check and groups is not None and groups.size > 1:
+        agreement.agree("speculative.verify_forward", VERIFY_FORWARD_SIGNATURE, values, groups.cp_group,
+                        groups.cp_ranks, stats=stats, device=model.device)
+    else:
+        values()
     b, t = tokens.shape
     depths = tree_depths(mask)
     pos = torch.tensor(cache.lengths, dtype=torch.long)[:, None] + depths[None, :]
@@ -1000,7 +1034,8 @@ def generate_speculative(model, prompts: list[list[int]], max_new_tokens: int, *
                 agreement.agree("generate_speculative.step", ("rows", "drafts", "mask"),
                                 lambda: (tokens.shape[1], row_digest(tokens.flatten().tolist()),
                                          _tensor_digest(mask)), group, ranks, device=model.device)
-            logits = verify_forward(model, cache, tokens, mask, strategy=strategy, stats=stats)
+            # (the step's drafts were agreed on above, or broadcast from CP rank 0)
+            logits = verify_forward(model, cache, tokens, mask, strategy=strategy, stats=stats, check=False)
             active = [b for b in range(batch) if not done[b]]
             if do_sample:
                 t = mask.shape[0]

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.helpers.drafts import draft_masks, draft_tensors
-from tests.helpers.ranks import run_ranks
+from tests.helpers.ranks import outcome, run_ranks
 from tests.helpers.hf_models import make_checkpoint
 
 # CP rank lists per case (TreeGroups.build(ranks, intra_size)); a rank outside the listed group runs its own
@@ -441,6 +441,43 @@ def test_a_tree_enabled_draft_model_drafts_trees_and_rows_that_finish(tmp_path):
     assert wrapped.hf.model.layers[0].self_attn.config._attn_implementation == "megatron_tree"
 
 
+def test_verify_forward_bad_input_is_a_clear_error():
+    """verify_forward refuses tokens that do not fit the mask, the cache or the vocabulary with one clear error
+    each (they were transformers' shape errors, or an IndexError from the embedding), and leaves the cache as
+    it was: the next verification and commit are exact."""
+    from megatron_tree.decode.speculative import commit, tree_mask, verify_forward
+    from megatron_tree.integrations.hf import HFTreeModel
+    from tests.helpers.hf_models import hf_model
+
+    hf = hf_model("llama", seed=0)
+    model = HFTreeModel(hf_model("llama", seed=0), None)
+    prompts = [[5, 17, 99, 3], [1, 2]]
+    cache = model.new_cache(2, 16)
+    model.prefill(prompts, cache)
+    mask = tree_mask(2, 2)
+    ok = torch.tensor([[7, 8, 9, 10, 11], [12, 13, 14, 15, 16]])
+    for tokens, msg in ((ok[:, :3], r"draft mask is \(5, 5\) but there are 3 draft query rows"),
+                        (ok[:1], r"tokens have 1 batch rows, the cache holds 2"),
+                        (ok[0], r"tokens must be a \(batch, T\) integer tensor of token ids, got \(5,\)"),
+                        (ok.float(), r"tokens must be a \(batch, T\) integer tensor .* torch.float32"),
+                        (ok + 120, r"outside the model's vocabulary \[0, 128\): \[128, 129, 130, 131, 132\]")):
+        with pytest.raises(ValueError, match=msg):
+            verify_forward(model, cache, tokens, mask)
+    assert cache.lengths == [4, 2]
+    logits = verify_forward(model, cache, ok, mask)
+    commit(cache, torch.tensor([[0, 3, 4], [0, 1, 2]]))
+    with torch.no_grad():
+        for b, p in enumerate(prompts):
+            want = hf(torch.tensor([p + ok[b, :3].tolist()])).logits[0, -1]  # row 2: chain 0's second draft
+            assert float((logits[b, 2] - want).abs().max()) < 5e-5
+    assert cache.lengths == [7, 5]
+    step = model.decode_step(torch.tensor([9, 9]), cache)
+    with torch.no_grad():
+        for b, (p, path) in enumerate(zip(prompts, ([0, 3, 4], [0, 1, 2]))):
+            want = hf(torch.tensor([p + [int(ok[b, j]) for j in path] + [9]])).logits[0, -1]
+            assert float((step[b] - want).abs().max()) < 5e-5
+
+
 # --------------------------------------------------------------------------- generation through transformers
 
 NEW = 24
@@ -507,6 +544,13 @@ def _gen_body(rank, world, path, copy_path, draft_path, loop_prompt):
         commit(cache, path_nodes)
         entry["after_commit"] = model.decode_step(torch.tensor([9, 9, 9]), cache).tolist()
         entry["after_lengths"] = cache.lengths
+        # drafts that differ on one CP rank: every rank raises the same error before any merge (each rank
+        # computed its own logits from its own drafts, no error), and the cache is untouched
+        other = toks.clone()
+        if groups.rank == 1:
+            other[1, 3] += 1
+        entry["verify_differ"] = outcome(lambda: verify_forward(model, cache, other, mask))
+        entry["after_differ"] = model.decode_step(torch.tensor([9, 9, 9]), cache).tolist()
         res[name] = entry
     return res
 
@@ -589,3 +633,16 @@ def test_verification_logits_and_commit_match_transformers(generated):
                     err = float((torch.tensor(e["after_commit"][b]) - want).abs().max())
                     assert err < 5e-5, f"{name} rank {rank} row {b} after commit: {err}"
             assert e["after_lengths"] == [len(p) + 4 for p in COPY_PROMPTS]
+            kind, msg, _ = e["verify_differ"]
+            if e["cp"] == 1:
+                assert kind == "returned", (name, rank, msg)
+            else:
+                assert kind == "DisagreementError" and "speculative.verify_forward" in msg and "tokens" in msg, \
+                    (name, rank, kind, msg)
+                assert msg == [r[name] for r in results if r[name]["group"] == e["group"]][0]["verify_differ"][1]
+            with torch.no_grad():
+                for b, p in enumerate(COPY_PROMPTS):  # the refused call stored nothing
+                    path = {0: [0, 4, 5], 1: [0, 1, 2], 2: [0, 4, 5]}[b]
+                    want = single(p + [toks[b][j] for j in path] + [9, 9])
+                    err = float((torch.tensor(e["after_differ"][b]) - want).abs().max())
+                    assert err < 5e-5, f"{name} rank {rank} row {b} after a refused verification: {err}"
