@@ -946,9 +946,10 @@ def generate_speculative(model, prompts: list[list[int]], max_new_tokens: int, *
     vocab = model.vocab_size
 
     def call_values():
-        from .generate import _check_args
+        from .generate import _check_call
 
-        _check_args(prompts, max_new_tokens, do_sample, temperature, top_k, top_p, vocab)
+        # generate's own checks, a cache handed in included (its batch; room for every prompt plus max_new_tokens)
+        _check_call(model, prompts, max_new_tokens, do_sample, temperature, top_k, top_p, None, cache)
         stops = stop_id_set(stop_token_ids, vocab)
         cfg.check(vocab)
         dv = _vocab_of(cfg.draft_model) if cfg.method == "draft_model" else None

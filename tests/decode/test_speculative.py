@@ -377,6 +377,7 @@ def test_draft_model_with_another_vocabulary_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match=r"draft_model must be a loaded causal LM, got the path '/some/dir'"):
         generate_speculative(target, [[1, 2, 3]], 4, progress=False,
                              speculative=SpeculativeConfig(method="draft_model", draft_model="/some/dir"))
+    from megatron_tree.decode.cache import CacheOverflowError
     from megatron_tree.decode.generate import generate
 
     with pytest.raises(NotImplementedError, match=r"speculative generation takes none of \['forced_tokens'\]"):
@@ -390,6 +391,14 @@ def test_draft_model_with_another_vocabulary_is_a_clear_error(tmp_path):
         generate(target, [[1, 2, 3]], 4, stop_token_ids=5, progress=False, speculative=SpeculativeConfig())
     with pytest.raises(TypeError, match=r"prompt 0: token ids must be integers, got \[2.5\] \(float\)"):
         generate_speculative(target, [[1, 2.5, 3]], 4, progress=False)
+    # a cache handed in that cannot hold every prompt plus max_new_tokens: refused before the prefill, as
+    # generate refuses it (it overflowed at a later step's commit, after the prefill and the steps before)
+    cache = target.new_cache(1, 8)
+    with pytest.raises(CacheOverflowError, match=r"prompt 0 has 3 tokens; with max_new_tokens=10 it needs 13 slots"):
+        generate(target, [[1, 2, 3]], 10, cache=cache, progress=False, speculative=SpeculativeConfig())
+    assert cache.lengths == []
+    with pytest.raises(ValueError, match=r"cache has batch size 1 but 2 prompts were given"):
+        generate(target, [[1, 2, 3], [4]], 4, cache=cache, progress=False, speculative=SpeculativeConfig())
 
 
 def test_a_draft_model_loaded_by_the_package_runs_as_its_transformers_model(tmp_path):
