@@ -842,7 +842,22 @@ def commit(cache, nodes: torch.Tensor) -> None:
     places it, ``append`` stores it where the placement says), every rank alike.
     """
     layers = cache.num_layers
-    b = nodes.shape[0]
+    # checked before the cache is touched: a step placed and then refused would leave a slot that no key was
+    # written to, read by every later step
+    if sorted(cache._drafts) != list(range(layers)):
+        raise ValueError("commit needs the draft rows' keys/values of every layer: run verify_forward first (and "
+                         "commit its drafts once)")
+    if not isinstance(nodes, torch.Tensor) or nodes.dim() != 2 or nodes.dtype.is_floating_point \
+            or nodes.dtype == torch.bool:
+        raise ValueError(f"nodes must be a (batch, n) integer tensor of draft rows, got "
+                         f"{tuple(nodes.shape) if isinstance(nodes, torch.Tensor) else type(nodes).__name__}"
+                         f"{f' {nodes.dtype}' if isinstance(nodes, torch.Tensor) else ''}")
+    b, t = cache._drafts[0][0].shape[:2]
+    if nodes.shape[0] != b:
+        raise ValueError(f"nodes have {nodes.shape[0]} batch rows, the verified drafts {b}")
+    if nodes.numel() and not (0 <= int(nodes.min()) and int(nodes.max()) < t):
+        raise ValueError(f"nodes must be draft rows in [0, {t}) (the verification had {t} rows), got "
+                         f"{sorted(set(nodes.flatten().tolist()))}")
     for j in range(nodes.shape[1]):
         cache._begin_decode(b)
         idx = nodes[:, j]

@@ -452,8 +452,8 @@ def test_a_tree_enabled_draft_model_drafts_trees_and_rows_that_finish(tmp_path):
 
 def test_verify_forward_bad_input_is_a_clear_error():
     """verify_forward refuses tokens that do not fit the mask, the cache or the vocabulary with one clear error
-    each (they were transformers' shape errors, or an IndexError from the embedding), and leaves the cache as
-    it was: the next verification and commit are exact."""
+    each (they were transformers' shape errors, or an IndexError from the embedding), and commit nodes that are
+    not rows of the verification; both leave the cache as it was: the next verification and commit are exact."""
     from megatron_tree.decode.speculative import commit, tree_mask, verify_forward
     from megatron_tree.integrations.hf import HFTreeModel
     from tests.helpers.hf_models import hf_model
@@ -474,7 +474,17 @@ def test_verify_forward_bad_input_is_a_clear_error():
             verify_forward(model, cache, tokens, mask)
     assert cache.lengths == [4, 2]
     logits = verify_forward(model, cache, ok, mask)
+    # commit refuses nodes that are not rows of the verification, before it places a step (it placed the first
+    # tokens, then failed on an index: the cache kept a slot no key was written to, read by every later step)
+    for nodes, msg in ((torch.tensor([[0, 9], [0, 1]]), r"nodes must be draft rows in \[0, 5\) .* got \[0, 1, 9\]"),
+                       (torch.tensor([[0, 1]]), r"nodes have 1 batch rows, the verified drafts 2"),
+                       (torch.tensor([0, 1]), r"nodes must be a \(batch, n\) integer tensor")):
+        with pytest.raises(ValueError, match=msg):
+            commit(cache, nodes)
+    assert cache.lengths == [4, 2]
     commit(cache, torch.tensor([[0, 3, 4], [0, 1, 2]]))
+    with pytest.raises(ValueError, match=r"run verify_forward first \(and commit its drafts once\)"):
+        commit(cache, torch.tensor([[0], [0]]))  # (a KeyError after a step was placed)
     with torch.no_grad():
         for b, p in enumerate(prompts):
             want = hf(torch.tensor([p + ok[b, :3].tolist()])).logits[0, -1]  # row 2: chain 0's second draft
