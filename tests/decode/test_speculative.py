@@ -529,6 +529,9 @@ def _gen_body(rank, world, path, copy_path, draft_path, loop_prompt):
             ("draft", 2): (model, SpeculativeConfig(method="draft_model", draft_model=draft, width=2, depth=3)),
             ("self", 2): (model, SpeculativeConfig(method="draft_model", draft_model=model.unsharded(), width=2,
                                                    depth=4)),
+            # the draft loaded with the CP groups (tree-enabled): it drafts as its plain replica
+            ("tree_draft", 2): (model, SpeculativeConfig(method="draft_model", draft_model=load_hf_model(
+                draft_path, groups), width=2, depth=3)),
         }
         # a stop token met inside an accepted run of drafts: the row ends where greedy generate ends it
         stop = [entry["loop_greedy"][0][9]]
@@ -616,7 +619,7 @@ def test_speculative_generation_equals_greedy_generate(generated):
                 assert e[key]["tokens"] == e["loop_greedy"], (where, key)
                 assert e[key]["mean"] > 2.5, (where, key, e[key])  # one row on a repeating text: most accepted
                 assert e[key]["merges"] == 2 * e[key]["steps"]
-            for key in (("draft", 1), ("draft", 2), ("self", 2)):
+            for key in (("draft", 1), ("draft", 2), ("self", 2), ("tree_draft", 2)):
                 assert e[key]["tokens"] == e["greedy"], (where, key)
             # the model as its own draft: every draft accepted
             assert e[("self", 2)]["rate"] == 1.0, (where, e[("self", 2)])
