@@ -858,6 +858,7 @@ def commit(cache, nodes: torch.Tensor) -> None:
     if nodes.numel() and not (0 <= int(nodes.min()) and int(nodes.max()) < t):
         raise ValueError(f"nodes must be draft rows in [0, {t}) (the verification had {t} rows), got "
                          f"{sorted(set(nodes.flatten().tolist()))}")
+    cache._make_room(nodes.shape[1])  # (a cache of fixed size that cannot take them all refuses before the first)
     for j in range(nodes.shape[1]):
         cache._begin_decode(b)
         idx = nodes[:, j]

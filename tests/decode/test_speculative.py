@@ -454,6 +454,7 @@ def test_verify_forward_bad_input_is_a_clear_error():
     """verify_forward refuses tokens that do not fit the mask, the cache or the vocabulary with one clear error
     each (they were transformers' shape errors, or an IndexError from the embedding), and commit nodes that are
     not rows of the verification; both leave the cache as it was: the next verification and commit are exact."""
+    from megatron_tree.decode.cache import CacheOverflowError
     from megatron_tree.decode.speculative import commit, tree_mask, verify_forward
     from megatron_tree.integrations.hf import HFTreeModel
     from tests.helpers.hf_models import hf_model
@@ -482,6 +483,13 @@ def test_verify_forward_bad_input_is_a_clear_error():
         with pytest.raises(ValueError, match=msg):
             commit(cache, nodes)
     assert cache.lengths == [4, 2]
+    # a path longer than a fixed-size cache's room: refused whole (it stored the tokens that fitted, then raised)
+    small = model.new_cache(2, 6)
+    model.prefill(prompts, small)
+    verify_forward(model, small, ok, mask)
+    with pytest.raises(CacheOverflowError, match=r"a row already holds 4 tokens and 3 more do not fit"):
+        commit(small, torch.tensor([[0, 3, 4], [0, 1, 2]]))
+    assert small.lengths == [4, 2]
     commit(cache, torch.tensor([[0, 3, 4], [0, 1, 2]]))
     with pytest.raises(ValueError, match=r"run verify_forward first \(and commit its drafts once\)"):
         commit(cache, torch.tensor([[0], [0]]))  # (a KeyError after a step was placed)
