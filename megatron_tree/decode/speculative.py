@@ -428,11 +428,19 @@ class DraftCaches:
     (its cache copied and its batch rows selected), never merged.
 
     A model whose forward returns no croppable cache runs without one (full forwards over the whole
-    sequence per draft token).
+    sequence per draft token). A tree-enabled draft model (``load_hf_model``'s, with or without CP groups)
+    drafts through its plain replica sharing its weights (``integrations.hf.adapter.unsharded_replica``):
+    tree attention's ``TreeCache`` holds a shard of every row and cannot repeat or select rows, which a
+    tree of width > 1 and a group's split need.
     """
 
     def __init__(self, model, batch: int):
-        self.model = model = _draft_module(model)
+        model = _draft_module(model)
+        if getattr(model, "_megatron_tree", None) is not None:  # (integrations.hf.common._MARK: tree-enabled)
+            from ..integrations.hf.adapter import unsharded_replica
+
+            model = unsharded_replica(model)
+        self.model = model
         self.dev = next(model.parameters()).device
         # transformers renamed the cache argument and output (past_key_values -> cache); use what it takes
         params = inspect.signature(model.forward).parameters
@@ -760,9 +768,13 @@ class _VerifyStep(DecodeStep):
                                 check=False, **kwargs)
 
 
+VERIFY_FORWARD_SIGNATURE = ("batch", "rows", "tokens", "mask", "cache_lengths")
+"""What every CP rank of one :func:`verify_forward` call must pass alike (checked when ``check=True``)."""
+
+
 @torch.no_grad()
 def verify_forward(model, cache, tokens: torch.Tensor, mask: torch.Tensor, *, strategy: str = "auto",
-                   stats: CommStats | None = None) -> torch.Tensor:
+                   stats: CommStats | None = None, check: bool = True) -> torch.Tensor:
     """Run T draft rows per batch row through ``model`` (an ``HFTreeModel``) without storing them.
 
     tokens: (batch, T) int64, the same on every rank; row 0 of each is the root (the last chosen
@@ -770,10 +782,40 @@ def verify_forward(model, cache, tokens: torch.Tensor, mask: torch.Tensor, *, st
     row's depth (siblings share one); a sliding-window layer's drafts see the committed keys and
     ancestors their window holds by those positions. Returns (batch, T, vocab) logits, identical on
     every rank; the drafts' keys/values of every layer stay in ``cache._drafts`` for :func:`commit`.
+
+    check: first compare the call across the CP group (``agreement.agree``: one small all-gather of the
+    tokens', the mask's and the cache's digests), after this rank's own checks (tokens (batch, T)
+    integer ids in the vocabulary, the cache's batch, a tree mask of T rows), so a bad call or ranks
+    handed different drafts raise the same error on every rank instead of each rank computing other
+    logits; a loop that agreed on its step's drafts already (or broadcast them) passes ``False``.
     """
     binding = model._binding
     if cache.storage is None:
         raise ValueError("TreeCache is empty: run the prompt's prefill before verifying drafts")
+
+    def values():
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.dtype.is_floating_point \
+                or tokens.dtype == torch.bool or tokens.is_complex():
+            raise ValueError(f"tokens must be a (batch, T) integer tensor of token ids, got "
+                             f"{tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__}"
+                             f"{f' {tokens.dtype}' if isinstance(tokens, torch.Tensor) else ''}")
+        nb, nt = tokens.shape
+        if nb != cache.batch_size:
+            raise ValueError(f"tokens have {nb} batch rows, the cache holds {cache.batch_size}")
+        check_draft_tree(mask, nt)
+        ids = tokens.detach().cpu()
+        vocab = model.vocab_size
+        if nt and not (0 <= int(ids.min()) and int(ids.max()) < vocab):
+            bad = ids[(ids < 0) | (ids >= vocab)].tolist()
+            raise ValueError(f"tokens hold ids outside the model's vocabulary [0, {vocab}): {bad[:5]}")
+        return (nb, nt, _tensor_digest(ids.long()), _tensor_digest(mask.detach().cpu()), tuple(cache.lengths))
+
+    groups = model.groups
+    if check and groups is not None and groups.size > 1:
+        agreement.agree("speculative.verify_forward", VERIFY_FORWARD_SIGNATURE, values, groups.cp_group,
+                        groups.cp_ranks, stats=stats, device=model.device)
+    else:
+        values()
     b, t = tokens.shape
     depths = tree_depths(mask)
     pos = torch.tensor(cache.lengths, dtype=torch.long)[:, None] + depths[None, :]
@@ -800,7 +842,23 @@ def commit(cache, nodes: torch.Tensor) -> None:
     places it, ``append`` stores it where the placement says), every rank alike.
     """
     layers = cache.num_layers
-    b = nodes.shape[0]
+    # checked before the cache is touched: a step placed and then refused would leave a slot that no key was
+    # written to, read by every later step
+    if sorted(cache._drafts) != list(range(layers)):
+        raise ValueError("commit needs the draft rows' keys/values of every layer: run verify_forward first (and "
+                         "commit its drafts once)")
+    if not isinstance(nodes, torch.Tensor) or nodes.dim() != 2 or nodes.dtype.is_floating_point \
+            or nodes.dtype == torch.bool:
+        raise ValueError(f"nodes must be a (batch, n) integer tensor of draft rows, got "
+                         f"{tuple(nodes.shape) if isinstance(nodes, torch.Tensor) else type(nodes).__name__}"
+                         f"{f' {nodes.dtype}' if isinstance(nodes, torch.Tensor) else ''}")
+    b, t = cache._drafts[0][0].shape[:2]
+    if nodes.shape[0] != b:
+        raise ValueError(f"nodes have {nodes.shape[0]} batch rows, the verified drafts {b}")
+    if nodes.numel() and not (0 <= int(nodes.min()) and int(nodes.max()) < t):
+        raise ValueError(f"nodes must be draft rows in [0, {t}) (the verification had {t} rows), got "
+                         f"{sorted(set(nodes.flatten().tolist()))}")
+    cache._make_room(nodes.shape[1])  # (a cache of fixed size that cannot take them all refuses before the first)
     for j in range(nodes.shape[1]):
         cache._begin_decode(b)
         idx = nodes[:, j]
@@ -904,9 +962,10 @@ def generate_speculative(model, prompts: list[list[int]], max_new_tokens: int, *
     vocab = model.vocab_size
 
     def call_values():
-        from .generate import _check_args
+        from .generate import _check_call
 
-        _check_args(prompts, max_new_tokens, do_sample, temperature, top_k, top_p, vocab)
+        # generate's own checks, a cache handed in included (its batch; room for every prompt plus max_new_tokens)
+        _check_call(model, prompts, max_new_tokens, do_sample, temperature, top_k, top_p, None, cache)
         stops = stop_id_set(stop_token_ids, vocab)
         cfg.check(vocab)
         dv = _vocab_of(cfg.draft_model) if cfg.method == "draft_model" else None
@@ -992,7 +1051,8 @@ def generate_speculative(model, prompts: list[list[int]], max_new_tokens: int, *
                 agreement.agree("generate_speculative.step", ("rows", "drafts", "mask"),
                                 lambda: (tokens.shape[1], row_digest(tokens.flatten().tolist()),
                                          _tensor_digest(mask)), group, ranks, device=model.device)
-            logits = verify_forward(model, cache, tokens, mask, strategy=strategy, stats=stats)
+            # (the step's drafts were agreed on above, or broadcast from CP rank 0)
+            logits = verify_forward(model, cache, tokens, mask, strategy=strategy, stats=stats, check=False)
             active = [b for b in range(batch) if not done[b]]
             if do_sample:
                 t = mask.shape[0]

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.helpers.drafts import draft_masks, draft_tensors
-from tests.helpers.ranks import run_ranks
+from tests.helpers.ranks import outcome, run_ranks
 from tests.helpers.hf_models import make_checkpoint
 
 # CP rank lists per case (TreeGroups.build(ranks, intra_size)); a rank outside the listed group runs its own
@@ -377,6 +377,7 @@ def test_draft_model_with_another_vocabulary_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match=r"draft_model must be a loaded causal LM, got the path '/some/dir'"):
         generate_speculative(target, [[1, 2, 3]], 4, progress=False,
                              speculative=SpeculativeConfig(method="draft_model", draft_model="/some/dir"))
+    from megatron_tree.decode.cache import CacheOverflowError
     from megatron_tree.decode.generate import generate
 
     with pytest.raises(NotImplementedError, match=r"speculative generation takes none of \['forced_tokens'\]"):
@@ -390,6 +391,14 @@ def test_draft_model_with_another_vocabulary_is_a_clear_error(tmp_path):
         generate(target, [[1, 2, 3]], 4, stop_token_ids=5, progress=False, speculative=SpeculativeConfig())
     with pytest.raises(TypeError, match=r"prompt 0: token ids must be integers, got \[2.5\] \(float\)"):
         generate_speculative(target, [[1, 2.5, 3]], 4, progress=False)
+    # a cache handed in that cannot hold every prompt plus max_new_tokens: refused before the prefill, as
+    # generate refuses it (it overflowed at a later step's commit, after the prefill and the steps before)
+    cache = target.new_cache(1, 8)
+    with pytest.raises(CacheOverflowError, match=r"prompt 0 has 3 tokens; with max_new_tokens=10 it needs 13 slots"):
+        generate(target, [[1, 2, 3]], 10, cache=cache, progress=False, speculative=SpeculativeConfig())
+    assert cache.lengths == []
+    with pytest.raises(ValueError, match=r"cache has batch size 1 but 2 prompts were given"):
+        generate(target, [[1, 2, 3], [4]], 4, cache=cache, progress=False, speculative=SpeculativeConfig())
 
 
 def test_a_draft_model_loaded_by_the_package_runs_as_its_transformers_model(tmp_path):
@@ -409,6 +418,91 @@ def test_a_draft_model_loaded_by_the_package_runs_as_its_transformers_model(tmp_
             for name, d in (("wrapped", wrapped), ("module", wrapped.hf))}
     assert runs["wrapped"].tokens == runs["module"].tokens == plain
     assert runs["wrapped"].accepted == runs["module"].accepted and runs["wrapped"].drafted > 0
+
+
+def test_a_tree_enabled_draft_model_drafts_trees_and_rows_that_finish(tmp_path):
+    """A tree-enabled draft model (load_hf_model's, or the transformers model inside it) drafts a tree of width
+    > 1 and a batch whose rows finish at different steps: tree attention's cache cannot repeat or select rows
+    (it raised NotImplementedError from TreeCache.batch_repeat_interleave), so the draft runs as its plain
+    replica; the tokens equal plain greedy generate's, with and without stop tokens, and sampling is seeded."""
+    from megatron_tree.decode.generate import generate
+    from megatron_tree.decode.speculative import SpeculativeConfig
+    from megatron_tree.integrations.hf import HFTreeModel, load_hf_model
+    from tests.helpers.hf_models import hf_model
+
+    target = HFTreeModel(hf_model("llama", seed=0), None)
+    make_checkpoint(tmp_path, seed=1)
+    wrapped = load_hf_model(str(tmp_path), None)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 128, (6,), generator=g).tolist() for _ in range(3)]
+    plain = generate(target, prompts, 10, progress=False).tokens
+    stop = [plain[0][2]]  # row 0 stops at its third token: its draft group splits
+    want = generate(target, prompts, 10, stop_token_ids=stop, progress=False).tokens
+    assert len(want[0]) == 3 < max(len(t) for t in want), want
+    for d in (wrapped, wrapped.hf):
+        cfg = SpeculativeConfig(method="draft_model", draft_model=d, width=2, depth=3)
+        got = generate(target, prompts, 10, stop_token_ids=stop, progress=False, speculative=cfg)
+        assert got.tokens == want and got.drafted > 0
+    sampled = generate(target, prompts, 10, stop_token_ids=stop, do_sample=True, seed=2, progress=False,
+                       speculative=cfg).tokens
+    assert all(1 <= len(t) <= 10 for t in sampled), sampled
+    # the draft model itself stays tree-enabled and unchanged
+    assert wrapped.hf.model.layers[0].self_attn.config._attn_implementation == "megatron_tree"
+
+
+def test_verify_forward_bad_input_is_a_clear_error():
+    """verify_forward refuses tokens that do not fit the mask, the cache or the vocabulary with one clear error
+    each (they were transformers' shape errors, or an IndexError from the embedding), and commit nodes that are
+    not rows of the verification; both leave the cache as it was: the next verification and commit are exact."""
+    from megatron_tree.decode.cache import CacheOverflowError
+    from megatron_tree.decode.speculative import commit, tree_mask, verify_forward
+    from megatron_tree.integrations.hf import HFTreeModel
+    from tests.helpers.hf_models import hf_model
+
+    hf = hf_model("llama", seed=0)
+    model = HFTreeModel(hf_model("llama", seed=0), None)
+    prompts = [[5, 17, 99, 3], [1, 2]]
+    cache = model.new_cache(2, 16)
+    model.prefill(prompts, cache)
+    mask = tree_mask(2, 2)
+    ok = torch.tensor([[7, 8, 9, 10, 11], [12, 13, 14, 15, 16]])
+    for tokens, msg in ((ok[:, :3], r"draft mask is \(5, 5\) but there are 3 draft query rows"),
+                        (ok[:1], r"tokens have 1 batch rows, the cache holds 2"),
+                        (ok[0], r"tokens must be a \(batch, T\) integer tensor of token ids, got \(5,\)"),
+                        (ok.float(), r"tokens must be a \(batch, T\) integer tensor .* torch.float32"),
+                        (ok + 120, r"outside the model's vocabulary \[0, 128\): \[128, 129, 130, 131, 132\]")):
+        with pytest.raises(ValueError, match=msg):
+            verify_forward(model, cache, tokens, mask)
+    assert cache.lengths == [4, 2]
+    logits = verify_forward(model, cache, ok, mask)
+    # commit refuses nodes that are not rows of the verification, before it places a step (it placed the first
+    # tokens, then failed on an index: the cache kept a slot no key was written to, read by every later step)
+    for nodes, msg in ((torch.tensor([[0, 9], [0, 1]]), r"nodes must be draft rows in \[0, 5\) .* got \[0, 1, 9\]"),
+                       (torch.tensor([[0, 1]]), r"nodes have 1 batch rows, the verified drafts 2"),
+                       (torch.tensor([0, 1]), r"nodes must be a \(batch, n\) integer tensor")):
+        with pytest.raises(ValueError, match=msg):
+            commit(cache, nodes)
+    assert cache.lengths == [4, 2]
+    # a path longer than a fixed-size cache's room: refused whole (it stored the tokens that fitted, then raised)
+    small = model.new_cache(2, 6)
+    model.prefill(prompts, small)
+    verify_forward(model, small, ok, mask)
+    with pytest.raises(CacheOverflowError, match=r"a row already holds 4 tokens and 3 more do not fit"):
+        commit(small, torch.tensor([[0, 3, 4], [0, 1, 2]]))
+    assert small.lengths == [4, 2]
+    commit(cache, torch.tensor([[0, 3, 4], [0, 1, 2]]))
+    with pytest.raises(ValueError, match=r"run verify_forward first \(and commit its drafts once\)"):
+        commit(cache, torch.tensor([[0], [0]]))  # (a KeyError after a step was placed)
+    with torch.no_grad():
+        for b, p in enumerate(prompts):
+            want = hf(torch.tensor([p + ok[b, :3].tolist()])).logits[0, -1]  # row 2: chain 0's second draft
+            assert float((logits[b, 2] - want).abs().max()) < 5e-5
+    assert cache.lengths == [7, 5]
+    step = model.decode_step(torch.tensor([9, 9]), cache)
+    with torch.no_grad():
+        for b, (p, path) in enumerate(zip(prompts, ([0, 3, 4], [0, 1, 2]))):
+            want = hf(torch.tensor([p + [int(ok[b, j]) for j in path] + [9]])).logits[0, -1]
+            assert float((step[b] - want).abs().max()) < 5e-5
 
 
 # --------------------------------------------------------------------------- generation through transformers
@@ -443,6 +537,9 @@ def _gen_body(rank, world, path, copy_path, draft_path, loop_prompt):
             ("draft", 2): (model, SpeculativeConfig(method="draft_model", draft_model=draft, width=2, depth=3)),
             ("self", 2): (model, SpeculativeConfig(method="draft_model", draft_model=model.unsharded(), width=2,
                                                    depth=4)),
+            # the draft loaded with the CP groups (tree-enabled): it drafts as its plain replica
+            ("tree_draft", 2): (model, SpeculativeConfig(method="draft_model", draft_model=load_hf_model(
+                draft_path, groups), width=2, depth=3)),
         }
         # a stop token met inside an accepted run of drafts: the row ends where greedy generate ends it
         stop = [entry["loop_greedy"][0][9]]
@@ -477,6 +574,13 @@ def _gen_body(rank, world, path, copy_path, draft_path, loop_prompt):
         commit(cache, path_nodes)
         entry["after_commit"] = model.decode_step(torch.tensor([9, 9, 9]), cache).tolist()
         entry["after_lengths"] = cache.lengths
+        # drafts that differ on one CP rank: every rank raises the same error before any merge (each rank
+        # computed its own logits from its own drafts, no error), and the cache is untouched
+        other = toks.clone()
+        if groups.rank == 1:
+            other[1, 3] += 1
+        entry["verify_differ"] = outcome(lambda: verify_forward(model, cache, other, mask))
+        entry["after_differ"] = model.decode_step(torch.tensor([9, 9, 9]), cache).tolist()
         res[name] = entry
     return res
 
@@ -523,7 +627,7 @@ def test_speculative_generation_equals_greedy_generate(generated):
                 assert e[key]["tokens"] == e["loop_greedy"], (where, key)
                 assert e[key]["mean"] > 2.5, (where, key, e[key])  # one row on a repeating text: most accepted
                 assert e[key]["merges"] == 2 * e[key]["steps"]
-            for key in (("draft", 1), ("draft", 2), ("self", 2)):
+            for key in (("draft", 1), ("draft", 2), ("self", 2), ("tree_draft", 2)):
                 assert e[key]["tokens"] == e["greedy"], (where, key)
             # the model as its own draft: every draft accepted
             assert e[("self", 2)]["rate"] == 1.0, (where, e[("self", 2)])
@@ -559,3 +663,16 @@ def test_verification_logits_and_commit_match_transformers(generated):
                     err = float((torch.tensor(e["after_commit"][b]) - want).abs().max())
                     assert err < 5e-5, f"{name} rank {rank} row {b} after commit: {err}"
             assert e["after_lengths"] == [len(p) + 4 for p in COPY_PROMPTS]
+            kind, msg, _ = e["verify_differ"]
+            if e["cp"] == 1:
+                assert kind == "returned", (name, rank, msg)
+            else:
+                assert kind == "DisagreementError" and "speculative.verify_forward" in msg and "tokens" in msg, \
+                    (name, rank, kind, msg)
+                assert msg == [r[name] for r in results if r[name]["group"] == e["group"]][0]["verify_differ"][1]
+            with torch.no_grad():
+                for b, p in enumerate(COPY_PROMPTS):  # the refused call stored nothing
+                    path = {0: [0, 4, 5], 1: [0, 1, 2], 2: [0, 4, 5]}[b]
+                    want = single(p + [toks[b][j] for j in path] + [9, 9])
+                    err = float((torch.tensor(e["after_differ"][b]) - want).abs().max())
+                    assert err < 5e-5, f"{name} rank {rank} row {b} after a refused verification: {err}"

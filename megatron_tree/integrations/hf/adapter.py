@@ -79,17 +79,7 @@ class HFTreeModel:
         It runs the attention implementation the model had before tree attention, in one process:
         ``ref(input_ids).logits`` is the unsharded forward the eval compares against.
         """
-        import copy
-
-        cfg = copy.deepcopy(self.hf.config)
-        with torch.device("meta"):
-            ref = type(self.hf)(cfg)
-        ref.load_state_dict(self.hf.state_dict(), assign=True)
-        for name, buf in self.hf.named_buffers():  # non-persistent buffers (e.g. RoPE's inv_freq)
-            owner, _, leaf = name.rpartition(".")
-            ref.get_submodule(owner)._buffers[leaf] = buf
-        ref.set_attn_implementation(self._binding.previous_attn or "sdpa")
-        return ref.eval()
+        return unsharded_replica(self.hf)
 
     @torch.no_grad()
     def prefill(self, prompts: list[list[int]], cache: TreeCache, method: str | None = None,
@@ -142,6 +132,26 @@ class HFTreeModel:
     @property
     def vocab_size(self) -> int:
         return int(self.config.vocab_size)
+
+
+def unsharded_replica(hf_model):
+    """A plain transformers replica of a tree-enabled ``hf_model`` sharing its weight tensors (no copy): the
+    attention implementation it had before tree attention, transformers' own caches, one process (what
+    :meth:`HFTreeModel.unsharded` returns). A model that is not tree-enabled is returned as it is."""
+    import copy
+
+    binding = getattr(hf_model, _MARK, None)
+    if binding is None:
+        return hf_model
+    cfg = copy.deepcopy(hf_model.config)
+    with torch.device("meta"):
+        ref = type(hf_model)(cfg)
+    ref.load_state_dict(hf_model.state_dict(), assign=True)
+    for name, buf in hf_model.named_buffers():  # non-persistent buffers (e.g. RoPE's inv_freq)
+        owner, _, leaf = name.rpartition(".")
+        ref.get_submodule(owner)._buffers[leaf] = buf
+    ref.set_attn_implementation(binding.previous_attn or "sdpa")
+    return ref.eval()
 
 
 def load_hf_model(path, groups: TreeGroups | None, dtype: torch.dtype = torch.float32,
