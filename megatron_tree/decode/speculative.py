@@ -817,7 +817,7 @@ def verify_forward(model, cache, tokens: torch.Tensor, mask: torch.Tensor, *, st
     else:
         values()
     b, t = tokens.shape
-    depths = tree_depths(mask)
+    depths = tree_depths(mask).cpu()  # a CUDA mask too: the positions are built on the host, from host lengths
     pos = torch.tensor(cache.lengths, dtype=torch.long)[:, None] + depths[None, :]
     cache._begin_verify(pos)
     binding.active = cache
