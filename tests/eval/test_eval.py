@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from megatron_tree import eval as E
-from megatron_tree.eval.config import load_config
+from megatron_tree.eval.config import ConfigError, load_config
 from megatron_tree.eval import models as M
 from megatron_tree.eval import run as R
 
@@ -266,6 +266,27 @@ def test_helpers():
     topo = load_config(None, ["topology.tp_size=2", "topology.intra_size=null"]).topology
     assert M.megatron_layout(topo, 16, 8, 8) == [4, 2] and M.megatron_layout(topo, 8, 4, 8) is None
     assert E.parse_args(["--local_rank=2", "eval.decode_steps=2"]).overrides == ["eval.decode_steps=2"]
+
+
+def test_megatron_layout_from_the_launcher_picks_an_intra_level_that_fits_the_nodes():
+    """topology.intra_size null takes the launcher's nodes: the intra level is the largest divisor of the CP
+    size whose tp x intra consecutive ranks tile a node. 2 nodes x 3 ranks at CP 2 gives CP groups [0, 1],
+    [2, 3] (across the node boundary), [4, 5]: no intra level of 2 fits every group, so the groups are flat;
+    before, the derived 2 was refused as "topology.intra_size: 2 disagrees with the real layout", a value
+    the user never set, and the launch could not run at all."""
+    six = {"SLURM_NTASKS_PER_NODE": "3"}
+    flat = load_config(None, ["topology.cp_size=2", "topology.intra_size=null"])
+    assert E.check_launch(flat, 6, six) == 2
+    assert M.megatron_layout(flat.topology, 6, 2, 3) is None
+    # CP 6 on 2 x 3: intra 3 x inter 2 (the largest divisor of 6 that tiles a node of 3), not 2 x 3
+    assert M.megatron_layout(flat.topology, 6, 6, 3) == [3, 2]
+    # 4 per node, CP 8 at TP 2: intra 2 (2 x 2 = 4 consecutive ranks per node) x inter 4
+    tp2 = load_config(None, ["topology.tp_size=2", "topology.intra_size=null"]).topology
+    assert M.megatron_layout(tp2, 16, 8, 4) == [2, 4]
+    assert M.megatron_layout(tp2, 6, 3, 3) is None  # TP 2 does not tile a node of 3: flat, no endless search
+    # an intra_size the user set is still held to the nodes, and the message names it
+    with pytest.raises(ConfigError, match="topology.intra_size: 2 disagrees with the real layout"):
+        E.check_launch(load_config(None, ["topology.cp_size=2", "topology.intra_size=2"]), 6, six)
 
 
 # ----------------------------------------------------------------------------- real checkpoint
