@@ -241,6 +241,23 @@ def test_output_dir_that_is_a_file_fails_before_any_process_group(tmp_path, clea
     assert not torch.distributed.is_initialized()
 
 
+@pytest.mark.parametrize("wandb", ["true", "false"])
+def test_output_dir_rank_0_cannot_write_fails_before_the_model(wandb, clean_env, capsys):
+    """A directory that cannot be created (/proc/<missing>/out) or written (/proc: even root cannot create a
+    file there) is exit 2 with one line naming output_dir, before the model is built. Before, with wandb on
+    it was reported as "wandb could not start ... (set wandb.mode=offline ...)" although it was offline; with
+    wandb off the whole sweep ran and then a FileNotFoundError traceback came from saving the plot."""
+    tiny = ["topology.intra_size=null", "eval.context_lengths=[16]", "eval.batch_sizes=[1]", "eval.strategies=[packed]",
+            "eval.decode_steps=1", "eval.warmup_steps=0", "eval.attention_baselines=false", "eval.progress=false",
+            "eval.exactness.enabled=false", f"wandb.enabled={wandb}"]
+    for out in ("/proc", "/proc/megatron_tree_no_such_dir/out"):
+        assert E.main([f"output_dir={out}", *tiny]) == 2
+        err = capsys.readouterr().err
+        assert f"rank 0: error: output_dir: '{out}' is not a directory global rank 0 can create and write" in err, err
+        assert "wandb" not in err and "Traceback" not in err, err
+    assert not torch.distributed.is_initialized()
+
+
 def test_bad_config_exit_status_from_the_command_line(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     out = tmp_path / "out"
