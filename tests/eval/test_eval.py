@@ -258,6 +258,32 @@ def test_output_dir_rank_0_cannot_write_fails_before_the_model(wandb, clean_env,
     assert not torch.distributed.is_initialized()
 
 
+def _eval_barriers_after_a_peer_died(rank, world):
+    import megatron_tree as mt
+    from megatron_tree.utils.testing import outcome
+
+    groups = mt.TreeGroups.build(timeout=10.0, transport="backend")
+    if rank == 1:
+        os._exit(0)  # killed mid-run: no goodbye
+    cpu = torch.device("cpu")
+    return [outcome(lambda: R.StepTimer(groups, cpu, timed_from=0, stats=None).before_step(0)),
+            outcome(lambda: R.DynamicStepTimer(groups, cpu, [], timed_from=0, stats=None).before_step(0))]
+
+
+def test_a_rank_killed_mid_run_is_named_at_the_evals_step_barrier():
+    """Every timed step of the eval (static and dynamic engines) starts at a CP barrier, so that is where a
+    rank killed mid-run is found most often: the survivor's error names the dead rank (a CommError, as in
+    the merges), where it was gloo's bare "Connection reset by peer" or, for a stopped peer, "Timed out
+    waiting 20000ms for recv"."""
+    from megatron_tree.utils.testing import run_ranks
+
+    results = run_ranks(_eval_barriers_after_a_peer_died, 2, timeout=120, pg_timeout=20, expect_dead=(1,))
+    for kind, message, seconds in results[0]:
+        assert kind == "CommError", (kind, message)
+        assert "barrier" in message and "rank 1 (host " in message and "has exited" in message, message
+        assert seconds < 8, seconds  # at once, not after the group's timeout of 10 s
+
+
 def test_bad_config_exit_status_from_the_command_line(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     out = tmp_path / "out"
