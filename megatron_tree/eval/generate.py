@@ -175,6 +175,12 @@ def generate_main(cfg: RunConfig, args, env) -> list[dict] | None:
     world = int(env.get("WORLD_SIZE", 1))
     cfg = single_process_topology(cfg, world, "megatron-tree-generate")
     cp_size = check_launch(cfg, world, env)
+    if args.output_file:  # rank 0 writes it after generating: a folder that is not there fails now, not then
+        folder = os.path.dirname(os.path.abspath(args.output_file))
+        if not os.path.isdir(folder) or os.path.isdir(args.output_file):
+            what = "is a directory" if os.path.isdir(args.output_file) else f"has no folder {folder!r}"
+            raise ConfigError(f"--sample-output-file: {args.output_file!r} {what}; expected a file path in an "
+                              "existing folder")
     checkpoint, max_pos = check_model(cfg.model)
     tok_file = tokenizer_path(cfg)
     if tok_file is not None and not os.path.isfile(tok_file):

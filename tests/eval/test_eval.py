@@ -650,6 +650,20 @@ def test_generate_megatron_refuses_bad_sampling_flags_before_building(clean_env,
     assert not torch.distributed.is_initialized()
 
 
+def test_generate_refuses_an_output_file_it_cannot_write_before_building(tmp_path, clean_env, capsys):
+    """--sample-output-file in a folder that does not exist (or naming a folder) is exit 2 with one line
+    before the model is built; before, the whole generation ran and then open() raised a traceback."""
+    from megatron_tree.eval import generate as G
+
+    for out, fragment in [(tmp_path / "missing" / "out.jsonl", f"has no folder '{tmp_path / 'missing'}'"),
+                          (tmp_path, "is a directory")]:
+        assert G.main(["--prompt", "5 17 3", "--out-seq-length", "2", "--sample-output-file", str(out),
+                       "topology.intra_size=null"]) == 2
+        err = capsys.readouterr().err
+        assert f"megatron-tree-generate: rank 0: error: --sample-output-file: '{out}' {fragment}" in err, err
+        assert not torch.distributed.is_initialized()
+
+
 def test_generate_stops_at_the_models_eos(tmp_path, clean_env, capsys):
     """eval.generate stops a row at the checkpoint's EOS (generation_config.json's eos_token_id, an int or a
     list, as transformers' generate stops), and the tokens before it are the ones a run with --ignore-eos
