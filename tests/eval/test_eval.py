@@ -664,6 +664,25 @@ def test_generate_refuses_an_output_file_it_cannot_write_before_building(tmp_pat
         assert not torch.distributed.is_initialized()
 
 
+def test_generate_shows_no_progress_bar_outside_a_terminal(clean_env, capsys, monkeypatch):
+    """The generation's output under a launcher or into a log is the eval's: no tqdm redraws (stderr is not
+    a terminal here), third-party warnings shaped by the eval's console filter; before, the "generate:" bar
+    was drawn into logs and every rank printed Megatron-Core's warnings with their source lines."""
+    import warnings
+
+    from megatron_tree.eval import generate as G
+
+    monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)  # main() installs its filter: undo it after
+    monkeypatch.setenv("TQDM_DISABLE", "")  # and sets TQDM_DISABLE outside a terminal: unset again after
+    monkeypatch.delenv("TQDM_DISABLE")
+    assert G.main(["--prompt", "5 17 3", "--out-seq-length", "3", "topology.intra_size=null",
+                   "model.source=random"]) == 0
+    out, err = capsys.readouterr()
+    assert len(json.loads(out)["tokens"]) == 3
+    assert "generate:" not in err and "tok/s" not in err, err
+    assert warnings.showwarning.__module__ == "megatron_tree.eval.console"
+
+
 def test_generate_stops_at_the_models_eos(tmp_path, clean_env, capsys):
     """eval.generate stops a row at the checkpoint's EOS (generation_config.json's eos_token_id, an int or a
     list, as transformers' generate stops), and the tokens before it are the ones a run with --ignore-eos
