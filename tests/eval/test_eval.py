@@ -284,6 +284,22 @@ def test_a_rank_killed_mid_run_is_named_at_the_evals_step_barrier():
         assert seconds < 8, seconds  # at once, not after the group's timeout of 10 s
 
 
+def test_a_rank_that_never_joins_the_rendezvous_is_one_line(clean_env, capsys):
+    """Rank 0 of a world of 2 whose rank 1 never starts (it failed, or was launched with another port): one
+    line naming the rendezvous and what to check, exit 2, within topology.timeout_s; before, torch's
+    DistStoreError ("1/2 clients joined") came at the end of a 30-line traceback."""
+    from tests.helpers.launching import free_port
+
+    for var, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(free_port())}.items():
+        clean_env.setenv(var, value)
+    assert E.main(["model.source=random", "topology.intra_size=null", "topology.timeout_s=2", "wandb.enabled=false"]) == 2
+    err = capsys.readouterr().err
+    assert "rank 0: error: rendezvous at 127.0.0.1:" in err and "failed within topology.timeout_s 2 s" in err, err
+    assert "1/2 clients joined" in err and "Traceback" not in err, err
+    assert not torch.distributed.is_initialized()
+
+
 def test_bad_config_exit_status_from_the_command_line(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     out = tmp_path / "out"
