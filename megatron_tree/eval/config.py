@@ -348,6 +348,10 @@ class RunConfig:
 
     def __post_init__(self):
         ev = self.eval
+        if not self.output_dir.strip():  # e.g. output_dir=$OUT with OUT unset: the outputs would land in the cwd
+            raise ConfigError("output_dir: must not be empty (an unset shell variable in output_dir=$DIR?); an empty "
+                              "path would put results.json, the plot and wandb's folder in the current directory "
+                              "(the repository root under launch/*.sh); write output_dir=. to mean that")
         if self.model.compile_step not in (False, "auto"):
             if self.model.source == "megatron":
                 raise ConfigError(f"model.compile_step: {self.model.compile_step!r} compiles a transformers model's "

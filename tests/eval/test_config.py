@@ -160,6 +160,14 @@ def test_a_mapping_given_to_a_section_changes_only_the_keys_it_names():
     assert rope.model.rope_scaling == {"rope_type": "linear", "factor": 2.0}
 
 
+def test_an_empty_output_dir_is_refused():
+    """output_dir=$OUT with OUT unset reads as ''; it put results.json, the plot and wandb's folder into the
+    current directory (the repository root under launch/*.sh), and rank 0 deleted a results.json found there."""
+    for value in ("output_dir=", "output_dir=' '"):
+        assert "output_dir: must not be empty" in _err(None, [value]), value
+    assert load_config(None, ["output_dir=."]).output_dir == "."
+
+
 def test_override_wins_over_yaml(tmp_path):
     p = _yaml(tmp_path, "eval: {decode_steps: 7, warmup_steps: 1}\n")
     cfg = load_config(p, ["eval.decode_steps=3"])
