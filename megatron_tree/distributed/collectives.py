@@ -47,7 +47,7 @@ from . import liveness, shm
 
 __all__ = [
     "CommError", "DisagreementError", "CommStats", "LevelStats", "DEFAULT_TIMEOUT", "group_timeout",
-    "as_timedelta", "new_group", "all_reduce", "all_gather", "broadcast", "p2p", "Pending",
+    "as_timedelta", "new_group", "barrier", "all_reduce", "all_gather", "broadcast", "p2p", "Pending",
     "all_reduce_async", "all_gather_async",
     "exchange_objects", "peer_gone",
 ]
@@ -412,6 +412,16 @@ def broadcast(tensor: torch.Tensor, src: int, group, *, level: str = "cp", stats
         n = _nbytes(tensor)
         stats.record(level, "broadcast", n, n if dist.get_rank() == src else 0)
     return tensor
+
+
+def barrier(group, *, level: str = "cp", what: str = "barrier") -> None:
+    """``torch.distributed.barrier`` on ``group`` (through the backend, not recorded), its failure a
+    :class:`CommError` worded as every collective's here: a peer that exited is named, not gloo's
+    "Connection reset by peer" or "Timed out waiting ... for recv" alone."""
+    try:
+        dist.barrier(group=group)
+    except RuntimeError as e:
+        raise _failure(what, "barrier", level, group, e) from e
 
 
 class Pending:

@@ -32,10 +32,10 @@ def attention_sweep(groups, contexts, *, batch: int, heads_q: int, heads_kv: int
     Collective: every rank of ``groups`` calls it with the same arguments.
     """
     import torch
-    import torch.distributed as dist
 
     from ..comm import baselines
     from ..decode import tree_decode
+    from ..distributed import collectives
 
     tree_strategy = "two_level" if groups.is_hierarchical else "packed"
     out = []
@@ -62,7 +62,7 @@ def attention_sweep(groups, contexts, *, batch: int, heads_q: int, heads_kv: int
         for r in range(rounds):
             order = METHODS[r % len(METHODS):] + METHODS[: r % len(METHODS)]
             for m in order:
-                dist.barrier(group=groups.cp_group)
+                collectives.barrier(groups.cp_group, what="attention baselines: the CP barrier before a timed call")
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 t0 = time.perf_counter()

@@ -348,6 +348,10 @@ class RunConfig:
 
     def __post_init__(self):
         ev = self.eval
+        if not self.output_dir.strip():  # e.g. output_dir=$OUT with OUT unset: the outputs would land in the cwd
+            raise ConfigError("output_dir: must not be empty (an unset shell variable in output_dir=$DIR?); an empty "
+                              "path would put results.json, the plot and wandb's folder in the current directory "
+                              "(the repository root under launch/*.sh); write output_dir=. to mean that")
         if self.model.compile_step not in (False, "auto"):
             if self.model.source == "megatron":
                 raise ConfigError(f"model.compile_step: {self.model.compile_step!r} compiles a transformers model's "
@@ -538,7 +542,7 @@ def apply_overrides(data: dict, overrides, cls=None) -> dict:
     import copy
 
     data = copy.deepcopy(data) if data else {}
-    for key, value in overrides:
+    for key, value in _section_mappings_as_keys(overrides, cls):
         parts = key.split(".")
         node, schema, path = data, cls, ""
         for i, part in enumerate(parts):
@@ -556,6 +560,24 @@ def apply_overrides(data: dict, overrides, cls=None) -> dict:
                 node[part] = {}
             node, schema = node[part], sub
     return data
+
+
+def _section_mappings_as_keys(overrides, cls) -> list[tuple[str, Any]]:
+    """A mapping given to a section (``eval.exactness={tolerance: 0.5}``) as one override per key it names
+    (``eval.exactness.tolerance=0.5``): it changes those keys and keeps the section's others, which the YAML
+    may have set (a mapping that replaced the section silently reset them to the defaults). A mapping for a
+    field that is not a section (``model.rope_scaling``) is a value and stays whole."""
+    out = []
+    for key, value in overrides:
+        schema = cls
+        for part in key.split("."):
+            fields = {f.name for f in dataclasses.fields(schema)} if dataclasses.is_dataclass(schema) else set()
+            schema = typing.get_type_hints(schema)[part] if part in fields else None
+        if isinstance(value, dict) and dataclasses.is_dataclass(schema):
+            out.extend(_section_mappings_as_keys([(f"{key}.{k}", v) for k, v in value.items()], cls))
+        else:
+            out.append((key, value))
+    return out
 
 
 def load_config(path: str | os.PathLike | None = None, overrides=()) -> RunConfig:

@@ -175,6 +175,12 @@ def generate_main(cfg: RunConfig, args, env) -> list[dict] | None:
     world = int(env.get("WORLD_SIZE", 1))
     cfg = single_process_topology(cfg, world, "megatron-tree-generate")
     cp_size = check_launch(cfg, world, env)
+    if args.output_file:  # rank 0 writes it after generating: a folder that is not there fails now, not then
+        folder = os.path.dirname(os.path.abspath(args.output_file))
+        if not os.path.isdir(folder) or os.path.isdir(args.output_file):
+            what = "is a directory" if os.path.isdir(args.output_file) else f"has no folder {folder!r}"
+            raise ConfigError(f"--sample-output-file: {args.output_file!r} {what}; expected a file path in an "
+                              "existing folder")
     checkpoint, max_pos = check_model(cfg.model)
     tok_file = tokenizer_path(cfg)
     if tok_file is not None and not os.path.isfile(tok_file):
@@ -198,6 +204,7 @@ def generate_main(cfg: RunConfig, args, env) -> list[dict] | None:
     import torch.distributed as dist
 
     from . import models
+    from .console import progress_enabled
     from ..decode.generate import generate
 
     backend, device = init_distributed(cfg, env)
@@ -211,7 +218,7 @@ def generate_main(cfg: RunConfig, args, env) -> list[dict] | None:
         res = generate(em.lm, prompts, args.max_new_tokens, do_sample=sample,
                        temperature=args.temperature or 1.0, top_k=args.top_k, top_p=args.top_p,
                        stop_token_ids=stop, seed=cfg.model.seed if args.seed is None else args.seed,
-                       progress=rank == 0 and cfg.eval.progress)
+                       progress=progress_enabled(cfg.eval.progress, rank))
         if rank != 0:
             return None
         return [{"prompt": t, "prompt_tokens": p, "tokens": out, "text": tok.decode(out) if tok else None}
@@ -231,6 +238,11 @@ def main(argv=None) -> int:
     os.environ.update(mapped)
     env.update(mapped)
     rank = env.get("RANK", "0")
+    from .console import quiet_library_bars, quiet_third_party
+
+    # the eval's console: third-party warnings once, on rank 0; bars only in a terminal session
+    quiet_third_party(int(rank) if rank.isdigit() else 0, prog="megatron-tree-generate")
+    quiet_library_bars()
     try:
         cfg = load_config(args.config, args.overrides)
         rows = generate_main(cfg, args, env)

@@ -129,6 +129,22 @@ def _check_output_dir(output_dir: str) -> None:
             return
 
 
+def _prepare_output_dir(out_dir: Path) -> str | None:
+    """Create ``out_dir`` and write a probe file in it; the error message when either fails, else None."""
+    import tempfile
+
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out_dir):
+            pass
+    except OSError as e:
+        why = e.strerror or type(e).__name__
+        where = f" ({e.filename})" if e.filename and str(e.filename) != str(out_dir) else ""
+        return (f"output_dir: {str(out_dir)!r} is not a directory global rank 0 can create and write: {why}{where}; "
+                "choose a writable output_dir")
+    return None
+
+
 def check_transformers_checkpoint(path: str) -> int:
     """``model.source: hf`` before launch: the checkpoint check every transformers loader runs
     (``integrations.hf.checkpoint``: config.json, the safetensors headers, the tensors against a
@@ -247,7 +263,17 @@ def init_distributed(cfg: RunConfig, env) -> tuple[str, "object"]:
         else:
             ds_init(dist_backend=backend, timeout_s=cfg.topology.timeout_s, env=env)
     else:
-        dist.init_process_group(backend, init_method="env://", timeout=timeout)
+        try:
+            dist.init_process_group(backend, init_method="env://", timeout=timeout)
+        except (dist.DistStoreError, dist.DistNetworkError) as e:  # a rank that never came, or a wrong address
+            from ..distributed.topology import LauncherEnvError
+
+            first = (str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__).rstrip(".")
+            raise LauncherEnvError(
+                f"rendezvous at {env.get('MASTER_ADDR')}:{env.get('MASTER_PORT')} failed within topology.timeout_s "
+                f"{cfg.topology.timeout_s:g} s (this is rank {env.get('RANK')} of WORLD_SIZE={env.get('WORLD_SIZE')}): "
+                f"{first}; every rank must be started with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE, and a "
+                "rank that failed before it never joins (see the other ranks' output)") from None
     return backend, device
 
 
@@ -279,8 +305,12 @@ def run_eval(cfg: RunConfig, env=None) -> dict | None:
         if device.type == "cpu" and torch.get_num_threads() > 1 and world > 1:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
         out_dir = Path(cfg.output_dir)
-        if rank == 0:
-            out_dir.mkdir(parents=True, exist_ok=True)
+        # rank 0 writes every output: a directory it cannot create or write is found now, on every rank, not
+        # after the sweep (results.json, the plot) nor as "wandb could not start" (its folder is made first)
+        err = [_prepare_output_dir(out_dir) if rank == 0 else None]
+        dist.broadcast_object_list(err, src=0)
+        if err[0]:
+            raise ConfigError(err[0])
         ev = cfg.eval
         phases = {"setup_s": time.perf_counter() - t_start}
         t0 = time.perf_counter()

@@ -88,10 +88,10 @@ def megatron_layout(topo: TopologyConfig, world: int, cp: int, per_node: int | N
     """
     tp = topo.tp_size
     intra = topo.intra_size
-    if intra is None:
+    if intra is None:  # the launcher's nodes: the widest level whose tp x intra consecutive ranks tile a node
         intra = cp if per_node is None else max(1, min(cp, per_node // tp))
-        while cp % intra:
-            intra -= 1
+        while intra > 1 and (cp % intra or (per_node is not None and per_node % (tp * intra))):
+            intra -= 1  # ends at 1 at the latest: a flat group, checked against nothing
     if cp % intra:
         raise ConfigError(f"topology.intra_size: {intra} does not factor the CP size {cp}; expected a divisor of {cp}")
     if per_node is not None and 1 < intra and (tp * intra > per_node or per_node % (tp * intra)):

@@ -88,9 +88,9 @@ class StepTimer(GenerationHook):
         self._t0 = 0.0
 
     def _barrier(self) -> None:
-        import torch.distributed as dist
+        from ..distributed import collectives
 
-        dist.barrier(group=self.groups.cp_group)
+        collectives.barrier(self.groups.cp_group, what="eval: the CP barrier before a timed step")
         self._t0 = time.perf_counter()
 
     def before_prefill(self) -> None:
@@ -308,11 +308,11 @@ class DynamicStepTimer:
         self._t0 = 0.0
 
     def before_step(self, step: int) -> None:
-        import torch.distributed as dist
+        from ..distributed import collectives
 
         for core in self.cores:
             core.comm_stats = self.stats if step >= self.timed_from else None
-        dist.barrier(group=self.groups.cp_group)
+        collectives.barrier(self.groups.cp_group, what="eval: the CP barrier before an engine step")
         self._t0 = time.perf_counter()
 
     def after_step(self, step: int) -> None:

@@ -143,6 +143,31 @@ def test_overrides_nested_lists_null_and_unknown():
     assert "eval.decode_steps: expected an integer" in _err(None, ["eval.decode_steps=4.5"])
 
 
+def test_a_mapping_given_to_a_section_changes_only_the_keys_it_names():
+    """eval.exactness={tolerance: 0.7} on the 8B config must keep the YAML's sample_rate 0.25, max_context 8192
+    (its reference materialises (batch, seq, vocab) logits: null meant a 124K-token reference) and
+    fail_on_mismatch false; before, the mapping replaced the section and silently reset them to the defaults."""
+    yaml_path = os.path.join(ROOT, "configs", "llama31_8b_1node.yaml")
+    base = load_config(yaml_path).eval.exactness
+    for override in ["eval.exactness={tolerance: 0.7}", "eval={exactness: {tolerance: 0.7}}"]:
+        ex = load_config(yaml_path, [override]).eval.exactness
+        assert ex == dataclasses.replace(base, tolerance=0.7), (override, ex)
+    assert load_config(yaml_path, ["eval.exactness={}"]).eval.exactness == base
+    assert load_config(yaml_path, ["eval={context_lengths: [64]}"]).eval.passkey == load_config(yaml_path).eval.passkey
+    assert "unknown key 'eval.exactness.foo'" in _err(yaml_path, ["eval.exactness={tolerance: 0.7, foo: 1}"])
+    # a mapping-valued field that is not a section is still one value
+    rope = load_config(None, ["model.source=random", "model.rope_scaling={rope_type: linear, factor: 2.0}"])
+    assert rope.model.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+
+
+def test_an_empty_output_dir_is_refused():
+    """output_dir=$OUT with OUT unset reads as ''; it put results.json, the plot and wandb's folder into the
+    current directory (the repository root under launch/*.sh), and rank 0 deleted a results.json found there."""
+    for value in ("output_dir=", "output_dir=' '"):
+        assert "output_dir: must not be empty" in _err(None, [value]), value
+    assert load_config(None, ["output_dir=."]).output_dir == "."
+
+
 def test_override_wins_over_yaml(tmp_path):
     p = _yaml(tmp_path, "eval: {decode_steps: 7, warmup_steps: 1}\n")
     cfg = load_config(p, ["eval.decode_steps=3"])

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from megatron_tree import eval as E
-from megatron_tree.eval.config import load_config
+from megatron_tree.eval.config import ConfigError, load_config
 from megatron_tree.eval import models as M
 from megatron_tree.eval import run as R
 
@@ -241,6 +241,65 @@ def test_output_dir_that_is_a_file_fails_before_any_process_group(tmp_path, clea
     assert not torch.distributed.is_initialized()
 
 
+@pytest.mark.parametrize("wandb", ["true", "false"])
+def test_output_dir_rank_0_cannot_write_fails_before_the_model(wandb, clean_env, capsys):
+    """A directory that cannot be created (/proc/<missing>/out) or written (/proc: even root cannot create a
+    file there) is exit 2 with one line naming output_dir, before the model is built. Before, with wandb on
+    it was reported as "wandb could not start ... (set wandb.mode=offline ...)" although it was offline; with
+    wandb off the whole sweep ran and then a FileNotFoundError traceback came from saving the plot."""
+    tiny = ["topology.intra_size=null", "eval.context_lengths=[16]", "eval.batch_sizes=[1]", "eval.strategies=[packed]",
+            "eval.decode_steps=1", "eval.warmup_steps=0", "eval.attention_baselines=false", "eval.progress=false",
+            "eval.exactness.enabled=false", f"wandb.enabled={wandb}"]
+    for out in ("/proc", "/proc/megatron_tree_no_such_dir/out"):
+        assert E.main([f"output_dir={out}", *tiny]) == 2
+        err = capsys.readouterr().err
+        assert f"rank 0: error: output_dir: '{out}' is not a directory global rank 0 can create and write" in err, err
+        assert "wandb" not in err and "Traceback" not in err, err
+    assert not torch.distributed.is_initialized()
+
+
+def _eval_barriers_after_a_peer_died(rank, world):
+    import megatron_tree as mt
+    from megatron_tree.utils.testing import outcome
+
+    groups = mt.TreeGroups.build(timeout=10.0, transport="backend")
+    if rank == 1:
+        os._exit(0)  # killed mid-run: no goodbye
+    cpu = torch.device("cpu")
+    return [outcome(lambda: R.StepTimer(groups, cpu, timed_from=0, stats=None).before_step(0)),
+            outcome(lambda: R.DynamicStepTimer(groups, cpu, [], timed_from=0, stats=None).before_step(0))]
+
+
+def test_a_rank_killed_mid_run_is_named_at_the_evals_step_barrier():
+    """Every timed step of the eval (static and dynamic engines) starts at a CP barrier, so that is where a
+    rank killed mid-run is found most often: the survivor's error names the dead rank (a CommError, as in
+    the merges), where it was gloo's bare "Connection reset by peer" or, for a stopped peer, "Timed out
+    waiting 20000ms for recv"."""
+    from megatron_tree.utils.testing import run_ranks
+
+    results = run_ranks(_eval_barriers_after_a_peer_died, 2, timeout=120, pg_timeout=20, expect_dead=(1,))
+    for kind, message, seconds in results[0]:
+        assert kind == "CommError", (kind, message)
+        assert "barrier" in message and "rank 1 (host " in message and "has exited" in message, message
+        assert seconds < 8, seconds  # at once, not after the group's timeout of 10 s
+
+
+def test_a_rank_that_never_joins_the_rendezvous_is_one_line(clean_env, capsys):
+    """Rank 0 of a world of 2 whose rank 1 never starts (it failed, or was launched with another port): one
+    line naming the rendezvous and what to check, exit 2, within topology.timeout_s; before, torch's
+    DistStoreError ("1/2 clients joined") came at the end of a 30-line traceback."""
+    from tests.helpers.launching import free_port
+
+    for var, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(free_port())}.items():
+        clean_env.setenv(var, value)
+    assert E.main(["model.source=random", "topology.intra_size=null", "topology.timeout_s=2", "wandb.enabled=false"]) == 2
+    err = capsys.readouterr().err
+    assert "rank 0: error: rendezvous at 127.0.0.1:" in err and "failed within topology.timeout_s 2 s" in err, err
+    assert "1/2 clients joined" in err and "Traceback" not in err, err
+    assert not torch.distributed.is_initialized()
+
+
 def test_bad_config_exit_status_from_the_command_line(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     out = tmp_path / "out"
@@ -266,6 +325,27 @@ def test_helpers():
     topo = load_config(None, ["topology.tp_size=2", "topology.intra_size=null"]).topology
     assert M.megatron_layout(topo, 16, 8, 8) == [4, 2] and M.megatron_layout(topo, 8, 4, 8) is None
     assert E.parse_args(["--local_rank=2", "eval.decode_steps=2"]).overrides == ["eval.decode_steps=2"]
+
+
+def test_megatron_layout_from_the_launcher_picks_an_intra_level_that_fits_the_nodes():
+    """topology.intra_size null takes the launcher's nodes: the intra level is the largest divisor of the CP
+    size whose tp x intra consecutive ranks tile a node. 2 nodes x 3 ranks at CP 2 gives CP groups [0, 1],
+    [2, 3] (across the node boundary), [4, 5]: no intra level of 2 fits every group, so the groups are flat;
+    before, the derived 2 was refused as "topology.intra_size: 2 disagrees with the real layout", a value
+    the user never set, and the launch could not run at all."""
+    six = {"SLURM_NTASKS_PER_NODE": "3"}
+    flat = load_config(None, ["topology.cp_size=2", "topology.intra_size=null"])
+    assert E.check_launch(flat, 6, six) == 2
+    assert M.megatron_layout(flat.topology, 6, 2, 3) is None
+    # CP 6 on 2 x 3: intra 3 x inter 2 (the largest divisor of 6 that tiles a node of 3), not 2 x 3
+    assert M.megatron_layout(flat.topology, 6, 6, 3) == [3, 2]
+    # 4 per node, CP 8 at TP 2: intra 2 (2 x 2 = 4 consecutive ranks per node) x inter 4
+    tp2 = load_config(None, ["topology.tp_size=2", "topology.intra_size=null"]).topology
+    assert M.megatron_layout(tp2, 16, 8, 4) == [2, 4]
+    assert M.megatron_layout(tp2, 6, 3, 3) is None  # TP 2 does not tile a node of 3: flat, no endless search
+    # an intra_size the user set is still held to the nodes, and the message names it
+    with pytest.raises(ConfigError, match="topology.intra_size: 2 disagrees with the real layout"):
+        E.check_launch(load_config(None, ["topology.cp_size=2", "topology.intra_size=2"]), 6, six)
 
 
 # ----------------------------------------------------------------------------- real checkpoint
@@ -584,6 +664,39 @@ def test_generate_megatron_refuses_bad_sampling_flags_before_building(clean_env,
     assert exc.value.code == 2
     assert fragment in capsys.readouterr().err
     assert not torch.distributed.is_initialized()
+
+
+def test_generate_refuses_an_output_file_it_cannot_write_before_building(tmp_path, clean_env, capsys):
+    """--sample-output-file in a folder that does not exist (or naming a folder) is exit 2 with one line
+    before the model is built; before, the whole generation ran and then open() raised a traceback."""
+    from megatron_tree.eval import generate as G
+
+    for out, fragment in [(tmp_path / "missing" / "out.jsonl", f"has no folder '{tmp_path / 'missing'}'"),
+                          (tmp_path, "is a directory")]:
+        assert G.main(["--prompt", "5 17 3", "--out-seq-length", "2", "--sample-output-file", str(out),
+                       "topology.intra_size=null"]) == 2
+        err = capsys.readouterr().err
+        assert f"megatron-tree-generate: rank 0: error: --sample-output-file: '{out}' {fragment}" in err, err
+        assert not torch.distributed.is_initialized()
+
+
+def test_generate_shows_no_progress_bar_outside_a_terminal(clean_env, capsys, monkeypatch):
+    """The generation's output under a launcher or into a log is the eval's: no tqdm redraws (stderr is not
+    a terminal here), third-party warnings shaped by the eval's console filter; before, the "generate:" bar
+    was drawn into logs and every rank printed Megatron-Core's warnings with their source lines."""
+    import warnings
+
+    from megatron_tree.eval import generate as G
+
+    monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)  # main() installs its filter: undo it after
+    monkeypatch.setenv("TQDM_DISABLE", "")  # and sets TQDM_DISABLE outside a terminal: unset again after
+    monkeypatch.delenv("TQDM_DISABLE")
+    assert G.main(["--prompt", "5 17 3", "--out-seq-length", "3", "topology.intra_size=null",
+                   "model.source=random"]) == 0
+    out, err = capsys.readouterr()
+    assert len(json.loads(out)["tokens"]) == 3
+    assert "generate:" not in err and "tok/s" not in err, err
+    assert warnings.showwarning.__module__ == "megatron_tree.eval.console"
 
 
 def test_generate_stops_at_the_models_eos(tmp_path, clean_env, capsys):

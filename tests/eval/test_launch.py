@@ -228,6 +228,25 @@ def test_slurm_sbatch_runs_a_transformers_qwen2_with_tiers_from_slurm(tmp_path):
     assert p.stderr.count("Loading weights: 100%") <= 1  # rank 0's loading bar only, not one per rank
 
 
+def test_lm_eval_sbatch_example_line_parses_as_lm_eval_reads_it():
+    """The example in launch/slurm/lm_eval.sbatch's header, split by bash as a user pasting it would be, gives
+    lm-eval a --metadata it can read; unquoted, bash stripped the JSON's quotes ('{max_seq_lengths:[131072]}')
+    and lm-eval's parser refused it."""
+    from lm_eval._cli.utils import try_parse_json
+
+    with open(os.path.join(ROOT, "launch", "slurm", "lm_eval.sbatch")) as f:
+        lines = [l[1:].strip() for l in f if l.startswith("#  ")]
+    start = next(i for i, l in enumerate(lines) if l.startswith("sbatch launch/slurm/lm_eval.sbatch"))
+    example = lines[start]
+    while example.endswith("\\"):
+        start += 1
+        example = example[:-1] + " " + lines[start]
+    words = subprocess.run(["bash", "-c", f"printf '%s\\n' {example}"], capture_output=True, text=True,
+                           check=True).stdout.splitlines()
+    metadata = words[words.index("--metadata") + 1]
+    assert try_parse_json(metadata) == {"max_seq_lengths": [131072]}, metadata
+
+
 def test_slurm_torchrun_sbatch_runs_megatrons_dynamic_engine(tmp_path):
     """eval.engine dynamic under Slurm + torchrun: Megatron-Core's DynamicInferenceEngine over the
     paged KV cache sharded over CP 4 = 2 x 2 (test_megatron_dynamic holds its tokens to Megatron's
