@@ -199,3 +199,28 @@ def test_merge_states_plans_each_signature_apart():
     assert len(mk._PLANS) == len(calls)
     mk.merge_states(outs.clone(), lses.clone())  # a repeated signature: its plan
     assert len(mk._PLANS) == len(calls)
+
+
+def test_a_callers_change_to_a_planned_launchs_kwargs_stays_with_that_launch():
+    """A planned launch's kwargs are its own, as decode_config's and merge_config's copies are
+    (tests/ops/test_kernels.py): a caller that changes them (a sweep of num_warps, say) must not change the launch
+    of the next call of the same signature -- for decode's split and merge launches and for merge_states'."""
+    from megatron_tree.ops.triton import flash_decode as fd
+    from megatron_tree.ops.triton import merge as mk
+
+    q, k, v, kw = decode_launch_calls()["3 splits"]
+    g = torch.Generator().manual_seed(4)
+    outs, lses = torch.randn(3, 2, 1, 4, 16, generator=g), torch.randn(3, 2, 4, 1, generator=g)
+
+    def build():
+        return fd.decode_launches(q, k, v, **kw)[2] + [mk.planned_launch(outs, lses)[2]]
+
+    fd.clear_plans()
+    mk._PLANS.clear()
+    first = build()
+    want = [dict(launch.kwargs) for launch in first]
+    assert len(first) == 3
+    for launch in first:
+        launch.kwargs["num_warps"] = 2 * launch.kwargs["num_warps"]
+        launch.kwargs["HEAD_DIM"] = 8
+    assert [launch.kwargs for launch in build()] == want

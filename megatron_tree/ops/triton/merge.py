@@ -242,7 +242,8 @@ def planned_launch(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor
             _PLANS.clear()
         _PLANS[key] = plan
     kernel, grid, tail, constants, slot = plan
-    return out, lse, Launch(kernel, grid, (outs, lses, out, lse) + tail, constants, slot)
+    # the launch's own kwargs: a caller's change to them must not reach the plan (decode_launches copies its too)
+    return out, lse, Launch(kernel, grid, (outs, lses, out, lse) + tail, dict(constants), slot)
 
 
 _PLANS: dict = {}
