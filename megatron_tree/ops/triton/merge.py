@@ -238,7 +238,7 @@ def planned_launch(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor
     plan = _PLANS.get(key)
     if plan is None:
         plan = merge_plan(outs.shape, outs.stride(), lses.stride(), out.stride(), lse.stride()) + (FastSlot(4),)
-        if len(_PLANS) >= 1024:
+        if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
         _PLANS[key] = plan
     kernel, grid, tail, constants, slot = plan
@@ -247,4 +247,6 @@ def planned_launch(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor
 
 
 _PLANS: dict = {}
-"""merge_states' launches by signature: (kernel, grid, trailing args, constants, fast slot) (:mod:`.launch`)."""
+"""merge_states' launches by signature: (kernel, grid, trailing args, constants, fast slot) (:mod:`.launch`).
+Cleared past ``_MAX_PLANS`` signatures (shapes of a long-running server come and go)."""
+_MAX_PLANS = 1024
