@@ -335,3 +335,30 @@ def test_cuda_a_misaligned_first_call_keeps_no_kernel_and_an_aligned_one_keeps_t
     launch.run()
     assert launch.fast.compiled is not None
     assert launch.fast.compiled is launch.kernel[launch.grid](*launch.args, **launch.kwargs)
+
+
+@needs_cuda
+def test_cuda_a_pre_run_hook_on_the_kernel_is_called_as_the_jit_calls_it():
+    """``JITFunction.run`` calls a kernel's pre-run hooks on every launch; a kernel kept by a plan has them called
+    too (its launch goes through the JIT while it has any)."""
+    from megatron_tree.ops.triton import flash_decode as fd
+
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(10)
+    q = torch.randn(1, 1, 8, 64, generator=g).bfloat16().to(dev)
+    k = torch.randn(1, 256, 2, 64, generator=g).bfloat16().to(dev)
+    fd.clear_plans()
+    want = fd.flash_decode(q, k, k, num_splits=1)  # through the JIT: kept
+    seen = []
+
+    def hook(*args, **kwargs):
+        seen.append(len(args))
+
+    fd._split_kv_kernel.add_pre_run_hook(hook)
+    try:
+        got = fd.flash_decode(q, k, k, num_splits=1)
+    finally:
+        fd._split_kv_kernel.pre_run_hooks.remove(hook)
+    [launch] = fd.decode_launches(q, k, k, num_splits=1)[2]
+    assert seen == [len(launch.args)]
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
