@@ -193,6 +193,7 @@ def test_launches_are_built_with_host_integers_not_tritons_constexpr_functions(m
     # the configs are cached per shape: built afresh here, or an earlier test's call would hide a Triton call in them
     fd._decode_config.cache_clear()
     mk._merge_config.cache_clear()
+    fd.clear_plans()  # so are the launches (per signature): an earlier test's plan would build nothing here
     q, k = torch.zeros(1, 1, 32, 80, dtype=torch.bfloat16), torch.zeros(1, 4096, 8, 80, dtype=torch.bfloat16)
     _, _, launches = fd.decode_launches(q, k, k, cache_seqlens=torch.tensor([4000], dtype=torch.int32), num_splits=4)
     assert len(launches) == 2 and launches[0].kwargs["BLOCK_D"] == 128  # split, then merged; 80 padded to 128
@@ -209,6 +210,7 @@ def test_cached_launch_configs_are_copies_a_caller_may_change():
     from megatron_tree.ops.triton import flash_decode as fd
     from megatron_tree.ops.triton import merge as mk
 
+    fd.clear_plans()  # the launches below are built here, not taken from an earlier test's plans
     default = dict(fd.decode_config(64, 4, torch.bfloat16))  # a snapshot, whatever decode_config returns
     assert default["BLOCK_N"] != 16 and default["num_warps"] != 8
     q, k = torch.zeros(1, 1, 8, 64, dtype=torch.bfloat16), torch.zeros(1, 512, 2, 64, dtype=torch.bfloat16)

@@ -15,8 +15,12 @@ plan's integers are fixed), each tensor's dtype (fixed by the plan's signature) 
 tensor's address is 16-byte aligned -- the one thing a call can change, so the fast path runs only
 when every tensor is aligned and the kept kernel was compiled for aligned tensors; any other call
 goes through the JIT. Also through the JIT: the interpreter (``TRITON_INTERPRET=1``), another
-current device than the kept kernel's, ``MEGATRON_TREE_FAST_LAUNCH=0``, and Triton releases other
-than those whose ``JITFunction.run`` this was checked against (:data:`CHECKED_TRITON`).
+current device than the kept kernel's, a kernel with pre-run hooks (``JITFunction.add_pre_run_hook``:
+the JIT calls them on every launch), ``MEGATRON_TREE_FAST_LAUNCH=0``, and Triton releases other
+than those whose ``JITFunction.run`` this was checked against (:data:`CHECKED_TRITON`). Not seen
+after a plan's first call: a change of the compile options the JIT reads per call
+(``knobs.runtime.debug``, ``knobs.compilation.instrumentation_mode``, 3.7's
+``knobs.runtime.add_stages_inspection_hook``) -- set them before it, or turn the fast launch off.
 ``tests/ops/test_launch.py`` holds the argument order and the specialisation to Triton's own binder
 on CPU; the CUDA tests there compare the two paths' bits.
 
@@ -88,7 +92,7 @@ class Launch(NamedTuple):
 
     def run(self) -> None:
         slot = self.fast
-        if slot is not None and slot.compiled is not None and FAST_LAUNCH:
+        if slot is not None and slot.compiled is not None and FAST_LAUNCH and not self.kernel.pre_run_hooks:
             active = triton.runtime.driver.active
             device = active.get_current_device()
             if device == slot.device and _aligned(self.args, slot.tensors):

@@ -238,12 +238,15 @@ def planned_launch(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor
     plan = _PLANS.get(key)
     if plan is None:
         plan = merge_plan(outs.shape, outs.stride(), lses.stride(), out.stride(), lse.stride()) + (FastSlot(4),)
-        if len(_PLANS) >= 1024:
+        if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
         _PLANS[key] = plan
     kernel, grid, tail, constants, slot = plan
-    return out, lse, Launch(kernel, grid, (outs, lses, out, lse) + tail, constants, slot)
+    # the launch's own kwargs: a caller's change to them must not reach the plan (decode_launches copies its too)
+    return out, lse, Launch(kernel, grid, (outs, lses, out, lse) + tail, dict(constants), slot)
 
 
 _PLANS: dict = {}
-"""merge_states' launches by signature: (kernel, grid, trailing args, constants, fast slot) (:mod:`.launch`)."""
+"""merge_states' launches by signature: (kernel, grid, trailing args, constants, fast slot) (:mod:`.launch`).
+Cleared past ``_MAX_PLANS`` signatures (shapes of a long-running server come and go)."""
+_MAX_PLANS = 1024
