@@ -429,17 +429,16 @@ class DraftCaches:
 
     A model whose forward returns no croppable cache runs without one (full forwards over the whole
     sequence per draft token). A tree-enabled draft model (``load_hf_model``'s, with or without CP groups)
-    drafts through its plain replica sharing its weights (``integrations.hf.adapter.unsharded_replica``):
+    drafts through its plain replica sharing its weights (its binding's ``plain_replica``):
     tree attention's ``TreeCache`` holds a shard of every row and cannot repeat or select rows, which a
     tree of width > 1 and a group's split need.
     """
 
     def __init__(self, model, batch: int):
         model = _draft_module(model)
-        if getattr(model, "_megatron_tree", None) is not None:  # (integrations.hf.common._MARK: tree-enabled)
-            from ..integrations.hf.adapter import unsharded_replica
-
-            model = unsharded_replica(model)
+        binding = getattr(model, "_megatron_tree", None)  # (integrations.hf.common._MARK: tree-enabled)
+        if binding is not None:
+            model = binding.plain_replica(model)
         self.model = model
         self.dev = next(model.parameters()).device
         # transformers renamed the cache argument and output (past_key_values -> cache); use what it takes

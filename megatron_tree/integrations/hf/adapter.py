@@ -137,21 +137,10 @@ class HFTreeModel:
 def unsharded_replica(hf_model):
     """A plain transformers replica of a tree-enabled ``hf_model`` sharing its weight tensors (no copy): the
     attention implementation it had before tree attention, transformers' own caches, one process (what
-    :meth:`HFTreeModel.unsharded` returns). A model that is not tree-enabled is returned as it is."""
-    import copy
-
+    :meth:`HFTreeModel.unsharded` returns; ``_Binding.plain_replica``). A model that is not tree-enabled is
+    returned as it is."""
     binding = getattr(hf_model, _MARK, None)
-    if binding is None:
-        return hf_model
-    cfg = copy.deepcopy(hf_model.config)
-    with torch.device("meta"):
-        ref = type(hf_model)(cfg)
-    ref.load_state_dict(hf_model.state_dict(), assign=True)
-    for name, buf in hf_model.named_buffers():  # non-persistent buffers (e.g. RoPE's inv_freq)
-        owner, _, leaf = name.rpartition(".")
-        ref.get_submodule(owner)._buffers[leaf] = buf
-    ref.set_attn_implementation(binding.previous_attn or "sdpa")
-    return ref.eval()
+    return hf_model if binding is None else binding.plain_replica(hf_model)
 
 
 def load_hf_model(path, groups: TreeGroups | None, dtype: torch.dtype = torch.float32,

@@ -99,6 +99,23 @@ class _Binding:
     def cp_size(self) -> int:
         return 1 if self.groups is None else self.groups.size
 
+    def plain_replica(self, hf_model):
+        """A plain transformers replica of ``hf_model`` (the model this binding is on) sharing its weight tensors
+        (no copy): the attention implementation it had before tree attention, transformers' own caches, one
+        process. The decode tier's draft caches ask the binding for it (``decode.speculative.DraftCaches``), as
+        the decode tier imports nothing of the integrations."""
+        import copy
+
+        cfg = copy.deepcopy(hf_model.config)
+        with torch.device("meta"):
+            ref = type(hf_model)(cfg)
+        ref.load_state_dict(hf_model.state_dict(), assign=True)
+        for name, buf in hf_model.named_buffers():  # non-persistent buffers (e.g. RoPE's inv_freq)
+            owner, _, leaf = name.rpartition(".")
+            ref.get_submodule(owner)._buffers[leaf] = buf
+        ref.set_attn_implementation(self.previous_attn or "sdpa")
+        return ref.eval()
+
 
 def _same_groups(a: TreeGroups | None, b: TreeGroups | None) -> bool:
     if a is None or b is None:
