@@ -83,7 +83,9 @@ class TreeCache(Cache):
 
     config: the model (or its config): layers, KV heads and head size are read from it
     dtype, device: the storage's; default the model's parameters', or, for a cache made from a config, the
-        layers' own (their keys' at the prompt's first write, as transformers' caches take them)
+        layers' own (their keys' at the prompt's first write, as transformers' caches take them); a dtype
+        other than the layers' computing dtype is refused at the first decode step (as sdpa refuses a query
+        and keys of two dtypes), unless ``torch.autocast`` casts them to one
     groups: the CP group (``None``: one process)
     max_seq_len: real tokens per row to make room for (overflow is a ``CacheOverflowError``)
     new_tokens: with ``max_seq_len=None``, size the storage at prefill for the prompt plus

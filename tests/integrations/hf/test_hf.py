@@ -371,6 +371,28 @@ def test_cp1_cache_made_from_a_config_takes_the_layers_dtype():
     assert TreeCache(model.config, None, dtype=torch.float16).dtype == torch.float16  # a given dtype is kept
 
 
+def test_a_cache_of_another_dtype_than_the_layers_is_a_clear_error():
+    """TreeCache(..., dtype=float32) for a bfloat16 model stores the prompt, then every decode step reads float32
+    keys beside the layers' bfloat16 query: that was tree_decode's 'q, k, v must share one dtype, got
+    q=torch.bfloat16, k=torch.float32', naming neither the cache nor the dtype argument. It names both now; a cache
+    made with the layers' dtype runs."""
+    from megatron_tree.integrations.hf import TreeCache, enable_tree_attention
+
+    ids, mask = batch()
+    model = enable_tree_attention(hf_model("llama", seed=7).to(torch.bfloat16), None)
+    kw = dict(attention_mask=mask, max_new_tokens=3, do_sample=False)
+    for make in (lambda: TreeCache(model.config, None, dtype=torch.float32),
+                 lambda: TreeCache(model, None, dtype=torch.float16)):
+        cache = make()
+        want = str(cache.dtype)
+        with torch.no_grad(), pytest.raises(TypeError, match=rf"the TreeCache stores {want} keys and values .*"
+                                                             r"layer 0 computes in torch.bfloat16: .*dtype=torch.bfloat16"):
+            model.generate(ids, cache=cache, **kw)
+    with torch.no_grad():
+        assert model.generate(ids, cache=TreeCache(model.config, None, dtype=torch.bfloat16), **kw).shape[1] == \
+            ids.shape[1] + 3
+
+
 def test_eval_protocol_cp1(tmp_path):
     """load_hf_model's HFTreeModel drives the library's own generation loop; unsharded() is the plain model."""
     from megatron_tree.decode.generate import generate
