@@ -134,6 +134,9 @@ class TreeCache(Cache):
         # write, as transformers' own caches do): float32 on the CPU until then
         self._follow_dtype = model is None and dtype is None
         self._follow_device = model is None and device is None
+        self._learned = False
+        """The layers' dtype and device were taken (at a prompt's first write): until then a prompt's placement is
+        made in a storage that holds no keys (see :meth:`_placement_only`)."""
         if model is not None:
             p = next(model.parameters())
             dtype = dtype or p.dtype
@@ -354,6 +357,20 @@ class TreeCache(Cache):
             self._hand_back.atexit = False
         return storage
 
+    def _placement_only(self, batch: int, max_seq_len: int) -> ShardedKVCache:
+        """A storage of ``batch`` rows for ``max_seq_len`` tokens that places the prompt as :meth:`_allocate`'s
+        would (placement reads no keys) but holds one layer of one 1-wide head: a cache made from a config learns
+        the dtype and device of its keys and values at the layers' first write (:meth:`update` then makes the
+        storage). Allocating the whole storage in float32 on the CPU first took 3x the storage's host memory at
+        the peak for a bfloat16 model, and all of it on the host for a CUDA one."""
+        cp = 1 if self.groups is None else self.groups.size
+        slack = cp * (self.cache_config.block_size + 2) if cp > 1 and self.growable and self.new_tokens is None else 0
+        if self.static:
+            max_seq_len = static_length(max_seq_len)
+        return ShardedKVCache(num_layers=1, batch_size=batch, max_seq_len=max_seq_len + slack, num_kv_heads=1,
+                              head_dim=1, head_dim_v=1, cp_size=cp, cp_rank=0 if self.groups is None else self.groups.rank,
+                              config=self.cache_config, dtype=self.dtype, device=self.device)
+
     def _check_prefill(self, lengths: list[int]) -> int:
         """Raise unless prompts of ``lengths`` fit this cache (nothing changes); returns the tokens per row to size for."""
         if self._batch is not None and len(lengths) != self._batch:
@@ -377,7 +394,10 @@ class TreeCache(Cache):
         chunk: the most prompt tokens per forward (chunked prefill: :meth:`_begin_window` then runs
         each window's forward), or None (one forward over every token)."""
         need = self._check_prefill(lengths)
-        self.storage = self._allocate(len(lengths), need)
+        if (self._follow_dtype or self._follow_device) and not self._learned:
+            self.storage = self._placement_only(len(lengths), need)  # the layers' first write makes the storage
+        else:
+            self.storage = self._allocate(len(lengths), need)
         self._nominal = need
         local = self.storage.start_prefill(lengths, chunk)
         self._prompt_lengths = list(lengths)
@@ -412,6 +432,7 @@ class TreeCache(Cache):
         self.num_kv_heads, self.head_dim, self.head_dim_v = heads, head_dim, head_dim_v
         self.dtype = self.dtype if dtype is None else dtype
         self.device = self.device if device is None else device
+        self._learned = True
         if self._pool is not None:  # the model's next caches start with these shapes (and the storage kept of them)
             self._pool.layer_shapes[self._config_shape] = (heads, head_dim, head_dim_v)
         old = self.storage
@@ -565,8 +586,8 @@ class TreeCache(Cache):
             device = key_states.device if self._follow_device else self.device
             shape = (h, d, dv) if hv == h else (self.num_kv_heads, self.head_dim, self.head_dim_v)
             if shape != (self.num_kv_heads, self.head_dim, self.head_dim_v) or dtype != self.dtype \
-                    or device != self.device:
-                self._reshape(*shape, dtype=dtype, device=device)
+                    or device != self.device or self.storage.num_layers != self.num_layers:
+                self._reshape(*shape, dtype=dtype, device=device)  # (a placement-only storage is made whole)
         if (h, hv, d, dv) != (self.num_kv_heads, self.num_kv_heads, self.head_dim, self.head_dim_v):
             raise UnsupportedModelError(
                 f"layer {layer_idx} stores keys of {h} heads of size {d} and values of {hv} heads of size {dv}; "

@@ -371,6 +371,47 @@ def test_cp1_cache_made_from_a_config_takes_the_layers_dtype():
     assert TreeCache(model.config, None, dtype=torch.float16).dtype == torch.float16  # a given dtype is kept
 
 
+def test_a_cache_made_from_a_config_allocates_its_storage_once(monkeypatch):
+    """A cache made from a config learns the layers' dtype and device at the prompt's first write. Its prefill
+    allocated a full-size float32 storage on the CPU first and replaced it at that write: for a bfloat16 model
+    3x the storage's bytes of host memory at the peak (8 layers, 400K slots: 3.5 GiB of RSS for a 1.2 GiB cache,
+    2.5 s of CPU against 0.8 s), and the whole cache on the host for a CUDA model. The placement it needs
+    before that write holds no keys: no storage of keys and values is made but the one the layers fill, for
+    each prompt, static caches too."""
+    import megatron_tree.integrations.hf.cache as hf_cache
+    from megatron_tree.integrations.hf import TreeCache, enable_tree_attention
+
+    made = []
+
+    class Recorded(hf_cache.ShardedKVCache):
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            made.append(self)
+
+    monkeypatch.setattr(hf_cache, "ShardedKVCache", Recorded)
+    ids, mask = batch()
+    ref = hf_model("llama", seed=7).to(torch.bfloat16)
+    model = enable_tree_attention(copy.deepcopy(ref), None)
+    kw = dict(attention_mask=mask, max_new_tokens=3, min_new_tokens=3, do_sample=False)
+    with torch.no_grad():
+        want = ref.generate(ids, **kw).tolist()
+        for static in (False, True):
+            made.clear()
+            cache = TreeCache(model.config, None, max_seq_len=64, static=static)
+            assert model.generate(ids, cache=cache, **kw).tolist() == want
+            assert cache.storage.k.dtype == torch.bfloat16
+            # (the placement's own storage: one layer of one 1-wide head, 1/32 of this one)
+            big = [m for m in made if m.kv_nbytes > cache.kv_nbytes // 8]
+            assert big == [cache.storage], [(m.k.dtype, m.kv_nbytes) for m in made]
+            # a second prompt: the cache knows the layers' dtype now (a static one keeps its storage)
+            kept = cache.storage
+            made.clear()
+            cache.reset()
+            assert model.generate(ids, cache=cache, **kw).tolist() == want
+            assert made == ([] if static else [cache.storage])
+            assert (cache.storage is kept) == static
+
+
 def test_a_cache_of_another_dtype_than_the_layers_is_a_clear_error():
     """TreeCache(..., dtype=float32) for a bfloat16 model stores the prompt, then every decode step reads float32
     keys beside the layers' bfloat16 query: that was tree_decode's 'q, k, v must share one dtype, got
