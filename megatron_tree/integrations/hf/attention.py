@@ -81,6 +81,8 @@ def tree_attention_forward(module, query, key, value, attention_mask, scaling=No
                 t = q.shape[1]
                 variants["drafts"] = (k[:, -t:], v[:, -t:])
                 k, v = k[:, :-t], v[:, :-t]
+            else:  # the drafts' keys/values as the layer made them (kept aside by the cache), cast as k and v are
+                variants["drafts"] = _autocast(q, *cache._drafts[module.layer_idx])[1:]
             if window is not None:  # the drafts' positions (VerifyMetadata) and the shard's, valid up to
                 # storage.seqlens: the drafts are kept aside, so the stored slots are the committed keys
                 variants["q_positions"] = meta.q_positions.to(q.device)

@@ -327,6 +327,33 @@ def test_cp1_generate_under_autocast():
         torch.testing.assert_close(g.float(), w.float(), rtol=0, atol=0.25)
 
 
+def test_speculative_and_assisted_decoding_under_autocast():
+    """Speculative verification under torch.autocast(bfloat16) of an fp32 model: the attention cast q and the
+    committed keys to bf16 but not the drafts' own keys and values (kept aside by the TreeCache: rotary's fp32
+    keys beside bf16 values), a TypeError ('q and the drafts must share one dtype') in the package's
+    speculative generate (lookup and draft model, at CP 1 and CP 3) and in transformers' assisted generate.
+    The drafts are cast as k and v are; the tokens are transformers' own under autocast."""
+    from megatron_tree.decode.generate import generate
+    from megatron_tree.decode.speculative import SpeculativeConfig
+    from megatron_tree.integrations.hf import HFTreeModel
+
+    ids, mask = batch()
+    ref = hf_model("llama", seed=5)
+    model = HFTreeModel(copy.deepcopy(ref), None)
+    prompts = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
+    kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        want = [ref.generate(torch.tensor([p]), **kw)[0, len(p):].tolist() for p in prompts]
+        for spec in (SpeculativeConfig(width=2, depth=3),
+                     SpeculativeConfig(method="draft_model", draft_model=model.unsharded(), width=2, depth=3)):
+            got = generate(model, prompts, 6, progress=False, speculative=spec)
+            assert got.tokens == want and got.drafted > 0, spec
+        assistant = hf_model("llama", seed=6)
+        one = torch.tensor([prompts[0]])
+        assert model.hf.generate(one, assistant_model=assistant, **kw).tolist() == \
+            ref.generate(one, assistant_model=assistant, **kw).tolist()
+
+
 def test_cp1_float64_model_keeps_float64_logits():
     """A float64 model's prefill logits came back through float32 (the logits' assembly cast them): 2e-7 off
     transformers' own in float64, a float64 tensor with float32's digits. Now they are float64 throughout."""
