@@ -131,7 +131,7 @@ class TreeCache(Cache):
         self.max_seq_len = max_seq_len
         self.new_tokens = new_tokens
         # Made from a config with no dtype / device, the storage takes the layers' own (their keys' at the first
-        # write, as transformers' own caches do): float32 on the CPU until then
+        # write, as transformers' own caches do): until then the prompt is placed in a storage holding no keys
         self._follow_dtype = model is None and dtype is None
         self._follow_device = model is None and device is None
         self._learned = False
@@ -322,7 +322,8 @@ class TreeCache(Cache):
         later call continues grows as it needs)."""
         return self.max_seq_len is None
 
-    def _allocate(self, batch: int, max_seq_len: int) -> ShardedKVCache:
+    def _shape(self, batch: int, max_seq_len: int) -> dict:
+        """The ``ShardedKVCache`` arguments of a storage of ``batch`` rows for ``max_seq_len`` tokens."""
         cp = 1 if self.groups is None else self.groups.size
         rank = 0 if self.groups is None else self.groups.rank
         # A growable cache keeps one block (+2 for the load-balanced prompt's uneven chunks) of
@@ -331,9 +332,12 @@ class TreeCache(Cache):
         slack = cp * (self.cache_config.block_size + 2) if cp > 1 and self.growable and self.new_tokens is None else 0
         if self.static:  # room for a bucket's length: caches made for nearby lengths share one compiled step
             max_seq_len = static_length(max_seq_len)
-        shape = dict(num_layers=self.num_layers, batch_size=batch, max_seq_len=max_seq_len + slack,
-                     num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, head_dim_v=self.head_dim_v, cp_size=cp,
-                     cp_rank=rank, config=self.cache_config, dtype=self.dtype, device=self.device)
+        return dict(num_layers=self.num_layers, batch_size=batch, max_seq_len=max_seq_len + slack,
+                    num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, head_dim_v=self.head_dim_v, cp_size=cp,
+                    cp_rank=rank, config=self.cache_config, dtype=self.dtype, device=self.device)
+
+    def _allocate(self, batch: int, max_seq_len: int) -> ShardedKVCache:
+        shape = self._shape(batch, max_seq_len)
         if not self.static:
             return ShardedKVCache(**shape)
         # A static storage keeps its addresses for as long as it can (a captured step replays on them): the
@@ -363,13 +367,8 @@ class TreeCache(Cache):
         the dtype and device of its keys and values at the layers' first write (:meth:`update` then makes the
         storage). Allocating the whole storage in float32 on the CPU first took 3x the storage's host memory at
         the peak for a bfloat16 model, and all of it on the host for a CUDA one."""
-        cp = 1 if self.groups is None else self.groups.size
-        slack = cp * (self.cache_config.block_size + 2) if cp > 1 and self.growable and self.new_tokens is None else 0
-        if self.static:
-            max_seq_len = static_length(max_seq_len)
-        return ShardedKVCache(num_layers=1, batch_size=batch, max_seq_len=max_seq_len + slack, num_kv_heads=1,
-                              head_dim=1, head_dim_v=1, cp_size=cp, cp_rank=0 if self.groups is None else self.groups.rank,
-                              config=self.cache_config, dtype=self.dtype, device=self.device)
+        return ShardedKVCache(**{**self._shape(batch, max_seq_len), "num_layers": 1, "num_kv_heads": 1, "head_dim": 1,
+                                 "head_dim_v": 1})
 
     def _check_prefill(self, lengths: list[int]) -> int:
         """Raise unless prompts of ``lengths`` fit this cache (nothing changes); returns the tokens per row to size for."""
