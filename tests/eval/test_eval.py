@@ -351,8 +351,8 @@ def test_megatron_layout_from_the_launcher_picks_an_intra_level_that_fits_the_no
 def test_a_flat_megatron_cp_group_one_rank_per_node_is_named_inter():
     """Megatron's CP groups carry no node layout: a flat one (hierarchical sizes null, the layout the launcher's
     nodes leave for TP 2 x CP 3 on 3 nodes x 2: CP group [0, 2, 4], one rank per node) was one node's group,
-    level "intra" and intra_size 3 (results.json: num_nodes 1, the verdict "CP 3 (intra 3)"), and merge auto
-    priced it on a node's links. It is "inter" with intra_size 1 now, as TreeGroups.build names such a group; a
+    level "intra" and intra_size 3 (results.json: num_nodes 1, the verdict "CP 3 (intra 3)"), and merge auto's
+    cost model was handed intra_size 3. It is "inter" with intra_size 1 now, as TreeGroups.build names such a group; a
     group inside one node stays "intra", a hierarchical one as Megatron built it."""
     from megatron_tree.distributed.topology import Level, TreeGroups
 
