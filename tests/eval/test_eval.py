@@ -348,6 +348,28 @@ def test_megatron_layout_from_the_launcher_picks_an_intra_level_that_fits_the_no
         E.check_launch(load_config(None, ["topology.cp_size=2", "topology.intra_size=2"]), 6, six)
 
 
+def test_a_flat_megatron_cp_group_one_rank_per_node_is_named_inter():
+    """Megatron's CP groups carry no node layout: a flat one (hierarchical sizes null, the layout the launcher's
+    nodes leave for TP 2 x CP 3 on 3 nodes x 2: CP group [0, 2, 4], one rank per node) was one node's group,
+    level "intra" and intra_size 3 (results.json: num_nodes 1, the verdict "CP 3 (intra 3)"), and merge auto's
+    cost model was handed intra_size 3. It is "inter" with intra_size 1 now, as TreeGroups.build names such a group; a
+    group inside one node stays "intra", a hierarchical one as Megatron built it."""
+    from megatron_tree.distributed.topology import Level, TreeGroups
+
+    def flat(ranks):
+        return TreeGroups(None, tuple(ranks), (Level("intra", None, tuple(ranks)),), len(ranks))
+
+    spread = M.megatron_cp_levels(flat([0, 2, 4]), 2)
+    assert [(lv.name, lv.ranks) for lv in spread.levels] == [("inter", (0, 2, 4))] and spread.intra_size == 1
+    assert spread.describe()["num_nodes"] == 3 and spread.cp_ranks == (0, 2, 4)
+    # 2 nodes x 3 at CP 2 (flat since 0a607f1): [2, 3] crosses the node boundary, [0, 1] does not
+    assert M.megatron_cp_levels(flat([2, 3]), 3).levels[0].name == "inter"
+    for kept in (M.megatron_cp_levels(flat([0, 1]), 3), M.megatron_cp_levels(flat([0, 1]), None)):
+        assert kept.levels[0].name == "intra" and kept.intra_size == 2
+    two = TreeGroups(None, (0, 1, 2, 3), (Level("intra", None, (0, 1)), Level("inter", None, (0, 2))), 2)
+    assert M.megatron_cp_levels(two, 1) is two
+
+
 # ----------------------------------------------------------------------------- real checkpoint
 
 

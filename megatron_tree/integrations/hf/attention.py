@@ -68,6 +68,12 @@ def tree_attention_forward(module, query, key, value, attention_mask, scaling=No
         out = cp_prefill(q, k, v, qpos, kpos, binding.groups, method=binding.prefill, softmax_scale=scaling,
                          stats=binding.stats, work=binding.work, **variants)
     else:  # the one attention call of every integration: the decode loop's step (or a plain one)
+        if k.dtype != q.dtype:  # k, v: the cache's storage (autocast cast them to q's dtype, when on)
+            raise TypeError(
+                f"the TreeCache stores {cache.dtype} keys and values (its dtype), but layer {module.layer_idx} "
+                f"computes in {q.dtype}: a decode step attends over the stored keys with the layer's query, which "
+                f"must share one dtype; make the cache with dtype={q.dtype} or without a dtype (a cache made from "
+                "the model takes its parameters', one made from a config the layers' own)")
         step = binding.step if binding.step is not None else DecodeStep(binding.strategy, binding.stats)
         if meta.mode == "verify":  # speculative drafts: the committed shard as it stands (no new token)
             variants["cache_seqlens"] = cache.storage.seqlens
@@ -75,6 +81,8 @@ def tree_attention_forward(module, query, key, value, attention_mask, scaling=No
                 t = q.shape[1]
                 variants["drafts"] = (k[:, -t:], v[:, -t:])
                 k, v = k[:, :-t], v[:, :-t]
+            else:  # the drafts' keys/values as the layer made them (kept aside by the cache), cast as k and v are
+                variants["drafts"] = _autocast(q, *cache._drafts[module.layer_idx])[1:]
             if window is not None:  # the drafts' positions (VerifyMetadata) and the shard's, valid up to
                 # storage.seqlens: the drafts are kept aside, so the stored slots are the committed keys
                 variants["q_positions"] = meta.q_positions.to(q.device)

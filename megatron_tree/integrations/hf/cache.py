@@ -83,7 +83,9 @@ class TreeCache(Cache):
 
     config: the model (or its config): layers, KV heads and head size are read from it
     dtype, device: the storage's; default the model's parameters', or, for a cache made from a config, the
-        layers' own (their keys' at the prompt's first write, as transformers' caches take them)
+        layers' own (their keys' at the prompt's first write, as transformers' caches take them); a dtype
+        other than the layers' computing dtype is refused at the first decode step (as sdpa refuses a query
+        and keys of two dtypes), unless ``torch.autocast`` casts them to one
     groups: the CP group (``None``: one process)
     max_seq_len: real tokens per row to make room for (overflow is a ``CacheOverflowError``)
     new_tokens: with ``max_seq_len=None``, size the storage at prefill for the prompt plus
@@ -129,9 +131,12 @@ class TreeCache(Cache):
         self.max_seq_len = max_seq_len
         self.new_tokens = new_tokens
         # Made from a config with no dtype / device, the storage takes the layers' own (their keys' at the first
-        # write, as transformers' own caches do): float32 on the CPU until then
+        # write, as transformers' own caches do): until then the prompt is placed in a storage holding no keys
         self._follow_dtype = model is None and dtype is None
         self._follow_device = model is None and device is None
+        self._learned = False
+        """The layers' dtype and device were taken (at a prompt's first write): until then a prompt's placement is
+        made in a storage that holds no keys (see :meth:`_placement_only`)."""
         if model is not None:
             p = next(model.parameters())
             dtype = dtype or p.dtype
@@ -317,7 +322,8 @@ class TreeCache(Cache):
         later call continues grows as it needs)."""
         return self.max_seq_len is None
 
-    def _allocate(self, batch: int, max_seq_len: int) -> ShardedKVCache:
+    def _shape(self, batch: int, max_seq_len: int) -> dict:
+        """The ``ShardedKVCache`` arguments of a storage of ``batch`` rows for ``max_seq_len`` tokens."""
         cp = 1 if self.groups is None else self.groups.size
         rank = 0 if self.groups is None else self.groups.rank
         # A growable cache keeps one block (+2 for the load-balanced prompt's uneven chunks) of
@@ -326,9 +332,12 @@ class TreeCache(Cache):
         slack = cp * (self.cache_config.block_size + 2) if cp > 1 and self.growable and self.new_tokens is None else 0
         if self.static:  # room for a bucket's length: caches made for nearby lengths share one compiled step
             max_seq_len = static_length(max_seq_len)
-        shape = dict(num_layers=self.num_layers, batch_size=batch, max_seq_len=max_seq_len + slack,
-                     num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, head_dim_v=self.head_dim_v, cp_size=cp,
-                     cp_rank=rank, config=self.cache_config, dtype=self.dtype, device=self.device)
+        return dict(num_layers=self.num_layers, batch_size=batch, max_seq_len=max_seq_len + slack,
+                    num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, head_dim_v=self.head_dim_v, cp_size=cp,
+                    cp_rank=rank, config=self.cache_config, dtype=self.dtype, device=self.device)
+
+    def _allocate(self, batch: int, max_seq_len: int) -> ShardedKVCache:
+        shape = self._shape(batch, max_seq_len)
         if not self.static:
             return ShardedKVCache(**shape)
         # A static storage keeps its addresses for as long as it can (a captured step replays on them): the
@@ -351,6 +360,15 @@ class TreeCache(Cache):
             self._hand_back = weakref.finalize(self, self._pool.give, key, storage)
             self._hand_back.atexit = False
         return storage
+
+    def _placement_only(self, batch: int, max_seq_len: int) -> ShardedKVCache:
+        """A storage of ``batch`` rows for ``max_seq_len`` tokens that places the prompt as :meth:`_allocate`'s
+        would (placement reads no keys) but holds one layer of one 1-wide head: a cache made from a config learns
+        the dtype and device of its keys and values at the layers' first write (:meth:`update` then makes the
+        storage). Allocating the whole storage in float32 on the CPU first took 3x the storage's host memory at
+        the peak for a bfloat16 model, and all of it on the host for a CUDA one."""
+        return ShardedKVCache(**{**self._shape(batch, max_seq_len), "num_layers": 1, "num_kv_heads": 1, "head_dim": 1,
+                                 "head_dim_v": 1})
 
     def _check_prefill(self, lengths: list[int]) -> int:
         """Raise unless prompts of ``lengths`` fit this cache (nothing changes); returns the tokens per row to size for."""
@@ -375,7 +393,10 @@ class TreeCache(Cache):
         chunk: the most prompt tokens per forward (chunked prefill: :meth:`_begin_window` then runs
         each window's forward), or None (one forward over every token)."""
         need = self._check_prefill(lengths)
-        self.storage = self._allocate(len(lengths), need)
+        if (self._follow_dtype or self._follow_device) and not self._learned:
+            self.storage = self._placement_only(len(lengths), need)  # the layers' first write makes the storage
+        else:
+            self.storage = self._allocate(len(lengths), need)
         self._nominal = need
         local = self.storage.start_prefill(lengths, chunk)
         self._prompt_lengths = list(lengths)
@@ -410,6 +431,7 @@ class TreeCache(Cache):
         self.num_kv_heads, self.head_dim, self.head_dim_v = heads, head_dim, head_dim_v
         self.dtype = self.dtype if dtype is None else dtype
         self.device = self.device if device is None else device
+        self._learned = True
         if self._pool is not None:  # the model's next caches start with these shapes (and the storage kept of them)
             self._pool.layer_shapes[self._config_shape] = (heads, head_dim, head_dim_v)
         old = self.storage
@@ -563,8 +585,8 @@ class TreeCache(Cache):
             device = key_states.device if self._follow_device else self.device
             shape = (h, d, dv) if hv == h else (self.num_kv_heads, self.head_dim, self.head_dim_v)
             if shape != (self.num_kv_heads, self.head_dim, self.head_dim_v) or dtype != self.dtype \
-                    or device != self.device:
-                self._reshape(*shape, dtype=dtype, device=device)
+                    or device != self.device or self.storage.num_layers != self.num_layers:
+                self._reshape(*shape, dtype=dtype, device=device)  # (a placement-only storage is made whole)
         if (h, hv, d, dv) != (self.num_kv_heads, self.num_kv_heads, self.head_dim, self.head_dim_v):
             raise UnsupportedModelError(
                 f"layer {layer_idx} stores keys of {h} heads of size {d} and values of {hv} heads of size {dv}; "

@@ -327,6 +327,33 @@ def test_cp1_generate_under_autocast():
         torch.testing.assert_close(g.float(), w.float(), rtol=0, atol=0.25)
 
 
+def test_speculative_and_assisted_decoding_under_autocast():
+    """Speculative verification under torch.autocast(bfloat16) of an fp32 model: the attention cast q and the
+    committed keys to bf16 but not the drafts' own keys and values (kept aside by the TreeCache: rotary's fp32
+    keys beside bf16 values), a TypeError ('q and the drafts must share one dtype') in the package's
+    speculative generate (lookup and draft model, at CP 1 and CP 3) and in transformers' assisted generate.
+    The drafts are cast as k and v are; the tokens are transformers' own under autocast."""
+    from megatron_tree.decode.generate import generate
+    from megatron_tree.decode.speculative import SpeculativeConfig
+    from megatron_tree.integrations.hf import HFTreeModel
+
+    ids, mask = batch()
+    ref = hf_model("llama", seed=5)
+    model = HFTreeModel(copy.deepcopy(ref), None)
+    prompts = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
+    kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        want = [ref.generate(torch.tensor([p]), **kw)[0, len(p):].tolist() for p in prompts]
+        for spec in (SpeculativeConfig(width=2, depth=3),
+                     SpeculativeConfig(method="draft_model", draft_model=model.unsharded(), width=2, depth=3)):
+            got = generate(model, prompts, 6, progress=False, speculative=spec)
+            assert got.tokens == want and got.drafted > 0, spec
+        assistant = hf_model("llama", seed=6)
+        one = torch.tensor([prompts[0]])
+        assert model.hf.generate(one, assistant_model=assistant, **kw).tolist() == \
+            ref.generate(one, assistant_model=assistant, **kw).tolist()
+
+
 def test_cp1_float64_model_keeps_float64_logits():
     """A float64 model's prefill logits came back through float32 (the logits' assembly cast them): 2e-7 off
     transformers' own in float64, a float64 tensor with float32's digits. Now they are float64 throughout."""
@@ -369,6 +396,69 @@ def test_cp1_cache_made_from_a_config_takes_the_layers_dtype():
     for g, o in zip(got.logits, own.logits):
         torch.testing.assert_close(g, o, rtol=0, atol=0)
     assert TreeCache(model.config, None, dtype=torch.float16).dtype == torch.float16  # a given dtype is kept
+
+
+def test_a_cache_made_from_a_config_allocates_its_storage_once(monkeypatch):
+    """A cache made from a config learns the layers' dtype and device at the prompt's first write. Its prefill
+    allocated a full-size float32 storage on the CPU first and replaced it at that write: for a bfloat16 model
+    3x the storage's bytes of host memory at the peak (8 layers, 400K slots: 3.5 GiB of RSS for a 1.2 GiB cache,
+    2.5 s of CPU against 0.8 s), and the whole cache on the host for a CUDA model. The placement it needs
+    before that write holds no keys: no storage of keys and values is made but the one the layers fill, for
+    each prompt, static caches too."""
+    import megatron_tree.integrations.hf.cache as hf_cache
+    from megatron_tree.integrations.hf import TreeCache, enable_tree_attention
+
+    made = []
+
+    class Recorded(hf_cache.ShardedKVCache):
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            made.append(self)
+
+    monkeypatch.setattr(hf_cache, "ShardedKVCache", Recorded)
+    ids, mask = batch()
+    ref = hf_model("llama", seed=7).to(torch.bfloat16)
+    model = enable_tree_attention(copy.deepcopy(ref), None)
+    kw = dict(attention_mask=mask, max_new_tokens=3, min_new_tokens=3, do_sample=False)
+    with torch.no_grad():
+        want = ref.generate(ids, **kw).tolist()
+        for static in (False, True):
+            made.clear()
+            cache = TreeCache(model.config, None, max_seq_len=64, static=static)
+            assert model.generate(ids, cache=cache, **kw).tolist() == want
+            assert cache.storage.k.dtype == torch.bfloat16
+            # (the placement's own storage: one layer of one 1-wide head, 1/32 of this one)
+            big = [m for m in made if m.kv_nbytes > cache.kv_nbytes // 8]
+            assert big == [cache.storage], [(m.k.dtype, m.kv_nbytes) for m in made]
+            # a second prompt: the cache knows the layers' dtype now (a static one keeps its storage)
+            kept = cache.storage
+            made.clear()
+            cache.reset()
+            assert model.generate(ids, cache=cache, **kw).tolist() == want
+            assert made == ([] if static else [cache.storage])
+            assert (cache.storage is kept) == static
+
+
+def test_a_cache_of_another_dtype_than_the_layers_is_a_clear_error():
+    """TreeCache(..., dtype=float32) for a bfloat16 model stores the prompt, then every decode step reads float32
+    keys beside the layers' bfloat16 query: that was tree_decode's 'q, k, v must share one dtype, got
+    q=torch.bfloat16, k=torch.float32', naming neither the cache nor the dtype argument. It names both now; a cache
+    made with the layers' dtype runs."""
+    from megatron_tree.integrations.hf import TreeCache, enable_tree_attention
+
+    ids, mask = batch()
+    model = enable_tree_attention(hf_model("llama", seed=7).to(torch.bfloat16), None)
+    kw = dict(attention_mask=mask, max_new_tokens=3, do_sample=False)
+    for make in (lambda: TreeCache(model.config, None, dtype=torch.float32),
+                 lambda: TreeCache(model, None, dtype=torch.float16)):
+        cache = make()
+        want = str(cache.dtype)
+        with torch.no_grad(), pytest.raises(TypeError, match=rf"the TreeCache stores {want} keys and values .*"
+                                                             r"layer 0 computes in torch.bfloat16: .*dtype=torch.bfloat16"):
+            model.generate(ids, cache=cache, **kw)
+    with torch.no_grad():
+        assert model.generate(ids, cache=TreeCache(model.config, None, dtype=torch.bfloat16), **kw).shape[1] == \
+            ids.shape[1] + 3
 
 
 def test_eval_protocol_cp1(tmp_path):
