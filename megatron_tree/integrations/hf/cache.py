@@ -418,11 +418,14 @@ class TreeCache(Cache):
         (the global length transformers sees becomes ``padded`` only then).
         """
         local = self._local_positions
-        q_positions = torch.where(q_slots >= 0, local.gather(1, q_slots.clamp(min=0)), -1)
+        # on the placement's device: a cache made from a config keeps it on the CPU until the layers' first write
+        # tells the device, while the forward's slots are on the model's (the attention moves positions to q's)
+        slots = q_slots.to(local.device)
+        q_positions = torch.where(slots >= 0, local.gather(1, slots.clamp(min=0)), -1)
         self.metadata = PrefillMetadata(q_positions, self.storage.positions[:, :kv_end], q_slots, kv_end)
         self._padded_next = padded if last else 0
         self._written = set()
-        return q_positions
+        return q_positions.to(q_slots.device)
 
     def _reshape(self, heads: int, head_dim: int, head_dim_v: int, dtype: torch.dtype | None = None,
                  device: torch.device | None = None) -> None:
@@ -439,6 +442,7 @@ class TreeCache(Cache):
         local = self.storage.start_prefill(self._prompt_lengths, self._prefill_chunk)
         if not torch.equal(local.to(self._local_positions.device), self._local_positions):
             raise RuntimeError("TreeCache: replaying the prompt's placement gave other positions")  # a bug
+        self._local_positions = local  # on the storage's device now, as the next windows' placement
 
     def _grow(self) -> None:
         """Double the storage: the rows' placement and this rank's tokens continue in a larger cache.
