@@ -575,6 +575,11 @@ def _section_mappings_as_keys(overrides, cls) -> list[tuple[str, Any]]:
             schema = typing.get_type_hints(schema)[part] if part in fields else None
         if isinstance(value, dict) and dataclasses.is_dataclass(schema):
             out.extend(_section_mappings_as_keys([(f"{key}.{k}", v) for k, v in value.items()], cls))
+        elif value is None and dataclasses.is_dataclass(schema):
+            # null as a section would reset every key of it to the defaults, the YAML's too, silently
+            names = [f.name for f in dataclasses.fields(schema)]
+            raise ConfigError(f"{key}=null: {key} is a section of settings, not one value; set the keys to change "
+                              f"({key}.<key>=..., or {key}={{<key>: ...}}), one of {names}")
         else:
             out.append((key, value))
     return out

@@ -155,6 +155,9 @@ def test_a_mapping_given_to_a_section_changes_only_the_keys_it_names():
     assert load_config(yaml_path, ["eval.exactness={}"]).eval.exactness == base
     assert load_config(yaml_path, ["eval={context_lengths: [64]}"]).eval.passkey == load_config(yaml_path).eval.passkey
     assert "unknown key 'eval.exactness.foo'" in _err(yaml_path, ["eval.exactness={tolerance: 0.7, foo: 1}"])
+    # null given to a section would reset all of it (the YAML's keys too) to the defaults: refused, naming it
+    for override in ["eval.exactness=null", "eval={exactness: null}"]:
+        assert "eval.exactness=null: eval.exactness is a section of settings" in _err(yaml_path, [override])
     # a mapping-valued field that is not a section is still one value
     rope = load_config(None, ["model.source=random", "model.rope_scaling={rope_type: linear, factor: 2.0}"])
     assert rope.model.rope_scaling == {"rope_type": "linear", "factor": 2.0}
