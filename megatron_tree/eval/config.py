@@ -517,7 +517,9 @@ def parse_overrides(items) -> list[tuple[str, Any]]:
     out = []
     for item in items:
         if "=" not in item:
-            raise ConfigError(f"override {item!r}: expected key=value, e.g. eval.decode_steps=4")
+            hint = f"; a config file goes after --config: --config {item}" \
+                if item.lower().endswith((".yaml", ".yml")) else ""
+            raise ConfigError(f"override {item!r}: expected key=value, e.g. eval.decode_steps=4{hint}")
         key, raw = item.split("=", 1)
         key = key.strip()
         if not key:

@@ -163,6 +163,14 @@ def test_a_mapping_given_to_a_section_changes_only_the_keys_it_names():
     assert rope.model.rope_scaling == {"rope_type": "linear", "factor": 2.0}
 
 
+def test_a_config_path_given_as_an_override_says_where_it_goes():
+    """``python -m megatron_tree.eval configs/x.yaml key=value`` (the path without --config) names --config."""
+    msg = _err(None, ["configs/cpu_tiny.yaml", "eval.decode_steps=2"])
+    assert "override 'configs/cpu_tiny.yaml': expected key=value" in msg
+    assert msg.endswith("a config file goes after --config: --config configs/cpu_tiny.yaml")
+    assert "--config" not in _err(None, ["decode_steps"])  # another token without '=' gets no such hint
+
+
 def test_an_empty_output_dir_is_refused():
     """output_dir=$OUT with OUT unset reads as ''; it put results.json, the plot and wandb's folder into the
     current directory (the repository root under launch/*.sh), and rank 0 deleted a results.json found there."""
