@@ -590,17 +590,24 @@ def decode_launches(q, k, v, *, block_table=None, cache_seqlens=None, softmax_sc
     lse = torch.empty(plan.lse[0], dtype=plan.lse[1], device=dev)
     if plan.split is None:
         return out, lse, []
-    # absent tensors are compile-time absent; q stands in for their pointers (never read)
-    head = (q, k, v, q if cache_seqlens is None else cache_seqlens, q if block_table is None else block_table,
-            q if q_positions is None else q_positions, q if k_positions is None else k_positions)
-    starts = q if cache_starts is None else cache_starts
     grid, tail, constants, slot = plan.split
     if plan.merge is None:  # the split kernel writes the result itself, rounded once
-        return out, lse, [Launch(_split_kv_kernel, grid, head + (out, lse, starts) + tail, dict(constants), slot)]
+        tensors = _split_tensors(q, k, v, cache_seqlens, block_table, q_positions, k_positions, out, lse, cache_starts)
+        return out, lse, [Launch(_split_kv_kernel, grid, tensors + tail, dict(constants), slot)]
     o_part, lse_part = _partials(*plan.partials, dev)
+    tensors = _split_tensors(q, k, v, cache_seqlens, block_table, q_positions, k_positions, o_part, lse_part,
+                             cache_starts)
     kernel, m_grid, m_tail, m_constants, m_slot = plan.merge
-    return out, lse, [Launch(_split_kv_kernel, grid, head + (o_part, lse_part, starts) + tail, dict(constants), slot),
+    return out, lse, [Launch(_split_kv_kernel, grid, tensors + tail, dict(constants), slot),
                       Launch(kernel, m_grid, (o_part, lse_part, out, lse) + m_tail, dict(m_constants), m_slot)]
+
+
+def _split_tensors(q, k, v, cache_seqlens, block_table, q_positions, k_positions, o, l, cache_starts) -> tuple:
+    """The split kernel's tensor arguments, in its order, writing ``o`` and ``l``. An absent tensor is
+    compile-time absent: q stands in for its pointer (never read)."""
+    return (q, k, v, q if cache_seqlens is None else cache_seqlens, q if block_table is None else block_table,
+            q if q_positions is None else q_positions, q if k_positions is None else k_positions, o, l,
+            q if cache_starts is None else cache_starts)
 
 
 def _scalar(x):
@@ -669,10 +676,9 @@ def _plan(q, k, v, *, block_table, cache_seqlens, softmax_scale, q_positions, k_
         # wave is read from the kernel compiled for this call's tensors.
         out, lse = torch.empty(out_spec[0], dtype=out_spec[1], device=dev), torch.empty(lse_spec[0], dtype=lse_spec[1],
                                                                                          device=dev)
-        pick = (q, k, v, q if cache_seqlens is None else cache_seqlens, q if block_table is None else block_table,
-                q_positions if causal else q, k_positions if causal else q, out, lse,
-                q if cache_starts is None else cache_starts)
-        probe = Launch(_split_kv_kernel, (programs, 1), pick + tail(out_stride, lse_stride, n), constants)
+        probe = Launch(_split_kv_kernel, (programs, 1),
+                       _split_tensors(q, k, v, cache_seqlens, block_table, q_positions, k_positions, out, lse,
+                                      cache_starts) + tail(out_stride, lse_stride, n), constants)
         num_splits = choose_num_splits(tiles, programs, waves(probe, dev))
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
