@@ -263,6 +263,9 @@ def _eval_barriers_after_a_peer_died(rank, world):
     from megatron_tree.utils.testing import outcome
 
     groups = mt.TreeGroups.build(timeout=10.0, transport="backend")
+    # both ranks are past building the groups (a rank that left during it is a failure at group creation,
+    # another test's subject): only then is rank 1 killed
+    torch.distributed.barrier()
     if rank == 1:
         os._exit(0)  # killed mid-run: no goodbye
     cpu = torch.device("cpu")
