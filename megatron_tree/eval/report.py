@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 __all__ = ["RESULTS_SCHEMA_VERSION", "build_results", "save_plot", "summary_line", "track", "write", "print_summary",
-           "print_plan", "attention_summary", "verdict_line", "table_lines", "modelled_crossovers"]
+           "print_plan", "wandb_line", "attention_summary", "verdict_line", "table_lines", "modelled_crossovers"]
 
 RESULTS_SCHEMA_VERSION = 3
 """2: ``runs[].tokens``, ``exactness.reference``/``reference_tokens``/``tokens_match_reference``,
@@ -296,6 +296,17 @@ def print_plan(cfg, launch: dict, em, n_runs: int, out_dir) -> None:
     print("\n".join(lines), flush=True)
 
 
+def wandb_line(tracker_dir: str | None, wandb_mode: str) -> str:
+    """The summary's wandb line: the run's directory (with the command that uploads an offline run), or
+    ``disabled`` and, where the environment switched it off, the variable that did."""
+    from .tracking import env_disabled
+
+    if tracker_dir:
+        return f"wandb:   {tracker_dir}" + (f"  (sync with: wandb sync {tracker_dir})" if wandb_mode == "offline" else "")
+    off = env_disabled()
+    return "wandb:   disabled" + (f" ({off} in the environment)" if off else "")
+
+
 def print_summary(results: dict, path: Path, tracker_dir: str | None, wandb_mode: str, tolerance: float) -> None:
     for line in table_lines(results):
         print(line, flush=True)
@@ -307,8 +318,7 @@ def print_summary(results: dict, path: Path, tracker_dir: str | None, wandb_mode
         print(f"perplexity: {ppl['perplexity']:.3f} over {ppl['eval_tokens']} tokens of {ppl['text_file']}")
     print(f"results: {path.resolve()}")
     print(f"plot:    {Path(results['plot']).resolve()}")
-    print(f"wandb:   {tracker_dir or 'disabled'}"
-          + (f"  (sync with: wandb sync {tracker_dir})" if tracker_dir and wandb_mode == "offline" else ""))
+    print(wandb_line(tracker_dir, wandb_mode))
     if not passed(results):
         worst = results["max_abs_dlogits"] if results["max_abs_dlogprobs"] is None else results["max_abs_dlogprobs"]
         what = "max|dlogits|" if results["max_abs_dlogprobs"] is None else "max|dlogprobs|"

@@ -21,7 +21,7 @@ from .config import ConfigError, WandbConfig
 from ..integrations.deepspeed import wandb_settings
 from ..utils.extras import require
 
-__all__ = ["NullTracker", "WandbTracker", "make_tracker", "resolve_wandb_settings"]
+__all__ = ["NullTracker", "WandbTracker", "make_tracker", "resolve_wandb_settings", "env_disabled"]
 
 DEFAULT_PROJECT = "megatron-tree"
 
@@ -59,17 +59,34 @@ def _ds_wandb(path: str):
         raise ConfigError(f"wandb.ds_config: {path!r}: {e}") from None
 
 
+def env_disabled(environ=None) -> str | None:
+    """The environment variable that turns wandb off, as wandb and transformers read it (``WANDB_MODE=disabled``,
+    or the older ``WANDB_DISABLED=true``), in words (``"WANDB_MODE=disabled"``); None when none does.
+
+    It wins over the YAML: a user who switched wandb off for every tool expects no run, and no files.
+    (An inherited ``WANDB_MODE=online`` does not: the YAML's ``mode`` decides between offline and online.)"""
+    environ = os.environ if environ is None else environ
+    mode = environ.get("WANDB_MODE", "").strip()
+    if mode.lower() == "disabled":
+        return f"WANDB_MODE={mode}"
+    flag = environ.get("WANDB_DISABLED", "").strip()
+    if flag.lower() in ("true", "1", "yes"):
+        return f"WANDB_DISABLED={flag}"
+    return None
+
+
 def resolve_wandb_settings(cfg: WandbConfig, default_name: str) -> dict:
     """Project/entity/group/tags/name/enabled: YAML first, then the ds_config's ``wandb`` section.
 
     The section means what it means to DeepSpeed (``integrations.deepspeed.wandb_settings``,
     DeepSpeed's ``WandbConfig`` defaults): wandb is on only where it says ``enabled: true``,
     its project defaults to ``deepspeed``, ``team`` is the entity. A field set in the YAML
-    always wins over it; without a ds_config the YAML alone decides.
+    always wins over it; without a ds_config the YAML alone decides. ``WANDB_MODE=disabled`` (or
+    ``WANDB_DISABLED=true``) in the environment turns it off whatever the YAML says (:func:`env_disabled`).
     """
     ds = _ds_wandb(cfg.ds_config) if cfg.ds_config else None
     return {
-        "enabled": cfg.enabled and (ds is None or ds.enabled),
+        "enabled": cfg.enabled and (ds is None or ds.enabled) and env_disabled() is None,
         "project": cfg.project or (ds.project if ds is not None else DEFAULT_PROJECT),
         "entity": cfg.entity or (ds.entity if ds is not None else None),
         "group": cfg.group or (ds.group if ds is not None else None),

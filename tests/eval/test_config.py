@@ -283,6 +283,42 @@ def test_the_eval_reads_a_ds_config_wandb_section_as_deepspeed_does(tmp_path, ds
     assert got["enabled"] == (ds.get("wandb", {}).get("enabled") is True)
 
 
+@pytest.mark.parametrize("var, value", [("WANDB_MODE", "disabled"), ("WANDB_MODE", "Disabled"),
+                                        ("WANDB_DISABLED", "true"), ("WANDB_DISABLED", "1")])
+def test_wandb_switched_off_in_the_environment_wins_over_the_yaml(tmp_path, monkeypatch, var, value):
+    """``WANDB_MODE=disabled`` (wandb's own switch, also transformers') or ``WANDB_DISABLED=true``: no run and no
+    files on rank 0, whatever the YAML's wandb.enabled/mode say, and the summary says why; before, the eval set
+    WANDB_MODE to the YAML's ``offline`` and wrote a run. (An inherited ``WANDB_MODE=online`` does not beat the
+    YAML's offline: the next test.)"""
+    from megatron_tree.eval import report
+    from megatron_tree.eval.tracking import env_disabled
+
+    monkeypatch.setenv(var, value)
+    cfg = load_config(None, []).wandb
+    assert cfg.enabled and cfg.mode == "offline"
+    assert resolve_wandb_settings(cfg, "run")["enabled"] is False
+    t = make_tracker(cfg, rank=0, output_dir=str(tmp_path), config={}, default_name="x")
+    assert isinstance(t, NullTracker) and list(tmp_path.iterdir()) == []
+    assert env_disabled() == f"{var}={value}"
+    assert report.wandb_line(None, "offline") == f"wandb:   disabled ({var}={value} in the environment)"
+    for other in ({"WANDB_MODE": "offline"}, {"WANDB_MODE": "online"}, {"WANDB_DISABLED": "false"}, {}):
+        assert env_disabled(other) is None, other
+
+
+def test_an_inherited_wandb_mode_online_does_not_beat_the_yamls_offline(tmp_path, monkeypatch):
+    """The YAML's ``mode: offline`` (the default) stays offline under a shell's ``WANDB_MODE=online``: a run
+    written under the output directory, nothing sent."""
+    monkeypatch.setenv("WANDB_MODE", "online")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    t = make_tracker(load_config(None, []).wandb, rank=0, output_dir=str(tmp_path), config={}, default_name="x")
+    try:
+        assert os.environ["WANDB_MODE"] == "offline" and t.run.settings.mode == "offline"
+        assert t.run_dir.startswith(str(tmp_path.resolve() / "wandb"))
+    finally:
+        t.finish()
+    assert any(f.startswith("run-") and f.endswith(".wandb") for f in os.listdir(t.run_dir))
+
+
 def test_ranks_other_than_zero_get_a_silent_tracker(tmp_path):
     t = make_tracker(RunConfig().wandb, rank=1, output_dir=str(tmp_path), config={}, default_name="x")
     assert isinstance(t, NullTracker) and t.run_dir is None
