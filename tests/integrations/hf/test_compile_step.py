@@ -385,8 +385,10 @@ def test_a_compiled_steps_graph_takes_every_input_but_the_token_ids_as_static(ar
     torch._dynamo.reset()
     eager = generate(HFTreeModel(_model(arch), None, compile_step=False), PROMPTS, 4, progress=False).tokens
     model = HFTreeModel(_model(arch), None, compile_step={"backend": inductor})
-    # (the caches would hand back an earlier compilation without calling inner)
-    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+    # (the caches would hand back an earlier compilation without calling inner; one compile thread: the graph's
+    # C++ compiled in this process, not by a pool of worker processes started for it, each importing torch)
+    with torch._inductor.config.patch(fx_graph_cache=False, compile_threads=1), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
         assert generate(model, PROMPTS, 4, progress=False).tokens == eager
     copied = [(i, shape) for i, shape in enumerate(seen["shapes"]) if i not in seen["static"]]
     assert copied == [(seen["shapes"].index((len(PROMPTS), 1)), (len(PROMPTS), 1))], (copied, len(seen["shapes"]))
