@@ -672,8 +672,9 @@ def _user_compiled_forward(rank, world, intra=None):
     out = {"eager_equal": eager[0] == want == eager_static[0]}
     for cache in ("dynamic", "static"):
         kw = {"cache_implementation": "static"} if cache == "static" else {}
-        # transformers' own model compiled is one process's work, the same on every rank (no groups): rank 0's
-        for who in ("tree", "transformers") if rank == 0 else ("tree",):
+        # transformers' own model compiled is one process's work, the same on every rank and in every run (no
+        # groups): rank 0's of the CP-2 run (the 2x2 run's tree step is held to the counts that run checks)
+        for who in ("tree", "transformers") if rank == 0 and intra is None else ("tree",):
             ops = []
             # (transformers' own model: the count of Dynamo's frames it needs, the reference the tree's is held
             # to, the same under any backend; its graph is not under test, so Dynamo's "eager" runs it)
@@ -697,15 +698,19 @@ def _user_compiled_forward(rank, world, intra=None):
     return out
 
 
-def _check_user_compiled(results):
+def _check_user_compiled(results, transformers=True):
+    """transformers: the run compiled transformers' own model too (rank 0 of the CP-2 run); its frame counts,
+    checked there, are the ones the tree's are held to in every run."""
     for r in results:
         assert r["eager_equal"]
         for cache, theirs in (("dynamic", 3), ("static", 2)):
-            tree, hf = r["tree", cache], results[0]["transformers", cache]  # (rank 0 compiled transformers' own)
-            assert hf["frames"] == theirs and hf["tokens"], (cache, hf)  # transformers' own count
+            tree = r["tree", cache]
+            if transformers:
+                hf = results[0]["transformers", cache]  # (rank 0 compiled transformers' own)
+                assert hf["frames"] == theirs and hf["tokens"], (cache, hf)  # transformers' own count
             # one trace of the step's device half, one of the (empty) frame a fullgraph compile of the
             # prefill's forward counts; never more than transformers' own model needs
-            assert tree["frames"] == 2 <= hf["frames"], (cache, tree)
+            assert tree["frames"] == 2 <= theirs, (cache, tree)
             # the eager step's logits: bit for bit over a cache of the same shape, and close over the default one
             assert tree["tokens"] and tree["logits"] and tree["close"], (cache, tree)
             # both layers' local attention and CP merge are in the traced step
@@ -770,8 +775,9 @@ def test_transformers_automatic_compile_with_a_static_cache_compiles_the_tree_st
 
 @_shares("user_compiled_2x2")
 def test_user_compiled_forward_inside_transformers_generate_at_2x2(shared):
-    """The same over two levels (two nodes of two ranks): the two-level merge in the user's graph."""
-    _check_user_compiled(shared(4, "user_compiled_2x2"))
+    """The same over two levels (two nodes of two ranks): the two-level merge in the user's graph. (transformers'
+    own model, compiled in one process alike in every run, is counted by the CP-2 test, not again here.)"""
+    _check_user_compiled(shared(4, "user_compiled_2x2"), transformers=False)
 
 
 def _static_padded(rank, world):
@@ -969,7 +975,7 @@ def test_a_user_compiled_forward_traces_each_step_shape_once_under_a_recompile_l
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(1, 120, (n,), generator=g).tolist() for n in (40, 60, 90)]
     assert [static_length(len(p) + STEPS) for p in prompts] == [64, 80, 112]
-    counter = CompileCounterWithBackend("aot_eager")
+    counter = CompileCounterWithBackend("eager")  # (Dynamo's traces and its limit: no AOTAutograd pass needed)
     model = enable_tree_attention(hf_model("llama"), None)
     model.forward = torch.compile(model.forward, fullgraph=True, backend=counter)
     torch._dynamo.reset()
