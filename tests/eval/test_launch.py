@@ -116,6 +116,7 @@ def _check_results(out_dir, p, *, launcher, levels, source="megatron", tp=1, tok
     else:
         assert sum(v["collectives"] for v in two.values()) == 2 * LAYERS
     if baselines:
+        assert res["attention_baselines"], "the run timed no attention baselines"
         points = res["attention_baselines"]["points"]
         assert {q["method"] for q in points} == BASELINE_METHODS, points
         assert sorted({q["context_length"] for q in points}) == [40, 160, 640], points
