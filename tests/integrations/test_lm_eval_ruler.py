@@ -22,22 +22,6 @@ pytest.importorskip("wonderwords", reason="lm-eval's RULER extra is not installe
 
 LENGTH = 512
 SAMPLES = 2
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """This process's own torch work (the checkpoint built, lm-eval's hf reference generations) on one thread,
-    as every rank runs: on the 2-core CI machine, where another pytest worker and the ranks share the cores,
-    torch's second thread spin-waits for a core and burns CPU for nothing. (The ranks' generations are held to
-    the hf reference either way.) The previous count is restored after the module."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             rope_theta=10000.0, tie_word_embeddings=False, initializer_range=0.2,
             rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
