@@ -30,8 +30,13 @@ FAKE_SLURM = os.path.join(ROOT, "tests", "fake_slurm")
 # Tiny: one context length, batch 1, the level-aware strategy, 1 warmup + 2 timed steps. Layers: 2 (cpu_tiny).
 TINY = ["eval.context_lengths=[40]", "eval.batch_sizes=[1]", "eval.strategies=[two_level]",
         "eval.decode_steps=2", "eval.warmup_steps=1", "eval.progress=false"]
-# The launch alone: no reference model at CP = 1 (exactness is proven without a launcher).
-LAUNCH_ONLY = [*TINY, "eval.exactness.enabled=false"]
+# The launch alone: no reference model at CP = 1 (exactness is proven without a launcher), and no timing of
+# attention alone beside the ring/all-gather baselines (108 timed collective calls per rank, ~2 CPU-s each): the
+# main job times them at CP 4 = 2 x 2 and asserts them; the TP 2 x CP 2 launch (one level, packed) and the Slurm
+# transformers launch (a transformers model's heads) switch them back on (WITH_BASELINES) and assert them too.
+LAUNCH_ONLY = [*TINY, "eval.exactness.enabled=false", "eval.attention_baselines=false"]
+WITH_BASELINES = "eval.attention_baselines=true"
+BASELINE_METHODS = {"tree", "allgather", "ring", "allgather_kv"}
 # The main job keeps its reference, every step, and lets auto choose beside two_level.
 MAIN_JOB = [*TINY, "eval.strategies=[two_level,auto]", "eval.exactness.sample_rate=1.0"]
 LAYERS = 2
@@ -54,8 +59,10 @@ def trained(tmp_path_factory):
 
 
 def _check_results(out_dir, p, *, launcher, levels, source="megatron", tp=1, tokens=None, engine="static",
-                   exact=False):
-    """What every launch must show; ``exact``: the run compared itself with its reference."""
+                   exact=False, baselines=False):
+    """What every launch must show; ``exact``: the run compared itself with its reference; ``baselines``:
+    it timed attention alone (tree beside the ring and all-gather baselines) at every context of its sweep
+    and beyond (4x, 16x)."""
     assert p.returncode == 0, f"stdout:\n{p.stdout[-3000:]}\nstderr:\n{p.stderr[-5000:]}"
     res = json.loads((out_dir / "results.json").read_text())
     assert res["schema_version"] == 3 and res["engine"] == engine
@@ -108,6 +115,16 @@ def _check_results(out_dir, p, *, launcher, levels, source="megatron", tp=1, tok
         assert {k: v["collectives"] for k, v in two.items()} == {"intra": 2 * LAYERS, "inter": 2 * LAYERS}
     else:
         assert sum(v["collectives"] for v in two.values()) == 2 * LAYERS
+    if baselines:
+        assert res["attention_baselines"], "the run timed no attention baselines"
+        points = res["attention_baselines"]["points"]
+        assert {q["method"] for q in points} == BASELINE_METHODS, points
+        assert sorted({q["context_length"] for q in points}) == [40, 160, 640], points
+        tree = "two_level" if len(levels) == 2 else "packed"
+        assert {q["strategy"] for q in points if q["method"] == "tree"} == {tree}, points
+        assert all(q["step_ms"] > 0 for q in points), points
+    else:
+        assert res["attention_baselines"] is None, res["attention_baselines"]
     run_dir = res["wandb"]["run_dir"]
     assert run_dir.startswith(str(out_dir / "wandb"))
     assert any(f.startswith("run-") and f.endswith(".wandb") for f in os.listdir(run_dir)), os.listdir(run_dir)
@@ -119,7 +136,7 @@ def _check_results(out_dir, p, *, launcher, levels, source="megatron", tp=1, tok
 def test_local_sh_default_is_megatron_at_cp4_as_2x2(tmp_path):
     out = tmp_path / "local"
     p = run(["bash", "launch/local.sh", f"output_dir={out}", *MAIN_JOB, "eval.progress=true"], launch_env(NPROC="4"))
-    res = _check_results(out, p, launcher="torchrun", levels={"intra": 2, "inter": 2}, exact=True)
+    res = _check_results(out, p, launcher="torchrun", levels={"intra": 2, "inter": 2}, exact=True, baselines=True)
     assert res["model"]["checkpoint"] is None and res["model"]["hierarchical_context_parallel_sizes"] == [2, 2]
     _check_reads_like_a_report(p, out, res)
 
@@ -176,8 +193,9 @@ def test_torchrun_sh_evaluates_a_trained_checkpoint_at_tp2_x_cp2(tmp_path, train
     ckpt, cp1_tokens = trained
     out = tmp_path / "torchrun"
     p = run(["bash", "launch/torchrun.sh", f"output_dir={out}", f"model.path={ckpt}", "topology.tp_size=2",
-                 "topology.intra_size=null", *LAUNCH_ONLY], launch_env(NPROC_PER_NODE="4", MASTER_PORT=str(free_port())))
-    res = _check_results(out, p, launcher="torchrun", levels={"intra": 2}, tp=2, tokens=cp1_tokens[:1])
+                 "topology.intra_size=null", *LAUNCH_ONLY, WITH_BASELINES],
+            launch_env(NPROC_PER_NODE="4", MASTER_PORT=str(free_port())))
+    res = _check_results(out, p, launcher="torchrun", levels={"intra": 2}, tp=2, tokens=cp1_tokens[:1], baselines=True)
     assert res["launch"]["topology"]["cp_ranks"] == [0, 2] and res["launch"]["num_cp_groups"] == 2
 
 
@@ -222,8 +240,8 @@ def test_slurm_sbatch_runs_a_transformers_qwen2_with_tiers_from_slurm(tmp_path):
     model.save_pretrained(ckpt)
     out = tmp_path / "slurm"
     p = run(["bash", "launch/slurm/eval.sbatch", f"output_dir={out}", "topology.intra_size=null", *LAUNCH_ONLY,
-                 "model.source=hf", f"model.path={ckpt}"], _slurm_env(CONFIG="configs/cpu_tiny_llama.yaml"))
-    res = _check_results(out, p, launcher="slurm", levels={"intra": 2, "inter": 2}, source="hf")
+                 WITH_BASELINES, "model.source=hf", f"model.path={ckpt}"], _slurm_env(CONFIG="configs/cpu_tiny_llama.yaml"))
+    res = _check_results(out, p, launcher="slurm", levels={"intra": 2, "inter": 2}, source="hf", baselines=True)
     assert res["model"]["class"] == "transformers.Qwen2ForCausalLM" and res["model"]["model_type"] == "qwen2"
     assert p.stderr.count("Loading weights: 100%") <= 1  # rank 0's loading bar only, not one per rank
 
@@ -269,6 +287,7 @@ cases = [
     [f"model.path={ckpt}", "model.hidden_size=128"],
     [f"model.path={stripped}", "model.intermediate_size=96"],
     ["topology.tp_size=2", "topology.cp_size=3", "topology.intra_size=null"],
+    ["topology.cp_size=3", "topology.intra_size=null"],
 ]
 for case in cases:
     rc = main(["--config", "configs/cpu_tiny.yaml", f"output_dir={out}", "topology.timeout_s=30", *case])
@@ -278,7 +297,8 @@ for case in cases:
 
 def test_bad_megatron_inputs_fail_on_every_rank_before_any_collective(tmp_path, trained):
     """4 real ranks (fake srun): a path that is not a distributed checkpoint, training arguments
-    and tensor shapes that disagree with the config, TP x CP that does not fit the world. Each
+    and tensor shapes that disagree with the config, TP x CP that does not fit the world, a CP size
+    that does not divide it (TP 1; test_bad_launches ran it as its own 5-process local.sh launch). Each
     is one line per rank and exit status 2, before any process group exists (a rank that got
     past the checks would wait in rendezvous for the others and time out), and a stale
     results.json from an earlier run is gone."""
@@ -302,7 +322,7 @@ def test_bad_megatron_inputs_fail_on_every_rank_before_any_collective(tmp_path, 
         p = run([os.path.join(FAKE_SLURM, "srun"), sys.executable, "-c", _BAD_RUNS, str(out), str(ckpt),
                      str(plain), str(stripped)], env, timeout=120)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert p.stdout.split().count("exit") == 16 and set(p.stdout.split()) == {"exit", "2"}, p.stdout
+    assert p.stdout.split().count("exit") == 20 and set(p.stdout.split()) == {"exit", "2"}, p.stdout
     assert "Traceback" not in p.stderr
     needles = [
         f"is not a Megatron distributed checkpoint: expected metadata.json and .metadata",
@@ -311,9 +331,10 @@ def test_bad_megatron_inputs_fail_on_every_rank_before_any_collective(tmp_path, 
         "tensors whose shapes disagree with model.*: decoder.layers.mlp.linear_fc1.weight: (2, 256, 64) "
         "(the config gives (2, 192, 64))",
         "topology.tp_size x topology.cp_size: 2 x 3 = 6 does not fit the launched world of 4",
+        "error: topology.cp_size: 3 does not divide the launched world of 4",
     ]
     lines = [l for l in p.stderr.splitlines() if "error:" in l]
-    assert len(lines) == 16, p.stderr[-3000:]
+    assert len(lines) == 20, p.stderr[-3000:]
     for needle in needles:
         hits = [l for l in lines if needle in l]
         assert sorted(l.split(":")[1].strip() for l in hits) == [f"rank {r}" for r in range(4)], (needle, lines)
@@ -323,13 +344,9 @@ def test_bad_megatron_inputs_fail_on_every_rank_before_any_collective(tmp_path, 
 
 
 def test_bad_launches_fail_on_every_rank(tmp_path):
-    # A CP size that does not fit the launched world: refused before any collective; torchrun
-    # stops the job at the first rank that exits, so at least one rank reports it.
+    # (A CP size that does not divide the launched world, refused on every rank before any collective:
+    # test_bad_megatron_inputs_fail_on_every_rank_before_any_collective's fifth case, in its one launch.)
     t0 = time.monotonic()
-    p = run(["bash", "launch/local.sh", f"output_dir={tmp_path}", "topology.cp_size=3", "topology.intra_size=null"],
-                launch_env(NPROC="4"), timeout=120)
-    assert p.returncode != 0
-    assert "error: topology.cp_size: 3 does not divide the launched world of 4" in p.stderr, p.stderr[-3000:]
     # A random transformers Llama: an intra-node level wider than the real nodes (2 tasks per node), found
     # after the process group exists: without --kill-on-bad-exit every rank must still exit on
     # its own, none hangs.
@@ -340,9 +357,9 @@ def test_bad_launches_fail_on_every_rank(tmp_path):
     for r in range(4):
         assert f"rank {r}: error: intra_size 4 disagrees with the real layout" in p.stderr, p.stderr[-3000:]
     assert not (tmp_path / "results.json").exists()
-    # Two launches of 4 ranks each; a hanging rank would hit the launch's own 120 s limit first.
-    # The bound on both leaves room for start-up on a shared, loaded machine.
-    assert time.monotonic() - t0 < 180
+    # A hanging rank would hit the launch's own 120 s limit first; the bound leaves room for start-up
+    # on a shared, loaded machine.
+    assert time.monotonic() - t0 < 120
 
 
 def test_ranks_that_decode_different_tokens_fail_the_run(tmp_path):
@@ -353,7 +370,8 @@ def test_ranks_that_decode_different_tokens_fail_the_run(tmp_path):
                  str(free_port()), "tests/scripts/eval_rank1_diverges.py", "--config", "configs/cpu_tiny_llama.yaml",
                  f"output_dir={out}", "eval.context_lengths=[16]", "eval.batch_sizes=[1]",
                  "eval.strategies=[packed]", "eval.decode_steps=2", "eval.warmup_steps=0", "eval.progress=false",
-                 "topology.intra_size=null", "wandb.enabled=false"], launch_env(OMP_NUM_THREADS="1"), timeout=240)
+                 "topology.intra_size=null", "wandb.enabled=false", "eval.attention_baselines=false"],
+                launch_env(OMP_NUM_THREADS="1"), timeout=240)
     assert p.returncode != 0, p.stdout[-2000:]
     res = json.loads((out / "results.json").read_text())
     assert res["launch"]["world_size"] == 2

@@ -31,6 +31,20 @@ pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install 'me
 MAX_LENGTH = 64
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """This process's own torch work (the models built, lm-eval's hf reference, the bad-input requests) on one
+    thread, as every rank runs: on the 2-core CI machine, where another pytest worker and the ranks share the
+    cores, torch's second thread spin-waits for a core and burns CPU for nothing. (The ranks' results are held
+    to the hf reference within 1e-4 either way.) The previous count is restored after the module."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 # --------------------------------------------------------------------------- fixtures (built offline)
 
 
