@@ -12,4 +12,13 @@ os.environ["WANDB_MODE"] = "offline"
 os.environ.pop("WANDB_DISABLED", None)
 os.environ.setdefault("WANDB_SILENT", "true")
 
+# The in-process torch work of the tests (references, world-1 runs, checkpoints trained) on one intra-op thread,
+# as every rank of run_ranks runs: the tensors are tiny, and on the 2-core CI machine, shared by two pytest workers
+# and their ranks, torch's second thread spins for a core at every small op (speculative sampling's 1,500-row
+# generate: 11.7 CPU-s on two threads, 2.0 on one; the tiny checkpoint's training 77 and 16, the same bytes).
+# No test is about the thread count; one that needs others sets them itself.
+import torch  # noqa: E402 -- after the environment above
+
+torch.set_num_threads(1)
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository: tests.helpers, benchmarks

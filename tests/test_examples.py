@@ -16,21 +16,6 @@ from tests.helpers.launching import ROOT, launch_env, run
 EXAMPLES = os.path.join(ROOT, "examples")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """This process's own torch work (tiny_checkpoint's 300 training steps, the generation that checks them) on
-    one thread, as every rank runs: on the 2-core CI machine, where another pytest worker and the ranks share
-    the cores, torch's second thread spin-waits for a core and burns CPU for nothing. (Training the checkpoint:
-    16 CPU-s on one thread, 77 on two here, the same bytes written.) The previous count is restored after the
-    module."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 
 

@@ -8,7 +8,6 @@ import os
 import pytest
 
 from benchmarks import speculative
-from tests.helpers.threads import one_thread  # noqa: F401 -- autouse: in-process work on one thread
 
 _RANK = speculative._rank
 

@@ -19,7 +19,6 @@ import torch
 
 from tests.helpers.drafts import draft_masks, draft_tensors
 from tests.helpers.ranks import outcome, run_ranks
-from tests.helpers.threads import one_thread  # noqa: F401 -- autouse: in-process work on one thread
 from tests.helpers.hf_models import make_checkpoint
 
 # CP rank lists per case (TreeGroups.build(ranks, intra_size)); a rank outside the listed group runs its own

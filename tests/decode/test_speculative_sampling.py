@@ -32,7 +32,6 @@ import torch
 
 from tests.helpers.hf_models import hf_config
 from tests.helpers.ranks import run_ranks
-from tests.helpers.threads import one_thread  # noqa: F401 -- autouse: in-process work on one thread
 
 ALPHA = 1e-8
 V = 5

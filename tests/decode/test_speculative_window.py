@@ -28,7 +28,6 @@ import torch
 
 from tests.helpers.drafts import draft_masks, draft_tensors
 from tests.helpers.ranks import run_ranks
-from tests.helpers.threads import one_thread  # noqa: F401 -- autouse: in-process work on one thread
 
 WORLD = 5
 GROUPS = [[0, 1], [2, 3, 4]]  # CP 2 and CP 3 side by side

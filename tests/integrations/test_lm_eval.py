@@ -31,22 +31,7 @@ pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install 'me
 MAX_LENGTH = 64
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """This process's own torch work (the models built, lm-eval's hf reference, the bad-input requests) on one
-    thread, as every rank runs: on the 2-core CI machine, where another pytest worker and the ranks share the
-    cores, torch's second thread spin-waits for a core and burns CPU for nothing. (The ranks' results are held
-    to the hf reference within 1e-4 either way.) The previous count is restored after the module."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 # --------------------------------------------------------------------------- fixtures (built offline)
-
 
 
 def build_model(arch: str, path: str, tok, seed: int = 0):
@@ -76,7 +61,6 @@ def build_model(arch: str, path: str, tok, seed: int = 0):
     # checkpoint's tokenizer files as its Qwen2Tokenizer class)
 
 
-
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("lm_eval"))
@@ -90,7 +74,6 @@ def workdir(tmp_path_factory):
 # --------------------------------------------------------------------------- running lm-eval
 
 
-
 def hf_reference(workdir: str, arch: str) -> dict:
     import lm_eval.models.huggingface  # noqa: F401 -- registers "hf"
 
@@ -100,7 +83,6 @@ def hf_reference(workdir: str, arch: str) -> dict:
 
 
 # --------------------------------------------------------------------------- ranks
-
 
 
 def _rank_eval(rank, world, workdir, runs, cli=None, bad_cp=None):
@@ -136,7 +118,6 @@ def _rank_eval(rank, world, workdir, runs, cli=None, bad_cp=None):
 
         out["cli"] = main(cli)
     return out
-
 
 
 @pytest.fixture(scope="module")
@@ -247,7 +228,6 @@ def _windows(workdir):
 
 
 # --------------------------------------------------------------------------- bad input (one process)
-
 
 
 def test_bad_input(workdir, capsys, monkeypatch):

@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from tests.helpers.ranks import run_ranks
-from tests.helpers.threads import one_thread  # noqa: F401 -- autouse: in-process work on one thread
 
 A = pytest.importorskip("benchmarks.architectures", reason="needs transformers")
 NAMES = list(A.ARCHITECTURES)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import torch
 
 from tests.helpers.ranks import run_ranks
-from tests.helpers.threads import one_thread  # noqa: F401 -- autouse: in-process work on one thread
 from tests.helpers.hf_models import LENGTHS, batch, hf_model
 
 NEW = 6
