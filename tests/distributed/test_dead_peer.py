@@ -56,7 +56,13 @@ def _survivors_see(rank, world, where):
     if where == "steady_merge":
         mt.tree_decode(q, k, v, groups)  # the merge's signature is agreed: the next call goes straight to gloo
         collectives.all_reduce(torch.ones(1), groups.cp_group, what="test: every rank past the first merge")
-    if rank == 2:
+    # rank 2 dies only once every rank has built its groups (through the store: no collective on the groups
+    # before the merge under test); an exit while another rank still creates a group is "inside_build"'s case
+    store = torch.distributed.distributed_c10d._get_default_store()
+    if rank != 2:
+        store.set(f"dead_peer_test_built_{where}_{rank}", "1")
+    else:
+        store.wait([f"dead_peer_test_built_{where}_0", f"dead_peer_test_built_{where}_1"])
         os._exit(0)
     return outcome(lambda: mt.tree_decode(q, k, v, groups))
 
