@@ -14,8 +14,6 @@ import pytest
 from tests.helpers.launching import ROOT, launch_env, run
 
 EXAMPLES = os.path.join(ROOT, "examples")
-
-
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 
 

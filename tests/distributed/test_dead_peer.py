@@ -24,6 +24,19 @@ T = 10.0
 HOST = "node-a"
 
 
+def _rank_2_dies_once_the_others_reach(point: str, rank: int) -> None:
+    """Ranks 0 and 1 say (through the default store, no collective) that they reached ``point``; rank 2 waits
+    for both, then exits without a goodbye."""
+    import torch
+
+    store = torch.distributed.distributed_c10d._get_default_store()
+    if rank != 2:
+        store.set(f"dead_peer_test_{point}_{rank}", "1")
+    else:
+        store.wait([f"dead_peer_test_{point}_0", f"dead_peer_test_{point}_1"])
+        os._exit(0)
+
+
 def _survivors_see(rank, world, where):
     import torch
 
@@ -33,12 +46,7 @@ def _survivors_see(rank, world, where):
     if where == "before_build":
         # rank 2 dies once every rank's default group is connected (an exit while another rank's gloo still
         # connects its mesh fails that rank's init_process_group, inside the harness: a CI run saw it)
-        store = torch.distributed.distributed_c10d._get_default_store()
-        if rank != 2:
-            store.set(f"dead_peer_test_ready_{rank}", "1")
-        else:
-            store.wait(["dead_peer_test_ready_0", "dead_peer_test_ready_1"])
-            os._exit(0)
+        _rank_2_dies_once_the_others_reach("default_group", rank)
     if where in ("inside_build", "inside_from_env") and rank == 2:
         def die(*args, **kwargs):
             os._exit(0)
@@ -58,12 +66,7 @@ def _survivors_see(rank, world, where):
         collectives.all_reduce(torch.ones(1), groups.cp_group, what="test: every rank past the first merge")
     # rank 2 dies only once every rank has built its groups (through the store: no collective on the groups
     # before the merge under test); an exit while another rank still creates a group is "inside_build"'s case
-    store = torch.distributed.distributed_c10d._get_default_store()
-    if rank != 2:
-        store.set(f"dead_peer_test_built_{where}_{rank}", "1")
-    else:
-        store.wait([f"dead_peer_test_built_{where}_0", f"dead_peer_test_built_{where}_1"])
-        os._exit(0)
+    _rank_2_dies_once_the_others_reach("groups_built", rank)
     return outcome(lambda: mt.tree_decode(q, k, v, groups))
 
 

@@ -34,6 +34,7 @@ MAX_LENGTH = 64
 # --------------------------------------------------------------------------- fixtures (built offline)
 
 
+
 def build_model(arch: str, path: str, tok, seed: int = 0):
     """A tiny random transformers causal LM over ``tok``'s vocabulary; biases and norms randomised."""
     import transformers as tf
@@ -61,6 +62,7 @@ def build_model(arch: str, path: str, tok, seed: int = 0):
     # checkpoint's tokenizer files as its Qwen2Tokenizer class)
 
 
+
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("lm_eval"))
@@ -74,6 +76,7 @@ def workdir(tmp_path_factory):
 # --------------------------------------------------------------------------- running lm-eval
 
 
+
 def hf_reference(workdir: str, arch: str) -> dict:
     import lm_eval.models.huggingface  # noqa: F401 -- registers "hf"
 
@@ -83,6 +86,7 @@ def hf_reference(workdir: str, arch: str) -> dict:
 
 
 # --------------------------------------------------------------------------- ranks
+
 
 
 def _rank_eval(rank, world, workdir, runs, cli=None, bad_cp=None):
@@ -118,6 +122,7 @@ def _rank_eval(rank, world, workdir, runs, cli=None, bad_cp=None):
 
         out["cli"] = main(cli)
     return out
+
 
 
 @pytest.fixture(scope="module")
@@ -228,6 +233,7 @@ def _windows(workdir):
 
 
 # --------------------------------------------------------------------------- bad input (one process)
+
 
 
 def test_bad_input(workdir, capsys, monkeypatch):
