@@ -67,6 +67,22 @@ def test_integrations_are_reached_lazily():
         "from megatron_tree.integrations import megatron as direct\n"
         "print(json.dumps([mt.megatron is direct, callable(mt.megatron.get_gpt_layer_tree_spec)]))\n")
     assert out == [True, True]
+    # Megatron checkpoints are checked (files, headers, training arguments) and the eval's frameworks found without
+    # importing megatron.core, wandb or deepspeed, which cost seconds per rank: a wrong path fails at once. The
+    # package's names load on first use.
+    out = _fresh(
+        "import json, sys\n"
+        "from megatron_tree.integrations.megatron.checkpoint import check_checkpoint\n"
+        "from megatron_tree.integrations.megatron.model import GPTShape\n"
+        "import megatron_tree.integrations.megatron as m\n"
+        "from megatron_tree.utils.extras import installed, missing\n"
+        "found = [installed(n) for n in ('megatron.core', 'wandb', 'deepspeed', 'no_such_module', 'json.no_such')]\n"
+        "gone = missing({'megatron': 'a', 'wandb': 'b', 'deepspeed': 'c'})\n"
+        "before = [n for n in ('megatron.core', 'wandb', 'deepspeed') if n in sys.modules]\n"
+        "print(json.dumps([found, gone, before, callable(m.use_tree_attention), 'megatron.core' in sys.modules,\n"
+        "                  all(getattr(m, n) is not None for n in m.__all__)]))\n")
+    # installed frameworks are found, absent ones not, and none of them is imported by the check
+    assert out == [[True, True, True, False, False], {}, [], True, True, True]
 
 
 @pytest.mark.parametrize("module, blocked, extra", [

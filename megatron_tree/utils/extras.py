@@ -9,6 +9,7 @@ that extra reads which one to install instead of a bare ``No module named ...``.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 
 EXTRAS = {
     # extra: (the module imported, the distribution(s) the extra installs)
@@ -37,15 +38,25 @@ def require(extra: str, what: str):
                           f"failed: {e})") from e
 
 
+def installed(module: str) -> bool:
+    """Whether ``module`` (dotted) can be found, without importing it (its parent packages are imported).
+
+    A presence check, not an import: importing megatron.core, deepspeed or wandb costs seconds of CPU per
+    process, which a run that then fails on a bad path or config would spend for nothing. An installed
+    framework that fails to import is reported where it is first imported (:func:`require`)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package that does not import; a module without a spec
+        return False
+
+
 def missing(needs: dict) -> dict:
-    """The entries of ``needs`` (extra -> why it is needed) whose framework does not import: extra -> why."""
+    """The entries of ``needs`` (extra -> why it is needed) whose framework is not installed: extra -> why."""
     out = {}
     for extra, why in needs.items():
         if extra not in EXTRAS:
             raise ValueError(f"unknown extra {extra!r}; the extras are {sorted(EXTRAS)}")
-        try:
-            importlib.import_module(EXTRAS[extra][0])
-        except ImportError:
+        if not installed(EXTRAS[extra][0]):
             out[extra] = why
     return out
 
