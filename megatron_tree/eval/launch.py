@@ -395,8 +395,7 @@ def run_eval(cfg: RunConfig, env=None) -> dict | None:
                 f"{cfg.name}: decode latency, {tp}CP {cp_size} ({levels}), {backend}/{device.type}",
                 attention=results["attention_baselines"])
             report.track(tracker, results, ev.context_lengths, results["plot"])
-            results["wandb"] = {"enabled": tracker.run_dir is not None, "mode": cfg.wandb.mode,
-                                "run_dir": tracker.run_dir}
+            results["wandb"] = report.wandb_record(tracker.run_dir, cfg.wandb.mode)
             phases["tasks_and_outputs_s"] = time.perf_counter() - t0
             results["phases_s"] = phases
             results["elapsed_s"] = time.perf_counter() - t_start

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 __all__ = ["RESULTS_SCHEMA_VERSION", "build_results", "save_plot", "summary_line", "track", "write", "print_summary",
-           "print_plan", "wandb_line", "attention_summary", "verdict_line", "table_lines", "modelled_crossovers"]
+           "print_plan", "wandb_line", "wandb_record", "attention_summary", "verdict_line", "table_lines", "modelled_crossovers"]
 
 RESULTS_SCHEMA_VERSION = 3
 """2: ``runs[].tokens``, ``exactness.reference``/``reference_tokens``/``tokens_match_reference``,
@@ -305,6 +305,16 @@ def wandb_line(tracker_dir: str | None, wandb_mode: str) -> str:
         return f"wandb:   {tracker_dir}" + (f"  (sync with: wandb sync {tracker_dir})" if wandb_mode == "offline" else "")
     off = env_disabled()
     return "wandb:   disabled" + (f" ({off} in the environment)" if off else "")
+
+
+def wandb_record(tracker_dir: str | None, wandb_mode: str) -> dict:
+    """results.json's ``wandb`` entry: ``enabled``, the ``mode`` the run used (``"disabled"`` when no run was
+    made), its ``run_dir``, and ``disabled_by``, the environment variable that switched wandb off (or null)."""
+    from .tracking import env_disabled
+
+    on = tracker_dir is not None
+    return {"enabled": on, "mode": wandb_mode if on else "disabled", "run_dir": tracker_dir,
+            "disabled_by": None if on else env_disabled()}
 
 
 def print_summary(results: dict, path: Path, tracker_dir: str | None, wandb_mode: str, tolerance: float) -> None:

@@ -301,6 +301,8 @@ def test_wandb_switched_off_in_the_environment_wins_over_the_yaml(tmp_path, monk
     assert isinstance(t, NullTracker) and list(tmp_path.iterdir()) == []
     assert env_disabled() == f"{var}={value}"
     assert report.wandb_line(None, "offline") == f"wandb:   disabled ({var}={value} in the environment)"
+    assert report.wandb_record(None, "offline") == {"enabled": False, "mode": "disabled", "run_dir": None,
+                                                    "disabled_by": f"{var}={value}"}
     for other in ({"WANDB_MODE": "offline"}, {"WANDB_MODE": "online"}, {"WANDB_DISABLED": "false"}, {}):
         assert env_disabled(other) is None, other
 

@@ -80,6 +80,7 @@ def test_single_process_run_writes_results_plot_and_wandb(tmp_path, clean_env, c
         assert [len(row) for row in r["tokens"]] == [5, 5] and ex["reference_tokens"] == r["tokens"]
     assert res["exact"] is True and res["max_abs_dlogits"] < 1e-4 and res["tokens_match_reference"] is True
     run_dir = res["wandb"]["run_dir"]
+    assert res["wandb"] == {"enabled": True, "mode": "offline", "run_dir": run_dir, "disabled_by": None}
     assert run_dir.startswith(str(out / "wandb")) and any(f.startswith("run-") and f.endswith(".wandb")
                                                           for f in os.listdir(run_dir))
     # what was logged: per-step metrics and the summary (in the run's record), a table per
@@ -424,7 +425,8 @@ def test_passkey_and_perplexity_with_a_checkpoint(tmp_path, clean_env):
                  "eval.perplexity.eval_tokens=6", "wandb.enabled=false"])
     assert rc == 0
     res = json.loads((out / "results.json").read_text())
-    assert res["wandb"]["run_dir"] is None and res["exact"] is True
+    assert res["wandb"] == {"enabled": False, "mode": "disabled", "run_dir": None, "disabled_by": None}
+    assert res["exact"] is True
     (pk,) = res["passkey"]
     assert pk["context_length"] == 64 and pk["trials"] == 2 and 0.0 <= pk["accuracy"] <= 1.0
     assert len(pk["answers"]) == 2 and all(isinstance(a, str) for a in pk["answers"])
