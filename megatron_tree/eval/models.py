@@ -103,24 +103,6 @@ def megatron_layout(topo: TopologyConfig, world: int, cp: int, per_node: int | N
     return [intra, cp // intra] if 1 < intra < cp else None
 
 
-def megatron_cp_levels(groups, per_node: int | None):
-    """Megatron's CP ``groups`` named as the launcher's nodes (``per_node`` consecutive ranks each) hold them.
-
-    Megatron's groups carry no node layout, so a flat one (no hierarchical sizes) comes as one node's group
-    (level ``"intra"``, ``intra_size`` = the CP size). A flat group whose ranks sit one per node (TP 2 x CP 3 on
-    3 nodes x 2: CP group [0, 2, 4]) is ``"inter"`` with ``intra_size`` 1, as ``TreeGroups.build`` names it: what
-    results.json and the verdict report, and what merge ``auto``'s cost model prices (inter-node links). A group
-    inside one node, a hierarchical one, or an unknown layout (``per_node`` None) is returned as it is.
-    """
-    if groups is None or per_node is None or groups.is_hierarchical or groups.size < 2:
-        return groups
-    if len({r // per_node for r in groups.cp_ranks}) != groups.size:
-        return groups
-    from ..distributed.topology import Level
-
-    return dataclasses.replace(groups, levels=(Level("inter", groups.cp_group, groups.cp_ranks),), intra_size=1)
-
-
 def build(m: ModelConfig, topo: TopologyConfig, *, cp_size: int, rank: int, device, env, want_reference: bool,
           checkpoint=None, stack: contextlib.ExitStack) -> EvalModel:
     """The model of ``m`` on this rank at the layout of ``topo``; collective over every rank."""
@@ -259,8 +241,7 @@ def _build_megatron(m: ModelConfig, topo: TopologyConfig, *, cp_size, rank, devi
     tp = topo.tp_size
     per_node, _ = launcher_local_size(env)
     hier = megatron_layout(topo, dist.get_world_size(), cp_size, per_node)
-    groups = megatron_cp_levels(model_groups("megatron", cp_size, hierarchical=hier, tp=tp, timeout_s=topo.timeout_s),
-                                per_node)
+    groups = model_groups("megatron", cp_size, hierarchical=hier, tp=tp, timeout_s=topo.timeout_s, per_node=per_node)
     stack.callback(parallel_state.destroy_model_parallel)
     single = mm.single_rank_groups()  # collective: every rank creates every size-1 group
     layout = dict(device=device, dtype=dtype, shape=shape, cp_size=cp_size, hierarchical=hier, tp=tp, seed=m.seed)

@@ -85,7 +85,7 @@ except ImportError as e:  # pragma: no cover -- exercised only where lm-eval is 
     ) from e
 
 from ..distributed import collectives
-from ..distributed.topology import TRANSPORTS
+from ..distributed.topology import TRANSPORTS, launcher_local_size
 from ..comm.merge import STRATEGIES
 from ..decode import PREFILL_METHODS, generate
 from .loading import NAMED_COMPILE_STEPS, load_model, model_groups
@@ -371,9 +371,10 @@ def _build_groups(args: ModelArgs, device: torch.device, rank: int, world: int):
         else:
             dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
     cp, dp_size = args.cp_size, world // args.cp_size
+    per_node = launcher_local_size(os.environ)[0] if megatron else None  # names Megatron's flat groups' level
     groups = model_groups(args.source, cp, hierarchical=_hierarchical(args), intra_size=args.intra_size,
                           timeout_s=collectives.group_timeout().total_seconds(), transport=args.transport,
-                          cp_ranks=[list(range(d * cp, (d + 1) * cp)) for d in range(dp_size)])
+                          cp_ranks=[list(range(d * cp, (d + 1) * cp)) for d in range(dp_size)], per_node=per_node)
     dp_group = None
     if dp_size > 1:
         td = collectives.group_timeout()

@@ -28,11 +28,14 @@ SOURCES = ("hf", "megatron")
 
 def model_groups(source: Source, cp_size: int, *, hierarchical: Sequence[int] | None = None, tp: int = 1,
                  timeout_s: float = 600.0, cp_ranks: Sequence[Sequence[int]] | None = None,
-                 intra_size: int | None = None, env=None, transport: str | None = None) -> TreeGroups | None:
+                 intra_size: int | None = None, env=None, transport: str | None = None,
+                 per_node: int | None = None) -> TreeGroups | None:
     """This rank's CP groups for ``source``.
 
     megatron: Megatron-Core's ``parallel_state`` is initialised (TP ``tp``, CP ``cp_size``, its
-        ``hierarchical_context_parallel_sizes`` = ``hierarchical``) and its CP groups are returned;
+        ``hierarchical_context_parallel_sizes`` = ``hierarchical``) and its CP groups are returned, named
+        by the nodes of ``per_node`` consecutive ranks that hold them (``megatron.groups.megatron_cp_levels``:
+        a flat group with one rank per node is ``inter``; ``None``, an unknown layout, leaves Megatron's own);
     hf: ``cp_ranks`` (consecutive blocks of ``cp_size`` ranks) with levels from the launcher's
         environment ``env`` (``TreeGroups.from_env``) when ``env`` is given, else ``intra_size``
         (``TreeGroups.build``); ``None`` for ``cp_size == 1`` without an environment to read.
@@ -42,11 +45,12 @@ def model_groups(source: Source, cp_size: int, *, hierarchical: Sequence[int] | 
     if source not in SOURCES:
         raise ValueError(f"unknown model source {source!r}; expected one of {SOURCES}")
     if source == "megatron":
-        from .megatron import initialize_model_parallel
+        from .megatron.groups import initialize_model_parallel, megatron_cp_levels
 
-        return initialize_model_parallel(cp_size, list(hierarchical) if hierarchical else None,
-                                         tensor_model_parallel_size=tp,
-                                         distributed_timeout_minutes=max(1, math.ceil(timeout_s / 60)))
+        groups = initialize_model_parallel(cp_size, list(hierarchical) if hierarchical else None,
+                                           tensor_model_parallel_size=tp,
+                                           distributed_timeout_minutes=max(1, math.ceil(timeout_s / 60)))
+        return megatron_cp_levels(groups, per_node)
     if cp_ranks is None:
         raise ValueError("model_groups(source='hf') needs cp_ranks, the consecutive blocks of cp_size ranks")
     cp_ranks = [list(r) for r in cp_ranks]

@@ -359,19 +359,20 @@ def test_a_flat_megatron_cp_group_one_rank_per_node_is_named_inter():
     cost model was handed intra_size 3. It is "inter" with intra_size 1 now, as TreeGroups.build names such a group; a
     group inside one node stays "intra", a hierarchical one as Megatron built it."""
     from megatron_tree.distributed.topology import Level, TreeGroups
+    from megatron_tree.integrations.megatron.groups import megatron_cp_levels
 
     def flat(ranks):
         return TreeGroups(None, tuple(ranks), (Level("intra", None, tuple(ranks)),), len(ranks))
 
-    spread = M.megatron_cp_levels(flat([0, 2, 4]), 2)
+    spread = megatron_cp_levels(flat([0, 2, 4]), 2)
     assert [(lv.name, lv.ranks) for lv in spread.levels] == [("inter", (0, 2, 4))] and spread.intra_size == 1
     assert spread.describe()["num_nodes"] == 3 and spread.cp_ranks == (0, 2, 4)
     # 2 nodes x 3 at CP 2 (flat since 0a607f1): [2, 3] crosses the node boundary, [0, 1] does not
-    assert M.megatron_cp_levels(flat([2, 3]), 3).levels[0].name == "inter"
-    for kept in (M.megatron_cp_levels(flat([0, 1]), 3), M.megatron_cp_levels(flat([0, 1]), None)):
+    assert megatron_cp_levels(flat([2, 3]), 3).levels[0].name == "inter"
+    for kept in (megatron_cp_levels(flat([0, 1]), 3), megatron_cp_levels(flat([0, 1]), None)):
         assert kept.levels[0].name == "intra" and kept.intra_size == 2
     two = TreeGroups(None, (0, 1, 2, 3), (Level("intra", None, (0, 1)), Level("inter", None, (0, 2))), 2)
-    assert M.megatron_cp_levels(two, 1) is two
+    assert megatron_cp_levels(two, 1) is two
 
 
 # ----------------------------------------------------------------------------- real checkpoint

@@ -132,7 +132,14 @@ def _rank(rank, world, workdir):
         out["bad"][name] = _cli(["--model", "megatron_tree", "--model_args", margs, "--tasks", "mt_choice",
                                  "--include_path", tasks, "--device", "cpu"])
 
-    lm = backend.TreeLM.create_from_arg_string(f"{base},cp_size=2,strategy=auto", {"batch_size": 3, "device": "cpu"})
+    # As if each rank were on a node of its own (LOCAL_WORLD_SIZE 1): Megatron's flat CP group [0, 1] spans two
+    # nodes, so its level is "inter" (intra_size 1), what merge auto's cost model prices; before, "intra" always.
+    os.environ["LOCAL_WORLD_SIZE"] = "1"
+    try:
+        lm = backend.TreeLM.create_from_arg_string(f"{base},cp_size=2,strategy=auto", {"batch_size": 3, "device": "cpu"})
+    finally:
+        del os.environ["LOCAL_WORLD_SIZE"]
+    out["levels"] = [(lv.name, lv.ranks) for lv in lm.groups.levels], lm.groups.intra_size
     too_long = []
     for call in (lambda: lm.loglikelihood([Req("the cat " * 40, " sees the dog")]),
                  lambda: lm.generate_until([Req("the cat " * 30, {"until": ["."], "max_gen_toks": 8})])):
@@ -170,6 +177,7 @@ def test_megatron_checkpoint_cp2_matches_megatron_cp1(workdir):
         assert "context of 60 tokens; with max_gen_toks=8 it needs 68" in r["too_long"][1], r["too_long"]
         assert r["scored_before"] == 0, "a refused request must not run"
         assert r["info"]["source"] == "megatron" and r["info"]["cp_size"] == 2
+        assert r["levels"] == ([("inter", (0, 1))], 1), r["levels"]
     oracle = results[0]["oracle"]
     assert {t for t, *_ in oracle["requests"]} == set(TASKS)
     gens = [v for k, v in oracle["requests"].items() if k[0] == "mt_gen"]

@@ -12,6 +12,7 @@ need the groups; none of them should import another for it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 
@@ -19,9 +20,9 @@ import torch
 import torch.distributed as dist
 
 from ...distributed import collectives
-from ...distributed.topology import TopologyError, TreeGroups
+from ...distributed.topology import Level, TopologyError, TreeGroups
 
-__all__ = ["tree_groups_from_megatron", "initialize_model_parallel", "load_balanced_positions"]
+__all__ = ["tree_groups_from_megatron", "initialize_model_parallel", "load_balanced_positions", "megatron_cp_levels"]
 
 log = logging.getLogger("megatron_tree.integrations")
 
@@ -142,3 +143,19 @@ def load_balanced_positions(seq_len: int, cp_size: int, cp_rank: int) -> torch.T
     first = torch.arange(cp_rank * c, (cp_rank + 1) * c)
     second = torch.arange((2 * cp_size - 1 - cp_rank) * c, (2 * cp_size - cp_rank) * c)
     return torch.cat([first, second])
+
+
+def megatron_cp_levels(groups, per_node: int | None):
+    """Megatron's CP ``groups`` named as the launcher's nodes (``per_node`` consecutive ranks each) hold them.
+
+    Megatron's groups carry no node layout, so a flat one (no hierarchical sizes) comes as one node's group
+    (level ``"intra"``, ``intra_size`` = the CP size). A flat group whose ranks sit one per node (TP 2 x CP 3 on
+    3 nodes x 2: CP group [0, 2, 4]) is ``"inter"`` with ``intra_size`` 1, as ``TreeGroups.build`` names it: what
+    results.json and the verdict report, and what merge ``auto``'s cost model prices (inter-node links). A group
+    inside one node, a hierarchical one, or an unknown layout (``per_node`` None) is returned as it is.
+    """
+    if groups is None or per_node is None or groups.is_hierarchical or groups.size < 2:
+        return groups
+    if len({r // per_node for r in groups.cp_ranks}) != groups.size:
+        return groups
+    return dataclasses.replace(groups, levels=(Level("inter", groups.cp_group, groups.cp_ranks),), intra_size=1)
