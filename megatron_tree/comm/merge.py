@@ -116,11 +116,23 @@ SHIFT_MAX_DEN = 2.0 ** 64
 """Largest all-reduced ``sum exp(lse_u - r)`` that ``shifted`` accepts (see the module docstring)."""
 
 
-MERGE_SIGNATURE = ("batch", "seqlen_q", "heads_q", "headdim_v", "dtype", "strategy", "backend", "shift")
+MERGE_SIGNATURE = ("batch", "seqlen_q", "heads_q", "headdim_v", "dtype", "strategy", "backend", "shift",
+                   "softmax_scale", "window", "softcap")
 """What every rank of a merge must agree on (:class:`agreement.Agreement` checks it when it changes).
 ``headdim_v`` is the merged outputs' head dim, V's (q and k may have another, as in MLA: the merge
 never sees it). A new argument that changes the collectives (e.g. a shift) is one more name here and
-one more value in :func:`merge`."""
+one more value in :func:`merge`.
+
+``softmax_scale``, ``window`` and ``softcap`` are the local attention's settings that made each
+rank's partial (:func:`merge`'s arguments of those names): they change no collective, but partials
+of different settings combine into an answer that is no attention at all, so ranks that differ
+raise instead. The scale is compared resolved (``tree_decode`` passes the one the kernel used:
+``None`` is ``1/sqrt(headdim)``, so ``None`` on one rank and that value on another are one
+setting) and exactly, as the Python float handed to the kernel (``headdim ** -0.5`` can differ
+from ``1/sqrt(headdim)`` in its last bit, and is then another setting, as it is in a float64
+kernel); a caller that merges partials of its own making passes ``None`` for all three, and
+they are then compared as ``None``. The attention sinks are not here: ``tree_decode`` adds them
+to the merged state on each rank, after the merge, so no partial depends on them."""
 
 _WHAT = "tree merge"
 
@@ -339,6 +351,9 @@ def merge(
     backend: str | None = None,
     shift: torch.Tensor | None = None,
     deferred: list | None = None,
+    softmax_scale: float | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge this rank's partial state with every other rank's of ``groups``; result on all ranks.
 
@@ -352,11 +367,17 @@ def merge(
         makes ``shifted`` run ``packed``, and every rank must pass one or none)
     deferred: ``shifted`` only: a list that receives this call's device flag (a 0-d bool tensor,
         True when the result must be redone) instead of a host check and an immediate redo
+    softmax_scale, window, softcap: the local attention's settings that made this partial (the
+        scale resolved: the factor the scores were multiplied by, never ``None`` for "the
+        default"; ``tree_decode`` passes them), part of what every rank must agree on; ``None``
+        (the default) where the caller does not say
     returns out: (batch, seqlen_q, nheads_q, headdim) float32 (float64 for float64 input),
             lse: (batch, nheads_q, seqlen_q) in the wider of lse's dtype and out's; every rank of
             the CP group gets the same.
 
-    Ranks that disagree on the signature raise :class:`DisagreementError` on every rank
+    Ranks that disagree on the signature (:data:`MERGE_SIGNATURE`: batch, seqlen_q, heads_q,
+    headdim_v, dtype, strategy, backend, whether a shift is given, softmax_scale, window and
+    softcap) raise :class:`DisagreementError` on every rank, naming each rank's values
     (checked when this rank's signature differs from its previous merge on ``groups``: no
     extra collective or host sync in steady state; see :class:`agreement.Agreement`).
     """
@@ -368,7 +389,8 @@ def merge(
             f"got {tuple(out.shape)} and {tuple(lse.shape)}"
         )
     if torch.compiler.is_compiling() and groups.size > 1:  # traced: the collectives as one opaque op
-        return _traced_merge(out, lse, groups, strategy, stats, dtype, backend, shift, deferred)
+        return _traced_merge(out, lse, groups, strategy, stats, dtype, backend, shift, deferred,
+                             softmax_scale, window, softcap)
     o, lse = _widened(out, lse, acc_dtype(out.dtype))
     check_shift(shift, tuple(lse.shape), o.device)
     if isinstance(stats, collectives.StatsSlot):  # a compiled step's slot (one rank: nothing traced to record)
@@ -380,7 +402,7 @@ def merge(
     strategy = _resolve(strategy, groups, tuple(out.shape), o.element_size(), shift)
     b, sq, hq, d = out.shape
     signature = (b, sq, hq, d, out.dtype if dtype is None else dtype, strategy, backend,
-                 shift is not None and strategy == "shifted")
+                 shift is not None and strategy == "shifted", *_settings(softmax_scale, window, softcap))
     with groups.agreement.call("merge", MERGE_SIGNATURE, signature):
         if o.numel() == 0 or lse.numel() == 0:  # no rows (B = 0), heads or queries: nothing to merge
             return o, lse
@@ -412,7 +434,8 @@ def _op_names(groups: TreeGroups, stats) -> str:
     return f"{groups.op_name}|{'' if stats is None else stats.op_name}"
 
 
-def _traced_merge(out, lse, groups, strategy, stats, dtype, backend, shift, deferred):
+def _traced_merge(out, lse, groups, strategy, stats, dtype, backend, shift, deferred, softmax_scale, window,
+                  softcap):
     if shift is not None or deferred is not None or strategy == "shifted":
         raise CompileError(
             "strategy='shifted' carries every layer's merged lse from one step to the next in host state and "
@@ -420,15 +443,25 @@ def _traced_merge(out, lse, groups, strategy, stats, dtype, backend, shift, defe
             "use strategy='packed', 'two_level', 'allgather', 'allreduce3' or 'auto'"
         )
     merged = torch.ops.megatron_tree.cp_merge(out, lse, _op_names(groups, stats), strategy,
-                                              out.dtype if dtype is None else dtype, backend or "")
+                                              out.dtype if dtype is None else dtype, backend or "",
+                                              softmax_scale, window, softcap)
     return no_backward("the CP merge", merged, (out, lse))
 
 
+# The attention settings the partials were made with travel as the op's own typed arguments, at the end
+# with defaults (calls that name the first six stay valid), typed as ``megatron_tree::flash_decode`` takes the
+# same three from the same call: a graph shows each setting as it is, opcheck's schema test covers them, and
+# the eager body hands them to merge's agreement check with no parsing (one string encoding all three would
+# be formatted while tracing and parsed back on every call). Dynamo specializes a float or int argument of an
+# op to its value (a literal in the graph, guarded like the flash_decode op's same values beside it), and a
+# step's settings are constants (a module's attribute, a config value, 1/sqrt(d) of a static head dim): the
+# same literal every step, so no step's guard fails on them and no recompilation follows.
 torch.library.define("megatron_tree::cp_merge",
-                     "(Tensor out, Tensor lse, str names, str strategy, ScalarType dtype, str backend) -> (Tensor, Tensor)")
+                     "(Tensor out, Tensor lse, str names, str strategy, ScalarType dtype, str backend, "
+                     "float? softmax_scale=None, SymInt? window=None, float? softcap=None) -> (Tensor, Tensor)")
 
 
-def _cp_merge_impl(out, lse, names, strategy, dtype, backend):
+def _cp_merge_impl(out, lse, names, strategy, dtype, backend, softmax_scale=None, window=None, softcap=None):
     group_name, stats_name = names.split("|")
     groups = collectives.by_op_name(group_name)
     if groups is None:
@@ -437,18 +470,27 @@ def _cp_merge_impl(out, lse, names, strategy, dtype, backend):
     stats = collectives.by_op_name(stats_name) if stats_name else None
     if isinstance(stats, collectives.StatsSlot):  # a compiled step's: this step's CommStats, or none
         stats = stats.target
-    o, l = merge(out, lse, groups, strategy, stats, dtype=dtype, backend=backend or None)
+    o, l = merge(out, lse, groups, strategy, stats, dtype=dtype, backend=backend or None,
+                 softmax_scale=softmax_scale, window=window, softcap=softcap)
     # (an op may not return its inputs: a merge with nothing to merge hands back the widened partials)
     return (o.clone() if o.data_ptr() == out.data_ptr() else o), (l.clone() if l.data_ptr() == lse.data_ptr() else l)
 
 
 @torch.library.register_fake("megatron_tree::cp_merge")
-def _cp_merge_fake(out, lse, names, strategy, dtype, backend):
+def _cp_merge_fake(out, lse, names, strategy, dtype, backend, softmax_scale=None, window=None, softcap=None):
     acc = acc_dtype(out.dtype)
     return out.new_empty(out.shape, dtype=acc), lse.new_empty(lse.shape, dtype=torch.promote_types(lse.dtype, acc))
 
 
 torch.library.impl("megatron_tree::cp_merge", "CompositeExplicitAutograd", _cp_merge_impl)
+
+
+def _settings(softmax_scale, window, softcap) -> tuple:
+    """The attention settings as the signature holds them: floats as floats and the window as an int
+    (``1`` and ``1.0``, or a numpy scalar and its Python twin, are one setting and print alike), ``None``
+    kept."""
+    return (None if softmax_scale is None else float(softmax_scale), None if window is None else int(window),
+            None if softcap is None else float(softcap))
 
 
 def _widened(o, lse, acc: torch.dtype):
@@ -498,7 +540,8 @@ def _settle_shifted(result, o, lse, groups: TreeGroups, stats, deferred):
 
 """Strategies :func:`merge_overlapped` runs in stages (every collective asynchronous)."""
 
-SPLIT_SIGNATURE = ("batch", "seqlen_q", "heads_q", "headdim_v", "dtype", "strategy", "backend", "shift", "split")
+SPLIT_SIGNATURE = ("batch", "seqlen_q", "heads_q", "headdim_v", "dtype", "strategy", "backend", "shift",
+                   "softmax_scale", "window", "softcap", "split")
 """An overlapped merge's signature at the ``merge`` site: :data:`MERGE_SIGNATURE`'s names plus the parts'
 batch sizes, so a rank that splits and one that does not (or splits differently) get a
 :class:`DisagreementError`. Spelled out rather than derived, so a name added to ``MERGE_SIGNATURE`` for
@@ -542,6 +585,9 @@ def merge_overlapped(
     backend: str | None = None,
     shift: torch.Tensor | None = None,
     deferred: list | None = None,
+    softmax_scale: float | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Local attention and merge of a batch in parts, each part's merge in flight while the next part's local runs.
 
@@ -555,6 +601,8 @@ def merge_overlapped(
     shift, deferred: as for :func:`merge` (``shifted``): shift (batch, nheads_q, seqlen_q) for the
         whole batch, each part weighted by its rows; when any part's check fails the whole
         call is redone with ``packed`` (at once, or by the caller with ``deferred``)
+    softmax_scale, window, softcap: the settings ``local`` computes with, as for :func:`merge`
+        (part of what every rank must agree on)
     returns out: (batch, seqlen_q, nheads_q, headdim) float32 (float64 for float64 input),
             lse: (batch, nheads_q, seqlen_q) in the wider of the partial lse's dtype and out's
             (float64 from ``tree_decode``) -- what :func:`merge` returns for the whole batch: every row goes through the same operations (the sums' rounding can
@@ -593,7 +641,8 @@ def merge_overlapped(
         return torch.cat([o for o, _ in states]), torch.cat([l for _, l in states])
     # auto prices every part as the largest one, so all parts run one strategy
     strategy = _resolve(strategy, groups, (max(sizes), sq, hq, d), acc.itemsize, shift)
-    signature = (b, sq, hq, d, dtype, strategy, backend, shift is not None and strategy == "shifted", sizes)
+    signature = (b, sq, hq, d, dtype, strategy, backend, shift is not None and strategy == "shifted",
+                 *_settings(softmax_scale, window, softcap), sizes)
     with groups.agreement.call("merge", SPLIT_SIGNATURE, signature):
         n = _stage_count(strategy, groups)
         flights, states = [], []

@@ -21,7 +21,7 @@ import torch
 from ..comm import merge as comm
 from ..ops import dispatch as ops
 from ..comm.merge import CommStats
-from ..ops.contract import acc_dtype, check_decode_inputs, check_variants, lse_acc_dtype
+from ..ops.contract import acc_dtype, check_decode_inputs, check_variants, lse_acc_dtype, softmax_scale_of
 from ..ops.reference import add_sink
 from ..distributed.topology import TreeGroups
 
@@ -87,20 +87,26 @@ def tree_decode(
         keys held elsewhere) exactly at large score magnitudes -- partials and every merge level
         carry float64 either way (a partial no merge follows -- one rank, no stats -- is formed
         in lse_dtype directly)
+    softmax_scale: the factor the scores are multiplied by (``None``: 1/sqrt(headdim)); the same
+        on every rank, compared resolved and exactly (``None`` on one rank and 1/sqrt(headdim) on
+        another agree; ``headdim ** -0.5``, one bit off it for some head dims, does not)
     window, softcap: the local attention's sliding window (with positions: a query at global
         position p sees keys p - window < j <= p; a rank with none is an empty shard) and score
-        soft-capping, as for ``ops.flash_decode``; the same on every rank
+        soft-capping, as for ``ops.flash_decode``; the same on every rank (compared, as the scale)
     sinks: (nheads_q,) float, the same on every rank: one logit per query head joining the
         softmax once, with a zero value -- applied after the merge (``reference.add_sink``),
-        never to a rank's partial (which would count it once per rank)
+        never to a rank's partial (which would count it once per rank); not compared: it joins
+        each rank's merged state on that rank, so the merge's partials never depend on it
     returns out: (batch, seqlen_q, nheads_q, headdim_v) in q.dtype, identical on every CP rank,
             and with ``return_lse`` also lse: (batch, nheads_q, seqlen_q) in lse_dtype, natural
             log (over the keys and the sink); NaN in the rows where some rank's visible score is NaN
 
-    Every CP rank must pass the same batch, seqlen_q, nheads_q, headdim, dtype, strategy and
-    backend; ranks that do not raise :class:`~megatron_tree.comm.DisagreementError` on every
-    rank (see ``comm.merge``). A peer that dies or hangs is a ``CommError`` within the groups'
-    timeout.
+    Every CP rank must pass the same batch, seqlen_q, nheads_q, headdim, dtype, strategy,
+    backend, softmax_scale, window and softcap (and a shift or none); ranks that do not raise
+    :class:`~megatron_tree.comm.DisagreementError` on every rank, naming each rank's values
+    (``comm.merge``'s ``MERGE_SIGNATURE``; checked when a rank's values change, no extra
+    collective or host sync in steady state). A peer that dies or hangs is a ``CommError``
+    within the groups' timeout.
     """
     if strategy not in comm.STRATEGIES:
         raise ValueError(f"unknown merge strategy {strategy!r}; expected one of {comm.STRATEGIES}")
@@ -127,12 +133,14 @@ def tree_decode(
             )
             if shift is not None:
                 comm.check_shift(shift, tuple(lse.shape), q.device)
+            if not alone:  # the scale the kernel used: what the ranks compare (None and 1/sqrt(d) are one)
+                scale = softmax_scale_of(softmax_scale, q.shape[-1])
         except Exception as e:  # noqa: BLE001 -- this rank's own checks: every rank raises it (_tell)
             _tell(groups, e)
             raise
         if not alone:  # (alone, comm.merge would check again what was checked above and widen nothing)
             out, lse = comm.merge(out, lse, groups, strategy, stats, dtype=q.dtype, backend=resolved, shift=shift,
-                                  deferred=deferred)
+                                  deferred=deferred, softmax_scale=scale, window=window, softcap=softcap)
     if sinks is not None:  # once, on the merged state (every rank holds the same)
         out, lse = add_sink(out, lse, sinks)
     # the casts only where they change a dtype: .to's argument parsing alone is ~2 us of a tiny call
@@ -154,6 +162,7 @@ def _decode_overlapped(q, k, v, groups, cache_seqlens, softmax_scale, strategy, 
                             by_value=q.device.type == "cpu" and not torch.compiler.is_compiling(), **variants)
         comm.check_shift(shift, (q.shape[0], q.shape[2], q.shape[1]), q.device)
         resolved = ops.resolve_backend(q.device, backend)
+        scale = softmax_scale_of(softmax_scale, q.shape[-1])
     except Exception as e:  # noqa: BLE001 -- as in tree_decode
         _tell(groups, e)
         raise
@@ -176,7 +185,8 @@ def _decode_overlapped(q, k, v, groups, cache_seqlens, softmax_scale, strategy, 
 
     out_shape = (*q.shape[:3], v.shape[3])  # the merged outputs have V's head dim
     return comm.merge_overlapped(local, halves, out_shape, groups, strategy, stats, dtype=q.dtype,
-                                 backend=resolved, shift=shift, deferred=deferred)
+                                 backend=resolved, shift=shift, deferred=deferred, softmax_scale=scale,
+                                 window=variants.get("window"), softcap=variants.get("softcap"))
 
 
 def _tell(groups: TreeGroups | None, error: Exception) -> None:

@@ -43,7 +43,7 @@ from ..comm.merge import CommStats
 from ..distributed import agreement, collectives
 from ..distributed.topology import TreeGroups
 from ..ops import dispatch as ops
-from ..ops.contract import acc_dtype
+from ..ops.contract import acc_dtype, softmax_scale_of
 from ..ops.reference import add_sink, merge_states, soft_cap
 from .generate import DecodeStep, GenerationResult, row_digest, stop_id_set
 
@@ -291,8 +291,10 @@ def verify_attention(
         do, dl = draft_attention(q, draft_k, draft_v, mask, softmax_scale=softmax_scale, softcap=softcap,
                                  positions=q_positions, window=window)
         out, lse = merge_states(torch.stack([out, do.to(out.dtype)]), torch.stack([lse.double(), dl]))
-    if groups is not None:
-        out, lse = comm.merge(out, lse, groups, strategy, stats, dtype=q.dtype, backend=resolved)
+    if groups is not None:  # (the settings the partials were made with: compared by the merge's agreement)
+        out, lse = comm.merge(out, lse, groups, strategy, stats, dtype=q.dtype, backend=resolved,
+                              softmax_scale=softmax_scale_of(softmax_scale, q.shape[-1]), window=window,
+                              softcap=softcap)
     if sinks is not None:
         out, lse = add_sink(out, lse, sinks)
     out = out.to(q.dtype)

@@ -22,6 +22,7 @@ import torch
 __all__ = [
     "acc_dtype", "check_decode_inputs", "check_cache_seqlens", "check_block_table", "check_merge_inputs",
     "check_sinks", "check_variants", "kv_length", "lse_acc_dtype", "no_backward", "LSE_DTYPES", "MAX_WINDOW",
+    "softmax_scale_of",
 ]
 
 LSE_DTYPES = (torch.float32, torch.float64)
@@ -73,6 +74,12 @@ def lse_acc_dtype(lse_dtype: torch.dtype | None, dtype: torch.dtype) -> torch.dt
     if lse_dtype not in LSE_DTYPES:
         raise TypeError(f"lse_dtype must be one of {LSE_DTYPES} or None, got {lse_dtype!r}")
     return torch.promote_types(lse_dtype, acc)
+
+
+def softmax_scale_of(softmax_scale, headdim: int) -> float:
+    """The factor a kernel multiplies the scores by: ``softmax_scale``, or ``1/sqrt(headdim)`` for ``None``
+    (the expression every backend and the reference use, so ``None`` and that value are one setting)."""
+    return float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(headdim)
 
 
 def kv_length(k: torch.Tensor, block_table: torch.Tensor | None = None) -> int:

@@ -125,6 +125,79 @@ def _shards(world, b=2, sq=1, hq=4, hkv=2, d=8, seed=0):
     return q, ks
 
 
+def _positioned(b, sq=2, hq=4, hkv=2, d=8, seed=3):
+    """q at the last ``sq`` of 12 global positions, the 12 keys/values, their positions and each rank's
+    slice of them: ranks 0, 1, 2 hold positions [0, 3), [3, 7), [7, 12), so a window of 6 hides rank 0's
+    shard, part of rank 1's and none of rank 2's."""
+    g = torch.Generator().manual_seed(seed)
+    n = 12
+    q, k, v = (torch.randn(b, s, h, d, generator=g) for s, h in ((sq, hq), (n, hkv), (n, hkv)))
+    qpos = torch.arange(n - sq, n).expand(b, sq).contiguous()
+    return q, k, v, qpos, torch.arange(n), [slice(0, 3), slice(3, 7), slice(7, 12)]
+
+
+ATTENTION = dict(softmax_scale=0.3, window=6, softcap=1.5)
+"""The local attention settings of the cases where ranks disagree on one of them (each case changes one)."""
+
+
+def _attention_settings(rank, q, k, v, qpos, kpos, cut, g, out):
+    """Ranks that agree or disagree on tree_decode's softmax_scale, window and softcap: eager, overlapped, traced."""
+    import math
+
+    import megatron_tree as mt
+    from megatron_tree.ops import reference
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    mine = dict(q_positions=qpos, k_positions=kpos[cut], strategy="packed")
+    # agreeing ranks: rank 0 leaves the scale to the default, the others spell it out (one setting, resolved)
+    same = dict(softmax_scale=None if rank == 0 else 1 / math.sqrt(q.shape[-1]), window=6, softcap=1.5)
+    want, _ = reference.partial_attention(q, k, v, q_positions=qpos, k_positions=kpos, window=6, softcap=1.5)
+    for overlap in (False, True):
+        got = mt.tree_decode(q, k[:, cut], v[:, cut], g, overlap=overlap, **mine, **same)
+        out[("attn_same_err", overlap)] = float((got - want).abs().max())
+    ops: list = []
+
+    def record(gm, example_inputs):
+        ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    def compiled(settings):
+        torch._dynamo.reset()
+        counter = CompileCounterWithBackend(record)
+        return counter, torch.compile(lambda *t: mt.tree_decode(*t, g, **mine, **settings), fullgraph=True,
+                                      backend=counter)
+
+    counter, step = compiled(same)
+    errs = [float((step(q, k[:, cut], v[:, cut]) - want).abs().max()) for _ in range(2)]
+    out["attn_same_traced"] = errs, counter.frame_count, sum(o.startswith("megatron_tree.cp_merge") for o in ops)
+    # disagreeing ranks, every rank's call changed (3 rows where the agreed calls had 2): every rank
+    # compares at once
+    q, k, v, qpos, kpos, _ = _positioned(3)
+    mine["q_positions"] = qpos
+    cases = {"attn_scale": dict(softmax_scale=0.5 if rank == 1 else 0.3),
+             "attn_window": dict(window=5 if rank == 2 else 6),
+             "attn_window_none": dict(window=None if rank == 0 else 6),
+             "attn_softcap": dict(softcap=None if rank == 1 else 1.5)}
+    for name, changed in cases.items():
+        settings = {**ATTENTION, **changed}
+        for overlap in (False, True):
+            out[(name, overlap)] = outcome(
+                lambda: mt.tree_decode(q, k[:, cut], v[:, cut], g, overlap=overlap, **mine, **settings))
+        ops.clear()
+        counter, step = compiled(settings)
+        out[(name, "traced")] = outcome(lambda: step(q, k[:, cut], v[:, cut]))
+        out[(name, "traced_ops")] = sum(o.startswith("megatron_tree.cp_merge") for o in ops)
+    # speculative verification's merge (its own check compares the window, not the scale or the softcap):
+    # three draft rows in a chain over each rank's keys
+    from megatron_tree.decode.speculative import verify_attention
+
+    chain = torch.tril(torch.ones(3, 3, dtype=torch.bool))
+    for name in ("attn_scale", "attn_softcap"):
+        settings = {key: val for key, val in {**ATTENTION, **cases[name]}.items() if key != "window"}
+        out[(name, "verify")] = outcome(lambda: verify_attention(q[:, :1].expand(-1, 3, -1, -1), k[:, cut], v[:, cut],
+                                                                 k[:, :3], v[:, :3], chain, g, **settings))
+
+
 def fail_alike_body(rank, world, outdir):
     import megatron_tree as mt
     from megatron_tree.ops import reference
@@ -180,6 +253,13 @@ def fail_alike_body(rank, world, outdir):
                 fine = ~torch.isnan(ref)
                 nan[(strategy, overlap, which, "err")] = float((got[fine] - ref[fine]).abs().max())
     out["nan"] = nan
+
+    # -- the local attention's settings: a merge of partials made with another scale, window or softcap
+    #    on some rank is an error on every rank, never a silent wrong answer --
+    sync()
+    g = mt.TreeGroups.build(timeout=T)
+    q2, k2, v2, qpos, kpos, cuts = _positioned(2)
+    _attention_settings(rank, q2, k2, v2, qpos, kpos, cuts[rank], g, out)
 
     # -- inputs that used to give an unclear error: a clear one, on the rank that passed them --
     sync()
@@ -290,6 +370,50 @@ def test_shift_values_that_differ_between_ranks_are_an_error_on_every_rank(fail_
     assert "on ranks [0, 2]" in message and "on rank 1" in message, message
     _, message, _ = _same_everywhere(fail_alike, "shift_one_value")
     assert "on ranks [0, 1]" in message and "on rank 2" in message, message
+
+
+@pytest.mark.parametrize("case,needle", [
+    ("attn_scale", "softmax_scale: 0.3 on ranks [0, 2]; 0.5 on rank 1"),
+    ("attn_window", "window: 6 on ranks [0, 1]; 5 on rank 2"),
+    ("attn_window_none", "window: None on rank 0; 6 on ranks [1, 2]"),
+    ("attn_softcap", "softcap: 1.5 on ranks [0, 2]; None on rank 1"),
+])
+@pytest.mark.parametrize("path", [False, True, "traced"], ids=["eager", "overlapped", "traced"])
+def test_attention_settings_that_differ_between_ranks_are_an_error_on_every_rank(fail_alike, case, needle, path):
+    """Each rank's partial is its local attention under its own softmax_scale, window and softcap: ranks
+    that differ on one would merge into no attention at all. The merge's agreement names the setting and
+    each rank's value, the same text on every rank, at once (every rank's call changed): the eager merge,
+    the overlapped one (``SPLIT_SIGNATURE``) and a ``torch.compile(fullgraph=True)`` step, whose merge is
+    the ``megatron_tree::cp_merge`` op carrying the settings."""
+    kind, message, seconds = _same_everywhere(fail_alike, (case, path))
+    assert kind == "DisagreementError", message
+    assert f"ranks disagree on merge: {needle}. " in message, message  # that setting alone differs
+    assert seconds < T, seconds
+    if path == "traced":
+        assert all(res[(case, "traced_ops")] == 1 for res in fail_alike)  # the merge traced as the op
+
+
+@pytest.mark.parametrize("case,needle", [
+    ("attn_scale", "softmax_scale: 0.3 on ranks [0, 2]; 0.5 on rank 1"),
+    ("attn_softcap", "softcap: 1.5 on ranks [0, 2]; None on rank 1"),
+])
+def test_verify_attention_settings_that_differ_are_an_error_on_every_rank(fail_alike, case, needle):
+    """The same for speculative verification, whose merge carries the draft rows: the scale and the softcap
+    (its own all-gather compares the window) are the merge's agreement's, named alike on every rank."""
+    kind, message, seconds = _same_everywhere(fail_alike, (case, "verify"))
+    assert kind == "DisagreementError" and f"ranks disagree on merge: {needle}. " in message, message
+    assert seconds < T, seconds
+
+
+def test_agreeing_attention_settings_give_the_reference_with_the_scale_compared_resolved(fail_alike):
+    """Rank 0 leaves softmax_scale to its default, ranks 1 and 2 pass 1/sqrt(d): one setting (the scale is
+    compared as the kernel uses it), and with window and softcap alike the merge is the single-process
+    reference's attention -- eager, overlapped and traced (twice: one trace, the settings a step's constants).
+    Every strategy at CP 3 and 2 x 2 with these settings: ``tests/decode/test_variants.py``."""
+    for res in fail_alike:
+        assert res[("attn_same_err", False)] < 1e-5 and res[("attn_same_err", True)] < 1e-5, res
+        errs, frames, merges = res["attn_same_traced"]
+        assert max(errs) < 1e-5 and frames == 1 and merges == 1, res["attn_same_traced"]
 
 
 def test_empty_batch_and_bad_placement_arguments_are_clear(fail_alike):
