@@ -293,11 +293,11 @@ def test_one_split_writes_the_output_and_allocates_nothing_else():
     q, k, v = torch.randn(2, 1, 8, 64), torch.randn(2, 96, 2, 64), torch.randn(2, 96, 2, 64)
     with Ops() as mode:
         out, lse, launches = fd.decode_launches(q, k, v, num_splits=1)
-    assert sorted(mode.seen) == ["empty", "empty"] and len(launches) == 1, mode.seen
+    assert sorted(mode.seen) == ["empty_strided", "empty_strided"] and len(launches) == 1, mode.seen
     assert launches[0].args[7] is out and launches[0].args[8] is lse  # written in place, no merge
     with Ops() as mode:
         _, _, launches = fd.decode_launches(q, k, v, num_splits=3, block_n=32)
-    assert mode.seen.count("empty") == 4 and not {"fill", "full", "copy_", "zero_", "_to_copy"} & set(mode.seen)
+    assert mode.seen.count("empty_strided") == 4 and not {"fill", "full", "copy_", "zero_", "_to_copy"} & set(mode.seen)
     assert len(launches) == 2 and launches[0].grid == (2 * 2, 3)
     ref_o, ref_l = reference.partial_attention(q, k, v)
     for launch in launches:
@@ -494,14 +494,17 @@ def test_merge_kernel_low_precision(dtype):
 
 
 def _count_kernel_calls(monkeypatch):
-    """Wrap the two kernel launchers so a test can see which backend ops actually ran
-    (the torch path gives the same numbers, so agreement alone cannot tell them apart)."""
+    """Wrap the kernel launchers' entry points so a test can see which backend ops actually ran
+    (the torch path gives the same numbers, so agreement alone cannot tell them apart): every decode
+    runs its plan (``fd.run_plan``); a merge runs its signature's plan (``mk.run_plan``, the direct
+    eager path) or ``mk.merge_states`` (through the op), never both."""
     calls = {"flash_decode": 0, "merge_states": 0}
-    for module, name in ((fd, "flash_decode"), (mk, "merge_states")):
+    for module, name, op in ((fd, "run_plan", "flash_decode"), (mk, "run_plan", "merge_states"),
+                             (mk, "merge_states", "merge_states")):
         real = getattr(module, name)
 
-        def counted(*args, _real=real, _name=name, **kwargs):
-            calls[_name] += 1
+        def counted(*args, _real=real, _op=op, **kwargs):
+            calls[_op] += 1
             return _real(*args, **kwargs)
 
         monkeypatch.setattr(module, name, counted)
