@@ -512,6 +512,30 @@ def _count_kernel_calls(monkeypatch):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_lengths_given_as_strided_views_are_read_row_by_row(num_splits):
+    """cache_seqlens and cache_starts may be any (batch,) int32 tensor, e.g. a column of a larger table: the kernel,
+    which reads row b's value at offset b, gets a contiguous copy of a strided one, so the lengths are the rows' own
+    (before, row 1 read row 0's second column) -- the same bits as contiguous lengths, and the reference's result."""
+    g = torch.Generator().manual_seed(12)
+    q, k, v = torch.randn(3, 1, 4, 16, generator=g), torch.randn(3, 40, 2, 16, generator=g), \
+        torch.randn(3, 40, 2, 16, generator=g)
+    table = torch.tensor([[31, 2, 40], [5, 0, 1], [40, 17, 9]], dtype=torch.int32)  # rows: lengths, starts, other
+    lens, starts = table[:, 0], table[:, 1]
+    assert lens.stride() == (3,) and lens.tolist() == [31, 5, 40]
+    for kw in ({"cache_seqlens": lens}, {"cache_seqlens": lens, "cache_starts": starts}):
+        copies = {name: t.contiguous() for name, t in kw.items()}
+        got = fd.flash_decode(q, k, v, num_splits=num_splits, **kw)
+        want = fd.flash_decode(q, k, v, num_splits=num_splits, **copies)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        ref_o, ref_l = reference.partial_attention(q.double(), k.double(), v.double(), **kw)
+        assert _err(got[0], ref_o) < 1e-5 and _err(got[1], ref_l) < 1e-5
+        # the direct eager path's plan (its own split count) does the same
+        through, want = ops.flash_decode(q, k, v, backend="triton", **kw), fd.flash_decode(q, k, v, **copies)
+        assert torch.equal(through[0], want[0]) and torch.equal(through[1], want[1])
+
+
+@needs_interpreter
 def test_ops_dispatch_to_the_kernels_with_backend_triton(monkeypatch):
     monkeypatch.delenv(ops.ENV_BACKEND, raising=False)
     calls = _count_kernel_calls(monkeypatch)

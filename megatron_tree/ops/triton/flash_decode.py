@@ -523,12 +523,15 @@ def flash_decode(
 class _Plan(NamedTuple):
     """What :func:`decode_launches` builds for one call signature, without the call's tensors.
 
-    out, lse: (shape, strides, dtype) of the results (contiguous); partials: (o shape, o strides, lse shape,
-    lse strides) of the split partials, or None; split: (grid, trailing args, constants, fast slot) of the split kernel's launch, None
-    when the call is empty; merge: (kernel, grid, trailing args, constants, fast slot) of the merge
-    launch, or None; device: q's (part of the signature). The trailing args follow the launch's tensors:
-    split (q, k, v, seqlens, table, qpos, kpos, o, l, starts), merge (partial o, partial lse, out, lse). The
-    fast slots keep each launch's compiled kernel for the calls after the first (:mod:`.launch`).
+    out, lse: (shape, strides, dtype) of the results (contiguous); partials: (o shape, o strides, lse
+    shape, lse strides) of the split partials, or None; split: (grid, trailing args, constants, fast
+    slot) of the split kernel's launch, None when the call is empty; merge: (kernel, grid, trailing
+    args, constants, fast slot) of the merge launch, or None; device: q's (part of the signature);
+    copy_lengths: cache_seqlens or cache_starts is a strided view over several rows, which the kernel,
+    reading row b's at offset b, takes as a contiguous copy. The trailing args follow the launch's
+    tensors: split (q, k, v, seqlens, table, qpos, kpos, o, l, starts), merge (partial o, partial lse,
+    out, lse). The fast slots keep each launch's compiled kernel for the calls after the first
+    (:mod:`.launch`).
     """
 
     out: tuple
@@ -537,6 +540,7 @@ class _Plan(NamedTuple):
     split: tuple | None
     merge: tuple | None
     device: torch.device
+    copy_lengths: bool = False
 
 
 _PLANS: dict = {}
@@ -575,6 +579,8 @@ def decode_launches(q, k, v, *, block_table=None, cache_seqlens=None, softmax_sc
     lse = torch.empty_strided(l_shape, l_stride, dtype=l_dtype, device=plan.device)
     if plan.split is None:
         return out, lse, []
+    if plan.copy_lengths:
+        cache_seqlens, cache_starts = _contiguous_lengths(cache_seqlens, cache_starts)
     grid, tail, constants, slot = plan.split
     # each launch its own constants: a caller's change to a launch's kwargs must not reach the plan
     if plan.merge is None:  # the split kernel writes the result itself, rounded once
@@ -599,6 +605,8 @@ def run_plan(plan: _Plan, q, k, v, block_table, cache_seqlens, q_positions, k_po
     split = plan.split
     if split is None:
         return out, lse
+    if plan.copy_lengths:
+        cache_seqlens, cache_starts = _contiguous_lengths(cache_seqlens, cache_starts)
     if plan.merge is None:  # the split kernel writes the result itself, rounded once
         Launch(_split_kv_kernel, split[0],
                _split_tensors(q, k, v, cache_seqlens, block_table, q_positions, k_positions, out, lse, cache_starts)
@@ -621,8 +629,8 @@ def plan_of(q, k, v, block_table, cache_seqlens, softmax_scale, q_positions, k_p
     try:
         key = (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, v.shape, v.stride(), v.dtype,
                None if block_table is None else (block_table.shape, block_table.stride(), block_table.dtype),
-               None if cache_seqlens is None else cache_seqlens.dtype,
-               None if cache_starts is None else cache_starts.dtype,
+               None if cache_seqlens is None else (cache_seqlens.dtype, cache_seqlens.stride()),
+               None if cache_starts is None else (cache_starts.dtype, cache_starts.stride()),
                None if q_positions is None else (q_positions.shape, q_positions.stride(), q_positions.dtype),
                None if k_positions is None else (k_positions.shape, k_positions.stride(), k_positions.dtype),
                _scalar(softmax_scale), out_dtype, lse_dtype, _scalar(num_splits), _scalar(block_n), _scalar(window),
@@ -648,6 +656,13 @@ def _split_tensors(q, k, v, cache_seqlens, block_table, q_positions, k_positions
     return (q, k, v, q if cache_seqlens is None else cache_seqlens, q if block_table is None else block_table,
             q if q_positions is None else q_positions, q if k_positions is None else k_positions, o, l,
             q if cache_starts is None else cache_starts)
+
+
+def _contiguous_lengths(cache_seqlens, cache_starts) -> tuple:
+    """cache_seqlens and cache_starts (either may be None) as contiguous tensors, each a copy only where it is a
+    strided view (the kernel reads row b's value at offset b)."""
+    return (None if cache_seqlens is None else cache_seqlens.contiguous(),
+            None if cache_starts is None else cache_starts.contiguous())
 
 
 def _scalar(x):
@@ -679,6 +694,7 @@ def _plan(q, k, v, *, block_table, cache_seqlens, softmax_scale, q_positions, k_
     if b * sq * hq == 0:
         return _Plan(out_spec, lse_spec, None, None, None, dev)
     causal = q_positions is not None
+    copy_lengths = any(t is not None and not t.is_contiguous() for t in (cache_seqlens, cache_starts))
     if window is not None and not causal:
         raise ValueError("window needs q_positions and k_positions (a bound on global key positions)")
     if causal:
@@ -726,11 +742,13 @@ def _plan(q, k, v, *, block_table, cache_seqlens, softmax_scale, q_positions, k_
     num_splits = cdiv(max(n, 1), chunk)
     if num_splits == 1:
         return _Plan(out_spec, lse_spec, None,
-                     ((programs, 1), tail(out_stride, lse_stride, chunk), constants, FastSlot(10)), None, dev)
+                     ((programs, 1), tail(out_stride, lse_stride, chunk), constants, FastSlot(10)), None, dev,
+                     copy_lengths)
     # the partials: o (P, B, Sq, Hq, Dv) fp32, lse (P, B, Hq, Sq) fp64, contiguous (:func:`_partials`)
     o_shape, l_shape = (num_splits, b, sq, hq, dv), (num_splits, b, hq, sq)
     o_stride, l_stride = _contiguous(o_shape), _contiguous(l_shape)
     merge = merge_plan(o_shape, o_stride, l_stride, out_stride, lse_stride) + (FastSlot(4),)
     return _Plan(out_spec, lse_spec, (o_shape, o_stride, l_shape, l_stride),
-                 ((programs, num_splits), tail(o_stride, l_stride, chunk), constants, FastSlot(10)), merge, dev)
+                 ((programs, num_splits), tail(o_stride, l_stride, chunk), constants, FastSlot(10)), merge, dev,
+                 copy_lengths)
 
