@@ -293,7 +293,8 @@ def _decode_signature(q, k, v, cache_seqlens, softmax_scale, q_positions, k_posi
                    q_positions if q_positions is None else _meta(q_positions),
                    k_positions if k_positions is None else _meta(k_positions),
                    block_table if block_table is None else _meta(block_table),
-                   softmax_scale if softmax_scale is None or type(softmax_scale) is float else _scale_key(softmax_scale),
+                   softmax_scale if softmax_scale is None or type(softmax_scale) is float
+                   else _scale_key(softmax_scale),
                    out_dtype, lse_dtype, type(window), window, type(softcap), softcap,
                    cache_starts if cache_starts is None else _meta(cache_starts),
                    sinks if sinks is None else _meta(sinks), backend, _env_key())

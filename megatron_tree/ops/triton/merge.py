@@ -263,7 +263,8 @@ def _launch_plan(outs: torch.Tensor, lses: torch.Tensor) -> tuple:
 def signature_plan(outs: torch.Tensor, lses: torch.Tensor) -> tuple:
     """For a caller that remembers the signature of ``outs`` and ``lses`` (``ops.dispatch``): :func:`check_inputs`,
     then what :func:`run_plan` needs for every call of that signature with P >= 2 -- ``(out spec, lse spec, launch
-    plan or None, device)``, the specs ``(shape, strides, dtype)`` of contiguous outputs. Raises for inputs :func:`merge_states` refuses."""
+    plan or None, device)``, the specs ``(shape, strides, dtype)`` of contiguous outputs. Raises for inputs
+    :func:`merge_states` refuses."""
     check_inputs(outs, lses)
     p, b, sq, hq, d = outs.shape
     if p == 1:
