@@ -227,6 +227,9 @@ def _markdown(result: dict) -> str:
             lines.append(f"| flash_decode {shape} | {o[f'flash_decode_{old_path}']:.1f} -> {t[f'flash_decode_{path}']:.1f} | "
                          f"{_build(o):.1f} -> {_build(t):.1f} | "
                          f"{old['flash_decode_total_us']:.1f} -> {new['flash_decode_total_us']:.1f} |")
+            lines.append(f"| merge_states P 2, {shape} | {o[f'merge_states_{old_path}']:.1f} -> "
+                         f"{t[f'merge_states_{path}']:.1f} | | "
+                         f"{old['merge_states_total_us']:.1f} -> {new['merge_states_total_us']:.1f} |")
     lines += ["", "Not counted: Triton's C launcher and the driver, torch's current device and stream, Triton's "
               "launch_metadata, and CUDA's caching allocator (CPU tensors here).",
               "Issue 31's bound on the GPU machine: eager flash_decode <= 40 us per call."]
