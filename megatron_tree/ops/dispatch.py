@@ -58,10 +58,12 @@ def _check(q, k, v, cache_seqlens, q_positions, k_positions, block_table, out_dt
                                   by_value=False, lse_dtype=lse_dtype, **variants)
 
 
-def _check_values(q, k, cache_seqlens, block_table, cache_starts=None) -> list | None:
+def _check_values(q, k, cache_seqlens, block_table, cache_starts=None, n=None) -> list | None:
     """The value checks of the contract, for CPU inputs (host memory: reading it syncs nothing).
-    Returns cache_seqlens' values as read for the check (a list of ints), or None without it."""
-    n = contract.kv_length(k, block_table)
+    Returns cache_seqlens' values as read for the check (a list of ints), or None without it.
+    n: the KV length (``contract.kv_length``) where the caller knows it from the signature."""
+    if n is None:
+        n = contract.kv_length(k, block_table)
     # shapes, dtypes and devices were checked once for the signature (_decode_signature; a direct call
     # of the op, as for merge_states, is checked by its caller): the values only
     lens = None if cache_seqlens is None else contract.check_cache_seqlens_values(cache_seqlens, n)
@@ -105,12 +107,10 @@ def _flash_decode_impl(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     lens = _check_values(q, k, cache_seqlens, block_table, cache_starts) if q.device.type == "cpu" else None
     if backend == "triton":
-        from .triton import flash_decode as kernel  # imported lazily: needs triton
-
-        return kernel.flash_decode(q, k, v, block_table=block_table, cache_seqlens=cache_seqlens,
-                                   softmax_scale=softmax_scale, q_positions=q_positions, k_positions=k_positions,
-                                   out_dtype=out_dtype, lse_dtype=lse_dtype, cache_starts=cache_starts, window=window,
-                                   softcap=softcap)
+        fd = _FD or _triton()[0]
+        plan = fd.plan_of(q, k, v, block_table, cache_seqlens, softmax_scale, q_positions, k_positions, out_dtype,
+                          lse_dtype, None, None, None, window, softcap, cache_starts)
+        return fd.run_plan(plan, q, k, v, block_table, cache_seqlens, q_positions, k_positions, cache_starts)
     # positional, with the lengths the check has read (each keyword and each read is host time on a tiny call)
     return torch_decode.decode(q, k, v, block_table, cache_seqlens, softmax_scale, q_positions, k_positions,
                                out_dtype, lse_dtype, window, softcap, cache_starts, lens)
@@ -126,9 +126,7 @@ def _flash_decode_fake(q, k, v, cache_seqlens, softmax_scale, q_positions, k_pos
 
 def _merge_states_impl(outs: torch.Tensor, lses: torch.Tensor, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     if backend == "triton":
-        from .triton import merge as kernel
-
-        out, lse = kernel.merge_states(outs, lses)
+        out, lse = (_MK or _triton()[1]).merge_states(outs, lses)
     else:
         out, lse = reference.merge_stacked(outs, lses)  # checked by the caller (or opcheck's own inputs)
     if outs.shape[0] == 1:  # P = 1 returns views of the inputs; a custom op may not alias them
@@ -150,6 +148,19 @@ _flash_decode_op = torch.ops.megatron_tree.flash_decode.default
 _merge_states_op = torch.ops.megatron_tree.merge_states.default
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_FD = _MK = None
+"""The Triton launchers (``ops.triton.flash_decode`` and ``.merge``), once :func:`_triton` has imported them."""
+
+
+def _triton():
+    """The Triton launcher modules, imported on first use (they need triton), kept in ``_FD`` / ``_MK`` so that a
+    call finds them without an import statement (a measurable part of its host time)."""
+    global _FD, _MK
+    if _FD is None:
+        from .triton import flash_decode, merge
+
+        _FD, _MK = flash_decode, merge
+    return _FD, _MK
 
 
 def _kernel_backend(name: str, dtype: torch.dtype, forced: bool, headdim: int = 0, out_dtype=None) -> str:
@@ -169,11 +180,19 @@ _signatures: dict = {}
 
 
 def _meta(t):
-    """What the shape-only checks read of an argument: a tensor's shape, dtype and device; of
-    anything else its type (such an argument either always fails its check or is None)."""
+    """What the shape-only checks and the launch plan read of an argument: a tensor's shape, strides, dtype
+    and device; of anything else its type (such an argument either always fails its check or is None)."""
     if isinstance(t, torch.Tensor):
-        return t.shape, t.dtype, t.device
+        return t.shape, t.stride(), t.dtype, t.device
     return None if t is None else ("not a tensor", type(t))
+
+
+def _scale_key(scale):
+    """A ``softmax_scale`` other than None or a float, as part of a signature: its type and value; a tensor
+    (hashed by identity, not value) raises ``TypeError``: such a call is checked and planned for itself only."""
+    if isinstance(scale, torch.Tensor):
+        raise TypeError("a tensor softmax_scale")
+    return type(scale), scale
 
 
 def _remember(key, check):
@@ -232,84 +251,83 @@ def _direct(body, *args):
         return body(*args)
 
 
-def _os_environ_reader():
-    """A function ``name -> value or None`` equal to ``os.environ.get``, reading the dict that
+def _environment_key():
+    """A function returning what the backend choice reads from the environment, as part of a signature:
+    ``$MEGATRON_TREE_BACKEND`` and ``$TRITON_INTERPRET`` as ``os.environ`` holds them. It reads the dict that
     ``os.environ`` keeps (CPython: every write through ``os.environ`` -- ``monkeypatch.setenv``,
-    ``mock.patch.dict`` -- lands in it) without the ``KeyError`` that ``os.environ.get`` raises and
-    catches for a variable that is not set: about 2 us of a tiny merge's host time per read
-    (benchmarks/host_path.py). Where that dict is not there, ``os.environ.get`` itself."""
-    data, encode, decode = (getattr(os.environ, attr, None) for attr in ("_data", "encodekey", "decodevalue"))
-    if not isinstance(data, dict) or encode is None or decode is None:
-        return os.environ.get
-    keys = {name: encode(name) for name in (ENV_BACKEND, "TRITON_INTERPRET")}  # the names _env reads
-
-    def read(name):
-        value = data.get(keys[name])
-        return None if value is None else decode(value)
-
-    return read
+    ``mock.patch.dict`` -- lands in it), encoded values and all: no decoding, and none of the ``KeyError`` that
+    ``os.environ.get`` raises and catches for a variable that is not set (each a measurable part of a tiny call's
+    host time, benchmarks/host_path.py). Where that dict is not there, ``os.environ.get``. Not used while
+    ``torch.compile`` traces (no signature is remembered then): Dynamo would guard the dict, recompiling where
+    ``os.environ.get``, which it guards as the environment, needs none."""
+    data, encode = getattr(os.environ, "_data", None), getattr(os.environ, "encodekey", None)
+    if not isinstance(data, dict) or encode is None:
+        return lambda: (os.environ.get(ENV_BACKEND), os.environ.get("TRITON_INTERPRET"))
+    get, backend, interpret = data.get, encode(ENV_BACKEND), encode("TRITON_INTERPRET")
+    return lambda: (get(backend), get(interpret))
 
 
-_getenv = _os_environ_reader()
+_env_key = _environment_key()
 
 
-def _env(backend, compiling: bool):
-    """What the backend choice reads from the environment: ``$MEGATRON_TREE_BACKEND``, and
-    ``$TRITON_INTERPRET`` only where the choice is ``triton`` (the only case ``resolve_backend``
-    reads it; each read is a measurable part of a tiny call's host time). ``compiling``:
-    ``torch.compiler.is_compiling()``."""
-    # while torch.compile traces, os.environ.get: what Dynamo guards as the environment (a read of
-    # os.environ's dict would be guarded as a dict: a recompile where none is due)
-    getenv = os.environ.get if compiling else _getenv
-    forced = getenv(ENV_BACKEND) or None
-    choice = backend if backend is not None else forced
-    return forced, (getenv("TRITON_INTERPRET") if choice == "triton" else None)
+def _forced() -> bool:
+    """Whether ``$MEGATRON_TREE_BACKEND`` names a backend (read as ``resolve_backend`` reads it)."""
+    return (os.environ.get(ENV_BACKEND) or None) is not None
 
 
-def _decode_signature(q, k, v, cache_seqlens, q_positions, k_positions, block_table, out_dtype, lse_dtype, window,
-                      softcap, cache_starts, sinks, backend) -> tuple[str, str, bool]:
-    """(kernel backend, resolved backend, whether q is a plain CPU or CUDA tensor) of a :func:`flash_decode`
-    call, after the shape-only checks of the contract, remembered per signature (:func:`_remember`).
-    The value checks run inside the op, on every call (``_check_values``)."""
-    compiling = torch.compiler.is_compiling()
-    env = _env(backend, compiling)
-    if compiling:
-        key = None
-    else:  # the optional arguments, mostly None, without a call each (a tiny call's host time)
-        key = ("decode", type(q), _meta(q), _meta(k), _meta(v),
-               cache_seqlens if cache_seqlens is None else _meta(cache_seqlens),
-               q_positions if q_positions is None else _meta(q_positions),
-               k_positions if k_positions is None else _meta(k_positions),
-               block_table if block_table is None else _meta(block_table), out_dtype, lse_dtype, type(window), window,
-               type(softcap), softcap, cache_starts if cache_starts is None else _meta(cache_starts),
-               sinks if sinks is None else _meta(sinks), backend, env)
-        try:
-            return _signatures[key]  # a remembered signature: _remember's lookup, without building check
-        except (KeyError, TypeError):
-            pass
+def _decode_signature(q, k, v, cache_seqlens, softmax_scale, q_positions, k_positions, block_table, out_dtype,
+                      lse_dtype, window, softcap, cache_starts, sinks, backend, compiling: bool) -> list:
+    """What a :func:`flash_decode` call's signature fixes, after the shape-only checks of the contract,
+    remembered per signature (:func:`_remember`): ``[kernel backend, resolved backend, whether q is a plain
+    CPU or CUDA tensor, whether on CPU, the KV length N, launch plan, its epoch]``; the last two are filled in by
+    the first call that runs the Triton kernels directly (:func:`_decode`) -- one lookup serves the checks, the
+    backend choice and the launches, so the signature holds everything the plan depends on (strides, the scalar
+    arguments; ``ops.triton.flash_decode.plan_of``'s key is a part of it). The value checks run on every call
+    (``_check_values``). ``compiling``: ``torch.compiler.is_compiling()``, asked once by the caller."""
+    key = None
+    if not compiling:
+        try:  # q, k, v read straight off the tensors and the optional arguments, mostly None, without a call each
+            key = ("decode", type(q), q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device,
+                   v.shape, v.stride(), v.dtype, v.device,
+                   cache_seqlens if cache_seqlens is None else _meta(cache_seqlens),
+                   q_positions if q_positions is None else _meta(q_positions),
+                   k_positions if k_positions is None else _meta(k_positions),
+                   block_table if block_table is None else _meta(block_table),
+                   softmax_scale if softmax_scale is None or type(softmax_scale) is float
+                   else _scale_key(softmax_scale),
+                   out_dtype, lse_dtype, type(window), window, type(softcap), softcap,
+                   cache_starts if cache_starts is None else _meta(cache_starts),
+                   sinks if sinks is None else _meta(sinks), backend, _env_key())
+        except (AttributeError, TypeError):  # q, k or v not a tensor (its check raises), or a tensor scale
+            key = None
+        else:
+            try:
+                return _signatures[key]  # a remembered signature: _remember's lookup, without building check
+            except (KeyError, TypeError):  # a new signature (or an unhashable argument: its check raises)
+                pass
 
     def check():
         _check(q, k, v, cache_seqlens, q_positions, k_positions, block_table, out_dtype, lse_dtype, window=window,
                softcap=softcap, cache_starts=cache_starts, sinks=sinks)
         resolved = resolve_backend(q.device, backend)
-        forced = backend is not None or env[0] is not None
-        return (_kernel_backend(resolved, q.dtype, forced, max(q.shape[-1], v.shape[-1]), out_dtype), resolved,
-                _plain(q))
+        forced = backend is not None or _forced()
+        return [_kernel_backend(resolved, q.dtype, forced, max(q.shape[-1], v.shape[-1]), out_dtype), resolved,
+                _plain(q), q.device.type == "cpu", contract.kv_length(k, block_table), None, -1]
 
-    return _remember(key, check)
+    return check() if key is None else _remember(key, check)
 
 
-def _merge_signature(outs, lses, backend, compiling: bool) -> tuple[str, bool]:
-    """(kernel backend, whether outs and lses are plain CPU tensors) of a :func:`merge_states` call,
-    after its (shape-only) checks, remembered per signature (:func:`_remember`): the tensors' types,
-    shapes, dtypes and devices, the backend argument and the environment. ``compiling``:
-    ``torch.compiler.is_compiling()``, asked once by the caller."""
-    env = _env(backend, compiling)
+def _merge_signature(outs, lses, backend, compiling: bool) -> list:
+    """What a :func:`merge_states` call's signature fixes, after its (shape-only) checks, remembered per
+    signature (:func:`_remember`): ``[kernel backend, whether outs and lses are plain CPU or CUDA tensors,
+    P, launch plan, its epoch]``, the last two filled in by the first call that runs the Triton kernel directly.
+    The signature: the tensors' types, shapes, strides, dtypes and devices, the backend argument and the
+    environment. ``compiling``: ``torch.compiler.is_compiling()``, asked once by the caller."""
     key = None
     if not compiling:
         try:  # the key read straight off the tensors (no helper call each: a tiny merge's host time)
-            key = ("merge", type(outs), outs.shape, outs.dtype, outs.device, type(lses), lses.shape, lses.dtype,
-                   lses.device, backend, env)
+            key = ("merge", type(outs), outs.shape, outs.stride(), outs.dtype, outs.device, type(lses), lses.shape,
+                   lses.stride(), lses.dtype, lses.device, backend, _env_key())
             return _signatures[key]  # a remembered signature: _remember's lookup, without building check
         except AttributeError:  # not tensors: the check below raises its clear error
             key = None
@@ -318,9 +336,9 @@ def _merge_signature(outs, lses, backend, compiling: bool) -> tuple[str, bool]:
 
     def check():
         contract.check_merge_inputs(outs, lses)
-        forced = backend is not None or env[0] is not None
+        forced = backend is not None or _forced()
         name = _kernel_backend(resolve_backend(outs.device, backend), outs.dtype, forced, outs.shape[-1])
-        return name, _plain(outs) and type(lses) is torch.Tensor
+        return [name, _plain(outs) and type(lses) is torch.Tensor, outs.shape[0], None, -1]
 
     return check() if key is None else _remember(key, check)
 
@@ -395,14 +413,30 @@ def _decode(q, k, v, block_table, cache_seqlens, softmax_scale, q_positions, k_p
             lse_dtype, window, softcap, sinks, cache_starts):
     """:func:`flash_decode_resolved` with positional arguments (keyword passing is a measurable part of a
     tiny call's host time)."""
-    name, resolved, plain = _decode_signature(q, k, v, cache_seqlens, q_positions, k_positions, block_table,
-                                                  out_dtype, lse_dtype, window, softcap, cache_starts, sinks, backend)
-    window = None if window is None else int(window)
-    softcap = None if softcap is None else float(softcap)
+    compiling = torch.compiler.is_compiling()
+    sig = _decode_signature(q, k, v, cache_seqlens, softmax_scale, q_positions, k_positions, block_table, out_dtype,
+                            lse_dtype, window, softcap, cache_starts, sinks, backend, compiling)
+    name, resolved = sig[0], sig[1]
     # the direct eager path: _plain known from the signature, the rest per call (k or v recording gradients, not only
     # q, takes the op, whose outputs refuse a backward: contract.no_backward)
-    direct = plain and not (torch.compiler.is_compiling() or _moded(q)
-                            or (k.requires_grad or v.requires_grad) and torch.is_grad_enabled())
+    direct = sig[2] and not (compiling or _moded(q) or (k.requires_grad or v.requires_grad) and torch.is_grad_enabled())
+    if direct and name == "triton" and sinks is None:
+        # the kernels' launches as the signature planned them: the op's body (_flash_decode_impl) without a plan
+        # lookup of its own. Not below autograd (_direct): its only torch calls allocate the outputs, which that
+        # would make slower, not faster (benchmarks/launch_overhead.py)
+        if sig[3]:  # CPU: the value checks, as the op's body runs them
+            _check_values(q, k, cache_seqlens, block_table, cache_starts, sig[4])
+        fd = _FD or _triton()[0]
+        plan = sig[5]
+        if plan is None or sig[6] != fd.epoch:  # the signature's first direct call, or plans cleared since
+            epoch = fd.epoch
+            plan = fd.plan_of(q, k, v, block_table, cache_seqlens, softmax_scale, q_positions, k_positions,
+                              out_dtype, lse_dtype, None, None, None, window, softcap, cache_starts)
+            sig[5], sig[6] = plan, epoch
+        out, lse = fd.run_plan(plan, q, k, v, block_table, cache_seqlens, q_positions, k_positions, cache_starts)
+        return out, lse, resolved
+    window = None if window is None else int(window)
+    softcap = None if softcap is None else float(softcap)
     if sinks is None:
         if direct:  # _direct, inlined
             with torch._C._ExcludeDispatchKeyGuard(_BELOW_AUTOGRAD):
@@ -429,15 +463,26 @@ def merge_states(outs: torch.Tensor, lses: torch.Tensor, *, backend: str | None 
     or lses (float64 lses are used whole: the merge is then exact at large score magnitudes).
     """
     compiling = torch.compiler.is_compiling()
-    name, plain = _merge_signature(outs, lses, backend, compiling)
-    if outs.shape[0] == 1:  # one state is the result: a copy (never a view of the input), lse widened
+    sig = _merge_signature(outs, lses, backend, compiling)
+    name = sig[0]
+    if sig[2] == 1:  # one state is the result: a copy (never a view of the input), lse widened
         return (torch.clone(outs[0], memory_format=torch.contiguous_format),
                 lses[0].to(torch.promote_types(lses.dtype, contract.acc_dtype(outs.dtype)),
                            memory_format=torch.contiguous_format, copy=True))
     # the direct eager path (_plain known from the signature, the rest per call); _direct inlined
-    if plain and not (compiling or _moded(outs) or lses.requires_grad and torch.is_grad_enabled()):
-        with torch._C._ExcludeDispatchKeyGuard(_BELOW_AUTOGRAD):
-            return _merge_states_impl(outs, lses, name)
+    if sig[1] and not (compiling or _moded(outs) or lses.requires_grad and torch.is_grad_enabled()):
+        if name != "triton":
+            with torch._C._ExcludeDispatchKeyGuard(_BELOW_AUTOGRAD):
+                return _merge_states_impl(outs, lses, name)
+        # the kernel's launch as the signature planned it (the op's body: fresh contiguous outputs, P >= 2); not
+        # below autograd, as flash_decode's planned launches (_decode)
+        mk = _MK or _triton()[1]
+        plan = sig[3]
+        if plan is None or sig[4] != mk.epoch:  # the signature's first direct call, or plans cleared since
+            epoch = mk.epoch
+            plan = mk.signature_plan(outs, lses)  # the kernel's own checks: raises for what it refuses
+            sig[3], sig[4] = plan, epoch
+        return mk.run_plan(plan, outs, lses)
     return contract.no_backward("merge_states", _merge_states_op(outs, lses, name), (outs, lses))
 
 

@@ -30,6 +30,7 @@ def decode_launch_calls():
         "v strided": (q, k, wide[:, :, 1::2], {"cache_seqlens": lens}),
         "v fp16": (q, k, k.half(), {"cache_seqlens": lens}),
         "seqlens int64": (q, k, k, {"cache_seqlens": lens.long()}),
+        "seqlens strided": (q, k, k, {"cache_seqlens": torch.stack([lens, lens.flip(0)], dim=1)[:, 0]}),
         "N 160": (q, t(2, 160, 2, 64), t(2, 160, 2, 64), {"cache_seqlens": lens}),
         "B 3": (t(3, 1, 8, 64), t(3, 96, 2, 64), t(3, 96, 2, 64), {"cache_seqlens": torch.tensor([1, 2, 3]).int()}),
         "Sq 2": (t(2, 2, 8, 64), k, k, {"cache_seqlens": lens}),

@@ -75,20 +75,24 @@ def test_decode_checks_and_resolves_once_per_signature(fresh, monkeypatch):
     assert checks.calls == 11 and resolves.calls == 11
 
 
-def test_a_remembered_signature_still_checks_values_on_every_call(fresh):
+@pytest.mark.parametrize("backend", [None, "triton"])  # triton: the direct path's planned launches
+def test_a_remembered_signature_still_checks_values_on_every_call(fresh, backend):
     q, k, v = _inputs()
     good = torch.tensor([3, 24], dtype=torch.int32)
-    mt.flash_decode(q, k, v, cache_seqlens=good)
+    mt.flash_decode(q, k, v, cache_seqlens=good, backend=backend)
     with pytest.raises(ValueError, match=r"cache_seqlens must lie in \[0, 24\] \(the KV length\), got values in "
                                          r"\[-1, 3\]"):
-        mt.flash_decode(q, k, v, cache_seqlens=torch.tensor([3, -1], dtype=torch.int32))
+        mt.flash_decode(q, k, v, cache_seqlens=torch.tensor([3, -1], dtype=torch.int32), backend=backend)
+    mt.flash_decode(q, k, v, cache_seqlens=good, cache_starts=torch.tensor([0, 24], dtype=torch.int32),
+                    backend=backend)
     with pytest.raises(ValueError, match=r"cache_starts must lie in \[0, 24\]"):
-        mt.flash_decode(q, k, v, cache_seqlens=good, cache_starts=torch.tensor([0, 25], dtype=torch.int32))
+        mt.flash_decode(q, k, v, cache_seqlens=good, cache_starts=torch.tensor([0, 25], dtype=torch.int32),
+                        backend=backend)
     # a paged cache: block ids are values too
     pool, table = k.reshape(12, 4, 2, 16), torch.arange(12, dtype=torch.int32).reshape(2, 6)
-    mt.flash_decode(q, pool, pool, block_table=table, cache_seqlens=good)
+    mt.flash_decode(q, pool, pool, block_table=table, cache_seqlens=good, backend=backend)
     with pytest.raises(ValueError, match=r"block_table\[1, 5\] = 12 is not a block of the cache"):
-        mt.flash_decode(q, pool, pool, block_table=table + 1, cache_seqlens=good)
+        mt.flash_decode(q, pool, pool, block_table=table + 1, cache_seqlens=good, backend=backend)
 
 
 def test_a_new_signature_raises_the_same_clear_errors(fresh):
@@ -385,3 +389,107 @@ def test_merge_is_a_fixed_handful_of_torch_calls_whatever_the_number_of_states(f
         assert "aten::eq" not in calls and "aten::masked_fill" not in calls, calls  # no mask built twice
     assert counts[2, 1] == counts[7, 1] <= MERGE_CALLS_ONE_TOKEN, counts
     assert counts[3, 2] <= MERGE_CALLS_ONE_TOKEN + 2, counts
+
+
+def _dispatch_calls():
+    """``tests.helpers.launches.decode_launch_calls`` as ``mt.flash_decode`` takes them (``name -> (q, k, v,
+    kwargs)``), each differing from an earlier one in one part of a launch plan's signature. Left out: the
+    launcher's own overrides (num_splits, block_n, config: no flash_decode arguments) and int64 lengths (the
+    contract refuses them); adapted to the contract: a dtype changes for q, k and v together, K's length for k and
+    v, and the lengths stay within the keys (the contract reads them on CPU)."""
+    from tests.helpers.launches import decode_launch_calls
+
+    calls = {}
+    for name, (q, k, v, kw) in decode_launch_calls().items():
+        if {"num_splits", "block_n", "config"} & set(kw) or name == "seqlens int64":
+            continue
+        if name in ("q fp16", "k fp16", "v fp16"):  # "fp16"'s signature, with tensors of their own
+            q, k, v = q.half().clone(), k.half().clone(), v.half().clone()
+        if name == "k N 80":
+            v = k
+        n = contract.kv_length(k, kw.get("block_table"))
+        if "cache_seqlens" in kw and int(kw["cache_seqlens"].max()) > n:  # (a strided one, within, keeps its stride)
+            kw = {**kw, "cache_seqlens": kw["cache_seqlens"].clamp(max=n)}
+        calls[name] = (q, k, v, kw)
+    return calls
+
+
+def test_a_remembered_signature_runs_the_launches_of_its_own_plan(fresh):
+    """``mt.flash_decode`` keeps a signature's launch plan with its checks (one lookup a call): the launch-plan
+    tests' calls, each after one it differs from in one part of the signature (a stride, a shape, a dtype, a
+    tensor present or not, a scalar), through the direct eager path, each give the bits of the Triton launcher's
+    own plan for that call -- a signature that missed a part of the plan would run an earlier call's launches."""
+    from megatron_tree.ops.triton import flash_decode as fd
+
+    calls = _dispatch_calls()
+    assert len(calls) == 31, sorted(calls)
+    for name, (q, k, v, kw) in calls.items():
+        got = mt.flash_decode(q, k, v, backend="triton", **kw)
+        want = fd.flash_decode(q, k, v, **kw)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), name
+    # one signature each, but "own v" (base's, with a v of its own) and the three fp16 calls ("fp16"'s)
+    assert len(ops._signatures) == len(calls) - 4
+
+
+def test_cleared_plans_are_not_run_again_from_a_remembered_signature(fresh, monkeypatch):
+    """``ops.triton.flash_decode.clear_plans`` / ``merge.clear_plans`` reach the plans that remembered signatures
+    keep: after a new wave (what benchmarks/launch_overhead.py sets for an H200's split counts) and a clear, a
+    repeated signature launches the new plan's splits."""
+    from megatron_tree.ops.triton import flash_decode as fd
+    from megatron_tree.ops.triton import launch as launch_mod
+    from megatron_tree.ops.triton import merge as mk
+
+    grids, run = [], launch_mod.Launch.run
+
+    def recorded(self):  # the real launch, its grid noted
+        grids.append(self.grid)
+        return run(self)
+
+    monkeypatch.setattr(launch_mod.Launch, "run", recorded)
+    q, k, v = _inputs(b=2, hq=4, hkv=2, d=16, n=256)
+    outs, lses = torch.randn(2, 1, 1, 4, 16), torch.randn(2, 1, 4, 1)
+    fd.clear_plans()
+    mk.clear_plans()
+    mt.flash_decode(q, k, v, backend="triton")
+    mt.merge_states(outs, lses, backend="triton")
+    assert grids == [(4, 1), (4,)]  # the interpreter's stand-in wave: one split (B x Hkv programs fill it)
+    [(_, _, _, _, merge_slot)] = mk._PLANS.values()
+    monkeypatch.setattr(fd, "waves", lambda launch, device: 64)  # a wider wave: more splits
+    fd.clear_plans()
+    mk.clear_plans()
+    want = fd.flash_decode(q, k, v)
+    grids.clear()
+    got = mt.flash_decode(q, k, v, backend="triton")
+    assert grids == [(4, 4), (8,)]  # 4 splits of the 256 keys, then their merge
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    grids.clear()
+    mt.merge_states(outs, lses, backend="triton")
+    [(_, _, _, _, slot)] = mk._PLANS.values()  # planned again, with a slot of its own
+    assert grids == [(4,)] and slot is not merge_slot
+
+
+def test_a_remembered_merge_signature_runs_the_launch_of_its_own_plan(fresh):
+    """``mt.merge_states`` keeps a signature's launch plan too: merges that differ one after another in one part of
+    it (the number of states with the same strides, the dtype, a strided outs or lses, float64 lses), through the
+    direct eager path, each give the bits of the Triton launcher's own merge; a signature the launcher refuses
+    raises its error on every call, not only the first."""
+    from megatron_tree.ops.triton import merge as mk
+
+    g = torch.Generator().manual_seed(2)
+    outs, lses = torch.randn(3, 2, 1, 4, 16, generator=g), torch.randn(3, 2, 4, 1, generator=g)
+    calls = {
+        "base": (outs, lses),
+        "2 states, same strides": (outs[:2], lses[:2]),
+        "bf16": (outs.bfloat16(), lses),
+        "outs strided": (torch.randn(3, 2, 1, 4, 32, generator=g)[..., ::2], lses),
+        "lses strided": (outs, torch.randn(3, 2, 4, 2, generator=g)[..., 1:]),
+        "lses float64": (outs, lses.double()),
+        "base again": (outs.clone(), lses.clone()),
+    }
+    for name, (o, lse) in calls.items():
+        got, want = mt.merge_states(o, lse, backend="triton"), mk.merge_states(o, lse)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), name
+    assert len(ops._signatures) == len(calls) - 1
+    for _ in range(2):  # float64 states: the contract takes them, the kernel does not
+        with pytest.raises(TypeError, match="Triton merge_states supports"):
+            mt.merge_states(outs.double(), lses, backend="triton")

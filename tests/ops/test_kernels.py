@@ -293,11 +293,11 @@ def test_one_split_writes_the_output_and_allocates_nothing_else():
     q, k, v = torch.randn(2, 1, 8, 64), torch.randn(2, 96, 2, 64), torch.randn(2, 96, 2, 64)
     with Ops() as mode:
         out, lse, launches = fd.decode_launches(q, k, v, num_splits=1)
-    assert sorted(mode.seen) == ["empty", "empty"] and len(launches) == 1, mode.seen
+    assert sorted(mode.seen) == ["empty_strided", "empty_strided"] and len(launches) == 1, mode.seen
     assert launches[0].args[7] is out and launches[0].args[8] is lse  # written in place, no merge
     with Ops() as mode:
         _, _, launches = fd.decode_launches(q, k, v, num_splits=3, block_n=32)
-    assert mode.seen.count("empty") == 4 and not {"fill", "full", "copy_", "zero_", "_to_copy"} & set(mode.seen)
+    assert mode.seen.count("empty_strided") == 4 and not {"fill", "full", "copy_", "zero_", "_to_copy"} & set(mode.seen)
     assert len(launches) == 2 and launches[0].grid == (2 * 2, 3)
     ref_o, ref_l = reference.partial_attention(q, k, v)
     for launch in launches:
@@ -494,18 +494,45 @@ def test_merge_kernel_low_precision(dtype):
 
 
 def _count_kernel_calls(monkeypatch):
-    """Wrap the two kernel launchers so a test can see which backend ops actually ran
-    (the torch path gives the same numbers, so agreement alone cannot tell them apart)."""
+    """Wrap the kernel launchers' entry points so a test can see which backend ops actually ran
+    (the torch path gives the same numbers, so agreement alone cannot tell them apart): every decode
+    runs its plan (``fd.run_plan``); a merge runs its signature's plan (``mk.run_plan``, the direct
+    eager path) or ``mk.merge_states`` (through the op), never both."""
     calls = {"flash_decode": 0, "merge_states": 0}
-    for module, name in ((fd, "flash_decode"), (mk, "merge_states")):
+    for module, name, op in ((fd, "run_plan", "flash_decode"), (mk, "run_plan", "merge_states"),
+                             (mk, "merge_states", "merge_states")):
         real = getattr(module, name)
 
-        def counted(*args, _real=real, _name=name, **kwargs):
-            calls[_name] += 1
+        def counted(*args, _real=real, _op=op, **kwargs):
+            calls[_op] += 1
             return _real(*args, **kwargs)
 
         monkeypatch.setattr(module, name, counted)
     return calls
+
+
+@needs_interpreter
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_lengths_given_as_strided_views_are_read_row_by_row(num_splits):
+    """cache_seqlens and cache_starts may be any (batch,) int32 tensor, e.g. a column of a larger table: the kernel,
+    which reads row b's value at offset b, gets a contiguous copy of a strided one, so the lengths are the rows' own
+    (before, row 1 read row 0's second column) -- the same bits as contiguous lengths, and the reference's result."""
+    g = torch.Generator().manual_seed(12)
+    q, k, v = torch.randn(3, 1, 4, 16, generator=g), torch.randn(3, 40, 2, 16, generator=g), \
+        torch.randn(3, 40, 2, 16, generator=g)
+    table = torch.tensor([[31, 2, 40], [5, 0, 1], [40, 17, 9]], dtype=torch.int32)  # rows: lengths, starts, other
+    lens, starts = table[:, 0], table[:, 1]
+    assert lens.stride() == (3,) and lens.tolist() == [31, 5, 40]
+    for kw in ({"cache_seqlens": lens}, {"cache_seqlens": lens, "cache_starts": starts}):
+        copies = {name: t.contiguous() for name, t in kw.items()}
+        got = fd.flash_decode(q, k, v, num_splits=num_splits, **kw)
+        want = fd.flash_decode(q, k, v, num_splits=num_splits, **copies)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        ref_o, ref_l = reference.partial_attention(q.double(), k.double(), v.double(), **kw)
+        assert _err(got[0], ref_o) < 1e-5 and _err(got[1], ref_l) < 1e-5
+        # the direct eager path's plan (its own split count) does the same
+        through, want = ops.flash_decode(q, k, v, backend="triton", **kw), fd.flash_decode(q, k, v, **copies)
+        assert torch.equal(through[0], want[0]) and torch.equal(through[1], want[1])
 
 
 @needs_interpreter

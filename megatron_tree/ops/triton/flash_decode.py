@@ -62,6 +62,7 @@ import triton.language as tl
 
 from .launch import FastSlot, Launch
 from .merge import INTERPRETED, cdiv, merge_plan, next_pow2, round_like_gpu
+from .merge import contiguous_strides as _contiguous
 
 __all__ = ["flash_decode", "decode_launches", "decode_config", "choose_num_splits", "waves", "SUPPORTED_DTYPES",
            "MAX_HEADDIM", "MAX_BLOCK_M", "MAX_SPLITS", "INTERPRETED"]
@@ -436,8 +437,10 @@ def choose_num_splits(tiles: int, programs: int, wave: int) -> int:
 _WORKSPACE: dict = {}
 
 
-def _partials(o_shape: tuple, l_shape: tuple, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Buffers for the split partials: o ``o_shape`` fp32, lse ``l_shape`` fp64 (merged again: kept whole).
+def _partials(o_shape: tuple, o_stride: tuple, l_shape: tuple, l_stride: tuple,
+              device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Buffers for the split partials: o ``o_shape`` fp32, lse ``l_shape`` fp64 (merged again: kept whole), both
+    contiguous (``o_stride``, ``l_stride``: their strides, from the plan).
 
     On a CUDA device's default stream, views of one reused workspace per device (the lse part starting
     64-byte aligned), made once per shape pair and kept with the buffer: kernels ordered on one stream
@@ -449,8 +452,8 @@ def _partials(o_shape: tuple, l_shape: tuple, device: torch.device) -> tuple[tor
     """
     # (a capture never runs on the default stream: CUDA refuses to capture it)
     if device.type != "cuda" or torch.cuda.current_stream(device) != torch.cuda.default_stream(device):
-        return (torch.empty(o_shape, dtype=torch.float32, device=device),
-                torch.empty(l_shape, dtype=torch.float64, device=device))
+        return (torch.empty_strided(o_shape, o_stride, dtype=torch.float32, device=device),
+                torch.empty_strided(l_shape, l_stride, dtype=torch.float64, device=device))
     o_numel, l_numel = math.prod(o_shape), math.prod(l_shape)
     o_pad = -(-o_numel // 16) * 16
     numel = o_pad + 2 * l_numel
@@ -512,26 +515,23 @@ def flash_decode(
             lse: (batch, nheads_q, seqlen_q) in lse_dtype, natural log, -inf where no key is
             visible, NaN where a visible score is NaN
     """
-    out, lse, launches = decode_launches(
-        q, k, v, block_table=block_table, cache_seqlens=cache_seqlens, softmax_scale=softmax_scale,
-        q_positions=q_positions, k_positions=k_positions, out_dtype=out_dtype, lse_dtype=lse_dtype,
-        num_splits=num_splits, block_n=block_n, config=config, window=window, softcap=softcap,
-        cache_starts=cache_starts,
-    )
-    for launch in launches:
-        launch.run()
-    return out, lse
+    plan = plan_of(q, k, v, block_table, cache_seqlens, softmax_scale, q_positions, k_positions, out_dtype, lse_dtype,
+                   num_splits, block_n, config, window, softcap, cache_starts)
+    return run_plan(plan, q, k, v, block_table, cache_seqlens, q_positions, k_positions, cache_starts)
 
 
 class _Plan(NamedTuple):
     """What :func:`decode_launches` builds for one call signature, without the call's tensors.
 
-    out, lse: (shape, dtype) of the results; partials: (o shape, lse shape) of the split partials,
-    or None; split: (grid, trailing args, constants, fast slot) of the split kernel's launch, None
-    when the call is empty; merge: (kernel, grid, trailing args, constants, fast slot) of the merge
-    launch, or None. The trailing args follow the launch's tensors: split (q, k, v, seqlens, table,
-    qpos, kpos, o, l, starts), merge (partial o, partial lse, out, lse). The fast slots keep each
-    launch's compiled kernel for the calls after the first (:mod:`.launch`).
+    out, lse: (shape, strides, dtype) of the results (contiguous); partials: (o shape, o strides, lse
+    shape, lse strides) of the split partials, or None; split: (grid, trailing args, constants, fast
+    slot) of the split kernel's launch, None when the call is empty; merge: (kernel, grid, trailing
+    args, constants, fast slot) of the merge launch, or None; device: q's (part of the signature);
+    copy_lengths: cache_seqlens or cache_starts is a strided view over several rows, which the kernel,
+    reading row b's at offset b, takes as a contiguous copy. The trailing args follow the launch's
+    tensors: split (q, k, v, seqlens, table, qpos, kpos, o, l, starts), merge (partial o, partial lse,
+    out, lse). The fast slots keep each launch's compiled kernel for the calls after the first
+    (:mod:`.launch`).
     """
 
     out: tuple
@@ -539,17 +539,25 @@ class _Plan(NamedTuple):
     partials: tuple | None
     split: tuple | None
     merge: tuple | None
+    device: torch.device
+    copy_lengths: bool = False
 
 
 _PLANS: dict = {}
 """Call signature -> :class:`_Plan`: a launch is built once per signature (host time), then filled with
 each call's tensors. Cleared past ``_MAX_PLANS`` signatures and by :func:`clear_plans`."""
 _MAX_PLANS = 4096
+epoch = 0
+"""How many times :func:`clear_plans` has run: a caller that keeps a plan of its own (``ops.dispatch`` keeps one
+with each remembered signature) takes a new one when this has changed since."""
 
 
 def clear_plans() -> None:
-    """Forget every built plan (e.g. after replacing :func:`waves`, which split counts depend on)."""
+    """Forget every built plan (e.g. after replacing :func:`waves`, which split counts depend on), here and, through
+    :data:`epoch`, where callers keep one."""
+    global epoch
     _PLANS.clear()
+    epoch += 1
 
 
 def decode_launches(q, k, v, *, block_table=None, cache_seqlens=None, softmax_scale=None, q_positions=None,
@@ -562,13 +570,67 @@ def decode_launches(q, k, v, *, block_table=None, cache_seqlens=None, softmax_sc
     Split out so that ``tests/ops/test_aot.py`` compiles exactly what a real call would launch.
     What the launches hold besides the tensors depends only on the call's signature (shapes,
     strides, dtypes, device, which tensors are present, the scalar arguments), so it is planned
-    once per signature (:class:`_Plan`) and each call fills in its tensors.
+    once per signature (:class:`_Plan`, :func:`plan_of`) and each call fills in its tensors.
     """
+    plan = plan_of(q, k, v, block_table, cache_seqlens, softmax_scale, q_positions, k_positions, out_dtype, lse_dtype,
+                   num_splits, block_n, config, window, softcap, cache_starts)
+    (o_shape, o_stride, o_dtype), (l_shape, l_stride, l_dtype) = plan.out, plan.lse
+    out = torch.empty_strided(o_shape, o_stride, dtype=o_dtype, device=plan.device)
+    lse = torch.empty_strided(l_shape, l_stride, dtype=l_dtype, device=plan.device)
+    if plan.split is None:
+        return out, lse, []
+    if plan.copy_lengths:
+        cache_seqlens, cache_starts = _contiguous_lengths(cache_seqlens, cache_starts)
+    grid, tail, constants, slot = plan.split
+    # each launch its own constants: a caller's change to a launch's kwargs must not reach the plan
+    if plan.merge is None:  # the split kernel writes the result itself, rounded once
+        tensors = _split_tensors(q, k, v, cache_seqlens, block_table, q_positions, k_positions, out, lse, cache_starts)
+        return out, lse, [Launch(_split_kv_kernel, grid, tensors + tail, dict(constants), slot)]
+    o_part, lse_part = _partials(*plan.partials, plan.device)
+    tensors = _split_tensors(q, k, v, cache_seqlens, block_table, q_positions, k_positions, o_part, lse_part,
+                             cache_starts)
+    kernel, m_grid, m_tail, m_constants, m_slot = plan.merge
+    return out, lse, [Launch(_split_kv_kernel, grid, tensors + tail, dict(constants), slot),
+                      Launch(kernel, m_grid, (o_part, lse_part, out, lse) + m_tail, dict(m_constants), m_slot)]
+
+
+def run_plan(plan: _Plan, q, k, v, block_table, cache_seqlens, q_positions, k_positions, cache_starts):
+    """Run the launches of ``plan`` (:func:`plan_of` of this call's signature) for this call's tensors;
+    returns ``(out, lse)``. What :func:`decode_launches` builds, then each launch run, with positional
+    arguments and the plan's own constants (the launches are never handed out): the eager path's host time."""
+    dev = plan.device
+    (o_shape, o_stride, o_dtype), (l_shape, l_stride, l_dtype) = plan.out, plan.lse
+    out = torch.empty_strided(o_shape, o_stride, dtype=o_dtype, device=dev)
+    lse = torch.empty_strided(l_shape, l_stride, dtype=l_dtype, device=dev)
+    split = plan.split
+    if split is None:
+        return out, lse
+    if plan.copy_lengths:
+        cache_seqlens, cache_starts = _contiguous_lengths(cache_seqlens, cache_starts)
+    if plan.merge is None:  # the split kernel writes the result itself, rounded once
+        Launch(_split_kv_kernel, split[0],
+               _split_tensors(q, k, v, cache_seqlens, block_table, q_positions, k_positions, out, lse, cache_starts)
+               + split[1], split[2], split[3]).run()
+        return out, lse
+    partials = plan.partials
+    o_part, lse_part = _partials(partials[0], partials[1], partials[2], partials[3], dev)
+    Launch(_split_kv_kernel, split[0],
+           _split_tensors(q, k, v, cache_seqlens, block_table, q_positions, k_positions, o_part, lse_part, cache_starts)
+           + split[1], split[2], split[3]).run()
+    kernel, m_grid, m_tail, m_constants, m_slot = plan.merge
+    Launch(kernel, m_grid, (o_part, lse_part, out, lse) + m_tail, m_constants, m_slot).run()
+    return out, lse
+
+
+def plan_of(q, k, v, block_table, cache_seqlens, softmax_scale, q_positions, k_positions, out_dtype, lse_dtype,
+            num_splits, block_n, config, window, softcap, cache_starts) -> _Plan:
+    """The :class:`_Plan` of a call of :func:`decode_launches` (its arguments, positional), built once per
+    signature and kept in ``_PLANS``; a call with a tensor for a scalar argument is planned for itself only."""
     try:
         key = (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, v.shape, v.stride(), v.dtype,
                None if block_table is None else (block_table.shape, block_table.stride(), block_table.dtype),
-               None if cache_seqlens is None else cache_seqlens.dtype,
-               None if cache_starts is None else cache_starts.dtype,
+               None if cache_seqlens is None else (cache_seqlens.dtype, cache_seqlens.stride()),
+               None if cache_starts is None else (cache_starts.dtype, cache_starts.stride()),
                None if q_positions is None else (q_positions.shape, q_positions.stride(), q_positions.dtype),
                None if k_positions is None else (k_positions.shape, k_positions.stride(), k_positions.dtype),
                _scalar(softmax_scale), out_dtype, lse_dtype, _scalar(num_splits), _scalar(block_n), _scalar(window),
@@ -585,21 +647,7 @@ def decode_launches(q, k, v, *, block_table=None, cache_seqlens=None, softmax_sc
             if len(_PLANS) >= _MAX_PLANS:
                 _PLANS.clear()
             _PLANS[key] = plan
-    dev = q.device
-    out = torch.empty(plan.out[0], dtype=plan.out[1], device=dev)
-    lse = torch.empty(plan.lse[0], dtype=plan.lse[1], device=dev)
-    if plan.split is None:
-        return out, lse, []
-    grid, tail, constants, slot = plan.split
-    if plan.merge is None:  # the split kernel writes the result itself, rounded once
-        tensors = _split_tensors(q, k, v, cache_seqlens, block_table, q_positions, k_positions, out, lse, cache_starts)
-        return out, lse, [Launch(_split_kv_kernel, grid, tensors + tail, dict(constants), slot)]
-    o_part, lse_part = _partials(*plan.partials, dev)
-    tensors = _split_tensors(q, k, v, cache_seqlens, block_table, q_positions, k_positions, o_part, lse_part,
-                             cache_starts)
-    kernel, m_grid, m_tail, m_constants, m_slot = plan.merge
-    return out, lse, [Launch(_split_kv_kernel, grid, tensors + tail, dict(constants), slot),
-                      Launch(kernel, m_grid, (o_part, lse_part, out, lse) + m_tail, dict(m_constants), m_slot)]
+    return plan
 
 
 def _split_tensors(q, k, v, cache_seqlens, block_table, q_positions, k_positions, o, l, cache_starts) -> tuple:
@@ -608,6 +656,13 @@ def _split_tensors(q, k, v, cache_seqlens, block_table, q_positions, k_positions
     return (q, k, v, q if cache_seqlens is None else cache_seqlens, q if block_table is None else block_table,
             q if q_positions is None else q_positions, q if k_positions is None else k_positions, o, l,
             q if cache_starts is None else cache_starts)
+
+
+def _contiguous_lengths(cache_seqlens, cache_starts) -> tuple:
+    """cache_seqlens and cache_starts (either may be None) as contiguous tensors, each a copy only where it is a
+    strided view (the kernel reads row b's value at offset b)."""
+    return (None if cache_seqlens is None else cache_seqlens.contiguous(),
+            None if cache_starts is None else cache_starts.contiguous())
 
 
 def _scalar(x):
@@ -632,13 +687,14 @@ def _plan(q, k, v, *, block_table, cache_seqlens, softmax_scale, q_positions, k_
         cfg["BLOCK_N"] = block_n
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     dev = q.device
-    out_spec = ((b, sq, hq, dv), q.dtype if out_dtype is None else out_dtype)
+    out_spec = ((b, sq, hq, dv), _contiguous((b, sq, hq, dv)), q.dtype if out_dtype is None else out_dtype)
     if lse_dtype not in (None, torch.float32, torch.float64):
         raise TypeError(f"lse_dtype must be torch.float32, torch.float64 or None, got {lse_dtype!r}")
-    lse_spec = ((b, hq, sq), torch.float32 if lse_dtype is None else lse_dtype)
+    lse_spec = ((b, hq, sq), _contiguous((b, hq, sq)), torch.float32 if lse_dtype is None else lse_dtype)
     if b * sq * hq == 0:
-        return _Plan(out_spec, lse_spec, None, None, None)
+        return _Plan(out_spec, lse_spec, None, None, None, dev)
     causal = q_positions is not None
+    copy_lengths = any(t is not None and not t.is_contiguous() for t in (cache_seqlens, cache_starts))
     if window is not None and not causal:
         raise ValueError("window needs q_positions and k_positions (a bound on global key positions)")
     if causal:
@@ -670,12 +726,12 @@ def _plan(q, k, v, *, block_table, cache_seqlens, softmax_scale, q_positions, k_
                 s_op, *o_stride[-4:], s_lp, *l_stride[-3:])
 
     tiles = cdiv(max(n, 1), cfg["BLOCK_N"])
-    out_stride, lse_stride = _contiguous(out_spec[0]), _contiguous(lse_spec[0])
+    out_stride, lse_stride = out_spec[1], lse_spec[1]
     if num_splits is None:
         # The compiled kernel is the same for any split count (chunk is a runtime argument); the
         # wave is read from the kernel compiled for this call's tensors.
-        out, lse = torch.empty(out_spec[0], dtype=out_spec[1], device=dev), torch.empty(lse_spec[0], dtype=lse_spec[1],
-                                                                                         device=dev)
+        out = torch.empty_strided(out_spec[0], out_spec[1], dtype=out_spec[2], device=dev)
+        lse = torch.empty_strided(lse_spec[0], lse_spec[1], dtype=lse_spec[2], device=dev)
         probe = Launch(_split_kv_kernel, (programs, 1),
                        _split_tensors(q, k, v, cache_seqlens, block_table, q_positions, k_positions, out, lse,
                                       cache_starts) + tail(out_stride, lse_stride, n), constants)
@@ -686,19 +742,13 @@ def _plan(q, k, v, *, block_table, cache_seqlens, softmax_scale, q_positions, k_
     num_splits = cdiv(max(n, 1), chunk)
     if num_splits == 1:
         return _Plan(out_spec, lse_spec, None,
-                     ((programs, 1), tail(out_stride, lse_stride, chunk), constants, FastSlot(10)), None)
+                     ((programs, 1), tail(out_stride, lse_stride, chunk), constants, FastSlot(10)), None, dev,
+                     copy_lengths)
     # the partials: o (P, B, Sq, Hq, Dv) fp32, lse (P, B, Hq, Sq) fp64, contiguous (:func:`_partials`)
     o_shape, l_shape = (num_splits, b, sq, hq, dv), (num_splits, b, hq, sq)
     o_stride, l_stride = _contiguous(o_shape), _contiguous(l_shape)
     merge = merge_plan(o_shape, o_stride, l_stride, out_stride, lse_stride) + (FastSlot(4),)
-    return _Plan(out_spec, lse_spec, (o_shape, l_shape),
-                 ((programs, num_splits), tail(o_stride, l_stride, chunk), constants, FastSlot(10)), merge)
+    return _Plan(out_spec, lse_spec, (o_shape, o_stride, l_shape, l_stride),
+                 ((programs, num_splits), tail(o_stride, l_stride, chunk), constants, FastSlot(10)), merge, dev,
+                 copy_lengths)
 
-
-def _contiguous(shape: tuple) -> tuple:
-    """The strides of a contiguous tensor of ``shape``."""
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))

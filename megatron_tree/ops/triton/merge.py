@@ -196,6 +196,19 @@ def merge_states(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, 
             empty), lse: (batch, nheads_q, seqlen_q) float32, float64 for float64 lses (-inf where
             every state is empty)
     """
+    check_inputs(outs, lses)
+    lse_dtype = torch.float64 if lses.dtype == torch.float64 else torch.float32
+    if outs.shape[0] == 1:
+        return outs[0], lses[0].to(lse_dtype)
+    out, lse, launch = planned_launch(outs, lses.to(lse_dtype))
+    if launch is not None:
+        launch.run()
+    return out, lse
+
+
+def check_inputs(outs: torch.Tensor, lses: torch.Tensor) -> None:
+    """What :func:`merge_states` takes, checked from the tensors' shapes, dtypes and devices alone (raises
+    ``ValueError``/``TypeError``); ``ops.dispatch`` runs it once per signature (:func:`signature_plan`)."""
     if outs.dim() != 5 or lses.dim() != 4:
         raise ValueError(
             f"merge_states expects outs (P, B, Sq, Hq, D) and lses (P, B, Hq, Sq), "
@@ -215,13 +228,6 @@ def merge_states(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, 
         raise ValueError(f"outs is on {outs.device} but lses is on {lses.device}")
     if p == 0:
         raise ValueError("merge_states needs at least one partial state (P >= 1), got P = 0")
-    lse_dtype = torch.float64 if lses.dtype == torch.float64 else torch.float32
-    if p == 1:
-        return outs[0], lses[0].to(lse_dtype)
-    out, lse, launch = planned_launch(outs, lses.to(lse_dtype))
-    if launch is not None:
-        launch.run()
-    return out, lse
 
 
 def planned_launch(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Launch | None]:
@@ -234,19 +240,70 @@ def planned_launch(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor
     lse = torch.empty((b, hq, sq), dtype=lses.dtype, device=outs.device)
     if b * sq * hq == 0:
         return out, lse, None
+    kernel, grid, tail, constants, slot = _launch_plan(outs, lses)
+    # the launch's own kwargs: a caller's change to them must not reach the plan (decode_launches copies its too)
+    return out, lse, Launch(kernel, grid, (outs, lses, out, lse) + tail, dict(constants), slot)
+
+
+def _launch_plan(outs: torch.Tensor, lses: torch.Tensor) -> tuple:
+    """(kernel, grid, trailing args, constants, fast slot) of the launch merging ``outs`` and ``lses`` (a non-empty
+    merge) into fresh contiguous outputs, from ``_PLANS``."""
     key = (outs.shape, outs.stride(), outs.dtype, lses.stride(), lses.dtype, outs.device)
     plan = _PLANS.get(key)
     if plan is None:
-        plan = merge_plan(outs.shape, outs.stride(), lses.stride(), out.stride(), lse.stride()) + (FastSlot(4),)
+        p, b, sq, hq, d = outs.shape
+        plan = merge_plan(outs.shape, outs.stride(), lses.stride(), contiguous_strides((b, sq, hq, d)),
+                          contiguous_strides((b, hq, sq))) + (FastSlot(4),)
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
         _PLANS[key] = plan
-    kernel, grid, tail, constants, slot = plan
-    # the launch's own kwargs: a caller's change to them must not reach the plan (decode_launches copies its too)
-    return out, lse, Launch(kernel, grid, (outs, lses, out, lse) + tail, dict(constants), slot)
+    return plan
+
+
+def signature_plan(outs: torch.Tensor, lses: torch.Tensor) -> tuple:
+    """For a caller that remembers the signature of ``outs`` and ``lses`` (``ops.dispatch``): :func:`check_inputs`,
+    then what :func:`run_plan` needs for every call of that signature with P >= 2 -- ``(out spec, lse spec, launch
+    plan or None, device)``, the specs ``(shape, strides, dtype)`` of contiguous outputs. Raises for inputs
+    :func:`merge_states` refuses."""
+    check_inputs(outs, lses)
+    p, b, sq, hq, d = outs.shape
+    if p == 1:
+        raise ValueError("signature_plan is for P >= 2 (one state is its own merge)")
+    launch = _launch_plan(outs, lses) if b * sq * hq else None
+    return (((b, sq, hq, d), contiguous_strides((b, sq, hq, d)), outs.dtype),
+            ((b, hq, sq), contiguous_strides((b, hq, sq)), lses.dtype), launch, outs.device)
+
+
+def run_plan(plan: tuple, outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`merge_states` of ``outs`` and ``lses`` (P >= 2) through :func:`signature_plan`'s ``plan`` of their
+    signature: fresh outputs, the launch run (its plan's own constants: the launch is never handed out)."""
+    (o_shape, o_stride, o_dtype), (l_shape, l_stride, l_dtype), launch, dev = plan
+    out = torch.empty_strided(o_shape, o_stride, dtype=o_dtype, device=dev)
+    lse = torch.empty_strided(l_shape, l_stride, dtype=l_dtype, device=dev)
+    if launch is not None:
+        Launch(launch[0], launch[1], (outs, lses, out, lse) + launch[2], launch[3], launch[4]).run()
+    return out, lse
+
+
+def contiguous_strides(shape: tuple) -> tuple:
+    """The strides of a contiguous tensor of ``shape`` (as torch gives them: a size-0 dim counts as 1)."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def clear_plans() -> None:
+    """Forget every merge plan, here and, through :data:`epoch`, where callers keep one (``ops.dispatch``)."""
+    global epoch
+    _PLANS.clear()
+    epoch += 1
 
 
 _PLANS: dict = {}
 """merge_states' launches by signature: (kernel, grid, trailing args, constants, fast slot) (:mod:`.launch`).
 Cleared past ``_MAX_PLANS`` signatures (shapes of a long-running server come and go)."""
 _MAX_PLANS = 1024
+epoch = 0
+"""How many times :func:`clear_plans` has run (a kept plan older than that is taken anew)."""
