@@ -420,6 +420,27 @@ def test_capture_needs_the_triton_kernels(monkeypatch):
     _check_capturable({"mode": "reduce-overhead"}, cuda, None)
 
 
+@pytest.mark.parametrize("setting, says", [
+    ({"bogus": 1}, "unexpected keyword argument 'bogus'"),
+    ({"backend": "no_such_backend"}, "Invalid backend: 'no_such_backend'"),
+    ({"mode": "fastest"}, "Unrecognized mode=fastest"),
+    ({"mode": "reduce-overhead", "options": {"triton.cudagraphs": True}}, "Either mode or options"),
+])
+def test_torch_compile_arguments_it_refuses_are_an_error_naming_compile_step_when_set(setting, says):
+    """A dict compile_step is handed to torch.compile at the first decode step, after the prompt's whole prefill;
+    what torch.compile refuses (an argument it does not take, a backend not registered, an unknown mode, mode with
+    options) is said when the setting is given -- by enable_tree_attention and HFTreeModel, before any forward --
+    naming compile_step and the setting, with torch's reason."""
+    import re
+
+    from megatron_tree.integrations.hf import HFTreeModel, enable_tree_attention
+
+    for make in (lambda: HFTreeModel(_model("llama"), None, compile_step=setting),
+                 lambda: enable_tree_attention(_model("llama"), None, compile_step=setting)):
+        with pytest.raises(ValueError, match=re.escape(f"compile_step={setting!r}") + ".*" + re.escape(says)):
+            make()
+
+
 def _auto(rank, world):
     """The default compile_step ('auto') on CPU ranks over gloo: eager steps, as compile_step=False; where it
     would capture (on a GPU over NCCL or alone), a step compiled; a compilation that fails: eager from then on."""
