@@ -718,6 +718,8 @@ class CompiledSteps(_ShapeSteps):
         self.batches = batches
         self.auto = auto
         self.told = False
+        self.said: set[str] = set()
+        """The reasons :meth:`say_eager` gave (each said once)."""
         self.failed: str | None = None
         """Why an ``auto`` step's compilation failed (its steps run eagerly since), or None."""
         self.made: set[tuple[int, int | None]] = set()
@@ -797,6 +799,16 @@ class CompiledSteps(_ShapeSteps):
                         "generate pads a batch up to a bucket only in a cache it makes itself (not in a cache "
                         "passed to it), transformers' generate does not. Said once per model.", batch, why)
         return False
+
+    def say_eager(self, why: str) -> None:
+        """Warn, once per model and reason, that steps of an explicit setting run eagerly because ``why`` (the
+        default, ``auto``, says nothing: nothing was asked for)."""
+        if self.auto or why in self.said:
+            return
+        self.said.add(why)
+        asked = {k: _named(v) for k, v in self.options.items() if k not in ("dynamic", "fullgraph")}
+        log.warning("compile_step=%s is set, but %s: nothing is compiled there. Said once per model.",
+                    asked or True, why)
 
     def setting(self) -> str:
         """The compile setting as every CP rank must have it alike (checked at each prefill)."""
