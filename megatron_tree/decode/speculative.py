@@ -961,6 +961,10 @@ def generate_speculative(model, prompts: list[list[int]], max_new_tokens: int, *
             f"{type(model).__name__}: its decode step must take T draft rows with a tree mask")
     groups = model.groups
     vocab = model.vocab_size
+    compiled = getattr(model._binding, "compiled", None)
+    if compiled is not None:  # (an explicit compile_step compiles one-token steps; this loop has none)
+        compiled.say_eager("speculative generation verifies its drafts in several-token forwards, which run "
+                           "eagerly")
 
     def call_values():
         from .generate import _check_call

@@ -261,6 +261,11 @@ def model_args_from(args: dict) -> ModelArgs:
     if a["compile_step"] not in ("auto", "false") and a.get("source") == "megatron":
         raise ModelArgsError("model_args compile_step is available with source=hf only (Megatron-Core's engine "
                              "runs its own decode step)")
+    if a["compile_step"] not in ("auto", "false") and a.get("speculative"):
+        raise ModelArgsError(f"model_args compile_step={a['compile_step']} compiles one-token decode steps, but "
+                             f"speculative={a['speculative']} verifies drafts in several-token forwards, which run "
+                             "eagerly: nothing would be compiled; drop compile_step (or set it to auto or false) or "
+                             "speculative")
     if a.get("transport", "auto") not in TRANSPORTS:
         raise ModelArgsError(f"model_args transport={a['transport']!r} is not one of {list(TRANSPORTS)}")
     if a.get("transport") == "shm" and a.get("source") == "megatron":

@@ -119,3 +119,18 @@ def test_compile_step_generate_until_equals_plain(checkpoint):
                                                              "device is cpu")):
         with pytest.raises(backend.ModelArgsError, match=message):
             backend.TreeLM.create_from_arg_string(f"pretrained={llama},tokenizer={tok}{extra}", {"device": "cpu"})
+
+
+def test_speculative_with_an_explicit_compile_step_is_refused_by_name(checkpoint):
+    """``speculative=prompt_lookup`` runs every decode step as a several-token verification forward, which runs
+    eagerly: an explicit ``compile_step`` (true, aot_eager, reduce-overhead) would compile nothing, silently (no
+    step of the run was compiled). Refused naming both; ``auto`` and ``false`` are taken as they are."""
+    from megatron_tree.integrations import lm_eval as backend
+
+    llama, tok = checkpoint
+    base = {"pretrained": llama, "tokenizer": tok, "speculative": "prompt_lookup"}
+    for setting in ("true", "aot_eager", "reduce-overhead"):
+        with pytest.raises(backend.ModelArgsError, match=f"compile_step={setting}.*speculative=prompt_lookup"):
+            backend.model_args_from({**base, "compile_step": setting})
+    for setting in ("auto", "false"):
+        assert backend.model_args_from({**base, "compile_step": setting}).compile_step == setting

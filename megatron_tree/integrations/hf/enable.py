@@ -161,7 +161,8 @@ def enable_tree_attention(model, groups: TreeGroups | None, *, strategy: str = "
         the compiled half (every layer's cache write, local attention and CP merge, the merge as one
         opaque op) reads only those buffers, so it is traced once. Caches become static (every step
         reads all of a rank's slots, masked by the rows' lengths). An explicit setting is refused with
-        ``strategy="shifted"`` (CP > 1) and, capturing, on CPU caches or non-NCCL groups.
+        ``strategy="shifted"`` (CP > 1) and, capturing, on CPU caches or non-NCCL groups; a dict that
+        ``torch.compile`` refuses (an unknown argument, backend or mode) is a ValueError here, before any forward.
         A user's own ``model.forward = torch.compile(model.forward, fullgraph=True, ...)`` does the same
         with that call's settings (its prefill and host halves run eagerly; only the decode step's
         device half is traced, once per cache shape).

@@ -602,7 +602,27 @@ def compile_step(binding: _Binding, setting, batch_buckets=None) -> "CompiledSte
     if setting.get("dynamic"):
         raise ValueError("compile_step traces each decode step shape once with static shapes (every cache shape "
                          "has its own graph); dynamic=True cannot trace the cache's storage views: drop dynamic")
-    return CompiledSteps(binding, {**setting, "dynamic": False, "fullgraph": True}, buckets)
+    options = {**setting, "dynamic": False, "fullgraph": True}
+    _check_compile_arguments(setting, options)
+    return CompiledSteps(binding, options, buckets)
+
+
+def _never_called():
+    """What :func:`_check_compile_arguments` hands ``torch.compile``: a function that is never run, so never traced."""
+
+
+def _check_compile_arguments(setting: dict, options: dict) -> None:
+    """``torch.compile``'s own checks of ``options`` (an argument it does not take, a backend not registered, a mode
+    Inductor does not know, ``mode`` with ``options``), made when the setting is given: the steps' ``torch.compile``
+    runs at the first decode step, after the prompt's whole prefill, and its error named neither ``compile_step``
+    nor the setting. Wrapping a function traces nothing (the first call does); a backend is looked up, not run."""
+    try:
+        torch.compile(_never_called, **options)
+    except Exception as e:  # noqa: BLE001 -- whatever torch.compile refuses, said as the setting's error
+        why = str(e)
+        why = why if len(why) <= 300 else why[:300] + " ..."
+        raise ValueError(f"compile_step={setting!r}: torch.compile refuses these arguments "
+                         f"({type(e).__name__}: {why})") from e
 
 
 def _batch_buckets(value) -> tuple[int, ...] | None:
@@ -698,6 +718,8 @@ class CompiledSteps(_ShapeSteps):
         self.batches = batches
         self.auto = auto
         self.told = False
+        self.said: set[str] = set()
+        """The reasons :meth:`say_eager` gave (each said once)."""
         self.failed: str | None = None
         """Why an ``auto`` step's compilation failed (its steps run eagerly since), or None."""
         self.made: set[tuple[int, int | None]] = set()
@@ -777,6 +799,16 @@ class CompiledSteps(_ShapeSteps):
                         "generate pads a batch up to a bucket only in a cache it makes itself (not in a cache "
                         "passed to it), transformers' generate does not. Said once per model.", batch, why)
         return False
+
+    def say_eager(self, why: str) -> None:
+        """Warn, once per model and reason, that steps of an explicit setting run eagerly because ``why`` (the
+        default, ``auto``, says nothing: nothing was asked for)."""
+        if self.auto or why in self.said:
+            return
+        self.said.add(why)
+        asked = {k: _named(v) for k, v in self.options.items() if k not in ("dynamic", "fullgraph")}
+        log.warning("compile_step=%s is set, but %s: nothing is compiled there. Said once per model.",
+                    asked or True, why)
 
     def setting(self) -> str:
         """The compile setting as every CP rank must have it alike (checked at each prefill)."""

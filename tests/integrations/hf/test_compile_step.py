@@ -420,6 +420,62 @@ def test_capture_needs_the_triton_kernels(monkeypatch):
     _check_capturable({"mode": "reduce-overhead"}, cuda, None)
 
 
+@pytest.mark.parametrize("setting, says", [
+    ({"bogus": 1}, "unexpected keyword argument 'bogus'"),
+    ({"backend": "no_such_backend"}, "Invalid backend: 'no_such_backend'"),
+    ({"mode": "fastest"}, "Unrecognized mode=fastest"),
+    ({"mode": "reduce-overhead", "options": {"triton.cudagraphs": True}}, "Either mode or options"),
+])
+def test_torch_compile_arguments_it_refuses_are_an_error_naming_compile_step_when_set(setting, says):
+    """A dict compile_step is handed to torch.compile at the first decode step, after the prompt's whole prefill;
+    what torch.compile refuses (an argument it does not take, a backend not registered, an unknown mode, mode with
+    options) is said when the setting is given -- by enable_tree_attention and HFTreeModel, before any forward --
+    naming compile_step and the setting, with torch's reason."""
+    import re
+
+    from megatron_tree.integrations.hf import HFTreeModel, enable_tree_attention
+
+    for make in (lambda: HFTreeModel(_model("llama"), None, compile_step=setting),
+                 lambda: enable_tree_attention(_model("llama"), None, compile_step=setting)):
+        with pytest.raises(ValueError, match=re.escape(f"compile_step={setting!r}") + ".*" + re.escape(says)):
+            make()
+
+
+def test_speculative_generation_on_a_compiled_model_says_its_steps_run_eagerly():
+    """The package's speculative loop verifies drafts in several-token forwards, which run eagerly: a model
+    enabled with an explicit compile_step compiles none of its steps there. Said once per model in a warning
+    naming compile_step (the tokens are the eager model's); the default, auto, says nothing."""
+    import logging
+
+    from megatron_tree.decode.generate import generate
+    from megatron_tree.decode.speculative import SpeculativeConfig
+    from megatron_tree.integrations.hf import HFTreeModel
+
+    said = []
+
+    class Said(logging.Handler):
+        def emit(self, record):
+            said.append(record.getMessage())
+
+    logger = logging.getLogger("megatron_tree.integrations")
+    handler = Said(level=logging.WARNING)
+    logger.addHandler(handler)
+    try:
+        prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [1, 2, 3]]
+        want = generate(HFTreeModel(_model("llama"), None, compile_step=False), prompts, 6, progress=False).tokens
+        default = HFTreeModel(_model("llama"), None)
+        assert generate(default, prompts, 6, speculative=SpeculativeConfig(), progress=False).tokens == want
+        assert said == []
+        compiled = HFTreeModel(_model("llama"), None, compile_step={"backend": "eager"})
+        for _ in range(2):
+            assert generate(compiled, prompts, 6, speculative=SpeculativeConfig(), progress=False).tokens == want
+        assert len(said) == 1, said
+        assert "compile_step" in said[0] and "speculative" in said[0] and "eagerly" in said[0], said
+        assert not compiled._binding.compiled.made  # nothing was compiled, as the warning says
+    finally:
+        logger.removeHandler(handler)
+
+
 def _auto(rank, world):
     """The default compile_step ('auto') on CPU ranks over gloo: eager steps, as compile_step=False; where it
     would capture (on a GPU over NCCL or alone), a step compiled; a compilation that fails: eager from then on."""
