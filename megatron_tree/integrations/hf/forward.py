@@ -591,8 +591,12 @@ def compile_step(binding: _Binding, setting, batch_buckets=None) -> "CompiledSte
     if setting is True:
         setting = {}
     if not isinstance(setting, dict):
+        hint = ""
+        if isinstance(setting, str):  # the eval's and lm-eval's names of a setting are dicts here
+            hint = (f"; a backend or mode is given as a dict, e.g. {{'backend': {setting!r}}} or "
+                    f"{{'mode': {setting!r}}}")
         raise TypeError(f"compile_step must be a bool, 'auto' or a dict of torch.compile arguments, got "
-                        f"{type(setting).__name__} {setting!r}")
+                        f"{type(setting).__name__} {setting!r}{hint}")
     if setting.get("fullgraph") is False:
         raise ValueError("compile_step compiles the whole step (fullgraph=True): a graph break would run part "
                          "of it eagerly every step; drop fullgraph=False")

@@ -289,6 +289,7 @@ def test_settings_a_compiled_step_cannot_hold_are_refused_on_every_rank(shared):
             assert out[key][0] == name and "strategy='shifted'" in out[key][1]
         assert out["fullgraph"][0] == "ValueError" and "fullgraph=False" in out["fullgraph"][1]
         assert out["kind"][0] == "TypeError" and "compile_step must be a bool, 'auto' or a dict" in out["kind"][1]
+        assert "given as a dict, e.g. {'backend': 'yes'} or {'mode': 'yes'}" in out["kind"][1], out["kind"]
         for key, what in (("capture_cpu", "mode='reduce-overhead'"), ("graphs_cpu", "triton.cudagraphs")):
             assert out[key][0] == "ValueError" and what in out[key][1] and "on cpu" in out[key][1], out[key]
         for key, what in (("capture_gloo", "mode='reduce-overhead'"), ("graphs_gloo", "triton.cudagraphs"),
