@@ -154,8 +154,8 @@ def main(argv=None) -> dict:
         md = os.path.splitext(args.out)[0] + ".md"
         with open(md, "w") as f:
             f.write(f"# Batched CPU decode vs the per-row loop ({args.threads} thread(s))\n\n"
-                    f"`{out['command']}`; thread CPU time, median of interleaved pairs (3 to {args.reps}) of the ratio batched time / "
-                    f"loop time (< 1: batched faster), {HKV} KV heads of {D}, head-major fp32 cache, float64 lse; "
+                    f"`{out['command']}`; thread CPU time, median of interleaved pairs (3 to {args.reps}) of the "
+                    f"ratio batched time / loop time (< 1: batched faster), {HKV} KV heads of {D}, head-major fp32 cache, float64 lse; "
                     f"ragged: lengths spread over [N/2, N]; load average {out['load_average']:.1f}. In each cell the "
                     f"ratio, the loop's time per call and, in parentheses, the path `torch_decode.use_batched` "
                     f"takes.\n")

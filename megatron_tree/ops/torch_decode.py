@@ -80,7 +80,7 @@ def use_fused(group: int, keys: int) -> bool:
     decode step of a GQA-4 model gains 3-18 % at 1-2K keys over the length-only rule (``model_step``
     there). Only float32-lse calls reach this choice: at CP > 1 ``tree_decode`` asks for float64 partial
     lses (the merge stays exact at large scores), which the fused kernel does not give, so every row
-    takes the loop."""
+    takes the loop (or, in a batch that :func:`use_batched` picks, :func:`_batched`)."""
     return keys <= FUSED_MAX_KEYS and (group <= 3 or group * keys <= FUSED_MAX_GROUP_KEYS)
 
 
