@@ -26,6 +26,13 @@ where :func:`use_fused` says it is faster (short rows; long ones only for GQA gr
 on decode-sized inputs the host time of the twenty-odd small calls of the loop, not the
 arithmetic, is the cost.
 
+Batches of several rows that the fused kernel does not take (positions, soft-cap, fp16/bf16, a float64
+lse, a paged cache) run all rows in one set of torch calls (``_batched``) where :func:`use_batched` says it
+is faster (``benchmarks/cpu_batched.py``): every row padded to one key span, the keys outside a row hidden
+by -inf scores, the same two matmuls over all rows and KV heads at once. The loop's dozen small calls per
+row are what a large batch of short rows pays for (speculative verification of 1,500 rows, an eval batch
+at every layer and step); the padding is what a ragged batch pays, so those are batched only while short.
+
 Variants: ``cache_starts`` slices a row from its first valid key (what a sliding window has
 passed is never read), ``window`` masks by position beside the causal mask, ``softcap`` caps
 the scores in place; V may have its own head dim (MLA). A NaN score gives NaN, never "empty".
@@ -73,7 +80,7 @@ def use_fused(group: int, keys: int) -> bool:
     decode step of a GQA-4 model gains 3-18 % at 1-2K keys over the length-only rule (``model_step``
     there). Only float32-lse calls reach this choice: at CP > 1 ``tree_decode`` asks for float64 partial
     lses (the merge stays exact at large scores), which the fused kernel does not give, so every row
-    takes the loop."""
+    takes the loop (or, in a batch that :func:`use_batched` picks, :func:`_batched`)."""
     return keys <= FUSED_MAX_KEYS and (group <= 3 or group * keys <= FUSED_MAX_GROUP_KEYS)
 
 
@@ -157,6 +164,177 @@ def flash_decode(
 _F32 = torch.float32
 
 
+BATCHED = True
+"""Whether :func:`decode` may take :func:`_batched` at all (where :func:`use_batched` says so); tests switch it
+off to compare against the loop."""
+
+BATCHED_MAX_ELEMENTS = 1 << 23
+"""Batches take :func:`_batched` only while the buffers it adds -- the scores of all rows and query heads over
+the padded key span, and the copies of K and V it makes for a paged or fp16/bf16 cache -- hold at most this
+many elements in all (32 MiB of float32): a memory bound, not a speed one."""
+
+BATCHED_MAX_PADDING = 2.0
+"""Ragged batches take :func:`_batched` only while the padded key span of all rows is at most this many times
+the keys the rows have."""
+
+BATCHED_RAGGED_MIN_ROWS = 8
+"""Ragged batches take :func:`_batched` only from this many batch rows ..."""
+
+BATCHED_RAGGED_MAX_SPAN = 256
+"""... and only while the padded key span is at most this many keys."""
+
+
+def use_batched(b: int, span: int, keys: int, rows: int, copied: int) -> bool:
+    """Whether ``b`` batch rows with ``keys`` valid keys in all, padded to one key span of ``span`` keys, are
+    faster in one set of torch calls (:func:`_batched`) than in the per-row loop; ``rows`` is query heads x
+    query tokens (score elements per key and batch row), ``copied`` the elements per key and batch row that
+    the batched path copies (K and V of a paged or fp16/bf16 cache).
+
+    Measured on one CPU thread (``benchmarks/cpu_batched.py``, ``results/cpu_batched.md``: thread CPU time,
+    head-major fp32 cache, float64 lse, 4 KV heads of 64, GQA groups 1 and 4, 1 and 4 query tokens). Rows of
+    one length (nothing padded): batched/loop time 0.6-0.85 at B = 2 up to 1K keys (0.93-0.97 at 4K), and
+    0.06-0.62 from B = 8 up to 256 keys (the loop's dozen small calls per row are the cost), 0.67-0.96 at 1K-4K
+    keys, where the matmuls are: every uniform batch of two rows or more is batched. Ragged rows (lengths
+    spread over [N/2, N], a third more keys padded) also pay for the padding and the mask: 1.0-1.45 at B = 2
+    whatever N, 0.78-1.45 at 1K-4K keys whatever B, but 0.06-0.94 from B = 8 up to 256 keys: a ragged batch is
+    batched from ``BATCHED_RAGGED_MIN_ROWS`` rows while its span is at most ``BATCHED_RAGGED_MAX_SPAN`` keys
+    and its padding at most ``BATCHED_MAX_PADDING`` x its keys. ``BATCHED_MAX_ELEMENTS`` bounds the memory
+    whatever the speed (in the table it sends B = 64 at 4K keys and B = 1500 at 256 keys with 16 query heads
+    of 4 tokens to the loop, where batched/loop was 1.19 and 0.77)."""
+    padded = b * span
+    if b < 2 or padded * (rows + copied) > BATCHED_MAX_ELEMENTS:
+        return False
+    if padded == keys:  # every row has the span's keys: nothing padded
+        return True
+    return b >= BATCHED_RAGGED_MIN_ROWS and span <= BATCHED_RAGGED_MAX_SPAN and padded <= BATCHED_MAX_PADDING * keys
+
+
+def _span(lens: list, starts: list):
+    """(lo, hi, keys): the key span ``[lo, hi)`` that holds every row's keys ``[starts[i], lens[i])``, and
+    the number of keys of all rows; None where no row has a key."""
+    lo, hi, keys = None, 0, 0
+    for first, length in zip(starts, lens):
+        if length > first:
+            keys += length - first
+            lo = first if lo is None or first < lo else lo
+            hi = length if length > hi else hi
+    return None if lo is None else (lo, hi, keys)
+
+
+def _by_head(t: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """(b, L, hkv, D) keys or values -> (b, hkv, L, D) in ``acc``: a view where no conversion is needed, else a
+    head-major copy (which :func:`_folds`)."""
+    t = t.permute(0, 2, 1, 3)
+    if t.dtype == acc:
+        return t
+    buf = torch.empty(t.shape, dtype=acc, device=t.device)
+    return buf.copy_(t)
+
+
+def _folds(t: torch.Tensor) -> bool:
+    """Whether (b, hkv, L, D) ``t`` views as (b * hkv, L, D): one bmm for all rows and heads."""
+    return t.shape[0] == 1 or t.shape[1] == 1 or t.stride(0) == t.shape[1] * t.stride(1)
+
+
+def _batched(q, k, v, block_table, cache_seqlens, scale, q_positions, k_positions, out_dtype, lse_dtype, window,
+             softcap, cache_starts, lens, starts, span, acc, od, ld):
+    """The loop's contract for all rows at once: every row's scores over one key span ``[lo, hi)`` (``span``,
+    from :func:`_span`), the keys outside a row's ``[starts[i], lens[i])`` hidden by -inf scores, so that
+    their probabilities are exactly 0 and add exact zeros to every sum (k_positions (b, N) here).
+
+    The values there are not masked (that would copy V): the cache may hold anything past a row's keys, and
+    a NaN or infinite value times probability 0 makes that row's output NaN, where the loop never reads it.
+    So a row whose output has a NaN is computed again by the loop (which gives NaN again where a visible
+    score is NaN): a pass over the small output instead of a copy of V."""
+    b, sq, hq, d = q.shape
+    hkv, dv = k.shape[2], v.shape[3]
+    g = hq // hkv
+    lo, hi, keys = span
+    L = hi - lo
+    dev = q.device
+    ragged = keys < b * L  # some row has fewer keys than the span
+    if ragged:
+        ar = torch.arange(lo, hi, device=dev)
+        valid = (ar >= torch.tensor(starts, device=dev)[:, None]) & (ar < torch.tensor(lens, device=dev)[:, None])
+    if block_table is None:
+        ks, vs = k.narrow(1, lo, L), v.narrow(1, lo, L)
+    else:  # gather the blocks of the span; an entry no row uses (-1, 0, a freed block: anything) reads block 0
+        page = k.shape[1]
+        blo, bhi = lo // page, -(-hi // page)
+        ids = block_table[:, blo:bhi]
+        if ragged:
+            first = torch.arange(blo, bhi, device=dev) * page  # each block's first key
+            used = (first < torch.tensor(lens, device=dev)[:, None]) & (
+                first + page > torch.tensor(starts, device=dev)[:, None])
+            ids = ids.masked_fill(~used, 0)
+        ids = ids.reshape(-1).to(torch.int64)
+        off = lo - blo * page
+        ks = k.index_select(0, ids).view(b, -1, hkv, d).narrow(1, off, L)
+        vs = v.index_select(0, ids).view(b, -1, hkv, dv).narrow(1, off, L)
+    kh, vh = _by_head(ks, acc), _by_head(vs, acc)  # (b, hkv, L, D)
+    # query rows r = g_idx * sq + s of KV head h, as in the loop
+    qg = ((q if q.dtype == acc else q.to(acc)) * scale).view(b, sq, hkv, g, d).permute(0, 2, 3, 1, 4)
+    qg = qg.reshape(b, hkv, g * sq, d)
+    fold = _folds(kh) and _folds(vh)
+    if fold:
+        s = torch.bmm(qg.reshape(b * hkv, g * sq, d), kh.reshape(b * hkv, L, d).transpose(1, 2))
+        s5 = s.view(b, hkv, g, sq, L)
+    else:  # one bmm per KV head on the strided views (a sequence-major cache): no copy of it
+        s = torch.empty((hkv, b, g * sq, L), dtype=acc, device=dev)
+        for h in range(hkv):
+            torch.bmm(qg.select(1, h), kh.select(1, h).transpose(1, 2), out=s[h])
+        s5 = s.view(hkv, b, g, sq, L).transpose(0, 1)
+    if softcap is not None:
+        s.div_(softcap).tanh_().mul_(softcap)
+    hidden = None  # (b, sq or 1, L)
+    if q_positions is not None:
+        kp, qp = k_positions[:, lo:hi][:, None, :], q_positions.to(torch.int64)[:, :, None]
+        visible = kp <= qp  # (b, sq, L)
+        if window is not None:
+            visible &= kp > qp - window
+        if ragged:
+            visible &= valid[:, None, :]
+        hidden = ~visible
+    elif ragged:
+        hidden = ~valid[:, None, :]
+    if hidden is not None:
+        s5.masked_fill_(hidden[:, None, None], float("-inf"))
+    m = s5.amax(dim=-1, keepdim=True).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)  # non-finite max -> 0
+    s5.sub_(m).exp_()  # exp(-inf) = 0 for hidden keys
+    den = s5.sum(dim=-1, keepdim=True)  # (b, hkv, g, sq, 1)
+    # Only den == 0 is "no visible key": a NaN score makes den NaN, and out and lse NaN with it.
+    empty = den == 0
+    den.masked_fill_(empty, 1)
+    if fold:
+        o = torch.bmm(s, vh.reshape(b * hkv, L, dv)).view(b, hkv, g, sq, dv)
+    else:
+        o = torch.empty((hkv, b, g * sq, dv), dtype=acc, device=dev)
+        for h in range(hkv):
+            torch.bmm(s[h], vh.select(1, h), out=o[h])
+        o = o.view(hkv, b, g, sq, dv).transpose(0, 1)
+    o.div_(den)
+    # m is one of the scores (exact); m + log(den) is formed in the lse's dtype, as in the loop
+    lse = den.to(ld).log_().add_(m).masked_fill_(empty, float("-inf")).reshape(b, hq, sq)
+    if not lse.is_contiguous():
+        lse = lse.contiguous()
+    if fold and sq == 1 and od == acc:  # (b, hkv, g, 1, dv) is (b, 1, hq, dv) in memory order
+        out = o.view(b, 1, hq, dv)
+    else:
+        out = torch.empty((b, sq, hq, dv), dtype=od, device=dev)
+        out.view(b, sq, hkv, g, dv).copy_(o.permute(0, 3, 1, 2, 4))
+    redo = torch.isnan(o).flatten(1).any(1)  # (b,): o is (b, hkv, g, sq, dv) in either layout
+    if bool(redo.any()):
+        for i in redo.nonzero().flatten().tolist():  # the loop for this row alone (b = 1: never batched)
+            one = lambda t: None if t is None else t.narrow(0, i, 1)  # noqa: E731
+            row_out, row_lse = decode(one(q), one(k) if block_table is None else k,
+                                      one(v) if block_table is None else v, one(block_table), one(cache_seqlens),
+                                      scale, one(q_positions), one(k_positions), out_dtype, lse_dtype, window, softcap,
+                                      one(cache_starts), [lens[i]])
+            out.select(0, i).copy_(row_out[0])
+            lse.select(0, i).copy_(row_lse[0])
+    return out, lse
+
+
 def decode(q, k, v, block_table, cache_seqlens, softmax_scale, q_positions, k_positions, out_dtype, lse_dtype, window,
            softcap, cache_starts, lens=None):
     """:func:`flash_decode` with positional arguments, and ``lens``: ``cache_seqlens.tolist()`` where
@@ -185,6 +363,15 @@ def decode(q, k, v, block_table, cache_seqlens, softmax_scale, q_positions, k_po
     starts = cache_starts.tolist() if cache_starts is not None else [0] * b
     if k_positions is not None and k_positions.dim() == 1:
         k_positions = k_positions[None, :].expand(b, n)
+    if b > 1 and BATCHED:
+        span = _span(lens, starts)
+        if span is not None:
+            lo, hi, keys = span
+            # what _batched copies per key and row: a paged or fp16/bf16 cache's K and V
+            copied = hkv * (d + dv) if block_table is not None or k.dtype != acc else 0
+        if span is not None and use_batched(b, hi - lo, keys, hq * sq, copied):
+            return _batched(q, k, v, block_table, cache_seqlens, scale, q_positions, k_positions, out_dtype, lse_dtype,
+                            window, softcap, cache_starts, lens, starts, span, acc, od, ld)
 
     rows = []
     for i in range(b):

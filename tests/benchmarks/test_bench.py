@@ -124,3 +124,29 @@ def test_cpu_fused_writes_into_a_new_directory(tmp_path):
         cpu_fused.SHAPES = saved
     assert json.loads(out.read_text())["rows"] == data["rows"] and len(data["rows"]) == len(cpu_fused.KEYS)
     assert "| 8/2/16 |" in (tmp_path / "new" / "x.md").read_text()
+
+
+def test_cpu_batched_refuses_bad_arguments_and_writes_into_a_new_directory(tmp_path, capsys):
+    """benchmarks.cpu_batched refuses --threads below 1 and --reps below 3 with an argparse error naming the flag,
+    before any timing, and creates --out's directory for its JSON and markdown table (a tiny sweep)."""
+    import pytest
+
+    from benchmarks import cpu_batched
+
+    for argv, flag in ((["--threads", "0"], "--threads must be at least 1, got 0"),
+                       (["--reps", "2"], "--reps must be at least 3, got 2")):
+        with pytest.raises(SystemExit) as e:
+            cpu_batched.main(argv)
+        assert e.value.code == 2
+        assert flag in capsys.readouterr().err, argv
+    out = tmp_path / "new" / "x.json"
+    saved = cpu_batched.BATCHES, cpu_batched.KEYS, cpu_batched.GROUPS, cpu_batched.QUERIES
+    cpu_batched.BATCHES, cpu_batched.KEYS, cpu_batched.GROUPS, cpu_batched.QUERIES = (1, 8), (16,), (4,), (2,)
+    try:
+        data = cpu_batched.main(["--reps", "3", "--budget", "0", "--out", str(out)])
+    finally:
+        cpu_batched.BATCHES, cpu_batched.KEYS, cpu_batched.GROUPS, cpu_batched.QUERIES = saved
+    # uniform B = 1 and 8, ragged B = 8 (one row is never ragged)
+    assert json.loads(out.read_text())["rows"] == data["rows"] and len(data["rows"]) == 3
+    assert [r["rule"] for r in data["rows"]] == ["loop", "batched", "batched"]
+    assert "## ragged rows, Sq = 2, GQA group 4" in (tmp_path / "new" / "x.md").read_text()
