@@ -311,8 +311,11 @@ def _decode_signature(q, k, v, cache_seqlens, softmax_scale, q_positions, k_posi
                softcap=softcap, cache_starts=cache_starts, sinks=sinks)
         resolved = resolve_backend(q.device, backend)
         forced = backend is not None or _forced()
-        return [_kernel_backend(resolved, q.dtype, forced, max(q.shape[-1], v.shape[-1]), out_dtype), resolved,
-                _plain(q), q.device.type == "cpu", contract.kv_length(k, block_table), None, -1]
+        name = _kernel_backend(resolved, q.dtype, forced, max(q.shape[-1], v.shape[-1]), out_dtype)
+        cpu = q.device.type == "cpu"
+        fused = torch_decode.fused_plan(q, k, v, block_table, softmax_scale, q_positions, out_dtype, lse_dtype,
+                                        softcap) if name == "torch" and cpu and sinks is None else None
+        return [name, resolved, _plain(q), cpu, contract.kv_length(k, block_table), None, -1, fused]
 
     return check() if key is None else _remember(key, check)
 
@@ -420,6 +423,21 @@ def _decode(q, k, v, block_table, cache_seqlens, softmax_scale, q_positions, k_p
     # the direct eager path: _plain known from the signature, the rest per call (k or v recording gradients, not only
     # q, takes the op, whose outputs refuse a backward: contract.no_backward)
     direct = sig[2] and not (compiling or _moded(q) or (k.requires_grad or v.requires_grad) and torch.is_grad_enabled())
+    fused = sig[7]
+    if fused is not None and direct:
+        # CPU, the torch backend, the unmasked float32 case: the op's body (_flash_decode_impl) with what depends only
+        # on the signature decided there (torch_decode.fused_plan); the value checks and the choice by the longest
+        # row (use_fused) per call, on the lengths read once
+        n = sig[4]
+        lens = [n] * q.shape[0] if cache_seqlens is None else contract.check_cache_seqlens_values(cache_seqlens, n)
+        starts = None if cache_starts is None else contract.check_cache_seqlens_values(cache_starts, n,
+                                                                                         "cache_starts")
+        with torch._C._ExcludeDispatchKeyGuard(_BELOW_AUTOGRAD):  # _direct, inlined
+            got = torch_decode.fused_planned(q, k, v, lens, starts, fused)
+            if got is None:  # the loop (or the batched path), on the lengths read
+                got = torch_decode.decode(q, k, v, block_table, cache_seqlens, softmax_scale, q_positions,
+                                          k_positions, out_dtype, lse_dtype, window, softcap, cache_starts, lens)
+        return got[0], got[1], resolved
     if direct and name == "triton" and sinks is None:
         # the kernels' launches as the signature planned them: the op's body (_flash_decode_impl) without a plan
         # lookup of its own. Not below autograd (_direct): its only torch calls allocate the outputs, which that

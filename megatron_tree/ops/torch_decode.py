@@ -84,16 +84,56 @@ def use_fused(group: int, keys: int) -> bool:
     return keys <= FUSED_MAX_KEYS and (group <= 3 or group * keys <= FUSED_MAX_GROUP_KEYS)
 
 
+def fused_plan(q, k, v, block_table, softmax_scale, q_positions, out_dtype, lse_dtype, softcap):
+    """What :func:`decode`'s choice of :func:`_fused` and the call itself read of shapes, strides, dtypes and
+    variant arguments only, decided once per signature by ``ops`` (its signature holds all of them):
+    ``None`` where the fused kernel never applies (a mask, a dtype other than float32, V's own head dim, a
+    paged cache, no query row), else ``(group, scale, copy)``: the GQA group, the softmax scale, and whether
+    q, k or v has a head dim without unit stride (:func:`_fused` copies such inputs). What depends on the
+    values -- :func:`use_fused` on the longest row, ``_FUSED`` being there -- :func:`fused_planned` decides
+    per call."""
+    b, sq, hq, d = q.shape
+    if (block_table is not None or q_positions is not None or softcap is not None or q.dtype != _F32
+            or d != v.shape[3] or (out_dtype is not None and out_dtype != _F32)
+            or (lse_dtype is not None and lse_dtype != _F32) or b * sq * hq == 0):
+        return None
+    return (hq // k.shape[2], softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d),
+            q.stride(3) != 1 or k.stride(3) != 1 or v.stride(3) != 1)
+
+
+def fused_planned(q, k, v, lens: list, starts: list | None, plan: tuple):
+    """:func:`decode` for a call whose signature has a :func:`fused_plan` ``plan`` and whose lengths ``lens``
+    (``cache_seqlens`` as read, ``starts`` likewise or None) the caller has checked: ``(out, lse)`` from
+    :func:`_fused` where :func:`use_fused` takes the longest row, else None (the caller runs :func:`decode`)."""
+    group, scale, copy = plan
+    if _FUSED is None or not use_fused(group, max(lens)):
+        return None
+    if copy:  # as _fused copies them
+        q, k, v = (q if q.stride(3) == 1 else q.contiguous(), k if k.stride(3) == 1 else k.contiguous(),
+                   v if v.stride(3) == 1 else v.contiguous())
+    n = k.shape[1]
+    if n > 0 and starts is None and (lens[0] == n if len(lens) == 1 else lens == [n] * len(lens)):
+        # every row whole: one call for all rows (_fused's first case, inlined)
+        out, lse = _FUSED(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale)
+        return out.transpose(1, 2), (lse if lse.is_contiguous() else lse.contiguous())
+    return _fused_unit(q, k, v, lens, starts, scale)
+
+
 def _fused(q, k, v, lens: list, starts: list | None, scale: float):
     """The unmasked float32 case on ``_FUSED``: per row the keys ``[starts[i], lens[i])`` (from 0 where
     ``starts`` is None); a row with none is out 0, lse -inf. GQA without repeating KV (the kernel groups
     the query heads). The kernel computes ``m + log(l)`` and the normalised output in float32, like
     the loop below."""
-    b, sq, hq, dv = q.shape[0], q.shape[1], q.shape[2], v.shape[3]
-    n = k.shape[1]
     # the kernel does not check that the head dim has unit stride and silently reads the wrong elements of a
     # view like k[..., ::2]: such inputs are copied (the loop's matmuls take any strides)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    return _fused_unit(q, k, v, lens, starts, scale)
+
+
+def _fused_unit(q, k, v, lens: list, starts: list | None, scale: float):
+    """:func:`_fused` for q, k, v whose head dims have unit stride."""
+    b, sq, hq, dv = q.shape[0], q.shape[1], q.shape[2], v.shape[3]
+    n = k.shape[1]
     if n > 0 and lens == [n] * b and not (starts and any(starts)):  # every row whole: one call for all rows
         out, lse = _FUSED(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale)
         # out (b, sq, hq, dv): the kernel's own layout; lse (b, hq, sq), contiguous already for one token

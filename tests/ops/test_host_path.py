@@ -128,6 +128,92 @@ def test_a_new_signature_raises_the_same_clear_errors(fresh):
         mt.flash_decode(q, k, v, lse_dtype=torch.float16)
 
 
+def _strided(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values in a tensor of the same shape whose head dim has stride 2 (a view into a wider buffer)."""
+    wide = torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype)
+    wide[..., ::2] = t
+    return wide[..., ::2]
+
+
+def test_the_fused_cpu_path_decides_per_signature_only_what_the_signature_holds(fresh, monkeypatch):
+    """The unmasked float32 CPU call (ATen's fused kernel) decides once per signature what only shapes, strides,
+    dtypes and arguments fix (torch_decode.fused_plan: whether the fused kernel applies, the scale, whether a head
+    dim without unit stride must be copied) and per call what the values fix (the value checks, use_fused on the
+    longest row). Each case below shares every signature part but one with the call before it, so a signature
+    that left that part out would reuse a stale decision: a strided head dim read as if contiguous (the kernel
+    reads the wrong elements), another scale, a float32 lse where float64 was asked, a long GQA-8 row on the
+    fused kernel or a short one on the loop."""
+    from megatron_tree.ops import reference, torch_decode
+
+    plans = _Counted(monkeypatch, torch_decode, "fused_plan")
+    fused_calls = []
+    real = torch_decode._FUSED
+
+    def counted(*args, **kwargs):
+        fused_calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch_decode, "_FUSED", counted)
+
+    def check(q, k, v, fused, **kw):
+        fused_calls.clear()
+        out, lse = mt.flash_decode(q, k, v, **kw)
+        assert bool(fused_calls) == fused, kw
+        ref_kw = {name: kw[name] for name in ("cache_seqlens", "cache_starts", "softmax_scale") if name in kw}
+        want, want_lse = reference.partial_attention(q.double(), k.double(), v.double(), **ref_kw)
+        assert out.dtype == torch.float32 and lse.dtype == kw.get("lse_dtype", torch.float32)
+        assert (out.double() - want).abs().max() < 2e-6
+        fin = torch.isfinite(want_lse)
+        assert torch.equal(fin, torch.isfinite(lse)) and (lse.double()[fin] - want_lse[fin]).abs().max() < 2e-6
+        return out, lse
+
+    q, k, v = _inputs(b=2, n=24, seed=11)
+    lens = torch.tensor([24, 24], dtype=torch.int32)
+    check(q, k, v, True, cache_seqlens=lens)
+    check(q, k, v, True, cache_seqlens=lens)  # the same signature: planned once
+    assert plans.calls == 1
+    # strides: each of q, k, v with a head dim of stride 2, same shapes and dtypes
+    check(_strided(q), k, v, True, cache_seqlens=lens)
+    check(q, _strided(k), v, True, cache_seqlens=lens)
+    check(q, k, _strided(v), True, cache_seqlens=lens)
+    assert plans.calls == 4
+    # the scale, the lse dtype, the ragged rows and a first key (values: the same signature as above)
+    check(q, k, v, True, cache_seqlens=lens, softmax_scale=0.5)
+    check(q, k, v, True, cache_seqlens=lens, softmax_scale=0.125)
+    check(q, k, v, False, cache_seqlens=lens, lse_dtype=torch.float64)
+    check(q, k, v, True, cache_seqlens=torch.tensor([5, 0], dtype=torch.int32),
+          cache_starts=torch.tensor([2, 0], dtype=torch.int32))
+    check(q, k, v, True)  # no lengths: every row whole
+    assert plans.calls == 9  # 5 more signatures: two scales, the lse dtype, cache_starts, no cache_seqlens
+    # the longest row decides per call: a GQA group of 8 takes the fused kernel up to 128 keys
+    q, k, v = _inputs(b=2, hq=16, hkv=2, n=140, seed=12)
+    check(q, k, v, True, cache_seqlens=torch.tensor([128, 3], dtype=torch.int32))
+    check(q, k, v, False, cache_seqlens=torch.tensor([129, 3], dtype=torch.int32))
+    check(q, k, v, True, cache_seqlens=torch.tensor([100, 128], dtype=torch.int32))
+    assert plans.calls == 10
+    # a bad length is still refused on a remembered fused signature, and so is a bad first key
+    with pytest.raises(ValueError, match=r"cache_seqlens must lie in \[0, 140\]"):
+        mt.flash_decode(q, k, v, cache_seqlens=torch.tensor([141, 3], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"cache_starts must lie in \[0, 140\]"):
+        mt.flash_decode(q, k, v, cache_seqlens=torch.tensor([5, 3], dtype=torch.int32),
+                        cache_starts=torch.tensor([0, -1], dtype=torch.int32))
+
+
+def test_the_fused_cpu_direct_path_gives_the_ops_bits(fresh):
+    """The direct call of the unmasked float32 case gives the op's own bits, whole rows, ragged rows and first
+    keys, strided inputs among them, and the same again under the host-sync guard (through the op)."""
+    q, k, v = _inputs(b=3, seed=13)
+    for args in ((q, k, v), (_strided(q), _strided(k), _strided(v))):
+        for lens, starts in ((torch.tensor([24, 24, 24], dtype=torch.int32), None),
+                             (torch.tensor([0, 7, 24], dtype=torch.int32), torch.tensor([0, 3, 0], dtype=torch.int32))):
+            direct = mt.flash_decode(*args, cache_seqlens=lens, cache_starts=starts)
+            via_op = torch.ops.megatron_tree.flash_decode(*args, lens, None, None, None, "torch", None, None, None,
+                                                          starts)
+            with no_host_sync("the fused CPU path"):
+                guarded = mt.flash_decode(*args, cache_seqlens=lens, cache_starts=starts)
+            assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(direct, via_op, guarded))
+
+
 def test_signature_memory_is_bounded(fresh):
     for n in range(1, ops.SIGNATURE_CACHE_SIZE + 40):
         q, k, v = _inputs(b=1, n=n, d=4)
