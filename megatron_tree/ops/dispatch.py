@@ -279,10 +279,12 @@ def _decode_signature(q, k, v, cache_seqlens, softmax_scale, q_positions, k_posi
                       lse_dtype, window, softcap, cache_starts, sinks, backend, compiling: bool) -> list:
     """What a :func:`flash_decode` call's signature fixes, after the shape-only checks of the contract,
     remembered per signature (:func:`_remember`): ``[kernel backend, resolved backend, whether q is a plain
-    CPU or CUDA tensor, whether on CPU, the KV length N, launch plan, its epoch]``; the last two are filled in by
-    the first call that runs the Triton kernels directly (:func:`_decode`) -- one lookup serves the checks, the
-    backend choice and the launches, so the signature holds everything the plan depends on (strides, the scalar
-    arguments; ``ops.triton.flash_decode.plan_of``'s key is a part of it). The value checks run on every call
+    CPU or CUDA tensor, whether on CPU, the KV length N, launch plan, its epoch, fused plan]``; launch plan and
+    epoch are filled in by the first call that runs the Triton kernels directly (:func:`_decode`) -- one lookup
+    serves the checks, the backend choice and the launches, so the signature holds everything the plan depends on
+    (strides, the scalar arguments; ``ops.triton.flash_decode.plan_of``'s key is a part of it). The fused plan is
+    ``torch_decode.fused_plan``'s on the torch backend on CPU without sinks (else None): what of the CPU fused
+    kernel's choice and call the signature fixes (strides, dtypes, the scale). The value checks run on every call
     (``_check_values``). ``compiling``: ``torch.compiler.is_compiling()``, asked once by the caller."""
     key = None
     if not compiling:

@@ -8,6 +8,8 @@ that make the path thin, each by counting or by a guard, so a change that undoes
   once per signature (shapes, dtypes, devices, variant arguments, backend settings), not per
   call; a new signature is checked afresh and raises the same clear errors;
 * the value checks (``cache_seqlens`` in [0, N], block ids) still run on every CPU call;
+* the CPU fused-kernel path decides per signature only what the signature holds (strides, scale, dtypes),
+  and per call what the values decide (the longest row);
 * ``tree_decode`` at world 1 resolves the backend once and runs no merge;
 * merging one state returns a copy of it without entering the merge op;
 * one CPU merge is a fixed, small number of torch calls, whatever the number of states;
