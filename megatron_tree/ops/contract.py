@@ -22,7 +22,7 @@ import torch
 __all__ = [
     "acc_dtype", "check_decode_inputs", "check_cache_seqlens", "check_block_table", "check_merge_inputs",
     "check_sinks", "check_variants", "kv_length", "lse_acc_dtype", "no_backward", "LSE_DTYPES", "MAX_WINDOW",
-    "softmax_scale_of",
+    "softmax_scale_of", "check_softmax_scale",
 ]
 
 LSE_DTYPES = (torch.float32, torch.float64)
@@ -82,6 +82,20 @@ def softmax_scale_of(softmax_scale, headdim: int) -> float:
     return float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(headdim)
 
 
+def check_softmax_scale(softmax_scale) -> None:
+    """softmax_scale: None (``1/sqrt(headdim)``) or a finite real number. A NaN or infinite scale makes every
+    score NaN or infinite, an answer no caller means; a NaN one also never equals itself, so ranks comparing
+    their settings could never find it agreed. (A 0-d tensor is left to the kernel: reading its value here
+    would synchronise a CUDA device with the host.)"""
+    if softmax_scale is None or isinstance(softmax_scale, torch.Tensor):
+        return
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+        raise TypeError(f"softmax_scale must be a float (the factor the scores q.k are multiplied by) or None "
+                        f"(1/sqrt(headdim)), got {type(softmax_scale).__name__} {softmax_scale!r}")
+    if not math.isfinite(float(softmax_scale)):
+        raise ValueError(f"softmax_scale must be finite, got {float(softmax_scale)}")
+
+
 def kv_length(k: torch.Tensor, block_table: torch.Tensor | None = None) -> int:
     """Keys per batch row that ``cache_seqlens`` and ``k_positions`` count: ``seqlen_k`` of a
     contiguous cache, ``max_blocks * block_size`` of a paged one."""
@@ -90,7 +104,7 @@ def kv_length(k: torch.Tensor, block_table: torch.Tensor | None = None) -> int:
 
 def check_decode_inputs(q, k, v, cache_seqlens=None, q_positions=None, k_positions=None, block_table=None,
                         out_dtype=None, *, by_value: bool = True, lse_dtype=None, window=None, softcap=None,
-                        cache_starts=None, sinks=None) -> None:
+                        cache_starts=None, sinks=None, softmax_scale=None) -> None:
     """Validate the flash-decode contract and raise ``ValueError``/``TypeError`` naming the problem.
 
     q: (batch, seqlen_q, nheads_q, headdim); k: (batch, seqlen_k, nheads_kv, headdim), v: the
@@ -98,8 +112,8 @@ def check_decode_inputs(q, k, v, cache_seqlens=None, q_positions=None, k_positio
     max_blocks) int32 a paged cache (num_blocks, block_size, nheads_kv, headdim[_v]);
     cache_seqlens, cache_starts: (batch,) int32 in [0, N]; q_positions: (batch, seqlen_q) integer;
     k_positions: (batch, N) or (N,) integer, where N = :func:`kv_length`; out_dtype: a
-    floating-point dtype or None; lse_dtype: float32, float64 or None; window, softcap, sinks:
-    :func:`check_variants`. ``by_value=False`` skips the checks that read tensor values (on CUDA
+    floating-point dtype or None; lse_dtype: float32, float64 or None; window, softcap, sinks,
+    softmax_scale: :func:`check_variants`. ``by_value=False`` skips the checks that read tensor values (on CUDA
     or while tracing they would synchronise with the host every step).
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -149,7 +163,8 @@ def check_decode_inputs(q, k, v, cache_seqlens=None, q_positions=None, k_positio
     if block_table is not None:
         check_block_table(block_table, b, k.shape[0], k.shape[1], cache_seqlens, q.device, by_value=by_value,
                           cache_starts=cache_starts)
-    check_variants(q, window=window, softcap=softcap, sinks=sinks, positions=q_positions is not None)
+    check_variants(q, window=window, softcap=softcap, sinks=sinks, positions=q_positions is not None,
+                   softmax_scale=softmax_scale)
     if (q_positions is None) != (k_positions is None):
         raise ValueError("causal masking needs both q_positions and k_positions (or neither)")
     if q_positions is not None:
@@ -265,13 +280,16 @@ def check_cache_seqlens_values(cache_seqlens, seqlen_k: int, name: str = "cache_
     return values
 
 
-def check_variants(q, *, window=None, softcap=None, sinks=None, positions: bool = True) -> None:
+def check_variants(q, *, window=None, softcap=None, sinks=None, positions: bool = True,
+                   softmax_scale=None) -> None:
     """The attention variants' arguments, checked before any work or collective.
 
     window: an int >= 1 (at most :data:`MAX_WINDOW`), only with positions (q_positions and
         k_positions: a window is a lower bound on global key positions); softcap: a finite real
-        number > 0; sinks: a floating-point tensor of shape (nheads_q,) on q's device.
+        number > 0; sinks: a floating-point tensor of shape (nheads_q,) on q's device; softmax_scale:
+        :func:`check_softmax_scale`.
     """
+    check_softmax_scale(softmax_scale)
     if window is not None:
         if isinstance(window, bool) or not isinstance(window, numbers.Integral):
             raise TypeError(f"window must be an int (keys j with p - window < j <= p are visible) or None, "

@@ -310,7 +310,7 @@ def _decode_signature(q, k, v, cache_seqlens, softmax_scale, q_positions, k_posi
 
     def check():
         _check(q, k, v, cache_seqlens, q_positions, k_positions, block_table, out_dtype, lse_dtype, window=window,
-               softcap=softcap, cache_starts=cache_starts, sinks=sinks)
+               softcap=softcap, cache_starts=cache_starts, sinks=sinks, softmax_scale=softmax_scale)
         resolved = resolve_backend(q.device, backend)
         forced = backend is not None or _forced()
         name = _kernel_backend(resolved, q.dtype, forced, max(q.shape[-1], v.shape[-1]), out_dtype)

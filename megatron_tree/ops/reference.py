@@ -136,7 +136,8 @@ def partial_attention(
                  input), natural log, -inf where no key is visible, NaN where a visible score is NaN
     """
     check_decode_inputs(q, k, v, cache_seqlens, q_positions, k_positions, block_table, out_dtype,
-                        lse_dtype=lse_dtype, window=window, softcap=softcap, cache_starts=cache_starts)
+                        lse_dtype=lse_dtype, window=window, softcap=softcap, cache_starts=cache_starts,
+                        softmax_scale=softmax_scale)
     if block_table is not None:
         k, v = (gather_pages(t, block_table, cache_seqlens, cache_starts) for t in (k, v))
     b, sq, hq, d = q.shape

@@ -221,6 +221,27 @@ def test_positions_must_come_in_pairs_and_shapes():
         mt.flash_decode(q, k, v, q_positions=torch.zeros(2, 1, dtype=torch.long), k_positions=torch.arange(4))
 
 
+@pytest.mark.parametrize("scale, exc, pattern", [
+    (float("nan"), ValueError, "softmax_scale must be finite, got nan"),
+    (float("inf"), ValueError, "softmax_scale must be finite, got inf"),
+    ("0.25", TypeError, "softmax_scale must be a float .* got str '0.25'"),
+    (True, TypeError, "softmax_scale must be a float .* got bool True"),
+])
+def test_a_softmax_scale_that_is_not_a_finite_number_is_refused(scale, exc, pattern):
+    """A NaN or infinite scale made every score NaN or infinite, answered silently (and a NaN one, never equal to
+    itself, could never be found agreed between ranks); a string failed deep in the kernel's arithmetic. Every
+    entry point refuses it, and a scale of another numeric type (an int) is a scale."""
+    q, k, v = _qkv()
+    for call in (lambda: mt.flash_decode(q, k, v, softmax_scale=scale),
+                 lambda: mt.tree_decode(q, k, v, None, softmax_scale=scale),
+                 lambda: reference.partial_attention(q, k, v, softmax_scale=scale)):
+        with pytest.raises(exc, match=pattern):
+            call()
+    out, _ = mt.flash_decode(q, k, v, softmax_scale=1)
+    want, _ = reference.partial_attention(q.double(), k.double(), v.double(), softmax_scale=1.0)
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+
+
 def test_unknown_strategy_and_backend():
     q, k, v = _qkv()
     with pytest.raises(ValueError, match="unknown merge strategy 'ring'"):
