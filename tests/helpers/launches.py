@@ -1,4 +1,4 @@
-"""decode_launches calls that differ one argument at a time, shared by the launch-plan tests."""
+"""decode_launches and merge_states calls that differ one argument at a time, shared by the launch-plan tests."""
 
 from __future__ import annotations
 
@@ -60,4 +60,19 @@ def decode_launch_calls():
         "3 splits": (q, k, k, {"cache_seqlens": lens, "num_splits": 3}),
         "block_n 16": (q, k, k, {"cache_seqlens": lens, "block_n": 16}),
         "8 warps": (q, k, k, {"cache_seqlens": lens, "config": {"num_warps": 8}}),
+    }
+
+
+def merge_calls():
+    """merge_states calls that differ from the first in one part of a signature each (the number of states with
+    the same strides, the dtype, a strided outs or lses, float64 lses): ``name -> (outs, lses)``."""
+    g = torch.Generator().manual_seed(2)
+    outs, lses = torch.randn(3, 2, 1, 4, 16, generator=g), torch.randn(3, 2, 4, 1, generator=g)
+    return {
+        "base": (outs, lses),
+        "2 states, same strides": (outs[:2], lses[:2]),
+        "bf16": (outs.bfloat16(), lses),
+        "outs strided": (torch.randn(3, 2, 1, 4, 32, generator=g)[..., ::2], lses),
+        "lses strided": (outs, torch.randn(3, 2, 4, 2, generator=g)[..., 1:]),
+        "lses float64": (outs, lses.double()),
     }

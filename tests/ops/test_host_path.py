@@ -562,18 +562,11 @@ def test_a_remembered_merge_signature_runs_the_launch_of_its_own_plan(fresh):
     direct eager path, each give the bits of the Triton launcher's own merge; a signature the launcher refuses
     raises its error on every call, not only the first."""
     from megatron_tree.ops.triton import merge as mk
+    from tests.helpers.launches import merge_calls
 
-    g = torch.Generator().manual_seed(2)
-    outs, lses = torch.randn(3, 2, 1, 4, 16, generator=g), torch.randn(3, 2, 4, 1, generator=g)
-    calls = {
-        "base": (outs, lses),
-        "2 states, same strides": (outs[:2], lses[:2]),
-        "bf16": (outs.bfloat16(), lses),
-        "outs strided": (torch.randn(3, 2, 1, 4, 32, generator=g)[..., ::2], lses),
-        "lses strided": (outs, torch.randn(3, 2, 4, 2, generator=g)[..., 1:]),
-        "lses float64": (outs, lses.double()),
-        "base again": (outs.clone(), lses.clone()),
-    }
+    calls = merge_calls()
+    outs, lses = calls["base"]
+    calls["base again"] = (outs.clone(), lses.clone())
     for name, (o, lse) in calls.items():
         got, want = mt.merge_states(o, lse, backend="triton"), mk.merge_states(o, lse)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), name

@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from tests.helpers.launches import decode_launch_calls
+from tests.helpers.launches import decode_launch_calls, merge_calls
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
                                 reason="needs a CUDA device and compiled kernels (TRITON_INTERPRET unset)")
@@ -196,16 +196,7 @@ def test_merge_states_plans_each_signature_apart():
     from megatron_tree.ops import reference
     from megatron_tree.ops.triton import merge as mk
 
-    g = torch.Generator().manual_seed(2)
-    outs, lses = torch.randn(3, 2, 1, 4, 16, generator=g), torch.randn(3, 2, 4, 1, generator=g)
-    calls = {
-        "base": (outs, lses),
-        "2 states, same strides": (outs[:2], lses[:2]),
-        "bf16": (outs.bfloat16(), lses),
-        "outs strided": (torch.randn(3, 2, 1, 4, 32, generator=g)[..., ::2], lses),
-        "lses strided": (outs, torch.randn(3, 2, 4, 2, generator=g)[..., 1:]),
-        "lses float64": (outs, lses.double()),
-    }
+    calls = merge_calls()
     mk._PLANS.clear()
     for name, (o, lse) in calls.items():
         got_o, got_l = mk.merge_states(o, lse)
@@ -213,6 +204,7 @@ def test_merge_states_plans_each_signature_apart():
         tol = 1e-2 if o.dtype == torch.bfloat16 else 1e-5
         assert (got_o.double() - ref_o).abs().max() < tol and (got_l.double() - ref_l).abs().max() < 1e-5, name
     assert len(mk._PLANS) == len(calls)
+    outs, lses = calls["base"]
     mk.merge_states(outs.clone(), lses.clone())  # a repeated signature: its plan
     assert len(mk._PLANS) == len(calls)
 
