@@ -40,8 +40,6 @@ the scores in place; V may have its own head dim (MLA). A NaN score gives NaN, n
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from . import contract
@@ -97,7 +95,7 @@ def fused_plan(q, k, v, block_table, softmax_scale, q_positions, out_dtype, lse_
             or d != v.shape[3] or (out_dtype is not None and out_dtype != _F32)
             or (lse_dtype is not None and lse_dtype != _F32) or b * sq * hq == 0):
         return None
-    return (hq // k.shape[2], softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d),
+    return (hq // k.shape[2], contract.softmax_scale_of(softmax_scale, d),
             q.stride(3) != 1 or k.stride(3) != 1 or v.stride(3) != 1)
 
 
@@ -111,11 +109,6 @@ def fused_planned(q, k, v, lens: list, starts: list | None, plan: tuple):
     if copy:  # as _fused copies them
         q, k, v = (q if q.stride(3) == 1 else q.contiguous(), k if k.stride(3) == 1 else k.contiguous(),
                    v if v.stride(3) == 1 else v.contiguous())
-    n = k.shape[1]
-    if n > 0 and starts is None and (lens[0] == n if len(lens) == 1 else lens == [n] * len(lens)):
-        # every row whole: one call for all rows (_fused's first case, inlined)
-        out, lse = _FUSED(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale)
-        return out.transpose(1, 2), (lse if lse.is_contiguous() else lse.contiguous())
     return _fused_unit(q, k, v, lens, starts, scale)
 
 
@@ -387,7 +380,7 @@ def decode(q, k, v, block_table, cache_seqlens, softmax_scale, q_positions, k_po
                 q.new_empty((b, hq, sq), dtype=contract.lse_acc_dtype(lse_dtype, q.dtype)))
     if lens is None:
         lens = cache_seqlens.tolist() if cache_seqlens is not None else [contract.kv_length(k, block_table)] * b
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    scale = contract.softmax_scale_of(softmax_scale, d)
     # the unmasked float32 case (out and lse float32 too), tested first with the fewest reads
     if (block_table is None and q_positions is None and softcap is None and q.dtype == _F32 and d == dv
             and (out_dtype is None or out_dtype == _F32) and (lse_dtype is None or lse_dtype == _F32)
