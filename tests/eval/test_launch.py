@@ -281,7 +281,7 @@ def test_slurm_torchrun_sbatch_runs_megatrons_dynamic_engine(tmp_path):
 _BAD_RUNS = """
 import os, sys
 from megatron_tree.eval import main
-out, ckpt, plain, stripped = sys.argv[1:]
+out, ckpt, plain, stripped, late_out, late_port = sys.argv[1:]
 cases = [
     [f"model.path={plain}"],
     [f"model.path={ckpt}", "model.hidden_size=128"],
@@ -292,35 +292,68 @@ cases = [
 for case in cases:
     rc = main(["--config", "configs/cpu_tiny.yaml", f"output_dir={out}", "topology.timeout_s=30", *case])
     os.write(1, f"exit {rc}\\n".encode())  # one write: four ranks share the pipe, print() can interleave them
+# test_bad_launches_fail_on_every_rank's case, found after the process group exists: a port that answers, and
+# this rank's stdout/stderr in a file of its own, so the lines above are exactly the checks' lines.
+import time
+five_done = time.time()
+os.environ["MASTER_PORT"] = late_port
+log = os.open(os.path.join(late_out, f"rank{os.environ['SLURM_PROCID']}.log"), os.O_WRONLY | os.O_CREAT, 0o644)
+os.dup2(log, 1)
+os.dup2(log, 2)
+os.write(2, f"five cases done at {five_done}\\n".encode())
+rc = main(["--config", "configs/cpu_tiny_llama.yaml", f"output_dir={late_out}", "topology.intra_size=4"])
+os.write(2, f"exit {rc}\\n".encode())
 """
 
 
-def test_bad_megatron_inputs_fail_on_every_rank_before_any_collective(tmp_path, trained):
+@pytest.fixture(scope="module")
+def bad_runs(tmp_path_factory, trained):
+    """One fake-srun job of 4 ranks that holds both bad-input tests' runs: the five cases refused before any
+    process group (test_bad_megatron_inputs_fail_on_every_rank_before_any_collective), then, in the same
+    processes, the case found after it exists (test_bad_launches_fail_on_every_rank). Two jobs started eight
+    interpreters that import torch and the eval for this; one starts four. Returns the paths, the completed
+    process, the seconds until the MASTER_PORT blocker was released, and each rank's log of the last case."""
+    ckpt, _ = trained
+    root = tmp_path_factory.mktemp("bad_runs")
+    plain = root / "plain"
+    plain.mkdir()
+    (plain / "model.pt").write_bytes(b"not a checkpoint")
+    stripped = root / "stripped"  # the same tensors without the training arguments (common.pt)
+    shutil.copytree(ckpt / "iter_0000004", stripped)
+    (stripped / "common.pt").unlink()
+    out = root / "out"
+    out.mkdir()
+    (out / "results.json").write_text('{"exact": true}')  # an earlier run's
+    late = root / "late"
+    late.mkdir()
+    t0, t0_wall = time.monotonic(), time.time()
+    # MASTER_PORT is held by a socket that never answers: a rank that reached init_process_group
+    # would fail to start the store (rank 0) or hang connecting to it, not print the checks' line.
+    # (The last case's port, given after the five cases, is a free one.)
+    with socket.socket() as blocker:
+        blocker.bind(("127.0.0.1", 0))
+        blocker.listen(1)
+        env = _slurm_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(blocker.getsockname()[1]))
+        p = run([os.path.join(FAKE_SLURM, "srun"), sys.executable, "-c", _BAD_RUNS, str(out), str(ckpt),
+                 str(plain), str(stripped), str(late), str(free_port())], env, timeout=120)
+    elapsed = time.monotonic() - t0
+    logs = {r: (late / f"rank{r}.log").read_text() if (late / f"rank{r}.log").exists() else None for r in range(4)}
+    # when the last rank finished the five cases (seconds since the job started), from the ranks' logs
+    done = [float(l.split()[-1]) for log in logs.values() if log for l in log.splitlines()
+            if l.startswith("five cases done at ")]
+    five = max(done) - t0_wall if len(done) == 4 else None
+    return {"out": out, "plain": plain, "stripped": stripped, "late": late, "p": p, "elapsed": elapsed,
+            "five_cases_s": five, "logs": logs}
+
+
+def test_bad_megatron_inputs_fail_on_every_rank_before_any_collective(bad_runs):
     """4 real ranks (fake srun): a path that is not a distributed checkpoint, training arguments
     and tensor shapes that disagree with the config, TP x CP that does not fit the world, a CP size
     that does not divide it (TP 1; test_bad_launches ran it as its own 5-process local.sh launch). Each
     is one line per rank and exit status 2, before any process group exists (a rank that got
     past the checks would wait in rendezvous for the others and time out), and a stale
     results.json from an earlier run is gone."""
-    ckpt, _ = trained
-    plain = tmp_path / "plain"
-    plain.mkdir()
-    (plain / "model.pt").write_bytes(b"not a checkpoint")
-    stripped = tmp_path / "stripped"  # the same tensors without the training arguments (common.pt)
-    shutil.copytree(ckpt / "iter_0000004", stripped)
-    (stripped / "common.pt").unlink()
-    out = tmp_path / "out"
-    out.mkdir()
-    (out / "results.json").write_text('{"exact": true}')  # an earlier run's
-    t0 = time.monotonic()
-    # MASTER_PORT is held by a socket that never answers: a rank that reached init_process_group
-    # would fail to start the store (rank 0) or hang connecting to it, not print the checks' line.
-    with socket.socket() as blocker:
-        blocker.bind(("127.0.0.1", 0))
-        blocker.listen(1)
-        env = _slurm_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(blocker.getsockname()[1]))
-        p = run([os.path.join(FAKE_SLURM, "srun"), sys.executable, "-c", _BAD_RUNS, str(out), str(ckpt),
-                     str(plain), str(stripped)], env, timeout=120)
+    p, out, plain, stripped = bad_runs["p"], bad_runs["out"], bad_runs["plain"], bad_runs["stripped"]
     assert p.returncode == 0, p.stderr[-3000:]
     assert p.stdout.split().count("exit") == 20 and set(p.stdout.split()) == {"exit", "2"}, p.stdout
     assert "Traceback" not in p.stderr
@@ -340,26 +373,27 @@ def test_bad_megatron_inputs_fail_on_every_rank_before_any_collective(tmp_path, 
         assert sorted(l.split(":")[1].strip() for l in hits) == [f"rank {r}" for r in range(4)], (needle, lines)
     assert str(plain) in p.stderr and str(stripped) in p.stderr  # the messages name the file
     assert not (out / "results.json").exists()
-    assert time.monotonic() - t0 < 90
+    assert bad_runs["five_cases_s"] is not None, bad_runs["logs"]
+    assert bad_runs["five_cases_s"] < 90
 
 
-def test_bad_launches_fail_on_every_rank(tmp_path):
+def test_bad_launches_fail_on_every_rank(bad_runs):
     # (A CP size that does not divide the launched world, refused on every rank before any collective:
     # test_bad_megatron_inputs_fail_on_every_rank_before_any_collective's fifth case, in its one launch.)
-    t0 = time.monotonic()
     # A random transformers Llama: an intra-node level wider than the real nodes (2 tasks per node), found
     # after the process group exists: without --kill-on-bad-exit every rank must still exit on
-    # its own, none hangs.
-    env = _slurm_env(MASTER_ADDR="127.0.0.1")
-    p = run([os.path.join(FAKE_SLURM, "srun"), sys.executable, "-m", "megatron_tree.eval", "--config",
-                 "configs/cpu_tiny_llama.yaml", f"output_dir={tmp_path}", "topology.intra_size=4"], env, timeout=120)
-    assert p.returncode == 2
+    # its own, none hangs. (Run by bad_runs's job, after the five cases refused before a process group, in
+    # the same four fake-srun ranks; each rank's output of this case is its log.)
+    p, logs = bad_runs["p"], bad_runs["logs"]
+    assert p.returncode == 0, p.stderr[-3000:]  # every rank finished its script: none hung
     for r in range(4):
-        assert f"rank {r}: error: intra_size 4 disagrees with the real layout" in p.stderr, p.stderr[-3000:]
-    assert not (tmp_path / "results.json").exists()
+        assert logs[r] is not None, f"rank {r} never reached the case after the process group: {p.stderr[-3000:]}"
+        assert f"rank {r}: error: intra_size 4 disagrees with the real layout" in logs[r], logs[r][-3000:]
+        assert logs[r].splitlines()[-1] == "exit 2", logs[r][-3000:]  # main's exit status on this rank
+    assert not (bad_runs["late"] / "results.json").exists()
     # A hanging rank would hit the launch's own 120 s limit first; the bound leaves room for start-up
     # on a shared, loaded machine.
-    assert time.monotonic() - t0 < 120
+    assert bad_runs["elapsed"] < 120
 
 
 def test_ranks_that_decode_different_tokens_fail_the_run(tmp_path):
