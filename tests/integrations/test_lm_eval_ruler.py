@@ -2,9 +2,8 @@
 
 RULER's own task (its template, "repeat" haystack, needle words and numbers, and scorer, from
 lm-eval's ``tasks/ruler``) at 512 tokens, registered by ``benchmarks.niah.write_task``
-with a dataset function that asks RULER's ``generate_samples`` for 1 sample instead of its 500
-(the only change; one sample's 128-token greedy generation is the comparison, a second one only
-doubled the decode steps of every rank and of the reference). A word-level tokenizer covering the haystack and needles is built offline; the
+with a dataset function that asks RULER's ``generate_samples`` for 2 samples instead of its 500
+(the only change). A word-level tokenizer covering the haystack and needles is built offline; the
 model is a tiny random Llama (GQA 4/2, llama3 RoPE scaling). lm-eval's ``hf`` backend in this
 process gives the reference: every CP rank returns identical greedy generations (128 tokens or up
 to the end token) and the same task score; each rank holds its share of the KV cache.
@@ -22,7 +21,7 @@ pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install 'me
 pytest.importorskip("wonderwords", reason="lm-eval's RULER extra is not installed (pip install 'lm-eval[ruler]')")
 
 LENGTH = 512
-SAMPLES = 1
+SAMPLES = 2
 TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             rope_theta=10000.0, tie_word_embeddings=False, initializer_range=0.2,
             rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
