@@ -1,6 +1,6 @@
 """Speculative decoding across the CP group (``decode.speculative``), on real gloo ranks.
 
-Two 4-rank launches. The first checks ``verify_attention`` (T draft rows of a tree over the
+One 4-rank launch, two parts. The first checks ``verify_attention`` (T draft rows of a tree over the
 sharded committed cache plus their ancestors) against fp64 single-process attention over all keys
 at CP 1, 2, 3 and 2 x 2: chain, branching and irregular trees, GQA, ragged rows, uneven and empty
 shards, a row with no committed key; and that a bad mask or drafts that differ between ranks give
@@ -151,8 +151,8 @@ def _verify_body(rank, world):
 
 
 @pytest.fixture(scope="module")
-def verified():
-    return run_ranks(_verify_body, 4, timeout=300)
+def verified(launched):
+    return launched["verify"]
 
 
 @pytest.mark.parametrize("case", list(GROUPINGS))
@@ -583,8 +583,14 @@ def _gen_body(rank, world, path, copy_path, draft_path, loop_prompt, stop):
     return res
 
 
+def _both_body(rank, world, gen_args):
+    """The module's one 4-rank launch: verify_attention's cases, then the generation runs (a second launch
+    of the same 4 ranks only repeated their start, group creation and imports)."""
+    return {"verify": _verify_body(rank, world), "gen": _gen_body(rank, world, *gen_args)}
+
+
 @pytest.fixture(scope="module")
-def generated(tmp_path_factory):
+def launched(tmp_path_factory):
     path = tmp_path_factory.mktemp("spec_target")
     hf = make_checkpoint(path)
     copy_path = tmp_path_factory.mktemp("spec_copy")
@@ -609,8 +615,13 @@ def generated(tmp_path_factory):
     refs = {"greedy": _argmax_loop(hf, COPY_PROMPTS), "copy_greedy": _argmax_loop(copier, COPY_PROMPTS),
             "loop_greedy": _argmax_loop(copier, [text])}
     stop = [refs["loop_greedy"][0][9]]
-    return hf, copier, refs, run_ranks(_gen_body, 4, str(path), str(copy_path), str(draft_path), text, stop,
-                                       timeout=540)
+    results = run_ranks(_both_body, 4, (str(path), str(copy_path), str(draft_path), text, stop), timeout=600)
+    return {"verify": [r["verify"] for r in results], "gen": (hf, copier, refs, [r["gen"] for r in results])}
+
+
+@pytest.fixture(scope="module")
+def generated(launched):
+    return launched["gen"]
 
 
 def _argmax_loop(model, prompts):
