@@ -1,13 +1,14 @@
 """Speculative decoding across the CP group (``decode.speculative``), on real gloo ranks.
 
-Two 4-rank launches. The first checks ``verify_attention`` (T draft rows of a tree over the
+One 4-rank launch, two parts. The first checks ``verify_attention`` (T draft rows of a tree over the
 sharded committed cache plus their ancestors) against fp64 single-process attention over all keys
 at CP 1, 2, 3 and 2 x 2: chain, branching and irregular trees, GQA, ragged rows, uneven and empty
 shards, a row with no committed key; and that a bad mask or drafts that differ between ranks give
 the same error on every rank. The second runs ``generate_speculative`` on a transformers Llama
-through ``HFTreeModel`` and compares it token for token with non-speculative greedy ``generate``
-(prompt lookup and draft models, trees of width 1 and > 1), and the verification forward's logits
-with the unmodified single-process transformers model. Assertions run in the parent.
+through ``HFTreeModel`` and compares it token for token with greedy decoding (the argmax of the
+unmodified transformers model's full forwards, computed once in the parent; prompt lookup and draft
+models, trees of width 1 and > 1) and with greedy ``generate`` where a stop token ends a row, and the
+verification forward's logits with the unmodified single-process transformers model. Assertions run in the parent.
 """
 
 import contextlib
@@ -150,8 +151,8 @@ def _verify_body(rank, world):
 
 
 @pytest.fixture(scope="module")
-def verified():
-    return run_ranks(_verify_body, 4, timeout=300)
+def verified(launched):
+    return launched["verify"]
 
 
 @pytest.mark.parametrize("case", list(GROUPINGS))
@@ -511,7 +512,7 @@ NEW = 24
 COPY_PROMPTS = [[5, 17, 99, 3, 42, 5, 17, 99, 3, 42, 7], [1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 6, 1, 2], [77]]
 
 
-def _gen_body(rank, world, path, copy_path, draft_path, loop_prompt):
+def _gen_body(rank, world, path, copy_path, draft_path, loop_prompt, stop):
     from transformers import AutoModelForCausalLM
 
     from megatron_tree.comm import CommStats
@@ -528,9 +529,6 @@ def _gen_body(rank, world, path, copy_path, draft_path, loop_prompt):
         model = load_hf_model(path, groups)
         copier = load_hf_model(copy_path, groups)
         entry = {"cp": groups.size, "cp_rank": groups.rank, "group": groups.cp_ranks}
-        entry["greedy"] = generate(model, COPY_PROMPTS, NEW, progress=False).tokens
-        entry["copy_greedy"] = generate(copier, COPY_PROMPTS, NEW, progress=False).tokens
-        entry["loop_greedy"] = generate(copier, [loop_prompt], NEW, progress=False).tokens
         runs = {
             ("lookup", 1): (copier, SpeculativeConfig(width=1, depth=4)),
             ("draft", 1): (model, SpeculativeConfig(method="draft_model", draft_model=draft, width=1, depth=3)),
@@ -541,8 +539,8 @@ def _gen_body(rank, world, path, copy_path, draft_path, loop_prompt):
             ("tree_draft", 2): (model, SpeculativeConfig(method="draft_model", draft_model=load_hf_model(
                 draft_path, groups), width=2, depth=3)),
         }
-        # a stop token met inside an accepted run of drafts: the row ends where greedy generate ends it
-        stop = [entry["loop_greedy"][0][9]]
+        # a stop token met inside an accepted run of drafts (the parent's: the copier's 10th greedy token after
+        # loop_prompt): the row ends where greedy generate ends it
         entry["stop_greedy"] = generate(copier, [loop_prompt, COPY_PROMPTS[1]], NEW, stop_token_ids=stop,
                                         progress=False).tokens
         entry["stop_spec"] = generate_speculative(copier, [loop_prompt, COPY_PROMPTS[1]], NEW, stop_token_ids=stop,
@@ -585,8 +583,14 @@ def _gen_body(rank, world, path, copy_path, draft_path, loop_prompt):
     return res
 
 
+def _both_body(rank, world, gen_args):
+    """The module's one 4-rank launch: verify_attention's cases, then the generation runs (a second launch
+    of the same 4 ranks only repeated their start, group creation and imports)."""
+    return {"verify": _verify_body(rank, world), "gen": _gen_body(rank, world, *gen_args)}
+
+
 @pytest.fixture(scope="module")
-def generated(tmp_path_factory):
+def launched(tmp_path_factory):
     path = tmp_path_factory.mktemp("spec_target")
     hf = make_checkpoint(path)
     copy_path = tmp_path_factory.mktemp("spec_copy")
@@ -605,11 +609,35 @@ def generated(tmp_path_factory):
         seed = [11, 22, 33]
         text = copier.generate(torch.tensor([seed]), max_new_tokens=36, min_new_tokens=36, do_sample=False,
                                pad_token_id=0)[0].tolist()
-    return hf, copier, run_ranks(_gen_body, 4, str(path), str(copy_path), str(draft_path), text, timeout=540)
+    # Greedy decoding's tokens, once, in this process: the argmax of full forwards of the unmodified
+    # transformers models (what the package's greedy generate equals token for token; the ranks'
+    # speculative runs must equal it at every CP layout).
+    refs = {"greedy": _argmax_loop(hf, COPY_PROMPTS), "copy_greedy": _argmax_loop(copier, COPY_PROMPTS),
+            "loop_greedy": _argmax_loop(copier, [text])}
+    stop = [refs["loop_greedy"][0][9]]
+    results = run_ranks(_both_body, 4, (str(path), str(copy_path), str(draft_path), text, stop), timeout=600)
+    return {"verify": [r["verify"] for r in results], "gen": (hf, copier, refs, [r["gen"] for r in results])}
+
+
+@pytest.fixture(scope="module")
+def generated(launched):
+    return launched["gen"]
+
+
+def _argmax_loop(model, prompts):
+    """NEW greedy tokens per prompt: the argmax of a full forward over prompt + tokens so far, never stopping."""
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = list(p)
+            for _ in range(NEW):
+                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+            out.append(ids[len(p):])
+    return out
 
 
 def test_speculative_generation_equals_greedy_generate(generated):
-    _, _, results = generated
+    _, _, refs, results = generated
     for name in GROUPINGS:
         for rank, e in enumerate(r[name] for r in results):
             where = f"{name} rank {rank} (CP {e['cp']})"
@@ -620,22 +648,22 @@ def test_speculative_generation_equals_greedy_generate(generated):
             assert e["stop_spec"] == e["stop_greedy"], where
             assert len(e["stop_greedy"][0]) < NEW, where  # the stop token did end row 0 early
             for key in (("lookup", 1),):
-                assert e[key]["tokens"] == e["copy_greedy"], (where, key)
+                assert e[key]["tokens"] == refs["copy_greedy"], (where, key)
                 assert e[key]["mean"] > 1.0, (where, key, e[key])  # drafts were accepted (rows share steps)
                 assert e[key]["merges"] == 2 * e[key]["steps"]  # one merge per layer per verification step
             for key in (("loop", 1), ("loop", 3)):
-                assert e[key]["tokens"] == e["loop_greedy"], (where, key)
+                assert e[key]["tokens"] == refs["loop_greedy"], (where, key)
                 assert e[key]["mean"] > 2.5, (where, key, e[key])  # one row on a repeating text: most accepted
                 assert e[key]["merges"] == 2 * e[key]["steps"]
             for key in (("draft", 1), ("draft", 2), ("self", 2), ("tree_draft", 2)):
-                assert e[key]["tokens"] == e["greedy"], (where, key)
+                assert e[key]["tokens"] == refs["greedy"], (where, key)
             # the model as its own draft: every draft accepted
             assert e[("self", 2)]["rate"] == 1.0, (where, e[("self", 2)])
             assert e[("self", 2)]["steps"] <= -(-(NEW - 1) // 5) + 1
 
 
 def test_verification_logits_and_commit_match_transformers(generated):
-    hf, _, results = generated
+    hf, _, _, results = generated
     from megatron_tree.decode.speculative import tree_mask
 
     mask = tree_mask(2, 3)
