@@ -67,13 +67,11 @@ def _generate(rank, world, arch, intra=None, strategy="auto"):
         runs[name] = (tokens, torch.stack(hook.steps))
     (want, want_logits), (got, got_logits) = runs["eager_static"], runs["compiled"]
     dynamic_tokens, dynamic_logits = runs["eager"]
-    from tests.helpers.hf_models import hf_greedy
-
-    reference = hf_greedy(_model(arch), PROMPTS, STEPS + 1)  # unmodified transformers, one process
+    reference = _greedy(PROMPTS, STEPS + 1, arch)  # unmodified transformers, one process
     return {"frames": counter.frame_count, "tokens_equal": got == want == dynamic_tokens,
             "logits_equal": torch.equal(got_logits, want_logits),
             "dynamic_close": torch.allclose(got_logits, dynamic_logits, rtol=0, atol=1e-5),
-            "steps": len(got_logits), "ops": ops, "layers": len(_model(arch).model.layers),
+            "steps": len(got_logits), "ops": ops, "layers": len(model.hf.model.layers),
             "transformers_equal": got == reference}
 
 
@@ -157,6 +155,26 @@ def _model(arch):
     from benchmarks.architectures import build
 
     return build(arch)
+
+
+_REFERENCES: dict = {}
+"""Unsharded transformers' greedy tokens per (arch, prompt), the longest asked for so far in this process."""
+
+
+def _greedy(prompts, new_tokens, arch="llama"):
+    """``hf_greedy`` of an unmodified ``_model(arch)``: each prompt's ``new_tokens`` greedy tokens, generated once
+    per process for the longest count asked for (a shared run's bodies ask for the same prompts' 12 or 13 tokens).
+    A shorter count is a prefix of a longer one: ``hf_greedy``'s ``min_new_tokens`` keeps EOS out of both, and
+    the first ``n`` steps of greedy decoding do not depend on how many follow."""
+    from tests.helpers.hf_models import hf_greedy
+
+    out = []
+    for p in prompts:
+        key = (arch, tuple(p))
+        if len(_REFERENCES.get(key, ())) < new_tokens:
+            _REFERENCES[key] = hf_greedy(_model(arch), [p], new_tokens)[0]
+        out.append(_REFERENCES[key][:new_tokens])
+    return out
 
 
 def _check(results, world):
@@ -680,7 +698,7 @@ def _transformers_generate(rank, world):
 
     groups = mt.TreeGroups.build()
     prompts = PROMPTS[:2]
-    want = hf_greedy(hf_model("llama"), prompts, STEPS)  # unsharded transformers, this process
+    want = _greedy(prompts, STEPS)  # unsharded transformers, this process
     counter = CompileCounterWithBackend("eager")
     torch._dynamo.reset()
     model = enable_tree_attention(hf_model("llama"), groups, compile_step={"backend": counter})
@@ -717,11 +735,11 @@ def _user_compiled_forward(rank, world, intra=None):
 
     import megatron_tree as mt
     from megatron_tree.integrations.hf import enable_tree_attention
-    from tests.helpers.hf_models import hf_greedy, hf_model
+    from tests.helpers.hf_models import hf_model
 
     groups = mt.TreeGroups.build(intra_size=intra) if intra else mt.TreeGroups.build()
     prompt = PROMPTS[0]
-    want = hf_greedy(hf_model("llama"), [prompt], STEPS)[0]  # unsharded, uncompiled transformers
+    want = _greedy([prompt], STEPS)[0]  # unsharded, uncompiled transformers
     eager = _generate_logits(enable_tree_attention(hf_model("llama"), groups), prompt)
     # the eager step over a static TreeCache: the shapes a compiled step gets (every slot read, masked)
     eager_static = _generate_logits(enable_tree_attention(hf_model("llama"), groups), prompt,
@@ -801,11 +819,11 @@ def _automatic_compile(rank, world):
 
     import megatron_tree as mt
     from megatron_tree.integrations.hf import enable_tree_attention
-    from tests.helpers.hf_models import hf_greedy, hf_model
+    from tests.helpers.hf_models import hf_model
 
     groups = mt.TreeGroups.build()
     prompt = PROMPTS[0]
-    want = hf_greedy(hf_model("llama"), [prompt], STEPS)[0]
+    want = _greedy([prompt], STEPS)[0]
     eager = _generate_logits(enable_tree_attention(hf_model("llama"), groups), prompt, cache_implementation="static")
     config = CompileConfig(backend=_recording_backend)
     config._compile_all_devices = True
