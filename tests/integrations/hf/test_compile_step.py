@@ -10,12 +10,15 @@ itself is a dispatch mode, under which torch.compile does not run.
 ``aot_eager`` runs Dynamo and AOTAutograd without Inductor's code generation, so a graph break, a host
 read of a device value or a guard on a per-step value (a recompilation) shows here cheaply; its graphs
 run the same aten ops as eager, so the logits are compared bit for bit. It compiles the tests whose subject is
-the compiled graph (its logits bit for bit, the ops in it: ``_generate``; a user's compile of the forward and
-transformers' automatic compile) and the steps made capturable as the default makes them on a GPU (standing in
-for Inductor's CUDA graphs, which run the AOTAutograd graph). The tests that count traces or check the storage,
-the padding, the batch buckets or the traffic recorded use Dynamo's ``"eager"`` backend (its traced graph run
-as it is: about 1.5 s a trace here against 2.4 s): traces, guards, recompilations and the recompile limit are
-Dynamo's under any backend, and the opaque ops that write the cache and record the traffic run the same bodies.
+the compiled graph (its logits bit for bit, the ops in it: ``_generate``; a user's compile of the forward in
+``_user_compiled_forward`` and transformers' automatic compile) and the steps made capturable as the default
+makes them on a GPU (standing in for Inductor's CUDA graphs, which run the AOTAutograd graph). The tests that
+count traces or check the storage, the padding, the batch buckets or the traffic recorded use Dynamo's
+``"eager"`` backend (its traced graph run as it is: about 1.5 s a trace here against 2.4 s): traces, guards,
+recompilations and the recompile limit are Dynamo's under any backend, and the opaque ops that write the cache
+and record the traffic run the same bodies. So do the user's compiles whose subject is not the graph but what
+reaches it: a left-padded batch's masks (``_static_padded``, tokens only) and the package loop's static caches
+and trace count (``_user_compiled_loop``).
 """
 
 from __future__ import annotations
@@ -879,9 +882,9 @@ def _static_padded(rank, world):
         want = tokens(hf_model(arch))  # unsharded transformers, its own static cache and 4-D masks
         for compiled in (False, True):
             model = enable_tree_attention(hf_model(arch), groups)
-            if compiled:
+            if compiled:  # (the masks and the padding under a compile: Dynamo's trace, its "eager" backend)
                 torch._dynamo.reset()
-                model.forward = torch.compile(model.forward, fullgraph=True, backend="aot_eager")
+                model.forward = torch.compile(model.forward, fullgraph=True, backend="eager")
             try:
                 out[arch, compiled] = tokens(model) == want
             except Exception as e:  # noqa: BLE001 -- reported, so every case shows
@@ -1611,7 +1614,7 @@ def _user_compiled_loop(rank, world):
 
     torch._dynamo.reset()
     groups = mt.TreeGroups.build()
-    counter = CompileCounterWithBackend("aot_eager")
+    counter = CompileCounterWithBackend("eager")  # (Dynamo's traces counted, the caches' kind: no AOTAutograd pass)
     model = HFTreeModel(_model("llama"), groups)
     model.hf.forward = torch.compile(model.hf.forward, fullgraph=True, backend=counter)
     eager = HFTreeModel(_model("llama"), groups)
