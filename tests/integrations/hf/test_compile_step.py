@@ -245,8 +245,10 @@ def _sweep(rank, world):
 def test_caches_of_nearby_lengths_share_one_compiled_step(shared):
     """An eval's batches each make a cache for their longest prompt: static caches are sized by length bucket
     (``decode.cache.static_length``), so a sweep of 10 lengths compiles once per bucket (3), not once per call
-    (10, before), and every call gives the eager step's tokens."""
-    for r in shared(2, "sweep"):
+    (10, before), and every call gives the eager step's tokens. (One rank: the buckets and a step's traces are each
+    rank's own, the same at every world size; at CP 2 the new trace of another bucket is the batches test's
+    ``lazy3_long`` and its tokens eager's.)"""
+    for r in shared(1, "sweep"):
         assert all(r["equal"]), r["equal"]
         assert r["sizes"] == [64] * 6 + [80] * 2 + [112] * 2
         # a new trace exactly where the bucket changes
@@ -1851,8 +1853,8 @@ def test_a_step_fed_a_slice_of_its_sequence_compiles_once():
 
 
 _SHARED = {
-    1: {"stats": (_stats, ()), "fallback_stats": (_fallback_stats, ())},
-    2: {"llama": (_generate, ("llama",)), "sweep": (_sweep, ()), "refusals": (_refusals, ()), "auto": (_auto, ()),
+    1: {"stats": (_stats, ()), "fallback_stats": (_fallback_stats, ()), "sweep": (_sweep, ())},
+    2: {"llama": (_generate, ("llama",)), "refusals": (_refusals, ()), "auto": (_auto, ()),
         "auto_edges": (_auto_edges, ()), "fallback_stats": (_fallback_stats, ()), "stats": (_stats, ()),
         "transformers_generate": (_transformers_generate, ()), "user_compiled": (_user_compiled_forward, ()),
         "automatic_compile": (_automatic_compile, ()), "shifted_user_compile": (_shifted_user_compile, ()),
