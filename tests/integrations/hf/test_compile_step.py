@@ -117,10 +117,11 @@ def _shared_results(runs, name):
     return got
 
 
-def _shares(name):
-    """Marks a test that reads the body ``name`` of a shared run (:data:`_SHARED`): a run holds the selected tests'."""
+def _shares(*names):
+    """Marks a test that reads the bodies ``names`` of shared runs (:data:`_SHARED`): a run holds the selected
+    tests'."""
     def mark(test):
-        test.shared_body = name
+        test.shared_bodies = names
         return test
     return mark
 
@@ -131,7 +132,7 @@ def _shared_run(request, world):
     for item in request.session.items:
         params = getattr(getattr(item, "callspec", None), "params", {})
         if getattr(item, "module", None) is request.module and params.get("world", world) == world:
-            wanted.add(getattr(getattr(item, "function", None), "shared_body", None))
+            wanted.update(getattr(getattr(item, "function", None), "shared_bodies", ()))
     names = tuple(name for name in _SHARED[world] if name in wanted)
     return run_ranks(_shared_body, world, names, timeout=300 * len(names))
 
@@ -1287,7 +1288,8 @@ def test_a_user_compiled_forwards_cache_ends_with_its_generate():
 
 
 def _batches(rank, world):
-    """Batch sizes of compiled steps: the lazy default, explicit buckets, and what the ranks must agree on."""
+    """Batch sizes of compiled steps: the lazy default and explicit buckets (the traces and paddings of one rank:
+    a batch's padding at CP is the padded_rows test's, at CP 3)."""
     import logging
 
     import megatron_tree as mt
@@ -1346,6 +1348,20 @@ def _batches(rank, world):
         seq = two.hf.generate(ids, **kw)
         out["hf3"] = (seq.tolist() == _model("llama").generate(ids, **kw).tolist(), two_counter.frame_count)
     out["said"] = said
+    return out
+
+
+def _batch_settings(rank, world):
+    """What the ranks must agree on (buckets, torch.compile arguments) and the batch settings refused."""
+    import megatron_tree as mt
+    from megatron_tree.decode.generate import generate
+    from megatron_tree.integrations.hf import HFTreeModel
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    groups = mt.TreeGroups.build()
+    g = torch.Generator().manual_seed(5)
+    pool = [torch.randint(1, 120, (n,), generator=g).tolist() for n in (13, 7, 11, 4, 9)]  # (_batches' prompts)
+    out = {}
     # every CP rank must hold the same compile setting: buckets, then torch.compile arguments
     odd = HFTreeModel(_model("llama"), groups, compile_step={"backend": "aot_eager"},
                       batch_buckets=(2,) if rank == 0 else (2, 4))
@@ -1386,15 +1402,14 @@ def _other_backend(gm, example_inputs):
     return gm.forward
 
 
-@_shares("batches")
+@_shares("batches", "batch_settings")
 def test_compiled_steps_bucket_batches_and_ranks_agree_on_the_setting(shared):
     """An eval's last, partial batch reuses the full batches' compiled step (padded with copies of its shortest
     prompt; not where the cache's length bucket has no step to reuse), explicit ``batch_buckets`` pad up to a
     bucket and run a batch beyond them eagerly, saying so once; tokens equal the eager model's every time.
     Ranks whose compile settings differ all raise the same DisagreementError at the prefill; bad buckets are
-    refused, naming the setting."""
-    results = shared(2, "batches")
-    for r in results:
+    refused, naming the setting. (The traces and paddings on one rank, the settings at CP 2.)"""
+    for r in shared(1, "batches"):
         expect = {"lazy4": (4, 1), "lazy3": (4, 1), "lazy1": (1, 2), "lazy2": (4, 2), "lazy3_long": (3, 3),
                   "lazy5": (5, 4), "bucket1": (2, 1), "bucket3": (3, 1), "bucket5": (5, 1), "two3": (4, 1)}
         for name, (padded, frames) in expect.items():
@@ -1411,6 +1426,8 @@ def test_compiled_steps_bucket_batches_and_ranks_agree_on_the_setting(shared):
         assert "larger than every bucket" in r["said"][0], r["said"]
         assert len(r["said"]) == 2 and "3 rows runs eagerly" in r["said"][1], r["said"]
         assert "not one of batch_buckets=(2, 4)" in r["said"][1], r["said"]
+    results = shared(2, "batch_settings")
+    for r in results:
         for key, what in (("disagree_buckets", "batch_buckets="), ("disagree_backend", "backend="),
                           ("disagree_callable", "_other_backend"), ("disagree_options", "max_autotune"),
                           ("disagree_counter", "CompileCounterWithBackend(backend='aot_eager')")):
@@ -1853,13 +1870,14 @@ def test_a_step_fed_a_slice_of_its_sequence_compiles_once():
 
 
 _SHARED = {
-    1: {"stats": (_stats, ()), "fallback_stats": (_fallback_stats, ()), "sweep": (_sweep, ())},
+    1: {"stats": (_stats, ()), "fallback_stats": (_fallback_stats, ()), "sweep": (_sweep, ()),
+        "batches": (_batches, ())},
     2: {"llama": (_generate, ("llama",)), "refusals": (_refusals, ()), "auto": (_auto, ()),
         "auto_edges": (_auto_edges, ()), "fallback_stats": (_fallback_stats, ()), "stats": (_stats, ()),
         "transformers_generate": (_transformers_generate, ()), "user_compiled": (_user_compiled_forward, ()),
         "automatic_compile": (_automatic_compile, ()), "shifted_user_compile": (_shifted_user_compile, ()),
         "split_setting": (_split_setting, ()), "continue_within_bucket": (_continue_within_bucket, ()),
-        "after_longer_prompts": (_after_longer_prompts, ()), "batches": (_batches, ())},
+        "after_longer_prompts": (_after_longer_prompts, ()), "batch_settings": (_batch_settings, ())},
     3: {"gemma2": (_generate, ("gemma2",)), "static_padded": (_static_padded, ()), "padded_rows": (_padded_rows, ()),
         "user_compiled_loop": (_user_compiled_loop, ())},
     4: {"llama_2x2": (_generate, ("llama", 2, "two_level")), "user_compiled_2x2": (_user_compiled_forward, (2,)),
