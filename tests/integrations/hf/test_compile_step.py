@@ -10,12 +10,15 @@ itself is a dispatch mode, under which torch.compile does not run.
 ``aot_eager`` runs Dynamo and AOTAutograd without Inductor's code generation, so a graph break, a host
 read of a device value or a guard on a per-step value (a recompilation) shows here cheaply; its graphs
 run the same aten ops as eager, so the logits are compared bit for bit. It compiles the tests whose subject is
-the compiled graph (its logits bit for bit, the ops in it: ``_generate``; a user's compile of the forward and
-transformers' automatic compile) and the steps made capturable as the default makes them on a GPU (standing in
-for Inductor's CUDA graphs, which run the AOTAutograd graph). The tests that count traces or check the storage,
-the padding, the batch buckets or the traffic recorded use Dynamo's ``"eager"`` backend (its traced graph run
-as it is: about 1.5 s a trace here against 2.4 s): traces, guards, recompilations and the recompile limit are
-Dynamo's under any backend, and the opaque ops that write the cache and record the traffic run the same bodies.
+the compiled graph (its logits bit for bit, the ops in it: ``_generate``; a user's compile of the forward in
+``_user_compiled_forward`` and transformers' automatic compile) and the steps made capturable as the default
+makes them on a GPU (standing in for Inductor's CUDA graphs, which run the AOTAutograd graph). The tests that
+count traces or check the storage, the padding, the batch buckets or the traffic recorded use Dynamo's
+``"eager"`` backend (its traced graph run as it is: about 1.5 s a trace here against 2.4 s): traces, guards,
+recompilations and the recompile limit are Dynamo's under any backend, and the opaque ops that write the cache
+and record the traffic run the same bodies. So do the user's compiles whose subject is not the graph but what
+reaches it: a left-padded batch's masks (``_static_padded``, tokens only) and the package loop's static caches
+and trace count (``_user_compiled_loop``).
 """
 
 from __future__ import annotations
@@ -67,13 +70,11 @@ def _generate(rank, world, arch, intra=None, strategy="auto"):
         runs[name] = (tokens, torch.stack(hook.steps))
     (want, want_logits), (got, got_logits) = runs["eager_static"], runs["compiled"]
     dynamic_tokens, dynamic_logits = runs["eager"]
-    from tests.helpers.hf_models import hf_greedy
-
-    reference = hf_greedy(_model(arch), PROMPTS, STEPS + 1)  # unmodified transformers, one process
+    reference = _greedy(PROMPTS, STEPS + 1, arch)  # unmodified transformers, one process
     return {"frames": counter.frame_count, "tokens_equal": got == want == dynamic_tokens,
             "logits_equal": torch.equal(got_logits, want_logits),
             "dynamic_close": torch.allclose(got_logits, dynamic_logits, rtol=0, atol=1e-5),
-            "steps": len(got_logits), "ops": ops, "layers": len(_model(arch).model.layers),
+            "steps": len(got_logits), "ops": ops, "layers": len(model.hf.model.layers),
             "transformers_equal": got == reference}
 
 
@@ -116,10 +117,11 @@ def _shared_results(runs, name):
     return got
 
 
-def _shares(name):
-    """Marks a test that reads the body ``name`` of a shared run (:data:`_SHARED`): a run holds the selected tests'."""
+def _shares(*names):
+    """Marks a test that reads the bodies ``names`` of shared runs (:data:`_SHARED`): a run holds the selected
+    tests'."""
     def mark(test):
-        test.shared_body = name
+        test.shared_bodies = names
         return test
     return mark
 
@@ -130,7 +132,7 @@ def _shared_run(request, world):
     for item in request.session.items:
         params = getattr(getattr(item, "callspec", None), "params", {})
         if getattr(item, "module", None) is request.module and params.get("world", world) == world:
-            wanted.add(getattr(getattr(item, "function", None), "shared_body", None))
+            wanted.update(getattr(getattr(item, "function", None), "shared_bodies", ()))
     names = tuple(name for name in _SHARED[world] if name in wanted)
     return run_ranks(_shared_body, world, names, timeout=300 * len(names))
 
@@ -157,6 +159,26 @@ def _model(arch):
     from benchmarks.architectures import build
 
     return build(arch)
+
+
+_REFERENCES: dict = {}
+"""Unsharded transformers' greedy tokens per (arch, prompt), the longest asked for so far in this process."""
+
+
+def _greedy(prompts, new_tokens, arch="llama"):
+    """``hf_greedy`` of an unmodified ``_model(arch)``: each prompt's ``new_tokens`` greedy tokens, generated once
+    per process for the longest count asked for (a shared run's bodies ask for the same prompts' 12 or 13 tokens).
+    A shorter count is a prefix of a longer one: ``hf_greedy``'s ``min_new_tokens`` keeps EOS out of both, and
+    the first ``n`` steps of greedy decoding do not depend on how many follow."""
+    from tests.helpers.hf_models import hf_greedy
+
+    out = []
+    for p in prompts:
+        key = (arch, tuple(p))
+        if len(_REFERENCES.get(key, ())) < new_tokens:
+            _REFERENCES[key] = hf_greedy(_model(arch), [p], new_tokens)[0]
+        out.append(_REFERENCES[key][:new_tokens])
+    return out
 
 
 def _check(results, world):
@@ -224,8 +246,10 @@ def _sweep(rank, world):
 def test_caches_of_nearby_lengths_share_one_compiled_step(shared):
     """An eval's batches each make a cache for their longest prompt: static caches are sized by length bucket
     (``decode.cache.static_length``), so a sweep of 10 lengths compiles once per bucket (3), not once per call
-    (10, before), and every call gives the eager step's tokens."""
-    for r in shared(2, "sweep"):
+    (10, before), and every call gives the eager step's tokens. (One rank: the buckets and a step's traces are each
+    rank's own, the same at every world size; at CP 2 the new trace of another bucket is the batches test's
+    ``lazy3_long`` and its tokens eager's.)"""
+    for r in shared(1, "sweep"):
         assert all(r["equal"]), r["equal"]
         assert r["sizes"] == [64] * 6 + [80] * 2 + [112] * 2
         # a new trace exactly where the bucket changes
@@ -680,7 +704,7 @@ def _transformers_generate(rank, world):
 
     groups = mt.TreeGroups.build()
     prompts = PROMPTS[:2]
-    want = hf_greedy(hf_model("llama"), prompts, STEPS)  # unsharded transformers, this process
+    want = _greedy(prompts, STEPS)  # unsharded transformers, this process
     counter = CompileCounterWithBackend("eager")
     torch._dynamo.reset()
     model = enable_tree_attention(hf_model("llama"), groups, compile_step={"backend": counter})
@@ -717,11 +741,11 @@ def _user_compiled_forward(rank, world, intra=None):
 
     import megatron_tree as mt
     from megatron_tree.integrations.hf import enable_tree_attention
-    from tests.helpers.hf_models import hf_greedy, hf_model
+    from tests.helpers.hf_models import hf_model
 
     groups = mt.TreeGroups.build(intra_size=intra) if intra else mt.TreeGroups.build()
     prompt = PROMPTS[0]
-    want = hf_greedy(hf_model("llama"), [prompt], STEPS)[0]  # unsharded, uncompiled transformers
+    want = _greedy([prompt], STEPS)[0]  # unsharded, uncompiled transformers
     eager = _generate_logits(enable_tree_attention(hf_model("llama"), groups), prompt)
     # the eager step over a static TreeCache: the shapes a compiled step gets (every slot read, masked)
     eager_static = _generate_logits(enable_tree_attention(hf_model("llama"), groups), prompt,
@@ -801,11 +825,11 @@ def _automatic_compile(rank, world):
 
     import megatron_tree as mt
     from megatron_tree.integrations.hf import enable_tree_attention
-    from tests.helpers.hf_models import hf_greedy, hf_model
+    from tests.helpers.hf_models import hf_model
 
     groups = mt.TreeGroups.build()
     prompt = PROMPTS[0]
-    want = hf_greedy(hf_model("llama"), [prompt], STEPS)[0]
+    want = _greedy([prompt], STEPS)[0]
     eager = _generate_logits(enable_tree_attention(hf_model("llama"), groups), prompt, cache_implementation="static")
     config = CompileConfig(backend=_recording_backend)
     config._compile_all_devices = True
@@ -861,9 +885,9 @@ def _static_padded(rank, world):
         want = tokens(hf_model(arch))  # unsharded transformers, its own static cache and 4-D masks
         for compiled in (False, True):
             model = enable_tree_attention(hf_model(arch), groups)
-            if compiled:
+            if compiled:  # (the masks and the padding under a compile: Dynamo's trace, its "eager" backend)
                 torch._dynamo.reset()
-                model.forward = torch.compile(model.forward, fullgraph=True, backend="aot_eager")
+                model.forward = torch.compile(model.forward, fullgraph=True, backend="eager")
             try:
                 out[arch, compiled] = tokens(model) == want
             except Exception as e:  # noqa: BLE001 -- reported, so every case shows
@@ -1264,7 +1288,8 @@ def test_a_user_compiled_forwards_cache_ends_with_its_generate():
 
 
 def _batches(rank, world):
-    """Batch sizes of compiled steps: the lazy default, explicit buckets, and what the ranks must agree on."""
+    """Batch sizes of compiled steps: the lazy default and explicit buckets (the traces and paddings of one rank:
+    a batch's padding at CP is the padded_rows test's, at CP 3)."""
     import logging
 
     import megatron_tree as mt
@@ -1323,6 +1348,20 @@ def _batches(rank, world):
         seq = two.hf.generate(ids, **kw)
         out["hf3"] = (seq.tolist() == _model("llama").generate(ids, **kw).tolist(), two_counter.frame_count)
     out["said"] = said
+    return out
+
+
+def _batch_settings(rank, world):
+    """What the ranks must agree on (buckets, torch.compile arguments) and the batch settings refused."""
+    import megatron_tree as mt
+    from megatron_tree.decode.generate import generate
+    from megatron_tree.integrations.hf import HFTreeModel
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    groups = mt.TreeGroups.build()
+    g = torch.Generator().manual_seed(5)
+    pool = [torch.randint(1, 120, (n,), generator=g).tolist() for n in (13, 7, 11, 4, 9)]  # (_batches' prompts)
+    out = {}
     # every CP rank must hold the same compile setting: buckets, then torch.compile arguments
     odd = HFTreeModel(_model("llama"), groups, compile_step={"backend": "aot_eager"},
                       batch_buckets=(2,) if rank == 0 else (2, 4))
@@ -1363,15 +1402,14 @@ def _other_backend(gm, example_inputs):
     return gm.forward
 
 
-@_shares("batches")
+@_shares("batches", "batch_settings")
 def test_compiled_steps_bucket_batches_and_ranks_agree_on_the_setting(shared):
     """An eval's last, partial batch reuses the full batches' compiled step (padded with copies of its shortest
     prompt; not where the cache's length bucket has no step to reuse), explicit ``batch_buckets`` pad up to a
     bucket and run a batch beyond them eagerly, saying so once; tokens equal the eager model's every time.
     Ranks whose compile settings differ all raise the same DisagreementError at the prefill; bad buckets are
-    refused, naming the setting."""
-    results = shared(2, "batches")
-    for r in results:
+    refused, naming the setting. (The traces and paddings on one rank, the settings at CP 2.)"""
+    for r in shared(1, "batches"):
         expect = {"lazy4": (4, 1), "lazy3": (4, 1), "lazy1": (1, 2), "lazy2": (4, 2), "lazy3_long": (3, 3),
                   "lazy5": (5, 4), "bucket1": (2, 1), "bucket3": (3, 1), "bucket5": (5, 1), "two3": (4, 1)}
         for name, (padded, frames) in expect.items():
@@ -1388,6 +1426,8 @@ def test_compiled_steps_bucket_batches_and_ranks_agree_on_the_setting(shared):
         assert "larger than every bucket" in r["said"][0], r["said"]
         assert len(r["said"]) == 2 and "3 rows runs eagerly" in r["said"][1], r["said"]
         assert "not one of batch_buckets=(2, 4)" in r["said"][1], r["said"]
+    results = shared(2, "batch_settings")
+    for r in results:
         for key, what in (("disagree_buckets", "batch_buckets="), ("disagree_backend", "backend="),
                           ("disagree_callable", "_other_backend"), ("disagree_options", "max_autotune"),
                           ("disagree_counter", "CompileCounterWithBackend(backend='aot_eager')")):
@@ -1532,23 +1572,28 @@ def _stats(rank, world):
     strategy = "two_level" if world == 4 else "packed"
     compiled = HFTreeModel(_model("llama"), groups, strategy=strategy, compile_step={"backend": counter})
     eager = HFTreeModel(_model("llama"), groups, strategy=strategy)
+    wants = {}  # the eager model's traffic for n tokens, generated once per n (the same calls every time)
+
+    def eager_stats(n):
+        if n not in wants:
+            wants[n] = CommStats()
+            generate(eager, PROMPTS, n, stats=wants[n], progress=False)
+        return wants[n].as_dict()
+
     frames, same = [], []
     for n in (4, 3, None, 5, 4):  # a new CommStats per call, as the eval makes one per run (None: no stats)
         got = None if n is None else CommStats()
         generate(compiled, PROMPTS, n or 3, stats=got, progress=False)
         frames.append(counter.frame_count)
         if got is not None:
-            want = CommStats()
-            generate(eager, PROMPTS, n, stats=want, progress=False)
-            same.append((got.as_dict() == want.as_dict(), got.calls))
+            same.append((got.as_dict() == eager_stats(n), got.calls))
     # a step of a batch beyond every bucket runs uncompiled, through the same slot: it records into the call's
     # CommStats, not into the slot
     bucketed = HFTreeModel(_model("llama"), groups, strategy=strategy, compile_step={"backend": "eager"},
                            batch_buckets=(1,))
-    got, want = CommStats(), CommStats()
+    got = CommStats()
     generate(bucketed, PROMPTS, 3, stats=got, progress=False)
-    generate(eager, PROMPTS, 3, stats=want, progress=False)
-    same.append((got.as_dict() == want.as_dict(), got.calls))
+    same.append((got.as_dict() == eager_stats(3), got.calls))
     # transformers' own generate with the model's stats (stats=): each compiled step records into them, and the
     # steps after it are plain ones of the model's strategy and stats again
     ids = torch.tensor([p[:3] for p in PROMPTS])
@@ -1588,7 +1633,7 @@ def _user_compiled_loop(rank, world):
 
     torch._dynamo.reset()
     groups = mt.TreeGroups.build()
-    counter = CompileCounterWithBackend("aot_eager")
+    counter = CompileCounterWithBackend("eager")  # (Dynamo's traces counted, the caches' kind: no AOTAutograd pass)
     model = HFTreeModel(_model("llama"), groups)
     model.hf.forward = torch.compile(model.hf.forward, fullgraph=True, backend=counter)
     eager = HFTreeModel(_model("llama"), groups)
@@ -1825,13 +1870,14 @@ def test_a_step_fed_a_slice_of_its_sequence_compiles_once():
 
 
 _SHARED = {
-    1: {"stats": (_stats, ()), "fallback_stats": (_fallback_stats, ())},
-    2: {"llama": (_generate, ("llama",)), "sweep": (_sweep, ()), "refusals": (_refusals, ()), "auto": (_auto, ()),
+    1: {"stats": (_stats, ()), "fallback_stats": (_fallback_stats, ()), "sweep": (_sweep, ()),
+        "batches": (_batches, ())},
+    2: {"llama": (_generate, ("llama",)), "refusals": (_refusals, ()), "auto": (_auto, ()),
         "auto_edges": (_auto_edges, ()), "fallback_stats": (_fallback_stats, ()), "stats": (_stats, ()),
         "transformers_generate": (_transformers_generate, ()), "user_compiled": (_user_compiled_forward, ()),
         "automatic_compile": (_automatic_compile, ()), "shifted_user_compile": (_shifted_user_compile, ()),
         "split_setting": (_split_setting, ()), "continue_within_bucket": (_continue_within_bucket, ()),
-        "after_longer_prompts": (_after_longer_prompts, ()), "batches": (_batches, ())},
+        "after_longer_prompts": (_after_longer_prompts, ()), "batch_settings": (_batch_settings, ())},
     3: {"gemma2": (_generate, ("gemma2",)), "static_padded": (_static_padded, ()), "padded_rows": (_padded_rows, ()),
         "user_compiled_loop": (_user_compiled_loop, ())},
     4: {"llama_2x2": (_generate, ("llama", 2, "two_level")), "user_compiled_2x2": (_user_compiled_forward, (2,)),
