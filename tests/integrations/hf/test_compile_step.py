@@ -246,9 +246,9 @@ def _sweep(rank, world):
 def test_caches_of_nearby_lengths_share_one_compiled_step(shared):
     """An eval's batches each make a cache for their longest prompt: static caches are sized by length bucket
     (``decode.cache.static_length``), so a sweep of 10 lengths compiles once per bucket (3), not once per call
-    (10, before), and every call gives the eager step's tokens. (One rank: the buckets and a step's traces are each
-    rank's own, the same at every world size; at CP 2 the new trace of another bucket is the batches test's
-    ``lazy3_long`` and its tokens eager's.)"""
+    (10, before), and every call gives the eager step's tokens. (One rank: a cache's bucket and its step's traces are
+    each rank's own, computed from the same lengths at every world size; the CP tests above compile their steps
+    on sharded caches.)"""
     for r in shared(1, "sweep"):
         assert all(r["equal"]), r["equal"]
         assert r["sizes"] == [64] * 6 + [80] * 2 + [112] * 2
