@@ -307,10 +307,19 @@ def check_checkpoint(args: ModelArgs):
     from .hf.checkpoint import CheckpointError, check_checkpoint as check_hf
 
     try:
-        check_hf(args.pretrained)
+        checked = check_hf(args.pretrained)
     except CheckpointError as e:
         raise ModelArgsError(f"pretrained={args.pretrained!r} is not a transformers checkpoint directory that loads as "
                              f"saved: {e}") from None
+    from .hf.common import position_window
+
+    window = position_window(checked.config)
+    if args.max_length is not None and window is not None and args.max_length > window:
+        # the CP prefill refuses longer prompts: the first request beyond the window would fail mid-evaluation
+        raise ModelArgsError(
+            f"model_args max_length={args.max_length} is beyond the model's window (max_position_embeddings = "
+            f"{window}, {args.pretrained}/config.json), which the CP prefill never runs past; use max_length <= "
+            f"{window} or a model configured for longer contexts")
 
 
 # --------------------------------------------------------------------------- process groups

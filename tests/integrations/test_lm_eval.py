@@ -356,6 +356,29 @@ def test_bad_input(workdir, capsys, monkeypatch):
     assert "megatron_tree.eval.lm_eval: rank 0: error" not in capsys.readouterr().err
 
 
+def test_max_length_beyond_the_models_window_is_refused_before_any_request(workdir, capsys, monkeypatch):
+    """model_args max_length above the checkpoint's max_position_embeddings (256 here): the CP prefill refuses
+    every prompt longer than the window, so such a max_length only defers the failure to the first long request,
+    mid-evaluation, as a ValueError traceback on every rank. It is refused when the model is made, named, and
+    through the CLI with exit 2 and one line, before any task is read; max_length up to the window is taken."""
+    offline_env()
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    from megatron_tree.integrations import lm_eval as backend
+    from megatron_tree.eval.lm_eval import main
+
+    llama, tok = os.path.join(workdir, "llama"), os.path.join(workdir, "tok")
+    message = "max_length=512 is beyond the model's window (max_position_embeddings = 256, "
+    with pytest.raises(backend.ModelArgsError, match=re.escape(message)):
+        backend.TreeLM.create_from_arg_string(f"pretrained={llama},tokenizer={tok},max_length=512", {"device": "cpu"})
+    with pytest.raises(SystemExit) as e:
+        main(["--model", "megatron_tree", "--model_args", f"pretrained={llama},tokenizer={tok},max_length=512",
+              "--tasks", "mt_choice", "--include_path", os.path.join(workdir, "tasks"), "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"rank 0: model_args {message}" in err and "Traceback" not in err, err
+    lm = backend.TreeLM.create_from_arg_string(f"pretrained={llama},tokenizer={tok},max_length=256", {"device": "cpu"})
+    assert lm.max_length == 256
+
+
 def test_the_cli_indexes_the_include_path_alone_where_it_defines_every_task(tmp_path):
     """lm-eval's CLI reads its ~15,000 own task files on every rank before --include_path: where every task
     named is a plain task of the include path, only that path is indexed (an included task overrides a

@@ -147,6 +147,17 @@ def _text_config(cfg):
     return get(decoder=True) if callable(get) else cfg
 
 
+def position_window(cfg) -> int | None:
+    """The longest prompt the CP prefill takes for transformers config ``cfg``: its text config's
+    ``max_position_embeddings``; ``None`` (no limit) where it has none or its RoPE is dynamic NTK (built to
+    run past it). One rule for the prefill's refusal and for what callers check beforehand."""
+    text = _text_config(cfg)
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    if rope.get("rope_type", rope.get("type")) == "dynamic":
+        return None
+    return getattr(text, "max_position_embeddings", None)
+
+
 _SETTINGS = ("do_sample", "temperature", "top_k", "top_p", "min_p", "typical_p", "repetition_penalty",
              "eos_token_id", "min_new_tokens", "generation_config", "generate_arguments")
 """``generate``'s settings every CP rank must pass alike (compared at the prefill): the sampling and stop

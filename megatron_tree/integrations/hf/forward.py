@@ -14,7 +14,8 @@ import operator
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .common import _SETTINGS, UnsupportedModelError, _Binding, _comm_device, _describe, _same_groups, _text_config
+from .common import (_SETTINGS, UnsupportedModelError, _Binding, _comm_device, _describe, _same_groups, _text_config,
+                     position_window)
 from .cache import TreeCache
 
 from ...comm.merge import CompileError
@@ -264,10 +265,7 @@ def _prefill(model, orig, binding: _Binding, cache: TreeCache, call: dict, batch
             raise NotImplementedError(
                 f"position_ids of shape {tuple(pos.shape)} are not supported; expected (batch, seq) or (1, seq)"
             )
-        window = getattr(cfg, "max_position_embeddings", None)
-        rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
-        if rope.get("rope_type", rope.get("type")) == "dynamic":  # dynamic NTK RoPE is built to run past it
-            window = None
+        window = position_window(cfg)  # None: dynamic NTK RoPE is built to run past it
         if window is not None and max(lengths) > window:
             raise ValueError(
                 f"a prompt has {max(lengths)} tokens, more than the model's window (max_position_embeddings = "
