@@ -199,6 +199,20 @@ def check_inputs(cfg: RunConfig):
             f"steps + 1), but the model has max_position_embeddings {max_pos}; shorten it or set "
             "eval.allow_beyond_max_position=true"
         )
+    # The passkey prompts and the perplexity prefix run after the sweep: past the window, the CP prefill would
+    # refuse them there, with a traceback after the whole sweep. The same rule as the sweep's, before launch.
+    beyond = []
+    if ev.passkey.enabled:
+        beyond += [(f"eval.passkey.context_lengths: {ctx} tokens + eval.passkey.new_tokens {ev.passkey.new_tokens} "
+                    f"need {ctx + ev.passkey.new_tokens} positions", ctx + ev.passkey.new_tokens)
+                   for ctx in ev.passkey.context_lengths or ev.context_lengths]
+    if ev.perplexity.text_file:
+        need_ppl = ev.perplexity.prefix_tokens + ev.perplexity.eval_tokens
+        beyond.append((f"eval.perplexity: prefix_tokens + eval_tokens need {need_ppl} positions", need_ppl))
+    for what, positions in beyond:
+        if positions > max_pos and not ev.allow_beyond_max_position:
+            raise ConfigError(f"{what}, but the model has max_position_embeddings {max_pos}; shorten it or set "
+                              "eval.allow_beyond_max_position=true")
     if ev.passkey.enabled or ev.perplexity.text_file:
         tok = tokenizer_path(cfg)
         what = "eval.passkey.enabled" if ev.passkey.enabled else "eval.perplexity.text_file"

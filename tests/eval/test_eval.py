@@ -458,6 +458,32 @@ def test_passkey_and_perplexity_with_a_checkpoint(tmp_path, clean_env):
     assert ppl["perplexity"] == pytest.approx(math.exp(nll), rel=1e-4)
 
 
+@pytest.mark.parametrize("args, fragment", [
+    (["eval.passkey.enabled=true", "eval.passkey.context_lengths=[2100]", "eval.passkey.new_tokens=4"],
+     "eval.passkey.context_lengths: 2100 tokens + eval.passkey.new_tokens 4 need 2104 positions, but the model has "
+     "max_position_embeddings 2048"),
+    (["eval.perplexity.prefix_tokens=2100", "eval.perplexity.eval_tokens=6"],
+     "eval.perplexity: prefix_tokens + eval_tokens need 2106 positions, but the model has max_position_embeddings 2048"),
+])
+def test_passkey_and_perplexity_past_the_models_window_fail_before_the_sweep(tmp_path, clean_env, capsys, args, fragment):
+    """eval.context_lengths past max_position_embeddings is a config error before launch; the passkey's own
+    context lengths and the perplexity's prefix + eval tokens were not checked, so the whole sweep ran and then
+    the CP prefill's ValueError ended the run with a traceback. Now the same one-line config error, before any
+    process group, naming the key (eval.allow_beyond_max_position=true still lets them through)."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    _tiny_checkpoint(ckpt)
+    text = tmp_path / "book.txt"
+    text.write_text("The sky is blue and the grass is green. " * 300)
+    rc = E.main(["model.source=hf", f"model.path={ckpt}", f"output_dir={tmp_path / 'out'}", *TINY,
+                 "eval.context_lengths=[24]", "eval.strategies=[packed]", "wandb.enabled=false",
+                 f"eval.perplexity.text_file={text}", "eval.perplexity.prefix_tokens=40", *args])
+    err = capsys.readouterr().err
+    assert rc == 2 and "error:" in err and fragment in err and "Traceback" not in err, err
+    assert "eval.allow_beyond_max_position=true" in err
+    assert not torch.distributed.is_initialized() and not (tmp_path / "out" / "results.json").exists()
+
+
 def test_broken_checkpoints_are_clear_errors(tmp_path, clean_env, capsys):
     args = ["model.source=hf", f"model.path={tmp_path}", "topology.intra_size=null", "wandb.enabled=false"]
     (tmp_path / "config.json").write_text("{}")
