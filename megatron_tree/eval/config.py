@@ -259,7 +259,9 @@ class EvalConfig:
     """Untimed decode steps before the timed ones."""
     allow_beyond_max_position: bool = False
     """Allow context lengths past the model's ``max_position_embeddings`` (speed and
-    exactness runs; RoPE extrapolates, answer quality is not meaningful there)."""
+    exactness runs; RoPE extrapolates, answer quality is not meaningful there). For ``model.source``
+    megatron and transformers models with dynamic-NTK RoPE; other transformers models' CP prefill never
+    runs past the window (refused before launch)."""
     prefill_method: Literal["ring", "allgather"] | None = None
     """Context-parallel prefill; ``None`` = the model's own (``ring`` for transformers models, ``allgather``
     for Megatron models, whose core attention all-gathers the prompt's keys/values)."""

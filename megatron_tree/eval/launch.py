@@ -162,6 +162,23 @@ def check_transformers_checkpoint(path: str) -> int:
     return checked.max_position_embeddings
 
 
+def _runs_past_max_position(m: ModelConfig) -> bool:
+    """Whether the model's CP prefill takes prompts past ``max_position_embeddings`` (what
+    ``eval.allow_beyond_max_position`` needs): Megatron's ``GPTModel`` does (its RoPE is computed for any
+    position); a transformers model (``hf``, ``random``) only with dynamic-NTK RoPE
+    (``integrations.hf.common.position_window``, the rule its prefill applies)."""
+    if m.source == "megatron":
+        return True
+    from ..integrations.hf.common import position_window
+
+    if m.source == "hf":
+        from transformers import AutoConfig
+
+        return position_window(AutoConfig.from_pretrained(m.path)) is None
+    rope = dict(m.rope_scaling or {})
+    return rope.get("rope_type", rope.get("type")) == "dynamic"
+
+
 def check_model(m: ModelConfig):
     """The model's files, checked before launch: ``(checkpoint, max_position_embeddings)``.
 
@@ -192,16 +209,11 @@ def check_inputs(cfg: RunConfig):
     if m.source == "megatron" and ev.prefill_method == "allgather":
         raise ConfigError("eval.prefill_method: 'allgather' is not available for model.source megatron (its core "
                           "attention prefills by decode.prefill.ring_prefill); use ring or null")
+    # The sweep, then the passkey prompts and the perplexity prefix (run after the sweep: unchecked, one past the
+    # window ended the run with the prefill's traceback after the whole sweep), each against the model's window.
     need = max(ev.context_lengths) + ev.warmup_steps + ev.decode_steps + 1
-    if need > max_pos and not ev.allow_beyond_max_position:
-        raise ConfigError(
-            f"eval.context_lengths: the longest run needs {need} positions (context + warmup + decode "
-            f"steps + 1), but the model has max_position_embeddings {max_pos}; shorten it or set "
-            "eval.allow_beyond_max_position=true"
-        )
-    # The passkey prompts and the perplexity prefix run after the sweep: past the window, the CP prefill would
-    # refuse them there, with a traceback after the whole sweep. The same rule as the sweep's, before launch.
-    beyond = []
+    beyond = [(f"eval.context_lengths: the longest run needs {need} positions (context + warmup + decode steps + 1)",
+               need)]
     if ev.passkey.enabled:
         beyond += [(f"eval.passkey.context_lengths: {ctx} tokens + eval.passkey.new_tokens {ev.passkey.new_tokens} "
                     f"need {ctx + ev.passkey.new_tokens} positions", ctx + ev.passkey.new_tokens)
@@ -209,9 +221,15 @@ def check_inputs(cfg: RunConfig):
     if ev.perplexity.text_file:
         need_ppl = ev.perplexity.prefix_tokens + ev.perplexity.eval_tokens
         beyond.append((f"eval.perplexity: prefix_tokens + eval_tokens need {need_ppl} positions", need_ppl))
-    for what, positions in beyond:
-        if positions > max_pos and not ev.allow_beyond_max_position:
-            raise ConfigError(f"{what}, but the model has max_position_embeddings {max_pos}; shorten it or set "
+    past = [what for what, positions in beyond if positions > max_pos]
+    if past:
+        if not _runs_past_max_position(m):
+            raise ConfigError(
+                f"{past[0]}, but the model has max_position_embeddings {max_pos}, which a transformers model's CP "
+                "prefill never runs past (eval.allow_beyond_max_position applies to model.source megatron and to "
+                "dynamic-NTK RoPE); shorten it")
+        if not ev.allow_beyond_max_position:
+            raise ConfigError(f"{past[0]}, but the model has max_position_embeddings {max_pos}; shorten it or set "
                               "eval.allow_beyond_max_position=true")
     if ev.passkey.enabled or ev.perplexity.text_file:
         tok = tokenizer_path(cfg)

@@ -222,6 +222,13 @@ def test_exactness_catches_a_wrong_model(tmp_path, clean_env, capsys):
     (["eval.prefill_method=allgather"], {}, "eval.prefill_method: 'allgather' is not available for model.source megatron"),
     (["eval.passkey.enabled=true"], {}, "eval.passkey.enabled needs a tokenizer"),
     (["eval.context_lengths=[70000]"], {}, "eval.allow_beyond_max_position=true"),
+    # a transformers model's CP prefill never runs past its window: the escape hatch is refused for it by name,
+    # not a ValueError traceback from the first prefill after the model is built
+    (["model.source=random", "model.max_position_embeddings=128", "eval.context_lengths=[200]",
+      "eval.allow_beyond_max_position=true"], {},
+     "eval.context_lengths: the longest run needs 219 positions (context + warmup + decode steps + 1), but the model "
+     "has max_position_embeddings 128, which a transformers model's CP prefill never runs past "
+     "(eval.allow_beyond_max_position applies to model.source megatron and to dynamic-NTK RoPE); shorten it"),
     (["wandb.ds_config=/nonexistent/ds.json"], {}, "wandb.ds_config"),
 ])
 def test_bad_config_fails_before_any_process_group(clean_env, capsys, args, env, fragment):
@@ -469,7 +476,8 @@ def test_passkey_and_perplexity_past_the_models_window_fail_before_the_sweep(tmp
     """eval.context_lengths past max_position_embeddings is a config error before launch; the passkey's own
     context lengths and the perplexity's prefix + eval tokens were not checked, so the whole sweep ran and then
     the CP prefill's ValueError ended the run with a traceback. Now the same one-line config error, before any
-    process group, naming the key (eval.allow_beyond_max_position=true still lets them through)."""
+    process group, naming the key (for this transformers model, whose prefill never runs past its window, without
+    suggesting eval.allow_beyond_max_position)."""
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     _tiny_checkpoint(ckpt)
@@ -480,7 +488,7 @@ def test_passkey_and_perplexity_past_the_models_window_fail_before_the_sweep(tmp
                  f"eval.perplexity.text_file={text}", "eval.perplexity.prefix_tokens=40", *args])
     err = capsys.readouterr().err
     assert rc == 2 and "error:" in err and fragment in err and "Traceback" not in err, err
-    assert "eval.allow_beyond_max_position=true" in err
+    assert "never runs past" in err and "eval.allow_beyond_max_position=true" not in err, err
     assert not torch.distributed.is_initialized() and not (tmp_path / "out" / "results.json").exists()
 
 
