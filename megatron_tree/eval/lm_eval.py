@@ -101,9 +101,9 @@ _MODEL_FLAGS = ("batch_size", "max_batch_size", "device")
 """lm-eval's flags that reach the backend beside ``--model_args``, which may set the same keys."""
 
 
-def _given_model_flags(argv: list[str]) -> dict:
-    """The :data:`_MODEL_FLAGS` that ``argv`` gives on lm-eval's command line, as lm-eval's own parser reads them
-    (abbreviations and ``-b`` included); an argv it cannot parse gives {} (lm-eval reports it itself)."""
+def _parse_run(argv: list[str]):
+    """lm-eval's own parse of argv's ``run`` flags (abbreviations, ``-a``/``-b``, ``--model_args`` as ``k=v,k=v``, as
+    space-separated items or as JSON, repeats merged), or None for an argv it cannot parse (lm-eval reports it)."""
     import argparse
     import io
 
@@ -116,21 +116,49 @@ def _given_model_flags(argv: list[str]) -> dict:
         with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
             ns, _ = run.parse_known_args(argv[1:] if argv[:1] == ["run"] else argv)
     except SystemExit:
-        return {}
-    return {k: getattr(ns, k) for k in _MODEL_FLAGS if getattr(ns, k, None) is not None}
+        return None
+    return ns
+
+
+def _given_model_flags(ns) -> dict:
+    """The :data:`_MODEL_FLAGS` that lm-eval's parse ``ns`` of the command line gives ({} for None)."""
+    return {} if ns is None else {k: getattr(ns, k) for k in _MODEL_FLAGS if getattr(ns, k, None) is not None}
+
+
+def _model_and_args(ns) -> tuple[str | None, dict]:
+    """(``--model``, ``model_args``) as lm-eval's ``EvaluatorConfig.from_cli`` will pass them: a ``--config`` YAML's
+    values, then the command line's given ones over them (a ``model_args`` string parsed as ``k=v,k=v``). A YAML
+    that cannot be read is left to lm-eval's own report."""
+    from lm_eval import utils as lm_utils
+
+    merged = {}
+    if getattr(ns, "config", None):
+        from lm_eval.config.evaluate_config import EvaluatorConfig
+
+        try:
+            merged.update(EvaluatorConfig.load_yaml_config(ns.config))
+        except (ValueError, TypeError, OSError):
+            pass
+    merged.update({k: v for k, v in vars(ns).items() if k in ("model", "model_args") and (v or v == 0)})
+    args = merged.get("model_args") or {}
+    if isinstance(args, str):
+        args = lm_utils.simple_parse_args_string(args)
+    return merged.get("model"), dict(args)
 
 
 def _check_model_args(argv: list[str], backend) -> None:
     """Refuse bad ``--model_args`` of this backend before lm-eval indexes its tasks (the same on every rank),
     and a ``model_args`` key that an lm-eval flag given beside it contradicts (the ``model_args`` value would
-    win: :meth:`TreeLM.create_from_arg_obj`)."""
-    if _flag(argv, "--model") != backend.BACKEND_NAME:
+    win: :meth:`TreeLM.create_from_arg_obj`). The model and its arguments are read as lm-eval reads them
+    (:func:`_model_and_args`), in every form its CLI takes."""
+    ns = _parse_run(argv)
+    if ns is None:
         return
-    from lm_eval import utils as lm_utils
-
-    given = lm_utils.simple_parse_args_string(_flag(argv, "--model_args") or "")
+    model, given = _model_and_args(ns)
+    if model != backend.BACKEND_NAME:
+        return
     args = backend.model_args_from(given)
-    for key, value in _given_model_flags(argv).items():
+    for key, value in _given_model_flags(ns).items():
         if key in given and str(given[key]) != str(value):
             raise backend.ModelArgsError(f"model_args {key}={given[key]} and --{key} {value} disagree; give one (a "
                                          f"model_args value wins over the flag)")

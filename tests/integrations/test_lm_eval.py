@@ -379,6 +379,36 @@ def test_max_length_beyond_the_models_window_is_refused_before_any_request(workd
     assert lm.max_length == 256
 
 
+def test_the_cli_checks_model_args_in_every_form_lm_eval_takes(workdir, tmp_path, capsys, monkeypatch):
+    """lm-eval 0.4.13's CLI takes model_args as ``--model_args k=v,k=v``, as space-separated ``k=v`` items, as a
+    JSON object, through ``-a``, and from a ``--config`` YAML. The launcher's check before the task index read only
+    the single token after ``--model_args``: ``-a`` was refused as "needs model_args pretrained=", JSON as unknown
+    keys '{"pretrained":...', a YAML's model_args likewise, and space-separated items past the first were not seen
+    (a contradicting ``--batch_size`` went through). Now each form is checked as lm-eval will pass it: here a
+    max_length past the model's window (256) is named in every form, and the contradiction is refused."""
+    offline_env()
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    from megatron_tree.eval.lm_eval import main
+
+    llama, tok, tasks = os.path.join(workdir, "llama"), os.path.join(workdir, "tok"), os.path.join(workdir, "tasks")
+    config = tmp_path / "run.yaml"
+    config.write_text(json.dumps({"model_args": {"pretrained": llama, "tokenizer": tok, "max_length": 512}}))
+    too_long = "model_args max_length=512 is beyond the model's window"
+    for argv, message in (
+            (["-a", f"pretrained={llama},tokenizer={tok},max_length=512"], too_long),
+            (["--model_args", json.dumps({"pretrained": llama, "tokenizer": tok, "max_length": 512})], too_long),
+            (["--model_args", f"pretrained={llama}", f"tokenizer={tok}", "max_length=512"], too_long),
+            (["--config", str(config)], too_long),
+            (["--model_args", f"pretrained={llama}", f"tokenizer={tok}", "batch_size=2", "--batch_size", "4"],
+             "model_args batch_size=2 and --batch_size 4 disagree")):
+        with pytest.raises(SystemExit) as e:
+            main(["--model", "megatron_tree", *argv, "--tasks", "mt_choice", "--include_path", tasks, "--device", "cpu",
+                  "--limit", "1"])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and f"megatron_tree.eval.lm_eval: rank 0: {message}" in err, (argv, err)
+        assert "Traceback" not in err, err
+
+
 def test_the_cli_indexes_the_include_path_alone_where_it_defines_every_task(tmp_path):
     """lm-eval's CLI reads its ~15,000 own task files on every rank before --include_path: where every task
     named is a plain task of the include path, only that path is indexed (an included task overrides a
