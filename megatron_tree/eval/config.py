@@ -261,7 +261,8 @@ class EvalConfig:
     """Allow context lengths past the model's ``max_position_embeddings`` (speed and
     exactness runs; RoPE extrapolates, answer quality is not meaningful there). For ``model.source``
     megatron and transformers models with dynamic-NTK RoPE; other transformers models' CP prefill never
-    runs past the window (refused before launch)."""
+    runs past the window (refused before launch). With dynamic-NTK RoPE, the exactness check must stop
+    inside the window (``exactness.max_context``): its one-forward reference differs there by design."""
     prefill_method: Literal["ring", "allgather"] | None = None
     """Context-parallel prefill; ``None`` = the model's own (``ring`` for transformers models, ``allgather``
     for Megatron models, whose core attention all-gathers the prompt's keys/values)."""

@@ -231,6 +231,20 @@ def check_inputs(cfg: RunConfig):
         if not ev.allow_beyond_max_position:
             raise ConfigError(f"{past[0]}, but the model has max_position_embeddings {max_pos}; shorten it or set "
                               "eval.allow_beyond_max_position=true")
+        ex = ev.exactness
+        if m.source != "megatron" and ex.enabled:
+            # a transformers model that runs past its window has length-dependent (dynamic-NTK) RoPE: it decodes as
+            # transformers does step by step, frequencies from the length so far, while the reference is one forward
+            # over prompt + generated tokens, frequencies from the whole length: different by design, never exact
+            steps = ev.warmup_steps + ev.decode_steps + 1
+            for ctx in ev.context_lengths:
+                if (ex.max_context is None or ctx <= ex.max_context) and ctx + steps > max_pos:
+                    raise ConfigError(
+                        f"eval.exactness: a checked run of context {ctx} needs {ctx + steps} positions, past "
+                        f"max_position_embeddings {max_pos}, where this model's dynamic-NTK RoPE picks its frequencies "
+                        "from the length so far: its step-by-step decode and the reference's one forward over the "
+                        "whole sequence differ by design; set eval.exactness.max_context to at most "
+                        f"{max_pos - steps} or eval.exactness.enabled=false")
     if ev.passkey.enabled or ev.perplexity.text_file:
         tok = tokenizer_path(cfg)
         what = "eval.passkey.enabled" if ev.passkey.enabled else "eval.perplexity.text_file"

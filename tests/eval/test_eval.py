@@ -229,6 +229,13 @@ def test_exactness_catches_a_wrong_model(tmp_path, clean_env, capsys):
      "eval.context_lengths: the longest run needs 219 positions (context + warmup + decode steps + 1), but the model "
      "has max_position_embeddings 128, which a transformers model's CP prefill never runs past "
      "(eval.allow_beyond_max_position applies to model.source megatron and to dynamic-NTK RoPE); shorten it"),
+    # dynamic-NTK RoPE past the window: the CP model decodes as transformers does step by step (frequencies from
+    # the length so far), the reference is one forward over prompt + generated tokens (frequencies from the whole
+    # length), which differ by design: every such run was reported NOT EXACT (max|dlogits| ~0.9); now refused
+    # before launch, naming max_context
+    (["model.source=random", "model.max_position_embeddings=128", "model.rope_scaling={rope_type: dynamic, factor: 2.0}",
+      "eval.context_lengths=[64, 200]", "eval.allow_beyond_max_position=true", "eval.decode_steps=2"], {},
+     "eval.exactness: a checked run of context 200 needs 205 positions, past max_position_embeddings 128"),
     (["wandb.ds_config=/nonexistent/ds.json"], {}, "wandb.ds_config"),
 ])
 def test_bad_config_fails_before_any_process_group(clean_env, capsys, args, env, fragment):
