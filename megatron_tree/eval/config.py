@@ -259,10 +259,11 @@ class EvalConfig:
     """Untimed decode steps before the timed ones."""
     allow_beyond_max_position: bool = False
     """Allow context lengths past the model's ``max_position_embeddings`` (speed and
-    exactness runs; RoPE extrapolates, answer quality is not meaningful there). For ``model.source``
-    megatron and transformers models with dynamic-NTK RoPE; other transformers models' CP prefill never
-    runs past the window (refused before launch). With dynamic-NTK RoPE, the exactness check must stop
-    inside the window (``exactness.max_context``): its one-forward reference differs there by design."""
+    exactness runs; RoPE extrapolates, answer quality is not meaningful there). For RoPE models: Megatron's
+    ``GPTModel`` and transformers models (``enable_tree_attention(allow_beyond_window=True)``); a transformers
+    model whose positions are a learned table (GPT-2, OPT) is refused before launch. With dynamic-NTK RoPE,
+    the exactness check must stop inside the window (``exactness.max_context``): its one-forward reference
+    differs there by design."""
     prefill_method: Literal["ring", "allgather"] | None = None
     """Context-parallel prefill; ``None`` = the model's own (``ring`` for transformers models, ``allgather``
     for Megatron models, whose core attention all-gathers the prompt's keys/values)."""

@@ -212,7 +212,8 @@ def generate_main(cfg: RunConfig, args, env) -> list[dict] | None:
     try:
         rank = dist.get_rank()
         em = models.build(cfg.model, cfg.topology, cp_size=cp_size, rank=rank, device=device, env=env,
-                          want_reference=False, checkpoint=checkpoint, stack=stack)
+                          want_reference=False, checkpoint=checkpoint, stack=stack,
+                          allow_beyond_window=cfg.eval.allow_beyond_max_position)
         sample = args.temperature is not None or args.top_k is not None or args.top_p is not None
         sample = sample and not args.greedy and args.temperature != 0
         res = generate(em.lm, prompts, args.max_new_tokens, do_sample=sample,

@@ -162,21 +162,23 @@ def check_transformers_checkpoint(path: str) -> int:
     return checked.max_position_embeddings
 
 
-def _runs_past_max_position(m: ModelConfig) -> bool:
-    """Whether the model's CP prefill takes prompts past ``max_position_embeddings`` (what
-    ``eval.allow_beyond_max_position`` needs): Megatron's ``GPTModel`` does (its RoPE is computed for any
-    position); a transformers model (``hf``, ``random``) only with dynamic-NTK RoPE
-    (``integrations.hf.common.position_window``, the rule its prefill applies)."""
+def _past_max_position(m: ModelConfig) -> tuple[bool, bool]:
+    """``(runs, dynamic)``: whether the model's CP prefill takes prompts past ``max_position_embeddings`` with
+    ``eval.allow_beyond_max_position`` (Megatron's ``GPTModel`` and transformers RoPE models, whose positions
+    are computed for any index; not a transformers model whose positions are a learned table), and whether its
+    RoPE is dynamic NTK (frequencies from the length so far: ``integrations.hf.common.position_window``)."""
     if m.source == "megatron":
-        return True
-    from ..integrations.hf.common import position_window
+        return True, False
+    from ..integrations.hf.common import position_window, rotary_positions
 
     if m.source == "hf":
         from transformers import AutoConfig
 
-        return position_window(AutoConfig.from_pretrained(m.path)) is None
+        cfg = AutoConfig.from_pretrained(m.path)
+        dynamic = position_window(cfg) is None
+        return dynamic or rotary_positions(cfg), dynamic
     rope = dict(m.rope_scaling or {})
-    return rope.get("rope_type", rope.get("type")) == "dynamic"
+    return True, rope.get("rope_type", rope.get("type")) == "dynamic"  # random: a Llama (RoPE)
 
 
 def check_model(m: ModelConfig):
@@ -223,16 +225,16 @@ def check_inputs(cfg: RunConfig):
         beyond.append((f"eval.perplexity: prefix_tokens + eval_tokens need {need_ppl} positions", need_ppl))
     past = [what for what, positions in beyond if positions > max_pos]
     if past:
-        if not _runs_past_max_position(m):
+        runs, dynamic = _past_max_position(m)
+        if not runs:
             raise ConfigError(
-                f"{past[0]}, but the model has max_position_embeddings {max_pos}, which a transformers model's CP "
-                "prefill never runs past (eval.allow_beyond_max_position applies to model.source megatron and to "
-                "dynamic-NTK RoPE); shorten it")
+                f"{past[0]}, but the model has max_position_embeddings {max_pos}, and its positions are a learned "
+                "table of that many rows (eval.allow_beyond_max_position applies to RoPE models); shorten it")
         if not ev.allow_beyond_max_position:
             raise ConfigError(f"{past[0]}, but the model has max_position_embeddings {max_pos}; shorten it or set "
                               "eval.allow_beyond_max_position=true")
         ex = ev.exactness
-        if m.source != "megatron" and ex.enabled:
+        if dynamic and ex.enabled:
             # a transformers model that runs past its window has length-dependent (dynamic-NTK) RoPE: it decodes as
             # transformers does step by step, frequencies from the length so far, while the reference is one forward
             # over prompt + generated tokens, frequencies from the whole length: different by design, never exact
@@ -364,7 +366,8 @@ def run_eval(cfg: RunConfig, env=None) -> dict | None:
         if model_cfg.compile_step == "auto" and ev.warmup_steps == 0:  # a capture would be timed: eager steps
             model_cfg = dataclasses.replace(model_cfg, compile_step=False)
         em = models.build(model_cfg, cfg.topology, cp_size=cp_size, rank=rank, device=device, env=env,
-                          want_reference=ev.exactness.enabled, checkpoint=checkpoint, stack=stack)
+                          want_reference=ev.exactness.enabled, checkpoint=checkpoint, stack=stack,
+                          allow_beyond_window=ev.allow_beyond_max_position)
         phases["model_s"] = time.perf_counter() - t0
         topo = em.groups.describe()
         launch = {

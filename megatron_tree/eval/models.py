@@ -104,12 +104,15 @@ def megatron_layout(topo: TopologyConfig, world: int, cp: int, per_node: int | N
 
 
 def build(m: ModelConfig, topo: TopologyConfig, *, cp_size: int, rank: int, device, env, want_reference: bool,
-          checkpoint=None, stack: contextlib.ExitStack) -> EvalModel:
-    """The model of ``m`` on this rank at the layout of ``topo``; collective over every rank."""
+          checkpoint=None, stack: contextlib.ExitStack, allow_beyond_window: bool = False) -> EvalModel:
+    """The model of ``m`` on this rank at the layout of ``topo``; collective over every rank.
+    allow_beyond_window: ``eval.allow_beyond_max_position``, for a transformers model's prefill (a Megatron
+    ``GPTModel``'s RoPE runs past its window as it is)."""
     if m.source == "megatron":
         return _build_megatron(m, topo, cp_size=cp_size, rank=rank, device=device, env=env,
                                want_reference=want_reference, checkpoint=checkpoint, stack=stack)
-    return _build_hf(m, topo, cp_size=cp_size, rank=rank, device=device, env=env, want_reference=want_reference)
+    return _build_hf(m, topo, cp_size=cp_size, rank=rank, device=device, env=env, want_reference=want_reference,
+                     allow_beyond_window=allow_beyond_window)
 
 
 def _cp_groups(topo: TopologyConfig, cp_size: int, env):
@@ -191,7 +194,8 @@ def random_llama(m: ModelConfig):
     return LlamaForCausalLM(LlamaConfig(**shape)).to(getattr(torch, m.dtype))
 
 
-def _build_hf(m: ModelConfig, topo: TopologyConfig, *, cp_size, rank, device, env, want_reference) -> EvalModel:
+def _build_hf(m: ModelConfig, topo: TopologyConfig, *, cp_size, rank, device, env, want_reference,
+              allow_beyond_window) -> EvalModel:
     from ..integrations.loading import load_model
 
     if m.source == "random":
@@ -204,7 +208,8 @@ def _build_hf(m: ModelConfig, topo: TopologyConfig, *, cp_size, rank, device, en
         # Loaded before any group exists: every rank reads the same files and fails alike.
         model, bos = load_hf(m), _bos(m.path)
     groups = _cp_groups(topo, cp_size, env)
-    lm = load_model("hf", groups, model=model, device=device, compile_step=m.compile_step)
+    lm = load_model("hf", groups, model=model, device=device, compile_step=m.compile_step,
+                    allow_beyond_window=allow_beyond_window)
     ref, attn = None, "its own"
     if want_reference and rank == 0:
         ref = HFReference(lm.unsharded())  # same weight tensors, the attention the model had before (sdpa/eager)

@@ -68,13 +68,15 @@ def load_model(source: Source, groups: TreeGroups | None, *, device, dtype: torc
                path: str | None = None, model=None, shape=None, dist_dir: str | None = None,
                global_tensors: dict | None = None, cp_size: int = 1, hierarchical: Sequence[int] | None = None,
                tp: int = 1, seed: int | None = None, strategy: str = "auto", prefill: str | None = None,
-               compile_step="auto"):
+               compile_step="auto", allow_beyond_window: bool = False):
     """The adapter the generation loop drives, for ``source`` on this rank's ``groups``.
 
     hf: ``model`` (a transformers causal LM already loaded, e.g. after the eval's checkpoint check)
         wrapped as ``HFTreeModel``, or else the checkpoint at ``path`` loaded and checked by
         ``load_hf_model`` (``dtype``); either way with ``strategy``, ``prefill`` and ``compile_step``
-        (a setting of ``enable_tree_attention``, ``"auto"`` by default, or a name of :data:`NAMED_COMPILE_STEPS`);
+        (a setting of ``enable_tree_attention``, ``"auto"`` by default, or a name of :data:`NAMED_COMPILE_STEPS`)
+        and ``allow_beyond_window`` (``enable_tree_attention``'s; a Megatron ``GPTModel``'s RoPE runs past its
+        window without it);
     megatron: a ``GPTModel`` of ``shape`` with tree attention at CP ``cp_size`` (``hierarchical``,
         TP ``tp``, merge ``strategy``), its weights from the distributed checkpoint ``dist_dir`` or
         from ``global_tensors`` (unsharded tensors by name), wrapped as ``MegatronLM``.
@@ -92,11 +94,12 @@ def load_model(source: Source, groups: TreeGroups | None, *, device, dtype: torc
 
         if model is not None:
             return HFTreeModel(model.to(device).eval(), groups, strategy=strategy, compile_step=compile_step,
+                               allow_beyond_window=allow_beyond_window,
                                **({} if prefill is None else {"prefill": prefill}))
         if path is None:
             raise ValueError("load_model(source='hf') needs path= (a checkpoint directory) or model=")
         return load_hf_model(path, groups, dtype=dtype, device=device, strategy=strategy, prefill=prefill,
-                             compile_step=compile_step)
+                             compile_step=compile_step, allow_beyond_window=allow_beyond_window)
     from .megatron import checkpoint as mc
     from .megatron import model as mm
 

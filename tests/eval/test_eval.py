@@ -222,13 +222,6 @@ def test_exactness_catches_a_wrong_model(tmp_path, clean_env, capsys):
     (["eval.prefill_method=allgather"], {}, "eval.prefill_method: 'allgather' is not available for model.source megatron"),
     (["eval.passkey.enabled=true"], {}, "eval.passkey.enabled needs a tokenizer"),
     (["eval.context_lengths=[70000]"], {}, "eval.allow_beyond_max_position=true"),
-    # a transformers model's CP prefill never runs past its window: the escape hatch is refused for it by name,
-    # not a ValueError traceback from the first prefill after the model is built
-    (["model.source=random", "model.max_position_embeddings=128", "eval.context_lengths=[200]",
-      "eval.allow_beyond_max_position=true"], {},
-     "eval.context_lengths: the longest run needs 219 positions (context + warmup + decode steps + 1), but the model "
-     "has max_position_embeddings 128, which a transformers model's CP prefill never runs past "
-     "(eval.allow_beyond_max_position applies to model.source megatron and to dynamic-NTK RoPE); shorten it"),
     # dynamic-NTK RoPE past the window: the CP model decodes as transformers does step by step (frequencies from
     # the length so far), the reference is one forward over prompt + generated tokens (frequencies from the whole
     # length), which differ by design: every such run was reported NOT EXACT (max|dlogits| ~0.9); now refused
@@ -483,8 +476,7 @@ def test_passkey_and_perplexity_past_the_models_window_fail_before_the_sweep(tmp
     """eval.context_lengths past max_position_embeddings is a config error before launch; the passkey's own
     context lengths and the perplexity's prefix + eval tokens were not checked, so the whole sweep ran and then
     the CP prefill's ValueError ended the run with a traceback. Now the same one-line config error, before any
-    process group, naming the key (for this transformers model, whose prefill never runs past its window, without
-    suggesting eval.allow_beyond_max_position)."""
+    process group, naming the key and the flag that lets this RoPE model run past its window."""
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     _tiny_checkpoint(ckpt)
@@ -495,8 +487,33 @@ def test_passkey_and_perplexity_past_the_models_window_fail_before_the_sweep(tmp
                  f"eval.perplexity.text_file={text}", "eval.perplexity.prefix_tokens=40", *args])
     err = capsys.readouterr().err
     assert rc == 2 and "error:" in err and fragment in err and "Traceback" not in err, err
-    assert "never runs past" in err and "eval.allow_beyond_max_position=true" not in err, err
+    assert "eval.allow_beyond_max_position=true" in err, err
     assert not torch.distributed.is_initialized() and not (tmp_path / "out" / "results.json").exists()
+
+
+def test_only_a_rope_model_runs_past_its_window_and_only_with_the_flag(tmp_path, clean_env):
+    """eval.allow_beyond_max_position lets a RoPE model's runs pass its max_position_embeddings (positions are
+    computed for any index: the 16-node Llama-3.1 config's contexts of 512K-2M past its 128K window); a transformers
+    model whose positions are a learned table (GPT-2) is refused before launch, naming the reason."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from megatron_tree.eval.launch import check_inputs
+
+    ckpt = tmp_path / "llama"
+    ckpt.mkdir()
+    _tiny_checkpoint(ckpt)
+    past = ["model.source=hf", f"model.path={ckpt}", "eval.context_lengths=[4000]", "eval.passkey.enabled=false"]
+    with pytest.raises(ConfigError, match="set eval.allow_beyond_max_position=true"):
+        check_inputs(load_config(None, past))
+    check_inputs(load_config(None, [*past, "eval.allow_beyond_max_position=true", "eval.exactness.max_context=24"]))
+    check_inputs(load_config(None, ["model.source=random", "model.max_position_embeddings=128",
+                                    "eval.context_lengths=[200]", "eval.allow_beyond_max_position=true"]))
+    gpt2 = tmp_path / "gpt2"
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=4, n_positions=64)).save_pretrained(gpt2)
+    with pytest.raises(ConfigError, match="max_position_embeddings 64, and its positions are a learned table"):
+        check_inputs(load_config(None, ["model.source=hf", f"model.path={gpt2}", "eval.context_lengths=[100]",
+                                        "eval.passkey.enabled=false", "eval.allow_beyond_max_position=true"]))
 
 
 def test_broken_checkpoints_are_clear_errors(tmp_path, clean_env, capsys):

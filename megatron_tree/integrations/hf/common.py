@@ -74,6 +74,8 @@ class _Binding:
     """Tokens ``generate`` may append (sizes a cache it creates); set only while ``generate`` runs."""
     max_prefill_tokens: int | None = None
     """Most prompt tokens one forward computes (chunked prefill, in windows; ``forward.prefill_chunk``), or None."""
+    allow_beyond_window: bool = False
+    """A RoPE model's prefill takes prompts past ``max_position_embeddings`` (``enable_tree_attention``'s flag)."""
     work: object = None
     """A ``decode.prefill.PrefillWork`` every layer's prefill attention adds its counts to, or None."""
     settings_hint: tuple | None = None
@@ -156,6 +158,14 @@ def position_window(cfg) -> int | None:
     if rope.get("rope_type", rope.get("type")) == "dynamic":
         return None
     return getattr(text, "max_position_embeddings", None)
+
+
+def rotary_positions(cfg) -> bool:
+    """Whether transformers config ``cfg``'s positions are rotary (``rope_parameters``: computed for any
+    position, so a prompt may run past ``max_position_embeddings`` when the user allows it) rather than a
+    learned table of ``max_position_embeddings`` rows (GPT-2, OPT), which no prompt may pass."""
+    text = _text_config(cfg)
+    return bool(getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None))
 
 
 _SETTINGS = ("do_sample", "temperature", "top_k", "top_p", "min_p", "typical_p", "repetition_penalty",

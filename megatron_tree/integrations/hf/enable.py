@@ -132,7 +132,8 @@ def check_model(model) -> None:
 def enable_tree_attention(model, groups: TreeGroups | None, *, strategy: str = "auto", prefill: str = "ring",
                           layout: str = "load_balanced", block_size: int = 16, stats: CommStats | None = None,
                           work: PrefillWork | None = None, max_prefill_tokens: int | None = None,
-                          compile_step: bool | str | dict = "auto", batch_buckets=None):
+                          compile_step: bool | str | dict = "auto", batch_buckets=None,
+                          allow_beyond_window: bool = False):
     """Make ``model`` (a transformers causal LM) run CP-sharded over ``groups``; returns the same model.
 
     Every CP rank calls this on its own replica (same weights) and then runs the same
@@ -174,6 +175,12 @@ def enable_tree_attention(model, groups: TreeGroups | None, *, strategy: str = "
         compiled per batch as it comes, and a batch pads up to one already compiled for a cache of
         the same length bucket, of at most twice its size (an eval's last, partial batch reuses the
         full batches' step). Not with ``compile_step=False``.
+    allow_beyond_window: let a prompt run past the model's ``max_position_embeddings`` (False: such a prompt
+        is a ValueError at the prefill). For RoPE models, whose positions are computed for any index: the
+        attention stays exact (the same as the unmodified model's), answer quality past the trained window
+        is the model's own; measuring speed and exactness at contexts longer than a checkpoint's window is
+        what it is for. A model whose positions are a learned table (GPT-2, OPT) is refused all the same.
+        Dynamic-NTK RoPE runs past its window without it.
 
     Raises :class:`UnsupportedModelError`, before any collective, for a model it cannot run
     exactly: attention modules whose code does not go through ``AttentionInterface``,
@@ -191,6 +198,8 @@ def enable_tree_attention(model, groups: TreeGroups | None, *, strategy: str = "
     if max_prefill_tokens is not None and (not isinstance(max_prefill_tokens, int) or isinstance(max_prefill_tokens, bool)
                                            or max_prefill_tokens < 1):
         raise ValueError(f"max_prefill_tokens must be a positive integer or None, got {max_prefill_tokens!r}")
+    if not isinstance(allow_beyond_window, bool):
+        raise TypeError(f"allow_beyond_window must be True or False, got {allow_beyond_window!r}")
     if groups is not None and not isinstance(groups, TreeGroups):
         raise TypeError(f"groups must be a TreeGroups or None, got {type(groups).__name__}")
     existing = getattr(model, _MARK, None)
@@ -201,7 +210,7 @@ def enable_tree_attention(model, groups: TreeGroups | None, *, strategy: str = "
                 "before enabling it on another group"
             )
         existing.strategy, existing.prefill, existing.stats, existing.work = strategy, prefill, stats, work
-        existing.max_prefill_tokens = max_prefill_tokens
+        existing.max_prefill_tokens, existing.allow_beyond_window = max_prefill_tokens, allow_beyond_window
         existing.layout, existing.block_size = layout, block_size
         existing.compiled = _compile_setting(existing, strategy, compile_step, batch_buckets)
         return model
@@ -216,7 +225,7 @@ def enable_tree_attention(model, groups: TreeGroups | None, *, strategy: str = "
     forward_params = inspect.signature(model.forward).parameters
     binding = _Binding(
         groups=groups, strategy=strategy, prefill=prefill, layout=layout, block_size=block_size, stats=stats,
-        work=work, max_prefill_tokens=max_prefill_tokens,
+        work=work, max_prefill_tokens=max_prefill_tokens, allow_beyond_window=allow_beyond_window,
         num_layers=int(cfg.num_hidden_layers), windows=_layer_windows(cfg, type(model).__name__),
         rotary=_rotary_modules(model),
         cache_kwarg="cache" if "cache" in forward_params else "past_key_values",

@@ -15,7 +15,7 @@ import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .common import (_SETTINGS, UnsupportedModelError, _Binding, _comm_device, _describe, _same_groups, _text_config,
-                     position_window)
+                     position_window, rotary_positions)
 from .cache import TreeCache
 
 from ...comm.merge import CompileError
@@ -267,10 +267,14 @@ def _prefill(model, orig, binding: _Binding, cache: TreeCache, call: dict, batch
             )
         window = position_window(cfg)  # None: dynamic NTK RoPE is built to run past it
         if window is not None and max(lengths) > window:
-            raise ValueError(
-                f"a prompt has {max(lengths)} tokens, more than the model's window (max_position_embeddings = "
-                f"{window}); shorten it or use a model configured for longer contexts (nothing is truncated)"
-            )
+            rotary = rotary_positions(cfg)
+            if not (binding.allow_beyond_window and rotary):
+                how = ("shorten it, use a model configured for longer contexts, or pass enable_tree_attention("
+                       "allow_beyond_window=True) (its RoPE is computed for any position)" if rotary else
+                       "its position embeddings are a table of that many rows: shorten it or use a model configured "
+                       "for longer contexts")
+                raise ValueError(f"a prompt has {max(lengths)} tokens, more than the model's window "
+                                 f"(max_position_embeddings = {window}); {how} (nothing is truncated)")
         cache._check_prefill(lengths)
         # Which padded positions' logits to return.
         if isinstance(ltk, int):

@@ -51,6 +51,11 @@ def _rank_fn(rank, world):
             out[f"{name}/window"] = None
         except Exception as e:  # noqa: BLE001 -- the message is checked
             out[f"{name}/window"] = f"{type(e).__name__}: {e}"
+        # past it with allow_beyond_window (RoPE: positions computed for any index): exact, as the model's own
+        m = HFTreeModel(hf_model("llama", max_position_embeddings=16), groups, max_prefill_tokens=CHUNK,
+                        allow_beyond_window=True)
+        with torch.no_grad():
+            out[f"{name}/beyond"] = m.hf(input_ids=ids, attention_mask=mask).logits.numpy()
     # ranks that disagree on the layout, or on the window of a chunked prefill: the same
     # DisagreementError on every rank of the group, before any KV moves
     groups = TreeGroups.build(None, 2)
@@ -107,6 +112,15 @@ def test_chunked_prefill_is_exact_on_every_topology():
         for rank, r in enumerate(results):
             msg = r[f"{name}/window"]
             assert msg is not None and "max_position_embeddings = 16" in msg and "29 tokens" in msg, (rank, msg)
+            assert "allow_beyond_window=True" in msg, msg
+    # the same window, allowed: the logits of the unmodified model of that config (fp64), as closely as above
+    with torch.no_grad():
+        want16 = hf_model("llama", max_position_embeddings=16).double()(input_ids=ids, attention_mask=mask).logits
+    for name in TOPOLOGIES:
+        for rank, r in enumerate(results):
+            got = torch.from_numpy(r[f"{name}/beyond"]).double()
+            err = float((got[real] - want16[real]).abs().max())
+            assert err <= bound, f"rank {rank} {name}: past the window, logits off fp64 by {err:.2e} > {bound:.2e}"
 
 
 def test_a_prefill_window_is_a_multiple_of_2_x_cp_and_at_least_that():
@@ -117,3 +131,21 @@ def test_a_prefill_window_is_a_multiple_of_2_x_cp_and_at_least_that():
     assert [prefill_chunk(t, 3) for t in (1, 2, 5, 6, 7, 13)] == [6, 6, 6, 6, 6, 12]
     assert [prefill_chunk(t, 4) for t in (3, 7, 8, 17)] == [8, 8, 8, 16]
     assert prefill_chunk(None, 4) is None and prefill_chunk(1, 1) == 2
+
+
+def test_allow_beyond_window_runs_rope_models_only():
+    """allow_beyond_window lets a RoPE model's prompt pass max_position_embeddings; a model whose positions are a
+    learned table (GPT-2) is still refused at the prefill, saying why; the flag takes True or False only."""
+    import pytest
+    import transformers as tf
+
+    from megatron_tree.integrations.hf import HFTreeModel
+
+    torch.manual_seed(0)
+    gpt2 = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=4, n_positions=16,
+                                            bos_token_id=0, eos_token_id=0)).eval()
+    m = HFTreeModel(gpt2, None, allow_beyond_window=True)
+    with torch.no_grad(), pytest.raises(ValueError, match="a table of that many rows"):
+        m.hf(input_ids=torch.randint(0, 64, (1, 20)))
+    with pytest.raises(TypeError, match="allow_beyond_window must be True or False, got 'yes'"):
+        HFTreeModel(hf_model("llama"), None, allow_beyond_window="yes")
