@@ -170,7 +170,8 @@ def eos_ids(cfg: RunConfig, tok_file: str | None) -> list[int]:
 
 def generate_main(cfg: RunConfig, args, env) -> list[dict] | None:
     """Build the model at the config's layout, generate, and return the rows on global rank 0."""
-    from .launch import check_launch, check_model, init_distributed, single_process_topology, tokenizer_path
+    from .launch import (check_launch, check_model, init_distributed, past_max_position, single_process_topology,
+                         tokenizer_path)
 
     world = int(env.get("WORLD_SIZE", 1))
     cfg = single_process_topology(cfg, world, "megatron-tree-generate")
@@ -193,12 +194,15 @@ def generate_main(cfg: RunConfig, args, env) -> list[dict] | None:
     texts, prompts = read_prompts(args, tok, cfg.model.vocab_size)
     stop = list(args.stop) if args.ignore_eos else sorted(set(args.stop) | set(eos_ids(cfg, tok_file)))
     need = max(len(p) for p in prompts) + args.max_new_tokens - 1  # the last token's position is never run
-    if need > max_pos and not cfg.eval.allow_beyond_max_position:  # the eval's rule, before any collective
+    # the eval's rule, before any collective
+    if need > max_pos and not (cfg.eval.allow_beyond_max_position and past_max_position(cfg.model)[0]):
         longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
+        fix = ("shorten it or set eval.allow_beyond_max_position=true" if past_max_position(cfg.model)[0] else
+               "its positions are a learned table of that many rows: shorten it")
         raise ConfigError(
             f"--out-seq-length: prompt {longest} has {len(prompts[longest])} tokens; with --out-seq-length "
             f"{args.max_new_tokens} it needs {need} positions, but the model has max_position_embeddings {max_pos}; "
-            "shorten it or set eval.allow_beyond_max_position=true"
+            + fix
         )
 
     import torch.distributed as dist

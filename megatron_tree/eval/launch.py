@@ -162,7 +162,7 @@ def check_transformers_checkpoint(path: str) -> int:
     return checked.max_position_embeddings
 
 
-def _past_max_position(m: ModelConfig) -> tuple[bool, bool]:
+def past_max_position(m: ModelConfig) -> tuple[bool, bool]:
     """``(runs, dynamic)``: whether the model's CP prefill takes prompts past ``max_position_embeddings`` with
     ``eval.allow_beyond_max_position`` (Megatron's ``GPTModel`` and transformers RoPE models, whose positions
     are computed for any index; not a transformers model whose positions are a learned table), and whether its
@@ -225,7 +225,7 @@ def check_inputs(cfg: RunConfig):
         beyond.append((f"eval.perplexity: prefix_tokens + eval_tokens need {need_ppl} positions", need_ppl))
     past = [what for what, positions in beyond if positions > max_pos]
     if past:
-        runs, dynamic = _past_max_position(m)
+        runs, dynamic = past_max_position(m)
         if not runs:
             raise ConfigError(
                 f"{past[0]}, but the model has max_position_embeddings {max_pos}, and its positions are a learned "

@@ -491,7 +491,7 @@ def test_passkey_and_perplexity_past_the_models_window_fail_before_the_sweep(tmp
     assert not torch.distributed.is_initialized() and not (tmp_path / "out" / "results.json").exists()
 
 
-def test_only_a_rope_model_runs_past_its_window_and_only_with_the_flag(tmp_path, clean_env):
+def test_only_a_rope_model_runs_past_its_window_and_only_with_the_flag(tmp_path, clean_env, capsys):
     """eval.allow_beyond_max_position lets a RoPE model's runs pass its max_position_embeddings (positions are
     computed for any index: the 16-node Llama-3.1 config's contexts of 512K-2M past its 128K window); a transformers
     model whose positions are a learned table (GPT-2) is refused before launch, naming the reason."""
@@ -511,9 +511,16 @@ def test_only_a_rope_model_runs_past_its_window_and_only_with_the_flag(tmp_path,
     gpt2 = tmp_path / "gpt2"
     torch.manual_seed(0)
     GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=4, n_positions=64)).save_pretrained(gpt2)
+    table = ["model.source=hf", f"model.path={gpt2}", "eval.allow_beyond_max_position=true", "topology.intra_size=null"]
     with pytest.raises(ConfigError, match="max_position_embeddings 64, and its positions are a learned table"):
-        check_inputs(load_config(None, ["model.source=hf", f"model.path={gpt2}", "eval.context_lengths=[100]",
-                                        "eval.passkey.enabled=false", "eval.allow_beyond_max_position=true"]))
+        check_inputs(load_config(None, [*table, "eval.context_lengths=[100]", "eval.passkey.enabled=false"]))
+    # megatron-tree-generate: the same rule for its prompts, before any process group
+    from megatron_tree.eval import generate as G
+
+    assert G.main(["--prompt", "5 " * 70, "--out-seq-length", "2", *table]) == 2
+    err = capsys.readouterr().err
+    assert "max_position_embeddings 64; its positions are a learned table of that many rows" in err, err
+    assert not torch.distributed.is_initialized()
 
 
 def test_broken_checkpoints_are_clear_errors(tmp_path, clean_env, capsys):
