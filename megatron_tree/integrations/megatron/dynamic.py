@@ -51,7 +51,7 @@ from ...distributed import agreement
 from ...decode.generate import DecodeStep, row_digest
 from ...decode.paged import PagedKVCache, TokenSlots
 from ...distributed.topology import TreeGroups
-from .attention import PagedLayer, check_tree_slots
+from .attention import PagedLayer, check_context_groups, check_tree_slots
 from .groups import tree_groups_from_megatron
 from .static import unsharded_rope_table
 from .version import check_supported, init_gpt_wrapper, kv_block_allocator, refuse_unsupported_features
@@ -470,6 +470,7 @@ class TreeDynamicGPTInferenceWrapper(_gpt_wrapper_base()):
                 f"the model runs at context_parallel_size={cores[0].cp_size} but the context was built for "
                 f"{inference_context.cp_size} CP ranks"
             )
+        check_context_groups(model, inference_context.groups, "TreeDynamicGPTInferenceWrapper")
         inference_context.bind_rope(inner)
         # 0.19 speculative decoding: after each verify step the controller runs every MTP layer
         # (compute_mtp_single_step) on the accepted positions' hidden states -- one row per request,

@@ -34,7 +34,7 @@ from ...decode.placement import RowPlacement
 from ...decode.plan import StepPlanner, place_prompts
 from ...decode.prefill import assemble_logits
 from ...distributed.topology import TreeGroups
-from .attention import CorePlan, check_tree_slots
+from .attention import CorePlan, check_context_groups, check_tree_slots
 from .groups import tree_groups_from_megatron
 from .version import (check_megatron_version, get_only_last_token_logits, init_gpt_wrapper, megatron_api,
                       prep_model_for_inference, set_only_last_token_logits)
@@ -463,6 +463,7 @@ class TreeGPTInferenceWrapper(_gpt_wrapper_base()):
             )
         check_megatron_version("TreeGPTInferenceWrapper")
         check_tree_slots(model, "TreeGPTInferenceWrapper")
+        check_context_groups(model, inference_context.groups, "TreeGPTInferenceWrapper")
         inner = unwrap_model(model)
         init_gpt_wrapper(self, model, inference_context, hidden_size=inner.config.hidden_size,
                          params_dtype=inner.config.params_dtype, padded_vocab_size=inner.vocab_size,

@@ -250,6 +250,18 @@ def megatron_rank(rank, world):
         )
         results["deepspeed_mpu"] = deepspeed_mpu_check()
         results["bad_config_vs_groups"] = _error(_build_model, 4, None, True)
+        # A context (or MegatronLM) over other ranks than the model's CP group -- here the whole world of 4,
+        # e.g. TreeGroups.from_env(), beside a model at CP 2 -- would place each row over 4 ranks while the
+        # layers merge over 2: every rank must refuse it before any step (it decoded other tokens, silently).
+        from megatron_tree.distributed.topology import TreeGroups
+        from megatron_tree.integrations.megatron.model import GPTShape, MegatronLM
+
+        world_groups = TreeGroups.from_groups(dist.group.WORLD)
+        cp2_model = _build_model(2, None, tree=True)
+        results["ctx_groups_not_the_models"] = _error(
+            mt.TreeGPTInferenceWrapper, cp2_model, mt.TreeInferenceContext(2, MAX_LEN, groups=world_groups))
+        results["lm_groups_not_the_models"] = _error(
+            MegatronLM, cp2_model, world_groups, GPTShape(VOCAB, HIDDEN, 4 * HIDDEN, 2, HEADS, KV_HEADS))
         results["bad_ctx_type"] = _error(
             mt.TreeDotProductAttention(_config(2, None), 1, AttnMaskType.causal, "self",
                                        pg_collection=_pg()).adjust_key_value_for_inference,
@@ -578,6 +590,20 @@ def test_bad_layouts_fail_loudly(megatron_results):
     assert out["bad_config_vs_groups"].startswith("TopologyError")
     assert "context_parallel_size=4 but the CP process group has 2 ranks" in out["bad_config_vs_groups"]
     assert out["bad_ctx_type"].startswith("RuntimeError") and "needs a TreeInferenceContext" in out["bad_ctx_type"]
+
+
+def test_context_over_other_ranks_than_the_models_cp_group_is_refused(megatron_results):
+    """A TreeInferenceContext (or MegatronLM) whose groups are not the model's CP group is refused on every
+    rank when it is wrapped, naming both rank lists (before: no error, and the static engine's tokens differed
+    from the model's own CP-group context)."""
+    for rank, out in enumerate(megatron_results):
+        cp = "(0, 1)" if rank < 2 else "(2, 3)"
+        for key, what in (("ctx_groups_not_the_models", "TreeGPTInferenceWrapper"),
+                          ("lm_groups_not_the_models", "MegatronLM")):
+            message = out[key]
+            assert message.startswith("ValueError"), message
+            assert what in message and "ranks (0, 1, 2, 3)" in message and f"CP group {cp}" in message, message
+            assert "tree_groups_from_megatron(model.pg_collection)" in message, message
 
 
 def test_megatrons_own_context_at_cp2_is_refused_on_every_rank(megatron_results):
