@@ -257,6 +257,21 @@ def megatron_rank(rank, world):
         from megatron_tree.integrations.megatron.model import GPTShape, MegatronLM
 
         world_groups = TreeGroups.from_groups(dist.group.WORLD)
+        # Weights mapped in memory (the README's example path) with an untied output layer, filled into a model
+        # that ties it: the trained output layer must not be dropped silently (check_checkpoint refuses it too).
+        from megatron_tree.integrations.megatron import checkpoint as mc
+        from megatron_tree.integrations.megatron import model as mm
+
+        dims = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=1,
+                    num_attention_heads=HEADS, num_key_value_heads=KV_HEADS)
+        single = mm.single_rank_groups()
+        untied = mc.global_tensors(mm.build_gpt(GPTShape(**dims), tree=False, pg_collection=single, seed=0))
+        tied = mm.build_gpt(GPTShape(**dims, tie_word_embeddings=True), tree=False, pg_collection=single, seed=1)
+        results["fill_drops_output_layer"] = _error(mc.fill_from_global, tied, untied)
+        results["fill_drops_other"] = _error(mc.fill_from_global, tied, {**{k: v for k, v in untied.items()
+                                                                            if k != "output_layer.weight"},
+                                                                         "decoder.layers.self_attention.q_layernorm.weight":
+                                                                         torch.ones(2, HIDDEN // HEADS)})
         cp2_model = _build_model(2, None, tree=True)
         results["ctx_groups_not_the_models"] = _error(
             mt.TreeGPTInferenceWrapper, cp2_model, mt.TreeInferenceContext(2, MAX_LEN, groups=world_groups))
@@ -590,6 +605,19 @@ def test_bad_layouts_fail_loudly(megatron_results):
     assert out["bad_config_vs_groups"].startswith("TopologyError")
     assert "context_parallel_size=4 but the CP process group has 2 ranks" in out["bad_config_vs_groups"]
     assert out["bad_ctx_type"].startswith("RuntimeError") and "needs a TreeInferenceContext" in out["bad_ctx_type"]
+
+
+def test_fill_from_global_refuses_tensors_the_model_would_drop(megatron_results):
+    """In-memory weights (fill_from_global, as examples/megatron_core.py maps a transformers Llama) with a tensor the
+    model has no parameter for are refused, as check_checkpoint refuses them in a checkpoint (before: ignored, so an
+    untied output layer filled into a tied model left the logits on the embedding, silently)."""
+    out = megatron_results[0]
+    message = out["fill_drops_output_layer"]
+    assert message.startswith("CheckpointError"), message
+    assert "output_layer.weight" in message and "tie_word_embeddings" in message, message
+    message = out["fill_drops_other"]
+    assert message.startswith("CheckpointError"), message
+    assert "decoder.layers.self_attention.q_layernorm.weight" in message and "no parameter" in message, message
 
 
 def test_context_over_other_ranks_than_the_models_cp_group_is_refused(megatron_results):
