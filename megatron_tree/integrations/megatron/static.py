@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ...distributed import agreement
 from ...decode.placement import RowPlacement
 from ...decode.plan import StepPlanner, place_prompts
 from ...decode.prefill import assemble_logits
@@ -479,6 +480,29 @@ class TreeGPTInferenceWrapper(_gpt_wrapper_base()):
 
         prep_model_for_inference(self, prompts_tokens)
         self.inference_context.bind_rope(unwrap_model(self.model))
+
+    def prep_inference_input(self, prompts_tokens):
+        """Megatron's, after every CP rank has checked that it runs the same batch.
+
+        Each rank's controller prepares its own batch (prompts padded to the longest prompt plus the
+        tokens to generate); ranks handed different prompts, lengths or token budgets would feed their
+        chunks of different sequences to one attention (tokens that neither batch gives) or run
+        different numbers of steps (a collective mismatch). One fixed-size all-gather per batch;
+        ranks that differ all raise the same ``DisagreementError`` naming each rank's values.
+        """
+        import hashlib
+
+        groups = self.inference_context.groups
+
+        def values():
+            data = prompts_tokens.detach().to(torch.int64).cpu().contiguous().numpy().tobytes()
+            return (int(prompts_tokens.shape[0]), int(prompts_tokens.shape[1]),
+                    hashlib.blake2b(data, digest_size=6).hexdigest())
+
+        agreement.agree("TreeGPTInferenceWrapper (the static engine's batch)",
+                        ("batch", "prompt_tokens (prompt + tokens to generate)", "prompt_tokens digest"), values,
+                        groups.cp_group, groups.cp_ranks, device=prompts_tokens.device)
+        return super().prep_inference_input(prompts_tokens)
 
     def _build_attention_mask_and_position_ids(self, prompts_tokens):
         seq_length = prompts_tokens.size(1)

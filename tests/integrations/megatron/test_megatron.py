@@ -248,6 +248,20 @@ def megatron_rank(rank, world):
         results["megatron_ctx_cp2"] = _error(
             greedy_decode, _build_model(2, None, tree=True), GPTInferenceWrapper, StaticInferenceContext(2, MAX_LEN)
         )
+        # Megatron's static engine on CP ranks handed different requests (a rank-dependent prompt): each rank would
+        # take its chunks of its own prompt and the assembled logits mix them; every rank must refuse instead.
+        cp2 = _build_model(2, None, tree=True)
+        own = [[5, 17, 3 + rank % 2], [40, 2, 9, 77, 31, 8, 60, 12, 1]]  # CP rank 1 (ranks 1, 3) differs
+        results["static_different_prompts"] = _error(
+            engine_generate, cp2, mt.TreeGPTInferenceWrapper,
+            mt.TreeInferenceContext(2, MAX_LEN, groups=mt.tree_groups_from_megatron(cp2.pg_collection)), own)
+        longer = [[5, 17, 3, 4][: 3 + rank % 2], [40, 2, 9, 77, 31, 8, 60, 12, 1]]  # (before: a gloo abort)
+        results["static_different_lengths"] = _error(
+            engine_generate, cp2, mt.TreeGPTInferenceWrapper,
+            mt.TreeInferenceContext(2, MAX_LEN, groups=mt.tree_groups_from_megatron(cp2.pg_collection)), longer)
+        results["static_same_after"] = engine_generate(
+            cp2, mt.TreeGPTInferenceWrapper,
+            mt.TreeInferenceContext(2, MAX_LEN, groups=mt.tree_groups_from_megatron(cp2.pg_collection)), UNEVEN_PROMPTS)
         results["deepspeed_mpu"] = deepspeed_mpu_check()
         results["bad_config_vs_groups"] = _error(_build_model, 4, None, True)
         # A context (or MegatronLM) over other ranks than the model's CP group -- here the whole world of 4,
@@ -605,6 +619,19 @@ def test_bad_layouts_fail_loudly(megatron_results):
     assert out["bad_config_vs_groups"].startswith("TopologyError")
     assert "context_parallel_size=4 but the CP process group has 2 ranks" in out["bad_config_vs_groups"]
     assert out["bad_ctx_type"].startswith("RuntimeError") and "needs a TreeInferenceContext" in out["bad_ctx_type"]
+
+
+def test_static_engine_on_cp_ranks_with_different_requests_is_refused_on_every_rank(megatron_results):
+    """Each CP rank's controller prepares its own batch; ranks handed different prompts (or lengths, or token
+    budgets) all raise one DisagreementError naming the ranks before the prefill (before: no error, and the
+    tokens came from logits assembled out of both ranks' prompts)."""
+    for rank, out in enumerate(megatron_results):
+        for key in ("static_different_prompts", "static_different_lengths"):
+            message = out[key]
+            assert message.startswith("DisagreementError"), (rank, key, message)
+            assert "TreeGPTInferenceWrapper" in message and "prompt_tokens" in message, message
+        # the engine runs on afterwards, with Megatron CP = 1's tokens for the same requests
+        assert out["static_same_after"] == megatron_results[0]["megatron_cp1_uneven"]
 
 
 def test_fill_from_global_refuses_tensors_the_model_would_drop(megatron_results):
