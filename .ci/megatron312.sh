@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The Megatron tests on Python 3.12 + megatron-core 0.19.2 (the main suite runs 0.16.1 on Python 3.11).
 #
-# Builds a virtual environment the first time (MEGATRON312_VENV, default /work/venv312) with the
+# Builds a virtual environment the first time (MEGATRON312_VENV, default
+# $HOME/.cache/megatron_tree/venv312) with the
 # Python 3.12 build of torch 2.13.0 from the package index (a CUDA build; it imports and runs on
 # CPU), then runs the repo's Megatron tests from this checkout (PYTHONPATH, no editable install,
 # so the shared Python 3.11 install is never re-pointed).

@@ -48,7 +48,7 @@ from .version import check_megatron_version, inference_mode_active, megatron_api
 __all__ = [
     "MARKER", "SLOT_MARKER", "NEVER", "CorePlan", "PagedLayer", "gather_seq", "TreeDotProductAttention",
     "TreeSelfAttention", "use_tree_attention", "restore_core_attention", "get_gpt_layer_tree_spec", "check_tree_slots",
-    "megatron_attention_fingerprint",
+    "check_context_groups", "megatron_attention_fingerprint",
 ]
 
 log = logging.getLogger("megatron_tree.integrations")
@@ -545,6 +545,29 @@ def check_tree_slots(model, what: str) -> None:
             f"{what}: layers {bad} hold {type(first).__name__} / {type(first.core_attention).__name__}; build the "
             "model with get_gpt_layer_tree_spec() so that TreeSelfAttention and TreeDotProductAttention fill the "
             "self_attention module and core_attention slots"
+        )
+
+
+def check_context_groups(model, groups: TreeGroups, what: str) -> None:
+    """``ValueError`` naming ``what`` unless ``groups`` (a context's, or ``MegatronLM``'s) span the ranks of the
+    CP group the model's core attention merges over.
+
+    The context places each row's keys over its own groups while every layer merges over the model's
+    (``pg_collection.cp``): a context over other ranks (say ``TreeGroups.from_env()``, the whole world,
+    beside a model at a smaller CP size) would attend to a part of the sequence, or to copies of it,
+    without an error. No collective: each rank compares rank lists it already holds.
+    """
+    from megatron.core.utils import unwrap_model
+
+    layers = unwrap_model(model).decoder.layers
+    if not len(layers):
+        return
+    mine = layers[0].self_attention.core_attention.groups.cp_ranks
+    if tuple(groups.cp_ranks) != tuple(mine):
+        raise ValueError(
+            f"{what}: the context's groups span ranks {tuple(groups.cp_ranks)}, but the model's core attention "
+            f"merges over its CP group {tuple(mine)} (pg_collection.cp); build the context with "
+            "groups=tree_groups_from_megatron(model.pg_collection)"
         )
 
 

@@ -288,7 +288,26 @@ def global_tensors(model) -> dict:
 
 @torch.no_grad()
 def fill_from_global(model, tensors: dict) -> None:
-    """Copy each parameter's shard out of ``tensors`` (``{key: global tensor}``), at the model's own layout."""
+    """Copy each parameter's shard out of ``tensors`` (``{key: global tensor}``), at the model's own layout.
+
+    Every tensor must have a parameter to go to: one the model has no place for (say an untied
+    ``output_layer.weight`` given to a model built with ``tie_word_embeddings=True``) would be
+    dropped, silently, so it is a :class:`CheckpointError` before anything is copied, as in
+    :func:`check_checkpoint`.
+    """
+    keys = {sh.key for sh in _sharded_tensors(model)}
+    extra = sorted(k for k in tensors if k not in keys)
+    if "output_layer.weight" in extra:
+        raise CheckpointError(
+            "the tensors hold output_layer.weight (an untied output layer) but the model ties its output layer to "
+            "the embedding (tie_word_embeddings=True / share_embeddings_and_output_weights): it would be dropped; "
+            "build the model untied, or leave output_layer.weight out if it equals the embedding"
+        )
+    if extra:
+        raise CheckpointError(
+            f"the model has no parameter for the tensors {extra[:8]}; they would be dropped (a tensor named as in "
+            f"the model's sharded_state_dict was expected: {sorted(keys)[:4]} ...)"
+        )
     done = set()
     for sh in _sharded_tensors(model):
         if sh.key not in tensors:

@@ -51,7 +51,7 @@ from ...distributed import agreement
 from ...decode.generate import DecodeStep, row_digest
 from ...decode.paged import PagedKVCache, TokenSlots
 from ...distributed.topology import TreeGroups
-from .attention import PagedLayer, check_tree_slots
+from .attention import PagedLayer, check_context_groups, check_tree_slots
 from .groups import tree_groups_from_megatron
 from .static import unsharded_rope_table
 from .version import check_supported, init_gpt_wrapper, kv_block_allocator, refuse_unsupported_features
@@ -268,6 +268,8 @@ class TreeDynamicInferenceContext(_dynamic_context_base()):
         rids = self.request_ids[active].tolist()
         offsets = self.request_kv_length_offsets[active].tolist()
         lengths = self.request_query_lengths[active].tolist()
+        if self.cp_size > 1 and any(o == 0 for o in offsets):
+            self._agree_on_new_requests(n, rids, offsets, lengths)
         # Follow Megatron's rewinds first, for every request (paused ones too), so that the blocks it
         # took back are back in every rank's pool before any request grows: a chunked prefill that got
         # no chunk ran a placeholder token, which the next chunk overwrites (add_request resets its kv
@@ -310,6 +312,23 @@ class TreeDynamicInferenceContext(_dynamic_context_base()):
         self.step = DynamicStep(n, padded, device_positions, step_slots, table.to(torch.int32),
                                 seqlens.to(torch.int32))
         return event
+
+    def _agree_on_new_requests(self, n: int, rids, offsets, lengths) -> None:
+        """A step that starts requests: every CP rank must run the same ones, else all raise one error.
+
+        Each rank's engine schedules its own requests; ranks given different prompts through Megatron's own
+        API (``add_request``, ``MegatronLLM.generate``; ``generate_dynamic`` checks its arguments before)
+        would place and attend the tokens of different sequences as one. Steps that start a request only
+        (never a decode-only step): one fixed-size all-gather of the step's token count and a digest of its
+        request ids, offsets, query lengths and token ids.
+        """
+        import hashlib
+
+        ids = self.token_to_input_ids[:n].to(torch.int64).cpu().contiguous().numpy().tobytes()
+        digest = hashlib.blake2b(repr((rids, offsets, lengths)).encode() + ids, digest_size=6).hexdigest()
+        agreement.agree("TreeDynamicInferenceContext (a step that starts new requests)",
+                        ("step tokens", "digest of the step's requests, offsets, query lengths and token ids"),
+                        (n, digest), self.groups.cp_group, self.groups.cp_ranks, device=self.kv_cache.k.device)
 
     # -- what the core attention asks of the context -----------------------------------------
 
@@ -470,6 +489,7 @@ class TreeDynamicGPTInferenceWrapper(_gpt_wrapper_base()):
                 f"the model runs at context_parallel_size={cores[0].cp_size} but the context was built for "
                 f"{inference_context.cp_size} CP ranks"
             )
+        check_context_groups(model, inference_context.groups, "TreeDynamicGPTInferenceWrapper")
         inference_context.bind_rope(inner)
         # 0.19 speculative decoding: after each verify step the controller runs every MTP layer
         # (compute_mtp_single_step) on the accepted positions' hidden states -- one row per request,

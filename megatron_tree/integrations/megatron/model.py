@@ -185,15 +185,16 @@ class MegatronLM:
     def __init__(self, model, groups, shape: GPTShape, *, tp_size: int = 1):
         from megatron.core.utils import unwrap_model
 
+        from .attention import check_context_groups, check_tree_slots
+
+        check_tree_slots(model, "MegatronLM")
+        check_context_groups(model, groups, "MegatronLM")  # its caches are placed over these groups
         self.model = model
         self.groups = groups
         self.shape = shape
         self.config = _Config(shape.vocab_size, shape.num_attention_heads // tp_size, shape.kv_channels)
         self._last: torch.Tensor | None = None
         unwrap_model(model).decoder.register_forward_hook(self._keep_last_token)
-        from .attention import check_tree_slots
-
-        check_tree_slots(model, "MegatronLM")
 
     @property
     def device(self) -> torch.device:

@@ -30,11 +30,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ...distributed import agreement
 from ...decode.placement import RowPlacement
 from ...decode.plan import StepPlanner, place_prompts
 from ...decode.prefill import assemble_logits
 from ...distributed.topology import TreeGroups
-from .attention import CorePlan, check_tree_slots
+from .attention import CorePlan, check_context_groups, check_tree_slots
 from .groups import tree_groups_from_megatron
 from .version import (check_megatron_version, get_only_last_token_logits, init_gpt_wrapper, megatron_api,
                       prep_model_for_inference, set_only_last_token_logits)
@@ -463,6 +464,7 @@ class TreeGPTInferenceWrapper(_gpt_wrapper_base()):
             )
         check_megatron_version("TreeGPTInferenceWrapper")
         check_tree_slots(model, "TreeGPTInferenceWrapper")
+        check_context_groups(model, inference_context.groups, "TreeGPTInferenceWrapper")
         inner = unwrap_model(model)
         init_gpt_wrapper(self, model, inference_context, hidden_size=inner.config.hidden_size,
                          params_dtype=inner.config.params_dtype, padded_vocab_size=inner.vocab_size,
@@ -478,6 +480,29 @@ class TreeGPTInferenceWrapper(_gpt_wrapper_base()):
 
         prep_model_for_inference(self, prompts_tokens)
         self.inference_context.bind_rope(unwrap_model(self.model))
+
+    def prep_inference_input(self, prompts_tokens):
+        """Megatron's, after every CP rank has checked that it runs the same batch.
+
+        Each rank's controller prepares its own batch (prompts padded to the longest prompt plus the
+        tokens to generate); ranks handed different prompts, lengths or token budgets would feed their
+        chunks of different sequences to one attention (tokens that neither batch gives) or run
+        different numbers of steps (a collective mismatch). One fixed-size all-gather per batch;
+        ranks that differ all raise the same ``DisagreementError`` naming each rank's values.
+        """
+        import hashlib
+
+        groups = self.inference_context.groups
+
+        def values():
+            data = prompts_tokens.detach().to(torch.int64).cpu().contiguous().numpy().tobytes()
+            return (int(prompts_tokens.shape[0]), int(prompts_tokens.shape[1]),
+                    hashlib.blake2b(data, digest_size=6).hexdigest())
+
+        agreement.agree("TreeGPTInferenceWrapper (the static engine's batch)",
+                        ("batch", "prompt_tokens (prompt + tokens to generate)", "prompt_tokens digest"), values,
+                        groups.cp_group, groups.cp_ranks, device=prompts_tokens.device)
+        return super().prep_inference_input(prompts_tokens)
 
     def _build_attention_mask_and_position_ids(self, prompts_tokens):
         seq_length = prompts_tokens.size(1)

@@ -248,8 +248,49 @@ def megatron_rank(rank, world):
         results["megatron_ctx_cp2"] = _error(
             greedy_decode, _build_model(2, None, tree=True), GPTInferenceWrapper, StaticInferenceContext(2, MAX_LEN)
         )
+        # Megatron's static engine on CP ranks handed different requests (a rank-dependent prompt): each rank would
+        # take its chunks of its own prompt and the assembled logits mix them; every rank must refuse instead.
+        cp2 = _build_model(2, None, tree=True)
+        own = [[5, 17, 3 + rank % 2], [40, 2, 9, 77, 31, 8, 60, 12, 1]]  # CP rank 1 (ranks 1, 3) differs
+        results["static_different_prompts"] = _error(
+            engine_generate, cp2, mt.TreeGPTInferenceWrapper,
+            mt.TreeInferenceContext(2, MAX_LEN, groups=mt.tree_groups_from_megatron(cp2.pg_collection)), own)
+        longer = [[5, 17, 3, 4][: 3 + rank % 2], [40, 2, 9, 77, 31, 8, 60, 12, 1]]  # (before: a gloo abort)
+        results["static_different_lengths"] = _error(
+            engine_generate, cp2, mt.TreeGPTInferenceWrapper,
+            mt.TreeInferenceContext(2, MAX_LEN, groups=mt.tree_groups_from_megatron(cp2.pg_collection)), longer)
+        results["static_same_after"] = engine_generate(
+            cp2, mt.TreeGPTInferenceWrapper,
+            mt.TreeInferenceContext(2, MAX_LEN, groups=mt.tree_groups_from_megatron(cp2.pg_collection)), UNEVEN_PROMPTS)
         results["deepspeed_mpu"] = deepspeed_mpu_check()
         results["bad_config_vs_groups"] = _error(_build_model, 4, None, True)
+        # A context (or MegatronLM) over other ranks than the model's CP group -- here the whole world of 4,
+        # e.g. TreeGroups.from_env(), beside a model at CP 2 -- would place each row over 4 ranks while the
+        # layers merge over 2: every rank must refuse it before any step (it decoded other tokens, silently).
+        from megatron_tree.distributed.topology import TreeGroups
+        from megatron_tree.integrations.megatron.model import GPTShape, MegatronLM
+
+        world_groups = TreeGroups.from_groups(dist.group.WORLD)
+        # Weights mapped in memory (the README's example path) with an untied output layer, filled into a model
+        # that ties it: the trained output layer must not be dropped silently (check_checkpoint refuses it too).
+        from megatron_tree.integrations.megatron import checkpoint as mc
+        from megatron_tree.integrations.megatron import model as mm
+
+        dims = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=1,
+                    num_attention_heads=HEADS, num_key_value_heads=KV_HEADS)
+        single = mm.single_rank_groups()
+        untied = mc.global_tensors(mm.build_gpt(GPTShape(**dims), tree=False, pg_collection=single, seed=0))
+        tied = mm.build_gpt(GPTShape(**dims, tie_word_embeddings=True), tree=False, pg_collection=single, seed=1)
+        results["fill_drops_output_layer"] = _error(mc.fill_from_global, tied, untied)
+        results["fill_drops_other"] = _error(mc.fill_from_global, tied, {**{k: v for k, v in untied.items()
+                                                                            if k != "output_layer.weight"},
+                                                                         "decoder.layers.self_attention.q_layernorm.weight":
+                                                                         torch.ones(2, HIDDEN // HEADS)})
+        cp2_model = _build_model(2, None, tree=True)
+        results["ctx_groups_not_the_models"] = _error(
+            mt.TreeGPTInferenceWrapper, cp2_model, mt.TreeInferenceContext(2, MAX_LEN, groups=world_groups))
+        results["lm_groups_not_the_models"] = _error(
+            MegatronLM, cp2_model, world_groups, GPTShape(VOCAB, HIDDEN, 4 * HIDDEN, 2, HEADS, KV_HEADS))
         results["bad_ctx_type"] = _error(
             mt.TreeDotProductAttention(_config(2, None), 1, AttnMaskType.causal, "self",
                                        pg_collection=_pg()).adjust_key_value_for_inference,
@@ -578,6 +619,46 @@ def test_bad_layouts_fail_loudly(megatron_results):
     assert out["bad_config_vs_groups"].startswith("TopologyError")
     assert "context_parallel_size=4 but the CP process group has 2 ranks" in out["bad_config_vs_groups"]
     assert out["bad_ctx_type"].startswith("RuntimeError") and "needs a TreeInferenceContext" in out["bad_ctx_type"]
+
+
+def test_static_engine_on_cp_ranks_with_different_requests_is_refused_on_every_rank(megatron_results):
+    """Each CP rank's controller prepares its own batch; ranks handed different prompts (or lengths, or token
+    budgets) all raise one DisagreementError naming the ranks before the prefill (before: no error, and the
+    tokens came from logits assembled out of both ranks' prompts)."""
+    for rank, out in enumerate(megatron_results):
+        for key in ("static_different_prompts", "static_different_lengths"):
+            message = out[key]
+            assert message.startswith("DisagreementError"), (rank, key, message)
+            assert "TreeGPTInferenceWrapper" in message and "prompt_tokens" in message, message
+        # the engine runs on afterwards, with Megatron CP = 1's tokens for the same requests
+        assert out["static_same_after"] == megatron_results[0]["megatron_cp1_uneven"]
+
+
+def test_fill_from_global_refuses_tensors_the_model_would_drop(megatron_results):
+    """In-memory weights (fill_from_global, as examples/megatron_core.py maps a transformers Llama) with a tensor the
+    model has no parameter for are refused, as check_checkpoint refuses them in a checkpoint (before: ignored, so an
+    untied output layer filled into a tied model left the logits on the embedding, silently)."""
+    out = megatron_results[0]
+    message = out["fill_drops_output_layer"]
+    assert message.startswith("CheckpointError"), message
+    assert "output_layer.weight" in message and "tie_word_embeddings" in message, message
+    message = out["fill_drops_other"]
+    assert message.startswith("CheckpointError"), message
+    assert "decoder.layers.self_attention.q_layernorm.weight" in message and "no parameter" in message, message
+
+
+def test_context_over_other_ranks_than_the_models_cp_group_is_refused(megatron_results):
+    """A TreeInferenceContext (or MegatronLM) whose groups are not the model's CP group is refused on every
+    rank when it is wrapped, naming both rank lists (before: no error, and the static engine's tokens differed
+    from the model's own CP-group context)."""
+    for rank, out in enumerate(megatron_results):
+        cp = "(0, 1)" if rank < 2 else "(2, 3)"
+        for key, what in (("ctx_groups_not_the_models", "TreeGPTInferenceWrapper"),
+                          ("lm_groups_not_the_models", "MegatronLM")):
+            message = out[key]
+            assert message.startswith("ValueError"), message
+            assert what in message and "ranks (0, 1, 2, 3)" in message and f"CP group {cp}" in message, message
+            assert "tree_groups_from_megatron(model.pg_collection)" in message, message
 
 
 def test_megatrons_own_context_at_cp2_is_refused_on_every_rank(megatron_results):

@@ -171,6 +171,9 @@ def dynamic_rank(rank, world):
                 syncs = len(guard.syncs)
                 res[name + "_after_disagree"] = run_dynamic(eng, prompts=[[1, 5, 9], [3, 4]], counts=[4, 4], arrivals=[0, 0])
                 res[name + "_injected"] = guard.syncs[syncs:]
+                # The same through Megatron's own engine API (add_request / step_modern, what MegatronLLM.generate
+                # drives), which bypasses generate_dynamic's check: a rank-dependent prompt must still be refused.
+                res[name + "_direct_disagree"] = error_text(_add_and_step, tree_engine(), [[1, 5, 9 + me], [3, 4]])
             if name == "cp4":
                 res["cp4_small"] = run_dynamic(tree_engine(blocks=9, block=8, max_len=64, max_requests=4), **SMALL)
                 res["bad_pool"] = error_text(tree_engine, blocks=4)
@@ -194,6 +197,20 @@ def dynamic_rank(rank, world):
         parallel_state.destroy_model_parallel()
         patches.revert_runtime()
     return res
+
+
+def _add_and_step(engine, prompts, new_tokens=4):
+    """Megatron's own engine API, as a user (or MegatronLLM) drives it: add every request, step until done."""
+    from megatron.core.inference.sampling_params import SamplingParams
+
+    for i, p in enumerate(prompts):
+        engine.add_request(i, list(p), SamplingParams(top_k=1, num_tokens_to_generate=new_tokens, termination_id=-1))
+    done = {}
+    while engine.has_unfinished_requests():
+        for record in engine.step_modern()["finished_request_records"]:
+            req = record.merge()
+            done[req.request_id] = [int(t) for t in req.generated_tokens]
+    return done
 
 
 def megatron_engine_at(model, tok):
@@ -318,6 +335,17 @@ def test_ranks_with_different_requests_all_raise_the_same_error_promptly(dyn):
         assert len(messages) == (2 if name == "cp2" else 1), messages
     assert "[4, 4]" in dyn[0]["cp2x2_disagree"][0] or "(4, 4)" in dyn[0]["cp2x2_disagree"][0]
     assert "(4, 7)" in dyn[0]["cp2x2_disagree"][0] or "[4, 7]" in dyn[0]["cp2x2_disagree"][0]
+
+
+def test_ranks_adding_different_requests_through_megatrons_engine_api_all_raise(dyn):
+    """engine.add_request + step_modern with a rank-dependent prompt at CP 2: every rank raises one
+    DisagreementError at the step that starts the requests (before: no error, each rank's tokens mixed
+    from both ranks' prompts)."""
+    messages = {dyn[rank]["cp2_direct_disagree"] for rank in range(2)}
+    assert len(messages) == 1, messages
+    message = messages.pop()
+    assert message.startswith("DisagreementError") and "TreeDynamicInferenceContext" in message, message
+    assert "new requests" in message, message
 
 
 def test_reference_equals_full_forward_with_megatron_attention(dyn):
