@@ -318,8 +318,8 @@ def check_checkpoint(args: ModelArgs):
         # the CP prefill refuses longer prompts: the first request beyond the window would fail mid-evaluation
         raise ModelArgsError(
             f"model_args max_length={args.max_length} is beyond the model's window (max_position_embeddings = "
-            f"{window}, {args.pretrained}/config.json), which this backend's CP prefill does not run past; use max_length <= "
-            f"{window} or a model configured for longer contexts")
+            f"{window}, {args.pretrained}/config.json), which this backend's CP prefill does not run past; use "
+            f"max_length <= {window} or a model configured for longer contexts")
 
 
 # --------------------------------------------------------------------------- process groups
