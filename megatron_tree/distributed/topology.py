@@ -219,6 +219,10 @@ class TreeGroups:
                     name = "inter" if size_intra == 1 and len(cp_ranks) > 1 else "intra"
                     levels = [Level(name, cp_group, tuple(cp_ranks))]
                 mine = cls(cp_group, tuple(cp_ranks), tuple(levels), size_intra, td.total_seconds())
+                # every rank wrote its liveness record before the facts exchange: read the peers' now, while
+                # the store is up -- a peer that serves it (rank 0 under a MASTER_ADDR rendezvous: srun, the
+                # deepspeed launcher) takes it down when it dies, and is named only from a record read before
+                liveness.remember(cp_ranks)
                 if facts[0]["transport"] in ("auto", "shm"):
                     _attach_channels(mine, [f["host"] for f in facts])
         if mine is None:
