@@ -648,7 +648,9 @@ def _check_same_call(facts: list[dict]) -> None:
         calls.setdefault(f["call"], []).append(r)
     if len(calls) > 1:
         listed = "; ".join(f"{call} on ranks {rs}" for call, rs in calls.items())
-        raise TopologyError(f"ranks built TreeGroups with different arguments: {listed}; every rank must pass the same")
+        bad = "".join(f" (rank {r}: {f['timeout_error']})" for r, f in enumerate(facts) if f["timeout_error"])
+        raise TopologyError(f"ranks built TreeGroups with different arguments: {listed}; every rank must pass the "
+                            f"same{bad}")
     if facts[0]["timeout_error"]:
         raise TopologyError(facts[0]["timeout_error"])
 
