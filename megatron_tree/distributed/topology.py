@@ -265,6 +265,7 @@ class TreeGroups:
         world = dist.get_world_size()
         per_node, source = _per_node_from_facts(facts, world)
         _check_local_ranks(facts, per_node, source)
+        _check_nodes_on_one_host(facts, per_node, source)
         node_of = [r // per_node for r in range(world)]
         return cls._assemble(facts, ranks, intra_size, node_of, timeout)
 
@@ -686,6 +687,30 @@ def _per_node_from_facts(facts: list[dict], world: int) -> tuple[int, str]:
             f"world size {world} is not a multiple of the processes per node {per_node} ({source})"
         )
     return per_node, source
+
+
+def _check_nodes_on_one_host(facts: list[dict], per_node: int, source: str) -> None:
+    """The ranks the launcher puts on one node run on one host (several launcher nodes on one host -- simulated
+    nodes -- are fine): else the "intra" level, or a flat group taken for one node, would span hosts."""
+    for first in range(0, len(facts), per_node):
+        block = range(first, first + per_node)
+        hosts: dict = {}
+        for r in block:
+            hosts.setdefault(facts[r]["host"], []).append(r)
+        if len(hosts) > 1:
+            seen = "; ".join(f"{h!r}: ranks {rs}" for h, rs in hosts.items())
+            if source.startswith("no launcher variable"):
+                raise TopologyError(
+                    f"no launcher variable gives the processes per node ({', '.join(LAUNCHER_VARIABLES[:3])}), so "
+                    f"from_env took the {len(facts)} ranks for one node, but they run on {len(hosts)} hosts "
+                    f"({seen}); set LOCAL_WORLD_SIZE to the processes per host, or use TreeGroups.build(), which "
+                    "reads the host names")
+            raise TopologyError(
+                f"{source} puts ranks {first}..{first + per_node - 1} on one node, but they run on "
+                f"{len(hosts)} hosts ({seen}); expected the processes per node the launcher really started on "
+                f"each host (an intra-node level would span hosts). Unset or correct the variable, or pass "
+                "intra_size to TreeGroups.build instead of from_env"
+            )
 
 
 def _check_local_ranks(facts: list[dict], per_node: int, source: str) -> None:
