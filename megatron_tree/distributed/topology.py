@@ -543,7 +543,18 @@ def init_from_launcher(env=None, timeout: float | datetime.timedelta | None = No
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=td)
     else:
         url = f"tcp://{_url_host(rdv['master_addr'])}:{rdv['master_port']}"
-        dist.init_process_group(backend, init_method=url, rank=rank, world_size=world, timeout=td)
+        try:
+            dist.init_process_group(backend, init_method=url, rank=rank, world_size=world, timeout=td)
+        except (dist.DistStoreError, dist.DistNetworkError) as e:  # a rank that never came, or a wrong address
+            # (torch's own words: "Timed out after 7 seconds waiting for clients. 2/3 clients joined." on rank 0,
+            # "wait timeout after 6000ms, keys: /default_pg/0//cpu//0/0" on the others)
+            first = (str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__).rstrip(".")
+            raise LauncherEnvError(
+                f"the rendezvous at {rdv['master_addr']}:{rdv['master_port']} ({rdv['launcher']} launcher's "
+                f"variables; this is rank {rank} of {world}) failed within the timeout of {td.total_seconds():g} s: "
+                f"{first}; every rank must be started with the same MASTER_ADDR, MASTER_PORT and world size, and a "
+                "rank that failed before it (a bad argument, an import error) never joins: see the other ranks' "
+                "output") from None
     global _ANNOUNCED
     if rank == 0 and not _ANNOUNCED:
         _ANNOUNCED = True
