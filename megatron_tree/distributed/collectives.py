@@ -209,7 +209,8 @@ def as_timedelta(timeout) -> datetime.timedelta | None:
         td = timeout
     else:
         if isinstance(timeout, bool):
-            raise TypeError(f"a collective timeout must be a number of seconds or a timedelta, got the bool {timeout!r}")
+            raise TypeError(f"a collective timeout must be a number of seconds or a timedelta, got the bool "
+                            f"{timeout!r}")
         try:
             seconds = float(timeout)
         except (TypeError, ValueError):

@@ -48,9 +48,10 @@ _PREFIX = "megatron_tree/alive/"
 _records: dict = {}
 """(id of the store, rank) -> record, for records already read."""
 _registered: set = set()
-_lost_stores: set = set()
-"""ids of stores an operation on which failed: their server is gone (under a ``MASTER_ADDR`` rendezvous, rank 0's
-process serves the store, so it dies with rank 0). They are not asked again: every failed store operation prints
+_lost_stores: dict = {}
+"""id -> store, for the stores an operation on which failed (held, so that a new store cannot take a lost one's
+id): their server is gone (under a ``MASTER_ADDR`` rendezvous, rank 0's process serves the store, so it dies with
+rank 0). They are not asked again: every failed store operation prints
 torch's warning with a C++ stack trace on stderr, and a waiting rank probes every :data:`POLL_S` -- hundreds of
 lines around the one error that names the dead rank. Records read before (:func:`remember`) still name it."""
 
@@ -103,7 +104,7 @@ def _store():
 
 def _usable(store) -> bool:
     """Whether ``store`` may be asked (no earlier operation on it failed)."""
-    return id(store) not in _lost_stores
+    return _lost_stores.get(id(store)) is not store
 
 
 def store_lost(store) -> bool:
@@ -113,7 +114,7 @@ def store_lost(store) -> bool:
 
 def lose_store(store) -> None:
     """An operation on ``store`` failed: its server is gone; ask it nothing more (see :data:`_lost_stores`)."""
-    _lost_stores.add(id(store))
+    _lost_stores[id(store)] = store
 
 
 _lose = lose_store
