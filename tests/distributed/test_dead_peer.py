@@ -123,7 +123,7 @@ def test_a_late_rank_names_the_peer_that_never_checked_in_not_the_ones_that_repo
     assert seconds < 5.0, (seconds, message)
 
 
-def _store_host_dies(rank, world, port, where, transport):
+def _store_host_dies(rank, world, port, where, transport, meeting):
     """The groups' default store is a TCP store that rank 0 serves -- a ``MASTER_ADDR`` rendezvous (srun, the
     deepspeed launcher, ``init_method="tcp://..."``), not the harness's file store -- and rank 0 dies: the
     store dies with it. The survivors' stderr (fd 2, torch's C++ warnings included) is kept while they find out."""
@@ -160,6 +160,12 @@ def _store_host_dies(rank, world, port, where, transport):
             os.close(saved)
         log.seek(0)
         stderr = log.read().decode(errors="replace")
+    # the survivors leave together (through files: the store is gone): one that exits while the other still
+    # probes would be a second exited rank, whose notice the dead store can no longer carry
+    open(os.path.join(meeting, str(rank)), "w").close()
+    deadline = time.monotonic() + 20
+    while len(os.listdir(meeting)) < world - 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
     return (*result, stderr.count("TCPStore.cpp"))
 
 
@@ -177,7 +183,7 @@ def _rank_dies_once_the_others_reach(victim: int, point: str, rank: int) -> None
 
 
 @pytest.mark.parametrize("where,transport", [("steady_merge", "backend"), ("first_merge", "shm")])
-def test_a_dead_rank_that_served_the_store_is_named_without_a_flood_of_store_warnings(where, transport):
+def test_a_dead_rank_that_served_the_store_is_named_without_a_flood_of_store_warnings(where, transport, tmp_path):
     """Before: over the backend transport the survivors' CommError named no rank ("a peer's connection
     closed: it most likely died ...": the dead rank's liveness record, never read while the store was up, went
     with it), before the first merge it said "got no answer within 13.5 s" after 0.1 s, and every
@@ -185,8 +191,8 @@ def test_a_dead_rank_that_served_the_store_is_named_without_a_flood_of_store_war
     warnings, ~350 lines on each survivor's stderr around the one line that mattered."""
     from tests.helpers.launching import free_port
 
-    results = run_ranks(_store_host_dies, 3, free_port(), where, transport, timeout=120, pg_timeout=2 * T,
-                        expect_dead=(0,), env={"MEGATRON_TREE_HOSTNAME": HOST})
+    results = run_ranks(_store_host_dies, 3, free_port(), where, transport, str(tmp_path), timeout=120,
+                        pg_timeout=2 * T, expect_dead=(0,), env={"MEGATRON_TREE_HOSTNAME": HOST})
     assert results[0] is None  # rank 0 died as planned
     for rank in (1, 2):
         kind, message, seconds, warnings = results[rank]
