@@ -362,13 +362,13 @@ class Agreement:
         except RuntimeError as e:  # DistStoreError: "Wait timeout", or the store's server is gone
             if isinstance(e, CommError):  # a peer named gone (liveness)
                 raise
-            if not isinstance(e, _NoAnswer):
-                liveness.lose_store(store)  # the store's server is gone: ask it nothing more
-            dead = liveness.exited(self.ranks)  # it died with its rank? (records read at build name it)
-            if dead:
-                raise collectives.peer_gone(
-                    f"{site}: rank {me} compared its arguments with the other {len(self.ranks) - 1} rank(s)",
-                    dead, e) from e
+            if not isinstance(e, _NoAnswer):  # the store itself failed: its server is gone
+                liveness.lose_store(store)  # ask it nothing more
+                dead = liveness.exited(self.ranks)  # it died with its rank? (records read at build name it)
+                if dead:
+                    raise collectives.peer_gone(
+                        f"{site}: rank {me} compared its arguments with the other {len(self.ranks) - 1} rank(s)",
+                        dead, e) from e
             mine = ", ".join(f"{n}={_plain(v)!r}" for n, v in zip(names, values))
             before = ("this is its first call there" if last is None else
                       "previous call: " + ", ".join(f"{n}={_plain(v)!r}" for n, v in zip(names, last)))
