@@ -220,6 +220,10 @@ def exited(ranks: Sequence[int]) -> dict:
         if record is not None and _process_gone(record):
             out[r] = ("exited", record)
     first = {r: v for r, v in out.items() if not _reported(store, r)}
+    if not _usable(store):
+        # the store is gone (it went with rank 0's process): a notice that an exited rank stopped on another
+        # rank's failure can no longer be read, so an exited rank may be a reporter, not the cause -- say so
+        return {r: ("exited_unread", record) for r, (_, record) in first.items()}
     if first or not out:
         return first
     blamed = {}
@@ -277,6 +281,10 @@ def describe(found: dict) -> str:
     for r, (why, record) in sorted(found.items()):
         if why == "exited":
             parts.append(f"rank {r} (host {record['host']}, pid {record['pid']}) is gone: its process has exited")
+        elif why == "exited_unread":
+            parts.append(f"rank {r} (host {record['host']}, pid {record['pid']}) is gone: its process has exited "
+                         "(the rendezvous store is gone too, so whether it stopped on its own error about another "
+                         f"rank cannot be read here: see rank {r}'s log)")
         elif why == "reported":
             parts.append(f"rank {r} (host {record['host']}, pid {record['pid']}) is gone: the ranks that saw it go "
                          "reported it, then exited")
