@@ -343,6 +343,8 @@ class Agreement:
         self.checks += 1
         keys = [f"{self._prefix}/{k}/{r}" for r in self.ranks]
         try:
+            if liveness.store_lost(store):  # (asking it again would only print torch's warning and trace)
+                raise RuntimeError("the rendezvous store's server is gone (an earlier operation on it failed)")
             store.set(f"{self._prefix}/{k}/{me}", pickle.dumps(record))
             if k >= 2:
                 store.delete_key(f"{self._prefix}/{k - 2}/{me}")
@@ -360,6 +362,13 @@ class Agreement:
         except RuntimeError as e:  # DistStoreError: "Wait timeout", or the store's server is gone
             if isinstance(e, CommError):  # a peer named gone (liveness)
                 raise
+            if not isinstance(e, _NoAnswer):  # the store itself failed: its server is gone
+                liveness.lose_store(store)  # ask it nothing more
+                dead = liveness.exited(self.ranks)  # it died with its rank? (records read at build name it)
+                if dead:
+                    raise collectives.peer_gone(
+                        f"{site}: rank {me} compared its arguments with the other {len(self.ranks) - 1} rank(s)",
+                        dead, e) from e
             mine = ", ".join(f"{n}={_plain(v)!r}" for n, v in zip(names, values))
             before = ("this is its first call there" if last is None else
                       "previous call: " + ", ".join(f"{n}={_plain(v)!r}" for n, v in zip(names, last)))
@@ -401,6 +410,8 @@ timed out beside it answer within their skew; a dead or stuck rank never does.""
 
 def _silent(store, keys: list[str], ranks: Sequence[int]) -> str:
     """`` from rank 2 (host h, pid 7)``: the ranks whose record is not in the store, or ``""``."""
+    if liveness.store_lost(store):
+        return ""
     try:
         missing = [r for r, key in zip(ranks, keys) if not store.check([key])]
     except Exception:  # noqa: BLE001 -- the store itself failed

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import datetime
 import itertools
+import math
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -197,10 +198,31 @@ class CommStats:
 
 
 def as_timedelta(timeout) -> datetime.timedelta | None:
-    """``None``, seconds (int/float) or a ``timedelta`` -> ``timedelta`` (or ``None``); > 0 required."""
+    """``None``, seconds (int/float) or a ``timedelta`` -> ``timedelta`` (or ``None``); > 0 required.
+
+    Anything else -- a bool, NaN, an infinity, text that is not a number -- is a ``ValueError`` or
+    ``TypeError`` naming the timeout (never ``OverflowError``: :meth:`TreeGroups.build` turns these two
+    into the same error on every rank, so one rank's bad timeout cannot leave the others waiting)."""
     if timeout is None:
         return None
-    td = timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=float(timeout))
+    if isinstance(timeout, datetime.timedelta):
+        td = timeout
+    else:
+        if isinstance(timeout, bool):
+            raise TypeError(f"a collective timeout must be a number of seconds or a timedelta, got the bool "
+                            f"{timeout!r}")
+        try:
+            seconds = float(timeout)
+        except (TypeError, ValueError):
+            raise TypeError(f"a collective timeout must be a number of seconds or a timedelta, got "
+                            f"{type(timeout).__name__} {timeout!r}") from None
+        if not math.isfinite(seconds):
+            raise ValueError(f"a collective timeout must be a finite positive number of seconds, got {timeout!r}")
+        try:
+            td = datetime.timedelta(seconds=seconds)
+        except OverflowError:
+            raise ValueError(f"a collective timeout must be at most {datetime.timedelta.max.total_seconds():g} "
+                             f"seconds (timedelta's range), got {timeout!r}") from None
     if td.total_seconds() <= 0:
         raise ValueError(f"a collective timeout must be positive, got {timeout!r}")
     return td

@@ -38,7 +38,7 @@ from typing import Callable, Sequence
 
 import torch.distributed as dist
 
-__all__ = ["register", "remember", "exited", "gone", "note_failure", "describe", "who", "watched", "PeerGone", "POLL_S", "HOST_ENV"]
+__all__ = ["register", "remember", "store_lost", "lose_store", "exited", "gone", "note_failure", "describe", "who", "watched", "PeerGone", "POLL_S", "HOST_ENV"]
 
 HOST_ENV = "MEGATRON_TREE_HOSTNAME"
 """Overrides the host name shown (as ``topology`` does, to test multi-host layouts)."""
@@ -48,6 +48,12 @@ _PREFIX = "megatron_tree/alive/"
 _records: dict = {}
 """(id of the store, rank) -> record, for records already read."""
 _registered: set = set()
+_lost_stores: dict = {}
+"""id -> store, for the stores an operation on which failed (held, so that a new store cannot take a lost one's
+id): their server is gone (under a ``MASTER_ADDR`` rendezvous, rank 0's process serves the store, so it dies with
+rank 0). They are not asked again: every failed store operation prints
+torch's warning with a C++ stack trace on stderr, and a waiting rank probes every :data:`POLL_S` -- hundreds of
+lines around the one error that names the dead rank. Records read before (:func:`remember`) still name it."""
 
 
 class PeerGone(RuntimeError):
@@ -96,6 +102,24 @@ def _store():
         return None
 
 
+def _usable(store) -> bool:
+    """Whether ``store`` may be asked (no earlier operation on it failed)."""
+    return _lost_stores.get(id(store)) is not store
+
+
+def store_lost(store) -> bool:
+    """Whether an operation on ``store`` (the default store) failed here before: its server is gone."""
+    return store is not None and not _usable(store)
+
+
+def lose_store(store) -> None:
+    """An operation on ``store`` failed: its server is gone; ask it nothing more (see :data:`_lost_stores`)."""
+    _lost_stores[id(store)] = store
+
+
+_lose = lose_store
+
+
 def register() -> None:
     """Write this rank's liveness record into the default store (once per store; no collective)."""
     store = _store()
@@ -111,6 +135,7 @@ def register() -> None:
     try:
         store.set(f"{_PREFIX}{rank}", pickle.dumps(record))
     except Exception:  # noqa: BLE001 -- best effort: without it a dead peer is still a CommError, unnamed
+        _lose(store)
         return
     _registered.add((id(store), rank))
     _records[(id(store), rank)] = record
@@ -119,11 +144,14 @@ def register() -> None:
 def _record(store, rank: int) -> dict | None:
     key = (id(store), rank)
     if key not in _records:
+        if not _usable(store):
+            return None
         try:
             if not store.check([f"{_PREFIX}{rank}"]):
                 return None
             _records[key] = pickle.loads(store.get(f"{_PREFIX}{rank}"))
         except Exception:  # noqa: BLE001 -- the store itself failed (its host died): nothing to tell
+            _lose(store)
             return None
     return _records[key]
 
@@ -151,17 +179,23 @@ def _process_gone(record: dict) -> bool:
 
 def _reported(store, rank: int) -> bool:
     """Whether ``rank`` wrote a notice (:func:`note_failure`) that it stopped because a peer was gone."""
+    if not _usable(store):
+        return False
     try:
         return bool(store.check([f"{_PREFIX}{rank}/saw"]))
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 -- the store's server is gone
+        _lose(store)
         return False
 
 
 def _saw(store, rank: int) -> list:
     """The ranks ``rank``'s notice (:func:`note_failure`) named as gone ([] without one)."""
+    if not _usable(store):
+        return []
     try:
         return list(pickle.loads(store.get(f"{_PREFIX}{rank}/saw")))
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 -- the store's server is gone
+        _lose(store)
         return []
 
 
@@ -186,6 +220,10 @@ def exited(ranks: Sequence[int]) -> dict:
         if record is not None and _process_gone(record):
             out[r] = ("exited", record)
     first = {r: v for r, v in out.items() if not _reported(store, r)}
+    if not _usable(store):
+        # the store is gone (it went with rank 0's process): a notice that an exited rank stopped on another
+        # rank's failure can no longer be read, so an exited rank may be a reporter, not the cause -- say so
+        return {r: ("exited_unread", record) for r, (_, record) in first.items()}
     if first or not out:
         return first
     blamed = {}
@@ -206,12 +244,12 @@ def exited(ranks: Sequence[int]) -> dict:
 def note_failure(found: dict) -> None:
     """Tell the others (through the store) that this rank stopped because the ranks of ``found`` were gone."""
     store = _store()
-    if store is None or not found:
+    if store is None or not found or not _usable(store):
         return
     try:
         store.set(f"{_PREFIX}{dist.get_rank()}/saw", pickle.dumps(sorted(found)))
-    except Exception:  # noqa: BLE001 -- best effort
-        pass
+    except Exception:  # noqa: BLE001 -- best effort: the store's server is gone
+        _lose(store)
 
 
 def gone(ranks: Sequence[int], grace: float = 0.0) -> dict:
@@ -243,6 +281,10 @@ def describe(found: dict) -> str:
     for r, (why, record) in sorted(found.items()):
         if why == "exited":
             parts.append(f"rank {r} (host {record['host']}, pid {record['pid']}) is gone: its process has exited")
+        elif why == "exited_unread":
+            parts.append(f"rank {r} (host {record['host']}, pid {record['pid']}) is gone: its process has exited "
+                         "(the rendezvous store is gone too, so whether it stopped on its own error about another "
+                         f"rank cannot be read here: see rank {r}'s log)")
         elif why == "reported":
             parts.append(f"rank {r} (host {record['host']}, pid {record['pid']}) is gone: the ranks that saw it go "
                          "reported it, then exited")

@@ -219,6 +219,10 @@ class TreeGroups:
                     name = "inter" if size_intra == 1 and len(cp_ranks) > 1 else "intra"
                     levels = [Level(name, cp_group, tuple(cp_ranks))]
                 mine = cls(cp_group, tuple(cp_ranks), tuple(levels), size_intra, td.total_seconds())
+                # every rank wrote its liveness record before the facts exchange: read the peers' now, while
+                # the store is up -- a peer that serves it (rank 0 under a MASTER_ADDR rendezvous: srun, the
+                # deepspeed launcher) takes it down when it dies, and is named only from a record read before
+                liveness.remember(cp_ranks)
                 if facts[0]["transport"] in ("auto", "shm"):
                     _attach_channels(mine, [f["host"] for f in facts])
         if mine is None:
@@ -261,6 +265,7 @@ class TreeGroups:
         world = dist.get_world_size()
         per_node, source = _per_node_from_facts(facts, world)
         _check_local_ranks(facts, per_node, source)
+        _check_nodes_on_one_host(facts, per_node, source)
         node_of = [r // per_node for r in range(world)]
         return cls._assemble(facts, ranks, intra_size, node_of, timeout)
 
@@ -538,7 +543,18 @@ def init_from_launcher(env=None, timeout: float | datetime.timedelta | None = No
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=td)
     else:
         url = f"tcp://{_url_host(rdv['master_addr'])}:{rdv['master_port']}"
-        dist.init_process_group(backend, init_method=url, rank=rank, world_size=world, timeout=td)
+        try:
+            dist.init_process_group(backend, init_method=url, rank=rank, world_size=world, timeout=td)
+        except (dist.DistStoreError, dist.DistNetworkError) as e:  # a rank that never came, or a wrong address
+            # (torch's own words: "Timed out after 7 seconds waiting for clients. 2/3 clients joined." on rank 0,
+            # "wait timeout after 6000ms, keys: /default_pg/0//cpu//0/0" on the others)
+            first = (str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__).rstrip(".")
+            raise LauncherEnvError(
+                f"the rendezvous at {rdv['master_addr']}:{rdv['master_port']} ({rdv['launcher']} launcher's "
+                f"variables; this is rank {rank} of {world}) failed within the timeout of {td.total_seconds():g} s: "
+                f"{first}; every rank must be started with the same MASTER_ADDR, MASTER_PORT and world size, and a "
+                "rank that failed before it (a bad argument, an import error) never joins: see the other ranks' "
+                "output") from None
     global _ANNOUNCED
     if rank == 0 and not _ANNOUNCED:
         _ANNOUNCED = True
@@ -644,7 +660,9 @@ def _check_same_call(facts: list[dict]) -> None:
         calls.setdefault(f["call"], []).append(r)
     if len(calls) > 1:
         listed = "; ".join(f"{call} on ranks {rs}" for call, rs in calls.items())
-        raise TopologyError(f"ranks built TreeGroups with different arguments: {listed}; every rank must pass the same")
+        bad = "".join(f" (rank {r}: {f['timeout_error']})" for r, f in enumerate(facts) if f["timeout_error"])
+        raise TopologyError(f"ranks built TreeGroups with different arguments: {listed}; every rank must pass the "
+                            f"same{bad}")
     if facts[0]["timeout_error"]:
         raise TopologyError(facts[0]["timeout_error"])
 
@@ -680,6 +698,30 @@ def _per_node_from_facts(facts: list[dict], world: int) -> tuple[int, str]:
             f"world size {world} is not a multiple of the processes per node {per_node} ({source})"
         )
     return per_node, source
+
+
+def _check_nodes_on_one_host(facts: list[dict], per_node: int, source: str) -> None:
+    """The ranks the launcher puts on one node run on one host (several launcher nodes on one host -- simulated
+    nodes -- are fine): else the "intra" level, or a flat group taken for one node, would span hosts."""
+    for first in range(0, len(facts), per_node):
+        block = range(first, first + per_node)
+        hosts: dict = {}
+        for r in block:
+            hosts.setdefault(facts[r]["host"], []).append(r)
+        if len(hosts) > 1:
+            seen = "; ".join(f"{h!r}: ranks {rs}" for h, rs in hosts.items())
+            if source.startswith("no launcher variable"):
+                raise TopologyError(
+                    f"no launcher variable gives the processes per node ({', '.join(LAUNCHER_VARIABLES[:3])}), so "
+                    f"from_env took the {len(facts)} ranks for one node, but they run on {len(hosts)} hosts "
+                    f"({seen}); set LOCAL_WORLD_SIZE to the processes per host, or use TreeGroups.build(), which "
+                    "reads the host names")
+            raise TopologyError(
+                f"{source} puts ranks {first}..{first + per_node - 1} on one node, but they run on "
+                f"{len(hosts)} hosts ({seen}); expected the processes per node the launcher really started on "
+                f"each host (an intra-node level would span hosts). Unset or correct the variable, or pass "
+                "intra_size to TreeGroups.build instead of from_env"
+            )
 
 
 def _check_local_ranks(facts: list[dict], per_node: int, source: str) -> None:

@@ -163,8 +163,8 @@ class TopologyConfig:
         _positive(self, "tp_size", "cp_size", "intra_size")
         if self.transport not in ("auto", "backend", "shm"):
             raise ConfigError(f"transport: must be one of ['auto', 'backend', 'shm'], got {self.transport!r}")
-        if self.timeout_s <= 0:
-            raise ConfigError(f"timeout_s: must be positive, got {self.timeout_s}")
+        if not 0 < self.timeout_s <= 8.64e13:  # NaN fails too; 8.64e13 s: datetime.timedelta's range
+            raise ConfigError(f"timeout_s: must be positive (a finite number of seconds), got {self.timeout_s}")
         if self.cp_size is not None and self.intra_size is not None and self.cp_size % self.intra_size:
             raise ConfigError(
                 f"intra_size: {self.intra_size} does not factor cp_size {self.cp_size}; "

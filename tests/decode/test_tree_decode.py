@@ -262,6 +262,10 @@ def topology_body(rank, world):
     out["span_hosts"] = expect_error(lambda: mt.TreeGroups.build(intra_size=4))
     os.environ[ENV_HOSTNAME] = "a" if rank % 2 == 0 else "b"
     out["interleaved"] = expect_error(lambda: mt.TreeGroups.build())
+    os.environ[ENV_HOSTNAME] = "a" if rank < 2 else "b"
+    # a launcher variable that puts the two hosts' ranks on one node (before: one "intra" level of 4 across hosts)
+    out["launcher_node_spans_hosts"] = expect_error(lambda: mt.TreeGroups.from_env(
+        env={"LOCAL_WORLD_SIZE": "4", "LOCAL_RANK": str(rank)}))
     del os.environ[ENV_HOSTNAME]
 
     env = lambda **kw: {k: str(v) for k, v in kw.items()}  # noqa: E731
@@ -289,6 +293,8 @@ def test_topology_builders_and_errors():
         assert out["real_hosts"]["intra_size"] == 2 and [l["size"] for l in out["real_hosts"]["levels"]] == [2, 2]
         assert "would span nodes" in out["span_hosts"] and "expected a divisor of 2" in out["span_hosts"]
         assert "visits node" in out["interleaved"]
+        assert ("LOCAL_WORLD_SIZE=4 puts ranks 0..3 on one node, but they run on 2 hosts ('a': ranks [0, 1]; "
+                "'b': ranks [2, 3])" in (out["launcher_node_spans_hosts"] or "")), out["launcher_node_spans_hosts"]
         assert out["torchrun"]["levels"] == [{"name": "intra", "size": 2}, {"name": "inter", "size": 2}]
         assert out["deepspeed"]["levels"] == [{"name": "intra", "size": 4}]
         assert out["slurm"]["num_nodes"] == 2

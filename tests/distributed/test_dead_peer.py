@@ -121,3 +121,85 @@ def test_a_late_rank_names_the_peer_that_never_checked_in_not_the_ones_that_repo
     assert "rank 2 (host unknown) never checked in" in message, message
     assert "rank 1 (" not in message, message
     assert seconds < 5.0, (seconds, message)
+
+
+def _store_host_dies(rank, world, port, where, transport, meeting):
+    """The groups' default store is a TCP store that rank 0 serves -- a ``MASTER_ADDR`` rendezvous (srun, the
+    deepspeed launcher, ``init_method="tcp://..."``), not the harness's file store -- and rank 0 dies: the
+    store dies with it. The survivors' stderr (fd 2, torch's C++ warnings included) is kept while they find out."""
+    import datetime
+    import tempfile
+
+    import torch
+    import torch.distributed as dist
+
+    import megatron_tree as mt
+    from megatron_tree.distributed import collectives
+
+    # the harness's group (a file store) makes way for a launcher's, once every rank has connected it (a rank
+    # that tore its group down while another still connected the mesh failed that rank's init)
+    dist.barrier()
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=2 * T))
+    groups = mt.TreeGroups.build(timeout=T, transport=transport)
+    torch.manual_seed(rank)
+    q = torch.randn(2, 1, 4, 8)
+    k, v = torch.randn(2, 5 + rank, 2, 8), torch.randn(2, 5 + rank, 2, 8)
+    if where == "steady_merge":
+        mt.tree_decode(q, k, v, groups)
+        collectives.all_reduce(torch.ones(1), groups.cp_group, what="test: every rank past the first merge")
+    _rank_dies_once_the_others_reach(0, where, rank)
+    with tempfile.TemporaryFile() as log:
+        saved = os.dup(2)
+        os.dup2(log.fileno(), 2)
+        try:
+            result = outcome(lambda: mt.tree_decode(q, k, v, groups))
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        log.seek(0)
+        stderr = log.read().decode(errors="replace")
+    # the survivors leave together (through files: the store is gone): one that exits while the other still
+    # probes would be a second exited rank, whose notice the dead store can no longer carry
+    open(os.path.join(meeting, str(rank)), "w").close()
+    deadline = time.monotonic() + 20
+    while len(os.listdir(meeting)) < world - 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return (*result, stderr.count("TCPStore.cpp"))
+
+
+def _rank_dies_once_the_others_reach(victim: int, point: str, rank: int) -> None:
+    import torch
+
+    store = torch.distributed.distributed_c10d._get_default_store()
+    others = [r for r in range(torch.distributed.get_world_size()) if r != victim]
+    if rank != victim:
+        store.set(f"store_host_test_{point}_{rank}", "1")
+    else:
+        store.wait([f"store_host_test_{point}_{r}" for r in others])
+        time.sleep(0.2)  # the others read their go-ahead before the store goes
+        os._exit(0)
+
+
+@pytest.mark.parametrize("where,transport", [("steady_merge", "backend"), ("first_merge", "shm")])
+def test_a_dead_rank_that_served_the_store_is_named_without_a_flood_of_store_warnings(where, transport, tmp_path):
+    """Before: over the backend transport the survivors' CommError named no rank ("a peer's connection
+    closed: it most likely died ...": the dead rank's liveness record, never read while the store was up, went
+    with it), before the first merge it said "got no answer within 13.5 s" after 0.1 s, and every
+    probe of the dead store (every 0.1 s for a second) printed torch's warning with a C++ stack trace: 21
+    warnings, ~350 lines on each survivor's stderr around the one line that mattered."""
+    from tests.helpers.launching import free_port
+
+    results = run_ranks(_store_host_dies, 3, free_port(), where, transport, str(tmp_path), timeout=120,
+                        pg_timeout=2 * T, expect_dead=(0,), env={"MEGATRON_TREE_HOSTNAME": HOST})
+    assert results[0] is None  # rank 0 died as planned
+    for rank in (1, 2):
+        kind, message, seconds, warnings = results[rank]
+        assert kind == "CommError", (rank, kind, message)
+        assert "rank 0 (host node-a, pid " in message and "is gone: its process has exited" in message, message
+        assert "rank 1 (" not in message and "rank 2 (" not in message, message
+        # with the store gone no rank's notice can be read: an exited rank might be a reporter, and it says so
+        assert "the rendezvous store is gone too" in message and "see rank 0's log" in message, message
+        assert seconds < 3.0, (rank, seconds, message)
+        assert warnings <= 1, (rank, warnings)  # the first failed store operation's, then the store is left alone

@@ -479,3 +479,37 @@ def test_checkpoint_errors_name_the_file_and_the_problem(tmp_path, monkeypatch):
 
     monkeypatch.setattr(safetensors, "safe_open", no_loading)
     assert check(good)[1] == 2048
+
+
+def _one_rank_passes_a_bad_timeout(rank, world):
+    import megatron_tree as mt
+
+    out = {}
+    for name, bad in (("inf", float("inf")), ("nan", float("nan")), ("bool", True), ("text", "ten"),
+                      ("huge", 1e20)):
+        out[name] = outcome(lambda: mt.TreeGroups.build(timeout=bad if rank == 1 else T))
+    out["then_good"] = mt.TreeGroups.build(timeout=T).size  # every rank is still in step
+    return out
+
+
+_BAD_TIMEOUTS = {
+    "inf": ["timeout_s='inf'", "(rank 1: timeout must be", "finite positive number of seconds, got inf"],
+    "nan": ["timeout_s='nan'", "finite positive number of seconds, got nan"],
+    "bool": ["timeout_s='True'", "got the bool True"],
+    "text": ["timeout_s=\"'ten'\"", "got str 'ten'"],
+    "huge": ["timeout_s='1e+20'", "timedelta's range"],
+}
+
+
+def test_one_ranks_unusable_timeout_is_the_same_topology_error_on_every_rank():
+    """Before: an infinite (or too large) timeout on one rank raised OverflowError on that rank alone, before
+    the facts exchange, and the others waited in it until the default group's timeout (torch's: 30 min);
+    NaN was "cannot convert float NaN to integer", True a silent 1 s timeout."""
+    results = run_ranks(_one_rank_passes_a_bad_timeout, 2, timeout=60, pg_timeout=PG_TIMEOUT)
+    for case, needles in _BAD_TIMEOUTS.items():
+        got = [r[case] for r in results]
+        assert {g[0] for g in got} == {"TopologyError"} and len({g[1] for g in got}) == 1, (case, got)
+        for needle in needles + ["ranks built TreeGroups with different arguments"]:
+            assert needle in got[0][1], (case, got[0][1])
+        assert max(g[2] for g in got) < 5.0, (case, got)
+    assert [r["then_good"] for r in results] == [2, 2]

@@ -178,3 +178,25 @@ def test_plain_srun_reads_slurm_tasks_per_node_and_bad_counts_name_the_variable(
     with pytest.raises(t.LauncherEnvError, match=r"cannot read processes per node from LOCAL_WORLD_SIZE='abc'; "
                                                  r"expected a positive integer"):
         t.launcher_local_size({"LOCAL_WORLD_SIZE": "abc"})
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_rank_that_never_joins_the_rendezvous_is_a_named_error_within_the_timeout(rank):
+    """A world of 2 in which the other rank never comes (it failed before from_env: a bad argument, an import
+    error). Before: torch's raw DistStoreError -- rank 0 "Timed out after 2 seconds waiting for clients. 1/2
+    clients joined.", rank 1 (whose store server, rank 0, is not there) a DistNetworkError naming a socket."""
+    from megatron_tree import TreeGroups
+    from megatron_tree.distributed.topology import LauncherEnvError
+
+    port = free_port()
+    env = {"PATH": os.environ["PATH"], "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port)}
+    t0 = time.monotonic()
+    with pytest.raises(LauncherEnvError) as e:
+        TreeGroups.from_env(env=env, timeout=2)
+    assert time.monotonic() - t0 < 8  # the timeout (2 s), and torch's connect retries for rank 1
+    assert not torch.distributed.is_initialized()
+    msg = str(e.value)
+    assert f"the rendezvous at 127.0.0.1:{port} (torchrun launcher's variables; this is rank {rank} of 2) failed " \
+           "within the timeout of 2 s" in msg, msg
+    assert "a rank that failed before it" in msg, msg
