@@ -450,6 +450,10 @@ class TreeLM(TemplateLM):
         self.prefill_tokens_unshared = 0
         """Tokens scoring would have prefilled with one row per (context, continuation) pair."""
         self._generations = 0
+        self._stop_ids_of: dict = {}
+        """Stop strings (sorted) -> the stop token ids :meth:`_stop_ids` found for them."""
+        self._vocab_texts: list | None = None
+        """(id, text) of every token but the special ones, decoded at the first ``generate_until`` with a stop."""
 
     def close(self) -> None:
         """Leave Megatron's CPU shim and destroy its model-parallel groups (``source=megatron``); idempotent."""
@@ -664,18 +668,26 @@ class TreeLM(TemplateLM):
     # ------------------------------------------------------------------ generation
 
     def _stop_ids(self, until: list[str]) -> list[int]:
-        """EOS and every token whose own text contains a stop string (the row's text is cut there anyway)."""
+        """EOS and every token whose own text contains a stop string (the row's text is cut there anyway).
+        Remembered per set of stop strings: a task repeats one set for every request, and finding its tokens
+        reads the text of the whole vocabulary (the vocabulary's texts are decoded once per backend)."""
+        terms = tuple(sorted({t for t in until if t}))
+        cache = self._stop_ids_of
+        if terms in cache:
+            return list(cache[terms])
         ids = {self.eot_token_id}
         gc = getattr(getattr(self.model, "hf", None), "generation_config", None)
         eos = getattr(gc, "eos_token_id", None)
         ids.update([eos] if isinstance(eos, int) else list(eos or []))
-        terms = [t for t in until if t]
         if terms:
-            special = set(self.tokenizer.all_special_ids)
-            texts = self.tokenizer.batch_decode([[i] for i in range(len(self.tokenizer))])
-            ids.update(i for i, s in enumerate(texts) if i not in special and any(t in s for t in terms))
+            if self._vocab_texts is None:
+                special = set(self.tokenizer.all_special_ids)
+                texts = self.tokenizer.batch_decode([[i] for i in range(len(self.tokenizer))])
+                self._vocab_texts = [(i, s) for i, s in enumerate(texts) if i not in special]
+            ids.update(i for i, s in self._vocab_texts if any(t in s for t in terms))
         vocab = getattr(self.model, "vocab_size", None)  # a tokenizer may know ids past the model's logits
-        return sorted(i for i in ids if i is not None and (vocab is None or 0 <= i < vocab))
+        cache[terms] = sorted(i for i in ids if i is not None and (vocab is None or 0 <= i < vocab))
+        return list(cache[terms])
 
     def _generate(self, prompts: list[list[int]], max_new_tokens: int, **kw) -> list[list[int]]:
         """Each prompt's new tokens (up to and including a stop token): the decode tier's one loop."""

@@ -295,6 +295,19 @@ def test_bad_input(workdir, capsys, monkeypatch):
         sampled.append(lm.generate_until([Req("the cat", {"until": ["."], "max_gen_toks": 6, "do_sample": True,
                                                           **extra})]))
     assert sampled[1:] == sampled[:1] * 3, sampled
+    # A task's stop strings repeat for every request: the vocabulary's texts are decoded once per backend (the
+    # calls above did it), not once per batch (128K token texts each time for a Llama-3 tokenizer), and each set
+    # of stop strings' tokens are found once -- the same tokens as a search of the whole vocabulary.
+    real, vocab_decodes = lm.tokenizer.batch_decode, []
+    monkeypatch.setattr(lm.tokenizer, "batch_decode",
+                        lambda ids, **kw: (vocab_decodes.append(len(ids)), real(ids, **kw))[1])
+    for until in (["."], ["the", "."], [".", "the"]):
+        lm.generate_until([Req("the cat", {"until": until, "max_gen_toks": 2})])
+    assert all(n < len(lm.tokenizer) for n in vocab_decodes), vocab_decodes
+    special = set(lm.tokenizer.all_special_ids)
+    texts = real([[i] for i in range(len(lm.tokenizer))])
+    want = {i for i, t in enumerate(texts) if i not in special and ("the" in t or "." in t)} | {lm.eot_token_id}
+    assert len(want) > 2 and set(lm._stop_ids(["the", "."])) == want == set(lm._stop_ids([".", "the", ""]))
     # A request that fits runs, and a rolling document longer than max_length is windowed, not refused.
     assert len(lm.loglikelihood_rolling([Req("the cat sees the dog " * 8)])) == 1
 
