@@ -174,6 +174,14 @@ def dynamic_rank(rank, world):
                 # The same through Megatron's own engine API (add_request / step_modern, what MegatronLLM.generate
                 # drives), which bypasses generate_dynamic's check: a rank-dependent prompt must still be refused.
                 res[name + "_direct_disagree"] = error_text(_add_and_step, tree_engine(), [[1, 5, 9 + me], [3, 4]])
+                if name == "cp2":
+                    # A context over CP groups of the model's size but other ranks ({0, 2} / {1, 3} beside the
+                    # model's {0, 1} / {2, 3}) would place each request's keys over ranks the layers never merge
+                    # over: the wrapper refuses it on every rank (check_context_groups), before any step.
+                    from megatron_tree.distributed.topology import TreeGroups
+
+                    res["cp2_ctx_groups_not_the_models"] = error_text(
+                        wrap_megatron_model_in_tree_wrapper, model, groups=TreeGroups.build([[0, 2], [1, 3]]))
             if name == "cp4":
                 res["cp4_small"] = run_dynamic(tree_engine(blocks=9, block=8, max_len=64, max_requests=4), **SMALL)
                 res["bad_pool"] = error_text(tree_engine, blocks=4)
@@ -234,13 +242,14 @@ def megatron_engine_at(model, tok):
                                   random_seed=0)
 
 
-def wrap_megatron_model_in_tree_wrapper(model):
+def wrap_megatron_model_in_tree_wrapper(model, groups=None):
     from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import InferenceWrapperConfig
 
     from megatron_tree.integrations.megatron import dynamic as md
 
+    where = {"pg_collection": model.pg_collection} if groups is None else {"groups": groups}
     ctx = md.TreeDynamicInferenceContext(
-        pg_collection=model.pg_collection, params_dtype=torch.float32, num_layers=2, kv_channels=HIDDEN // HEADS,
+        **where, params_dtype=torch.float32, num_layers=2, kv_channels=HIDDEN // HEADS,
         num_attention_heads=KV_HEADS, max_sequence_length=MAX_LEN, buffer_size_gb=gb(NUM_BLOCKS, LOGICAL_BLOCK),
         block_size_tokens=LOGICAL_BLOCK, max_tokens=MAX_TOKENS, max_requests=8,
     )
@@ -346,6 +355,17 @@ def test_ranks_adding_different_requests_through_megatrons_engine_api_all_raise(
     message = messages.pop()
     assert message.startswith("DisagreementError") and "TreeDynamicInferenceContext" in message, message
     assert "new requests" in message, message
+
+
+def test_a_dynamic_context_over_other_ranks_than_the_models_cp_group_is_refused(dyn):
+    """TreeDynamicGPTInferenceWrapper around a model at CP 2 (groups {0, 1}, {2, 3}) and a context over groups of
+    the same size but other ranks ({0, 2}, {1, 3}): every rank refuses it, naming both rank lists and the fix."""
+    for rank in range(4):
+        message = dyn[rank]["cp2_ctx_groups_not_the_models"]
+        ctx, cp = ("(0, 2)" if rank % 2 == 0 else "(1, 3)"), ("(0, 1)" if rank < 2 else "(2, 3)")
+        assert message.startswith("ValueError: TreeDynamicGPTInferenceWrapper"), (rank, message)
+        assert f"span ranks {ctx}" in message and f"CP group {cp}" in message, (rank, message)
+        assert "tree_groups_from_megatron(model.pg_collection)" in message, message
 
 
 def test_reference_equals_full_forward_with_megatron_attention(dyn):
