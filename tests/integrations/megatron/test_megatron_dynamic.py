@@ -174,6 +174,10 @@ def dynamic_rank(rank, world):
                 # The same through Megatron's own engine API (add_request / step_modern, what MegatronLLM.generate
                 # drives), which bypasses generate_dynamic's check: a rank-dependent prompt must still be refused.
                 res[name + "_direct_disagree"] = error_text(_add_and_step, tree_engine(), [[1, 5, 9 + me], [3, 4]])
+                # ... and a rank-dependent request that arrives while another decodes: the step that starts it
+                # also decodes the first, and is checked all the same
+                res[name + "_direct_disagree_late"] = error_text(_add_and_step, tree_engine(), [[1, 5, 9], [3, 4 + me]],
+                                                                 arrivals=[0, 2])
                 if name == "cp2":
                     # A context over CP groups of the model's size but other ranks ({0, 2} / {1, 3} beside the
                     # model's {0, 1} / {2, 3}) would place each request's keys over ranks the layers never merge
@@ -207,17 +211,23 @@ def dynamic_rank(rank, world):
     return res
 
 
-def _add_and_step(engine, prompts, new_tokens=4):
-    """Megatron's own engine API, as a user (or MegatronLLM) drives it: add every request, step until done."""
+def _add_and_step(engine, prompts, new_tokens=4, arrivals=None):
+    """Megatron's own engine API, as a user (or MegatronLLM) drives it: add each request at its arrival step
+    (default: all before the first), step until done."""
     from megatron.core.inference.sampling_params import SamplingParams
 
-    for i, p in enumerate(prompts):
-        engine.add_request(i, list(p), SamplingParams(top_k=1, num_tokens_to_generate=new_tokens, termination_id=-1))
-    done = {}
-    while engine.has_unfinished_requests():
-        for record in engine.step_modern()["finished_request_records"]:
-            req = record.merge()
-            done[req.request_id] = [int(t) for t in req.generated_tokens]
+    arrivals = list(arrivals or [0] * len(prompts))
+    pending, done, step = list(range(len(prompts))), {}, 0
+    while pending or engine.has_unfinished_requests():
+        for i in [i for i in pending if arrivals[i] <= step]:
+            engine.add_request(i, list(prompts[i]),
+                               SamplingParams(top_k=1, num_tokens_to_generate=new_tokens, termination_id=-1))
+            pending.remove(i)
+        if engine.has_unfinished_requests():
+            for record in engine.step_modern()["finished_request_records"]:
+                req = record.merge()
+                done[req.request_id] = [int(t) for t in req.generated_tokens]
+        step += 1
     return done
 
 
@@ -350,11 +360,12 @@ def test_ranks_adding_different_requests_through_megatrons_engine_api_all_raise(
     """engine.add_request + step_modern with a rank-dependent prompt at CP 2: every rank raises one
     DisagreementError at the step that starts the requests (before: no error, each rank's tokens mixed
     from both ranks' prompts)."""
-    messages = {dyn[rank]["cp2_direct_disagree"] for rank in range(2)}
-    assert len(messages) == 1, messages
-    message = messages.pop()
-    assert message.startswith("DisagreementError") and "TreeDynamicInferenceContext" in message, message
-    assert "new requests" in message, message
+    for key in ("cp2_direct_disagree", "cp2_direct_disagree_late"):
+        messages = {dyn[rank][key] for rank in range(2)}
+        assert len(messages) == 1, (key, messages)
+        message = messages.pop()
+        assert message.startswith("DisagreementError") and "TreeDynamicInferenceContext" in message, (key, message)
+        assert "new requests" in message, (key, message)
 
 
 def test_a_dynamic_context_over_other_ranks_than_the_models_cp_group_is_refused(dyn):
