@@ -149,3 +149,15 @@ def test_allow_beyond_window_runs_rope_models_only():
         m.hf(input_ids=torch.randint(0, 64, (1, 20)))
     with pytest.raises(TypeError, match="allow_beyond_window must be True or False, got 'yes'"):
         HFTreeModel(hf_model("llama"), None, allow_beyond_window="yes")
+    # enabling a model again (new settings, the same groups) takes the flag too, both ways
+    from megatron_tree.integrations.hf import enable_tree_attention
+
+    llama, ids = hf_model("llama", max_position_embeddings=16).eval(), torch.randint(1, 128, (1, 20))
+    for allow in (False, True, False):
+        enable_tree_attention(llama, None, allow_beyond_window=allow)
+        with torch.no_grad():
+            if allow:
+                assert llama(input_ids=ids).logits.shape == (1, 20, 128)
+            else:
+                with pytest.raises(ValueError, match="pass enable_tree_attention\\(allow_beyond_window=True\\)"):
+                    llama(input_ids=ids)
