@@ -393,17 +393,12 @@ def test_the_cli_checks_model_args_in_every_form_lm_eval_takes(workdir, tmp_path
     llama, tok, tasks = os.path.join(workdir, "llama"), os.path.join(workdir, "tok"), os.path.join(workdir, "tasks")
     config = tmp_path / "run.yaml"
     config.write_text(json.dumps({"model_args": {"pretrained": llama, "tokenizer": tok, "max_length": 512}}))
-    # lm-eval's precedence: a command-line model_args replaces the YAML's (EvaluatorConfig.from_cli), so a YAML with
-    # max_length=256 beside a command-line max_length=512 runs at 512, and is checked so
-    config_ok = tmp_path / "ok.yaml"
-    config_ok.write_text(json.dumps({"model_args": {"pretrained": llama, "tokenizer": tok, "max_length": 256}}))
     too_long = "model_args max_length=512 is beyond the model's window"
     for argv, message in (
             (["-a", f"pretrained={llama},tokenizer={tok},max_length=512"], too_long),
             (["--model_args", json.dumps({"pretrained": llama, "tokenizer": tok, "max_length": 512})], too_long),
             (["--model_args", f"pretrained={llama}", f"tokenizer={tok}", "max_length=512"], too_long),
             (["--config", str(config)], too_long),
-            (["--config", str(config_ok), "--model_args", f"pretrained={llama},tokenizer={tok},max_length=512"], too_long),
             (["--model_args", f"pretrained={llama}", f"tokenizer={tok}", "batch_size=2", "--batch_size", "4"],
              "model_args batch_size=2 and --batch_size 4 disagree")):
         with pytest.raises(SystemExit) as e:
@@ -412,6 +407,17 @@ def test_the_cli_checks_model_args_in_every_form_lm_eval_takes(workdir, tmp_path
         err = capsys.readouterr().err
         assert e.value.code == 2 and f"megatron_tree.eval.lm_eval: rank 0: {message}" in err, (argv, err)
         assert "Traceback" not in err, err
+    # lm-eval's precedence: a command-line model_args replaces the YAML's (EvaluatorConfig.from_cli), so a YAML with
+    # max_length=256 beside a command-line max_length=512 runs at 512, and is refused as such before lm-eval reads
+    # any task (a task that does not exist is never reached; the model's own check would come after it)
+    config_ok = tmp_path / "ok.yaml"
+    config_ok.write_text(json.dumps({"model_args": {"pretrained": llama, "tokenizer": tok, "max_length": 256}}))
+    with pytest.raises(SystemExit) as e:
+        main(["--model", "megatron_tree", "--config", str(config_ok), "--model_args",
+              f"pretrained={llama},tokenizer={tok},max_length=512", "--tasks", "no_such_task", "--include_path", tasks,
+              "--device", "cpu", "--limit", "1"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"megatron_tree.eval.lm_eval: rank 0: {too_long}" in err and "Traceback" not in err, err
 
 
 def test_the_cli_indexes_the_include_path_alone_where_it_defines_every_task(tmp_path):
