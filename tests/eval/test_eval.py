@@ -471,6 +471,12 @@ def test_passkey_and_perplexity_with_a_checkpoint(tmp_path, clean_env):
      "max_position_embeddings 2048"),
     (["eval.perplexity.prefix_tokens=2100", "eval.perplexity.eval_tokens=6"],
      "eval.perplexity: prefix_tokens + eval_tokens need 2106 positions, but the model has max_position_embeddings 2048"),
+    # at the window's edge: the context (the prefix) fits, only its new tokens (eval tokens) pass the window
+    (["eval.passkey.enabled=true", "eval.passkey.context_lengths=[2046]", "eval.passkey.new_tokens=4"],
+     "eval.passkey.context_lengths: 2046 tokens + eval.passkey.new_tokens 4 need 2050 positions, but the model has "
+     "max_position_embeddings 2048"),
+    (["eval.perplexity.prefix_tokens=2045", "eval.perplexity.eval_tokens=6"],
+     "eval.perplexity: prefix_tokens + eval_tokens need 2051 positions, but the model has max_position_embeddings 2048"),
 ])
 def test_passkey_and_perplexity_past_the_models_window_fail_before_the_sweep(tmp_path, clean_env, capsys, args, fragment):
     """eval.context_lengths past max_position_embeddings is a config error before launch; the passkey's own
@@ -521,6 +527,44 @@ def test_only_a_rope_model_runs_past_its_window_and_only_with_the_flag(tmp_path,
     err = capsys.readouterr().err
     assert "max_position_embeddings 64; its positions are a learned table of that many rows" in err, err
     assert not torch.distributed.is_initialized()
+
+
+def test_dynamic_rope_exactness_is_refused_from_the_first_run_past_the_window(clean_env):
+    """Dynamic-NTK RoPE past the window: the exactness check is refused for a checked run whose positions
+    (context + warmup + decode steps + 1) pass max_position_embeddings, though its context alone fits, and
+    eval.exactness.max_context at the largest value the message suggests, below a longer unchecked context, is taken
+    (as is exactness.enabled=false)."""
+    from megatron_tree.eval.launch import check_inputs
+
+    dyn = ["model.source=random", "model.max_position_embeddings=128", "model.rope_scaling={rope_type: dynamic, factor: 2.0}",
+           "eval.allow_beyond_max_position=true", "eval.warmup_steps=2", "eval.decode_steps=2", "eval.passkey.enabled=false"]
+    with pytest.raises(ConfigError, match=r"a checked run of context 124 needs 129 positions, past max_position_embeddings "
+                                          r"128.*set eval.exactness.max_context to at most 123 "):
+        check_inputs(load_config(None, [*dyn, "eval.context_lengths=[64, 124]"]))
+    check_inputs(load_config(None, [*dyn, "eval.context_lengths=[64, 123, 200]", "eval.exactness.max_context=123"]))
+    check_inputs(load_config(None, [*dyn, "eval.context_lengths=[64, 200]", "eval.exactness.enabled=false"]))
+
+
+def test_a_rope_model_runs_past_its_window_with_the_flag_exactly(tmp_path, clean_env, capsys):
+    """eval.allow_beyond_max_position must reach the model (enable_tree_attention(allow_beyond_window=True)), not
+    only the config check: a random Llama with max_position_embeddings 16 runs the eval at context 24 exactly
+    against its own attention, and megatron-tree-generate continues a 20-token prompt with the tokens of the same
+    weights at a window of 65536 (RoPE: the window changes no weight and no position)."""
+    from megatron_tree.eval import generate as G
+
+    small = ["model.max_position_embeddings=16", "eval.allow_beyond_max_position=true"]
+    out = tmp_path / "out"
+    rc = E.main(["--config", LLAMA, f"output_dir={out}", *TINY, "eval.context_lengths=[24]", "eval.strategies=[packed]",
+                 *small])
+    assert rc == 0, capsys.readouterr().err
+    assert json.loads((out / "results.json").read_text())["exact"] is True
+    capsys.readouterr()  # the eval's report
+    tokens = []
+    for window in (small, []):
+        assert G.main(["--config", LLAMA, "--prompt", " ".join(str(t) for t in range(3, 23)), "--out-seq-length", "3",
+                       "--greedy", "topology.intra_size=null", "eval.progress=false", *window]) == 0, capsys.readouterr().err
+        tokens.append(json.loads(capsys.readouterr().out)["tokens"])
+    assert len(tokens[0]) == 3 and tokens[0] == tokens[1], tokens
 
 
 def test_broken_checkpoints_are_clear_errors(tmp_path, clean_env, capsys):

@@ -420,6 +420,17 @@ def test_the_cli_checks_model_args_in_every_form_lm_eval_takes(workdir, tmp_path
         err = capsys.readouterr().err
         assert e.value.code == 2 and f"megatron_tree.eval.lm_eval: rank 0: {message}" in err, (argv, err)
         assert "Traceback" not in err, err
+    # lm-eval's precedence: a command-line model_args replaces the YAML's (EvaluatorConfig.from_cli), so a YAML with
+    # max_length=256 beside a command-line max_length=512 runs at 512, and is refused as such before lm-eval reads
+    # any task (a task that does not exist is never reached; the model's own check would come after it)
+    config_ok = tmp_path / "ok.yaml"
+    config_ok.write_text(json.dumps({"model_args": {"pretrained": llama, "tokenizer": tok, "max_length": 256}}))
+    with pytest.raises(SystemExit) as e:
+        main(["--model", "megatron_tree", "--config", str(config_ok), "--model_args",
+              f"pretrained={llama},tokenizer={tok},max_length=512", "--tasks", "no_such_task", "--include_path", tasks,
+              "--device", "cpu", "--limit", "1"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"megatron_tree.eval.lm_eval: rank 0: {too_long}" in err and "Traceback" not in err, err
 
 
 def test_the_cli_indexes_the_include_path_alone_where_it_defines_every_task(tmp_path):

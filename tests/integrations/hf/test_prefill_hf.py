@@ -149,3 +149,34 @@ def test_allow_beyond_window_runs_rope_models_only():
         m.hf(input_ids=torch.randint(0, 64, (1, 20)))
     with pytest.raises(TypeError, match="allow_beyond_window must be True or False, got 'yes'"):
         HFTreeModel(hf_model("llama"), None, allow_beyond_window="yes")
+    # enabling a model again (new settings, the same groups) takes the flag too, both ways
+    from megatron_tree.integrations.hf import enable_tree_attention
+
+    llama, ids = hf_model("llama", max_position_embeddings=16).eval(), torch.randint(1, 128, (1, 20))
+    for allow in (False, True, False):
+        enable_tree_attention(llama, None, allow_beyond_window=allow)
+        with torch.no_grad():
+            if allow:
+                assert llama(input_ids=ids).logits.shape == (1, 20, 128)
+            else:
+                with pytest.raises(ValueError, match="pass enable_tree_attention\\(allow_beyond_window=True\\)"):
+                    llama(input_ids=ids)
+
+
+def test_dynamic_ntk_rope_runs_past_its_window_without_the_flag():
+    """hf.common.position_window: dynamic-NTK RoPE is built to run past max_position_embeddings (its frequencies
+    follow the length), so its prompt passes the window without allow_beyond_window, with the logits of the
+    unmodified model."""
+    import transformers as tf
+
+    from megatron_tree.integrations.hf import HFTreeModel
+
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(tf.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=16, rope_scaling={"rope_type": "dynamic", "factor": 2.0})).eval()
+    ids = torch.randint(1, 64, (1, 20))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        got = HFTreeModel(model, None).hf(input_ids=ids).logits
+    assert float((got - want).abs().max()) <= 1e-4

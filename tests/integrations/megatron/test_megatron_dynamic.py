@@ -174,6 +174,18 @@ def dynamic_rank(rank, world):
                 # The same through Megatron's own engine API (add_request / step_modern, what MegatronLLM.generate
                 # drives), which bypasses generate_dynamic's check: a rank-dependent prompt must still be refused.
                 res[name + "_direct_disagree"] = error_text(_add_and_step, tree_engine(), [[1, 5, 9 + me], [3, 4]])
+                # ... and a rank-dependent request that arrives while another decodes: the step that starts it
+                # also decodes the first, and is checked all the same
+                res[name + "_direct_disagree_late"] = error_text(_add_and_step, tree_engine(), [[1, 5, 9], [3, 4 + me]],
+                                                                 arrivals=[0, 2])
+                if name == "cp2":
+                    # A context over CP groups of the model's size but other ranks ({0, 2} / {1, 3} beside the
+                    # model's {0, 1} / {2, 3}) would place each request's keys over ranks the layers never merge
+                    # over: the wrapper refuses it on every rank (check_context_groups), before any step.
+                    from megatron_tree.distributed.topology import TreeGroups
+
+                    res["cp2_ctx_groups_not_the_models"] = error_text(
+                        wrap_megatron_model_in_tree_wrapper, model, groups=TreeGroups.build([[0, 2], [1, 3]]))
             if name == "cp4":
                 res["cp4_small"] = run_dynamic(tree_engine(blocks=9, block=8, max_len=64, max_requests=4), **SMALL)
                 res["bad_pool"] = error_text(tree_engine, blocks=4)
@@ -199,17 +211,23 @@ def dynamic_rank(rank, world):
     return res
 
 
-def _add_and_step(engine, prompts, new_tokens=4):
-    """Megatron's own engine API, as a user (or MegatronLLM) drives it: add every request, step until done."""
+def _add_and_step(engine, prompts, new_tokens=4, arrivals=None):
+    """Megatron's own engine API, as a user (or MegatronLLM) drives it: add each request at its arrival step
+    (default: all before the first), step until done."""
     from megatron.core.inference.sampling_params import SamplingParams
 
-    for i, p in enumerate(prompts):
-        engine.add_request(i, list(p), SamplingParams(top_k=1, num_tokens_to_generate=new_tokens, termination_id=-1))
-    done = {}
-    while engine.has_unfinished_requests():
-        for record in engine.step_modern()["finished_request_records"]:
-            req = record.merge()
-            done[req.request_id] = [int(t) for t in req.generated_tokens]
+    arrivals = list(arrivals or [0] * len(prompts))
+    pending, done, step = list(range(len(prompts))), {}, 0
+    while pending or engine.has_unfinished_requests():
+        for i in [i for i in pending if arrivals[i] <= step]:
+            engine.add_request(i, list(prompts[i]),
+                               SamplingParams(top_k=1, num_tokens_to_generate=new_tokens, termination_id=-1))
+            pending.remove(i)
+        if engine.has_unfinished_requests():
+            for record in engine.step_modern()["finished_request_records"]:
+                req = record.merge()
+                done[req.request_id] = [int(t) for t in req.generated_tokens]
+        step += 1
     return done
 
 
@@ -234,13 +252,14 @@ def megatron_engine_at(model, tok):
                                   random_seed=0)
 
 
-def wrap_megatron_model_in_tree_wrapper(model):
+def wrap_megatron_model_in_tree_wrapper(model, groups=None):
     from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import InferenceWrapperConfig
 
     from megatron_tree.integrations.megatron import dynamic as md
 
+    where = {"pg_collection": model.pg_collection} if groups is None else {"groups": groups}
     ctx = md.TreeDynamicInferenceContext(
-        pg_collection=model.pg_collection, params_dtype=torch.float32, num_layers=2, kv_channels=HIDDEN // HEADS,
+        **where, params_dtype=torch.float32, num_layers=2, kv_channels=HIDDEN // HEADS,
         num_attention_heads=KV_HEADS, max_sequence_length=MAX_LEN, buffer_size_gb=gb(NUM_BLOCKS, LOGICAL_BLOCK),
         block_size_tokens=LOGICAL_BLOCK, max_tokens=MAX_TOKENS, max_requests=8,
     )
@@ -341,11 +360,23 @@ def test_ranks_adding_different_requests_through_megatrons_engine_api_all_raise(
     """engine.add_request + step_modern with a rank-dependent prompt at CP 2: every rank raises one
     DisagreementError at the step that starts the requests (before: no error, each rank's tokens mixed
     from both ranks' prompts)."""
-    messages = {dyn[rank]["cp2_direct_disagree"] for rank in range(2)}
-    assert len(messages) == 1, messages
-    message = messages.pop()
-    assert message.startswith("DisagreementError") and "TreeDynamicInferenceContext" in message, message
-    assert "new requests" in message, message
+    for key in ("cp2_direct_disagree", "cp2_direct_disagree_late"):
+        messages = {dyn[rank][key] for rank in range(2)}
+        assert len(messages) == 1, (key, messages)
+        message = messages.pop()
+        assert message.startswith("DisagreementError") and "TreeDynamicInferenceContext" in message, (key, message)
+        assert "new requests" in message, (key, message)
+
+
+def test_a_dynamic_context_over_other_ranks_than_the_models_cp_group_is_refused(dyn):
+    """TreeDynamicGPTInferenceWrapper around a model at CP 2 (groups {0, 1}, {2, 3}) and a context over groups of
+    the same size but other ranks ({0, 2}, {1, 3}): every rank refuses it, naming both rank lists and the fix."""
+    for rank in range(4):
+        message = dyn[rank]["cp2_ctx_groups_not_the_models"]
+        ctx, cp = ("(0, 2)" if rank % 2 == 0 else "(1, 3)"), ("(0, 1)" if rank < 2 else "(2, 3)")
+        assert message.startswith("ValueError: TreeDynamicGPTInferenceWrapper"), (rank, message)
+        assert f"span ranks {ctx}" in message and f"CP group {cp}" in message, (rank, message)
+        assert "tree_groups_from_megatron(model.pg_collection)" in message, message
 
 
 def test_reference_equals_full_forward_with_megatron_attention(dyn):
