@@ -86,6 +86,7 @@ def _oracle_lm(workdir: str):
             self.groups, self._dp_group, self._rank, self._world_size = None, None, 0, 1
             self._device, self.model = torch.device("cpu"), None
             self.scored = self.prefill_tokens = self.prefill_tokens_unshared = self._generations = 0
+            self._stop_ids_of, self._vocab_texts = {}, None  # TreeLM's stop-token caches (_stop_ids)
 
         def _forward_rows(self, rows):
             return [torch.log_softmax(ref(torch.tensor([inp]))[0, len(inp) - k:].float(), dim=-1) for inp, k in rows]
