@@ -59,6 +59,20 @@ class LauncherEnvError(TopologyError):
     """The launcher's variables are half set or unreadable, or there are none and no process group."""
 
 
+def rendezvous_error(e: Exception, where: str, within: str, world: str) -> LauncherEnvError:
+    """The :class:`LauncherEnvError` for ``init_process_group``'s rendezvous failure ``e`` (a rank that never
+    came, or a wrong address): ``where`` (the address and this rank), ``within`` (the timeout, as the caller's
+    setting names it) and ``world`` (what gives the world size) around the first line of torch's own words
+    ("Timed out after 7 seconds waiting for clients. 2/3 clients joined." on rank 0, "wait timeout after
+    6000ms, keys: /default_pg/0//cpu//0/0" on the others)."""
+    text = str(e).strip()
+    first = (text.splitlines()[0] if text else type(e).__name__).rstrip(".")
+    return LauncherEnvError(
+        f"{where} failed within {within}: {first}; every rank must be started with the same MASTER_ADDR, MASTER_PORT "
+        f"and {world}, and a rank that failed before it (a bad argument, an import error) never joins: see the "
+        "other ranks' output")
+
+
 DEFAULT_INIT_TIMEOUT_S = 300.0
 """Rendezvous and collective timeout of a default group :meth:`TreeGroups.from_env` creates itself."""
 
@@ -546,15 +560,10 @@ def init_from_launcher(env=None, timeout: float | datetime.timedelta | None = No
         try:
             dist.init_process_group(backend, init_method=url, rank=rank, world_size=world, timeout=td)
         except (dist.DistStoreError, dist.DistNetworkError) as e:  # a rank that never came, or a wrong address
-            # (torch's own words: "Timed out after 7 seconds waiting for clients. 2/3 clients joined." on rank 0,
-            # "wait timeout after 6000ms, keys: /default_pg/0//cpu//0/0" on the others)
-            first = (str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__).rstrip(".")
-            raise LauncherEnvError(
-                f"the rendezvous at {rdv['master_addr']}:{rdv['master_port']} ({rdv['launcher']} launcher's "
-                f"variables; this is rank {rank} of {world}) failed within the timeout of {td.total_seconds():g} s: "
-                f"{first}; every rank must be started with the same MASTER_ADDR, MASTER_PORT and world size, and a "
-                "rank that failed before it (a bad argument, an import error) never joins: see the other ranks' "
-                "output") from None
+            raise rendezvous_error(
+                e, f"the rendezvous at {rdv['master_addr']}:{rdv['master_port']} ({rdv['launcher']} launcher's "
+                f"variables; this is rank {rank} of {world})", f"the timeout of {td.total_seconds():g} s",
+                "world size") from None
     global _ANNOUNCED
     if rank == 0 and not _ANNOUNCED:
         _ANNOUNCED = True

@@ -314,14 +314,12 @@ def init_distributed(cfg: RunConfig, env) -> tuple[str, "object"]:
         try:
             dist.init_process_group(backend, init_method="env://", timeout=timeout)
         except (dist.DistStoreError, dist.DistNetworkError) as e:  # a rank that never came, or a wrong address
-            from ..distributed.topology import LauncherEnvError
+            from ..distributed.topology import rendezvous_error
 
-            first = (str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__).rstrip(".")
-            raise LauncherEnvError(
-                f"rendezvous at {env.get('MASTER_ADDR')}:{env.get('MASTER_PORT')} failed within topology.timeout_s "
-                f"{cfg.topology.timeout_s:g} s (this is rank {env.get('RANK')} of WORLD_SIZE={env.get('WORLD_SIZE')}): "
-                f"{first}; every rank must be started with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE, and a "
-                "rank that failed before it never joins (see the other ranks' output)") from None
+            raise rendezvous_error(
+                e, f"rendezvous at {env.get('MASTER_ADDR')}:{env.get('MASTER_PORT')} (this is rank {env.get('RANK')} "
+                f"of WORLD_SIZE={env.get('WORLD_SIZE')})", f"topology.timeout_s {cfg.topology.timeout_s:g} s",
+                "WORLD_SIZE") from None
     return backend, device
 
 
