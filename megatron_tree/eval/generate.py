@@ -195,9 +195,10 @@ def generate_main(cfg: RunConfig, args, env) -> list[dict] | None:
     stop = list(args.stop) if args.ignore_eos else sorted(set(args.stop) | set(eos_ids(cfg, tok_file)))
     need = max(len(p) for p in prompts) + args.max_new_tokens - 1  # the last token's position is never run
     # the eval's rule, before any collective
-    if need > max_pos and not (cfg.eval.allow_beyond_max_position and past_max_position(cfg.model)[0]):
+    runs = need > max_pos and past_max_position(cfg.model)[0]
+    if need > max_pos and not (cfg.eval.allow_beyond_max_position and runs):
         longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
-        fix = ("shorten it or set eval.allow_beyond_max_position=true" if past_max_position(cfg.model)[0] else
+        fix = ("shorten it or set eval.allow_beyond_max_position=true" if runs else
                "its positions are a learned table of that many rows: shorten it")
         raise ConfigError(
             f"--out-seq-length: prompt {longest} has {len(prompts[longest])} tokens; with --out-seq-length "

@@ -149,23 +149,27 @@ def _text_config(cfg):
     return get(decoder=True) if callable(get) else cfg
 
 
+def _rope(cfg) -> dict:
+    """The RoPE settings of transformers config ``cfg``'s text config ({} for a model without RoPE)."""
+    text = _text_config(cfg)
+    return getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+
+
 def position_window(cfg) -> int | None:
     """The longest prompt the CP prefill takes for transformers config ``cfg``: its text config's
     ``max_position_embeddings``; ``None`` (no limit) where it has none or its RoPE is dynamic NTK (built to
     run past it). One rule for the prefill's refusal and for what callers check beforehand."""
-    text = _text_config(cfg)
-    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    rope = _rope(cfg)
     if rope.get("rope_type", rope.get("type")) == "dynamic":
         return None
-    return getattr(text, "max_position_embeddings", None)
+    return getattr(_text_config(cfg), "max_position_embeddings", None)
 
 
 def rotary_positions(cfg) -> bool:
     """Whether transformers config ``cfg``'s positions are rotary (``rope_parameters``: computed for any
     position, so a prompt may run past ``max_position_embeddings`` when the user allows it) rather than a
     learned table of ``max_position_embeddings`` rows (GPT-2, OPT), which no prompt may pass."""
-    text = _text_config(cfg)
-    return bool(getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None))
+    return bool(_rope(cfg))
 
 
 _SETTINGS = ("do_sample", "temperature", "top_k", "top_p", "min_p", "typical_p", "repetition_penalty",
