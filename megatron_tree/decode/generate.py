@@ -37,7 +37,7 @@ from ..comm.merge import CommStats
 from ..distributed.topology import TreeGroups
 
 __all__ = ["generate", "GenerationResult", "GenerationHook", "sample_next", "DecodeModel", "DecodeCache",
-           "DecodeStep", "StepRunner", "row_digest"]
+           "DecodeStep", "StepRunner", "row_digest", "tokens_digest"]
 
 
 # --------------------------------------------------------------------------- the model protocol
@@ -389,6 +389,13 @@ def row_digest(row) -> str:
     """A short digest of one token-id row (equal rows, equal digests), as the error shows it."""
     data = b"".join(int(t).to_bytes(8, "little", signed=True) for t in row)
     return hashlib.blake2b(data, digest_size=6).hexdigest()
+
+
+def tokens_digest(tokens: torch.Tensor, context: bytes = b"") -> str:
+    """:func:`row_digest`'s digest of a whole tensor of token ids (any shape and device, read as int64 in one
+    copy to the host), after ``context`` (other values the digest must cover, as bytes)."""
+    data = tokens.detach().to(torch.int64).cpu().contiguous().numpy().tobytes()
+    return hashlib.blake2b(context + data, digest_size=6).hexdigest()
 
 
 def _check_call(model, prompts, max_new_tokens, do_sample, temperature, top_k, top_p, forced_tokens, cache) -> None:

@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from ...distributed import agreement
-from ...decode.generate import DecodeStep, row_digest
+from ...decode.generate import DecodeStep, row_digest, tokens_digest
 from ...decode.paged import PagedKVCache, TokenSlots
 from ...distributed.topology import TreeGroups
 from .attention import PagedLayer, check_context_groups, check_tree_slots
@@ -322,10 +322,7 @@ class TreeDynamicInferenceContext(_dynamic_context_base()):
         (never a decode-only step): one fixed-size all-gather of the step's token count and a digest of its
         request ids, offsets, query lengths and token ids.
         """
-        import hashlib
-
-        ids = self.token_to_input_ids[:n].to(torch.int64).cpu().contiguous().numpy().tobytes()
-        digest = hashlib.blake2b(repr((rids, offsets, lengths)).encode() + ids, digest_size=6).hexdigest()
+        digest = tokens_digest(self.token_to_input_ids[:n], repr((rids, offsets, lengths)).encode())
         agreement.agree("TreeDynamicInferenceContext (a step that starts new requests)",
                         ("step tokens", "digest of the step's requests, offsets, query lengths and token ids"),
                         (n, digest), self.groups.cp_group, self.groups.cp_ranks, device=self.kv_cache.k.device)

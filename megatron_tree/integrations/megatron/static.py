@@ -33,6 +33,7 @@ import torch.distributed as dist
 from ...distributed import agreement
 from ...decode.placement import RowPlacement
 from ...decode.plan import StepPlanner, place_prompts
+from ...decode.generate import tokens_digest
 from ...decode.prefill import assemble_logits
 from ...distributed.topology import TreeGroups
 from .attention import CorePlan, check_context_groups, check_tree_slots
@@ -490,14 +491,10 @@ class TreeGPTInferenceWrapper(_gpt_wrapper_base()):
         different numbers of steps (a collective mismatch). One fixed-size all-gather per batch;
         ranks that differ all raise the same ``DisagreementError`` naming each rank's values.
         """
-        import hashlib
-
         groups = self.inference_context.groups
 
         def values():
-            data = prompts_tokens.detach().to(torch.int64).cpu().contiguous().numpy().tobytes()
-            return (int(prompts_tokens.shape[0]), int(prompts_tokens.shape[1]),
-                    hashlib.blake2b(data, digest_size=6).hexdigest())
+            return int(prompts_tokens.shape[0]), int(prompts_tokens.shape[1]), tokens_digest(prompts_tokens)
 
         agreement.agree("TreeGPTInferenceWrapper (the static engine's batch)",
                         ("batch", "prompt_tokens (prompt + tokens to generate)", "prompt_tokens digest"), values,
