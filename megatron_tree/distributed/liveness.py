@@ -117,9 +117,6 @@ def lose_store(store) -> None:
     _lost_stores[id(store)] = store
 
 
-_lose = lose_store
-
-
 def register() -> None:
     """Write this rank's liveness record into the default store (once per store; no collective)."""
     store = _store()
@@ -135,7 +132,7 @@ def register() -> None:
     try:
         store.set(f"{_PREFIX}{rank}", pickle.dumps(record))
     except Exception:  # noqa: BLE001 -- best effort: without it a dead peer is still a CommError, unnamed
-        _lose(store)
+        lose_store(store)
         return
     _registered.add((id(store), rank))
     _records[(id(store), rank)] = record
@@ -151,7 +148,7 @@ def _record(store, rank: int) -> dict | None:
                 return None
             _records[key] = pickle.loads(store.get(f"{_PREFIX}{rank}"))
         except Exception:  # noqa: BLE001 -- the store itself failed (its host died): nothing to tell
-            _lose(store)
+            lose_store(store)
             return None
     return _records[key]
 
@@ -184,7 +181,7 @@ def _reported(store, rank: int) -> bool:
     try:
         return bool(store.check([f"{_PREFIX}{rank}/saw"]))
     except Exception:  # noqa: BLE001 -- the store's server is gone
-        _lose(store)
+        lose_store(store)
         return False
 
 
@@ -195,7 +192,7 @@ def _saw(store, rank: int) -> list:
     try:
         return list(pickle.loads(store.get(f"{_PREFIX}{rank}/saw")))
     except Exception:  # noqa: BLE001 -- the store's server is gone
-        _lose(store)
+        lose_store(store)
         return []
 
 
@@ -249,7 +246,7 @@ def note_failure(found: dict) -> None:
     try:
         store.set(f"{_PREFIX}{dist.get_rank()}/saw", pickle.dumps(sorted(found)))
     except Exception:  # noqa: BLE001 -- best effort: the store's server is gone
-        _lose(store)
+        lose_store(store)
 
 
 def gone(ranks: Sequence[int], grace: float = 0.0) -> dict:
